@@ -1,0 +1,29 @@
+"""What one forward pass needs to know to read and write the paged KV cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Describes a ragged batch of sequences flattened into T tokens.
+
+    Sequence i owns tokens ``query_start[i] : query_start[i] + query_lens[i]`` of the
+    flattened batch. Its keys/values live in the cache blocks ``block_tables[i]``;
+    after this step's tokens are written, it has ``context_lens[i]`` cached tokens,
+    the last ``query_lens[i]`` of which are this step's.
+    """
+
+    slot_mapping: torch.Tensor      # (T,) int64: flat cache slot (block * block_size + offset) per token
+    query_start: list[int]          # per sequence: first token index in the flattened batch
+    query_lens: list[int]           # per sequence: tokens computed this step
+    context_lens: list[int]         # per sequence: cached tokens after this step (>= query_lens)
+    block_tables: list[torch.Tensor]  # per sequence: (num_blocks_i,) int64 block ids covering context_lens[i]
+    sliding_window: int | None = None
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)

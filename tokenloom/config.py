@@ -1,0 +1,210 @@
+"""Configuration dataclasses, each validated in ``__post_init__``.
+
+``ModelConfig`` is the engine's normalized view of a checkpoint's config: every
+supported architecture (Llama family, Mistral, Qwen2, Qwen3, GPT-2) is described
+by the same fields, so the model code reads flags instead of architecture names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+# HF ``architectures[0]`` / ``model_type`` -> our family name.
+_ARCH_TO_FAMILY = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "llama",
+    "Qwen3ForCausalLM": "llama",
+    "GPT2LMHeadModel": "gpt2",
+}
+_MODEL_TYPE_TO_ARCH = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gpt2": "GPT2LMHeadModel",
+}
+SUPPORTED_ARCHITECTURES = tuple(_ARCH_TO_FAMILY)
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint describes an architecture or feature tokenloom cannot run."""
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    """Map a user-facing dtype name onto a torch dtype (ValueError if unknown)."""
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {name!r}")
+    return _DTYPES[name]
+
+
+@dataclass(slots=True)
+class RopeConfig:
+    """Rotary embedding parameters (HF ``rope_parameters`` / ``rope_scaling``)."""
+
+    theta: float = 10000.0
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in SUPPORTED_ROPE_TYPES:
+            raise UnsupportedModelError(
+                f"rope type {self.rope_type!r} is not supported (supported: {SUPPORTED_ROPE_TYPES})")
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    """Architecture hyper-parameters shared by every supported model family."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    max_model_len: int
+    norm_eps: float = 1e-6
+    rope: RopeConfig | None = field(default_factory=RopeConfig)
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False      # bias on q/k/v projections (Qwen2)
+    o_proj_bias: bool = False         # bias on the output projection
+    mlp_bias: bool = False
+    qk_norm: bool = False             # RMSNorm on q and k per head (Qwen3)
+    sliding_window: int | None = None
+    hidden_act: str = "silu"
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.architecture not in _ARCH_TO_FAMILY:
+            raise UnsupportedModelError(
+                f"architecture {self.architecture!r} is not supported "
+                f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                     "head_dim", "intermediate_size", "max_model_len"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"ModelConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of "
+                             f"num_kv_heads ({self.num_kv_heads})")
+
+    @property
+    def family(self) -> str:
+        return _ARCH_TO_FAMILY[self.architecture]
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
+        """Build from a HF ``config.json`` dict (transformers 4.x and 5.x spellings)."""
+        arch = _architecture_of(hf)
+        eos = hf.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        common = dict(architecture=arch, vocab_size=hf["vocab_size"], bos_token_id=hf.get("bos_token_id"),
+                      eos_token_ids=eos_ids,
+                      tie_word_embeddings=hf.get("tie_word_embeddings", arch == "GPT2LMHeadModel"))
+        if arch == "GPT2LMHeadModel":
+            hidden, heads = hf["n_embd"], hf["n_head"]
+            return cls(**common, hidden_size=hidden, num_layers=hf["n_layer"], num_heads=heads,
+                       num_kv_heads=heads, head_dim=hidden // heads,
+                       intermediate_size=hf.get("n_inner") or 4 * hidden,
+                       max_model_len=hf["n_positions"], norm_eps=hf.get("layer_norm_epsilon", 1e-5),
+                       rope=None, attention_bias=True, o_proj_bias=True, mlp_bias=True,
+                       hidden_act=hf.get("activation_function", "gelu_new"))
+        heads = hf["num_attention_heads"]
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+        is_qwen2 = arch == "Qwen2ForCausalLM"
+        sliding = hf.get("sliding_window")
+        if is_qwen2 or arch == "Qwen3ForCausalLM":
+            sliding = sliding if hf.get("use_sliding_window", False) else None
+        return cls(**common, hidden_size=hf["hidden_size"], num_layers=hf["num_hidden_layers"],
+                   num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
+                   head_dim=head_dim, intermediate_size=hf["intermediate_size"],
+                   max_model_len=hf.get("max_position_embeddings", 2048),
+                   norm_eps=hf.get("rms_norm_eps", 1e-6), rope=_rope_of(hf),
+                   attention_bias=is_qwen2 or hf.get("attention_bias", False),
+                   o_proj_bias=(not is_qwen2) and hf.get("attention_bias", False),
+                   mlp_bias=hf.get("mlp_bias", False),
+                   qk_norm=arch == "Qwen3ForCausalLM", sliding_window=sliding,
+                   hidden_act=hf.get("hidden_act", "silu"))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _architecture_of(hf: dict[str, Any]) -> str:
+    archs = hf.get("architectures") or []
+    if archs:
+        return archs[0]
+    model_type = hf.get("model_type")
+    if model_type in _MODEL_TYPE_TO_ARCH:
+        return _MODEL_TYPE_TO_ARCH[model_type]
+    raise UnsupportedModelError(
+        f"config names neither a supported architecture nor model_type (got "
+        f"architectures={archs!r}, model_type={model_type!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+
+
+def _rope_of(hf: dict[str, Any]) -> RopeConfig:
+    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    kwargs = {k: params[k] for k in ("factor", "low_freq_factor", "high_freq_factor",
+                                     "original_max_position_embeddings") if k in params}
+    return RopeConfig(theta=float(theta), rope_type=rope_type, **kwargs)
+
+
+@dataclass(slots=True)
+class CacheConfig:
+    """Paged KV cache geometry: ``num_blocks`` blocks of ``block_size`` tokens."""
+
+    block_size: int = 16
+    kv_cache_memory: int = 1 << 30  # bytes for keys and values of every layer
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    """How much work one engine step may do."""
+
+    max_num_seqs: int = 64               # running sequences at most
+    max_num_batched_tokens: int = 8192   # tokens computed in one step (prefill + decode)
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs <= 0:
+            raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens <= 0:
+            raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Everything the engine needs besides the weights; the CLI maps flags onto these fields."""
+
+    model: str
+    dtype: str = "float32"
+    device: str = "cpu"
+    max_model_len: int | None = None     # None: the model's own context length
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        parse_dtype(self.dtype)
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")

@@ -1,0 +1,1 @@
+"""The paged KV cache: block bookkeeping (pure Python) and the cache tensors."""

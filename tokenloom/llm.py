@@ -1,0 +1,123 @@
+"""The synchronous Python API: ``LLM(model).generate(prompts, params)``."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from typing import Any, Union
+
+from tqdm import tqdm
+
+from tokenloom.config import CacheConfig, EngineConfig, SchedulerConfig
+from tokenloom.engine import LLMEngine
+from tokenloom.hub import resolve_model
+from tokenloom.outputs import CompletionOutput, RequestOutput
+from tokenloom.sampling_params import SamplingParams
+
+Prompt = Union[str, list[int]]
+Messages = list[dict[str, Any]]
+
+
+class LLM:
+    """Batch generation over the engine. ``model`` is a folder or .gguf path (None: the default model)."""
+
+    def __init__(self, model: str | None = None, dtype: str = "float32", device: str = "cpu",
+                 max_model_len: int | None = None, kv_cache_memory: int = 1 << 30, block_size: int = 16,
+                 max_num_seqs: int = 64, max_num_batched_tokens: int = 8192, progress: bool = False) -> None:
+        config = EngineConfig(model=resolve_model(model), dtype=dtype, device=device, max_model_len=max_model_len,
+                              cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory),
+                              scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
+                                                        max_num_batched_tokens=max_num_batched_tokens))
+        self.engine = LLMEngine(config, progress=progress)
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def _prompt_ids(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise TypeError(f"a prompt is a str or a list of token ids, got {type(prompt).__name__}")
+
+    def _add(self, prompt: Prompt, params: SamplingParams) -> tuple[str, str | None, list[int], list[str]]:
+        """Queue `params.n` sequences for one prompt; returns (id, text, ids, child ids)."""
+        text, ids = self._prompt_ids(prompt)
+        rid = str(next(self._ids))
+        children = []
+        for i in range(params.n):
+            child_params = params if params.n == 1 else _child_params(params, i)
+            child = f"{rid}-{i}"
+            try:
+                self.engine.add_request(child, ids, child_params)
+            except Exception:
+                for c in children:
+                    self.engine.abort(c)
+                raise
+            children.append(child)
+        return rid, text, ids, children
+
+    def generate(self, prompts: Prompt | list[Prompt], params: SamplingParams | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Generate for every prompt together (continuous batching); results in prompt order."""
+        params = params or SamplingParams()
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        added = []
+        try:
+            for p in prompts:
+                added.append(self._add(p, params))
+            self._run(sum(len(a[3]) for a in added), use_tqdm)
+        except BaseException:
+            for _, _, _, children in added:
+                for c in children:
+                    self.engine.abort(c)
+            raise
+        return [self._collect(*a) for a in added]
+
+    def chat(self, messages: Messages | list[Messages], params: SamplingParams | None = None,
+             **template_kwargs: Any) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation and generate replies."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.tokenizer.encode_chat(c, **template_kwargs) for c in conversations]
+        return self.generate(prompts, params)
+
+    def stream(self, prompt: Prompt | Messages, params: SamplingParams | None = None) -> Iterator[str]:
+        """Text deltas of one sequence as they are decoded (a chat if given a list of messages)."""
+        params = params or SamplingParams()
+        if params.n != 1:
+            raise ValueError("stream() produces one sequence; use n=1")
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+            prompt = self.tokenizer.encode_chat(prompt)
+        _, _, _, (child,) = self._add(prompt, params)
+        try:
+            while True:
+                for delta in self.engine.step():
+                    if delta.request_id == child and delta.text_delta:
+                        yield delta.text_delta
+                if self.engine.requests[child].is_finished:
+                    break
+        finally:
+            self.engine.abort(child)
+
+    def _run(self, total: int, use_tqdm: bool) -> None:
+        bar = tqdm(total=total, desc="generating", unit="seq", disable=not use_tqdm)
+        with bar:
+            while self.engine.has_unfinished_requests():
+                finished = sum(d.finished for d in self.engine.step())
+                bar.update(finished)
+
+    def _collect(self, rid: str, text: str | None, ids: list[int], children: list[str]) -> RequestOutput:
+        outputs = []
+        for i, child in enumerate(children):
+            out_text = self.engine.output_text(child)
+            req = self.engine.release(child)
+            outputs.append(CompletionOutput(i, out_text, req.output_token_ids, req.finish_reason,
+                                            req.stop_reason, req.logprobs if req.params.logprobs is not None else None))
+        return RequestOutput(rid, text, ids, outputs)
+
+
+def _child_params(params: SamplingParams, index: int) -> SamplingParams:
+    """The i-th of n samples: same params, n=1, and a distinct seed derived from the user's."""
+    import dataclasses
+    seed = None if params.seed is None else params.seed + index
+    return dataclasses.replace(params, n=1, seed=seed)

@@ -1,0 +1,198 @@
+"""GGUF files: config, tensors (dequantized) and tokenizer from one file.
+
+Everything is translated into HF terms (config.json keys, HF tensor names and
+layouts, a ``tokenizers`` tokenizer), so the rest of the engine sees a GGUF
+checkpoint exactly as it sees an HF folder.
+
+llama.cpp permutes the rows of Llama-architecture Q and K projections for its
+interleaved rotary embedding; we undo that on load and keep HF's rotate-half.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
+from tokenizers import Tokenizer as HFTokenizer
+
+from tokenloom.config import UnsupportedModelError
+from tokenloom.loader.safetensors import CheckpointError
+from tokenloom.tokenizer import Tokenizer
+
+try:
+    import gguf
+except ImportError as e:  # pragma: no cover - gguf is a hard dependency
+    raise ImportError("reading GGUF files needs the `gguf` package") from e
+
+_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+_QWEN2_SPLIT = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)")
+_LLAMA3_SPLIT = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+"
+                 r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)")
+# tokenizer.ggml.pre -> the regexes llama.cpp splits with, applied in order.
+_PRE_TOKENIZER_SPLITS = {
+    "gpt2": [_GPT2_SPLIT],
+    "smollm": [r"\p{N}", _GPT2_SPLIT],
+    "starcoder": [r"\p{N}", _GPT2_SPLIT],
+    "qwen2": [_QWEN2_SPLIT],
+    "llama-bpe": [_LLAMA3_SPLIT],
+}
+_TOKEN_TYPE_CONTROL, _TOKEN_TYPE_USER_DEFINED = 3, 4
+
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                  "qwen3": "Qwen3ForCausalLM", "gpt2": "GPT2LMHeadModel"}
+
+_LLAMA_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LLAMA_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+_GPT2_NAMES = {
+    "token_embd.weight": "transformer.wte.weight", "position_embd.weight": "transformer.wpe.weight",
+    "output_norm.weight": "transformer.ln_f.weight", "output_norm.bias": "transformer.ln_f.bias",
+    "output.weight": "lm_head.weight",
+}
+_GPT2_BLOCK_NAMES = {
+    "attn_norm": "ln_1", "ffn_norm": "ln_2", "attn_qkv": "attn.c_attn", "attn_output": "attn.c_proj",
+    "ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj",
+}
+
+
+class GGUFFile:
+    """An opened GGUF file: metadata fields and tensors, via ``gguf.GGUFReader``."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        try:
+            self.reader = gguf.GGUFReader(str(self.path))
+        except Exception as e:  # the reader raises ValueError, struct.error, IndexError...
+            raise CheckpointError(f"{self.path} is not a readable GGUF file (corrupt or truncated?): {e}") from e
+        self.arch = self.field("general.architecture")
+        if self.arch not in _ARCHITECTURES:
+            raise UnsupportedModelError(f"GGUF architecture {self.arch!r} is not supported "
+                                        f"(supported: {', '.join(_ARCHITECTURES)})")
+
+    def field(self, key: str, default=None):
+        f = self.reader.fields.get(key)
+        return default if f is None else f.contents()
+
+    def arch_field(self, key: str, default=None):
+        return self.field(f"{self.arch}.{key}", default)
+
+    @property
+    def tensor_names(self) -> set[str]:
+        return {t.name for t in self.reader.tensors}
+
+    def hf_config(self) -> dict:
+        """The equivalent HF config.json."""
+        tokens = self.field("tokenizer.ggml.tokens") or []
+        cfg = {"architectures": [_ARCHITECTURES[self.arch]], "model_type": self.arch,
+               "vocab_size": self.arch_field("vocab_size", len(tokens)),
+               "bos_token_id": self.field("tokenizer.ggml.bos_token_id"),
+               "eos_token_id": sorted(self.eos_token_ids()),
+               "tie_word_embeddings": "output.weight" not in self.tensor_names}
+        heads = self.arch_field("attention.head_count")
+        if self.arch == "gpt2":
+            return cfg | {"n_embd": self.arch_field("embedding_length"), "n_layer": self.arch_field("block_count"),
+                          "n_head": heads, "n_positions": self.arch_field("context_length"),
+                          "n_inner": self.arch_field("feed_forward_length"),
+                          "layer_norm_epsilon": self.arch_field("attention.layer_norm_epsilon", 1e-5)}
+        if "rope_freqs.weight" in self.tensor_names:
+            raise UnsupportedModelError(f"{self.path.name} uses per-dimension rope frequency factors "
+                                        "(rope_freqs.weight), which are not supported yet")
+        hidden = self.arch_field("embedding_length")
+        cfg |= {"hidden_size": hidden, "intermediate_size": self.arch_field("feed_forward_length"),
+                "num_hidden_layers": self.arch_field("block_count"), "num_attention_heads": heads,
+                "num_key_value_heads": self.arch_field("attention.head_count_kv", heads),
+                "head_dim": self.arch_field("attention.key_length", hidden // heads),
+                "max_position_embeddings": self.arch_field("context_length"),
+                "rms_norm_eps": self.arch_field("attention.layer_norm_rms_epsilon", 1e-6),
+                "rope_theta": self.arch_field("rope.freq_base", 10000.0)}
+        scaling = self.arch_field("rope.scaling.type")
+        if scaling not in (None, "none"):
+            cfg["rope_scaling"] = {"rope_type": scaling, "factor": self.arch_field("rope.scaling.factor", 1.0)}
+        return cfg
+
+    def eos_token_ids(self) -> set[int]:
+        keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+        return {v for k in keys if (v := self.field(k)) is not None}
+
+    def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, float tensor in HF layout) for every tensor in the file."""
+        cfg = self.hf_config()
+        for t in self.reader.tensors:
+            array = gguf.quants.dequantize(t.data, t.tensor_type)
+            array = array.reshape(tuple(reversed([int(d) for d in t.shape])))  # numpy order: (rows, cols)
+            tensor = torch.from_numpy(np.array(array, dtype=np.float32))  # owned, writable copy
+            yield self._hf_name(t.name), self._to_hf_layout(t.name, tensor, cfg)
+
+    def _hf_name(self, name: str) -> str:
+        flat, block = (_GPT2_NAMES, _GPT2_BLOCK_NAMES) if self.arch == "gpt2" else (_LLAMA_NAMES, _LLAMA_BLOCK_NAMES)
+        if name in flat:
+            return flat[name]
+        m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
+        if m and m.group(2) in block:
+            prefix = "transformer.h" if self.arch == "gpt2" else "model.layers"
+            return f"{prefix}.{m.group(1)}.{block[m.group(2)]}.{m.group(3)}"
+        raise CheckpointError(f"GGUF tensor {name!r} has no known meaning for architecture {self.arch!r}")
+
+    def _to_hf_layout(self, name: str, tensor: torch.Tensor, cfg: dict) -> torch.Tensor:
+        if self.arch == "llama" and re.search(r"\.attn_[qk]\.", name):
+            heads = cfg["num_attention_heads"] if ".attn_q." in name else cfg["num_key_value_heads"]
+            return unpermute_rope_rows(tensor, heads)
+        if self.arch == "gpt2" and tensor.dim() == 2 and re.search(r"\.(attn_qkv|attn_output|ffn_up|ffn_down)\.", name):
+            return tensor.t().contiguous()  # back to HF Conv1D's (in, out)
+        return tensor
+
+    def tokenizer(self) -> Tokenizer:
+        return gguf_tokenizer(self)
+
+
+def unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row permutation (interleaved -> rotate-half pairs); w: (rows, ...) ."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_tokenizer(g: GGUFFile) -> Tokenizer:
+    """A byte-level BPE ``tokenizers.Tokenizer`` rebuilt from GGUF metadata."""
+    kind = g.field("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise UnsupportedModelError(f"GGUF tokenizer model {kind!r} is not supported yet (only byte-level "
+                                    "BPE, 'gpt2'); load the model from an HF folder with tokenizer.json instead")
+    pre = g.field("tokenizer.ggml.pre", "gpt2")
+    if pre not in _PRE_TOKENIZER_SPLITS:
+        raise UnsupportedModelError(f"GGUF pre-tokenizer {pre!r} is not supported "
+                                    f"(supported: {', '.join(_PRE_TOKENIZER_SPLITS)})")
+    tokens = g.field("tokenizer.ggml.tokens")
+    types = g.field("tokenizer.ggml.token_type") or [1] * len(tokens)
+    merges = [tuple(m.split(" ", 1)) for m in g.field("tokenizer.ggml.merges") or []]
+    tk = HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
+                                ignore_merges=pre == "llama-bpe"))
+    if pre == "qwen2":
+        tk.normalizer = normalizers.NFC()
+    tk.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in _PRE_TOKENIZER_SPLITS[pre]]
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tk.decoder = decoders.ByteLevel()
+    tk.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                           for t, ty in zip(tokens, types) if ty == _TOKEN_TYPE_CONTROL])
+    tk.add_tokens([AddedToken(t, special=False, normalized=False)
+                   for t, ty in zip(tokens, types) if ty == _TOKEN_TYPE_USER_DEFINED])
+    bos_id, eos_id = g.field("tokenizer.ggml.bos_token_id"), g.field("tokenizer.ggml.eos_token_id")
+    bos = tokens[bos_id] if bos_id is not None else None
+    if g.field("tokenizer.ggml.add_bos_token", False) and bos is not None:
+        tk.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                                                          special_tokens=[(bos, bos_id)])
+    eos = tokens[eos_id] if eos_id is not None else None
+    return Tokenizer(tk, g.field("tokenizer.chat_template"), bos, eos)

@@ -1,0 +1,134 @@
+"""One entry point: a path (HF folder or .gguf file) -> model + tokenizer."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from tokenloom.config import ModelConfig, parse_dtype
+from tokenloom.loader.safetensors import (CheckpointError, hf_eos_ids, iter_safetensors, read_json,
+                                          safetensors_files)
+from tokenloom.loader.weights import load_weights
+from tokenloom.models.base import CausalLM
+from tokenloom.models.registry import model_class
+from tokenloom.tokenizer import Tokenizer
+
+__all__ = ["CheckpointError", "LoadedModel", "load_model", "load_checkpoint", "build_model"]
+
+GGUF_MAGIC = b"GGUF"
+
+
+@dataclass
+class Checkpoint:
+    """A checkpoint translated into HF terms, tensors not yet read."""
+
+    hf_config: dict
+    tensors: Iterable[tuple[str, torch.Tensor]]
+    num_tensors: int
+    tokenizer: Tokenizer
+    eos_token_ids: set[int]
+
+
+@dataclass
+class LoadedModel:
+    model: CausalLM
+    config: ModelConfig
+    tokenizer: Tokenizer
+    eos_token_ids: frozenset[int]
+    hf_config: dict
+
+
+def _is_gguf(path: Path) -> bool:
+    with path.open("rb") as f:
+        return f.read(4) == GGUF_MAGIC
+
+
+def load_checkpoint(path: str | Path) -> Checkpoint:
+    """Open an HF folder or a GGUF file; raises FileNotFoundError / CheckpointError with the reason."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"model path {str(path)!r} does not exist (expected an HF folder with "
+                                "config.json + *.safetensors, or a .gguf file)")
+    if path.is_file():
+        if not _is_gguf(path):
+            raise CheckpointError(f"{path} is neither a GGUF file nor a folder (no GGUF magic bytes)")
+        from tokenloom.loader.gguf import GGUFFile
+        g = GGUFFile(path)
+        return Checkpoint(g.hf_config(), g.iter_tensors(), len(g.reader.tensors), g.tokenizer(), g.eos_token_ids())
+    config_path = path / "config.json"
+    if not config_path.is_file():
+        raise CheckpointError(f"{path} has no config.json; not an HF model folder")
+    hf_config = read_json(config_path)
+    files = safetensors_files(path)
+    tokenizer = Tokenizer.from_folder(path)
+    eos = hf_eos_ids(path, hf_config)
+    eos.update(t for t in [tokenizer.token_to_id(tokenizer.eos_token)] if t is not None)
+    return Checkpoint(hf_config, iter_safetensors(files), _count_tensors(files), tokenizer, eos)
+
+
+def _count_tensors(files: list[Path]) -> int:
+    from safetensors import safe_open
+    total = 0
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as h:
+                total += len(list(h.keys()))
+        except Exception as e:
+            raise CheckpointError(f"{f} is corrupt or truncated: {e}") from e
+    return total
+
+
+def build_model(config: ModelConfig, dtype: torch.dtype, device: str | torch.device) -> CausalLM:
+    """An uninitialized model (parameters allocated, not filled) on `device`."""
+    cls = model_class(config)
+    with torch.device("meta"):
+        model = cls(config)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    model.tie_weights()
+    if hasattr(model, "inv_freq"):  # non-persistent float32 buffer: recompute after to_empty
+        from tokenloom.models.layers import rope_inv_freq
+        model.inv_freq = rope_inv_freq(config.rope, config.head_dim).to(device)
+    return model.eval()
+
+
+def _progress(tensors: Iterable, total: int, desc: str, show: bool) -> Iterator:
+    return iter(tqdm(tensors, total=total, desc=desc, unit="tensor", disable=not show, leave=False))
+
+
+def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: str = "cpu",
+               max_model_len: int | None = None, progress: bool = False) -> LoadedModel:
+    """Load weights and tokenizer; every checkpoint tensor must fill exactly one parameter."""
+    ckpt = load_checkpoint(path)
+    config = ModelConfig.from_hf(ckpt.hf_config)
+    if max_model_len is not None:
+        if max_model_len > config.max_model_len:
+            raise ValueError(f"max_model_len {max_model_len} exceeds the model's context "
+                             f"length {config.max_model_len}")
+        config.max_model_len = max_model_len
+    config.eos_token_ids = tuple(sorted(set(config.eos_token_ids) | ckpt.eos_token_ids))
+    model = build_model(config, parse_dtype(dtype), device)
+    load_weights(model, _progress(ckpt.tensors, ckpt.num_tensors, f"loading {Path(path).name}", progress))
+    if ckpt.tokenizer.vocab_size > config.vocab_size:
+        raise CheckpointError(f"tokenizer has {ckpt.tokenizer.vocab_size} tokens but the model only "
+                              f"{config.vocab_size} embeddings")
+    return LoadedModel(model, config, ckpt.tokenizer, frozenset(config.eos_token_ids), ckpt.hf_config)
+
+
+def save_hf_folder(path: str | Path, folder: str | Path, progress: bool = True) -> None:
+    """Convert any loadable checkpoint (e.g. a GGUF file) into an HF folder of float32 safetensors."""
+    from safetensors.torch import save_file
+    ckpt = load_checkpoint(path)
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {name: t.contiguous() for name, t in
+               _progress(ckpt.tensors, ckpt.num_tensors, f"preparing {Path(path).name}", progress)}
+    save_file(tensors, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(ckpt.hf_config, indent=2))
+    (folder / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": ckpt.hf_config.get("bos_token_id"), "eos_token_id": sorted(ckpt.eos_token_ids)}, indent=2))
+    ckpt.tokenizer.save(folder)

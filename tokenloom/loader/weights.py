@@ -1,0 +1,64 @@
+"""Copy checkpoint tensors into a model, accounting for every one of them.
+
+A checkpoint tensor that maps onto no parameter, a parameter (or fused shard)
+that no tensor fills, and a shape mismatch are all errors that name the tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from tokenloom.models.base import CausalLM
+
+
+class WeightMismatchError(ValueError):
+    """The checkpoint's tensors do not match the model's parameters."""
+
+
+def _map_name(model: CausalLM, name: str) -> tuple[str, str | None]:
+    """Checkpoint tensor name -> (parameter name, shard id or None)."""
+    for ckpt_sub, (our_sub, shard) in model.packed_modules_mapping.items():
+        if f".{ckpt_sub}." in name:
+            return name.replace(f".{ckpt_sub}.", f".{our_sub}."), shard
+    return name, None
+
+
+def _expected_shards(model: CausalLM, param_name: str) -> set[str | None]:
+    shards = {shard for ckpt_sub, (our_sub, shard) in model.packed_modules_mapping.items()
+              if f".{our_sub}." in param_name}
+    return shards or {None}
+
+
+def _tied_alias_names(model: CausalLM) -> set[str]:
+    """Names under which a tied parameter also appears (HF checkpoints may store both)."""
+    all_names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    return all_names - {n for n, _ in model.named_parameters()}
+
+
+def load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Fill every parameter of `model` from (name, tensor) pairs in HF naming (in place)."""
+    params = dict(model.named_parameters())
+    aliases = _tied_alias_names(model)
+    filled: dict[str, set[str | None]] = {n: set() for n in params}
+    for name, tensor in tensors:
+        if model.is_ignored_checkpoint_key(name) or name in aliases:
+            continue
+        param_name, shard = _map_name(model, name)
+        if param_name not in params:
+            raise WeightMismatchError(f"checkpoint tensor {name!r} matches no parameter of "
+                                      f"{type(model).__name__}")
+        tensor = model.transform_checkpoint_tensor(name, tensor)
+        target = params[param_name].data
+        if shard is not None:
+            target = target[model.shard_rows(param_name, shard)]
+        if tuple(target.shape) != tuple(tensor.shape):
+            raise WeightMismatchError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                      f"expected {tuple(target.shape)}")
+        target.copy_(tensor)
+        filled[param_name].add(shard)
+    missing = [f"{n}" + (f" ({sorted(s - filled[n])})" if s - filled[n] != {None} else "")
+               for n in params if (s := _expected_shards(model, n)) - filled[n]]
+    if missing:
+        raise WeightMismatchError(f"checkpoint is missing tensors for: {', '.join(missing)}")

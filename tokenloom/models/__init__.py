@@ -1,0 +1,1 @@
+"""Model implementations; see ``registry`` for architecture lookup."""

@@ -1,0 +1,53 @@
+"""What every model class promises the loader and the runner."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from tokenloom.attention import AttentionMetadata
+from tokenloom.config import ModelConfig
+from tokenloom.kv_cache.paged import PagedKVCache
+
+
+class CausalLM(nn.Module):
+    """A decoder-only LM over a flattened, ragged batch of tokens.
+
+    Weight loading is declared, not coded per model:
+    - ``packed_modules_mapping``: checkpoint sub-name -> (our sub-name, shard id); a
+      shard's rows in the fused parameter come from ``shard_rows``.
+    - ``ignored_checkpoint_keys``: regexes of checkpoint tensors that are not weights
+      (e.g. cached rotary tables); everything else must map onto a parameter.
+    - ``transform_checkpoint_tensor``: layout fix-ups (GPT-2's Conv1D transpose).
+    """
+
+    packed_modules_mapping: dict[str, tuple[str, str]] = {}
+    ignored_checkpoint_keys: tuple[str, ...] = ()
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata, kv_cache: PagedKVCache) -> torch.Tensor:
+        """input_ids, positions: (T,) -> final hidden states (T, hidden). Writes the KV cache."""
+        raise NotImplementedError
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(N, hidden) -> float32 logits (N, vocab)."""
+        raise NotImplementedError
+
+    def shard_rows(self, param_name: str, shard_id: str) -> slice:
+        """Rows of a fused parameter that hold one packed checkpoint tensor."""
+        raise KeyError(f"{param_name} has no shard {shard_id!r}")
+
+    def is_ignored_checkpoint_key(self, name: str) -> bool:
+        return any(re.fullmatch(p, name) for p in self.ignored_checkpoint_keys)
+
+    def transform_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def tie_weights(self) -> None:
+        """Share the output projection with the input embedding when the config says so."""

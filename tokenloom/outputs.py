@@ -1,0 +1,75 @@
+"""Plain dataclasses passed between the engine's parts and returned to users."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokenloom.request import Request
+
+# One generated token's logprobs: {token_id: logprob} holding the chosen token and the top N.
+TokenLogprobs = dict[int, float]
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request: Request
+    num_tokens: int          # tokens of this request computed in this step (prompt chunk or 1)
+    samples: bool            # True when this step reaches the request's last known token
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """What the scheduler hands the runner for one step."""
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)  # in batch order
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+
+@dataclass(slots=True)
+class RunnerOutput:
+    """What the runner returns: one entry per scheduled request that samples, in batch order."""
+
+    request_ids: list[str]                            # requests that sampled a token this step
+    sampled_token_ids: list[int]                      # the token each of them drew
+    logprobs: list[TokenLogprobs | None]              # per request: chosen + top-N, or None if not asked
+
+
+@dataclass(slots=True)
+class StepDelta:
+    """What one step produced for one request: the engine's streaming unit."""
+
+    request_id: str
+    new_token_ids: list[int]
+    text_delta: str
+    finished: bool
+    finish_reason: str | None = None
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """One generated sequence of a request (there are `n` of them)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None        # "stop" (EOS, stop id or stop string), "length", "abort"
+    stop_reason: str | int | None = None  # the stop string or stop token id that matched
+    logprobs: list[TokenLogprobs] | None = None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """The result of one prompt."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = True

@@ -1,0 +1,33 @@
+"""Per-row sampling inputs, gathered once per step from the requests that sample."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tokenloom.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class SamplingMetadata:
+    """Row i of the logits belongs to a request with these params and histories."""
+
+    params: list[SamplingParams]
+    prompt_token_ids: list[list[int]]
+    output_token_ids: list[list[int]]
+    generators: list[torch.Generator | None]   # per-request RNG when a seed was given
+    eos_token_ids: list[frozenset[int]]
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.params)
+
+    @property
+    def all_greedy(self) -> bool:
+        return all(p.greedy for p in self.params)
+
+    @property
+    def max_logprobs(self) -> int | None:
+        asked = [p.logprobs for p in self.params if p.logprobs is not None]
+        return max(asked) if asked else None

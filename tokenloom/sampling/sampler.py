@@ -1,0 +1,115 @@
+"""The sampler: one fixed pipeline over a batch of rows with per-row params.
+
+Steps, in order:
+1. raw logprobs = log_softmax(model logits), if any row asked for logprobs
+   (reported values are the model's own distribution, before any processing);
+2. processors: logit bias, min_tokens, repetition/frequency/presence penalties;
+3. greedy rows (temperature 0): argmax of the processed logits;
+4. other rows: divide by temperature, then keep the top-k, then the top-p
+   nucleus, then tokens with prob >= min_p x max prob; renormalize and draw
+   with the exponential race argmax(p / E), E ~ Exp(1), which samples exactly
+   from p without a device sync. Seeded rows draw E from their own generator, so
+   a seed reproduces its output whatever else is in the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tokenloom.outputs import TokenLogprobs
+from tokenloom.sampling.metadata import SamplingMetadata
+from tokenloom.sampling.processors import apply_processors
+
+
+def _row_tensor(values, logits: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(values, dtype=logits.dtype, device=logits.device)[:, None]
+
+
+def apply_top_k(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:
+    """Keep each row's k largest logits (k = 0: keep all)."""
+    if not any(top_k):
+        return logits
+    V = logits.shape[-1]
+    k = torch.tensor([min(t, V) if t > 0 else V for t in top_k], device=logits.device)
+    sorted_desc = logits.sort(dim=-1, descending=True).values
+    kth = sorted_desc.gather(1, (k - 1)[:, None])                 # (B, 1)
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def apply_top_p(logits: torch.Tensor, top_p: list[float]) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose probability reaches top_p."""
+    if all(p >= 1 for p in top_p):
+        return logits
+    probs_sorted, idx = logits.softmax(-1).sort(dim=-1, descending=True)
+    before = probs_sorted.cumsum(-1) - probs_sorted               # mass strictly above each token
+    drop_sorted = before >= _row_tensor(top_p, logits)             # the top token always has before=0
+    drop = torch.zeros_like(drop_sorted).scatter(1, idx, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def apply_min_p(logits: torch.Tensor, min_p: list[float]) -> torch.Tensor:
+    """Drop tokens whose probability is below min_p x the row's top probability."""
+    if not any(min_p):
+        return logits
+    probs = logits.softmax(-1)
+    threshold = probs.max(-1, keepdim=True).values * _row_tensor(min_p, logits)
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def exponential_race(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One draw per row from `probs` (B, V): argmax(p / E), E ~ Exp(1)."""
+    noise = torch.empty_like(probs)
+    unseeded = [i for i, g in enumerate(generators) if g is None]
+    if unseeded:
+        noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_()
+    for i, g in enumerate(generators):
+        if g is not None:
+            noise[i] = torch.empty(probs.shape[1]).exponential_(generator=g).to(probs.device)
+    return (probs / noise).argmax(dim=-1)
+
+
+def sampling_distribution(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """Steps 4 minus the draw: the probabilities (B, V) each non-greedy row samples from."""
+    temps = [p.temperature if p.temperature > 0 else 1.0 for p in meta.params]
+    logits = logits / _row_tensor(temps, logits)
+    logits = apply_top_k(logits, [p.top_k for p in meta.params])
+    logits = apply_top_p(logits, [p.top_p for p in meta.params])
+    logits = apply_min_p(logits, [p.min_p for p in meta.params])
+    return logits.softmax(-1)
+
+
+def gather_logprobs(raw_logprobs: torch.Tensor, chosen: torch.Tensor,
+                    meta: SamplingMetadata) -> list[TokenLogprobs | None]:
+    """Per row: {token: logprob} for the chosen token and the top `params.logprobs`."""
+    top_n = meta.max_logprobs or 0
+    top_vals, top_ids = raw_logprobs.topk(top_n, dim=-1) if top_n else (None, None)
+    chosen_vals = raw_logprobs.gather(1, chosen[:, None])[:, 0].tolist()
+    out: list[TokenLogprobs | None] = []
+    for i, p in enumerate(meta.params):
+        if p.logprobs is None:
+            out.append(None)
+            continue
+        entry = {}
+        if p.logprobs:
+            entry = dict(zip(top_ids[i, :p.logprobs].tolist(), top_vals[i, :p.logprobs].tolist()))
+        entry[int(chosen[i])] = chosen_vals[i]
+        out.append(entry)
+    return out
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata
+                 ) -> tuple[torch.Tensor, list[TokenLogprobs | None]]:
+        """logits: float32 (B, V) -> (token ids (B,), per-row logprobs or None)."""
+        raw_logprobs = logits.log_softmax(-1) if meta.max_logprobs is not None else None
+        logits = apply_processors(logits.clone(), meta)
+        chosen = logits.argmax(dim=-1)
+        if not meta.all_greedy:
+            rows = [i for i, p in enumerate(meta.params) if not p.greedy]
+            sub = SamplingMetadata(*(
+                [getattr(meta, f)[i] for i in rows]
+                for f in ("params", "prompt_token_ids", "output_token_ids", "generators", "eos_token_ids")))
+            probs = sampling_distribution(logits[rows], sub)
+            chosen[rows] = exponential_race(probs, sub.generators)
+        logprobs = gather_logprobs(raw_logprobs, chosen, meta) if raw_logprobs is not None else [None] * meta.num_rows
+        return chosen, logprobs

@@ -1,0 +1,85 @@
+"""User-facing sampling parameters, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to pick tokens and when to stop (vLLM's names and meanings).
+
+    temperature 0 is greedy. top_k 0 (or -1) and top_p 1 and min_p 0 disable those
+    filters. Penalties follow vLLM/OpenAI: repetition_penalty divides positive
+    (multiplies negative) logits of tokens seen in prompt or output;
+    frequency_penalty subtracts count x penalty and presence_penalty subtracts the
+    penalty once, for tokens in the output. logprobs=N returns the chosen token's
+    logprob plus the top N (raw model distribution, before any processing).
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    seed: int | None = None
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self._validate()
+
+    def _validate(self) -> None:
+        checks = [
+            ("n", isinstance(self.n, int) and self.n >= 1, "must be an integer >= 1"),
+            ("temperature", self.temperature >= 0, "must be >= 0 (0 means greedy)"),
+            ("top_k", isinstance(self.top_k, int) and self.top_k >= 0, "must be >= 0, or -1 to disable"),
+            ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
+            ("min_p", 0 <= self.min_p <= 1, "must be in [0, 1]"),
+            ("repetition_penalty", self.repetition_penalty > 0, "must be > 0"),
+            ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "must be in [-2, 2]"),
+            ("presence_penalty", -2 <= self.presence_penalty <= 2, "must be in [-2, 2]"),
+            ("max_tokens", isinstance(self.max_tokens, int) and self.max_tokens >= 1, "must be an integer >= 1"),
+            ("min_tokens", isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
+             "must be an integer in [0, max_tokens]"),
+            ("logprobs", self.logprobs is None or (isinstance(self.logprobs, int) and self.logprobs >= 0),
+             "must be None or an integer >= 0"),
+            ("seed", self.seed is None or isinstance(self.seed, int), "must be None or an integer"),
+            ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
+            ("stop_token_ids", all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+             "must be non-negative integers"),
+        ]
+        for name, ok, rule in checks:
+            if not ok:
+                raise ValueError(f"SamplingParams.{name} {rule}, got {getattr(self, name)!r}")
+        for token, bias in (self.logit_bias or {}).items():
+            if not isinstance(token, int) or token < 0 or not -100 <= bias <= 100:
+                raise ValueError(f"SamplingParams.logit_bias maps token ids >= 0 to biases in [-100, 100], "
+                                 f"got {token!r}: {bias!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Token ids named in the params must exist in the model's vocabulary."""
+        for name, ids in (("logit_bias", list(self.logit_bias or {})), ("stop_token_ids", self.stop_token_ids)):
+            bad = [t for t in ids if t >= vocab_size]
+            if bad:
+                raise ValueError(f"SamplingParams.{name} names token ids {bad} outside the vocabulary "
+                                 f"(size {vocab_size})")

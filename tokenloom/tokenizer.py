@@ -1,0 +1,114 @@
+"""Text <-> token ids (HF ``tokenizers``) and chat templates (jinja2).
+
+The chat template is rendered the way transformers renders it: a sandboxed
+jinja2 environment with ``trim_blocks``/``lstrip_blocks``, ``raise_exception``
+and ``tojson``, given ``messages``, ``add_generation_prompt`` and the special tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.sandbox
+from tokenizers import Tokenizer as HFTokenizer
+
+
+class ChatTemplateError(ValueError):
+    """The model has no chat template, or the template rejected the messages."""
+
+
+def _raise_exception(message: str):
+    raise ChatTemplateError(f"chat template error: {message}")
+
+
+def _compile_template(source: str) -> jinja2.Template:
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                       extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(
+        x, indent=indent, ensure_ascii=ensure_ascii)
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
+
+
+def _token_text(value: Any) -> str | None:
+    """tokenizer_config.json spells special tokens as strings or as AddedToken dicts."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+class Tokenizer:
+    """A ``tokenizers.Tokenizer`` plus what generation needs from tokenizer_config.json."""
+
+    def __init__(self, backend: HFTokenizer, chat_template: str | None = None,
+                 bos_token: str | None = None, eos_token: str | None = None) -> None:
+        self.backend = backend
+        self.chat_template = chat_template
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        self._template = _compile_template(chat_template) if chat_template else None
+
+    @classmethod
+    def from_folder(cls, folder: str | Path) -> "Tokenizer":
+        """Load tokenizer.json (+ tokenizer_config.json / chat_template.jinja) from an HF folder."""
+        folder = Path(folder)
+        path = folder / "tokenizer.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{folder} has no tokenizer.json (tokenizer.json is required)")
+        backend = HFTokenizer.from_file(str(path))
+        config_path = folder / "tokenizer_config.json"
+        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        template = config.get("chat_template")
+        if isinstance(template, list):  # named templates: take the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        jinja_path = folder / "chat_template.jinja"
+        if template is None and jinja_path.is_file():
+            template = jinja_path.read_text()
+        return cls(backend, template, _token_text(config.get("bos_token")), _token_text(config.get("eos_token")))
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def token_to_id(self, token: str | None) -> int | None:
+        return None if token is None else self.backend.token_to_id(token)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.backend.id_to_token(token_id)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            **kwargs: Any) -> str:
+        """Render a conversation into the prompt text the model was trained on."""
+        if self._template is None:
+            raise ChatTemplateError("this model has no chat template; use a plain prompt instead")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                raise ChatTemplateError(f"message {i} must be a dict with 'role' and 'content', got {m!r}")
+        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+                                     **kwargs)
+
+    def encode_chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
+        """Chat prompt ids; special tokens come from the template text, not added again."""
+        return self.encode(self.apply_chat_template(messages, **kwargs), add_special_tokens=False)
+
+    def save(self, folder: str | Path, add_bos_token: bool = False) -> None:
+        """Write tokenizer.json and tokenizer_config.json into an HF-style folder."""
+        folder = Path(folder)
+        self.backend.save(str(folder / "tokenizer.json"))
+        config = {"bos_token": self.bos_token, "eos_token": self.eos_token,
+                  "add_bos_token": add_bos_token, "chat_template": self.chat_template,
+                  "tokenizer_class": "PreTrainedTokenizerFast"}
+        (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
