@@ -1,0 +1,28 @@
+# One idempotent setup step under everything: venv + torch (CPU, pinned) + tokenloom + default model.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+
+.PHONY: setup demo test bench clean
+
+setup: $(STAMP)
+	$(VENV)/bin/tokenloom pull
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[test]'
+	rm -f $(VENV)/.installed-* && touch $@
+
+demo: setup
+	$(VENV)/bin/tokenloom generate "Once upon a time"
+
+test: setup
+	$(PY) -m pytest -q
+
+bench: setup
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[bench]'
+	$(PY) benchmarks/bench_generate.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

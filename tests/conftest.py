@@ -1,0 +1,109 @@
+"""Shared fixtures: tiny random-weight HF models of every architecture, and the real default model."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+VOCAB = 320
+
+# name -> (transformers config class, kwargs). Small enough to run in milliseconds,
+# different enough to exercise every flag: GQA/MQA, tied/untied, biases, q/k norm,
+# rope scaling, sliding window.
+TINY_CONFIGS = {
+    "llama_gqa": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=2)),
+    "llama_mqa_tied": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True)),
+    "llama3_rope_scaling": ("LlamaConfig", dict(
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 32})),
+    "llama_linear_rope_bias": ("LlamaConfig", dict(
+        num_attention_heads=4, num_key_value_heads=4, attention_bias=True, mlp_bias=True,
+        rope_scaling={"rope_type": "linear", "factor": 2.0})),
+    "mistral_sliding": ("MistralConfig", dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=12,
+                                             head_dim=16)),
+    "qwen2": ("Qwen2Config", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)),
+    "qwen3": ("Qwen3Config", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=24)),
+    "gpt2": ("GPT2Config", dict(n_embd=64, n_layer=2, n_head=4, n_positions=256, vocab_size=VOCAB,
+                                initializer_range=0.2, bos_token_id=None, eos_token_id=None)),
+}
+
+
+def _llama_like_kwargs(extra: dict) -> dict:
+    base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                max_position_embeddings=256, initializer_range=0.2, bos_token_id=None, eos_token_id=None,
+                pad_token_id=None, rms_norm_eps=1e-6)
+    return base | extra
+
+
+def make_tiny_tokenizer(folder: Path) -> None:
+    """A byte-level BPE tokenizer with < VOCAB tokens, trained on a few sentences."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  special_tokens=["<|end|>"])
+    text = ["The quick brown fox jumps over the lazy dog. Once upon a time there was a cat."] * 20
+    tk.train_from_iterator(text, trainer)
+    tk.save(str(folder / "tokenizer.json"))
+
+
+def build_tiny_model(name: str, folder: Path, seed: int = 0) -> Path:
+    import transformers
+    cls_name, extra = TINY_CONFIGS[name]
+    cfg_cls = getattr(transformers, cls_name)
+    kwargs = extra if cls_name == "GPT2Config" else _llama_like_kwargs(extra)
+    config = cfg_cls(**kwargs)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(folder)
+    make_tiny_tokenizer(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """Factory: architecture name -> folder of a saved random-weight HF model (built once)."""
+    cache: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in cache:
+            cache[name] = build_tiny_model(name, tmp_path_factory.mktemp(name))
+        return cache[name]
+    return get
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    """The prepared SmolLM2 folder (`make test` pulls it first)."""
+    from tokenloom import hub
+    return hub.pull()
+
+
+@pytest.fixture(scope="session")
+def default_gguf_path(default_model_dir) -> Path:
+    from tokenloom import hub
+    return hub.default_gguf_path()
+
+
+@pytest.fixture(scope="session")
+def smol_llm(default_model_dir):
+    """One LLM over the real default model, shared by the tests that only generate."""
+    from tokenloom import LLM
+    return LLM(str(default_model_dir), kv_cache_memory=256 << 20)
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

