@@ -9,26 +9,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+transformers = pytest.importorskip("transformers")
+
 from tokenloom import LLM, SamplingParams
 from tests.conftest import TINY_CONFIGS
+from tests.hf_reference import hf_greedy
 
 NEW_TOKENS = 40
 PROMPTS = [[5, 17, 42, 99, 7, 3, 250, 64, 12, 77, 31], [200, 1, 2, 3], [8] * 20]
-
-
-def hf_greedy(folder, prompt: list[int], new_tokens: int) -> tuple[list[int], list[float], list[float]]:
-    """HF generate(): (tokens, chosen-token logprobs, top1-top2 logit margins)."""
-    import transformers
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                             output_logits=True, return_dict_in_generate=True, pad_token_id=0)
-    tokens = out.sequences[0, len(prompt):].tolist()
-    logits = torch.stack(out.logits)[:, 0].float()                       # (new_tokens, vocab)
-    logprobs = logits.log_softmax(-1).gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()
-    top2 = logits.topk(2, dim=-1).values
-    return tokens, logprobs, (top2[:, 0] - top2[:, 1]).tolist()
 
 
 @pytest.mark.parametrize("arch", sorted(TINY_CONFIGS))
@@ -37,13 +25,14 @@ def test_greedy_tokens_and_logprobs_match_hf(arch, tiny_model_dir):
     llm = LLM(str(folder), kv_cache_memory=16 << 20)
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
     ours = llm.generate(PROMPTS, params)
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     for prompt, result in zip(PROMPTS, ours):
-        ref_tokens, ref_logprobs, margins = hf_greedy(folder, prompt, NEW_TOKENS)
-        assert min(margins) > 1e-4, "reference has a near-tie (fp32 noise could flip it); pick another seed"
+        ref = hf_greedy(hf_model, prompt, NEW_TOKENS)
+        assert min(ref.margins) > 1e-4, "reference has a near-tie (fp32 noise could flip it); pick another seed"
         out = result.outputs[0]
-        assert out.token_ids == ref_tokens
+        assert out.token_ids == ref.tokens
         got = [lp[t] for lp, t in zip(out.logprobs, out.token_ids)]
-        assert got == pytest.approx(ref_logprobs, abs=1e-4)
+        assert got == pytest.approx(ref.logprobs, abs=1e-4)
 
 
 @pytest.mark.parametrize("arch", ["llama_gqa", "mistral_sliding", "gpt2"])
