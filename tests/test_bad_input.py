@@ -1,0 +1,136 @@
+"""Bad input gets a clear error that says what was wrong."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from tokenloom import LLM, SamplingParams
+from tokenloom.cli import main as cli_main
+from tokenloom.config import UnsupportedModelError
+from tokenloom.loader import CheckpointError
+from tokenloom.loader.weights import WeightMismatchError
+
+
+def _copy(src, tmp_path):
+    dst = tmp_path / "model"
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_unknown_path():
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        LLM("/no/such/model")
+
+
+def test_unsupported_architecture(tiny_model_dir, tmp_path):
+    folder = _copy(tiny_model_dir("llama_gqa"), tmp_path)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["architectures"] = ["MambaForCausalLM"]
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedModelError, match="MambaForCausalLM.*not supported"):
+        LLM(str(folder))
+
+
+def test_unsupported_rope_type(tiny_model_dir, tmp_path):
+    folder = _copy(tiny_model_dir("llama_gqa"), tmp_path)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedModelError, match="rope type 'yarn'"):
+        LLM(str(folder))
+
+
+def test_truncated_safetensors(tiny_model_dir, tmp_path):
+    folder = _copy(tiny_model_dir("llama_gqa"), tmp_path)
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:5000])
+    with pytest.raises(CheckpointError, match="corrupt or truncated"):
+        LLM(str(folder))
+
+
+def test_truncated_gguf(default_gguf_path, tmp_path):
+    bad = tmp_path / "bad.gguf"
+    with default_gguf_path.open("rb") as f:
+        bad.write_bytes(f.read(100_000))
+    with pytest.raises(CheckpointError, match="not a readable GGUF"):
+        LLM(str(bad))
+
+
+def test_file_that_is_not_a_model(tmp_path):
+    junk = tmp_path / "notes.txt"
+    junk.write_text("hello")
+    with pytest.raises(CheckpointError, match="neither a GGUF file nor a folder"):
+        LLM(str(junk))
+
+
+@pytest.mark.parametrize("edit,message", [
+    ("drop", "missing tensors for: model.layers.1.self_attn.qkv_proj.weight \\(\\['k'\\]\\)"),
+    ("extra", "'model.layers.0.mystery.weight' matches no parameter"),
+    ("shape", "'model.norm.weight' has shape \\(63,\\), expected \\(64,\\)"),
+])
+def test_weights_must_match_exactly(tiny_model_dir, tmp_path, edit, message):
+    folder = _copy(tiny_model_dir("llama_gqa"), tmp_path)
+    tensors = load_file(folder / "model.safetensors")
+    if edit == "drop":
+        del tensors["model.layers.1.self_attn.k_proj.weight"]
+    elif edit == "extra":
+        tensors["model.layers.0.mystery.weight"] = tensors["model.norm.weight"].clone()
+    else:
+        tensors["model.norm.weight"] = tensors["model.norm.weight"][:63].clone()
+    save_file(tensors, folder / "model.safetensors")
+    with pytest.raises(WeightMismatchError, match=message):
+        LLM(str(folder))
+
+
+def test_prompt_longer_than_context(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir("llama_gqa")), kv_cache_memory=16 << 20)
+    with pytest.raises(ValueError, match="context window is 256"):
+        llm.generate([[5] * 300], SamplingParams(max_tokens=4))
+    # the engine is still usable afterwards
+    assert len(llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True))[0].outputs[0].token_ids) == 3
+
+
+def test_generation_stops_at_context_end(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir("llama_gqa")), kv_cache_memory=16 << 20)
+    out = llm.generate([[5] * 250], SamplingParams(max_tokens=100, ignore_eos=True))[0].outputs[0]
+    assert len(out.token_ids) == 6 and out.finish_reason == "length"
+
+
+def test_token_ids_outside_vocab(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir("llama_gqa")), kv_cache_memory=16 << 20)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.generate([[5, 100000]], SamplingParams())
+    with pytest.raises(ValueError, match="logit_bias names token ids \\[9999\\]"):
+        llm.generate([[5]], SamplingParams(logit_bias={9999: 1.0}))
+
+
+@pytest.mark.parametrize("field,value", [
+    ("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("min_p", 1.5),
+    ("repetition_penalty", 0.0), ("frequency_penalty", 3.0), ("presence_penalty", -2.5),
+    ("max_tokens", 0), ("min_tokens", -1), ("n", 0), ("logprobs", -1), ("seed", "x"), ("stop", [""]),
+    ("stop_token_ids", [-1]),
+])
+def test_invalid_sampling_params_name_the_field(field, value):
+    with pytest.raises(ValueError, match=f"SamplingParams.{field} "):
+        SamplingParams(**{field: value})
+
+
+def test_min_tokens_above_max_tokens():
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(min_tokens=10, max_tokens=5)
+
+
+def test_cli_reports_errors_without_traceback(capsys):
+    assert cli_main(["generate", "--model", "/no/such/model", "hi"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert cli_main(["generate", "--top-p", "7", "hi"]) == 2
+    assert "SamplingParams.top_p" in capsys.readouterr().err
+
+
+def test_chat_messages_must_have_role_and_content(smol_llm):
+    with pytest.raises(ValueError, match="message 0 must be a dict with 'role' and 'content'"):
+        smol_llm.chat([{"text": "hi"}])
