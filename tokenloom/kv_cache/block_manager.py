@@ -7,8 +7,6 @@ table lists its blocks in order; token position p lives in slot
 
 from __future__ import annotations
 
-from collections import deque
-
 
 class BlockManager:
     """A free list of block ids and a per-request block table."""
@@ -18,7 +16,8 @@ class BlockManager:
             raise ValueError(f"need positive num_blocks and block_size, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
+        # A stack: the most recently freed (cache-warm, already paged-in) block is reused first.
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self._tables: dict[str, list[int]] = {}
 
     @property
@@ -42,7 +41,7 @@ class BlockManager:
         extra = self.blocks_needed(num_tokens) - len(table)
         if extra > len(self._free):
             raise MemoryError(f"request {request_id} needs {extra} more KV blocks, {len(self._free)} free")
-        table.extend(self._free.popleft() for _ in range(max(extra, 0)))
+        table.extend(self._free.pop() for _ in range(max(extra, 0)))
         return table
 
     def free(self, request_id: str) -> None:

@@ -113,6 +113,7 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: s
     config.eos_token_ids = tuple(sorted(set(config.eos_token_ids) | ckpt.eos_token_ids))
     model = build_model(config, parse_dtype(dtype), device)
     load_weights(model, _progress(ckpt.tensors, ckpt.num_tensors, "loading weights", progress))
+    model.prepare_for_inference()
     if ckpt.tokenizer.vocab_size > config.vocab_size:
         raise CheckpointError(f"tokenizer has {ckpt.tokenizer.vocab_size} tokens but the model only "
                               f"{config.vocab_size} embeddings")

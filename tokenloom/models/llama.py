@@ -72,6 +72,7 @@ class LlamaForCausalLM(CausalLM):
         "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up"),
     }
     ignored_checkpoint_keys = (r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",)
+    input_major_modules = ("qkv_proj", "gate_up_proj")
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg)
@@ -97,6 +98,3 @@ class LlamaForCausalLM(CausalLM):
         for i, layer in enumerate(self.model.layers):
             h = layer(h, cos, sin, kv_cache.layer(i), meta)
         return self.model.norm(h)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
