@@ -134,3 +134,19 @@ def test_cli_reports_errors_without_traceback(capsys):
 def test_chat_messages_must_have_role_and_content(smol_llm):
     with pytest.raises(ValueError, match="message 0 must be a dict with 'role' and 'content'"):
         smol_llm.chat([{"text": "hi"}])
+
+
+def test_gpt2_style_vocab_and_merges_folder(tiny_model_dir, tmp_path):
+    """Folders without tokenizer.json but with vocab.json + merges.txt still load."""
+    import transformers
+    folder = _copy(tiny_model_dir("gpt2"), tmp_path)
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"))
+    text = "The quick brown fox jumps"
+    expected = fast(text).input_ids
+    model = json.loads((folder / "tokenizer.json").read_text())["model"]
+    (folder / "vocab.json").write_text(json.dumps(model["vocab"]))
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
+    (folder / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n")
+    (folder / "tokenizer.json").unlink()
+    llm = LLM(str(folder), kv_cache_memory=16 << 20)
+    assert llm.tokenizer.encode(text) == expected

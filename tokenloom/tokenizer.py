@@ -43,6 +43,22 @@ def _token_text(value: Any) -> str | None:
     return value
 
 
+def _load_backend(folder: Path) -> HFTokenizer:
+    """tokenizer.json, or GPT-2 style vocab.json + merges.txt (byte-level BPE)."""
+    if (folder / "tokenizer.json").is_file():
+        return HFTokenizer.from_file(str(folder / "tokenizer.json"))
+    vocab, merges = folder / "vocab.json", folder / "merges.txt"
+    if vocab.is_file() and merges.is_file():
+        from tokenizers import decoders, models, pre_tokenizers
+        tk = HFTokenizer(models.BPE.from_file(str(vocab), str(merges)))
+        tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tk.decoder = decoders.ByteLevel()
+        if tk.token_to_id("<|endoftext|>") is not None:
+            tk.add_special_tokens(["<|endoftext|>"])
+        return tk
+    raise FileNotFoundError(f"{folder} has no tokenizer.json (nor GPT-2 style vocab.json + merges.txt)")
+
+
 class Tokenizer:
     """A ``tokenizers.Tokenizer`` plus what generation needs from tokenizer_config.json."""
 
@@ -58,10 +74,7 @@ class Tokenizer:
     def from_folder(cls, folder: str | Path) -> "Tokenizer":
         """Load tokenizer.json (+ tokenizer_config.json / chat_template.jinja) from an HF folder."""
         folder = Path(folder)
-        path = folder / "tokenizer.json"
-        if not path.is_file():
-            raise FileNotFoundError(f"{folder} has no tokenizer.json (tokenizer.json is required)")
-        backend = HFTokenizer.from_file(str(path))
+        backend = _load_backend(folder)
         config_path = folder / "tokenizer_config.json"
         config = json.loads(config_path.read_text()) if config_path.is_file() else {}
         template = config.get("chat_template")

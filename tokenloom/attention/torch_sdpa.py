@@ -1,7 +1,9 @@
 """Reference paged attention on torch's scaled_dot_product_attention (any device).
 
-One SDPA call per sequence: simple, exact, and free of cross-sequence padding,
-so a sequence's output never depends on its batch companions.
+Prefill chunks run one SDPA call per sequence. A pure-decode batch (one query
+per sequence) runs as one padded call: one gather of every sequence's blocks
+and a mask that hides each sequence's padding, so a sequence still attends to
+exactly its own context whatever its batch companions are.
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     gqa = q.shape[1] != k.shape[1]
+    if meta.num_seqs > 1 and max(meta.query_lens) == 1:
+        return _decode_batch(q, k_cache, v_cache, meta, scale, gqa)
     out = torch.empty_like(q)
     for start, q_len, ctx_len, table in zip(meta.query_start, meta.query_lens,
                                             meta.context_lens, meta.block_tables):
@@ -67,3 +71,26 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                             is_causal=causal_only, scale=scale, enable_gqa=gqa)
         out[start:start + q_len] = oi[0].transpose(0, 1)           # (q_len, heads, head_dim)
     return out
+
+
+def _decode_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  meta: AttentionMetadata, scale: float, gqa: bool) -> torch.Tensor:
+    """One query per sequence: q (B, heads, head_dim) -> (B, heads, head_dim)."""
+    B = q.shape[0]
+    _, block_size, kv_heads, head_dim = k_cache.shape
+    width = max(len(t) for t in meta.block_tables)
+    tables = torch.zeros(B, width, dtype=torch.int64, device=q.device)     # pad with block 0 (masked out)
+    for i, t in enumerate(meta.block_tables):
+        tables[i, :len(t)] = t
+    flat = tables.view(-1)
+    L = width * block_size
+    keys = k_cache.index_select(0, flat).view(B, L, kv_heads, head_dim).transpose(1, 2)   # (B, kv_heads, L, head_dim)
+    values = v_cache.index_select(0, flat).view(B, L, kv_heads, head_dim).transpose(1, 2)
+    ctx = torch.tensor(meta.context_lens, device=q.device)[:, None]                      # (B, 1)
+    pos = torch.arange(L, device=q.device)[None, :]                                      # (1, L)
+    allowed = pos < ctx
+    if meta.sliding_window is not None:
+        allowed &= pos >= ctx - meta.sliding_window
+    out = F.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=allowed[:, None, None, :],
+                                         scale=scale, enable_gqa=gqa)                    # (B, heads, 1, head_dim)
+    return out[:, :, 0, :]

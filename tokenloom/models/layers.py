@@ -99,23 +99,41 @@ class GatedMLP(nn.Module):
         return self.down_proj(self.act(gate) * up)
 
 
-class InputMajorLinear(nn.Module):
-    """nn.Linear with its weight stored transposed, (in, out) contiguous; same forward contract.
+class DualLayoutLinear(nn.Module):
+    """nn.Linear that also keeps an (in, out)-major copy of its weight; same forward contract.
 
-    Measured on the 2-core AVX2 CPU (torch 2.13 + MKL), one-row GEMVs against
-    an (in, out)-major weight ran 1.6-1.8x faster than F.linear for wide
-    outputs (576 -> 3072: 25.8 -> 14.0 ms over 30 layers), and no slower for
-    128-row prefill. Narrow outputs (down_proj) were slower, so models opt in
-    per module (``CausalLM.input_major_modules``).
+    Measured on the 2-core AVX2 CPU (torch 2.13 + MKL), over 30 layers:
+    576 -> 3072 with 1 row: F.linear 27.0 ms, x @ W_t 11.5 ms; with 8 rows:
+    F.linear 28.9 ms, x @ W_t 40.7 ms. So rows <= ``max_rows_t`` (batch-1/2
+    decode) use the transposed copy and larger batches use F.linear. The copy
+    doubles these modules' weight memory; models opt in only for the wide
+    projections where it pays (``CausalLM.dual_layout_modules``).
     """
+
+    max_rows_t = 2
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight_t = nn.Parameter(linear.weight.detach().t().contiguous(), requires_grad=False)
-        self.bias = linear.bias
+        self.weight, self.bias = linear.weight, linear.bias
+        self.weight_t = linear.weight.detach().t().contiguous()          # (in, out)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > self.max_rows_t:
+            return F.linear(x, self.weight, self.bias)
         if self.bias is None:
-            return x @ self.weight_t                         # (T, in) @ (in, out)
+            return x @ self.weight_t                                     # (T, in) @ (in, out)
         return torch.addmm(self.bias, x, self.weight_t)
+
+
+def onednn_linear(linear: nn.Linear) -> nn.Module:
+    """The same Linear with its weight prepacked for oneDNN (float32 CPU only); same forward contract.
+
+    Measured for SmolLM2's 576 -> 49152 output projection on the 2-core AVX2 CPU:
+    1 row 6.4 ms (F.linear 12.9), 8 rows 11.7 ms (26.6), 128 rows 46 ms (103).
+    Returns `linear` unchanged where oneDNN cannot take it.
+    """
+    if not torch.backends.mkldnn.is_available() or linear.weight.dtype != torch.float32:
+        return linear
+    from torch.utils.mkldnn import MkldnnLinear
+    return MkldnnLinear(linear, torch.float32)
