@@ -59,3 +59,14 @@ def test_chunked_prefill_equals_whole_prefill(arch, tiny_model_dir):
         lw = [d[t] for d, t in zip(w.outputs[0].logprobs, w.outputs[0].token_ids)]
         lc = [d[t] for d, t in zip(c.outputs[0].logprobs, c.outputs[0].token_ids)]
         assert lc == pytest.approx(lw, abs=1e-5)
+
+
+def test_batched_decode_ignores_garbage_past_each_sequence(tiny_model_dir):
+    """Cache slots past a sequence's end must not leak in, even when they hold NaN."""
+    llm = LLM(str(tiny_model_dir("llama_gqa")), kv_cache_memory=16 << 20)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    expected = [llm.generate([p], params)[0].outputs[0].token_ids for p in PROMPTS]
+    for k, v in zip(llm.engine.runner.kv_cache.keys, llm.engine.runner.kv_cache.values):
+        k.fill_(float("nan"))
+        v.fill_(float("nan"))
+    assert [r.outputs[0].token_ids for r in llm.generate(PROMPTS, params)] == expected

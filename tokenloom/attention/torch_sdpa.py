@@ -91,6 +91,12 @@ def _decode_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     allowed = pos < ctx
     if meta.sliding_window is not None:
         allowed &= pos >= ctx - meta.sliding_window
+    # Masked slots get zero weight, but 0 x NaN is NaN: slots past a sequence's end
+    # may hold anything (another request's stale values, never-written memory), so
+    # zero them in the gathered copies.
+    hidden = ~allowed[:, None, :, None]                                                  # (B, 1, L, 1)
+    keys.masked_fill_(hidden, 0)
+    values.masked_fill_(hidden, 0)
     out = F.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=allowed[:, None, None, :],
                                          scale=scale, enable_gqa=gqa)                    # (B, heads, 1, head_dim)
     return out[:, :, 0, :]

@@ -25,8 +25,8 @@ class PagedKVCache:
         shape = (num_blocks, block_size, model.num_kv_heads, model.head_dim)
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(model.num_layers)]
-        self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(model.num_layers)]
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(model.num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(model.num_layers)]
 
     @classmethod
     def from_memory_budget(cls, model: ModelConfig, memory_bytes: int, block_size: int,
