@@ -36,6 +36,7 @@ _LLAMA3_SPLIT = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\
 # tokenizer.ggml.pre -> the regexes llama.cpp splits with, applied in order.
 _PRE_TOKENIZER_SPLITS = {
     "gpt2": [_GPT2_SPLIT],
+    "gpt-2": [_GPT2_SPLIT],
     "smollm": [r"\p{N}", _GPT2_SPLIT],
     "starcoder": [r"\p{N}", _GPT2_SPLIT],
     "qwen2": [_QWEN2_SPLIT],
@@ -165,17 +166,33 @@ def unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 def gguf_tokenizer(g: GGUFFile) -> Tokenizer:
-    """A byte-level BPE ``tokenizers.Tokenizer`` rebuilt from GGUF metadata."""
+    """A ``tokenizers.Tokenizer`` rebuilt from GGUF metadata (byte-level BPE or SentencePiece)."""
     kind = g.field("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise UnsupportedModelError(f"GGUF tokenizer model {kind!r} is not supported yet (only byte-level "
-                                    "BPE, 'gpt2'); load the model from an HF folder with tokenizer.json instead")
+    if kind not in ("gpt2", "llama"):
+        raise UnsupportedModelError(f"GGUF tokenizer model {kind!r} is not supported (supported: 'gpt2' "
+                                    "byte-level BPE, 'llama' SentencePiece); load an HF folder with tokenizer.json")
+    tokens = g.field("tokenizer.ggml.tokens")
+    types = g.field("tokenizer.ggml.token_type") or [1] * len(tokens)
+    tk = _byte_level_bpe(g, tokens) if kind == "gpt2" else _sentencepiece_bpe(g, tokens)
+    tk.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                           for t, ty in zip(tokens, types) if ty == _TOKEN_TYPE_CONTROL])
+    tk.add_tokens([AddedToken(t, special=False, normalized=False)
+                   for t, ty in zip(tokens, types) if ty == _TOKEN_TYPE_USER_DEFINED])
+    bos_id, eos_id = g.field("tokenizer.ggml.bos_token_id"), g.field("tokenizer.ggml.eos_token_id")
+    bos = tokens[bos_id] if bos_id is not None else None
+    if g.field("tokenizer.ggml.add_bos_token", kind == "llama") and bos is not None:
+        tk.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                                                          special_tokens=[(bos, bos_id)])
+    eos = tokens[eos_id] if eos_id is not None else None
+    return Tokenizer(tk, g.field("tokenizer.chat_template"), bos, eos)
+
+
+def _byte_level_bpe(g: GGUFFile, tokens: list[str]) -> HFTokenizer:
+    """GPT-2 style BPE: llama.cpp's pre-tokenizer regexes, then bytes mapped to unicode."""
     pre = g.field("tokenizer.ggml.pre", "gpt2")
     if pre not in _PRE_TOKENIZER_SPLITS:
         raise UnsupportedModelError(f"GGUF pre-tokenizer {pre!r} is not supported "
                                     f"(supported: {', '.join(_PRE_TOKENIZER_SPLITS)})")
-    tokens = g.field("tokenizer.ggml.tokens")
-    types = g.field("tokenizer.ggml.token_type") or [1] * len(tokens)
     merges = [tuple(m.split(" ", 1)) for m in g.field("tokenizer.ggml.merges") or []]
     tk = HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
                                 ignore_merges=pre == "llama-bpe"))
@@ -185,14 +202,36 @@ def gguf_tokenizer(g: GGUFFile) -> Tokenizer:
         [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in _PRE_TOKENIZER_SPLITS[pre]]
         + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tk.decoder = decoders.ByteLevel()
-    tk.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                           for t, ty in zip(tokens, types) if ty == _TOKEN_TYPE_CONTROL])
-    tk.add_tokens([AddedToken(t, special=False, normalized=False)
-                   for t, ty in zip(tokens, types) if ty == _TOKEN_TYPE_USER_DEFINED])
-    bos_id, eos_id = g.field("tokenizer.ggml.bos_token_id"), g.field("tokenizer.ggml.eos_token_id")
-    bos = tokens[bos_id] if bos_id is not None else None
-    if g.field("tokenizer.ggml.add_bos_token", False) and bos is not None:
-        tk.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
-                                                          special_tokens=[(bos, bos_id)])
-    eos = tokens[eos_id] if eos_id is not None else None
-    return Tokenizer(tk, g.field("tokenizer.chat_template"), bos, eos)
+    return tk
+
+
+def _sentencepiece_bpe(g: GGUFFile, tokens: list[str]) -> HFTokenizer:
+    """SentencePiece BPE (Llama 2, TinyLlama, Mistral): spaces as U+2581, byte fallback.
+
+    SentencePiece merges the adjacent pair whose merged piece scores highest; a BPE
+    whose merges are ranked by that score does the same (HF's LlamaConverter).
+    """
+    scores = g.field("tokenizer.ggml.scores")
+    if scores is None:
+        raise CheckpointError(f"{g.path.name}: SentencePiece tokenizer without tokenizer.ggml.scores")
+    unk_id = g.field("tokenizer.ggml.unknown_token_id", 0)
+    tk = HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=_merges_by_score(tokens, scores),
+                                unk_token=tokens[unk_id], fuse_unk=True, byte_fallback=True))
+    prefix = g.field("tokenizer.ggml.add_space_prefix", True)
+    tk.normalizer = normalizers.Sequence(([normalizers.Prepend("\u2581")] if prefix else [])
+                                         + [normalizers.Replace(" ", "\u2581")])
+    tk.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+                                   + ([decoders.Strip(" ", 1, 0)] if prefix else []))
+    return tk
+
+
+def _merges_by_score(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
+    """Every split of a piece into two pieces of the vocabulary, best-scoring merged piece first."""
+    ids = {t: i for i, t in enumerate(tokens)}
+    merges = []
+    for piece, score in zip(tokens, scores):
+        local = [(piece[:k], piece[k:]) for k in range(1, len(piece)) if piece[:k] in ids and piece[k:] in ids]
+        local.sort(key=lambda lr: (ids[lr[0]], ids[lr[1]]))
+        merges.extend((score, lr) for lr in local)
+    merges.sort(key=lambda m: m[0], reverse=True)   # stable: ties keep vocabulary order
+    return [lr for _, lr in merges]
