@@ -90,8 +90,7 @@ class LLMEngine:
         return self._update(sched, out)
 
     def _update(self, sched: SchedulerOutput, out: RunnerOutput) -> list[StepDelta]:
-        for s in sched.scheduled:
-            s.request.num_computed_tokens += s.num_tokens
+        self.scheduler.on_step_done(sched)
         deltas = []
         for rid, token, logprobs in zip(out.request_ids, out.sampled_token_ids, out.logprobs):
             req = self.requests[rid]

@@ -15,6 +15,7 @@ class ScheduledRequest:
     request: Request
     num_tokens: int          # tokens of this request computed in this step (prompt chunk or 1)
     samples: bool            # True when this step reaches the request's last known token
+    block_ids: list[int]     # the request's whole block table after this step's allocation
 
 
 @dataclass(slots=True)

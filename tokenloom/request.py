@@ -33,7 +33,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] = field(default_factory=list)
     num_computed_tokens: int = 0
-    block_table: list[int] = field(default_factory=list)
+    num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     stop_reason: str | int | None = None

@@ -34,10 +34,11 @@ class ModelRunner:
             starts.append(len(ids))
             ids.extend(tokens[start:end])
             positions.extend(range(start, end))
-            slots.extend(req.block_table[p // bs] * bs + p % bs for p in range(start, end))
+            table = s.block_ids
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             q_lens.append(s.num_tokens)
             ctx_lens.append(end)
-            tables.append(torch.tensor(req.block_table[:-(-end // bs)], dtype=torch.int64, device=self.device))
+            tables.append(torch.tensor(table[:-(-end // bs)], dtype=torch.int64, device=self.device))
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int64, device=self.device)
         meta = AttentionMetadata(as_tensor(slots), starts, q_lens, ctx_lens, tables,
                                  sliding_window=self.model.config.sliding_window)

@@ -1,18 +1,23 @@
 """Decides, each step, which requests compute how many tokens. No torch here.
 
 The rule is vLLM v1's: every request has ``num_computed_tokens`` and
-``num_tokens``; a step hands out up to ``max_num_batched_tokens`` tokens of work,
-running requests first (each decodes one token or continues its prompt), then
-waiting requests in arrival order while there is budget, a sequence slot and
-KV blocks. A prompt larger than the remaining budget is prefilled in chunks.
+``num_tokens``, and a step hands out up to ``max_num_batched_tokens`` tokens of
+work. Prefill, chunked prefill, decode, prefix-cache hits and recomputation
+after preemption are all that one rule:
 
-This first version reserves KV blocks for a request's whole possible length
-when it is admitted, so a running request can never run out of cache.
+1. running requests, oldest first, each get ``num_tokens - num_computed_tokens``
+   tokens (a prompt chunk, or 1 to decode) within the budget; KV blocks are
+   allocated as they are needed. When blocks run out, the newest running
+   request is preempted: its blocks are freed and it waits to be recomputed.
+2. if nothing was preempted, waiting requests are admitted oldest first while
+   there is budget, a sequence slot and blocks; an admitted prompt starts after
+   its longest cached prefix. Nobody overtakes the head of the queue (FCFS), and
+   since preemption always takes the newest, the oldest request always progresses.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import bisect
 
 from tokenloom.config import SchedulerConfig
 from tokenloom.kv_cache.block_manager import BlockManager
@@ -20,21 +25,28 @@ from tokenloom.outputs import ScheduledRequest, SchedulerOutput
 from tokenloom.request import Request, RequestStatus
 
 
+def _by_arrival(r: Request) -> int:
+    return r.arrival
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int) -> None:
         self.config = config
         self.blocks = block_manager
         self.max_model_len = max_model_len
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        self.waiting: list[Request] = []       # sorted by arrival
+        self.running: list[Request] = []       # sorted by arrival
+        self.num_preemptions = 0
 
     def add(self, request: Request) -> None:
+        """Queue a request; ValueError if it could never fit in the whole cache."""
         need = request.max_total_tokens(self.max_model_len)
         if self.blocks.blocks_needed(need) > self.blocks.num_blocks:
-            raise ValueError(f"request {request.request_id} needs {need} tokens of KV cache but the "
-                             f"whole cache holds {self.blocks.num_blocks * self.blocks.block_size}; "
-                             "lower max_tokens or raise --kv-cache-memory")
-        self.waiting.append(request)
+            raise ValueError(f"request {request.request_id} needs up to {need} tokens of KV cache (prompt "
+                             f"{request.num_prompt_tokens} + max_tokens {request.params.max_tokens}) but the whole "
+                             f"cache holds {self.blocks.num_blocks * self.blocks.block_size}; lower max_tokens "
+                             "or raise --kv-cache-memory")
+        bisect.insort(self.waiting, request, key=_by_arrival)
 
     @property
     def has_unfinished(self) -> bool:
@@ -43,28 +55,68 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        for req in self.running:
-            if budget == 0:
-                break
-            budget -= self._schedule_one(out, req, budget)
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[0]
-            need = req.max_total_tokens(self.max_model_len)
-            if not self.blocks.can_allocate(req.request_id, need):
-                break  # FCFS: nobody overtakes the head of the queue
-            self.waiting.popleft()
-            req.block_table = self.blocks.allocate(req.request_id, need)
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            budget -= self._schedule_one(out, req, budget)
+        preemptions_before = self.num_preemptions
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self._allocate_or_preempt(req, n):
+                break                                  # req itself was the newest: it waits now
+            budget -= self._emit(out, req, n)
+            i += 1
+        if self.num_preemptions == preemptions_before:
+            self._admit(out, budget)
         return out
 
-    @staticmethod
-    def _schedule_one(out: SchedulerOutput, req: Request, budget: int) -> int:
-        n = min(req.num_tokens - req.num_computed_tokens, budget)
+    def _allocate_or_preempt(self, req: Request, n: int) -> bool:
+        """Blocks for req's next n tokens, preempting the newest running requests until they fit.
+
+        Returns False if req itself had to be preempted. Victims come from the end of
+        the arrival-ordered running list, so none of them was scheduled yet this step.
+        """
+        while not self.blocks.allocate(req.request_id, req.num_computed_tokens + n):
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is req:
+                return False
+        return True
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            hits = self.blocks.find_cached_prefix(req.all_token_ids)
+            computed = len(hits) * self.blocks.block_size
+            n = min(req.num_tokens - computed, budget)
+            if not self.blocks.allocate(req.request_id, computed + n, cached_prefix=hits):
+                break
+            self.blocks.record_lookup(req.num_tokens, computed)
+            self.waiting.pop(0)
+            req.num_computed_tokens = computed
+            req.status = RequestStatus.RUNNING
+            bisect.insort(self.running, req, key=_by_arrival)
+            budget -= self._emit(out, req, n)
+
+    def _emit(self, out: SchedulerOutput, req: Request, n: int) -> int:
         samples = req.num_computed_tokens + n == req.num_tokens
-        out.scheduled.append(ScheduledRequest(req, n, samples))
+        out.scheduled.append(ScheduledRequest(req, n, samples, self.blocks.block_ids(req.request_id)))
         return n
+
+    def _preempt(self, req: Request) -> None:
+        """Free a running request's blocks; it will be recomputed from scratch (prefix hits aside)."""
+        self.running.remove(req)
+        self.blocks.free(req.request_id)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        bisect.insort(self.waiting, req, key=_by_arrival)
+
+    def on_step_done(self, out: SchedulerOutput) -> None:
+        """The step's tokens are in the cache: advance counts and index newly full blocks."""
+        for s in out.scheduled:
+            req = s.request
+            req.num_computed_tokens += s.num_tokens
+            self.blocks.cache_full_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens)
 
     def finish(self, request: Request, reason: str, stop_reason: str | int | None = None) -> None:
         """End a request (stop, length or abort): free its blocks and drop it from the queues."""

@@ -1,61 +1,195 @@
-"""Which KV cache block belongs to which request. Pure Python: no torch.
+"""Which KV cache block belongs to which request, and which blocks hold a known prefix.
 
-Blocks are fixed-size runs of ``block_size`` token slots. A request's block
-table lists its blocks in order; token position p lives in slot
-``block_table[p // block_size] * block_size + p % block_size``.
+Pure Python: no torch. Blocks are fixed-size runs of ``block_size`` token
+slots; token position p of a request lives in slot
+``table[p // block_size] * block_size + p % block_size``.
+
+Prefix caching (as in vLLM v1):
+- a block that is full gets a chained hash: hash((hash of the block before,
+  its token ids)), so equal hashes mean equal whole prefixes;
+- a request's blocks are reference-counted and may be shared by several
+  requests; a block whose count drops to 0 goes to the free queue but keeps its
+  hash, so a later request with the same prefix can take it back (a hit);
+- the free queue is the eviction order: blocks without a hash first, then
+  cached blocks least recently freed first; a request's blocks are freed tail
+  first, so its later blocks are evicted before the prefix others may share.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from dataclasses import dataclass
+
+
+@dataclass(eq=False, slots=True)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None                    # set once the block is full and cached
+    key: tuple | None = None                   # (parent hash, token ids): guards against hash collisions
+
+
+@dataclass(slots=True)
+class PrefixCacheStats:
+    queried_tokens: int = 0     # prompt tokens looked up in the prefix cache
+    hit_tokens: int = 0         # of those, found cached
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
 
 class BlockManager:
-    """A free list of block ids and a per-request block table."""
+    """Block tables, reference counts, the prefix-cache index and the LRU free queue."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"need positive num_blocks and block_size, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        # A stack: the most recently freed (cache-warm, already paged-in) block is reused first.
-        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
-        self._tables: dict[str, list[int]] = {}
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))  # front: evict first
+        self._cached: dict[int, Block] = {}                     # hash -> block
+        self._tables: dict[str, list[Block]] = {}
+        self._hashes: dict[str, list[int]] = {}                # per request: hashes of its full blocks so far
+        self.stats = PrefixCacheStats()
 
+    # ---- queries -------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
         return len(self._free)
 
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def can_allocate(self, request_id: str, num_tokens: int) -> bool:
-        """Whether the request's table can be grown to hold `num_tokens` tokens."""
-        have = len(self._tables.get(request_id, ()))
-        return self.blocks_needed(num_tokens) - have <= len(self._free)
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self._tables.get(request_id, ())]
 
-    def allocate(self, request_id: str, num_tokens: int) -> list[int]:
-        """Grow the request's block table to hold `num_tokens` tokens; returns the table.
+    def ref_count(self, block_id: int) -> int:
+        return self.blocks[block_id].ref_count
 
-        Raises MemoryError when there are not enough free blocks (call can_allocate first).
+    # ---- prefix cache --------------------------------------------------------------------
+    def _chain(self, token_ids: list[int], start_hashes: list[int], num_full: int) -> list[int]:
+        """Hashes of the first `num_full` blocks, extending `start_hashes`."""
+        hashes = list(start_hashes)
+        bs = self.block_size
+        for i in range(len(hashes), num_full):
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash((parent, tuple(token_ids[i * bs:(i + 1) * bs]))))
+        return hashes
+
+    def find_cached_prefix(self, token_ids: list[int]) -> list[Block]:
+        """The cached blocks holding the longest prefix of `token_ids` (not yet referenced).
+
+        At most ``len(token_ids) - 1`` tokens are matched: the last token must be
+        computed to produce the next token's logits.
         """
+        if not self.enable_prefix_caching:
+            return []
+        hits: list[Block] = []
+        parent = None
+        bs = self.block_size
+        for i in range((len(token_ids) - 1) // bs):
+            tokens = tuple(token_ids[i * bs:(i + 1) * bs])
+            block = self._cached.get(hash((parent, tokens)))
+            if block is None or block.key != (parent, tokens):
+                break
+            hits.append(block)
+            parent = block.hash
+        return hits
+
+    def record_lookup(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
+        self.stats.queried_tokens += num_prompt_tokens
+        self.stats.hit_tokens += num_hit_tokens
+
+    def cache_full_blocks(self, request_id: str, token_ids: list[int], num_computed_tokens: int) -> None:
+        """Register the request's blocks that are now full of computed tokens in the prefix index."""
+        if not self.enable_prefix_caching:
+            return
+        table = self._tables.get(request_id, [])
+        known = self._hashes.setdefault(request_id, [])
+        num_full = min(num_computed_tokens // self.block_size, len(table))
+        hashes = self._chain(token_ids, known, num_full)
+        bs = self.block_size
+        for i in range(len(known), num_full):
+            block = table[i]
+            if block.hash is None:
+                block.hash = hashes[i]
+                block.key = (hashes[i - 1] if i else None, tuple(token_ids[i * bs:(i + 1) * bs]))
+                self._cached.setdefault(block.hash, block)   # an equal block already cached stays the index entry
+        self._hashes[request_id] = hashes
+
+    # ---- allocation ----------------------------------------------------------------------
+    def can_allocate(self, request_id: str, num_tokens: int, cached_prefix: list[Block] = ()) -> bool:
+        have = len(self._tables.get(request_id, ())) or len(cached_prefix)
+        reclaimable = sum(1 for b in cached_prefix if b.ref_count == 0)  # hits sitting in the free queue
+        return self.blocks_needed(num_tokens) - have <= len(self._free) - reclaimable
+
+    def allocate(self, request_id: str, num_tokens: int, cached_prefix: list[Block] = ()) -> bool:
+        """Grow the request's table to hold `num_tokens` tokens, starting from `cached_prefix`
+        if it has no table yet. Returns False (and changes nothing) if blocks are short."""
+        if not self.can_allocate(request_id, num_tokens, cached_prefix):
+            return False
         table = self._tables.setdefault(request_id, [])
-        extra = self.blocks_needed(num_tokens) - len(table)
-        if extra > len(self._free):
-            raise MemoryError(f"request {request_id} needs {extra} more KV blocks, {len(self._free)} free")
-        table.extend(self._free.pop() for _ in range(max(extra, 0)))
-        return table
+        if not table:
+            for block in cached_prefix:
+                self._take(block)
+                table.append(block)
+            self._hashes[request_id] = [b.hash for b in cached_prefix]
+        while len(table) < self.blocks_needed(num_tokens):
+            block = self.blocks[next(iter(self._free))]
+            self._evict(block)
+            self._take(block)
+            table.append(block)
+        return True
+
+    def _take(self, block: Block) -> None:
+        if block.ref_count == 0:
+            del self._free[block.block_id]
+        block.ref_count += 1
+
+    def _evict(self, block: Block) -> None:
+        """Forget a free block's cached contents before reusing it."""
+        if block.hash is not None and self._cached.get(block.hash) is block:
+            del self._cached[block.hash]
+        block.hash = block.key = None
 
     def free(self, request_id: str) -> None:
-        """Return all of a request's blocks to the free list (no-op if it holds none)."""
-        self._free.extend(self._tables.pop(request_id, ()))
+        """Drop the request's references (tail first); blocks no one holds become free."""
+        for block in reversed(self._tables.pop(request_id, [])):
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block.block_id] = None
+                if block.hash is None:            # nothing worth keeping: reuse it first
+                    self._free.move_to_end(block.block_id, last=False)
+        self._hashes.pop(request_id, None)
 
-    def table(self, request_id: str) -> list[int]:
-        return self._tables.get(request_id, [])
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (blocks in use keep their contents)."""
+        for block in self.blocks:
+            if block.ref_count == 0:
+                self._evict(block)
 
+    # ---- invariants ----------------------------------------------------------------------
     def check_integrity(self) -> None:
-        """Assert: no block is both free and owned, none owned twice, free + owned = total."""
-        owned = [b for t in self._tables.values() for b in t]
-        free = list(self._free)
-        assert len(set(owned)) == len(owned), "a block is owned twice"
-        assert len(set(free)) == len(free), "a block is free twice"
-        assert not set(owned) & set(free), "a block is both free and owned"
-        assert len(owned) + len(free) == self.num_blocks, "blocks were lost or invented"
+        """Assert every invariant: ref counts match the tables, free + used = total,
+        free blocks are exactly those nobody holds, and the index points at matching blocks."""
+        holders: dict[int, int] = {}
+        for rid, table in self._tables.items():
+            ids = [b.block_id for b in table]
+            assert len(set(ids)) == len(ids), f"request {rid} holds a block twice: {ids}"
+            for i in ids:
+                holders[i] = holders.get(i, 0) + 1
+        for block in self.blocks:
+            assert block.ref_count == holders.get(block.block_id, 0), \
+                f"block {block.block_id}: ref_count {block.ref_count} != {holders.get(block.block_id, 0)} holders"
+            assert (block.ref_count == 0) == (block.block_id in self._free), \
+                f"block {block.block_id}: free-queue membership disagrees with ref_count {block.ref_count}"
+        assert len(self._free) + len(holders) == self.num_blocks, "free + used != total"
+        for h, block in self._cached.items():
+            assert block.hash == h and block.key is not None, f"index entry {h} points at a block without it"
