@@ -1,0 +1,52 @@
+"""The engine's schedule -> execute -> update loop with a fake model: no torch, exact and fast."""
+
+from __future__ import annotations
+
+from tokenloom.config import SchedulerConfig
+from tokenloom.kv_cache.block_manager import BlockManager
+from tokenloom.request import Request
+from tokenloom.sampling_params import SamplingParams
+from tokenloom.scheduler import Scheduler
+
+
+class FakeEngine:
+    """Every sampled token is `1000 + number of tokens the request had`, so outputs are predictable."""
+
+    def __init__(self, num_blocks: int, block_size: int = 4, max_num_batched_tokens: int = 64,
+                 max_num_seqs: int = 16, max_model_len: int = 1024, prefix_caching: bool = True) -> None:
+        self.blocks = BlockManager(num_blocks, block_size, prefix_caching)
+        self.scheduler = Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens), self.blocks, max_model_len)
+        self.requests: dict[str, Request] = {}
+        self.arrivals = 0
+        self.log: list[list[tuple[str, int]]] = []   # per step: (request id, tokens computed)
+
+    def add(self, rid: str, prompt: list[int], max_tokens: int) -> Request:
+        req = Request(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0), arrival=self.arrivals)
+        self.arrivals += 1
+        self.scheduler.add(req)
+        self.requests[rid] = req
+        return req
+
+    def abort(self, rid: str) -> None:
+        req = self.requests.get(rid)
+        if req is not None and not req.is_finished:
+            self.scheduler.finish(req, "abort")
+
+    def step(self) -> None:
+        out = self.scheduler.schedule()
+        self.log.append([(s.request.request_id, s.num_tokens) for s in out.scheduled])
+        self.scheduler.on_step_done(out)
+        for s in out.scheduled:
+            req = s.request
+            if s.samples:
+                req.output_token_ids.append(1000 + req.num_tokens)
+                if len(req.output_token_ids) >= req.params.max_tokens:
+                    self.scheduler.finish(req, "length")
+        self.blocks.check_integrity()
+
+    def run(self, max_steps: int = 10_000) -> None:
+        for _ in range(max_steps):
+            if not self.scheduler.has_unfinished:
+                return
+            self.step()
+        raise AssertionError("requests did not finish")

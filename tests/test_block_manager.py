@@ -1,0 +1,138 @@
+"""Block manager: exact block ids, ref counts, prefix hits and eviction order."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenloom.kv_cache.block_manager import BlockManager
+
+BS = 4
+
+
+@pytest.fixture
+def bm():
+    m = BlockManager(num_blocks=8, block_size=BS)
+    yield m
+    m.check_integrity()
+
+
+def toks(n, start=0):
+    return list(range(start, start + n))
+
+
+def test_allocate_takes_blocks_in_order_and_grows(bm):
+    assert bm.allocate("a", 5)                   # 5 tokens -> 2 blocks
+    assert bm.block_ids("a") == [0, 1]
+    assert bm.allocate("a", 8)                   # still 2 blocks
+    assert bm.block_ids("a") == [0, 1]
+    assert bm.allocate("a", 9)
+    assert bm.block_ids("a") == [0, 1, 2]
+    assert [bm.ref_count(i) for i in range(4)] == [1, 1, 1, 0]
+    assert bm.num_free_blocks == 5
+    bm.check_integrity()
+
+
+def test_allocation_fails_without_side_effects(bm):
+    assert bm.allocate("a", 28)                  # 7 blocks
+    assert not bm.allocate("b", 8)               # needs 2, 1 free
+    assert bm.block_ids("b") == [] and bm.num_free_blocks == 1
+    bm.check_integrity()
+
+
+def test_prefix_hit_shares_full_blocks_and_counts_refs(bm):
+    prompt = toks(10)                            # blocks [0..3] [4..7] full, [8, 9] partial
+    bm.allocate("a", 10)
+    bm.cache_full_blocks("a", prompt, 10)
+    hits = bm.find_cached_prefix(prompt + [99])
+    assert [b.block_id for b in hits] == [0, 1]
+    assert bm.allocate("b", 11, cached_prefix=hits)
+    assert bm.block_ids("b") == [0, 1, 3]
+    assert [bm.ref_count(i) for i in range(4)] == [2, 2, 1, 1]
+    bm.check_integrity()
+
+
+def test_hit_leaves_the_last_token_to_compute(bm):
+    prompt = toks(8)                             # exactly two full blocks
+    bm.allocate("a", 8)
+    bm.cache_full_blocks("a", prompt, 8)
+    assert [b.block_id for b in bm.find_cached_prefix(prompt)] == [0]   # not both: one token must run
+
+
+def test_a_different_earlier_block_breaks_the_chain(bm):
+    bm.allocate("a", 8)
+    bm.cache_full_blocks("a", toks(8), 8)
+    other = [100, 101, 102, 103] + toks(4, 4)    # same second block, different first block
+    assert bm.find_cached_prefix(other + [7]) == []
+
+
+def test_freed_cached_blocks_are_hits_until_evicted_lru(bm):
+    a, b = toks(8), toks(8, 50)
+    bm.allocate("a", 8)
+    bm.cache_full_blocks("a", a, 8)              # blocks 0, 1
+    bm.allocate("b", 8)
+    bm.cache_full_blocks("b", b, 8)              # blocks 2, 3
+    bm.free("a")                                 # freed tail first: 1 then 0
+    bm.free("b")                                 # 3 then 2
+    bm.check_integrity()
+    assert [x.block_id for x in bm.find_cached_prefix(a + [1])] == [0, 1]
+    # 4 never-cached blocks are reused before any cached one; then LRU: 1, 0, 3, 2.
+    assert bm.allocate("c", 4 * BS)
+    assert bm.block_ids("c") == [4, 5, 6, 7]
+    assert bm.allocate("c", 5 * BS)
+    assert bm.block_ids("c")[-1] == 1            # a's tail block evicted first
+    assert [x.block_id for x in bm.find_cached_prefix(a + [1])] == [0]
+    assert bm.allocate("c", 7 * BS)
+    assert bm.block_ids("c")[-2:] == [0, 3]
+    assert bm.find_cached_prefix(a + [1]) == []
+    assert [x.block_id for x in bm.find_cached_prefix(b + [1])] == [2]     # b's first block is the last one left
+    assert bm.num_free_blocks == 1
+    bm.check_integrity()
+
+
+def test_hit_on_a_free_block_takes_it_out_of_the_free_queue(bm):
+    bm.allocate("a", 8)
+    bm.cache_full_blocks("a", toks(8), 8)
+    bm.free("a")
+    assert bm.num_free_blocks == 8
+    hits = bm.find_cached_prefix(toks(9))
+    assert bm.allocate("b", 9, cached_prefix=hits)
+    assert bm.block_ids("b")[:2] == [0, 1] and bm.num_free_blocks == 5
+    bm.check_integrity()
+
+
+def test_can_allocate_does_not_count_reclaimed_hits_as_free():
+    bm = BlockManager(num_blocks=3, block_size=BS)
+    bm.allocate("a", 8)
+    bm.cache_full_blocks("a", toks(8), 8)
+    bm.free("a")                                  # 3 free, 2 of them the cached prefix
+    hits = bm.find_cached_prefix(toks(13))
+    assert len(hits) == 2
+    assert bm.can_allocate("b", 12, hits)        # 3 blocks: 2 hits + 1 fresh
+    assert not bm.can_allocate("b", 13, hits)    # 4 blocks: only 1 fresh left
+    bm.check_integrity()
+
+
+def test_duplicate_content_keeps_one_index_entry(bm):
+    bm.allocate("a", 5)
+    bm.allocate("b", 5)
+    bm.cache_full_blocks("a", toks(5), 5)
+    bm.cache_full_blocks("b", toks(5), 5)        # same first block computed twice (no hit at admission)
+    assert [x.block_id for x in bm.find_cached_prefix(toks(6))] == [0]
+    bm.free("a")
+    bm.free("b")
+    bm.check_integrity()
+
+
+def test_check_integrity_catches_a_corrupted_ref_count(bm):
+    bm.allocate("a", 4)
+    bm.blocks[0].ref_count = 2
+    with pytest.raises(AssertionError, match="ref_count 2 != 1 holders"):
+        bm.check_integrity()
+    bm.blocks[0].ref_count = 1
+
+
+def test_prefix_caching_can_be_disabled():
+    bm = BlockManager(num_blocks=4, block_size=BS, enable_prefix_caching=False)
+    bm.allocate("a", 8)
+    bm.cache_full_blocks("a", toks(8), 8)
+    assert bm.find_cached_prefix(toks(9)) == []
