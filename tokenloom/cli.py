@@ -26,8 +26,12 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="weight and activation dtype (default: float32; bf16/fp16 are slow on most CPUs)")
     g.add_argument("--max-model-len", type=int, default=None, help="context window (default: the model's)")
-    g.add_argument("--kv-cache-memory", type=float, default=1.0, metavar="GIB",
-                   help="memory for the KV cache in GiB (default: 1)")
+    g.add_argument("--kv-cache-memory", type=float, default=None, metavar="GIB",
+                   help="memory for the KV cache in GiB (default: 1, or see --kv-cache-fraction)")
+    g.add_argument("--kv-cache-fraction", type=float, default=None, metavar="F",
+                   help="size the KV cache as this fraction of the memory available now")
+    g.add_argument("--no-prefix-caching", action="store_false", dest="enable_prefix_caching",
+                   help="do not reuse the KV cache of shared prompt prefixes")
 
 
 def _sampling_flags(p: argparse.ArgumentParser) -> None:
@@ -59,8 +63,10 @@ def _sampling_params(args: argparse.Namespace):
 
 def _make_llm(args: argparse.Namespace):
     from tokenloom.llm import LLM
-    return LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len,
-               kv_cache_memory=int(args.kv_cache_memory * (1 << 30)), progress=True)
+    memory = None if args.kv_cache_memory is None else int(args.kv_cache_memory * (1 << 30))
+    return LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, kv_cache_memory=memory,
+               kv_cache_fraction=args.kv_cache_fraction, enable_prefix_caching=args.enable_prefix_caching,
+               progress=True)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -137,6 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    import logging
+    logging.basicConfig(level=logging.INFO, format="tokenloom: %(message)s", stream=sys.stderr)
     from tokenloom.config import UnsupportedModelError
     from tokenloom.loader import CheckpointError
     try:

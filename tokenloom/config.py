@@ -167,16 +167,45 @@ def _rope_of(hf: dict[str, Any]) -> RopeConfig:
 
 @dataclass(slots=True)
 class CacheConfig:
-    """Paged KV cache geometry: ``num_blocks`` blocks of ``block_size`` tokens."""
+    """Paged KV cache geometry and budget.
+
+    The budget is ``kv_cache_memory`` bytes if given, else ``kv_cache_fraction`` of
+    the memory available now, else 1 GiB.
+    """
 
     block_size: int = 16
-    kv_cache_memory: int = 1 << 30  # bytes for keys and values of every layer
+    kv_cache_memory: int | None = None
+    kv_cache_fraction: float | None = None
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
-        if self.kv_cache_memory <= 0:
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
+        if self.kv_cache_fraction is not None and not 0 < self.kv_cache_fraction <= 0.9:
+            raise ValueError(f"kv_cache_fraction must be in (0, 0.9], got {self.kv_cache_fraction}")
+
+    def resolve_memory(self) -> int:
+        """The KV cache budget in bytes."""
+        if self.kv_cache_memory is not None:
+            return self.kv_cache_memory
+        if self.kv_cache_fraction is not None:
+            return int(self.kv_cache_fraction * available_memory())
+        return 1 << 30
+
+
+def available_memory() -> int:
+    """Bytes of memory available to new allocations (MemAvailable on Linux)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
 @dataclass(slots=True)

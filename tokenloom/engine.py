@@ -8,24 +8,28 @@ token stops, detokenizes, checks stop strings and frees finished requests.
 from __future__ import annotations
 
 import itertools
-
-import torch
+import logging
+import time
 
 from tokenloom.config import EngineConfig, parse_dtype
 from tokenloom.detokenizer import IncrementalDetokenizer
 from tokenloom.kv_cache.block_manager import BlockManager
-from tokenloom.kv_cache.paged import PagedKVCache
+from tokenloom.kv_cache.paged import PagedKVCache, kv_bytes_per_token
 from tokenloom.loader import load_model
-from tokenloom.outputs import RunnerOutput, SchedulerOutput, StepDelta
+from tokenloom.metrics import EngineStats
+from tokenloom.outputs import CompletionOutput, RunnerOutput, SchedulerOutput, StepDelta
 from tokenloom.request import Request
 from tokenloom.runner import ModelRunner
 from tokenloom.sampling_params import SamplingParams
 from tokenloom.scheduler import Scheduler
 from tokenloom.stopping import check_token_stop
 
+logger = logging.getLogger("tokenloom")
+
 
 class LLMEngine:
-    """Owns model, KV cache, scheduler and per-request detokenizers. Not thread-safe."""
+    """Owns model, KV cache, scheduler and per-request detokenizers. Not thread-safe:
+    one caller at a time (the AsyncLLMEngine serializes access for concurrent users)."""
 
     def __init__(self, config: EngineConfig, progress: bool = False) -> None:
         self.config = config
@@ -34,25 +38,50 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = loaded.eos_token_ids
         self.max_model_len = loaded.config.max_model_len
-        kv = PagedKVCache.from_memory_budget(loaded.config, config.cache.kv_cache_memory,
-                                             config.cache.block_size, parse_dtype(config.dtype), config.device)
-        self.block_manager = BlockManager(kv.num_blocks, kv.block_size)
+        dtype = parse_dtype(config.dtype)
+        kv = PagedKVCache.from_memory_budget(loaded.config, config.cache.resolve_memory(),
+                                             config.cache.block_size, dtype, config.device)
+        self._report_cache(kv, kv_bytes_per_token(loaded.config, dtype))
+        self.block_manager = BlockManager(kv.num_blocks, kv.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
         self.runner = ModelRunner(loaded.model, kv, config.device)
         self.requests: dict[str, Request] = {}
         self._detoks: dict[str, IncrementalDetokenizer] = {}
         self._arrivals = itertools.count()
+        self._prompt_tokens_computed = 0
+        self._generated_tokens = 0
+
+    def _report_cache(self, kv: PagedKVCache, per_token: int) -> None:
+        c = self.model_config
+        logger.info("KV cache: %d tokens (%d blocks x %d) in %.2f GiB; per token 2 x %d layers x %d kv_heads x "
+                    "%d head_dim x %d B = %d B", kv.num_tokens, kv.num_blocks, kv.block_size,
+                    kv.num_tokens * per_token / 2**30, c.num_layers, c.num_kv_heads, c.head_dim,
+                    per_token // (2 * c.num_layers * c.num_kv_heads * c.head_dim), per_token)
 
     @property
     def kv_cache_tokens(self) -> int:
         return self.runner.kv_cache.num_tokens
 
+    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError (naming the problem) for input the model cannot take; changes nothing."""
+        ids = prompt_token_ids
+        if not ids:
+            raise ValueError("prompt is empty: give at least one token")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens but the context window is {self.max_model_len} "
+                             "tokens (the prompt must leave room for at least one new token)")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < vocab)]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary (size {vocab})")
+        params.check_vocab(vocab)
+        self.scheduler.check_fits(len(ids), params.max_tokens)
+
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
-        """Queue a request; ValueError (naming the problem) for input the model cannot take."""
+        """Queue a request (validated first: ValueError for input the model cannot take)."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        self._validate_prompt(prompt_token_ids)
-        params.check_vocab(self.model_config.vocab_size)
+        self.validate_request(prompt_token_ids, params)
         req = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids, next(self._arrivals))
         self.scheduler.add(req)
         self.requests[request_id] = req
@@ -60,19 +89,8 @@ class LLMEngine:
                                                           params.skip_special_tokens)
         return req
 
-    def _validate_prompt(self, ids: list[int]) -> None:
-        if not ids:
-            raise ValueError("prompt is empty: give at least one token")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens but the context window is {self.max_model_len} "
-                             "tokens (the prompt must leave room for at least one new token)")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary (size {vocab})")
-
     def abort(self, request_id: str) -> None:
-        """Stop a request now and free its KV blocks (no-op for unknown/finished ids)."""
+        """Stop a request now and free its KV blocks (no-op for unknown or finished ids)."""
         req = self.requests.pop(request_id, None)
         self._detoks.pop(request_id, None)
         if req is not None and not req.is_finished:
@@ -82,7 +100,11 @@ class LLMEngine:
         return self.scheduler.has_unfinished
 
     def step(self) -> list[StepDelta]:
-        """Run one engine step; returns a delta for every request that produced a token."""
+        """Run one engine step; returns a delta for every request that produced a token.
+
+        A request's finishing delta carries its CompletionOutput, and the engine
+        forgets the request then.
+        """
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
@@ -90,17 +112,24 @@ class LLMEngine:
         return self._update(sched, out)
 
     def _update(self, sched: SchedulerOutput, out: RunnerOutput) -> list[StepDelta]:
+        for s in sched.scheduled:
+            prompt_left = s.request.num_prompt_tokens - s.request.num_computed_tokens
+            self._prompt_tokens_computed += max(0, min(s.num_tokens, prompt_left))
         self.scheduler.on_step_done(sched)
+        now = time.monotonic()
         deltas = []
         for rid, token, logprobs in zip(out.request_ids, out.sampled_token_ids, out.logprobs):
             req = self.requests[rid]
             req.output_token_ids.append(token)
             if logprobs is not None:
                 req.logprobs.append(logprobs)
-            deltas.append(self._detokenize_and_stop(req, token))
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
+            self._generated_tokens += 1
+            deltas.append(self._detokenize_and_stop(req, token, now))
         return deltas
 
-    def _detokenize_and_stop(self, req: Request, token: int) -> StepDelta:
+    def _detokenize_and_stop(self, req: Request, token: int, now: float) -> StepDelta:
         detok = self._detoks[req.request_id]
         token_stop = check_token_stop(req.output_token_ids, req.params, self.eos_token_ids,
                                       req.num_tokens, self.max_model_len)
@@ -111,16 +140,23 @@ class LLMEngine:
         elif token_stop is not None:
             self.scheduler.finish(req, token_stop[0], token_stop[1])
             text += detok.finish()
-        return StepDelta(req.request_id, [token], text, req.is_finished, req.finish_reason)
+        delta = StepDelta(req.request_id, [token], text, req.is_finished, req.finish_reason)
+        if req.is_finished:
+            req.metrics.finish_time = now
+            delta.completion = self._complete(req)
+        return delta
 
-    def output_text(self, request_id: str) -> str:
-        return self._detoks[request_id].text
+    def _complete(self, req: Request) -> CompletionOutput:
+        """The finished request's result; the engine forgets the request."""
+        text = self._detoks.pop(req.request_id).text
+        del self.requests[req.request_id]
+        m = req.metrics
+        m.num_generated, m.num_preemptions = len(req.output_token_ids), req.num_preemptions
+        return CompletionOutput(0, text, req.output_token_ids, req.finish_reason, req.stop_reason,
+                                req.logprobs if req.params.logprobs is not None else None, m)
 
-    def release(self, request_id: str) -> Request:
-        """Forget a finished request; returns it for result collection."""
-        self._detoks.pop(request_id, None)
-        return self.requests.pop(request_id)
-
-
-def default_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), bm.num_used_blocks,
+                           bm.num_free_blocks, bm.stats.hit_rate, self._prompt_tokens_computed,
+                           self._generated_tokens, self.scheduler.num_preemptions)

@@ -22,12 +22,14 @@ class LLM:
     """Batch generation over the engine. ``model`` is a folder or .gguf path (None: the default model)."""
 
     def __init__(self, model: str | None = None, dtype: str = "float32", device: str = "cpu",
-                 max_model_len: int | None = None, kv_cache_memory: int = 1 << 30, block_size: int = 16,
+                 max_model_len: int | None = None, kv_cache_memory: int | None = None,
+                 kv_cache_fraction: float | None = None, block_size: int = 16, enable_prefix_caching: bool = True,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 8192, progress: bool = False) -> None:
+        cache = CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
+                            kv_cache_fraction=kv_cache_fraction, enable_prefix_caching=enable_prefix_caching)
         config = EngineConfig(model=resolve_model(model), dtype=dtype, device=device, max_model_len=max_model_len,
-                              cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory),
-                              scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
-                                                        max_num_batched_tokens=max_num_batched_tokens))
+                              cache=cache, scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
+                                                                     max_num_batched_tokens=max_num_batched_tokens))
         self.engine = LLMEngine(config, progress=progress)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
@@ -66,13 +68,14 @@ class LLM:
         try:
             for p in prompts:
                 added.append(self._add(p, params))
-            self._run(sum(len(a[3]) for a in added), use_tqdm)
+            done = self._run(sum(len(a[3]) for a in added), use_tqdm)
         except BaseException:
             for _, _, _, children in added:
                 for c in children:
                     self.engine.abort(c)
             raise
-        return [self._collect(*a) for a in added]
+        return [RequestOutput(rid, text, ids, [_indexed(done[c], i) for i, c in enumerate(children)])
+                for rid, text, ids, children in added]
 
     def chat(self, messages: Messages | list[Messages], params: SamplingParams | None = None,
              **template_kwargs: Any) -> list[RequestOutput]:
@@ -90,30 +93,31 @@ class LLM:
             prompt = self.tokenizer.encode_chat(prompt)
         _, _, _, (child,) = self._add(prompt, params)
         try:
-            while True:
+            finished = False
+            while not finished:
                 for delta in self.engine.step():
-                    if delta.request_id == child and delta.text_delta:
-                        yield delta.text_delta
-                if self.engine.requests[child].is_finished:
-                    break
+                    if delta.request_id == child:
+                        finished = delta.finished
+                        if delta.text_delta:
+                            yield delta.text_delta
         finally:
             self.engine.abort(child)
 
-    def _run(self, total: int, use_tqdm: bool) -> None:
-        bar = tqdm(total=total, desc="generating", unit="seq", disable=not use_tqdm)
-        with bar:
+    def _run(self, total: int, use_tqdm: bool) -> dict[str, CompletionOutput]:
+        """Step until the engine is idle; the completions of requests that finished, by id."""
+        done: dict[str, CompletionOutput] = {}
+        with tqdm(total=total, desc="generating", unit="seq", disable=not use_tqdm) as bar:
             while self.engine.has_unfinished_requests():
-                finished = sum(d.finished for d in self.engine.step())
-                bar.update(finished)
+                for delta in self.engine.step():
+                    if delta.finished:
+                        done[delta.request_id] = delta.completion
+                        bar.update(1)
+        return done
 
-    def _collect(self, rid: str, text: str | None, ids: list[int], children: list[str]) -> RequestOutput:
-        outputs = []
-        for i, child in enumerate(children):
-            out_text = self.engine.output_text(child)
-            req = self.engine.release(child)
-            outputs.append(CompletionOutput(i, out_text, req.output_token_ids, req.finish_reason,
-                                            req.stop_reason, req.logprobs if req.params.logprobs is not None else None))
-        return RequestOutput(rid, text, ids, outputs)
+
+def _indexed(completion: CompletionOutput, index: int) -> CompletionOutput:
+    completion.index = index
+    return completion
 
 
 def _child_params(params: SamplingParams, index: int) -> SamplingParams:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tokenloom.metrics import RequestMetrics
 from tokenloom.request import Request
 
 # One generated token's logprobs: {token_id: logprob} holding the chosen token and the top N.
@@ -43,17 +44,6 @@ class RunnerOutput:
 
 
 @dataclass(slots=True)
-class StepDelta:
-    """What one step produced for one request: the engine's streaming unit."""
-
-    request_id: str
-    new_token_ids: list[int]
-    text_delta: str
-    finished: bool
-    finish_reason: str | None = None
-
-
-@dataclass(slots=True)
 class CompletionOutput:
     """One generated sequence of a request (there are `n` of them)."""
 
@@ -63,6 +53,19 @@ class CompletionOutput:
     finish_reason: str | None        # "stop" (EOS, stop id or stop string), "length", "abort"
     stop_reason: str | int | None = None  # the stop string or stop token id that matched
     logprobs: list[TokenLogprobs] | None = None
+    metrics: RequestMetrics | None = None
+
+
+@dataclass(slots=True)
+class StepDelta:
+    """What one step produced for one request: the engine's streaming unit."""
+
+    request_id: str
+    new_token_ids: list[int]
+    text_delta: str
+    finished: bool
+    finish_reason: str | None = None
+    completion: CompletionOutput | None = None   # the whole result, on the finishing delta only
 
 
 @dataclass(slots=True)

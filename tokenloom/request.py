@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 
 import torch
 
+from tokenloom.metrics import RequestMetrics
 from tokenloom.sampling_params import SamplingParams
 
 
@@ -38,6 +40,7 @@ class Request:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     generator: torch.Generator | None = None           # set when params.seed is given
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
 
     def __post_init__(self) -> None:
         if self.params.seed is not None and self.generator is None:

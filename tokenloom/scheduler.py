@@ -38,14 +38,18 @@ class Scheduler:
         self.running: list[Request] = []       # sorted by arrival
         self.num_preemptions = 0
 
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """ValueError if a request this long could never fit in the whole cache."""
+        need = min(num_prompt_tokens + max_tokens, self.max_model_len)
+        if self.blocks.blocks_needed(need) > self.blocks.num_blocks:
+            raise ValueError(f"request needs up to {need} tokens of KV cache (prompt {num_prompt_tokens} + "
+                             f"max_tokens {max_tokens}) but the whole cache holds "
+                             f"{self.blocks.num_blocks * self.blocks.block_size}; lower max_tokens or raise "
+                             "--kv-cache-memory")
+
     def add(self, request: Request) -> None:
         """Queue a request; ValueError if it could never fit in the whole cache."""
-        need = request.max_total_tokens(self.max_model_len)
-        if self.blocks.blocks_needed(need) > self.blocks.num_blocks:
-            raise ValueError(f"request {request.request_id} needs up to {need} tokens of KV cache (prompt "
-                             f"{request.num_prompt_tokens} + max_tokens {request.params.max_tokens}) but the whole "
-                             f"cache holds {self.blocks.num_blocks * self.blocks.block_size}; lower max_tokens "
-                             "or raise --kv-cache-memory")
+        self.check_fits(request.num_prompt_tokens, request.params.max_tokens)
         bisect.insort(self.waiting, request, key=_by_arrival)
 
     @property
@@ -90,6 +94,8 @@ class Scheduler:
             if not self.blocks.allocate(req.request_id, computed + n, cached_prefix=hits):
                 break
             self.blocks.record_lookup(req.num_tokens, computed)
+            if req.num_preemptions == 0:
+                req.metrics.num_cached_prompt_tokens = computed
             self.waiting.pop(0)
             req.num_computed_tokens = computed
             req.status = RequestStatus.RUNNING
