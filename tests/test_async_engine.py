@@ -1,0 +1,75 @@
+"""AsyncLLMEngine: concurrent streams, abort, errors, on the real model."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from tokenloom import SamplingParams
+from tokenloom.async_engine import AsyncLLMEngine
+
+PROMPTS = ["Once upon a time, there was a little", "The three primary colors are", "def fibonacci(n):"]
+
+
+@pytest.fixture(scope="module")
+def async_engine(smol_llm):
+    return AsyncLLMEngine(smol_llm.engine)
+
+
+async def collect(engine, prompt, params):
+    deltas = [d async for d in engine.generate(prompt, params)]
+    return "".join(d.text_delta for d in deltas), deltas[-1]
+
+
+def test_concurrent_streams_equal_sync_results(async_engine, smol_llm):
+    params = SamplingParams(temperature=0, max_tokens=16)
+
+    async def main():
+        try:
+            return await asyncio.gather(*(collect(async_engine, p, params) for p in PROMPTS))
+        finally:
+            await async_engine.shutdown()
+    results = asyncio.run(main())
+    for prompt, (text, last) in zip(PROMPTS, results):
+        expected = smol_llm.generate(prompt, params)[0].outputs[0]
+        assert text == expected.text == last.completion.text
+        assert last.finished and last.completion.token_ids == expected.token_ids
+        assert last.completion.metrics.ttft > 0
+
+
+def test_leaving_a_stream_aborts_and_frees_blocks(async_engine):
+    bm = async_engine.engine.block_manager
+
+    async def main():
+        try:
+            long = async_engine.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+            other = asyncio.ensure_future(collect(async_engine, PROMPTS[1], SamplingParams(temperature=0, max_tokens=30)))
+            seen = 0
+            async for _ in long:
+                seen += 1
+                if seen == 3:
+                    break
+            await long.aclose()
+            text, last = await other          # the other request is unaffected
+            await asyncio.sleep(0)
+            return seen, last
+        finally:
+            await async_engine.shutdown()
+    seen, last = asyncio.run(main())
+    assert seen == 3 and last.finished and last.completion.finish_reason == "length"
+    assert bm.num_free_blocks == bm.num_blocks
+    assert not async_engine.engine.has_unfinished_requests()
+
+
+def test_bad_request_raises_without_disturbing_others(async_engine):
+    async def main():
+        try:
+            with pytest.raises(ValueError, match="context window"):
+                async for _ in async_engine.generate([5] * 9000, SamplingParams()):
+                    pass
+            return await collect(async_engine, PROMPTS[2], SamplingParams(temperature=0, max_tokens=5))
+        finally:
+            await async_engine.shutdown()
+    text, last = asyncio.run(main())
+    assert last.finished and len(last.completion.token_ids) == 5

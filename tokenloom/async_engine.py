@@ -1,0 +1,130 @@
+"""Many concurrent callers over one LLMEngine, for servers and async code.
+
+The engine is only ever touched between steps, by code on the event loop; the
+step itself runs in a worker thread (torch releases the GIL), so the loop keeps
+accepting requests while the model runs. An add or abort that arrives during a
+step is applied right after it; one that arrives while the engine is idle is
+applied at once (an abort frees its KV blocks immediately).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import AsyncIterator, Callable
+
+from tokenloom.config import EngineConfig
+from tokenloom.engine import LLMEngine
+from tokenloom.metrics import EngineStats
+from tokenloom.outputs import StepDelta
+from tokenloom.sampling_params import SamplingParams
+
+
+class AsyncLLMEngine:
+    """``async for delta in engine.generate(prompt, params)``: streamed StepDeltas, the last
+    one finished and carrying the CompletionOutput. Leaving the loop early aborts the request."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._pending: list[Callable[[], None]] = []
+        self._stepping = False
+        self._wake: asyncio.Event | None = None
+        self._loop_task: asyncio.Task | None = None
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, progress: bool = False) -> "AsyncLLMEngine":
+        return cls(LLMEngine(config, progress=progress))
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams,
+                       request_id: str | None = None) -> AsyncIterator[StepDelta]:
+        """Stream one request's deltas. Raises ValueError at once for input the model cannot take."""
+        self._ensure_loop()
+        rid = request_id if request_id is not None else f"async-{next(self._ids)}"
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if params.n != 1:
+            raise ValueError("generate() streams one sequence; use n=1 (submit n requests for n samples)")
+        if rid in self._queues:
+            raise ValueError(f"request id {rid!r} is already in use")
+        self.engine.validate_request(ids, params)   # read-only: safe while a step runs
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[rid] = queue
+        self._submit(lambda: self.engine.add_request(rid, ids, params), rid)
+        finished = False
+        try:
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._queues.pop(rid, None)
+            if not finished:
+                self.abort(rid)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request; its blocks are freed now, or right after the step in flight."""
+        self._submit(lambda: self.engine.abort(request_id))
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    async def shutdown(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            try:
+                await self._loop_task
+            except asyncio.CancelledError:
+                pass
+            self._loop_task = None
+
+    # ---- the background loop ---------------------------------------------------------------
+    def _ensure_loop(self) -> None:
+        if self._loop_task is None or self._loop_task.done():
+            self._wake = asyncio.Event()
+            self._loop_task = asyncio.get_running_loop().create_task(self._run())
+
+    def _submit(self, op: Callable[[], None], request_id: str | None = None) -> None:
+        """Run an engine mutation now if no step is running, else right after the step."""
+        def guarded() -> None:
+            try:
+                op()
+            except Exception as e:   # e.g. an add that became invalid: tell its caller
+                if request_id in self._queues:
+                    self._queues[request_id].put_nowait(e)
+        if self._stepping:
+            self._pending.append(guarded)
+        else:
+            guarded()
+        if self._wake is not None:
+            self._wake.set()
+
+    async def _run(self) -> None:
+        while True:
+            if not self.engine.has_unfinished_requests():
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            self._stepping = True
+            try:
+                deltas = await asyncio.to_thread(self.engine.step)
+            except Exception as e:   # a failed step fails the requests in flight, not the engine
+                deltas = []
+                self._fail_all(e)
+            finally:
+                self._stepping = False
+                pending, self._pending = self._pending, []
+                for op in pending:
+                    op()
+            for delta in deltas:
+                queue = self._queues.get(delta.request_id)
+                if queue is not None:
+                    queue.put_nowait(delta)
+
+    def _fail_all(self, error: Exception) -> None:
+        for rid, queue in list(self._queues.items()):
+            self.engine.abort(rid)
+            queue.put_nowait(RuntimeError(f"engine step failed: {error!r}"))
