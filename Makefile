@@ -23,6 +23,7 @@ test: setup
 bench: setup
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[bench]'
 	$(PY) benchmarks/bench_generate.py
+	$(PY) benchmarks/bench_serving.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

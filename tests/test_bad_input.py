@@ -150,3 +150,14 @@ def test_gpt2_style_vocab_and_merges_folder(tiny_model_dir, tmp_path):
     (folder / "tokenizer.json").unlink()
     llm = LLM(str(folder), kv_cache_memory=16 << 20)
     assert llm.tokenizer.encode(text) == expected
+
+
+def test_request_larger_than_the_whole_cache_is_rejected_not_queued(tiny_model_dir):
+    # 512 B per token (2 x 2 layers x 2 kv_heads x 16 x 4 B): 5 blocks of 16, one of them the null block
+    llm = LLM(str(tiny_model_dir("llama_gqa")), kv_cache_memory=5 * 16 * 512)
+    assert llm.engine.kv_cache_tokens == 64
+    with pytest.raises(ValueError, match="needs up to 80 tokens of KV cache .* whole cache holds 64"):
+        llm.generate([[5] * 40], SamplingParams(max_tokens=40))
+    assert not llm.engine.has_unfinished_requests()
+    out = llm.generate([[5] * 40], SamplingParams(max_tokens=20, ignore_eos=True))[0].outputs[0]
+    assert len(out.token_ids) == 20

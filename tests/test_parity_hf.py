@@ -66,8 +66,9 @@ def test_batched_decode_ignores_garbage_past_each_sequence(tiny_model_dir):
     llm = LLM(str(tiny_model_dir("llama_gqa")), kv_cache_memory=16 << 20)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     expected = [llm.generate([p], params)[0].outputs[0].token_ids for p in PROMPTS]
-    for k, v in zip(llm.engine.runner.kv_cache.keys, llm.engine.runner.kv_cache.values):
-        k.fill_(float("nan"))
-        v.fill_(float("nan"))
+    kv = llm.engine.runner.kv_cache
+    for k, v in zip(kv.keys, kv.values):      # every block a request can be given (not the null block)
+        k[:kv.num_blocks].fill_(float("nan"))
+        v[:kv.num_blocks].fill_(float("nan"))
     llm.engine.block_manager.reset_prefix_cache()   # the cached prefixes' contents were just destroyed
     assert [r.outputs[0].token_ids for r in llm.generate(PROMPTS, params)] == expected

@@ -26,7 +26,7 @@ class ModelRunner:
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        starts, q_lens, ctx_lens, tables = [], [], [], []
+        starts, q_lens, ctx_lens, tables, fresh = [], [], [], [], []
         for s in sched.scheduled:
             req, start = s.request, s.request.num_computed_tokens
             end = start + s.num_tokens
@@ -36,12 +36,15 @@ class ModelRunner:
             positions.extend(range(start, end))
             table = s.block_ids
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            fresh.extend(table[p // bs] for p in range(-(-start // bs) * bs, end, bs))  # first write of a block
             q_lens.append(s.num_tokens)
             ctx_lens.append(end)
             tables.append(torch.tensor(table[:-(-end // bs)], dtype=torch.int64, device=self.device))
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int64, device=self.device)
         meta = AttentionMetadata(as_tensor(slots), starts, q_lens, ctx_lens, tables,
-                                 sliding_window=self.model.config.sliding_window)
+                                 null_block=self.kv_cache.null_block, sliding_window=self.model.config.sliding_window)
+        if fresh:
+            self.kv_cache.zero_blocks(as_tensor(fresh))
         return as_tensor(ids), as_tensor(positions), meta
 
     @staticmethod

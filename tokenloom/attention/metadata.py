@@ -22,6 +22,7 @@ class AttentionMetadata:
     query_lens: list[int]           # per sequence: tokens computed this step
     context_lens: list[int]         # per sequence: cached tokens after this step (>= query_lens)
     block_tables: list[torch.Tensor]  # per sequence: (num_blocks_i,) int64 block ids covering context_lens[i]
+    null_block: int = 0             # an always-zero block that pads block tables
     sliding_window: int | None = None
 
     @property

@@ -25,7 +25,7 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
     """The first `length` cached tokens of a sequence: (kv_heads, length, head_dim)."""
     _, block_size, kv_heads, head_dim = cache.shape
-    blocks = cache.index_select(0, block_table)                 # (nb, block_size, kv_heads, head_dim)
+    blocks = cache[block_table]                                 # (nb, block_size, kv_heads, head_dim)
     return blocks.view(-1, kv_heads, head_dim)[:length].transpose(0, 1)
 
 
@@ -79,24 +79,19 @@ def _decode_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     B = q.shape[0]
     _, block_size, kv_heads, head_dim = k_cache.shape
     width = max(len(t) for t in meta.block_tables)
-    tables = torch.zeros(B, width, dtype=torch.int64, device=q.device)     # pad with block 0 (masked out)
+    tables = torch.full((B, width), meta.null_block, dtype=torch.int64, device=q.device)  # pad: the zero block
     for i, t in enumerate(meta.block_tables):
         tables[i, :len(t)] = t
-    flat = tables.view(-1)
     L = width * block_size
-    keys = k_cache.index_select(0, flat).view(B, L, kv_heads, head_dim).transpose(1, 2)   # (B, kv_heads, L, head_dim)
-    values = v_cache.index_select(0, flat).view(B, L, kv_heads, head_dim).transpose(1, 2)
-    ctx = torch.tensor(meta.context_lens, device=q.device)[:, None]                      # (B, 1)
-    pos = torch.arange(L, device=q.device)[None, :]                                      # (1, L)
+    # Slots past a sequence's end are zero (the null block, or zeroed at the block's first
+    # write), so masked positions cannot inject NaN through 0-weight x value.
+    keys = k_cache[tables].view(B, L, kv_heads, head_dim).transpose(1, 2)     # (B, kv_heads, L, head_dim)
+    values = v_cache[tables].view(B, L, kv_heads, head_dim).transpose(1, 2)
+    ctx = torch.tensor(meta.context_lens, device=q.device)[:, None]           # (B, 1)
+    pos = torch.arange(L, device=q.device)[None, :]                           # (1, L)
     allowed = pos < ctx
     if meta.sliding_window is not None:
         allowed &= pos >= ctx - meta.sliding_window
-    # Masked slots get zero weight, but 0 x NaN is NaN: slots past a sequence's end
-    # may hold anything (another request's stale values, never-written memory), so
-    # zero them in the gathered copies.
-    hidden = ~allowed[:, None, :, None]                                                  # (B, 1, L, 1)
-    keys.masked_fill_(hidden, 0)
-    values.masked_fill_(hidden, 0)
     out = F.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=allowed[:, None, None, :],
                                          scale=scale, enable_gqa=gqa)                    # (B, heads, 1, head_dim)
     return out[:, :, 0, :]
