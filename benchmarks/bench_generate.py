@@ -15,7 +15,6 @@ Writes benchmarks/results/bench_generate.json and uncached_vs_cached.png.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
@@ -24,9 +23,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from _common import RESULTS, finish_plot, parser
 from tokenloom import LLM, SamplingParams, hub
 
-RESULTS = Path(__file__).parent / "results"
 
 
 def median_time(fn, repeats: int) -> float:
@@ -59,7 +58,8 @@ class Tokenloom:
     name = "tokenloom"
 
     def __init__(self, folder: str) -> None:
-        self.llm = LLM(folder, kv_cache_memory=1 << 30)
+        # Prefix caching off: the same prompts repeat, and hits would fake TTFT and "no cache" figures.
+        self.llm = LLM(folder, kv_cache_memory=1 << 30, enable_prefix_caching=False)
 
     def generate(self, prompts: list[list[int]], new: int) -> None:
         self.llm.generate(prompts, SamplingParams(temperature=0, max_tokens=new, ignore_eos=True))
@@ -123,7 +123,7 @@ def print_table(res: dict, args, limit_tok_s: float) -> None:
             (f"batch-{args.batch} output tok/s", f"batch{args.batch}_tok_s", True)]
     print(f"\nSmolLM2-135M-Instruct float32, prompt {args.prompt}, {args.new} new tokens, "
           f"{torch.get_num_threads()} threads, medians of {args.repeats}")
-    print(f"| metric | tokenloom | transformers | tokenloom / HF |\n|---|---:|---:|---:|")
+    print("| metric | tokenloom | transformers | tokenloom / HF |\n|---|---:|---:|---:|")
     for label, key, higher_better in rows:
         ratio = ours[key] / hf[key] if higher_better else hf[key] / ours[key]
         print(f"| {label} | {ours[key]:.2f} | {hf[key]:.2f} | {ratio:.2f}x |")
@@ -152,16 +152,11 @@ def plot(res: dict, args, path: Path) -> bool:
     ax.set(xlabel="context length (tokens)", ylabel="ms per generated token", xscale="log", yscale="log",
            title="Per-token latency: the KV cache keeps it flat (SmolLM2-135M fp32, CPU)")
     ax.set_xticks(args.lengths, [str(n) for n in args.lengths])
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    return True
+    return finish_plot(fig, ax, path)
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="HF folder (default: the prepared SmolLM2)")
+    p = parser(__doc__)
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--new", type=int, default=128)
     p.add_argument("--new-uncached", type=int, default=32, help="new tokens for the no-cache run")

@@ -20,7 +20,6 @@ Writes benchmarks/results/bench_serving.json and throughput_vs_concurrency.png.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import random
@@ -32,11 +31,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from _common import RESULTS, finish_plot, parser
 from tokenloom import SamplingParams, hub
 from tokenloom.async_engine import AsyncLLMEngine
 from tokenloom.config import CacheConfig, EngineConfig, SchedulerConfig
 
-RESULTS = Path(__file__).parent / "results"
 
 
 @dataclass
@@ -177,7 +176,8 @@ def print_tables(res: dict, levels: list[int]) -> None:
     print("\n| concurrency | engine | output tok/s | vs HF static | TTFT median s | TTFT p99 s | TPOT median ms | TPOT p99 ms |")
     print("|---:|---|---:|---:|---:|---:|---:|---:|")
     for c in levels:
-        base = res["transformers_static"][str(c)]["output_tok_s"]
+        static = res["transformers_static"].get(str(c))
+        base = static["output_tok_s"] if static else float("nan")
         for name in ("tokenloom", "transformers_static", "transformers_continuous"):
             s = res.get(name, {}).get(str(c))
             if not s:
@@ -209,22 +209,19 @@ def plot(res: dict, levels: list[int], path: Path) -> bool:
     ax.set(xscale="log", xlabel="concurrent requests", ylabel="output tokens/s",
            title="Throughput vs concurrency (SmolLM2-135M fp32, 2-core CPU)")
     ax.set_xticks(levels, [str(c) for c in levels])
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    return True
+    return finish_plot(fig, ax, path)
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="HF folder (default: the prepared SmolLM2)")
+    p = parser(__doc__)
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
     p.add_argument("--prompt-len", type=int, nargs=2, default=[16, 192])
     p.add_argument("--output-len", type=int, nargs=2, default=[8, 48])
     p.add_argument("--shared-prefix", type=int, default=512, help="system prompt tokens (0: skip)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="tokenloom's token budget per step")
+    p.add_argument("--skip-hf", action="store_true", help="tokenloom only (for A/B runs of its settings)")
     p.add_argument("--hf-continuous-levels", type=int, nargs="*", default=[16, 64],
                    help="concurrency levels at which to run transformers' continuous batching (slow on CPU)")
     args = p.parse_args()
@@ -232,7 +229,8 @@ def main() -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     reqs = make_workload(args.requests, args.seed, args.prompt_len, args.output_len)
     config = EngineConfig(folder, cache=CacheConfig(kv_cache_memory=2 << 30),
-                          scheduler=SchedulerConfig(max_num_seqs=max(args.concurrency)))
+                          scheduler=SchedulerConfig(max_num_seqs=max(args.concurrency),
+                                                    max_num_batched_tokens=args.max_num_batched_tokens))
     engine = AsyncLLMEngine.from_config(config)
     import transformers
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
@@ -243,7 +241,8 @@ def main() -> None:
                ("transformers_static", lambda c: run_hf_static(hf, reqs, c)),
                ("transformers_continuous", lambda c: run_hf_continuous(hf, reqs, c))]
     plan = [(c, name, fn) for c in args.concurrency for name, fn in runners
-            if name != "transformers_continuous" or c in args.hf_continuous_levels]
+            if (name != "transformers_continuous" or c in args.hf_continuous_levels)
+            and (name == "tokenloom" or not args.skip_hf)]
     with tqdm(total=len(plan) + (2 if args.shared_prefix else 0), desc="benchmarking", unit="run") as bar:
         for c, name, fn in plan:
             try:
@@ -271,7 +270,8 @@ def shared_prefix_run(folder: str, args, bar) -> dict:
                        f"8-32 output tokens, concurrency {concurrency}"}
     for label, enabled in (("on", True), ("off", False)):
         config = EngineConfig(folder, cache=CacheConfig(kv_cache_memory=2 << 30, enable_prefix_caching=enabled),
-                              scheduler=SchedulerConfig(max_num_seqs=concurrency))
+                              scheduler=SchedulerConfig(max_num_seqs=concurrency,
+                                                        max_num_batched_tokens=args.max_num_batched_tokens))
         engine = AsyncLLMEngine.from_config(config)
         summary = run_tokenloom(engine, reqs, concurrency).summary()
         summary["hit_rate"] = engine.stats().prefix_cache_hit_rate

@@ -1,0 +1,24 @@
+"""Helpers shared by the benchmark scripts (run as `python benchmarks/<script>.py`)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def parser(doc: str) -> argparse.ArgumentParser:
+    """An argument parser with the flags every benchmark takes."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="HF folder (default: the prepared SmolLM2)")
+    return p
+
+
+def finish_plot(fig, ax, path: Path) -> bool:
+    """Grid, legend, layout, save as PNG."""
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
