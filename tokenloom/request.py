@@ -61,7 +61,3 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status == RequestStatus.FINISHED
-
-    def max_total_tokens(self, max_model_len: int) -> int:
-        """The most tokens this request can ever hold: prompt + max_tokens, capped by the context."""
-        return min(self.num_prompt_tokens + self.params.max_tokens, max_model_len)
