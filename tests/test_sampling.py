@@ -130,3 +130,14 @@ def test_logprobs_are_raw_model_logprobs():
     assert set(logprobs[0]) == {0, 1, 2, 5}                      # top 3 plus the chosen token
     for t, lp in logprobs[0].items():
         assert lp == pytest.approx(raw[t], abs=1e-5)
+
+
+def test_sampler_leaves_the_callers_logits_untouched():
+    logits = torch.tensor(np.stack([LOGITS] * 2), dtype=torch.float32)
+    before = logits.clone()
+    params = [SamplingParams(temperature=0, logit_bias={3: 10.0}, min_tokens=2, stop_token_ids=[1]),
+              SamplingParams(temperature=0.8, repetition_penalty=1.3, seed=1)]
+    meta = SamplingMetadata(params, [[0], [0]], [[], [2]], [None, torch.Generator().manual_seed(1)],
+                            [frozenset({0})] * 2)
+    Sampler()(logits, meta)
+    assert torch.equal(logits, before)

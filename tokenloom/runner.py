@@ -20,8 +20,10 @@ class ModelRunner:
         self.device = torch.device(device)
         self.sampler = Sampler()
 
-    def _prepare(self, sched: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """Flatten the scheduled chunks: input ids and positions (T,), and attention metadata."""
+    def _prepare(self, sched: SchedulerOutput
+                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        """Flatten the scheduled chunks: input ids and positions (T,), attention metadata, and the
+        blocks whose first slot this step writes (to be zeroed first, see PagedKVCache)."""
         bs = self.kv_cache.block_size
         ids: list[int] = []
         positions: list[int] = []
@@ -43,9 +45,7 @@ class ModelRunner:
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int64, device=self.device)
         meta = AttentionMetadata(as_tensor(slots), starts, q_lens, ctx_lens, tables,
                                  null_block=self.kv_cache.null_block, sliding_window=self.model.config.sliding_window)
-        if fresh:
-            self.kv_cache.zero_blocks(as_tensor(fresh))
-        return as_tensor(ids), as_tensor(positions), meta
+        return as_tensor(ids), as_tensor(positions), meta, fresh
 
     @staticmethod
     def _sampling_metadata(sched: SchedulerOutput) -> SamplingMetadata:
@@ -59,7 +59,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
-        input_ids, positions, meta = self._prepare(sched)
+        input_ids, positions, meta, fresh_blocks = self._prepare(sched)
+        if fresh_blocks:
+            self.kv_cache.zero_blocks(torch.tensor(fresh_blocks, dtype=torch.int64, device=self.device))
         hidden = self.model(input_ids, positions, meta, self.kv_cache)      # (T, hidden)
         last_rows = [start + q_len - 1 for s, start, q_len in zip(sched.scheduled, meta.query_start, meta.query_lens)
                      if s.samples]

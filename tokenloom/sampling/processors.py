@@ -67,10 +67,13 @@ def needs_penalties(meta: SamplingMetadata) -> bool:
 
 
 def apply_processors(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """All processors, in a fixed order: logit bias, min_tokens, penalties."""
-    if any(p.logit_bias for p in meta.params):
+    """All processors, in a fixed order: logit bias, min_tokens, penalties. Never mutates `logits`."""
+    bias, min_tokens = any(p.logit_bias for p in meta.params), any(p.min_tokens for p in meta.params)
+    if bias or min_tokens:
+        logits = logits.clone()          # the two in-place processors write into a copy
+    if bias:
         logits = apply_logit_bias(logits, meta)
-    if any(p.min_tokens for p in meta.params):
+    if min_tokens:
         logits = apply_min_tokens(logits, meta)
     if needs_penalties(meta):
         logits = apply_penalties(logits, meta)

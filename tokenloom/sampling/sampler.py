@@ -102,7 +102,7 @@ class Sampler:
                  ) -> tuple[torch.Tensor, list[TokenLogprobs | None]]:
         """logits: float32 (B, V) -> (token ids (B,), per-row logprobs or None)."""
         raw_logprobs = logits.log_softmax(-1) if meta.max_logprobs is not None else None
-        logits = apply_processors(logits.clone(), meta)
+        logits = apply_processors(logits, meta)
         chosen = logits.argmax(dim=-1)
         if not meta.all_greedy:
             rows = [i for i, p in enumerate(meta.params) if not p.greedy]
