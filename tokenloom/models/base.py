@@ -25,8 +25,6 @@ class CausalLM(nn.Module):
 
     packed_modules_mapping: dict[str, tuple[str, str]] = {}
     ignored_checkpoint_keys: tuple[str, ...] = ()
-    # Linear modules (by name suffix) whose decode GEMV runs faster on CPU with an (in, out)-major copy.
-    dual_layout_modules: tuple[str, ...] = ()
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -44,20 +42,17 @@ class CausalLM(nn.Module):
     def prepare_for_inference(self) -> None:
         """Called once after the weights are loaded: CPU-only layout changes.
 
-        The output projection is prepacked for oneDNN and the
-        ``dual_layout_modules`` become DualLayoutLinear (see each for the
-        measurements behind it). Forward signatures do not change.
+        Every float32 nn.Linear (the output projection included) becomes a
+        PackedLinear, its weight prepacked for oneDNN (see it for the measurements).
+        Forward signatures do not change.
         """
-        from tokenloom.models.layers import DualLayoutLinear, onednn_linear
-        if self.lm_head.weight.device.type != "cpu":
-            return
-        swaps = [(name, DualLayoutLinear(mod)) for name, mod in self.named_modules()
-                 if isinstance(mod, nn.Linear) and name.endswith(self.dual_layout_modules)]
-        swaps.append(("lm_head", onednn_linear(self.lm_head)))
-        for name, new in swaps:
+        from tokenloom.models.layers import PackedLinear
+        swaps = [(name, mod) for name, mod in self.named_modules()
+                 if isinstance(mod, nn.Linear) and PackedLinear.supports(mod)]
+        for name, mod in swaps:
             parent_name, _, child = name.rpartition(".")
             parent = self.get_submodule(parent_name) if parent_name else self
-            setattr(parent, child, new)
+            setattr(parent, child, PackedLinear(mod))
 
     def shard_rows(self, param_name: str, shard_id: str) -> slice:
         """Rows of a fused parameter that hold one packed checkpoint tensor."""

@@ -65,7 +65,6 @@ class GPT2LMHeadModel(CausalLM):
     # HF GPT-2 stores the causal mask as a buffer in older checkpoints.
     ignored_checkpoint_keys = (r"transformer\.h\.\d+\.attn\.(masked_)?bias",)
     # HF GPT-2 uses Conv1D, whose weight is (in, out): the transpose of nn.Linear's.
-    dual_layout_modules = ("c_attn", "c_fc")
     _conv1d_suffixes = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
     def __init__(self, cfg: ModelConfig) -> None:

@@ -99,41 +99,34 @@ class GatedMLP(nn.Module):
         return self.down_proj(self.act(gate) * up)
 
 
-class DualLayoutLinear(nn.Module):
-    """nn.Linear that also keeps an (in, out)-major copy of its weight; same forward contract.
+class PackedLinear(nn.Module):
+    """nn.Linear with its weight prepacked once in oneDNN's blocked layout; same forward contract.
 
-    Measured on the 2-core AVX2 CPU (torch 2.13 + MKL), over 30 layers:
-    576 -> 3072 with 1 row: F.linear 27.0 ms, x @ W_t 11.5 ms; with 8 rows:
-    F.linear 28.9 ms, x @ W_t 40.7 ms. So rows <= ``max_rows_t`` (batch-1/2
-    decode) use the transposed copy and larger batches use F.linear. The copy
-    doubles these modules' weight memory; models opt in only for the wide
-    projections where it pays (``CausalLM.dual_layout_modules``).
+    ``x (..., in) -> (..., out)`` through ``mkldnn._linear_pointwise``, which reads the
+    prepacked weight directly: no per-call weight packing (what MKL's sgemm does for
+    every call) and no dense<->mkldnn conversion of activations. Measured on the 2-core
+    AVX2 CPU over SmolLM2-135M's 30 layers of projections (424 MB, read from DRAM):
+    1 row 24-29 ms (F.linear 45-52, x @ W_t 35), 16 rows 28-45 ms (F.linear 73),
+    64 rows 88-97 ms (F.linear 116), 512 rows 590-615 ms (F.linear 771).
+    The dense weight is dropped after packing (a tied weight stays with its embedding).
     """
 
-    max_rows_t = 2
-
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, batch_hint: int = 64) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight, self.bias = linear.weight, linear.bias
-        self.weight_t = linear.weight.detach().t().contiguous()          # (in, out)
+        weight = linear.weight.detach()
+        self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint),
+                             persistent=False)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
+
+    @staticmethod
+    def supports(linear: nn.Linear) -> bool:
+        """True where oneDNN can take this layer: float32 weights on CPU, oneDNN built in."""
+        return (torch.backends.mkldnn.is_available() and linear.weight.device.type == "cpu"
+                and linear.weight.dtype == torch.float32 and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] > self.max_rows_t:
-            return F.linear(x, self.weight, self.bias)
-        if self.bias is None:
-            return x @ self.weight_t                                     # (T, in) @ (in, out)
-        return torch.addmm(self.bias, x, self.weight_t)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
-
-def onednn_linear(linear: nn.Linear) -> nn.Module:
-    """The same Linear with its weight prepacked for oneDNN (float32 CPU only); same forward contract.
-
-    Measured for SmolLM2's 576 -> 49152 output projection on the 2-core AVX2 CPU:
-    1 row 6.4 ms (F.linear 12.9), 8 rows 11.7 ms (26.6), 128 rows 46 ms (103).
-    Returns `linear` unchanged where oneDNN cannot take it.
-    """
-    if not torch.backends.mkldnn.is_available() or linear.weight.dtype != torch.float32:
-        return linear
-    from torch.utils.mkldnn import MkldnnLinear
-    return MkldnnLinear(linear, torch.float32)
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

@@ -72,7 +72,6 @@ class LlamaForCausalLM(CausalLM):
         "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up"),
     }
     ignored_checkpoint_keys = (r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",)
-    dual_layout_modules = ("qkv_proj", "gate_up_proj")
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg)
