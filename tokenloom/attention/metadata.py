@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -24,6 +25,9 @@ class AttentionMetadata:
     block_tables: list[torch.Tensor]  # per sequence: (num_blocks_i,) int64 block ids covering context_lens[i]
     null_block: int = 0             # an always-zero block that pads block tables
     sliding_window: int | None = None
+    # Tensors an attention backend derives from the fields above, built at the first
+    # layer and reused by the rest of this step's layers (e.g. padded block tables).
+    derived: dict[str, Any] = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:

@@ -73,25 +73,34 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out
 
 
+def _decode_inputs(meta: AttentionMetadata, block_size: int, device: torch.device
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Padded block tables (B, W) and the may-attend mask (B, 1, 1, W * block_size) of a decode batch."""
+    width = max(len(t) for t in meta.block_tables)
+    tables = torch.full((meta.num_seqs, width), meta.null_block, dtype=torch.int64, device=device)  # pad: the zero block
+    for i, t in enumerate(meta.block_tables):
+        tables[i, :len(t)] = t
+    ctx = torch.tensor(meta.context_lens, device=device)[:, None]             # (B, 1)
+    pos = torch.arange(width * block_size, device=device)[None, :]             # (1, L)
+    allowed = pos < ctx
+    if meta.sliding_window is not None:
+        allowed &= pos >= ctx - meta.sliding_window
+    return tables, allowed[:, None, None, :]
+
+
 def _decode_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   meta: AttentionMetadata, scale: float, gqa: bool) -> torch.Tensor:
     """One query per sequence: q (B, heads, head_dim) -> (B, heads, head_dim)."""
     B = q.shape[0]
     _, block_size, kv_heads, head_dim = k_cache.shape
-    width = max(len(t) for t in meta.block_tables)
-    tables = torch.full((B, width), meta.null_block, dtype=torch.int64, device=q.device)  # pad: the zero block
-    for i, t in enumerate(meta.block_tables):
-        tables[i, :len(t)] = t
-    L = width * block_size
+    if "decode" not in meta.derived:          # same for every layer of this step
+        meta.derived["decode"] = _decode_inputs(meta, block_size, q.device)
+    tables, allowed = meta.derived["decode"]
+    L = tables.shape[1] * block_size
     # Slots past a sequence's end are zero (the null block, or zeroed at the block's first
     # write), so masked positions cannot inject NaN through 0-weight x value.
     keys = k_cache[tables].view(B, L, kv_heads, head_dim).transpose(1, 2)     # (B, kv_heads, L, head_dim)
     values = v_cache[tables].view(B, L, kv_heads, head_dim).transpose(1, 2)
-    ctx = torch.tensor(meta.context_lens, device=q.device)[:, None]           # (B, 1)
-    pos = torch.arange(L, device=q.device)[None, :]                           # (1, L)
-    allowed = pos < ctx
-    if meta.sliding_window is not None:
-        allowed &= pos >= ctx - meta.sliding_window
-    out = F.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=allowed[:, None, None, :],
+    out = F.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=allowed,
                                          scale=scale, enable_gqa=gqa)                    # (B, heads, 1, head_dim)
     return out[:, :, 0, :]
