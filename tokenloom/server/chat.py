@@ -1,0 +1,54 @@
+"""POST /v1/chat/completions: whole responses and SSE streams in OpenAI's chat.completion shape."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from tokenloom.outputs import CompletionOutput
+from tokenloom.server import responses as R
+from tokenloom.server.protocol import ChatCompletionRequest
+from tokenloom.server.serving import OpenAIServing, Prepared, sse
+
+
+class ChatCompletions:
+    def __init__(self, serving: OpenAIServing) -> None:
+        self.serving = serving
+
+    def _logprobs(self, req: ChatCompletionRequest, token_ids: list[int], logprobs) -> dict | None:
+        if not req.logprobs:
+            return None
+        return self.serving.fmt.chat(token_ids, logprobs or [], req.top_logprobs or 0)
+
+    def response(self, req: ChatCompletionRequest, prepared: Prepared, outs: list[CompletionOutput]) -> dict:
+        choices = [{"index": c.index, "message": {"role": "assistant", "content": out.text},
+                    "logprobs": self._logprobs(req, out.token_ids, out.logprobs),
+                    "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}
+                   for c, out in zip(prepared.choices, outs)]
+        completion_tokens = sum(len(o.token_ids) for o in outs)
+        return R.envelope("chat.completion", prepared.response_id, prepared.created, self.serving.model_name,
+                          choices, R.usage(prepared.prompt_tokens, completion_tokens))
+
+    async def stream(self, req: ChatCompletionRequest, prepared: Prepared) -> AsyncIterator[str]:
+        """SSE events: a role chunk per choice, one chunk per delta, a usage chunk if asked, then [DONE]."""
+        def chunk(choices: list[dict], usage: dict | None = None) -> str:
+            body = R.envelope("chat.completion.chunk", prepared.response_id, prepared.created,
+                              self.serving.model_name, choices)
+            if req.include_usage:
+                body["usage"] = usage
+            return sse(body)
+
+        for c in prepared.choices:
+            yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                          "logprobs": None, "finish_reason": None}])
+        completion_tokens = 0
+        async for index, delta in self.serving.deltas(prepared):
+            completion_tokens += len(delta.new_token_ids)
+            if not (delta.text_delta or delta.finished or delta.logprobs is not None):
+                continue
+            content = {"content": delta.text_delta} if delta.text_delta else {}
+            logprobs = self._logprobs(req, delta.new_token_ids, [delta.logprobs])
+            yield chunk([{"index": index, "delta": content, "logprobs": logprobs,
+                          "finish_reason": delta.finish_reason if delta.finished else None}])
+        if req.include_usage:
+            yield chunk([], R.usage(prepared.prompt_tokens, completion_tokens))
+        yield sse("[DONE]")

@@ -1,0 +1,175 @@
+"""OpenAI request schemas (pydantic) and their translation into SamplingParams.
+
+Field names, defaults and ranges follow OpenAI's API reference, plus vLLM's
+extensions (top_k, min_p, repetition_penalty, ignore_eos, min_tokens,
+stop_token_ids). Unknown fields are ignored, as OpenAI's SDKs may send more
+than a server knows. Anything the engine cannot honour is an APIError naming
+the parameter, never a silent default.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from tokenloom.sampling_params import SamplingParams
+
+
+class APIError(Exception):
+    """An error the client caused or must see, rendered as OpenAI's error JSON."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 type: str = "invalid_request_error", code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    """Parameters shared by completions and chat completions."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    n: int = Field(default=1, ge=1, le=16)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(default=None, gt=0, le=10)
+    logit_bias: dict[str, float] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = Field(default=0, ge=0)
+    skip_special_tokens: bool = True
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        if self.logit_bias is None:
+            return None
+        try:
+            return {int(k): v for k, v in self.logit_bias.items()}
+        except ValueError:
+            raise APIError(400, "logit_bias keys must be token ids (integers as strings)", "logit_bias") from None
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """SamplingParams for one choice; ValueError from SamplingParams becomes a 400 naming the field."""
+        if isinstance(self.stop, list) and any(not s for s in self.stop):
+            raise APIError(400, "stop strings must be non-empty", "stop")
+        set_fields = {name: getattr(self, name) for name in
+                      ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                       "frequency_penalty", "repetition_penalty") if getattr(self, name) is not None}
+        try:
+            return SamplingParams(
+                **set_fields, max_tokens=max_tokens, min_tokens=min(self.min_tokens, max_tokens),
+                stop=self.stop, stop_token_ids=self.stop_token_ids or [], seed=self.seed,
+                logit_bias=self._logit_bias(), ignore_eos=self.ignore_eos, logprobs=logprobs,
+                skip_special_tokens=self.skip_special_tokens)
+        except ValueError as e:
+            raise APIError(400, str(e), _param_named_in(str(e))) from None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+def _param_named_in(message: str) -> str | None:
+    """'SamplingParams.top_p must ...' -> 'top_p'."""
+    if message.startswith("SamplingParams."):
+        return message.split(".", 1)[1].split(" ", 1)[0]
+    return None
+
+
+class CompletionRequest(_Sampling):
+    """POST /v1/completions."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(default=16, ge=1)
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def check_supported(self) -> None:
+        if self.suffix:
+            raise APIError(400, "suffix (fill-in-the-middle) is not supported", "suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise APIError(400, "best_of other than n is not supported", "best_of")
+        if self.echo and self.logprobs is not None:
+            raise APIError(400, "echo with logprobs (prompt logprobs) is not supported", "echo")
+
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt: text or token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise APIError(400, "prompt is empty", "prompt")
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]
+        return list(p)
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def as_template_input(self) -> dict[str, str]:
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        role = "system" if self.role == "developer" else self.role
+        return {"role": role, "content": content or ""}
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+
+
+class ChatCompletionRequest(_Sampling):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = None
+
+    def check_supported(self) -> None:
+        if self.tools:
+            raise APIError(400, "tool calling is not supported", "tools")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise APIError(400, f"response_format {self.response_format.type!r} is not supported "
+                                "(only 'text')", "response_format")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None

@@ -1,0 +1,162 @@
+"""The OpenAI endpoints' logic on AsyncLLMEngine: requests in, response dicts / SSE chunks out.
+
+A request with P prompts and n samples becomes P x n engine requests ("choices",
+indexed prompt-major like OpenAI), each with its own request id and seed
+(seed + sample index). All validation happens before anything is queued or any
+byte is streamed, so a bad request is always a clean 4xx.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass
+
+import jinja2
+
+from tokenloom.async_engine import AsyncLLMEngine
+from tokenloom.outputs import CompletionOutput, StepDelta
+from tokenloom.sampling_params import SamplingParams
+from tokenloom.server import responses as R
+from tokenloom.server.metrics import ServerMetrics
+from tokenloom.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from tokenloom.server.streams import merge
+from tokenloom.tokenizer import ChatTemplateError
+
+
+@dataclass(slots=True)
+class Choice:
+    """One engine request behind one OpenAI choice."""
+
+    index: int
+    prompt_index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass(slots=True)
+class Prepared:
+    """A validated request, ready to run."""
+
+    response_id: str
+    created: int
+    prompt_texts: list[str]
+    prompt_ids: list[list[int]]
+    choices: list[Choice]
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(ids) for ids in self.prompt_ids)
+
+
+def sse(data: dict | str) -> str:
+    """One server-sent event."""
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+
+
+class OpenAIServing:
+    """Shared by /v1/completions and /v1/chat/completions."""
+
+    def __init__(self, engine: AsyncLLMEngine, model_name: str, metrics: ServerMetrics) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.model_name = model_name
+        self.max_model_len = engine.engine.max_model_len
+        self.metrics = metrics
+        self.fmt = R.LogprobFormatter(self.tokenizer)
+
+    # ---- validation --------------------------------------------------------------------------
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
+                           "model", type="not_found_error", code="model_not_found")
+
+    def _max_tokens(self, requested: int | None, prompt_len: int, prompt_param: str) -> int:
+        room = self.max_model_len - prompt_len
+        if room < 1:
+            raise APIError(400, f"the prompt has {prompt_len} tokens but this model's context length is "
+                                f"{self.max_model_len}; shorten it", prompt_param)
+        if requested is None:
+            return room
+        if requested > room:
+            raise APIError(400, f"this model's context length is {self.max_model_len} tokens: {prompt_len} in the "
+                                f"prompt leave room for {room}, but max_tokens is {requested}", "max_tokens")
+        return requested
+
+    def _prompt_ids(self, prompt: str | list[int], param: str) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        else:
+            vocab = self.engine.engine.model_config.vocab_size
+            bad = [t for t in prompt if not 0 <= t < vocab]
+            if bad:
+                raise APIError(400, f"prompt token ids {bad[:5]} are outside the vocabulary (size {vocab})", param)
+            ids = list(prompt)
+        if not ids:
+            raise APIError(400, "the prompt is empty", param)
+        return ids
+
+    def _prepare(self, req: CompletionRequest | ChatCompletionRequest, prefix: str, prompts: list[str | list[int]],
+                 prompt_param: str, max_tokens: int | None, logprobs: int | None) -> Prepared:
+        self.check_model(req.model)
+        req.check_supported()
+        texts, all_ids, choices = [], [], []
+        for p_index, prompt in enumerate(prompts):
+            ids = self._prompt_ids(prompt, prompt_param)
+            base = req.sampling_params(self._max_tokens(max_tokens, len(ids), prompt_param), logprobs)
+            for sample in range(req.n):
+                params = base.for_sample(sample)
+                try:
+                    self.engine.engine.validate_request(ids, params)
+                except ValueError as e:
+                    raise APIError(400, str(e), prompt_param) from None
+                choices.append(Choice(len(choices), p_index, ids, params))
+            texts.append(prompt if isinstance(prompt, str) else self.tokenizer.decode(ids, skip_special_tokens=False))
+            all_ids.append(ids)
+        return Prepared(f"{prefix}-{uuid.uuid4().hex}", R.now(), texts, all_ids, choices)
+
+    def prepare_completion(self, req: CompletionRequest) -> Prepared:
+        return self._prepare(req, "cmpl", req.prompts(), "prompt", req.max_tokens, req.logprobs)
+
+    def prepare_chat(self, req: ChatCompletionRequest) -> Prepared:
+        messages = [m.as_template_input() for m in req.messages]
+        try:
+            prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        except (ChatTemplateError, jinja2.TemplateError) as e:
+            raise APIError(400, f"the chat template rejected the messages: {e}", "messages") from None
+        ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        prepared = self._prepare(req, "chatcmpl", [ids], "messages", req.requested_max_tokens(), req.num_logprobs())
+        prepared.prompt_texts = [prompt]
+        return prepared
+
+    # ---- running -----------------------------------------------------------------------------
+    async def _tracked(self, prepared: Prepared, choice: Choice) -> AsyncIterator[StepDelta]:
+        """One choice's engine stream; records its metrics when it ends (aborted: 'abort')."""
+        finished = False
+        try:
+            stream = self.engine.generate(choice.prompt_ids, choice.params,
+                                          request_id=f"{prepared.response_id}-{choice.index}")
+            async with aclosing(stream):
+                async for delta in stream:
+                    if delta.finished:
+                        finished = True
+                        self.metrics.record_finished(delta.finish_reason, delta.completion.metrics)
+                    yield delta
+        finally:
+            if not finished:
+                self.metrics.record_finished("abort", None)
+
+    def deltas(self, prepared: Prepared) -> AsyncIterator[tuple[int, StepDelta]]:
+        """Every choice's deltas as (choice index, delta), interleaved as they come."""
+        return merge([self._tracked(prepared, c) for c in prepared.choices])
+
+    async def run(self, prepared: Prepared) -> list[CompletionOutput]:
+        """Run every choice to the end; the completions in choice order."""
+        outs: list[CompletionOutput | None] = [None] * len(prepared.choices)
+        async with aclosing(self.deltas(prepared)) as stream:
+            async for index, delta in stream:
+                if delta.finished:
+                    outs[index] = delta.completion
+        return outs   # type: ignore[return-value]

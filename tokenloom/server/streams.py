@@ -1,0 +1,72 @@
+"""Async plumbing for the server: merging per-choice streams, and abort on client disconnect.
+
+Cancellation is how requests die: cancelling a consumer cancels the tasks that
+pump each choice's engine stream, and AsyncLLMEngine.generate aborts its request
+(freeing its KV blocks) when its stream is closed before it finished.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import aclosing
+from typing import Any, TypeVar
+
+from starlette.requests import Request
+
+T = TypeVar("T")
+_DONE = object()
+
+
+async def merge(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+    """Interleave several async streams as (stream index, item), in arrival order.
+
+    An exception in any stream is re-raised here; leaving early (or being
+    cancelled) cancels and closes every stream.
+    """
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncIterator[T]) -> None:
+        try:
+            async with aclosing(stream):
+                async for item in stream:
+                    queue.put_nowait((index, item))
+            queue.put_nowait((index, _DONE))
+        except Exception as e:   # surfaced to the consumer, which stops everything
+            queue.put_nowait((index, e))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if item is _DONE:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away before its (non-streamed) response was ready."""
+
+
+async def unless_disconnected(work: Awaitable[T], request: Request, poll_s: float = 0.25) -> T:
+    """Await `work`, cancelling it (which aborts its engine requests) if the client disconnects."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=poll_s)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise ClientDisconnected()
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
