@@ -24,6 +24,7 @@ bench: setup
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[bench]'
 	$(PY) benchmarks/bench_generate.py
 	$(PY) benchmarks/bench_serving.py
+	$(PY) benchmarks/bench_http.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

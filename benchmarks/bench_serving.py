@@ -62,6 +62,14 @@ class Run:
                 "tpot_median_ms": 1000 * statistics.median(self.tpot), "tpot_p99_ms": 1000 * pct(self.tpot, 0.99)}
 
 
+def add_workload_args(p) -> None:
+    """The flags that define the request mix (shared by the serving benchmarks)."""
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
+    p.add_argument("--prompt-len", type=int, nargs=2, default=[16, 192])
+    p.add_argument("--output-len", type=int, nargs=2, default=[8, 48])
+
+
 def make_workload(n: int, seed: int, prompt_range, out_range, prefix: list[int] | None = None) -> list[Req]:
     rng = random.Random(seed)
     reqs = []
@@ -216,10 +224,7 @@ def plot(res: dict, levels: list[int], path: Path) -> bool:
 
 def main() -> None:
     p = parser(__doc__)
-    p.add_argument("--requests", type=int, default=64)
-    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
-    p.add_argument("--prompt-len", type=int, nargs=2, default=[16, 192])
-    p.add_argument("--output-len", type=int, nargs=2, default=[8, 48])
+    add_workload_args(p)
     p.add_argument("--shared-prefix", type=int, default=512, help="system prompt tokens (0: skip)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--name", default="bench_serving", help="results file stem under benchmarks/results")

@@ -16,6 +16,7 @@ _EXAMPLES = """examples:
   tokenloom generate -t 0.8 --top-p 0.95 --seed 1 --max-tokens 64 "The ocean"
   tokenloom chat --system "You are terse."         interactive conversation
   tokenloom serve --port 8000                      OpenAI-compatible server on 127.0.0.1:8000
+  tokenloom generate --speculative ngram,k=4 "Repeat: a b c a b c"   speculative decoding
 """
 
 
@@ -33,6 +34,10 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                    help="size the KV cache as this fraction of the memory available now")
     g.add_argument("--no-prefix-caching", action="store_false", dest="enable_prefix_caching",
                    help="do not reuse the KV cache of shared prompt prefixes")
+    g.add_argument("--speculative", default=None, metavar="SPEC",
+                   help="speculative decoding (lossless): 'ngram,k=4' (prompt lookup) or 'draft=PATH,k=4' "
+                        "(a smaller model with the same tokenizer); options max_batch=N (plain decoding above "
+                        "N running requests, default 8), min_acceptance=F, ngram_max/ngram_min")
 
 
 def _sampling_flags(p: argparse.ArgumentParser) -> None:
@@ -67,11 +72,19 @@ def _make_llm(args: argparse.Namespace):
     memory = None if args.kv_cache_memory is None else int(args.kv_cache_memory * (1 << 30))
     return LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, kv_cache_memory=memory,
                kv_cache_fraction=args.kv_cache_fraction, enable_prefix_caching=args.enable_prefix_caching,
-               max_num_seqs=getattr(args, "max_num_seqs", 64), progress=True)
+               max_num_seqs=getattr(args, "max_num_seqs", 64), speculative=args.speculative, progress=True)
+
+
+def _check_engine_flags(args: argparse.Namespace) -> None:
+    """Fail on bad engine flags before the (slow) model load."""
+    if args.speculative:
+        from tokenloom.config import SpeculativeConfig
+        SpeculativeConfig.parse(args.speculative)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     params = _sampling_params(args)   # validate flags before the (slow) model load
+    _check_engine_flags(args)
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     llm = _make_llm(args)
     target: Any = [{"role": "user", "content": prompt}] if args.chat else prompt
@@ -85,6 +98,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     params = _sampling_params(args)
+    _check_engine_flags(args)
     llm = _make_llm(args)
     history: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []
     print("tokenloom chat: type a message; /reset clears the conversation, /exit or Ctrl-D quits.", file=sys.stderr)
@@ -117,6 +131,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from tokenloom.async_engine import AsyncLLMEngine
     from tokenloom.server import build_app, served_model_name
+    _check_engine_flags(args)
     llm = _make_llm(args)
     api_key = args.api_key or os.environ.get("TOKENLOOM_API_KEY")
     name = args.served_model_name or served_model_name(llm.engine.config.model)

@@ -223,6 +223,56 @@ class SchedulerConfig:
 
 
 @dataclass(slots=True)
+class SpeculativeConfig:
+    """Speculative decoding: propose k tokens per request, verify them in one target pass.
+
+    ``method`` is "ngram" (prompt lookup: copy what followed the latest earlier match of
+    the last n tokens, n from ``ngram_max`` down to ``ngram_min``) or "draft" (a smaller
+    model with the same tokenizer at ``draft_model``). Speculation is skipped, and the
+    step decodes plainly, when more than ``max_batch`` requests decode at once (the
+    batch is compute bound there and verification costs more than it saves) and, per
+    request, while its recent acceptance rate is below ``min_acceptance``.
+    """
+
+    method: str
+    k: int = 4
+    draft_model: str | None = None
+    ngram_max: int = 3
+    ngram_min: int = 1
+    max_batch: int = 8
+    min_acceptance: float = 0.3
+
+    def __post_init__(self) -> None:
+        if self.method not in ("ngram", "draft"):
+            raise ValueError(f"speculative method must be 'ngram' or 'draft', got {self.method!r}")
+        if self.method == "draft" and not self.draft_model:
+            raise ValueError("speculative method 'draft' needs a draft model path (draft=PATH)")
+        if not 1 <= self.k <= 16:
+            raise ValueError(f"speculative k must be in [1, 16], got {self.k}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
+        if self.max_batch < 1 or not 0 <= self.min_acceptance <= 1:
+            raise ValueError("speculative max_batch must be >= 1 and min_acceptance in [0, 1]")
+
+    @classmethod
+    def parse(cls, spec: str) -> "SpeculativeConfig":
+        """'ngram,k=4' or 'draft=PATH,k=4[,max_batch=8,...]' -> SpeculativeConfig."""
+        head, *options = [part.strip() for part in spec.split(",") if part.strip()]
+        method, _, path = head.partition("=")
+        kwargs: dict = {"method": method, "draft_model": path or None}
+        ints = ("k", "ngram_max", "ngram_min", "max_batch")
+        for option in options:
+            key, eq, value = option.partition("=")
+            if not eq or key not in ints + ("min_acceptance",):
+                raise ValueError(f"unknown speculative option {option!r}; options: {', '.join(ints)}, min_acceptance")
+            try:
+                kwargs[key] = int(value) if key in ints else float(value)
+            except ValueError:
+                raise ValueError(f"speculative option {key} needs a number, got {value!r}") from None
+        return cls(**kwargs)
+
+
+@dataclass(slots=True)
 class EngineConfig:
     """Everything the engine needs besides the weights; the CLI maps flags onto these fields."""
 
@@ -232,6 +282,7 @@ class EngineConfig:
     max_model_len: int | None = None     # None: the model's own context length
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)

@@ -22,6 +22,7 @@ from tokenloom.request import Request
 from tokenloom.runner import ModelRunner
 from tokenloom.sampling_params import SamplingParams
 from tokenloom.scheduler import Scheduler
+from tokenloom.spec_decode.proposer import SpecProposer
 from tokenloom.stopping import check_token_stop
 
 logger = logging.getLogger("tokenloom")
@@ -45,11 +46,14 @@ class LLMEngine:
         self.block_manager = BlockManager(kv.num_blocks, kv.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
         self.runner = ModelRunner(loaded.model, kv, config.device)
+        self.proposer = None if config.speculative is None else SpecProposer.create(
+            config.speculative, self, progress)
         self.requests: dict[str, Request] = {}
         self._detoks: dict[str, IncrementalDetokenizer] = {}
         self._arrivals = itertools.count()
         self._prompt_tokens_computed = 0
         self._generated_tokens = 0
+        self._spec_totals = [0, 0, 0]     # request-steps with drafts, drafts verified, drafts accepted
 
     def _report_cache(self, kv: PagedKVCache, per_token: int) -> None:
         c = self.model_config
@@ -109,28 +113,61 @@ class LLMEngine:
         if sched.is_empty:
             return []
         out = self.runner.execute(sched)
-        return self._update(sched, out)
+        deltas = self._update(sched, out)
+        if self.proposer is not None:
+            self.proposer.propose_for(self.scheduler.running)
+        return deltas
 
     def _update(self, sched: SchedulerOutput, out: RunnerOutput) -> list[StepDelta]:
         for s in sched.scheduled:
             prompt_left = s.request.num_prompt_tokens - s.request.num_computed_tokens
             self._prompt_tokens_computed += max(0, min(s.num_tokens, prompt_left))
-        self.scheduler.on_step_done(sched)
         now = time.monotonic()
+        drafted = {s.request.request_id: len(s.spec_token_ids) for s in sched.scheduled if s.spec_token_ids}
         deltas = []
-        for rid, token, logprobs in zip(out.request_ids, out.sampled_token_ids, out.logprobs):
+        for rid, tokens, logprobs in zip(out.request_ids, out.sampled_token_ids, out.logprobs):
             req = self.requests[rid]
-            req.output_token_ids.append(token)
-            if logprobs is not None:
-                req.logprobs.append(logprobs)
-            if req.metrics.first_token_time is None:
-                req.metrics.first_token_time = now
-            self._generated_tokens += 1
-            deltas.append(self._detokenize_and_stop(req, token, now, logprobs))
+            if rid in drafted:
+                self._record_speculation(req, drafted[rid], len(tokens) - 1)
+            deltas.append(self._append(req, tokens, logprobs, now))
+        self.scheduler.on_step_done(sched)
         return deltas
 
-    def _detokenize_and_stop(self, req: Request, token: int, now: float,
-                             logprobs: TokenLogprobs | None = None) -> StepDelta:
+    def _record_speculation(self, req: Request, proposed: int, accepted: int) -> None:
+        m = req.metrics
+        m.num_spec_steps += 1
+        m.num_draft_tokens += proposed
+        m.num_accepted_tokens += accepted
+        self._spec_totals[0] += 1
+        self._spec_totals[1] += proposed
+        self._spec_totals[2] += accepted
+        req.spec_acceptance = 0.5 * req.spec_acceptance + 0.5 * accepted / proposed
+
+    def _append(self, req: Request, tokens: list[int], logprobs: list[TokenLogprobs] | None,
+                now: float) -> StepDelta:
+        """Append this step's new tokens one by one, stopping exactly where plain decoding would."""
+        if req.metrics.first_token_time is None:
+            req.metrics.first_token_time = now
+        texts, appended = [], []
+        for i, token in enumerate(tokens):
+            req.output_token_ids.append(token)
+            appended.append(token)
+            if logprobs is not None:
+                req.logprobs.append(logprobs[i])
+            self._generated_tokens += 1
+            texts.append(self._detokenize_and_stop(req, token))
+            if req.is_finished:
+                break
+        delta = StepDelta(req.request_id, appended, "".join(texts), req.is_finished, req.finish_reason,
+                          logprobs=None if logprobs is None else logprobs[:len(appended)])
+        if req.is_finished:
+            req.metrics.finish_time = now
+            delta.completion = self._complete(req)
+        return delta
+
+    def _detokenize_and_stop(self, req: Request, token: int) -> str:
+        """The text this token adds (held back while a stop string may be starting); finishes
+        the request on EOS, a stop id or string, max_tokens or the context end."""
         detok = self._detoks[req.request_id]
         token_stop = check_token_stop(req.output_token_ids, req.params, self.eos_token_ids,
                                       req.num_tokens, self.max_model_len)
@@ -141,11 +178,7 @@ class LLMEngine:
         elif token_stop is not None:
             self.scheduler.finish(req, token_stop[0], token_stop[1])
             text += detok.finish()
-        delta = StepDelta(req.request_id, [token], text, req.is_finished, req.finish_reason, logprobs=logprobs)
-        if req.is_finished:
-            req.metrics.finish_time = now
-            delta.completion = self._complete(req)
-        return delta
+        return text
 
     def _complete(self, req: Request) -> CompletionOutput:
         """The finished request's result; the engine forgets the request."""
@@ -160,4 +193,4 @@ class LLMEngine:
         bm = self.block_manager
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), bm.num_used_blocks,
                            bm.num_free_blocks, bm.stats.hit_rate, self._prompt_tokens_computed,
-                           self._generated_tokens, self.scheduler.num_preemptions)
+                           self._generated_tokens, self.scheduler.num_preemptions, *self._spec_totals)

@@ -8,7 +8,7 @@ from typing import Any, Union
 
 from tqdm import tqdm
 
-from tokenloom.config import CacheConfig, EngineConfig, SchedulerConfig
+from tokenloom.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from tokenloom.engine import LLMEngine
 from tokenloom.hub import resolve_model
 from tokenloom.outputs import CompletionOutput, RequestOutput
@@ -19,17 +19,21 @@ Messages = list[dict[str, Any]]
 
 
 class LLM:
-    """Batch generation over the engine. ``model`` is a folder or .gguf path (None: the default model)."""
+    """Batch generation over the engine. ``model`` is a folder or .gguf path (None: the default model);
+    ``speculative`` turns on speculative decoding, e.g. "ngram,k=4" or "draft=PATH,k=4" (SpeculativeConfig)."""
 
     def __init__(self, model: str | None = None, dtype: str = "float32", device: str = "cpu",
                  max_model_len: int | None = None, kv_cache_memory: int | None = None,
                  kv_cache_fraction: float | None = None, block_size: int = 16, enable_prefix_caching: bool = True,
-                 max_num_seqs: int = 64, max_num_batched_tokens: int = 8192, progress: bool = False) -> None:
+                 max_num_seqs: int = 64, max_num_batched_tokens: int = 8192,
+                 speculative: str | SpeculativeConfig | None = None, progress: bool = False) -> None:
         cache = CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
                             kv_cache_fraction=kv_cache_fraction, enable_prefix_caching=enable_prefix_caching)
         config = EngineConfig(model=resolve_model(model), dtype=dtype, device=device, max_model_len=max_model_len,
                               cache=cache, scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
-                                                                     max_num_batched_tokens=max_num_batched_tokens))
+                                                                     max_num_batched_tokens=max_num_batched_tokens),
+                              speculative=SpeculativeConfig.parse(speculative) if isinstance(speculative, str)
+                              else speculative)
         self.engine = LLMEngine(config, progress=progress)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
@@ -58,16 +62,19 @@ class LLM:
             children.append(child)
         return rid, text, ids, children
 
-    def generate(self, prompts: Prompt | list[Prompt], params: SamplingParams | None = None,
+    def generate(self, prompts: Prompt | list[Prompt], params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
-        """Generate for every prompt together (continuous batching); results in prompt order."""
-        params = params or SamplingParams()
+        """Generate for every prompt together (continuous batching); results in prompt order.
+        `params` is one SamplingParams for all prompts or a list with one per prompt."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        per_prompt = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        if len(per_prompt) != len(prompts):
+            raise ValueError(f"got {len(per_prompt)} SamplingParams for {len(prompts)} prompts")
         added = []
         try:
-            for p in prompts:
-                added.append(self._add(p, params))
+            for p, prompt_params in zip(prompts, per_prompt):
+                added.append(self._add(p, prompt_params))
             done = self._run(sum(len(a[3]) for a in added), use_tqdm)
         except BaseException:
             for _, _, _, children in added:

@@ -15,6 +15,18 @@ class RequestMetrics:
     num_generated: int = 0
     num_cached_prompt_tokens: int = 0   # prompt tokens served from the prefix cache at admission
     num_preemptions: int = 0
+    num_spec_steps: int = 0              # steps that verified drafts for this request
+    num_draft_tokens: int = 0            # draft tokens proposed and verified
+    num_accepted_tokens: int = 0         # of those, accepted
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+    @property
+    def mean_accepted_per_step(self) -> float | None:
+        """Tokens produced per speculative step: accepted drafts plus the target's own token."""
+        return (self.num_accepted_tokens + self.num_spec_steps) / self.num_spec_steps if self.num_spec_steps else None
 
     @property
     def ttft(self) -> float | None:
@@ -41,3 +53,14 @@ class EngineStats:
     prompt_tokens_computed: int      # prompt positions run through the model (prefill, recompute)
     generated_tokens: int            # tokens sampled
     num_preemptions: int
+    spec_steps: int = 0              # request-steps that verified drafts
+    spec_draft_tokens: int = 0       # draft tokens verified
+    spec_accepted_tokens: int = 0    # draft tokens accepted
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else 0.0
+
+    @property
+    def spec_mean_accepted_per_step(self) -> float:
+        return (self.spec_accepted_tokens + self.spec_steps) / self.spec_steps if self.spec_steps else 0.0

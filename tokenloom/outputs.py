@@ -17,6 +17,7 @@ class ScheduledRequest:
     num_tokens: int          # tokens of this request computed in this step (prompt chunk or 1)
     samples: bool            # True when this step reaches the request's last known token
     block_ids: list[int]     # the request's whole block table after this step's allocation
+    spec_token_ids: list[int] = field(default_factory=list)  # draft tokens verified this step (in num_tokens)
 
 
 @dataclass(slots=True)
@@ -38,9 +39,9 @@ class SchedulerOutput:
 class RunnerOutput:
     """What the runner returns: one entry per scheduled request that samples, in batch order."""
 
-    request_ids: list[str]                            # requests that sampled a token this step
-    sampled_token_ids: list[int]                      # the token each of them drew
-    logprobs: list[TokenLogprobs | None]              # per request: chosen + top-N, or None if not asked
+    request_ids: list[str]                            # requests that sampled this step
+    sampled_token_ids: list[list[int]]                # per request: its new tokens (accepted drafts + 1)
+    logprobs: list[list[TokenLogprobs] | None]        # per request, per new token: chosen + top-N (if asked)
 
 
 @dataclass(slots=True)
@@ -66,7 +67,7 @@ class StepDelta:
     finished: bool
     finish_reason: str | None = None
     completion: CompletionOutput | None = None   # the whole result, on the finishing delta only
-    logprobs: TokenLogprobs | None = None          # the new token's logprobs, when the request asked
+    logprobs: list[TokenLogprobs] | None = None    # the new tokens' logprobs, when the request asked
 
 
 @dataclass(slots=True)

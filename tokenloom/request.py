@@ -41,6 +41,11 @@ class Request:
     stop_reason: str | int | None = None
     generator: torch.Generator | None = None           # set when params.seed is given
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
+    # speculative decoding: drafts to verify at the next step, and the proposer's state
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_draft_probs: torch.Tensor | None = None       # (k, V) the distributions drafts came from; None: deterministic
+    draft_num_computed: int = 0                        # tokens whose KV the draft model holds
+    spec_acceptance: float = 1.0                       # moving average of accepted / proposed
 
     def __post_init__(self) -> None:
         if self.params.seed is not None and self.generator is None:

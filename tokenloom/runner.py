@@ -5,10 +5,12 @@ from __future__ import annotations
 import torch
 
 from tokenloom.attention import AttentionMetadata
+from tokenloom.batch import SeqChunk, build_batch
 from tokenloom.kv_cache.paged import PagedKVCache
 from tokenloom.models.base import CausalLM
-from tokenloom.outputs import RunnerOutput, SchedulerOutput
+from tokenloom.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
 from tokenloom.sampling import Sampler, SamplingMetadata
+from tokenloom.spec_decode.verifier import Draft, verify
 
 
 class ModelRunner:
@@ -20,36 +22,25 @@ class ModelRunner:
         self.device = torch.device(device)
         self.sampler = Sampler()
 
-    def _prepare(self, sched: SchedulerOutput
-                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        """Flatten the scheduled chunks: input ids and positions (T,), attention metadata, and the
-        blocks whose first slot this step writes (to be zeroed first, see PagedKVCache)."""
-        bs = self.kv_cache.block_size
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        starts, q_lens, ctx_lens, tables, fresh = [], [], [], [], []
+    def _chunks(self, sched: SchedulerOutput) -> list[SeqChunk]:
+        chunks = []
         for s in sched.scheduled:
             req, start = s.request, s.request.num_computed_tokens
-            end = start + s.num_tokens
-            tokens = req.all_token_ids
-            starts.append(len(ids))
-            ids.extend(tokens[start:end])
-            positions.extend(range(start, end))
-            table = s.block_ids
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            fresh.extend(table[p // bs] for p in range(-(-start // bs) * bs, end, bs))  # first write of a block
-            q_lens.append(s.num_tokens)
-            ctx_lens.append(end)
-            tables.append(torch.tensor(table[:-(-end // bs)], dtype=torch.int64, device=self.device))
-        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int64, device=self.device)
-        meta = AttentionMetadata(as_tensor(slots), starts, q_lens, ctx_lens, tables,
-                                 null_block=self.kv_cache.null_block, sliding_window=self.model.config.sliding_window)
-        return as_tensor(ids), as_tensor(positions), meta, fresh
+            tokens = req.all_token_ids[start:] + s.spec_token_ids       # pending tokens, then drafts
+            chunks.append(SeqChunk(tokens[:s.num_tokens], start, s.block_ids))
+        return chunks
+
+    def forward(self, chunks: list[SeqChunk]) -> tuple[torch.Tensor, AttentionMetadata]:
+        """Run the model over `chunks` (writing their KV): hidden states (T, hidden) and the batch layout."""
+        batch = build_batch(chunks, self.kv_cache.block_size, self.device, self.kv_cache.null_block,
+                            self.model.config.sliding_window)
+        if batch.fresh_blocks:
+            self.kv_cache.zero_blocks(torch.tensor(batch.fresh_blocks, dtype=torch.int64, device=self.device))
+        return self.model(batch.input_ids, batch.positions, batch.meta, self.kv_cache), batch.meta
 
     @staticmethod
-    def _sampling_metadata(sched: SchedulerOutput) -> SamplingMetadata:
-        reqs = [s.request for s in sched.scheduled if s.samples]
+    def _sampling_metadata(scheduled: list[ScheduledRequest]) -> SamplingMetadata:
+        reqs = [s.request for s in scheduled]
         return SamplingMetadata(
             params=[r.params for r in reqs],
             prompt_token_ids=[r.prompt_token_ids for r in reqs],
@@ -59,16 +50,25 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
-        input_ids, positions, meta, fresh_blocks = self._prepare(sched)
-        if fresh_blocks:
-            self.kv_cache.zero_blocks(torch.tensor(fresh_blocks, dtype=torch.int64, device=self.device))
-        hidden = self.model(input_ids, positions, meta, self.kv_cache)      # (T, hidden)
-        last_rows = [start + q_len - 1 for s, start, q_len in zip(sched.scheduled, meta.query_start, meta.query_lens)
-                     if s.samples]
-        if not last_rows:
-            return RunnerOutput([], [], [])
-        logits = self.model.compute_logits(hidden[last_rows])               # (B, vocab) float32
-        smeta = self._sampling_metadata(sched)
-        tokens, logprobs = self.sampler(logits, smeta)
-        ids = [s.request.request_id for s in sched.scheduled if s.samples]
-        return RunnerOutput(ids, tokens.tolist(), logprobs)
+        hidden, meta = self.forward(self._chunks(sched))                     # (T, hidden)
+        plain, spec, rows_plain, rows_spec = [], [], [], []
+        for s, start, q_len in zip(sched.scheduled, meta.query_start, meta.query_lens):
+            if s.spec_token_ids:
+                spec.append(s)
+                rows_spec.extend(range(start + q_len - 1 - len(s.spec_token_ids), start + q_len))
+            elif s.samples:
+                plain.append(s)
+                rows_plain.append(start + q_len - 1)
+        results: dict[str, tuple[list[int], list | None]] = {}
+        if plain:
+            logits = self.model.compute_logits(hidden[rows_plain])            # (B, vocab) float32
+            tokens, logprobs = self.sampler(logits, self._sampling_metadata(plain))
+            for s, t, lp in zip(plain, tokens.tolist(), logprobs):
+                results[s.request.request_id] = ([t], None if lp is None else [lp])
+        if spec:
+            logits = self.model.compute_logits(hidden[rows_spec])             # (sum(k + 1), vocab)
+            drafts = [Draft(s.request, s.spec_token_ids, s.request.spec_draft_probs) for s in spec]
+            for s, result in zip(spec, verify(logits, drafts)):
+                results[s.request.request_id] = result
+        ids = [s.request.request_id for s in sched.scheduled if s.request.request_id in results]
+        return RunnerOutput(ids, [results[i][0] for i in ids], [results[i][1] for i in ids])

@@ -63,10 +63,11 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self._allocate_or_preempt(req, n):
+            spec = self._take_drafts(req, budget)
+            n = min(req.num_tokens - req.num_computed_tokens, budget) + len(spec)
+            if not spec and not self._allocate_or_preempt(req, n):
                 break                                  # req itself was the newest: it waits now
-            budget -= self._emit(out, req, n)
+            budget -= self._emit(out, req, n, spec)
             i += 1
         if self.num_preemptions == preemptions_before:
             self._admit(out, budget)
@@ -85,6 +86,17 @@ class Scheduler:
                 return False
         return True
 
+    def _take_drafts(self, req: Request, budget: int) -> list[int]:
+        """The request's draft tokens to verify this step, with blocks allocated for them; [] if
+        it is not decoding, has none, or they do not fit (drafts never preempt anyone)."""
+        drafts, req.spec_token_ids = req.spec_token_ids, []
+        if not drafts or req.num_tokens - req.num_computed_tokens != 1:
+            return []
+        drafts = drafts[:budget - 1]
+        if drafts and self.blocks.allocate(req.request_id, req.num_tokens + len(drafts)):
+            return drafts
+        return []
+
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
@@ -102,26 +114,39 @@ class Scheduler:
             bisect.insort(self.running, req, key=_by_arrival)
             budget -= self._emit(out, req, n)
 
-    def _emit(self, out: SchedulerOutput, req: Request, n: int) -> int:
-        samples = req.num_computed_tokens + n == req.num_tokens
-        out.scheduled.append(ScheduledRequest(req, n, samples, self.blocks.block_ids(req.request_id)))
+    def _emit(self, out: SchedulerOutput, req: Request, n: int, spec: list[int] = ()) -> int:
+        samples = req.num_computed_tokens + n - len(spec) == req.num_tokens
+        out.scheduled.append(ScheduledRequest(req, n, samples, self.blocks.block_ids(req.request_id), list(spec)))
         return n
 
     def _preempt(self, req: Request) -> None:
         """Free a running request's blocks; it will be recomputed from scratch (prefix hits aside)."""
         self.running.remove(req)
         self.blocks.free(req.request_id)
-        req.num_computed_tokens = 0
+        req.num_computed_tokens = req.draft_num_computed = 0
+        req.spec_token_ids = []
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
         bisect.insort(self.waiting, req, key=_by_arrival)
 
     def on_step_done(self, out: SchedulerOutput) -> None:
-        """The step's tokens are in the cache: advance counts and index newly full blocks."""
+        """The step's tokens are in the cache and its new tokens appended: advance counts,
+        index newly full blocks, and give back the room of rejected draft tokens.
+
+        A request that verified drafts holds valid KV for its last token and the accepted
+        drafts, i.e. for all its tokens but the newest (the target's own token).
+        """
         for s in out.scheduled:
             req = s.request
-            req.num_computed_tokens += s.num_tokens
+            if req.is_finished:
+                continue
+            if s.spec_token_ids:
+                req.num_computed_tokens = req.num_tokens - 1
+                self.blocks.trim(req.request_id, req.num_tokens)
+            else:
+                req.num_computed_tokens += s.num_tokens
+            req.draft_num_computed = min(req.draft_num_computed, req.num_computed_tokens)
             self.blocks.cache_full_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens)
 
     def finish(self, request: Request, reason: str, stop_reason: str | int | None = None) -> None:

@@ -162,12 +162,25 @@ class BlockManager:
     def free(self, request_id: str) -> None:
         """Drop the request's references (tail first); blocks no one holds become free."""
         for block in reversed(self._tables.pop(request_id, [])):
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self._free[block.block_id] = None
-                if block.hash is None:            # nothing worth keeping: reuse it first
-                    self._free.move_to_end(block.block_id, last=False)
+            self._release(block)
         self._hashes.pop(request_id, None)
+
+    def trim(self, request_id: str, num_tokens: int) -> None:
+        """Give back the request's tail blocks beyond what `num_tokens` tokens need
+        (e.g. the room taken for speculative tokens that were rejected)."""
+        table = self._tables.get(request_id)
+        if not table:
+            return
+        keep = max(self.blocks_needed(num_tokens), len(self._hashes.get(request_id, ())))
+        while len(table) > keep:
+            self._release(table.pop())
+
+    def _release(self, block: Block) -> None:
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self._free[block.block_id] = None
+            if block.hash is None:            # nothing worth keeping: reuse it first
+                self._free.move_to_end(block.block_id, last=False)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (blocks in use keep their contents)."""

@@ -19,6 +19,12 @@ class SamplingMetadata:
     generators: list[torch.Generator | None]   # per-request RNG when a seed was given
     eos_token_ids: list[frozenset[int]]
 
+    def rows(self, index: list[int]) -> "SamplingMetadata":
+        """The metadata of a subset of rows, in the order given."""
+        return SamplingMetadata([self.params[i] for i in index], [self.prompt_token_ids[i] for i in index],
+                                [self.output_token_ids[i] for i in index], [self.generators[i] for i in index],
+                                [self.eos_token_ids[i] for i in index])
+
     @property
     def num_rows(self) -> int:
         return len(self.params)

@@ -106,9 +106,7 @@ class Sampler:
         chosen = logits.argmax(dim=-1)
         if not meta.all_greedy:
             rows = [i for i, p in enumerate(meta.params) if not p.greedy]
-            sub = SamplingMetadata(*(
-                [getattr(meta, f)[i] for i in rows]
-                for f in ("params", "prompt_token_ids", "output_token_ids", "generators", "eos_token_ids")))
+            sub = meta.rows(rows)
             probs = sampling_distribution(logits[rows], sub)
             chosen[rows] = exponential_race(probs, sub.generators)
         logprobs = gather_logprobs(raw_logprobs, chosen, meta) if raw_logprobs is not None else [None] * meta.num_rows

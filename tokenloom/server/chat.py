@@ -46,7 +46,7 @@ class ChatCompletions:
             if not (delta.text_delta or delta.finished or delta.logprobs is not None):
                 continue
             content = {"content": delta.text_delta} if delta.text_delta else {}
-            logprobs = self._logprobs(req, delta.new_token_ids, [delta.logprobs])
+            logprobs = self._logprobs(req, delta.new_token_ids, delta.logprobs)
             yield chunk([{"index": index, "delta": content, "logprobs": logprobs,
                           "finish_reason": delta.finish_reason if delta.finished else None}])
         if req.include_usage:

@@ -50,7 +50,7 @@ class Completions:
             completion_tokens += len(delta.new_token_ids)
             if not (delta.text_delta or delta.finished or delta.logprobs is not None):
                 continue
-            logprobs = self._logprobs(req, delta.new_token_ids, [delta.logprobs], offsets[index])
+            logprobs = self._logprobs(req, delta.new_token_ids, delta.logprobs, offsets[index])
             offsets[index] += len(delta.text_delta)
             yield chunk([{"index": index, "text": delta.text_delta, "logprobs": logprobs,
                           "finish_reason": delta.finish_reason if delta.finished else None}])

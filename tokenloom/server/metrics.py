@@ -35,6 +35,9 @@ class _EngineCollector(Collector):
              s.kv_blocks_used / total_blocks if total_blocks else 0.0),
             ("tokenloom_prefix_cache_hit_rate", "Cached prompt tokens / prompt tokens looked up",
              s.prefix_cache_hit_rate),
+            ("tokenloom_spec_decode_acceptance_rate", "Accepted / verified draft tokens", s.spec_acceptance_rate),
+            ("tokenloom_spec_decode_mean_accepted_per_step", "Tokens produced per speculative request-step",
+             s.spec_mean_accepted_per_step),
         ]
         for name, doc, value in gauges:
             yield GaugeMetricFamily(name, doc, value=value)
@@ -42,6 +45,9 @@ class _EngineCollector(Collector):
             ("tokenloom_prompt_tokens", "Prompt positions run through the model", s.prompt_tokens_computed),
             ("tokenloom_generation_tokens", "Tokens generated", s.generated_tokens),
             ("tokenloom_preemptions", "Requests preempted for lack of KV blocks", s.num_preemptions),
+            ("tokenloom_spec_decode_draft_tokens", "Speculative draft tokens verified", s.spec_draft_tokens),
+            ("tokenloom_spec_decode_accepted_tokens", "Speculative draft tokens accepted", s.spec_accepted_tokens),
+            ("tokenloom_spec_decode_steps", "Request-steps that verified drafts", s.spec_steps),
         ]
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)

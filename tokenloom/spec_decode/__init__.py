@@ -1,0 +1,1 @@
+"""Speculative decoding: proposers (n-gram lookup, draft model), verification, acceptance rules."""

@@ -1,0 +1,137 @@
+"""Proposers: after each engine step, give decoding requests draft tokens for the next step.
+
+``SpecProposer.propose_for(running)`` decides who speculates (the fallback rules of
+SpeculativeConfig) and how far (never past max_tokens or the context), then the
+subclass fills ``request.spec_token_ids`` (and ``spec_draft_probs`` where drafts were
+sampled). The scheduler verifies them in the next step.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from tokenloom.batch import SeqChunk
+from tokenloom.config import SpeculativeConfig
+from tokenloom.request import Request
+from tokenloom.sampling.metadata import SamplingMetadata
+from tokenloom.sampling.processors import apply_processors
+from tokenloom.sampling.sampler import sampling_distribution
+from tokenloom.spec_decode.ngram import propose_ngram
+
+if TYPE_CHECKING:
+    from tokenloom.engine import LLMEngine
+
+_RECOVERY_PER_STEP = 0.02   # how fast a backed-off request's acceptance estimate climbs back to retry
+
+
+class SpecProposer:
+    def __init__(self, config: SpeculativeConfig, engine: "LLMEngine") -> None:
+        self.config = config
+        self.engine = engine
+
+    @staticmethod
+    def create(config: SpeculativeConfig, engine: "LLMEngine", progress: bool = False) -> "SpecProposer":
+        if config.method == "ngram":
+            return NgramProposer(config, engine)
+        return DraftModelProposer(config, engine, progress)
+
+    def propose_for(self, running: list[Request]) -> None:
+        """Set drafts on the running requests that decode next step, unless speculation would not pay."""
+        if len(running) > self.config.max_batch:
+            return                                     # compute bound: plain decoding is cheaper
+        todo = []
+        for r in running:
+            if r.is_finished or r.num_computed_tokens != r.num_tokens - 1:
+                continue                               # still prefilling
+            if r.spec_acceptance < self.config.min_acceptance:
+                r.spec_acceptance += _RECOVERY_PER_STEP  # backed off: decode plainly for a while
+                continue
+            k = min(self.config.k, r.params.max_tokens - len(r.output_token_ids) - 1,
+                    self.engine.max_model_len - r.num_tokens - 1)
+            if k > 0:
+                todo.append((r, k))
+        if todo:
+            self.propose(todo)
+
+    def propose(self, todo: list[tuple[Request, int]]) -> None:
+        raise NotImplementedError
+
+
+class NgramProposer(SpecProposer):
+    """Prompt lookup: drafts are copied from earlier in the sequence (deterministic proposals)."""
+
+    def propose(self, todo: list[tuple[Request, int]]) -> None:
+        for r, k in todo:
+            r.spec_token_ids = propose_ngram(r.all_token_ids, k, self.config.ngram_max, self.config.ngram_min)
+            r.spec_draft_probs = None
+
+
+class DraftModelProposer(SpecProposer):
+    """A smaller model with the target's tokenizer, run autoregressively for k tokens.
+
+    Its KV cache is paged with the target's block ids (same tables, own tensors), so it
+    follows the target's allocation, preemption and prefix sharing for free. Greedy
+    requests get the draft's argmax; sampled ones a draw from the draft's distribution
+    under the request's own processors, kept for the rejection rule.
+    """
+
+    def __init__(self, config: SpeculativeConfig, engine: "LLMEngine", progress: bool = False) -> None:
+        super().__init__(config, engine)
+        from tokenloom.kv_cache.paged import PagedKVCache
+        from tokenloom.loader import load_model
+        from tokenloom.runner import ModelRunner
+        loaded = load_model(config.draft_model, engine.config.dtype, engine.config.device, progress=progress)
+        if (loaded.tokenizer.backend.get_vocab() != engine.tokenizer.backend.get_vocab()
+                or loaded.config.vocab_size != engine.model_config.vocab_size):
+            raise ValueError(f"draft model {config.draft_model} does not share the target's tokenizer "
+                             f"(vocabularies differ: {loaded.tokenizer.vocab_size} vs {engine.tokenizer.vocab_size})")
+        target_kv = engine.runner.kv_cache
+        kv = PagedKVCache(loaded.config, target_kv.num_blocks, target_kv.block_size,
+                          target_kv.keys[0].dtype, engine.config.device)
+        self.runner = ModelRunner(loaded.model, kv, engine.config.device)
+        self.max_len = min(engine.max_model_len, loaded.config.max_model_len)
+
+    @torch.inference_mode()
+    def propose(self, todo: list[tuple[Request, int]]) -> None:
+        blocks = self.engine.block_manager
+        batch = []
+        for r, k in todo:
+            k = min(k, self.max_len - r.num_tokens - 1)
+            if k > 0 and blocks.allocate(r.request_id, r.num_tokens + k):   # room for the drafts' KV
+                batch.append((r, k))
+        drafts: dict[str, list[int]] = {r.request_id: [] for r, _ in batch}
+        probs: dict[str, list[torch.Tensor]] = {r.request_id: [] for r, _ in batch}
+        # pass 0 catches up on every token the draft has not seen; pass i feeds draft i - 1
+        chunks = [SeqChunk(r.all_token_ids[r.draft_num_computed:], r.draft_num_computed,
+                           blocks.block_ids(r.request_id)) for r, _ in batch]
+        active = batch
+        for i in range(max((k for _, k in batch), default=0)):
+            if i > 0:
+                active = [(r, k) for r, k in active if k > i]
+                chunks = [SeqChunk([drafts[r.request_id][-1]], r.num_tokens + i - 1, blocks.block_ids(r.request_id))
+                          for r, _ in active]
+            hidden, meta = self.runner.forward(chunks)
+            rows = [s + q - 1 for s, q in zip(meta.query_start, meta.query_lens)]
+            logits = self.runner.model.compute_logits(hidden[rows])             # (B, vocab)
+            self._draw(logits, [r for r, _ in active], drafts, probs)
+        for r, k in batch:
+            r.draft_num_computed = r.num_tokens + k - 1
+            r.spec_token_ids = drafts[r.request_id]
+            r.spec_draft_probs = torch.stack(probs[r.request_id]) if probs[r.request_id] else None
+
+    @staticmethod
+    def _draw(logits: torch.Tensor, reqs: list[Request], drafts: dict, probs: dict) -> None:
+        """Each request's next draft token, under its own processors (as the target will see it)."""
+        meta = SamplingMetadata([r.params for r in reqs], [r.prompt_token_ids for r in reqs],
+                                [r.output_token_ids + drafts[r.request_id] for r in reqs],
+                                [r.generator for r in reqs], [r.eos_token_ids for r in reqs])
+        logits = apply_processors(logits, meta)
+        for i, r in enumerate(reqs):
+            if r.params.greedy:
+                drafts[r.request_id].append(int(logits[i].argmax()))
+                continue
+            q = sampling_distribution(logits[i:i + 1], meta.rows([i]))[0]        # (vocab,)
+            drafts[r.request_id].append(int(torch.multinomial(q, 1, generator=r.generator)))
+            probs[r.request_id].append(q)

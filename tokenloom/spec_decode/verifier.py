@@ -1,0 +1,83 @@
+"""Verify draft tokens against the target's logits at every draft position, for many requests at once.
+
+A request with k drafts owns k + 1 consecutive logits rows (positions of its last
+token and of each draft). Row j is processed as if the drafts before it had been
+generated (penalties and min_tokens see them), with the same pipeline as plain
+sampling, then the acceptance rule of `rejection.py` picks the new tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tokenloom.outputs import TokenLogprobs
+from tokenloom.request import Request
+from tokenloom.sampling.metadata import SamplingMetadata
+from tokenloom.sampling.processors import apply_processors
+from tokenloom.sampling.sampler import sampling_distribution
+from tokenloom.spec_decode.rejection import accept_greedy, accept_sampled
+
+
+@dataclass(slots=True)
+class Draft:
+    """One request's proposal: tokens, and the distributions they were drawn from (None: deterministic)."""
+
+    request: Request
+    token_ids: list[int]
+    probs: torch.Tensor | None = None     # (k, V)
+
+
+def _expanded_metadata(drafts: list[Draft]) -> SamplingMetadata:
+    """One row per draft position: row j of a request sees its outputs plus drafts[:j]."""
+    meta = SamplingMetadata([], [], [], [], [])
+    for d in drafts:
+        r = d.request
+        for j in range(len(d.token_ids) + 1):
+            meta.params.append(r.params)
+            meta.prompt_token_ids.append(r.prompt_token_ids)
+            meta.output_token_ids.append(r.output_token_ids + d.token_ids[:j])
+            meta.generators.append(r.generator)
+            meta.eos_token_ids.append(r.eos_token_ids)
+    return meta
+
+
+def _logprobs_of(raw: torch.Tensor, row: int, token: int, top_n: int) -> TokenLogprobs:
+    entry: TokenLogprobs = {}
+    if top_n:
+        vals, ids = raw[row].topk(top_n)
+        entry = dict(zip(ids.tolist(), vals.tolist()))
+    entry[token] = float(raw[row, token])
+    return entry
+
+
+def verify(logits: torch.Tensor, drafts: list[Draft]) -> list[tuple[list[int], list[TokenLogprobs] | None]]:
+    """logits: float32 (sum(k_i + 1), V), rows grouped per request in `drafts` order.
+
+    Returns per request: its new tokens (accepted drafts + one target token) and,
+    if it asked for logprobs, the raw model logprobs of each.
+    """
+    meta = _expanded_metadata(drafts)
+    raw = logits.log_softmax(-1) if meta.max_logprobs is not None else None
+    processed = apply_processors(logits.clone(), meta)
+    argmax = processed.argmax(-1).tolist()
+    sampled_rows = [i for i, p in enumerate(meta.params) if not p.greedy]
+    probs = torch.zeros(0)
+    if sampled_rows:
+        probs = torch.zeros_like(processed)
+        probs[sampled_rows] = sampling_distribution(processed[sampled_rows], meta.rows(sampled_rows))
+    results = []
+    row = 0
+    for d in drafts:
+        k, params = len(d.token_ids), d.request.params
+        if params.greedy:
+            tokens = accept_greedy(argmax[row:row + k + 1], d.token_ids)
+        else:
+            tokens = accept_sampled(probs[row:row + k + 1], d.token_ids, d.probs, d.request.generator)
+        logprobs = None
+        if params.logprobs is not None:
+            logprobs = [_logprobs_of(raw, row + j, t, params.logprobs) for j, t in enumerate(tokens)]
+        results.append((tokens, logprobs))
+        row += k + 1
+    return results
