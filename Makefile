@@ -25,6 +25,7 @@ bench: setup
 	$(PY) benchmarks/bench_generate.py
 	$(PY) benchmarks/bench_serving.py
 	$(PY) benchmarks/bench_http.py
+	$(PY) benchmarks/bench_spec.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -45,13 +45,18 @@ def read_bandwidth() -> float:
 
 
 def weight_bytes_per_token(model: torch.nn.Module, vocab: int, hidden: int) -> int:
-    """Every weight is read once per decoded token, except the embedding table (one row)."""
-    params = {id(p): p for p in model.parameters()}.values()
-    total = sum(p.numel() * p.element_size() for p in params)
+    """Every weight is read once per decoded token, except the embedding table (one row).
+
+    Counts parameters and prepacked projection weights (PackedLinear buffers, which hold
+    the output projection even when it is tied to the embedding)."""
+    tensors = {id(p): p for p in model.parameters()}
+    packed = [b for name, b in model.named_buffers() if name.endswith("packed_weight")]
+    total = sum(t.numel() * t.element_size() for t in list(tensors.values()) + packed)
     embed = vocab * hidden * 4
     head = vocab * hidden * 4     # the output projection is read in full (tied or not)
-    tied = model.config.tie_word_embeddings
-    return total - embed + (head if tied else 0)
+    head_counted = any(name.startswith("lm_head.") for name, _ in model.named_buffers()) or \
+        not model.config.tie_word_embeddings
+    return total - embed + (0 if head_counted else head)
 
 
 class Tokenloom:

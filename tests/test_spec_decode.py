@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 from collections import Counter
 
 import pytest
@@ -79,16 +78,8 @@ def plain_llm(default_model_dir):
 @pytest.fixture(scope="module")
 def tiny_draft_for_default(default_model_dir, tmp_path_factory):
     """A random-weight 2-layer Llama with the default model's tokenizer: a draft that is mostly wrong."""
-    import transformers
-    folder = tmp_path_factory.mktemp("tiny_draft")
-    config = transformers.LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
-                                      tie_word_embeddings=True)
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(folder)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(default_model_dir / name, folder / name)
-    return folder
+    from tokenloom.testing import save_random_draft
+    return save_random_draft(tmp_path_factory.mktemp("tiny_draft"), default_model_dir, vocab_size=49152)
 
 
 def _spec_llm(default_model_dir, spec):
@@ -122,6 +113,10 @@ def test_greedy_speculation_is_token_identical(plain_llm, default_model_dir, tin
         assert stats_.spec_accepted_tokens >= 10              # drafts accepted, not only rejected
     if proposer == "draft_self":
         assert stats_.spec_acceptance_rate > 0.9              # the target drafting for itself, greedy
+    from tokenloom.server.metrics import ServerMetrics
+    exported = ServerMetrics(llm.engine.stats).render().decode()
+    assert f"tokenloom_spec_decode_accepted_tokens_total {float(stats_.spec_accepted_tokens)}" in exported
+    assert f"tokenloom_spec_decode_acceptance_rate {stats_.spec_acceptance_rate}" in exported
     assert llm.engine.block_manager.num_used_blocks == 0
     llm.engine.block_manager.check_integrity()
 
