@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from tokenloom.outputs import CompletionOutput
+from tokenloom.outputs import CompletionOutput, StepDelta
 from tokenloom.server import responses as R
 from tokenloom.server.protocol import ChatCompletionRequest
-from tokenloom.server.serving import OpenAIServing, Prepared, sse
+from tokenloom.server.serving import OpenAIServing, Prepared
 
 
 class ChatCompletions:
@@ -28,27 +28,13 @@ class ChatCompletions:
         return R.envelope("chat.completion", prepared.response_id, prepared.created, self.serving.model_name,
                           choices, R.usage(prepared.prompt_tokens, completion_tokens))
 
-    async def stream(self, req: ChatCompletionRequest, prepared: Prepared) -> AsyncIterator[str]:
-        """SSE events: a role chunk per choice, one chunk per delta, a usage chunk if asked, then [DONE]."""
-        def chunk(choices: list[dict], usage: dict | None = None) -> str:
-            body = R.envelope("chat.completion.chunk", prepared.response_id, prepared.created,
-                              self.serving.model_name, choices)
-            if req.include_usage:
-                body["usage"] = usage
-            return sse(body)
+    def stream(self, req: ChatCompletionRequest, prepared: Prepared) -> AsyncIterator[str]:
+        """SSE events: a role chunk per choice, one chunk per delta, usage if asked, [DONE]."""
+        opening = [{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                    "finish_reason": None} for c in prepared.choices]
 
-        for c in prepared.choices:
-            yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
-                          "logprobs": None, "finish_reason": None}])
-        completion_tokens = 0
-        async for index, delta in self.serving.deltas(prepared):
-            completion_tokens += len(delta.new_token_ids)
-            if not (delta.text_delta or delta.finished or delta.logprobs is not None):
-                continue
-            content = {"content": delta.text_delta} if delta.text_delta else {}
-            logprobs = self._logprobs(req, delta.new_token_ids, delta.logprobs)
-            yield chunk([{"index": index, "delta": content, "logprobs": logprobs,
-                          "finish_reason": delta.finish_reason if delta.finished else None}])
-        if req.include_usage:
-            yield chunk([], R.usage(prepared.prompt_tokens, completion_tokens))
-        yield sse("[DONE]")
+        def choice_of(index: int, delta: StepDelta) -> dict:
+            return {"index": index, "delta": {"content": delta.text_delta} if delta.text_delta else {},
+                    "logprobs": self._logprobs(req, delta.new_token_ids, delta.logprobs),
+                    "finish_reason": delta.finish_reason if delta.finished else None}
+        return self.serving.stream_events(prepared, "chat.completion.chunk", req.include_usage, opening, choice_of)

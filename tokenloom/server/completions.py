@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from tokenloom.outputs import CompletionOutput
+from tokenloom.outputs import CompletionOutput, StepDelta
 from tokenloom.server import responses as R
 from tokenloom.server.protocol import CompletionRequest
-from tokenloom.server.serving import OpenAIServing, Prepared, sse
+from tokenloom.server.serving import OpenAIServing, Prepared
 
 
 class Completions:
@@ -30,30 +30,19 @@ class Completions:
         return R.envelope("text_completion", prepared.response_id, prepared.created, self.serving.model_name,
                           choices, R.usage(prepared.prompt_tokens, completion_tokens))
 
-    async def stream(self, req: CompletionRequest, prepared: Prepared) -> AsyncIterator[str]:
-        """SSE events: one chunk per delta (echoed prompt first), a usage chunk if asked, then [DONE]."""
-        def chunk(choices: list[dict], usage: dict | None = None) -> str:
-            body = R.envelope("text_completion", prepared.response_id, prepared.created,
-                              self.serving.model_name, choices)
-            if req.include_usage:
-                body["usage"] = usage
-            return sse(body)
-
+    def stream(self, req: CompletionRequest, prepared: Prepared) -> AsyncIterator[str]:
+        """SSE events: the echoed prompts (if asked), one chunk per delta, usage if asked, [DONE]."""
         offsets = [0] * len(prepared.choices)
+        opening = []
         if req.echo:
             for c in prepared.choices:
                 text = prepared.prompt_texts[c.prompt_index]
                 offsets[c.index] = len(text)
-                yield chunk([{"index": c.index, "text": text, "logprobs": None, "finish_reason": None}])
-        completion_tokens = 0
-        async for index, delta in self.serving.deltas(prepared):
-            completion_tokens += len(delta.new_token_ids)
-            if not (delta.text_delta or delta.finished or delta.logprobs is not None):
-                continue
+                opening.append({"index": c.index, "text": text, "logprobs": None, "finish_reason": None})
+
+        def choice_of(index: int, delta: StepDelta) -> dict:
             logprobs = self._logprobs(req, delta.new_token_ids, delta.logprobs, offsets[index])
             offsets[index] += len(delta.text_delta)
-            yield chunk([{"index": index, "text": delta.text_delta, "logprobs": logprobs,
-                          "finish_reason": delta.finish_reason if delta.finished else None}])
-        if req.include_usage:
-            yield chunk([], R.usage(prepared.prompt_tokens, completion_tokens))
-        yield sse("[DONE]")
+            return {"index": index, "text": delta.text_delta, "logprobs": logprobs,
+                    "finish_reason": delta.finish_reason if delta.finished else None}
+        return self.serving.stream_events(prepared, "text_completion", req.include_usage, opening, choice_of)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 
@@ -160,3 +160,26 @@ class OpenAIServing:
                 if delta.finished:
                     outs[index] = delta.completion
         return outs   # type: ignore[return-value]
+
+    async def stream_events(self, prepared: Prepared, kind: str, include_usage: bool, opening: list[dict],
+                            choice_of: Callable[[int, StepDelta], dict]) -> AsyncIterator[str]:
+        """The SSE stream of one response: a chunk per opening choice dict, then one per delta
+        that carries text, logprobs or the finish (``choice_of(index, delta)`` shapes it), a
+        usage chunk if asked, and ``data: [DONE]``."""
+        def chunk(choices: list[dict], usage: dict | None = None) -> str:
+            body = R.envelope(kind, prepared.response_id, prepared.created, self.model_name, choices)
+            if include_usage:
+                body["usage"] = usage
+            return sse(body)
+
+        for choice in opening:
+            yield chunk([choice])
+        completion_tokens = 0
+        async with aclosing(self.deltas(prepared)) as stream:
+            async for index, delta in stream:
+                completion_tokens += len(delta.new_token_ids)
+                if delta.text_delta or delta.finished or delta.logprobs is not None:
+                    yield chunk([choice_of(index, delta)])
+        if include_usage:
+            yield chunk([], R.usage(prepared.prompt_tokens, completion_tokens))
+        yield sse("[DONE]")
