@@ -53,7 +53,7 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self._prompt_tokens_computed = 0
         self._generated_tokens = 0
-        self._spec_totals = [0, 0, 0]     # request-steps with drafts, drafts verified, drafts accepted
+        self._spec_steps = self._spec_drafts = self._spec_accepted = 0   # summed over requests
 
     def _report_cache(self, kv: PagedKVCache, per_token: int) -> None:
         c = self.model_config
@@ -138,9 +138,9 @@ class LLMEngine:
         m.num_spec_steps += 1
         m.num_draft_tokens += proposed
         m.num_accepted_tokens += accepted
-        self._spec_totals[0] += 1
-        self._spec_totals[1] += proposed
-        self._spec_totals[2] += accepted
+        self._spec_steps += 1
+        self._spec_drafts += proposed
+        self._spec_accepted += accepted
         req.spec_acceptance = 0.5 * req.spec_acceptance + 0.5 * accepted / proposed
 
     def _append(self, req: Request, tokens: list[int], logprobs: list[TokenLogprobs] | None,
@@ -193,4 +193,6 @@ class LLMEngine:
         bm = self.block_manager
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), bm.num_used_blocks,
                            bm.num_free_blocks, bm.stats.hit_rate, self._prompt_tokens_computed,
-                           self._generated_tokens, self.scheduler.num_preemptions, *self._spec_totals)
+                           self._generated_tokens, self.scheduler.num_preemptions,
+                           spec_steps=self._spec_steps, spec_draft_tokens=self._spec_drafts,
+                           spec_accepted_tokens=self._spec_accepted)

@@ -8,7 +8,7 @@ from tokenloom.attention import AttentionMetadata
 from tokenloom.batch import SeqChunk, build_batch
 from tokenloom.kv_cache.paged import PagedKVCache
 from tokenloom.models.base import CausalLM
-from tokenloom.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
+from tokenloom.outputs import RunnerOutput, SchedulerOutput
 from tokenloom.sampling import Sampler, SamplingMetadata
 from tokenloom.spec_decode.verifier import Draft, verify
 
@@ -38,16 +38,6 @@ class ModelRunner:
             self.kv_cache.zero_blocks(torch.tensor(batch.fresh_blocks, dtype=torch.int64, device=self.device))
         return self.model(batch.input_ids, batch.positions, batch.meta, self.kv_cache), batch.meta
 
-    @staticmethod
-    def _sampling_metadata(scheduled: list[ScheduledRequest]) -> SamplingMetadata:
-        reqs = [s.request for s in scheduled]
-        return SamplingMetadata(
-            params=[r.params for r in reqs],
-            prompt_token_ids=[r.prompt_token_ids for r in reqs],
-            output_token_ids=[r.output_token_ids for r in reqs],
-            generators=[r.generator for r in reqs],
-            eos_token_ids=[r.eos_token_ids for r in reqs])
-
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         hidden, meta = self.forward(self._chunks(sched))                     # (T, hidden)
@@ -62,7 +52,7 @@ class ModelRunner:
         results: dict[str, tuple[list[int], list | None]] = {}
         if plain:
             logits = self.model.compute_logits(hidden[rows_plain])            # (B, vocab) float32
-            tokens, logprobs = self.sampler(logits, self._sampling_metadata(plain))
+            tokens, logprobs = self.sampler(logits, SamplingMetadata.for_requests([s.request for s in plain]))
             for s, t, lp in zip(plain, tokens.tolist(), logprobs):
                 results[s.request.request_id] = ([t], None if lp is None else [lp])
         if spec:

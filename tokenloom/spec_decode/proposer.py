@@ -122,16 +122,17 @@ class DraftModelProposer(SpecProposer):
             r.spec_draft_probs = torch.stack(probs[r.request_id]) if probs[r.request_id] else None
 
     @staticmethod
-    def _draw(logits: torch.Tensor, reqs: list[Request], drafts: dict, probs: dict) -> None:
+    def _draw(logits: torch.Tensor, reqs: list[Request], drafts: dict, probs_by_request: dict) -> None:
         """Each request's next draft token, under its own processors (as the target will see it)."""
-        meta = SamplingMetadata([r.params for r in reqs], [r.prompt_token_ids for r in reqs],
-                                [r.output_token_ids + drafts[r.request_id] for r in reqs],
-                                [r.generator for r in reqs], [r.eos_token_ids for r in reqs])
+        meta = SamplingMetadata.for_requests(reqs, [r.output_token_ids + drafts[r.request_id] for r in reqs])
         logits = apply_processors(logits, meta)
+        sampled = [i for i, r in enumerate(reqs) if not r.params.greedy]
+        probs = sampling_distribution(logits[sampled], meta.rows(sampled)) if sampled else None   # (S, vocab)
+        next_sampled = iter(range(len(sampled)))
         for i, r in enumerate(reqs):
             if r.params.greedy:
                 drafts[r.request_id].append(int(logits[i].argmax()))
                 continue
-            q = sampling_distribution(logits[i:i + 1], meta.rows([i]))[0]        # (vocab,)
+            q = probs[next(next_sampled)]
             drafts[r.request_id].append(int(torch.multinomial(q, 1, generator=r.generator)))
-            probs[r.request_id].append(q)
+            probs_by_request[r.request_id].append(q)

@@ -31,16 +31,12 @@ class Draft:
 
 def _expanded_metadata(drafts: list[Draft]) -> SamplingMetadata:
     """One row per draft position: row j of a request sees its outputs plus drafts[:j]."""
-    meta = SamplingMetadata([], [], [], [], [])
+    requests, outputs = [], []
     for d in drafts:
-        r = d.request
         for j in range(len(d.token_ids) + 1):
-            meta.params.append(r.params)
-            meta.prompt_token_ids.append(r.prompt_token_ids)
-            meta.output_token_ids.append(r.output_token_ids + d.token_ids[:j])
-            meta.generators.append(r.generator)
-            meta.eos_token_ids.append(r.eos_token_ids)
-    return meta
+            requests.append(d.request)
+            outputs.append(d.request.output_token_ids + d.token_ids[:j])
+    return SamplingMetadata.for_requests(requests, outputs)
 
 
 def _logprobs_of(raw: torch.Tensor, row: int, token: int, top_n: int) -> TokenLogprobs:
