@@ -1,4 +1,4 @@
-"""tokenloom's command line: generate | chat | serve | pull.
+"""tokenloom's command line: generate | chat | serve | pull (+ eval-ppl | bench | quantize, cli_tools.py).
 
 Flags map one to one onto EngineConfig / SamplingParams fields.
 """
@@ -9,6 +9,8 @@ import argparse
 import sys
 from typing import Any
 
+from tokenloom.quant.scheme import CHOICES as QUANT_CHOICES
+
 _EXAMPLES = """examples:
   tokenloom pull                                   fetch and prepare the default model
   tokenloom generate "Once upon a time"            stream a continuation (greedy)
@@ -17,6 +19,10 @@ _EXAMPLES = """examples:
   tokenloom chat --system "You are terse."         interactive conversation
   tokenloom serve --port 8000                      OpenAI-compatible server on 127.0.0.1:8000
   tokenloom generate --speculative ngram,k=4 "Repeat: a b c a b c"   speculative decoding
+  tokenloom generate --quantization int4 "Hello"   int4 weights (also int8, int4-g64, gguf)
+  tokenloom eval-ppl --quantization int8           perplexity on the shipped text
+  tokenloom bench --quantization int4              batch-1 prefill/decode tok/s and memory
+  tokenloom quantize --quantization int4 -o smol-int4   save once, load without re-quantizing
 """
 
 
@@ -38,6 +44,12 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                    help="speculative decoding (lossless): 'ngram,k=4' (prompt lookup) or 'draft=PATH,k=4' "
                         "(a smaller model with the same tokenizer); options max_batch=N (plain decoding above "
                         "N running requests, default 8), min_acceptance=F, ngram_max/ngram_min")
+    g.add_argument("--quantization", default=None, choices=list(QUANT_CHOICES),
+                   help="weight-only quantization of every Linear: int8 (per-channel), int4 (groups of 32; "
+                        "int4-g64/-g128 for larger groups), gguf (keep a GGUF file's own Q8_0/Q4_0/Q4_1 blocks)")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
+                   help="int8: store keys/values as int8 with a scale per token and head (half of bf16, "
+                        "a quarter of float32)")
 
 
 def _sampling_flags(p: argparse.ArgumentParser) -> None:
@@ -72,7 +84,8 @@ def _make_llm(args: argparse.Namespace):
     memory = None if args.kv_cache_memory is None else int(args.kv_cache_memory * (1 << 30))
     return LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, kv_cache_memory=memory,
                kv_cache_fraction=args.kv_cache_fraction, enable_prefix_caching=args.enable_prefix_caching,
-               max_num_seqs=getattr(args, "max_num_seqs", 64), speculative=args.speculative, progress=True)
+               max_num_seqs=getattr(args, "max_num_seqs", 64), speculative=args.speculative,
+               quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, progress=True)
 
 
 def _check_engine_flags(args: argparse.Namespace) -> None:
@@ -151,9 +164,11 @@ def cmd_pull(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from tokenloom.cli_tools import add_commands
     parser = argparse.ArgumentParser(prog="tokenloom", description="Fast, hackable LLM inference.",
                                      epilog=_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,chat,serve,pull}")
+    sub = parser.add_subparsers(dest="command", required=True,
+                                metavar="{generate,chat,serve,pull,eval-ppl,bench,quantize}")
     gen = sub.add_parser("generate", help="stream a completion of one prompt",
                          description="Stream a completion of PROMPT (or of stdin) to the terminal.")
     gen.add_argument("prompt", nargs="?", help="prompt text (default: read stdin)")
@@ -187,6 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
                                       "($TOKENLOOM_CACHE or ~/.cache/tokenloom) and prepare it once.")
     pull.add_argument("--force", action="store_true", help="download and prepare again")
     pull.set_defaults(func=cmd_pull)
+    add_commands(sub, _engine_flags)
     return parser
 
 

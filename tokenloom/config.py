@@ -283,8 +283,14 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig | None = None
+    quantization: str | None = None      # int8 | int4[-g32|-g64|-g128] | gguf (weights); None: float
+    kv_cache_dtype: str = "auto"         # auto (the model's dtype) | int8
 
     def __post_init__(self) -> None:
+        from tokenloom.quant.scheme import parse_quantization
         parse_dtype(self.dtype)
+        self.quantization = parse_quantization(self.quantization)
+        if self.kv_cache_dtype not in ("auto", "int8"):
+            raise ValueError(f"kv_cache_dtype must be 'auto' or 'int8', got {self.kv_cache_dtype!r}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")

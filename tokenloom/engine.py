@@ -34,7 +34,8 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, progress: bool = False) -> None:
         self.config = config
-        loaded = load_model(config.model, config.dtype, config.device, config.max_model_len, progress)
+        loaded = load_model(config.model, config.dtype, config.device, config.max_model_len, progress,
+                            quantization=config.quantization)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = loaded.eos_token_ids

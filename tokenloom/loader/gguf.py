@@ -21,6 +21,8 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from tokenloom.config import UnsupportedModelError
 from tokenloom.loader.safetensors import CheckpointError
+from tokenloom.quant.formats import QuantizedTensor
+from tokenloom.quant.scheme import WeightFormat
 from tokenloom.tokenizer import Tokenizer
 
 try:
@@ -43,6 +45,10 @@ _PRE_TOKENIZER_SPLITS = {
     "llama-bpe": [_LLAMA3_SPLIT],
 }
 _TOKEN_TYPE_CONTROL, _TOKEN_TYPE_USER_DEFINED = 3, 4
+
+Q = gguf.GGMLQuantizationType
+# GGUF block types that are already one of tokenloom's formats (blocks of 32).
+_BLOCK_FORMATS = {Q.Q8_0: WeightFormat(8, 32), Q.Q4_0: WeightFormat(4, 32), Q.Q4_1: WeightFormat(4, 32)}
 
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                   "qwen3": "Qwen3ForCausalLM", "gpt2": "GPT2LMHeadModel"}
@@ -128,14 +134,55 @@ class GGUFFile:
         keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
         return {v for k in keys if (v := self.field(k)) is not None}
 
-    def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, float tensor in HF layout) for every tensor in the file."""
+    def iter_tensors(self, keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
+        """(HF name, tensor in HF layout) for every tensor in the file.
+
+        With `keep_quantized`, Q8_0/Q4_0/Q4_1 matrices come as QuantizedTensors
+        holding the file's own blocks (see ``block_tensor``); all else is dequantized.
+        """
         cfg = self.hf_config()
         for t in self.reader.tensors:
+            if keep_quantized and (q := self.block_tensor(t)) is not None:
+                yield self._hf_name(t.name), self._to_hf_layout(t.name, q, cfg)
+                continue
             array = gguf.quants.dequantize(t.data, t.tensor_type)
             array = array.reshape(tuple(reversed([int(d) for d in t.shape])))  # numpy order: (rows, cols)
             tensor = torch.from_numpy(np.array(array, dtype=np.float32))  # owned, writable copy
             yield self._hf_name(t.name), self._to_hf_layout(t.name, tensor, cfg)
+
+    def quantized_formats(self) -> dict[str, WeightFormat]:
+        """HF tensor name -> the format its blocks load into without conversion."""
+        return {self._hf_name(t.name): fmt for t in self.reader.tensors
+                if (fmt := self._block_format(t)) is not None}
+
+    def _block_format(self, t) -> WeightFormat | None:
+        if self.arch == "gpt2" or len(t.shape) != 2:   # GPT-2's Conv1D layout would need a transpose
+            return None
+        return _BLOCK_FORMATS.get(t.tensor_type)
+
+    def block_tensor(self, t) -> QuantizedTensor | None:
+        """A Q8_0 / Q4_0 / Q4_1 matrix as a QuantizedTensor over its own blocks (else None).
+
+        Q8_0 block (34 B): fp16 d, 32 x int8 q;  w = d * q.
+        Q4_0 block (18 B): fp16 d, 16 B nibbles; w = d * (q - 8).
+        Q4_1 block (20 B): fp16 d, fp16 m, 16 B nibbles; w = d * q + m.
+        """
+        fmt = self._block_format(t)
+        if fmt is None:
+            return None
+        rows = int(t.shape[1])
+        raw = np.asarray(t.data, dtype=np.uint8).reshape(rows, -1)
+        kind = t.tensor_type
+        blocks = raw.reshape(rows, -1, {Q.Q8_0: 34, Q.Q4_0: 18, Q.Q4_1: 20}[kind])  # (rows, nb, bytes)
+        d = torch.from_numpy(blocks[:, :, 0:2].copy().view(np.float16)[..., 0]).float()  # (rows, nb)
+        if kind == Q.Q8_0:
+            qs = torch.from_numpy(blocks[:, :, 2:].copy().view(np.int8).reshape(rows, -1))
+            return QuantizedTensor(8, qs, d, None, 32)
+        nibbles = torch.from_numpy(blocks[:, :, -16:].copy().reshape(rows, -1))
+        if kind == Q.Q4_0:
+            return QuantizedTensor(4, nibbles, d, -8.0 * d, 32)
+        m = torch.from_numpy(blocks[:, :, 2:4].copy().view(np.float16)[..., 0]).float()
+        return QuantizedTensor(4, nibbles, d, m, 32)
 
     def _hf_name(self, name: str) -> str:
         flat, block = (_GPT2_NAMES, _GPT2_BLOCK_NAMES) if self.arch == "gpt2" else (_LLAMA_NAMES, _LLAMA_BLOCK_NAMES)
@@ -147,9 +194,11 @@ class GGUFFile:
             return f"{prefix}.{m.group(1)}.{block[m.group(2)]}.{m.group(3)}"
         raise CheckpointError(f"GGUF tensor {name!r} has no known meaning for architecture {self.arch!r}")
 
-    def _to_hf_layout(self, name: str, tensor: torch.Tensor, cfg: dict) -> torch.Tensor:
+    def _to_hf_layout(self, name: str, tensor, cfg: dict):
         if self.arch == "llama" and re.search(r"\.attn_[qk]\.", name):
             heads = cfg["num_attention_heads"] if ".attn_q." in name else cfg["num_key_value_heads"]
+            if isinstance(tensor, QuantizedTensor):   # rows are independent: permute them
+                return tensor.rows(unpermute_rope_rows(torch.arange(tensor.shape[0]), heads))
             return unpermute_rope_rows(tensor, heads)
         if self.arch == "gpt2" and tensor.dim() == 2 and re.search(r"\.(attn_qkv|attn_output|ffn_up|ffn_down)\.", name):
             return tensor.t().contiguous()  # back to HF Conv1D's (in, out)

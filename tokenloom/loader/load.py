@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +16,8 @@ from tokenloom.loader.safetensors import (CheckpointError, hf_eos_ids, iter_safe
 from tokenloom.loader.weights import load_weights
 from tokenloom.models.base import CausalLM
 from tokenloom.models.registry import model_class
+from tokenloom.quant import WeightFormat, parse_quantization, quantize_structure
+from tokenloom.quant.checkpoint import formats_for, load_saved_state, saved_formats
 from tokenloom.tokenizer import Tokenizer
 
 __all__ = ["CheckpointError", "LoadedModel", "load_model", "load_checkpoint", "build_model"]
@@ -32,6 +34,7 @@ class Checkpoint:
     num_tensors: int
     tokenizer: Tokenizer
     eos_token_ids: set[int]
+    block_formats: dict | None = None   # GGUF only: HF tensor name -> WeightFormat of its blocks
 
 
 @dataclass
@@ -48,8 +51,11 @@ def _is_gguf(path: Path) -> bool:
         return f.read(4) == GGUF_MAGIC
 
 
-def load_checkpoint(path: str | Path) -> Checkpoint:
-    """Open an HF folder or a GGUF file; raises FileNotFoundError / CheckpointError with the reason."""
+def load_checkpoint(path: str | Path, keep_quantized: bool = False) -> Checkpoint:
+    """Open an HF folder or a GGUF file; raises FileNotFoundError / CheckpointError with the reason.
+
+    `keep_quantized`: GGUF Q8_0/Q4_0/Q4_1 matrices come as QuantizedTensors, not floats.
+    """
     path = Path(path).expanduser()
     if not path.exists():
         raise FileNotFoundError(f"model path {str(path)!r} does not exist (expected an HF folder with "
@@ -59,7 +65,8 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
             raise CheckpointError(f"{path} is neither a GGUF file nor a folder (no GGUF magic bytes)")
         from tokenloom.loader.gguf import GGUFFile
         g = GGUFFile(path)
-        return Checkpoint(g.hf_config(), g.iter_tensors(), len(g.reader.tensors), g.tokenizer(), g.eos_token_ids())
+        return Checkpoint(g.hf_config(), g.iter_tensors(keep_quantized), len(g.reader.tensors), g.tokenizer(),
+                          g.eos_token_ids(), g.quantized_formats())
     config_path = path / "config.json"
     if not config_path.is_file():
         raise CheckpointError(f"{path} has no config.json; not an HF model folder")
@@ -83,12 +90,19 @@ def _count_tensors(files: list[Path]) -> int:
     return total
 
 
-def build_model(config: ModelConfig, dtype: torch.dtype, device: str | torch.device) -> CausalLM:
-    """An uninitialized model (parameters allocated, not filled) on `device`."""
+def build_model(config: ModelConfig, dtype: torch.dtype, device: str | torch.device,
+                format_of: Callable[[str], WeightFormat | None] | None = None) -> CausalLM:
+    """An uninitialized model (parameters allocated, not filled) on `device`.
+
+    `format_of(module name)` picks a quantized format per nn.Linear (None: float).
+    """
     cls = model_class(config)
     with torch.device("meta"):
         model = cls(config)
-    model = model.to(dtype=dtype).to_empty(device=device)
+    model = model.to(dtype=dtype)
+    if format_of is not None:
+        quantize_structure(model, format_of, cls.input_embedding_name, config.tie_word_embeddings, dtype)
+    model = model.to_empty(device=device)
     model.tie_weights()
     if hasattr(model, "inv_freq"):  # non-persistent float32 buffer: recompute after to_empty
         from tokenloom.models.layers import rope_inv_freq
@@ -101,9 +115,16 @@ def _progress(tensors: Iterable, total: int, desc: str, show: bool) -> Iterator:
 
 
 def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: str = "cpu",
-               max_model_len: int | None = None, progress: bool = False) -> LoadedModel:
-    """Load weights and tokenizer; every checkpoint tensor must fill exactly one parameter."""
-    ckpt = load_checkpoint(path)
+               max_model_len: int | None = None, progress: bool = False, quantization: str | None = None,
+               prepare: bool = True) -> LoadedModel:
+    """Load weights and tokenizer; every checkpoint tensor must fill exactly one parameter.
+
+    `quantization` (int8, int4[-gN], gguf) quantizes every Linear while loading,
+    tensor by tensor; a folder saved by ``save_quantized`` loads in its own format.
+    `prepare=False` skips the CPU layout changes (for saving the model again).
+    """
+    quantization = parse_quantization(quantization)
+    ckpt = load_checkpoint(path, keep_quantized=quantization is not None)
     config = ModelConfig.from_hf(ckpt.hf_config)
     if max_model_len is not None:
         if max_model_len > config.max_model_len:
@@ -111,9 +132,16 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: s
                              f"length {config.max_model_len}")
         config.max_model_len = max_model_len
     config.eos_token_ids = tuple(sorted(set(config.eos_token_ids) | ckpt.eos_token_ids))
-    model = build_model(config, parse_dtype(dtype), device)
-    load_weights(model, _progress(ckpt.tensors, ckpt.num_tensors, "loading weights", progress))
-    model.prepare_for_inference()
+    saved = saved_formats(ckpt.hf_config, quantization)
+    format_of = saved.get if saved is not None else formats_for(quantization, ckpt, model_class(config))
+    model = build_model(config, parse_dtype(dtype), device, format_of)
+    tensors = _progress(ckpt.tensors, ckpt.num_tensors, "loading weights", progress)
+    if saved is not None:
+        load_saved_state(model, tensors)
+    else:
+        load_weights(model, tensors)
+    if prepare:
+        model.prepare_for_inference()
     if ckpt.tokenizer.vocab_size > config.vocab_size:
         raise CheckpointError(f"tokenizer has {ckpt.tokenizer.vocab_size} tokens but the model only "
                               f"{config.vocab_size} embeddings")
@@ -129,7 +157,12 @@ def save_hf_folder(path: str | Path, folder: str | Path, progress: bool = True) 
     tensors = {name: t.contiguous() for name, t in
                _progress(ckpt.tensors, ckpt.num_tensors, f"preparing {Path(path).name}", progress)}
     save_file(tensors, str(folder / "model.safetensors"))
-    (folder / "config.json").write_text(json.dumps(ckpt.hf_config, indent=2))
+    write_folder_metadata(folder, ckpt.hf_config, ckpt.eos_token_ids, ckpt.tokenizer)
+
+
+def write_folder_metadata(folder: Path, hf_config: dict, eos_token_ids: set[int], tokenizer: Tokenizer) -> None:
+    """config.json, generation_config.json and the tokenizer files of an HF folder."""
+    (folder / "config.json").write_text(json.dumps(hf_config, indent=2))
     (folder / "generation_config.json").write_text(json.dumps(
-        {"bos_token_id": ckpt.hf_config.get("bos_token_id"), "eos_token_id": sorted(ckpt.eos_token_ids)}, indent=2))
-    ckpt.tokenizer.save(folder)
+        {"bos_token_id": hf_config.get("bos_token_id"), "eos_token_id": sorted(eos_token_ids)}, indent=2))
+    tokenizer.save(folder)

@@ -11,6 +11,8 @@ from collections.abc import Iterable
 import torch
 
 from tokenloom.models.base import CausalLM
+from tokenloom.quant.formats import QuantizedTensor
+from tokenloom.quant.modules import QuantizedEmbedding, quantized_targets
 
 
 class WeightMismatchError(ValueError):
@@ -37,18 +39,30 @@ def _tied_alias_names(model: CausalLM) -> set[str]:
     return all_names - {n for n, _ in model.named_parameters()}
 
 
-def load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Fill every parameter of `model` from (name, tensor) pairs in HF naming (in place)."""
+def load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor | QuantizedTensor]]) -> None:
+    """Fill every parameter of `model` from (name, tensor) pairs in HF naming (in place).
+
+    A tensor may be a QuantizedTensor (GGUF blocks); it is copied into a quantized
+    layer as is where the formats match, and dequantized for a float parameter.
+    """
     params = dict(model.named_parameters())
+    quantized = quantized_targets(model)
     aliases = _tied_alias_names(model)
     filled: dict[str, set[str | None]] = {n: set() for n in params}
+    filled_quantized: dict[int, set[str | None]] = {}
     for name, tensor in tensors:
         if model.is_ignored_checkpoint_key(name) or name in aliases:
             continue
         param_name, shard = _map_name(model, name)
+        if param_name in quantized:
+            owner = _load_quantized(model, quantized[param_name], name, param_name, shard, tensor)
+            filled_quantized.setdefault(id(owner), set()).add(shard)
+            continue
         if param_name not in params:
             raise WeightMismatchError(f"checkpoint tensor {name!r} matches no parameter of "
                                       f"{type(model).__name__}")
+        if isinstance(tensor, QuantizedTensor):
+            tensor = tensor.dequantize()
         tensor = model.transform_checkpoint_tensor(name, tensor)
         target = params[param_name].data
         if shard is not None:
@@ -56,9 +70,23 @@ def load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]]) -
         if tuple(target.shape) != tuple(tensor.shape):
             raise WeightMismatchError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
                                       f"expected {tuple(target.shape)}")
-        target.copy_(tensor)
+        target.copy_(tensor.to(target.dtype))
         filled[param_name].add(shard)
     missing = [f"{n}" + (f" ({sorted(s - filled[n])})" if s - filled[n] != {None} else "")
                for n in params if (s := _expected_shards(model, n)) - filled[n]]
+    missing += [n for n, mod in quantized.items() if not isinstance(mod, QuantizedEmbedding)
+                and _expected_shards(model, n) - filled_quantized.get(id(mod), set())]
     if missing:
         raise WeightMismatchError(f"checkpoint is missing tensors for: {', '.join(missing)}")
+
+
+def _load_quantized(model: CausalLM, target, name: str, param_name: str, shard: str | None, tensor):
+    """Load one checkpoint tensor into a quantized module; returns the module that owns the data."""
+    if not isinstance(tensor, QuantizedTensor):
+        tensor = model.transform_checkpoint_tensor(name, tensor)
+    rows = model.shard_rows(param_name, shard) if shard is not None else None
+    try:
+        target.load_weight(tensor, rows)
+    except ValueError as e:
+        raise WeightMismatchError(f"checkpoint tensor {name!r}: {e}") from e
+    return target._tied[0] if isinstance(target, QuantizedEmbedding) else target

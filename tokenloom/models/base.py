@@ -25,6 +25,7 @@ class CausalLM(nn.Module):
 
     packed_modules_mapping: dict[str, tuple[str, str]] = {}
     ignored_checkpoint_keys: tuple[str, ...] = ()
+    input_embedding_name: str = ""   # the nn.Embedding a tied output projection shares
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()

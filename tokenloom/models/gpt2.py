@@ -63,6 +63,7 @@ class GPT2Transformer(nn.Module):
 
 class GPT2LMHeadModel(CausalLM):
     # HF GPT-2 stores the causal mask as a buffer in older checkpoints.
+    input_embedding_name = "transformer.wte"
     ignored_checkpoint_keys = (r"transformer\.h\.\d+\.attn\.(masked_)?bias",)
     # HF GPT-2 uses Conv1D, whose weight is (in, out): the transpose of nn.Linear's.
     _conv1d_suffixes = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -74,7 +75,7 @@ class GPT2LMHeadModel(CausalLM):
         self.tie_weights()
 
     def tie_weights(self) -> None:
-        if self.config.tie_word_embeddings:
+        if self.config.tie_word_embeddings and isinstance(self.lm_head, nn.Linear):  # not when quantized
             self.lm_head.weight = self.transformer.wte.weight
 
     def transform_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:

@@ -71,6 +71,7 @@ class LlamaForCausalLM(CausalLM):
         "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
         "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up"),
     }
+    input_embedding_name = "model.embed_tokens"
     ignored_checkpoint_keys = (r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",)
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -81,7 +82,7 @@ class LlamaForCausalLM(CausalLM):
         self.tie_weights()
 
     def tie_weights(self) -> None:
-        if self.config.tie_word_embeddings:
+        if self.config.tie_word_embeddings and isinstance(self.lm_head, nn.Linear):  # not when quantized
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def shard_rows(self, param_name: str, shard_id: str) -> slice:

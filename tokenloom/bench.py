@@ -1,0 +1,61 @@
+"""Batch-1 speed of a loaded LLM: prefill tokens/s, decode tokens/s, time to first token, memory.
+
+Used by ``tokenloom bench`` and the benchmark scripts; every figure is the median
+over `runs` timed generations after one warm-up.
+"""
+
+from __future__ import annotations
+
+import resource
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+
+@dataclass
+class SpeedReport:
+    prompt_tokens: int
+    new_tokens: int
+    prefill_tok_s: float        # prompt tokens / time to first token
+    decode_tok_s: float         # (new tokens - 1) / time after the first token
+    ttft_s: float
+    weight_bytes: int           # parameters and buffers of the model (packed/quantized as stored)
+    peak_rss_bytes: int         # the process's peak resident memory so far
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def model_bytes(model: torch.nn.Module) -> int:
+    """Bytes of every distinct parameter and buffer (tied tensors counted once)."""
+    seen = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
+    return sum(t.numel() * t.element_size() for t in seen.values())
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024   # Linux reports KiB
+
+
+def measure(llm, prompt_tokens: int = 128, new_tokens: int = 64, runs: int = 3, seed: int = 0) -> SpeedReport:
+    """Greedy generations of `new_tokens` after a random prompt of `prompt_tokens` ids, timed."""
+    from tokenloom.sampling_params import SamplingParams
+    vocab = llm.tokenizer.vocab_size
+    gen = torch.Generator().manual_seed(seed)
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    prefill, decode, ttft = [], [], []
+    for i in range(runs + 1):
+        prompt = torch.randint(0, vocab, (prompt_tokens,), generator=gen).tolist()  # fresh: no prefix-cache hit
+        start = time.perf_counter()
+        out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+        total = time.perf_counter() - start
+        first = out.metrics.ttft
+        if i == 0:
+            continue                     # warm-up
+        ttft.append(first)
+        prefill.append(prompt_tokens / first)
+        decode.append((len(out.token_ids) - 1) / max(total - first, 1e-9))
+    model = llm.engine.runner.model
+    return SpeedReport(prompt_tokens, new_tokens, statistics.median(prefill), statistics.median(decode),
+                       statistics.median(ttft), model_bytes(model), peak_rss_bytes())

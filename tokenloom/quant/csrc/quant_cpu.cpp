@@ -1,0 +1,215 @@
+// Weight-only quantized linear layers for x86 CPUs with AVX2 + FMA.
+//
+// Weights are stored in blocks of 32 along the input dimension K:
+//   int8: q int8 (N, K),         w = q * scale[n, k / group]
+//   int4: q uint8 (N, K/2),      w = q * scale[n, k / group] + offset[n, k / group], q in 0..15;
+//         within each block of 32 values, byte j holds value j (low nibble) and j+16 (high),
+//         the layout of GGUF's Q4_0/Q4_1 blocks.
+// Activations are quantized on the fly to int8 per block of 32 (one float scale per block,
+// like llama.cpp's Q8_0 dot products), so each block's dot product runs on integer
+// multiply-adds (maddubs/madd) and is scaled once in float.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <immintrin.h>
+#include <cmath>
+
+namespace {
+
+constexpr int64_t QK = 32;   // values per quantization block
+
+struct QuantizedActivations {
+  at::Tensor q;      // (M, K) int8
+  at::Tensor scale;  // (M, K/32) float
+  at::Tensor sum;    // (M, K/32) float: sum of the original values of each block
+};
+
+// x (M, K) float32 -> int8 per block of 32 with scale max|x|/127.
+QuantizedActivations quantize_activations(const at::Tensor& x) {
+  const int64_t M = x.size(0), K = x.size(1), nb = K / QK;
+  QuantizedActivations a{at::empty({M, K}, x.options().dtype(at::kChar)),
+                         at::empty({M, nb}, x.options()), at::empty({M, nb}, x.options())};
+  const float* src = x.data_ptr<float>();
+  int8_t* q = a.q.data_ptr<int8_t>();
+  float* scale = a.scale.data_ptr<float>();
+  float* sum = a.sum.data_ptr<float>();
+  at::parallel_for(0, M * nb, 256, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const float* v = src + b * QK;
+      float amax = 0.f, s = 0.f;
+      for (int i = 0; i < QK; ++i) { amax = std::max(amax, std::fabs(v[i])); s += v[i]; }
+      const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+      for (int i = 0; i < QK; ++i) q[b * QK + i] = static_cast<int8_t>(std::nearbyint(v[i] * inv));
+      scale[b] = d;
+      sum[b] = s;
+    }
+  });
+  return a;
+}
+
+inline float hsum(__m256 v) {
+  __m128 r = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+  r = _mm_add_ss(r, _mm_movehdup_ps(r));
+  return _mm_cvtss_f32(r);
+}
+
+// Sum over 32 lanes of w * x for signed int8 w (in -127..127) and x: 8 int32 partial sums.
+inline __m256i dot_s8s8(__m256i w, __m256i x) {
+  const __m256i p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+  return _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
+}
+
+// Same for unsigned w in 0..15.
+inline __m256i dot_u8s8(__m256i w, __m256i x) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
+}
+
+inline __m256i unpack_nibbles(const uint8_t* p) {   // 16 bytes -> 32 values 0..15, in order
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m256i both = _mm256_set_m128i(_mm_srli_epi16(b, 4), b);
+  return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
+}
+
+struct Weights {
+  const uint8_t* q;       // row-major, row_bytes per output row
+  const float* scale;     // (N, groups)
+  const float* offset;    // (N, groups) or nullptr (int8)
+  int64_t row_bytes, groups, blocks_per_group;
+};
+
+struct Activations {       // raw views of QuantizedActivations
+  const int8_t* q;
+  const float* scale;
+  const float* sum;
+  int64_t K, nb;
+};
+
+constexpr int64_t PREFETCH_BYTES = 384;   // software prefetch distance ahead of each weight row
+
+template <bool INT4>
+inline __m256i load_weight_block(const uint8_t* row, int64_t b) {
+  if constexpr (INT4) {
+    _mm_prefetch(reinterpret_cast<const char*>(row + b * (QK / 2) + PREFETCH_BYTES), _MM_HINT_T0);
+    return unpack_nibbles(row + b * (QK / 2));
+  } else {
+    _mm_prefetch(reinterpret_cast<const char*>(row + b * QK + PREFETCH_BYTES), _MM_HINT_T0);
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * QK));
+  }
+}
+
+// out[m][n] for an MT x NT tile: activation rows m0.., output rows n0..; one pass over K.
+// Each weight block is loaded once for MT rows and each activation block once for NT rows;
+// MT * NT independent accumulators keep the FMA pipeline busy. Within a weight group the
+// block sums are scaled by the activation scales only; the weight scale (and for int4 the
+// offset times the group's activation sum) is applied once per group.
+template <int MT, int NT, bool INT4>
+void dot_tile(const Weights& w, const Activations& a, int64_t m0, int64_t n0, float* out, int64_t N) {
+  const int64_t K = a.K, nb = a.nb, bpg = w.blocks_per_group;
+  __m256 acc[MT][NT];
+  float acc_offset[MT][NT];
+  for (int m = 0; m < MT; ++m)
+    for (int j = 0; j < NT; ++j) { acc[m][j] = _mm256_setzero_ps(); acc_offset[m][j] = 0.f; }
+  for (int64_t g = 0; g < w.groups; ++g) {
+    __m256 gacc[MT][NT];
+    float xsum[MT];
+    for (int m = 0; m < MT; ++m) {
+      xsum[m] = 0.f;
+      for (int j = 0; j < NT; ++j) gacc[m][j] = _mm256_setzero_ps();
+    }
+    for (int64_t b = g * bpg; b < (g + 1) * bpg; ++b) {
+      __m256i wv[NT];
+      for (int j = 0; j < NT; ++j) wv[j] = load_weight_block<INT4>(w.q + (n0 + j) * w.row_bytes, b);
+      for (int m = 0; m < MT; ++m) {
+        const int64_t xi = (m0 + m) * nb + b;
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + (m0 + m) * K + b * QK));
+        const __m256 xs = _mm256_set1_ps(a.scale[xi]);
+        if constexpr (INT4) xsum[m] += a.sum[xi];
+        for (int j = 0; j < NT; ++j) {
+          const __m256i d = INT4 ? dot_u8s8(wv[j], xv) : dot_s8s8(wv[j], xv);
+          gacc[m][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), xs, gacc[m][j]);
+        }
+      }
+    }
+    for (int j = 0; j < NT; ++j) {
+      const int64_t wi = (n0 + j) * w.groups + g;
+      const __m256 ws = _mm256_set1_ps(w.scale[wi]);
+      for (int m = 0; m < MT; ++m) {
+        acc[m][j] = _mm256_fmadd_ps(gacc[m][j], ws, acc[m][j]);
+        if constexpr (INT4) acc_offset[m][j] += w.offset[wi] * xsum[m];
+      }
+    }
+  }
+  for (int m = 0; m < MT; ++m)
+    for (int j = 0; j < NT; ++j) out[(m0 + m) * N + n0 + j] = hsum(acc[m][j]) + acc_offset[m][j];
+}
+
+// Output rows [n0, n1) for every activation row: 2x2 tiles (1x4 for a lone row), then the leftovers.
+template <bool INT4>
+void dot_rows(const Weights& w, const Activations& a, int64_t M, int64_t n0, int64_t n1, float* out, int64_t N) {
+  int64_t m = 0;
+  for (; m + 2 <= M; m += 2) {
+    int64_t n = n0;
+    for (; n + 2 <= n1; n += 2) dot_tile<2, 2, INT4>(w, a, m, n, out, N);
+    for (; n < n1; ++n) dot_tile<2, 1, INT4>(w, a, m, n, out, N);
+  }
+  for (; m < M; ++m) {
+    int64_t n = n0;
+    for (; n + 4 <= n1; n += 4) dot_tile<1, 4, INT4>(w, a, m, n, out, N);
+    for (; n < n1; ++n) dot_tile<1, 1, INT4>(w, a, m, n, out, N);
+  }
+}
+
+void check_weights(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, int64_t group) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.device().is_cpu(),
+              "x must be a contiguous float32 CPU matrix");
+  TORCH_CHECK(x.size(1) % QK == 0, "in_features must be a multiple of 32, got ", x.size(1));
+  TORCH_CHECK(group % QK == 0 && x.size(1) % group == 0, "group size must be a multiple of 32 dividing K");
+  TORCH_CHECK(q.is_contiguous() && scale.is_contiguous() && scale.scalar_type() == at::kFloat,
+              "quantized weight and scales must be contiguous, scales float32");
+  TORCH_CHECK(scale.size(0) == q.size(0) && scale.size(1) == x.size(1) / group, "scales must be (N, K / group)");
+}
+
+template <bool INT4>
+at::Tensor linear(const at::Tensor& x, const Weights& w, int64_t N, const c10::optional<at::Tensor>& bias) {
+  const int64_t M = x.size(0), K = x.size(1);
+  const QuantizedActivations qa = quantize_activations(x);
+  const Activations a{qa.q.data_ptr<int8_t>(), qa.scale.data_ptr<float>(), qa.sum.data_ptr<float>(), K, K / QK};
+  at::Tensor out = at::empty({M, N}, x.options());
+  float* y = out.data_ptr<float>();
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { dot_rows<INT4>(w, a, M, n0, n1, y, N); });
+  if (bias.has_value() && bias->defined()) out.add_(*bias);
+  return out;
+}
+
+at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, int64_t group,
+                       const c10::optional<at::Tensor>& bias) {
+  check_weights(x, q, scale, group);
+  TORCH_CHECK(q.scalar_type() == at::kChar && q.size(1) == x.size(1), "int8 weight must be (N, K) int8");
+  Weights w{reinterpret_cast<const uint8_t*>(q.data_ptr<int8_t>()), scale.data_ptr<float>(), nullptr,
+            q.size(1), scale.size(1), group / QK};
+  return linear<false>(x, w, q.size(0), bias);
+}
+
+at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
+                       const at::Tensor& offset, int64_t group, const c10::optional<at::Tensor>& bias) {
+  check_weights(x, q, scale, group);
+  TORCH_CHECK(q.scalar_type() == at::kByte && q.size(1) * 2 == x.size(1), "int4 weight must be (N, K/2) uint8");
+  TORCH_CHECK(offset.is_contiguous() && offset.sizes() == scale.sizes() && offset.scalar_type() == at::kFloat,
+              "offsets must be float32 like the scales");
+  Weights w{q.data_ptr<uint8_t>(), scale.data_ptr<float>(), offset.data_ptr<float>(),
+            q.size(1), scale.size(1), group / QK};
+  return linear<true>(x, w, q.size(0), bias);
+}
+
+}  // namespace
+
+TORCH_LIBRARY(tokenloom_quant, m) {
+  m.def("linear_int8(Tensor x, Tensor q, Tensor scale, int group, Tensor? bias) -> Tensor");
+  m.def("linear_int4(Tensor x, Tensor q, Tensor scale, Tensor offset, int group, Tensor? bias) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tokenloom_quant, CPU, m) {
+  m.impl("linear_int8", &linear_int8);
+  m.impl("linear_int4", &linear_int4);
+}

@@ -1,0 +1,142 @@
+"""Quantized drop-ins for nn.Linear and a tied nn.Embedding, and the module swap.
+
+``QuantizedLinear`` keeps nn.Linear's forward contract, ``x (..., in) -> (..., out)``
+in x's dtype, with its weight stored as a QuantizedTensor (formats.py). On an AVX2
+CPU it runs the compiled kernels; anywhere else (GPU, other CPUs) it dequantizes
+the weight per call and runs a float matmul: same numbers, no speed-up.
+The kernel serves every batch size: measured on the 2-core AVX2 machine against
+dequantize + float GEMM, it wins from 1 to 128 rows (int8, 3072 x 576: 0.37 vs 7.7 ms
+at 8 rows, 6.0 vs 12.7 ms at 128).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenloom.quant import kernels
+from tokenloom.quant.formats import BLOCK, QuantizedTensor, quantize
+from tokenloom.quant.scheme import WeightFormat
+
+log = logging.getLogger(__name__)
+
+class QuantizedLinear(nn.Module):
+    """A Linear layer whose weight is int8 or int4 (buffers ``qweight``, ``scales``, ``offsets``)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, fmt: WeightFormat,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        if not self.supports(in_features, fmt):
+            raise ValueError(f"{fmt.name} needs in_features divisible by the group size and by {BLOCK}, "
+                             f"got {in_features}")
+        self.in_features, self.out_features, self.fmt = in_features, out_features, fmt
+        self.group_size = fmt.group_size or in_features
+        groups = in_features // self.group_size
+        qdtype, cols = (torch.int8, in_features) if fmt.bits == 8 else (torch.uint8, in_features // 2)
+        self.register_buffer("qweight", torch.empty(out_features, cols, dtype=qdtype, device=device))
+        self.register_buffer("scales", torch.empty(out_features, groups, dtype=torch.float32, device=device))
+        offsets = torch.empty(out_features, groups, dtype=torch.float32, device=device) if fmt.bits == 4 else None
+        self.register_buffer("offsets", offsets)
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False) \
+            if bias else None
+
+    @staticmethod
+    def supports(in_features: int, fmt: WeightFormat) -> bool:
+        group = fmt.group_size or in_features
+        return in_features % BLOCK == 0 and in_features % group == 0
+
+    @property
+    def weight_q(self) -> QuantizedTensor:
+        return QuantizedTensor(self.fmt.bits, self.qweight, self.scales, self.offsets, self.group_size)
+
+    def load_weight(self, tensor: torch.Tensor | QuantizedTensor, rows: slice | None = None) -> None:
+        """Fill rows `rows` (all by default) from a float tensor or a QuantizedTensor.
+
+        A QuantizedTensor already in this layer's format is copied as is; anything
+        else is (dequantized and) quantized into this layer's format.
+        """
+        rows = rows if rows is not None else slice(None)
+        target = self.weight_q.rows(rows)
+        if not (isinstance(tensor, QuantizedTensor) and tensor.bits == self.fmt.bits
+                and tensor.group_size == self.group_size):
+            dense = tensor.dequantize() if isinstance(tensor, QuantizedTensor) else tensor
+            if tuple(dense.shape) != target.shape:
+                raise ValueError(f"weight shape {tuple(dense.shape)} does not match {target.shape}")
+            tensor = quantize(dense, self.fmt.bits, self.fmt.group_size)
+        if tensor.shape != target.shape:
+            raise ValueError(f"weight shape {tensor.shape} does not match {target.shape}")
+        target.data.copy_(tensor.data)
+        target.scales.copy_(tensor.scales)
+        if target.offsets is not None:
+            target.offsets.copy_(tensor.offsets)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)                               # (M, in)
+        if x2.device.type == "cpu" and kernels.available():
+            xf = x2.float().contiguous()
+            bias = None if self.bias is None else self.bias.float()
+            if self.fmt.bits == 8:
+                y = kernels.linear_int8(xf, self.qweight, self.scales, self.group_size, bias)
+            else:
+                y = kernels.linear_int4(xf, self.qweight, self.scales, self.offsets, self.group_size, bias)
+            y = y.to(x.dtype)
+        else:
+            y = F.linear(x2, self.weight_q.dequantize().to(x.dtype), self.bias)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"format={self.fmt.name}, bias={self.bias is not None}")
+
+
+class QuantizedEmbedding(nn.Module):
+    """The input embedding of a tied model whose output projection is quantized.
+
+    Reads rows of the output projection's quantized weight and dequantizes only
+    those, so the vocabulary matrix is stored once, quantized.
+    """
+
+    def __init__(self, tied: QuantizedLinear, dtype: torch.dtype) -> None:
+        super().__init__()
+        self._tied = [tied]          # a list: not registered as a submodule, not saved twice
+        self.dtype = dtype
+
+    def load_weight(self, tensor: torch.Tensor | QuantizedTensor, rows: slice | None = None) -> None:
+        self._tied[0].load_weight(tensor, rows)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self._tied[0].weight_q.rows(ids.reshape(-1)).dequantize()   # (numel, hidden)
+        return rows.to(self.dtype).view(*ids.shape, -1)
+
+
+def quantize_structure(model: nn.Module, format_of: Callable[[str], WeightFormat | None],
+                       embedding_name: str, tied: bool, dtype: torch.dtype) -> list[str]:
+    """Swap every nn.Linear that `format_of(name)` gives a format for; returns the swapped names.
+
+    Call on a model built on the meta device, before its tensors are allocated.
+    With tied embeddings and a quantized output projection, the input embedding
+    becomes a QuantizedEmbedding that reads the projection's rows.
+    """
+    swapped = []
+    for name, mod in list(model.named_modules()):
+        if not isinstance(mod, nn.Linear) or (fmt := format_of(name)) is None:
+            continue
+        if not QuantizedLinear.supports(mod.in_features, fmt):
+            log.warning("%s stays float: in_features %d does not fit %s", name, mod.in_features, fmt.name)
+            continue
+        model.set_submodule(name, QuantizedLinear(mod.in_features, mod.out_features, mod.bias is not None,
+                                                  fmt, dtype, device=mod.weight.device))
+        swapped.append(name)
+    if tied and "lm_head" in swapped:
+        model.set_submodule(embedding_name, QuantizedEmbedding(model.get_submodule("lm_head"), dtype))
+    return swapped
+
+
+def quantized_targets(model: nn.Module) -> dict[str, QuantizedLinear | QuantizedEmbedding]:
+    """Checkpoint weight name ('<module>.weight') -> the quantized module that loads it."""
+    return {f"{name}.weight": mod for name, mod in model.named_modules()
+            if isinstance(mod, (QuantizedLinear, QuantizedEmbedding))}

@@ -1,0 +1,82 @@
+"""Log-probabilities of given tokens, and perplexity over a text, in prefill passes.
+
+Scoring borrows KV blocks from the engine's block manager for one sequence and
+runs the model over it in chunks (no sampling, no requests), so it measures
+exactly the model the engine serves: its dtype, its quantization, its KV cache.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from dataclasses import dataclass
+from importlib import resources
+
+import torch
+
+from tokenloom.batch import SeqChunk
+
+
+@torch.inference_mode()
+def score_tokens(engine, token_ids: list[int], chunk_size: int = 256) -> list[float]:
+    """log p(token_ids[i] | token_ids[:i]) for i = 1 .. n-1 (n-1 floats, natural log).
+
+    Runs while the engine is idle (raises RuntimeError otherwise); the sequence must
+    fit the context and the free KV blocks (ValueError otherwise).
+    """
+    n = len(token_ids)
+    if n < 2:
+        raise ValueError("scoring needs at least two tokens")
+    if n > engine.max_model_len:
+        raise ValueError(f"{n} tokens exceed the model's context of {engine.max_model_len}")
+    if engine.has_unfinished_requests():
+        raise RuntimeError("scoring runs only while the engine has no requests in flight")
+    seq_id, blocks_mgr = f"score-{uuid.uuid4().hex}", engine.block_manager
+    if not blocks_mgr.allocate(seq_id, n):
+        raise ValueError(f"{n} tokens need more KV cache blocks than are free")
+    try:
+        blocks, runner = blocks_mgr.block_ids(seq_id), engine.runner
+        scores: list[float] = []
+        for start in range(0, n - 1, chunk_size):
+            chunk = token_ids[start:start + chunk_size]
+            hidden, _ = runner.forward([SeqChunk(chunk, start, blocks)])         # (len, hidden)
+            targets = torch.tensor(token_ids[start + 1:start + 1 + len(chunk)])  # next tokens
+            logits = runner.model.compute_logits(hidden[:len(targets)])          # (len', vocab) float32
+            logprobs = torch.log_softmax(logits, dim=-1)
+            scores.extend(logprobs[torch.arange(len(targets)), targets.to(logits.device)].tolist())
+    finally:
+        blocks_mgr.free(seq_id)
+    return scores
+
+
+@dataclass
+class PerplexityResult:
+    perplexity: float
+    tokens_scored: int
+    windows: int
+    nll_mean: float
+
+
+def perplexity(engine, token_ids: list[int], window: int = 512) -> PerplexityResult:
+    """exp(mean NLL) over non-overlapping windows of `window` tokens, each scored from scratch.
+
+    Every token but the first of each window is predicted from the window's earlier
+    tokens only (HF's and llama.cpp's usual fixed-context perplexity).
+    """
+    if window < 2:
+        raise ValueError(f"window must be at least 2 tokens, got {window}")
+    nll: list[float] = []
+    windows = 0
+    for start in range(0, len(token_ids) - 1, window):
+        piece = token_ids[start:start + window]
+        if len(piece) < 2:
+            break
+        nll.extend(-lp for lp in score_tokens(engine, piece))
+        windows += 1
+    mean = sum(nll) / len(nll)
+    return PerplexityResult(math.exp(mean), len(nll), windows, mean)
+
+
+def default_eval_text() -> str:
+    """The public-domain text shipped for perplexity (tokenloom/data/declaration.txt)."""
+    return resources.files("tokenloom").joinpath("data/declaration.txt").read_text(encoding="utf-8")
