@@ -20,7 +20,8 @@ class Reference:
 
 @torch.no_grad()
 def hf_greedy(model, prompt: list[int], new_tokens: int) -> Reference:
-    out = model(torch.tensor([prompt]), use_cache=True)
+    device = next(model.parameters()).device
+    out = model(torch.tensor([prompt], device=device), use_cache=True)
     tokens, logprobs, margins = [], [], []
     for _ in range(new_tokens):
         logits = out.logits[0, -1].float()                   # (vocab,)
@@ -29,5 +30,5 @@ def hf_greedy(model, prompt: list[int], new_tokens: int) -> Reference:
         tokens.append(token)
         logprobs.append(float(logits.log_softmax(-1)[token]))
         margins.append(float(top2[0] - top2[1]))
-        out = model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
+        out = model(torch.tensor([[token]], device=device), past_key_values=out.past_key_values, use_cache=True)
     return Reference(tokens, logprobs, margins)

@@ -22,6 +22,7 @@ class SpeedReport:
     decode_tok_s: float         # (new tokens - 1) / time after the first token
     ttft_s: float
     weight_bytes: int           # parameters and buffers of the model (packed/quantized as stored)
+    bytes_per_token: int        # weight bytes one decode step reads (the embedding: one row)
     peak_rss_bytes: int         # the process's peak resident memory so far
 
     def as_dict(self) -> dict:
@@ -32,6 +33,18 @@ def model_bytes(model: torch.nn.Module) -> int:
     """Bytes of every distinct parameter and buffer (tied tensors counted once)."""
     seen = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
     return sum(t.numel() * t.element_size() for t in seen.values())
+
+
+def bytes_read_per_token(model: torch.nn.Module) -> int:
+    """Weight bytes a batch-1 decode step reads: everything but the input embedding table,
+    of which it reads one row, unless the output projection reads that same tensor."""
+    total = model_bytes(model)
+    embedding = model.get_submodule(model.input_embedding_name)
+    if isinstance(embedding, torch.nn.Embedding):
+        head = model.lm_head
+        if not (isinstance(head, torch.nn.Linear) and head.weight is embedding.weight):
+            total -= embedding.weight.numel() * embedding.weight.element_size()
+    return total
 
 
 def peak_rss_bytes() -> int:
@@ -58,4 +71,4 @@ def measure(llm, prompt_tokens: int = 128, new_tokens: int = 64, runs: int = 3, 
         decode.append((len(out.token_ids) - 1) / max(total - first, 1e-9))
     model = llm.engine.runner.model
     return SpeedReport(prompt_tokens, new_tokens, statistics.median(prefill), statistics.median(decode),
-                       statistics.median(ttft), model_bytes(model), peak_rss_bytes())
+                       statistics.median(ttft), model_bytes(model), bytes_read_per_token(model), peak_rss_bytes())

@@ -42,8 +42,8 @@ class LLMEngine:
         self.max_model_len = loaded.config.max_model_len
         dtype = parse_dtype(config.dtype)
         kv = PagedKVCache.from_memory_budget(loaded.config, config.cache.resolve_memory(),
-                                             config.cache.block_size, dtype, config.device)
-        self._report_cache(kv, kv_bytes_per_token(loaded.config, dtype))
+                                             config.cache.block_size, dtype, config.device, config.kv_cache_dtype)
+        self._report_cache(kv, kv_bytes_per_token(loaded.config, dtype, config.kv_cache_dtype))
         self.block_manager = BlockManager(kv.num_blocks, kv.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
         self.runner = ModelRunner(loaded.model, kv, config.device)
@@ -58,10 +58,11 @@ class LLMEngine:
 
     def _report_cache(self, kv: PagedKVCache, per_token: int) -> None:
         c = self.model_config
+        element = ("(%d head_dim x 1 B int8 + 4 B scale)" % c.head_dim if kv.kv_cache_dtype == "int8"
+                   else "%d head_dim x %d B" % (c.head_dim, per_token // (2 * c.num_layers * c.num_kv_heads * c.head_dim)))
         logger.info("KV cache: %d tokens (%d blocks x %d) in %.2f GiB; per token 2 x %d layers x %d kv_heads x "
-                    "%d head_dim x %d B = %d B", kv.num_tokens, kv.num_blocks, kv.block_size,
-                    kv.num_tokens * per_token / 2**30, c.num_layers, c.num_kv_heads, c.head_dim,
-                    per_token // (2 * c.num_layers * c.num_kv_heads * c.head_dim), per_token)
+                    "%s = %d B", kv.num_tokens, kv.num_blocks, kv.block_size,
+                    kv.num_tokens * per_token / 2**30, c.num_layers, c.num_kv_heads, element, per_token)
 
     @property
     def kv_cache_tokens(self) -> int:

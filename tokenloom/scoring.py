@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib import resources
 
@@ -18,15 +19,15 @@ from tokenloom.batch import SeqChunk
 
 
 @torch.inference_mode()
-def score_tokens(engine, token_ids: list[int], chunk_size: int = 256) -> list[float]:
-    """log p(token_ids[i] | token_ids[:i]) for i = 1 .. n-1 (n-1 floats, natural log).
+def prefill_logits(engine, token_ids: list[int], chunk_size: int = 128) -> Iterator[tuple[int, torch.Tensor]]:
+    """(start, logits) per chunk: float32 logits (len(chunk), vocab) for the positions
+    start .. start + len(chunk) - 1 of `token_ids`, each predicting the next token.
 
     Runs while the engine is idle (raises RuntimeError otherwise); the sequence must
-    fit the context and the free KV blocks (ValueError otherwise).
+    fit the context and the free KV blocks (ValueError otherwise). Chunks after the
+    first read the earlier tokens' keys and values from the KV cache, as decoding does.
     """
     n = len(token_ids)
-    if n < 2:
-        raise ValueError("scoring needs at least two tokens")
     if n > engine.max_model_len:
         raise ValueError(f"{n} tokens exceed the model's context of {engine.max_model_len}")
     if engine.has_unfinished_requests():
@@ -36,16 +37,23 @@ def score_tokens(engine, token_ids: list[int], chunk_size: int = 256) -> list[fl
         raise ValueError(f"{n} tokens need more KV cache blocks than are free")
     try:
         blocks, runner = blocks_mgr.block_ids(seq_id), engine.runner
-        scores: list[float] = []
-        for start in range(0, n - 1, chunk_size):
-            chunk = token_ids[start:start + chunk_size]
-            hidden, _ = runner.forward([SeqChunk(chunk, start, blocks)])         # (len, hidden)
-            targets = torch.tensor(token_ids[start + 1:start + 1 + len(chunk)])  # next tokens
-            logits = runner.model.compute_logits(hidden[:len(targets)])          # (len', vocab) float32
-            logprobs = torch.log_softmax(logits, dim=-1)
-            scores.extend(logprobs[torch.arange(len(targets)), targets.to(logits.device)].tolist())
+        for start in range(0, n, chunk_size):
+            hidden, _ = runner.forward([SeqChunk(token_ids[start:start + chunk_size], start, blocks)])
+            yield start, runner.model.compute_logits(hidden)                  # (len, vocab)
     finally:
         blocks_mgr.free(seq_id)
+
+
+def score_tokens(engine, token_ids: list[int], chunk_size: int = 128) -> list[float]:
+    """log p(token_ids[i] | token_ids[:i]) for i = 1 .. n-1 (n-1 floats, natural log)."""
+    if len(token_ids) < 2:
+        raise ValueError("scoring needs at least two tokens")
+    scores: list[float] = []
+    with torch.inference_mode():
+        for start, logits in prefill_logits(engine, token_ids[:-1], chunk_size):
+            targets = torch.tensor(token_ids[start + 1:start + 1 + logits.shape[0]], device=logits.device)
+            logprobs = torch.log_softmax(logits, dim=-1)
+            scores.extend(logprobs[torch.arange(len(targets), device=logits.device), targets].tolist())
     return scores
 
 

@@ -12,14 +12,21 @@ import torch
 import torch.nn.functional as F
 
 from tokenloom.attention.metadata import AttentionMetadata
+from tokenloom.kv_cache.paged import Int8Cache
 
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Scatter this step's keys/values (T, kv_heads, head_dim) into their cache slots (in place)."""
-    num_blocks, block_size, kv_heads, head_dim = k_cache.shape
-    k_cache.view(num_blocks * block_size, kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-    v_cache.view(num_blocks * block_size, kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+def write_kv(k_cache, v_cache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Scatter this step's keys/values (T, kv_heads, head_dim) into their cache slots (in place).
+
+    A cache is a tensor of the compute dtype or an Int8Cache (quantized on write,
+    dequantized by indexing, so the readers below are the same for both).
+    """
+    for cache, x in ((k_cache, k), (v_cache, v)):
+        if isinstance(cache, Int8Cache):
+            cache.store(slot_mapping, x)
+        else:
+            num_blocks, block_size, kv_heads, head_dim = cache.shape
+            cache.view(num_blocks * block_size, kv_heads, head_dim).index_copy_(0, slot_mapping, x)
 
 
 def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
@@ -55,10 +62,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if meta.num_seqs > 1 and max(meta.query_lens) == 1:
         return _decode_batch(q, k_cache, v_cache, meta, scale, gqa)
     out = torch.empty_like(q)
+    # An int8 cache is always read back, so a prompt attends to the same (quantized) keys
+    # whether it is prefilled whole, in chunks, or found in the prefix cache.
+    quantized = isinstance(k_cache, Int8Cache)
     for start, q_len, ctx_len, table in zip(meta.query_start, meta.query_lens,
                                             meta.context_lens, meta.block_tables):
         qi = q[start:start + q_len].transpose(0, 1)[None]         # (1, heads, q_len, head_dim)
-        if q_len == ctx_len:   # whole context is this step's: no need to read the cache
+        if q_len == ctx_len and not quantized:   # whole context is this step's: no need to read the cache
             ki = k[start:start + q_len].transpose(0, 1)            # (kv_heads, q_len, head_dim)
             vi = v[start:start + q_len].transpose(0, 1)
         else:

@@ -2,19 +2,63 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from tokenloom.config import ModelConfig
 
+KV_SCALE_BYTES = 4    # one float32 scale per (token, kv head) in an int8 cache
 
-def kv_bytes_per_token(model: ModelConfig, dtype: torch.dtype) -> int:
-    """2 (K and V) x layers x kv_heads x head_dim x bytes per element."""
+
+def kv_bytes_per_token(model: ModelConfig, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+    """2 (K and V) x layers x kv_heads x head_dim x bytes per element.
+
+    For an int8 cache: 1 byte per element plus a float32 scale per token and head,
+    i.e. 2 x layers x kv_heads x (head_dim + 4).
+    """
+    if kv_cache_dtype == "int8":
+        return 2 * model.num_layers * model.num_kv_heads * (model.head_dim + KV_SCALE_BYTES)
     elem = torch.empty((), dtype=dtype).element_size()
     return 2 * model.num_layers * model.num_kv_heads * model.head_dim * elem
 
 
+@dataclass
+class Int8Cache:
+    """One layer's keys (or values) as int8, symmetric, one scale per (slot, kv head).
+
+    ``x ~= data * scales[..., None]``; reads dequantize to ``dtype``.
+    """
+
+    data: torch.Tensor      # (num_blocks + 1, block_size, kv_heads, head_dim) int8
+    scales: torch.Tensor    # (num_blocks + 1, block_size, kv_heads) float32
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    def store(self, slots: torch.Tensor, x: torch.Tensor) -> None:
+        """Quantize x (T, kv_heads, head_dim) into flat slots (T,) (in place)."""
+        n, bs, heads, dim = self.data.shape
+        x32 = x.float()
+        scale = x32.abs().amax(-1) / 127.0                                      # (T, kv_heads)
+        q = torch.round(x32 / torch.where(scale > 0, scale, 1.0)[..., None]).clamp_(-127, 127)
+        self.data.view(n * bs, heads, dim).index_copy_(0, slots, q.to(torch.int8))
+        self.scales.view(n * bs, heads).index_copy_(0, slots, scale)
+
+    def __getitem__(self, blocks: torch.Tensor) -> torch.Tensor:
+        """Dequantized blocks: data[blocks] -> (*blocks.shape, block_size, kv_heads, head_dim)."""
+        return (self.data[blocks].to(self.dtype) * self.scales[blocks].to(self.dtype)[..., None])
+
+    def index_fill_(self, dim: int, index: torch.Tensor, value: float) -> None:
+        self.data.index_fill_(dim, index, 0)
+        self.scales.index_fill_(dim, index, 0)
+
+
 class PagedKVCache:
-    """Keys and values of every layer: each (num_blocks + 1, block_size, kv_heads, head_dim).
+    """Keys and values of every layer: each (num_blocks + 1, block_size, kv_heads, head_dim),
+    a tensor of the model's dtype, or an Int8Cache with ``kv_cache_dtype="int8"``.
 
     The tensors are allocated once; which request owns which block is the
     BlockManager's business, not this class's. Block ``null_block`` (the extra
@@ -24,23 +68,32 @@ class PagedKVCache:
     """
 
     def __init__(self, model: ModelConfig, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device | str) -> None:
+                 dtype: torch.dtype, device: torch.device | str, kv_cache_dtype: str = "auto") -> None:
         shape = (num_blocks + 1, block_size, model.num_kv_heads, model.head_dim)
         self.num_blocks = num_blocks
         self.null_block = num_blocks
         self.block_size = block_size
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(model.num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(model.num_layers)]
+        self.dtype = dtype                      # what attention computes in
+        self.kv_cache_dtype = kv_cache_dtype
+
+        def layer_cache():
+            if kv_cache_dtype == "int8":
+                return Int8Cache(torch.zeros(shape, dtype=torch.int8, device=device),
+                                 torch.zeros(shape[:3], dtype=torch.float32, device=device), dtype)
+            return torch.zeros(shape, dtype=dtype, device=device)
+        self.keys = [layer_cache() for _ in range(model.num_layers)]
+        self.values = [layer_cache() for _ in range(model.num_layers)]
 
     @classmethod
     def from_memory_budget(cls, model: ModelConfig, memory_bytes: int, block_size: int,
-                           dtype: torch.dtype, device: torch.device | str) -> "PagedKVCache":
-        per_block = kv_bytes_per_token(model, dtype) * block_size
+                           dtype: torch.dtype, device: torch.device | str,
+                           kv_cache_dtype: str = "auto") -> "PagedKVCache":
+        per_block = kv_bytes_per_token(model, dtype, kv_cache_dtype) * block_size
         num_blocks = memory_bytes // per_block - 1        # one block is the null block
         if num_blocks < 1:
             raise ValueError(f"kv cache memory {memory_bytes} B holds no block of {block_size} tokens "
                              f"({per_block} B per block)")
-        return cls(model, num_blocks, block_size, dtype, device)
+        return cls(model, num_blocks, block_size, dtype, device, kv_cache_dtype)
 
     @property
     def num_tokens(self) -> int:

@@ -89,7 +89,7 @@ class DraftModelProposer(SpecProposer):
                              f"(vocabularies differ: {loaded.tokenizer.vocab_size} vs {engine.tokenizer.vocab_size})")
         target_kv = engine.runner.kv_cache
         kv = PagedKVCache(loaded.config, target_kv.num_blocks, target_kv.block_size,
-                          target_kv.keys[0].dtype, engine.config.device)
+                          target_kv.dtype, engine.config.device, target_kv.kv_cache_dtype)
         self.runner = ModelRunner(loaded.model, kv, engine.config.device)
         self.max_len = min(engine.max_model_len, loaded.config.max_model_len)
 

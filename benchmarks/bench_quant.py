@@ -1,0 +1,188 @@
+#!/usr/bin/env python
+"""Precision and quantization: speed, memory and perplexity, beside llama.cpp on the same GGUF.
+
+For float32, bfloat16, int8 and int4 (the HF folder of SmolLM2), tokenloom's `gguf` mode
+(the GGUF file's own Q4_1/Q8_0 blocks) and llama.cpp (llama-cpp-python) on that same GGUF:
+  - batch-1 prefill tokens/s (128-token prompt) and decode tokens/s (64 new tokens),
+    medians of --runs after a warm-up;
+  - peak resident memory of the process (each configuration runs in its own process);
+  - perplexity on tokenloom/data/declaration.txt (windows of 512, the same token ids for all);
+  - the decode limit set by memory bandwidth: measured read bandwidth / weight bytes per token.
+Writes benchmarks/results/bench_quant.json and quant_decode.png.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from _common import RESULTS, finish_plot, parser
+
+CONFIGS = {   # name -> LLM kwargs; "model": "gguf" loads the GGUF file instead of the HF folder
+    "float32": {},
+    "bfloat16": {"dtype": "bfloat16"},
+    "int8": {"quantization": "int8"},
+    "int4": {"quantization": "int4"},
+    "gguf (Q4_1 + Q8_0 blocks)": {"quantization": "gguf", "model": "gguf"},
+}
+PROMPT, NEW, WINDOW = 128, 64, 512
+
+
+def read_bandwidth() -> float:
+    """Bytes/s summing a 1 GiB float32 tensor (best of 5)."""
+    x = torch.ones(1 << 28)
+    best = math.inf
+    for _ in range(5):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    return x.numel() * 4 / best
+
+
+def eval_ids() -> list[int]:
+    from tokenloom import hub
+    from tokenloom.scoring import default_eval_text
+    from tokenloom.tokenizer import Tokenizer
+    return Tokenizer.from_folder(hub.pull()).encode(default_eval_text())
+
+
+def worker_tokenloom(name: str, runs: int) -> dict:
+    from tokenloom import LLM, hub
+    from tokenloom.bench import measure
+    from tokenloom.scoring import perplexity
+    kwargs = dict(CONFIGS[name])
+    model = str(hub.default_gguf_path()) if kwargs.pop("model", None) == "gguf" else str(hub.pull())
+    llm = LLM(model, kv_cache_memory=256 << 20, enable_prefix_caching=False, **kwargs)
+    speed = measure(llm, PROMPT, NEW, runs)
+    ppl = perplexity(llm.engine, eval_ids(), window=WINDOW)
+    return speed.as_dict() | {"perplexity": ppl.perplexity, "tokens_scored": ppl.tokens_scored}
+
+
+def worker_llama_cpp(runs: int) -> dict:
+    import resource
+    import statistics
+
+    from llama_cpp import Llama
+
+    from tokenloom import hub
+    path = str(hub.default_gguf_path())
+    llm = Llama(model_path=path, n_ctx=1024, n_threads=2, n_threads_batch=2, n_batch=512, verbose=False)
+    vocab, gen = llm.n_vocab(), torch.Generator().manual_seed(0)
+    prefill, decode, ttft = [], [], []
+    for i in range(runs + 1):
+        prompt = torch.randint(0, vocab, (PROMPT,), generator=gen).tolist()
+        llm.reset()
+        t0 = time.perf_counter()
+        llm.eval(prompt)
+        token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        t1 = time.perf_counter()
+        for _ in range(NEW - 1):
+            llm.eval([token])
+            token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        t2 = time.perf_counter()
+        if i:
+            ttft.append(t1 - t0)
+            prefill.append(PROMPT / (t1 - t0))
+            decode.append((NEW - 1) / (t2 - t1))
+    del llm
+    scorer = Llama(model_path=path, n_ctx=WINDOW, n_threads=2, n_batch=WINDOW, logits_all=True, verbose=False)
+    ids, nll = eval_ids(), []
+    for start in range(0, len(ids) - 1, WINDOW):
+        piece = ids[start:start + WINDOW]
+        scorer.reset()
+        scorer.eval(piece)
+        logits = torch.tensor(np.array(scorer.scores[:len(piece) - 1]))
+        nll.extend((-torch.log_softmax(logits, -1)[torch.arange(len(piece) - 1), torch.tensor(piece[1:])]).tolist())
+    import gguf
+    file_bytes = sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors)
+    return {"prompt_tokens": PROMPT, "new_tokens": NEW, "prefill_tok_s": statistics.median(prefill),
+            "decode_tok_s": statistics.median(decode), "ttft_s": statistics.median(ttft),
+            "weight_bytes": file_bytes, "bytes_per_token": file_bytes,
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "perplexity": math.exp(sum(nll) / len(nll)), "tokens_scored": len(nll)}
+
+
+def run_worker(name: str, runs: int) -> dict | None:
+    cmd = [sys.executable, __file__, "--worker", name, "--runs", str(runs)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        print(f"{name}: failed\n{proc.stderr[-2000:]}", file=sys.stderr)
+        return None
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def table(results: dict[str, dict], bandwidth: float) -> str:
+    base = results["float32"]
+    lines = ["| engine | weights | decode tok/s | vs tokenloom float32 | bandwidth limit tok/s | % of limit "
+             "| prefill tok/s | weights MB | peak RSS MB | perplexity | vs float32 ppl |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, r in results.items():
+        engine = "llama.cpp" if name == "llama.cpp" else "tokenloom"
+        weights = "gguf (Q4_1 + Q8_0 blocks)" if name == "llama.cpp" else name
+        limit = bandwidth / r["bytes_per_token"]
+        lines.append(f"| {engine} | {weights} | {r['decode_tok_s']:.1f} | {r['decode_tok_s'] / base['decode_tok_s']:.2f}x "
+                     f"| {limit:.0f} | {100 * r['decode_tok_s'] / limit:.0f}% | {r['prefill_tok_s']:.0f} "
+                     f"| {r['weight_bytes'] / 1e6:.0f} | {r['peak_rss_bytes'] / 1e6:.0f} | {r['perplexity']:.3f} "
+                     f"| {100 * (r['perplexity'] / base['perplexity'] - 1):+.1f}% |")
+    return "\n".join(lines)
+
+
+def plot(results: dict[str, dict], bandwidth: float, path: Path) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    names = list(results)
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    xs = range(len(names))
+    ax.bar(xs, [results[n]["decode_tok_s"] for n in names], label="decode tok/s (batch 1)")
+    ax.scatter(xs, [bandwidth / results[n]["bytes_per_token"] for n in names], color="black", marker="_", s=900,
+               label="memory-bandwidth limit", zorder=3)
+    ax.set_xticks(list(xs), [n.replace(" (", "\n(") for n in names], fontsize=8)
+    ax.set_ylabel("tokens/s")
+    ax.set_title("SmolLM2-135M batch-1 decode by weight format (2-core Zen 3)")
+    finish_plot(fig, ax, path)
+
+
+def main() -> None:
+    p = parser(__doc__)
+    p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--worker", default=None, help=argparse_suppress())
+    p.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp")
+    args = p.parse_args()
+    if args.worker:
+        torch.set_num_threads(2)
+        out = worker_llama_cpp(args.runs) if args.worker == "llama.cpp" else worker_tokenloom(args.worker, args.runs)
+        print(json.dumps(out))
+        return
+    bandwidth = read_bandwidth()
+    names = list(CONFIGS) + ([] if args.no_llama_cpp else ["llama.cpp"])
+    results = {}
+    for name in tqdm(names, desc="configurations", unit="config"):
+        if (r := run_worker(name, args.runs)) is not None:
+            results[name] = r
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "bench_quant.json").write_text(json.dumps({"read_bandwidth_bytes_s": bandwidth,
+                                                          "results": results}, indent=2))
+    plot(results, bandwidth, RESULTS.parent.parent / "docs" / "img" / "quant_decode.png")
+    print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s; prompt {PROMPT}, {NEW} new tokens, median of {args.runs}")
+    print(table(results, bandwidth))
+
+
+def argparse_suppress():
+    import argparse
+    return argparse.SUPPRESS
+
+
+if __name__ == "__main__":
+    main()

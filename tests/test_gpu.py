@@ -1,0 +1,84 @@
+"""The CUDA path: parity with HF transformers on the GPU in float32/bfloat16/float16,
+quantized weights (dequantize-per-call fallback) and the int8 KV cache on the GPU.
+
+Skipped without a CUDA device (conftest marks `gpu`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenloom import LLM, SamplingParams
+from tests.conftest import TINY_CONFIGS
+from tests.hf_reference import hf_greedy
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.gpu
+
+PROMPTS = [[5, 17, 42, 99, 7, 3, 250, 64, 12, 77, 31], [200, 1, 2, 3], [8] * 20]
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def hf_on_cuda(folder, dtype: torch.dtype):
+    return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to("cuda").eval()
+
+
+@pytest.mark.parametrize("arch", sorted(TINY_CONFIGS))
+def test_cuda_float32_greedy_matches_hf_on_cuda(arch, tiny_model_dir):
+    folder = tiny_model_dir(arch)
+    llm = LLM(str(folder), device="cuda", kv_cache_memory=16 << 20)
+    assert llm.engine.runner.kv_cache.keys[0].device.type == "cuda"
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
+    hf = hf_on_cuda(folder, torch.float32)
+    for prompt, result in zip(PROMPTS, llm.generate(PROMPTS, params)):
+        ref = hf_greedy(hf, prompt, 24)
+        out = result.outputs[0]
+        n = next((i for i, m in enumerate(ref.margins) if m < 1e-3), len(ref.margins))  # up to a near-tie
+        assert out.token_ids[:n] == ref.tokens[:n]
+        got = [lp[t] for lp, t in zip(out.logprobs[:n], out.token_ids[:n])]
+        assert got == pytest.approx(ref.logprobs[:n], abs=1e-3)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("arch", ["llama_gqa", "qwen2", "gpt2"])
+def test_cuda_reduced_precision_tracks_hf_in_the_same_precision(arch, dtype, tiny_model_dir):
+    folder = tiny_model_dir(arch)
+    llm = LLM(str(folder), dtype=dtype, device="cuda", kv_cache_memory=16 << 20)
+    assert llm.engine.runner.kv_cache.keys[0].dtype == DTYPES[dtype]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0)
+    hf = hf_on_cuda(folder, DTYPES[dtype])
+    for prompt, result in zip(PROMPTS, llm.generate(PROMPTS, params)):
+        ref = hf_greedy(hf, prompt, 16)
+        out = result.outputs[0]
+        assert out.token_ids[0] == ref.tokens[0] or ref.margins[0] < 0.1
+        assert out.logprobs[0][out.token_ids[0]] == pytest.approx(ref.logprobs[0], abs=0.1)
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_cuda_quantized_weights_compute_what_the_cpu_fallback_computes(quantization, tiny_model_dir, monkeypatch):
+    """On the GPU a quantized layer dequantizes its weight per call and runs a float matmul:
+    the same math as the CPU without its kernels (float rounding apart)."""
+    from tokenloom.quant import kernels
+    from tokenloom.scoring import prefill_logits
+    folder = str(tiny_model_dir("llama_gqa"))
+    ids = list(range(3, 40))
+    gpu = LLM(folder, device="cuda", quantization=quantization, kv_cache_memory=8 << 20)
+    got = torch.cat([lg for _, lg in prefill_logits(gpu.engine, ids)]).cpu()
+    monkeypatch.setattr(kernels, "available", lambda: False)
+    cpu = LLM(folder, quantization=quantization, kv_cache_memory=8 << 20)
+    want = torch.cat([lg for _, lg in prefill_logits(cpu.engine, ids)])
+    assert ((got - want).norm() / want.norm()).item() < 1e-4
+    ref = LLM(folder, device="cuda", kv_cache_memory=8 << 20)
+    float_logits = torch.cat([lg for _, lg in prefill_logits(ref.engine, ids)]).cpu()
+    assert not torch.allclose(got, float_logits)        # really quantized
+
+
+def test_cuda_int8_kv_cache_tracks_float(tiny_model_dir):
+    folder = str(tiny_model_dir("llama_gqa"))
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0)
+    a = LLM(folder, device="cuda", kv_cache_memory=8 << 20).generate(PROMPTS, params)
+    b = LLM(folder, device="cuda", kv_cache_dtype="int8", kv_cache_memory=8 << 20).generate(PROMPTS, params)
+    for x, y in zip(a, b):
+        lx = x.outputs[0].logprobs[0][x.outputs[0].token_ids[0]]
+        ly = y.outputs[0].logprobs[0][x.outputs[0].token_ids[0]]
+        assert ly == pytest.approx(lx, abs=0.05)
