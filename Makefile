@@ -26,6 +26,9 @@ bench: setup
 	$(PY) benchmarks/bench_serving.py
 	$(PY) benchmarks/bench_http.py
 	$(PY) benchmarks/bench_spec.py
+	$(PY) -m pip install -q --disable-pip-version-check llama-cpp-python==0.3.36 \
+	  || echo "llama-cpp-python did not build (~9 min compile); bench_quant runs without llama.cpp"
+	$(PY) benchmarks/bench_quant.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -54,26 +54,82 @@ def eval_ids() -> list[int]:
     return Tokenizer.from_folder(hub.pull()).encode(default_eval_text())
 
 
-def worker_tokenloom(name: str, runs: int) -> dict:
+def kernel_times(repeats: int = 20) -> dict[str, float]:
+    """Milliseconds for one decode step's projections of SmolLM2 (30 layers + output head, one row)
+    through each weight-only matmul available here, all weights distinct so they stream from DRAM."""
+    from tokenloom.quant import kernels, quantize_int4, quantize_int8
+    shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.randn(n, k, generator=gen) * 0.02 for n, k in shapes]
+    x = torch.randn(1, 576)
+    xs = {576: x, 1536: torch.randn(1, 1536)}
+    packed = [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in weights]
+    q8 = [quantize_int8(w) for w in weights]
+    q4 = [quantize_int4(w, 32) for w in weights]
+    t8 = [(torch.round(w / (s := w.abs().amax(1, keepdim=True) / 127)).to(torch.int8), s[:, 0]) for w in weights]
+    t4 = []
+    for w in weights:
+        q = quantize_int4(w, 32)
+        zeros_scales = torch.stack([q.scales, q.offsets + 8 * q.scales], -1).transpose(0, 1).contiguous()
+        from tokenloom.quant.formats import unpack_int4
+        t4.append((torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_int4(q.data).to(torch.int32), 1),
+                   zeros_scales))
+    kernels.available()
+    runs = {
+        "float32 (oneDNN prepacked, tokenloom's float path)":
+            lambda: [torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
+                     for w, p in zip(weights, packed)],
+        "int8 torch._weight_int8pack_mm": lambda: [torch.ops.aten._weight_int8pack_mm(xs[w.shape[1]], q, s)
+                                                  for w, (q, s) in zip(weights, t8)],
+        "int4 torch._weight_int4pack_mm_for_cpu (g32)": lambda: [
+            torch.ops.aten._weight_int4pack_mm_for_cpu(xs[w.shape[1]], q, 32, sz) for w, (q, sz) in zip(weights, t4)],
+        "int8 tokenloom kernel": lambda: [kernels.linear_int8(xs[w.shape[1]], q.data, q.scales, q.group_size, None)
+                                          for w, q in zip(weights, q8)],
+        "int4 tokenloom kernel (g32)": lambda: [kernels.linear_int4(xs[w.shape[1]], q.data, q.scales, q.offsets, 32,
+                                                                    None) for w, q in zip(weights, q4)],
+    }
+    out = {}
+    for name, fn in runs.items():
+        try:
+            fn()
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+            out[name] = 1000 * sorted(times)[len(times) // 2]
+        except Exception as e:            # an op missing from this torch build
+            print(f"{name}: {e}", file=sys.stderr)
+    return out
+
+
+def worker_tokenloom(name: str, runs: int, part: str) -> dict:
     from tokenloom import LLM, hub
     from tokenloom.bench import measure
     from tokenloom.scoring import perplexity
     kwargs = dict(CONFIGS[name])
     model = str(hub.default_gguf_path()) if kwargs.pop("model", None) == "gguf" else str(hub.pull())
     llm = LLM(model, kv_cache_memory=256 << 20, enable_prefix_caching=False, **kwargs)
-    speed = measure(llm, PROMPT, NEW, runs)
+    if part == "speed":
+        return measure(llm, PROMPT, NEW, runs).as_dict()
     ppl = perplexity(llm.engine, eval_ids(), window=WINDOW)
-    return speed.as_dict() | {"perplexity": ppl.perplexity, "tokens_scored": ppl.tokens_scored}
+    return {"perplexity": ppl.perplexity, "tokens_scored": ppl.tokens_scored}
 
 
-def worker_llama_cpp(runs: int) -> dict:
-    import resource
-    import statistics
-
-    from llama_cpp import Llama
-
+def worker_llama_cpp(runs: int, part: str) -> dict:
     from tokenloom import hub
     path = str(hub.default_gguf_path())
+    return llama_cpp_perplexity(path) if part == "ppl" else llama_cpp_speed(path, runs)
+
+
+def llama_cpp_speed(path: str, runs: int) -> dict:
+    """The same timing as tokenloom.bench.measure, through llama-cpp-python's eval loop (greedy)."""
+    import statistics
+
+    import gguf
+    from llama_cpp import Llama
+
+    from tokenloom.bench import peak_rss_bytes
     llm = Llama(model_path=path, n_ctx=1024, n_threads=2, n_threads_batch=2, n_batch=512, verbose=False)
     vocab, gen = llm.n_vocab(), torch.Generator().manual_seed(0)
     prefill, decode, ttft = [], [], []
@@ -92,7 +148,14 @@ def worker_llama_cpp(runs: int) -> dict:
             ttft.append(t1 - t0)
             prefill.append(PROMPT / (t1 - t0))
             decode.append((NEW - 1) / (t2 - t1))
-    del llm
+    file_bytes = sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors)
+    return {"prompt_tokens": PROMPT, "new_tokens": NEW, "prefill_tok_s": statistics.median(prefill),
+            "decode_tok_s": statistics.median(decode), "ttft_s": statistics.median(ttft),
+            "weight_bytes": file_bytes, "bytes_per_token": file_bytes, "peak_rss_bytes": peak_rss_bytes()}
+
+
+def llama_cpp_perplexity(path: str) -> dict:
+    from llama_cpp import Llama
     scorer = Llama(model_path=path, n_ctx=WINDOW, n_threads=2, n_batch=WINDOW, logits_all=True, verbose=False)
     ids, nll = eval_ids(), []
     for start in range(0, len(ids) - 1, WINDOW):
@@ -101,22 +164,22 @@ def worker_llama_cpp(runs: int) -> dict:
         scorer.eval(piece)
         logits = torch.tensor(np.array(scorer.scores[:len(piece) - 1]))
         nll.extend((-torch.log_softmax(logits, -1)[torch.arange(len(piece) - 1), torch.tensor(piece[1:])]).tolist())
-    import gguf
-    file_bytes = sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors)
-    return {"prompt_tokens": PROMPT, "new_tokens": NEW, "prefill_tok_s": statistics.median(prefill),
-            "decode_tok_s": statistics.median(decode), "ttft_s": statistics.median(ttft),
-            "weight_bytes": file_bytes, "bytes_per_token": file_bytes,
-            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            "perplexity": math.exp(sum(nll) / len(nll)), "tokens_scored": len(nll)}
+    return {"perplexity": math.exp(sum(nll) / len(nll)), "tokens_scored": len(nll)}
 
 
-def run_worker(name: str, runs: int) -> dict | None:
-    cmd = [sys.executable, __file__, "--worker", name, "--runs", str(runs)]
+def run_worker(name: str, runs: int, part: str) -> dict | None:
+    cmd = [sys.executable, __file__, "--worker", name, "--runs", str(runs), "--part", part]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         print(f"{name}: failed\n{proc.stderr[-2000:]}", file=sys.stderr)
         return None
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def median_round(runs: list[dict]) -> dict:
+    """The round with the median decode speed (its other figures come with it) + every round's speed."""
+    ordered = sorted(runs, key=lambda r: r["decode_tok_s"])
+    return ordered[len(ordered) // 2] | {"decode_tok_s_rounds": [r["decode_tok_s"] for r in runs]}
 
 
 def table(results: dict[str, dict], bandwidth: float) -> str:
@@ -159,23 +222,43 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--worker", default=None, help=argparse_suppress())
     p.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp")
+    p.add_argument("--kernels-only", action="store_true", help="only time the matmul kernels")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="speed is measured in this many rounds over all configurations (the median is "
+                        "reported), so a slow minute of a shared machine does not fall on one configuration")
+    p.add_argument("--part", default="speed", help=argparse_suppress())
     args = p.parse_args()
     if args.worker:
         torch.set_num_threads(2)
-        out = worker_llama_cpp(args.runs) if args.worker == "llama.cpp" else worker_tokenloom(args.worker, args.runs)
+        out = worker_llama_cpp(args.runs, args.part) if args.worker == "llama.cpp" else \
+            worker_tokenloom(args.worker, args.runs, args.part)
         print(json.dumps(out))
+        return
+    torch.set_num_threads(2)
+    kernel_ms = kernel_times()
+    print("| weight-only matmul, SmolLM2 decode step (121 projections, 1 row) | ms | vs float32 |\n|---|---:|---:|")
+    base_ms = next(iter(kernel_ms.values()))
+    for name, ms in kernel_ms.items():
+        print(f"| {name} | {ms:.1f} | {base_ms / ms:.2f}x |")
+    if args.kernels_only:
         return
     bandwidth = read_bandwidth()
     names = list(CONFIGS) + ([] if args.no_llama_cpp else ["llama.cpp"])
+    rounds: dict[str, list[dict]] = {n: [] for n in names}
+    for _ in tqdm(range(args.rounds), desc="speed rounds", unit="round"):
+        for name in names:
+            if (r := run_worker(name, args.runs, "speed")) is not None:
+                rounds[name].append(r)
     results = {}
-    for name in tqdm(names, desc="configurations", unit="config"):
-        if (r := run_worker(name, args.runs)) is not None:
-            results[name] = r
+    for name in tqdm(names, desc="perplexity", unit="config"):
+        if rounds[name] and (ppl := run_worker(name, args.runs, "ppl")) is not None:
+            results[name] = median_round(rounds[name]) | ppl
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "bench_quant.json").write_text(json.dumps({"read_bandwidth_bytes_s": bandwidth,
+    (RESULTS / "bench_quant.json").write_text(json.dumps({"read_bandwidth_bytes_s": bandwidth, "kernel_ms": kernel_ms,
                                                           "results": results}, indent=2))
     plot(results, bandwidth, RESULTS.parent.parent / "docs" / "img" / "quant_decode.png")
-    print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s; prompt {PROMPT}, {NEW} new tokens, median of {args.runs}")
+    print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s; prompt {PROMPT}, {NEW} new tokens; median of "
+          f"{args.rounds} rounds, each the median of {args.runs} runs")
     print(table(results, bandwidth))
 
 

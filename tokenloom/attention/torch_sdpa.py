@@ -29,10 +29,20 @@ def write_kv(k_cache, v_cache, k: torch.Tensor, v: torch.Tensor, slot_mapping: t
             cache.view(num_blocks * block_size, kv_heads, head_dim).index_copy_(0, slot_mapping, x)
 
 
-def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+def select_blocks(cache, table: torch.Tensor) -> torch.Tensor:
+    """cache[table] for a block table of any shape -> (*table.shape, block_size, kv_heads, head_dim).
+
+    index_select on the flat table: measured 2x faster than advanced indexing on CPU.
+    """
+    if isinstance(cache, Int8Cache):
+        return cache[table]
+    return cache.index_select(0, table.reshape(-1)).view(*table.shape, *cache.shape[1:])
+
+
+def _gather(cache, block_table: torch.Tensor, length: int) -> torch.Tensor:
     """The first `length` cached tokens of a sequence: (kv_heads, length, head_dim)."""
     _, block_size, kv_heads, head_dim = cache.shape
-    blocks = cache[block_table]                                 # (nb, block_size, kv_heads, head_dim)
+    blocks = select_blocks(cache, block_table)                  # (nb, block_size, kv_heads, head_dim)
     return blocks.view(-1, kv_heads, head_dim)[:length].transpose(0, 1)
 
 
@@ -109,8 +119,8 @@ def _decode_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     L = tables.shape[1] * block_size
     # Slots past a sequence's end are zero (the null block, or zeroed at the block's first
     # write), so masked positions cannot inject NaN through 0-weight x value.
-    keys = k_cache[tables].view(B, L, kv_heads, head_dim).transpose(1, 2)     # (B, kv_heads, L, head_dim)
-    values = v_cache[tables].view(B, L, kv_heads, head_dim).transpose(1, 2)
+    keys = select_blocks(k_cache, tables).view(B, L, kv_heads, head_dim).transpose(1, 2)   # (B, kv_heads, L, hd)
+    values = select_blocks(v_cache, tables).view(B, L, kv_heads, head_dim).transpose(1, 2)
     out = F.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=allowed,
                                          scale=scale, enable_gqa=gqa)                    # (B, heads, 1, head_dim)
     return out[:, :, 0, :]

@@ -49,7 +49,10 @@ class Int8Cache:
 
     def __getitem__(self, blocks: torch.Tensor) -> torch.Tensor:
         """Dequantized blocks: data[blocks] -> (*blocks.shape, block_size, kv_heads, head_dim)."""
-        return (self.data[blocks].to(self.dtype) * self.scales[blocks].to(self.dtype)[..., None])
+        flat = blocks.reshape(-1)
+        data = self.data.index_select(0, flat).view(*blocks.shape, *self.data.shape[1:])
+        scales = self.scales.index_select(0, flat).view(*blocks.shape, *self.scales.shape[1:])
+        return data.to(self.dtype) * scales.to(self.dtype)[..., None]
 
     def index_fill_(self, dim: int, index: torch.Tensor, value: float) -> None:
         self.data.index_fill_(dim, index, 0)

@@ -34,13 +34,15 @@ class LlamaAttention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(T, self.num_heads, self.head_dim)       # (T, heads, head_dim)
-        k = k.view(T, self.num_kv_heads, self.head_dim)    # (T, kv_heads, head_dim)
-        v = v.view(T, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)                                               # (T, q_size + 2 kv_size)
+        v = qkv[:, self.q_size + self.kv_size:].view(T, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q = self.q_norm(qkv[:, :self.q_size].view(T, self.num_heads, self.head_dim))
+            k = self.k_norm(qkv[:, self.q_size:self.q_size + self.kv_size].view(T, self.num_kv_heads, self.head_dim))
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        else:   # q and k side by side: one rotation for both (elementwise, so the same numbers)
+            qk = apply_rope(qkv[:, :self.q_size + self.kv_size].view(T, -1, self.head_dim), cos, sin)
+            q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]             # (T, heads|kv_heads, head_dim)
         out = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)  # (T, heads, head_dim)
         return self.o_proj(out.reshape(T, self.q_size))
 
