@@ -132,7 +132,23 @@ class LLMEngine:
             if rid in drafted:
                 self._record_speculation(req, drafted[rid], len(tokens) - 1)
             deltas.append(self._append(req, tokens, logprobs, now))
+        for rid, (first, entries) in out.prompt_logprobs.items():
+            _record_prompt_logprobs(self.requests[rid], first, entries)
         self.scheduler.on_step_done(sched)
+        deltas.extend(self._finish_scored(sched, now))
+        return deltas
+
+    def _finish_scored(self, sched: SchedulerOutput, now: float) -> list[StepDelta]:
+        """Requests with max_tokens=0 end once their whole prompt is computed (scored)."""
+        deltas = []
+        for s in sched.scheduled:
+            req = s.request
+            if req.params.max_tokens == 0 and not req.is_finished and req.num_computed_tokens >= req.num_prompt_tokens:
+                self.scheduler.finish(req, "length")
+                req.metrics.first_token_time = req.metrics.finish_time = now
+                delta = StepDelta(req.request_id, [], "", True, "length")
+                delta.completion = self._complete(req)
+                deltas.append(delta)
         return deltas
 
     def _record_speculation(self, req: Request, proposed: int, accepted: int) -> None:
@@ -189,7 +205,8 @@ class LLMEngine:
         m = req.metrics
         m.num_generated, m.num_preemptions = len(req.output_token_ids), req.num_preemptions
         return CompletionOutput(0, text, req.output_token_ids, req.finish_reason, req.stop_reason,
-                                req.logprobs if req.params.logprobs is not None else None, m)
+                                req.logprobs if req.params.logprobs is not None else None, m,
+                                req.prompt_logprobs if req.params.prompt_logprobs is not None else None)
 
     def stats(self) -> EngineStats:
         bm = self.block_manager
@@ -198,3 +215,13 @@ class LLMEngine:
                            self._generated_tokens, self.scheduler.num_preemptions,
                            spec_steps=self._spec_steps, spec_draft_tokens=self._spec_drafts,
                            spec_accepted_tokens=self._spec_accepted)
+
+
+def _record_prompt_logprobs(req: Request, first: int, entries: list) -> None:
+    """Append entries for prompt tokens first, first+1, ... (index 0 has none: None), skipping
+    tokens already scored before a preemption made the request recompute its prompt."""
+    if not req.prompt_logprobs:
+        req.prompt_logprobs.append(None)
+    for i, entry in enumerate(entries):
+        if first + i == len(req.prompt_logprobs):
+            req.prompt_logprobs.append(entry)

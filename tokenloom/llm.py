@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any, Union
 
 from tqdm import tqdm
@@ -16,6 +17,15 @@ from tokenloom.sampling_params import SamplingParams
 
 Prompt = Union[str, list[int]]
 Messages = list[dict[str, Any]]
+
+
+@dataclass
+class ScoreResult:
+    """LLM.score's answer: the continuation's tokens, each one's log-probability, their sum."""
+
+    token_ids: list[int]
+    logprobs: list[float]      # natural log p(token | prompt and the continuation before it)
+    total: float               # log p(continuation | prompt)
 
 
 class LLM:
@@ -86,6 +96,23 @@ class LLM:
             raise
         return [RequestOutput(rid, text, ids, [_indexed(done[c], i) for i, c in enumerate(children)])
                 for rid, text, ids, children in added]
+
+    def score(self, prompt: Prompt, continuation: Prompt) -> ScoreResult:
+        """log p(continuation | prompt) token by token, in one prefill pass; nothing is generated.
+
+        Texts are tokenized separately (the continuation without special tokens), so the
+        continuation's tokens are exactly ``ScoreResult.token_ids``; the total is their sum
+        (the chain rule).
+        """
+        _, prompt_ids = self._prompt_ids(prompt)
+        cont_ids = (self.tokenizer.encode(continuation, add_special_tokens=False)
+                    if isinstance(continuation, str) else self._prompt_ids(continuation)[1])
+        if not prompt_ids or not cont_ids:
+            raise ValueError("score() needs at least one prompt token and one continuation token")
+        out = self.generate([prompt_ids + cont_ids], SamplingParams(max_tokens=0, prompt_logprobs=0))[0]
+        entries = out.prompt_logprobs[len(prompt_ids):]
+        logprobs = [entry[token] for entry, token in zip(entries, cont_ids)]
+        return ScoreResult(cont_ids, logprobs, sum(logprobs))
 
     def chat(self, messages: Messages | list[Messages], params: SamplingParams | None = None,
              **template_kwargs: Any) -> list[RequestOutput]:

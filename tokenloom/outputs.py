@@ -42,6 +42,8 @@ class RunnerOutput:
     request_ids: list[str]                            # requests that sampled this step
     sampled_token_ids: list[list[int]]                # per request: its new tokens (accepted drafts + 1)
     logprobs: list[list[TokenLogprobs] | None]        # per request, per new token: chosen + top-N (if asked)
+    # request -> (index of the first prompt token scored, entries) for this step's prompt chunk
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -55,6 +57,7 @@ class CompletionOutput:
     stop_reason: str | int | None = None  # the stop string or stop token id that matched
     logprobs: list[TokenLogprobs] | None = None
     metrics: RequestMetrics | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None   # per prompt token (None for the first)
 
 
 @dataclass(slots=True)
@@ -79,3 +82,8 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool = True
+
+    @property
+    def prompt_logprobs(self) -> list[TokenLogprobs | None] | None:
+        """Per prompt token {token: logprob} (None for the first), when prompt_logprobs was asked."""
+        return self.outputs[0].prompt_logprobs if self.outputs else None

@@ -8,7 +8,8 @@ from tokenloom.attention import AttentionMetadata
 from tokenloom.batch import SeqChunk, build_batch
 from tokenloom.kv_cache.paged import PagedKVCache
 from tokenloom.models.base import CausalLM
-from tokenloom.outputs import RunnerOutput, SchedulerOutput
+from tokenloom.outputs import RunnerOutput, SchedulerOutput, TokenLogprobs
+from tokenloom.prompt_logprobs import chunk_targets, prompt_logprobs
 from tokenloom.sampling import Sampler, SamplingMetadata
 from tokenloom.spec_decode.verifier import Draft, verify
 
@@ -61,4 +62,20 @@ class ModelRunner:
             for s, result in zip(spec, verify(logits, drafts)):
                 results[s.request.request_id] = result
         ids = [s.request.request_id for s in sched.scheduled if s.request.request_id in results]
-        return RunnerOutput(ids, [results[i][0] for i in ids], [results[i][1] for i in ids])
+        return RunnerOutput(ids, [results[i][0] for i in ids], [results[i][1] for i in ids],
+                            self._prompt_logprobs(sched, hidden, meta))
+
+    def _prompt_logprobs(self, sched: SchedulerOutput, hidden: torch.Tensor, meta: AttentionMetadata
+                         ) -> dict[str, tuple[int, list[TokenLogprobs]]]:
+        """Scoring requests' prompt-chunk rows -> logprobs of the prompt tokens they predict."""
+        out = {}
+        for s, row in zip(sched.scheduled, meta.query_start):
+            req = s.request
+            if req.params.prompt_logprobs is None or req.num_computed_tokens >= req.num_prompt_tokens:
+                continue
+            start = req.num_computed_tokens
+            k, targets = chunk_targets(req.prompt_token_ids, start, s.num_tokens)
+            if k:
+                out[req.request_id] = (start + 1, prompt_logprobs(self.model, hidden[row:row + k], targets,
+                                                                   req.params.prompt_logprobs))
+        return out

@@ -33,6 +33,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None   # logprobs of the prompt's own tokens (+ top N): scoring
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
@@ -44,6 +45,11 @@ class SamplingParams:
             self.top_k = 0
         self._validate()
 
+    @property
+    def scores_only(self) -> bool:
+        """Prompt logprobs asked for: max_tokens may be 0 (score the prompt, generate nothing)."""
+        return self.prompt_logprobs is not None
+
     def _validate(self) -> None:
         checks = [
             ("n", isinstance(self.n, int) and self.n >= 1, "must be an integer >= 1"),
@@ -54,11 +60,15 @@ class SamplingParams:
             ("repetition_penalty", self.repetition_penalty > 0, "must be > 0"),
             ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "must be in [-2, 2]"),
             ("presence_penalty", -2 <= self.presence_penalty <= 2, "must be in [-2, 2]"),
-            ("max_tokens", isinstance(self.max_tokens, int) and self.max_tokens >= 1, "must be an integer >= 1"),
+            ("max_tokens", isinstance(self.max_tokens, int) and self.max_tokens >= (0 if self.scores_only else 1),
+             "must be an integer >= 1 (0 only with prompt_logprobs: scoring without generating)"),
             ("min_tokens", isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
              "must be an integer in [0, max_tokens]"),
             ("logprobs", self.logprobs is None or (isinstance(self.logprobs, int) and self.logprobs >= 0),
              "must be None or an integer >= 0"),
+            ("prompt_logprobs", self.prompt_logprobs is None
+             or (isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= 20),
+             "must be None or an integer in [0, 20]"),
             ("seed", self.seed is None or isinstance(self.seed, int), "must be None or an integer"),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
             ("stop_token_ids", all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),

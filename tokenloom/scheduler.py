@@ -100,7 +100,8 @@ class Scheduler:
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            hits = self.blocks.find_cached_prefix(req.all_token_ids)
+            # A scoring request needs logits at every prompt position: compute them all.
+            hits = [] if req.params.prompt_logprobs is not None else self.blocks.find_cached_prefix(req.all_token_ids)
             computed = len(hits) * self.blocks.block_size
             n = min(req.num_tokens - computed, budget)
             if not self.blocks.allocate(req.request_id, computed + n, cached_prefix=hits):
@@ -115,7 +116,7 @@ class Scheduler:
             budget -= self._emit(out, req, n)
 
     def _emit(self, out: SchedulerOutput, req: Request, n: int, spec: list[int] = ()) -> int:
-        samples = req.num_computed_tokens + n - len(spec) == req.num_tokens
+        samples = req.num_computed_tokens + n - len(spec) == req.num_tokens and req.params.max_tokens > 0
         out.scheduled.append(ScheduledRequest(req, n, samples, self.blocks.block_ids(req.request_id), list(spec)))
         return n
 

@@ -23,8 +23,12 @@ class Completions:
         choices = []
         for choice, out in zip(prepared.choices, outs):
             prefix = prepared.prompt_texts[choice.prompt_index] if req.echo else ""
-            choices.append({"index": choice.index, "text": prefix + out.text,
-                            "logprobs": self._logprobs(req, out.token_ids, out.logprobs, 0),
+            if req.scores_prompt:   # the prompt's tokens and logprobs first, then the generated ones
+                ids = prepared.prompt_ids[choice.prompt_index] + out.token_ids
+                logprobs = self._logprobs(req, ids, (out.prompt_logprobs or []) + (out.logprobs or []), 0)
+            else:
+                logprobs = self._logprobs(req, out.token_ids, out.logprobs, 0)
+            choices.append({"index": choice.index, "text": prefix + out.text, "logprobs": logprobs,
                             "finish_reason": out.finish_reason, "stop_reason": out.stop_reason})
         completion_tokens = sum(len(o.token_ids) for o in outs)
         return R.envelope("text_completion", prepared.response_id, prepared.created, self.serving.model_name,

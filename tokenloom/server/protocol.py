@@ -66,7 +66,8 @@ class _Sampling(BaseModel):
         except ValueError:
             raise APIError(400, "logit_bias keys must be token ids (integers as strings)", "logit_bias") from None
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
+                        ) -> SamplingParams:
         """SamplingParams for one choice; ValueError from SamplingParams becomes a 400 naming the field."""
         if isinstance(self.stop, list) and any(not s for s in self.stop):
             raise APIError(400, "stop strings must be non-empty", "stop")
@@ -78,7 +79,7 @@ class _Sampling(BaseModel):
                 **set_fields, max_tokens=max_tokens, min_tokens=min(self.min_tokens, max_tokens),
                 stop=self.stop, stop_token_ids=self.stop_token_ids or [], seed=self.seed,
                 logit_bias=self._logit_bias(), ignore_eos=self.ignore_eos, logprobs=logprobs,
-                skip_special_tokens=self.skip_special_tokens)
+                prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens)
         except ValueError as e:
             raise APIError(400, str(e), _param_named_in(str(e))) from None
 
@@ -98,7 +99,7 @@ class CompletionRequest(_Sampling):
     """POST /v1/completions."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=1)
+    max_tokens: int | None = Field(default=16, ge=0)    # 0: score the prompt (with echo + logprobs)
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
@@ -109,8 +110,16 @@ class CompletionRequest(_Sampling):
             raise APIError(400, "suffix (fill-in-the-middle) is not supported", "suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise APIError(400, "best_of other than n is not supported", "best_of")
-        if self.echo and self.logprobs is not None:
-            raise APIError(400, "echo with logprobs (prompt logprobs) is not supported", "echo")
+        if self.max_tokens == 0 and not self.scores_prompt:
+            raise APIError(400, "max_tokens must be >= 1 (0 only with echo and logprobs: scoring the prompt)",
+                           "max_tokens")
+        if self.scores_prompt and self.stream:
+            raise APIError(400, "echo with logprobs (prompt logprobs) is not supported when streaming", "stream")
+
+    @property
+    def scores_prompt(self) -> bool:
+        """echo + logprobs: the prompt's own tokens come back with their logprobs."""
+        return self.echo and self.logprobs is not None
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: text or token ids."""

@@ -49,8 +49,8 @@ class LogprobFormatter:
         for token, lp in zip(token_ids, logprobs):
             text = self.text(token)
             out["tokens"].append(text)
-            out["token_logprobs"].append(lp[token])
-            out["top_logprobs"].append({self.text(t): v for t, v in _top(lp, top_n)})
+            out["token_logprobs"].append(None if lp is None else lp[token])   # None: a prompt's first token
+            out["top_logprobs"].append(None if lp is None else {self.text(t): v for t, v in _top(lp, top_n)})
             out["text_offset"].append(text_offset)
             text_offset += len(text)
         return out

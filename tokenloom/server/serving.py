@@ -105,7 +105,8 @@ class OpenAIServing:
         texts, all_ids, choices = [], [], []
         for p_index, prompt in enumerate(prompts):
             ids = self._prompt_ids(prompt, prompt_param)
-            base = req.sampling_params(self._max_tokens(max_tokens, len(ids), prompt_param), logprobs)
+            base = req.sampling_params(self._max_tokens(max_tokens, len(ids), prompt_param), logprobs,
+                                       req.logprobs if getattr(req, "scores_prompt", False) else None)
             for sample in range(req.n):
                 params = base.for_sample(sample)
                 try:
