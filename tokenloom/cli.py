@@ -20,6 +20,7 @@ _EXAMPLES = """examples:
   tokenloom serve --port 8000                      OpenAI-compatible server on 127.0.0.1:8000
   tokenloom generate --speculative ngram,k=4 "Repeat: a b c a b c"   speculative decoding
   tokenloom generate --quantization int4 "Hello"   int4 weights (also int8, int4-g64, gguf)
+  tokenloom generate --chat --json-schema person.json "Describe a person"   output valid JSON
   tokenloom eval-ppl --quantization int8           perplexity on the shipped text
   tokenloom bench --quantization int4              batch-1 prefill/decode tok/s and memory
   tokenloom quantize --quantization int4 -o smol-int4   save once, load without re-quantizing
@@ -68,11 +69,34 @@ def _sampling_flags(p: argparse.ArgumentParser) -> None:
                    help="stop when this text appears (repeatable; cut from the output)")
     g.add_argument("--stop-token-id", action="append", type=int, default=[], dest="stop_token_ids", metavar="ID")
     g.add_argument("--ignore-eos", action="store_true", help="keep going past EOS")
+    s = p.add_argument_group("structured output (one of)").add_mutually_exclusive_group()
+    s.add_argument("--json", action="store_true", dest="json_object", help="the output is a JSON object")
+    s.add_argument("--json-schema", default=None, metavar="SCHEMA",
+                   help="the output is JSON valid against this schema (JSON text or a .json file)")
+    s.add_argument("--regex", default=None, help="the whole output matches this regular expression")
+    s.add_argument("--grammar", default=None, metavar="FILE", help="the output follows this Lark grammar file")
+
+
+def _structured_output(args: argparse.Namespace):
+    """--json / --json-schema / --regex / --grammar -> StructuredOutput or None."""
+    from pathlib import Path
+
+    from tokenloom.structured import StructuredOutput
+    if getattr(args, "json_object", False):
+        return StructuredOutput.json()
+    if getattr(args, "json_schema", None):
+        text = args.json_schema
+        return StructuredOutput.json(Path(text).read_text() if Path(text).is_file() else text)
+    if getattr(args, "regex", None):
+        return StructuredOutput.regex(args.regex)
+    if getattr(args, "grammar", None):
+        return StructuredOutput.grammar(Path(args.grammar).read_text())
+    return None
 
 
 def _sampling_params(args: argparse.Namespace):
     from tokenloom.sampling_params import SamplingParams
-    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+    return SamplingParams(structured_output=_structured_output(args), temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                           repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
                           presence_penalty=args.presence_penalty, seed=args.seed, max_tokens=args.max_tokens,
                           min_tokens=args.min_tokens, stop=args.stop, stop_token_ids=args.stop_token_ids,

@@ -23,6 +23,7 @@ from tokenloom.runner import ModelRunner
 from tokenloom.sampling_params import SamplingParams
 from tokenloom.scheduler import Scheduler
 from tokenloom.spec_decode.proposer import SpecProposer
+from tokenloom.structured.grammars import GrammarCompiler
 from tokenloom.stopping import check_token_stop
 
 logger = logging.getLogger("tokenloom")
@@ -47,6 +48,8 @@ class LLMEngine:
         self.block_manager = BlockManager(kv.num_blocks, kv.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
         self.runner = ModelRunner(loaded.model, kv, config.device)
+        self.grammars = GrammarCompiler(self.tokenizer.backend.to_str(), loaded.config.vocab_size,
+                                        sorted(self.eos_token_ids))
         self.proposer = None if config.speculative is None else SpecProposer.create(
             config.speculative, self, progress)
         self.requests: dict[str, Request] = {}
@@ -82,6 +85,8 @@ class LLMEngine:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary (size {vocab})")
         params.check_vocab(vocab)
         self.scheduler.check_fits(len(ids), params.max_tokens)
+        if params.structured_output is not None:
+            self.grammars.grammar(params.structured_output)     # compiles (cached); ValueError if invalid
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
         """Queue a request (validated first: ValueError for input the model cannot take)."""
@@ -89,6 +94,8 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.validate_request(prompt_token_ids, params)
         req = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids, next(self._arrivals))
+        if params.structured_output is not None:
+            req.matcher = self.grammars.matcher(params.structured_output)
         self.scheduler.add(req)
         self.requests[request_id] = req
         self._detoks[request_id] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params.stop,
@@ -168,6 +175,8 @@ class LLMEngine:
             req.metrics.first_token_time = now
         texts, appended = [], []
         for i, token in enumerate(tokens):
+            if req.matcher is not None:
+                req.matcher.consume_token(token)
             req.output_token_ids.append(token)
             appended.append(token)
             if logprobs is not None:
@@ -189,6 +198,8 @@ class LLMEngine:
         detok = self._detoks[req.request_id]
         token_stop = check_token_stop(req.output_token_ids, req.params, self.eos_token_ids,
                                       req.num_tokens, self.max_model_len)
+        if token_stop is None and req.matcher is not None and req.matcher.is_stopped():
+            token_stop = ("stop", None)          # the constraint is complete: nothing may follow
         stopped_by_token = token_stop is not None and token_stop[1] is not None
         text, string_stop = ("", False) if stopped_by_token else detok.push(token)
         if string_stop:

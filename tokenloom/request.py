@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -41,6 +42,7 @@ class Request:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     generator: torch.Generator | None = None           # set when params.seed is given
+    matcher: Any = None                                # llguidance matcher when structured output is asked
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
     # speculative decoding: drafts to verify at the next step, and the proposer's state
     spec_token_ids: list[int] = field(default_factory=list)

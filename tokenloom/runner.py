@@ -12,6 +12,7 @@ from tokenloom.outputs import RunnerOutput, SchedulerOutput, TokenLogprobs
 from tokenloom.prompt_logprobs import chunk_targets, prompt_logprobs
 from tokenloom.sampling import Sampler, SamplingMetadata
 from tokenloom.spec_decode.verifier import Draft, verify
+from tokenloom.structured.masks import MaskStep
 
 
 class ModelRunner:
@@ -41,6 +42,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        constrained = [s.request.matcher for s in sched.scheduled
+                       if s.samples and not s.spec_token_ids and s.request.matcher is not None]
+        masks = MaskStep(constrained, self.model.config.vocab_size) if constrained else None  # runs meanwhile
         hidden, meta = self.forward(self._chunks(sched))                     # (T, hidden)
         plain, spec, rows_plain, rows_spec = [], [], [], []
         for s, start, q_len in zip(sched.scheduled, meta.query_start, meta.query_lens):
@@ -53,7 +57,10 @@ class ModelRunner:
         results: dict[str, tuple[list[int], list | None]] = {}
         if plain:
             logits = self.model.compute_logits(hidden[rows_plain])            # (B, vocab) float32
-            tokens, logprobs = self.sampler(logits, SamplingMetadata.for_requests([s.request for s in plain]))
+            rows = [i for i, s in enumerate(plain) if s.request.matcher is not None]
+            constrain = (lambda lg: masks.apply(lg, rows)) if masks else None
+            tokens, logprobs = self.sampler(logits, SamplingMetadata.for_requests([s.request for s in plain]),
+                                            constrain)
             for s, t, lp in zip(plain, tokens.tolist(), logprobs):
                 results[s.request.request_id] = ([t], None if lp is None else [lp])
         if spec:

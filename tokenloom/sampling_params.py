@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tokenloom.structured.spec import StructuredOutput
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -34,6 +36,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None   # logprobs of the prompt's own tokens (+ top N): scoring
+    structured_output: StructuredOutput | None = None   # JSON schema / JSON object / regex / grammar
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
@@ -66,6 +69,8 @@ class SamplingParams:
              "must be an integer in [0, max_tokens]"),
             ("logprobs", self.logprobs is None or (isinstance(self.logprobs, int) and self.logprobs >= 0),
              "must be None or an integer >= 0"),
+            ("structured_output", self.structured_output is None
+             or isinstance(self.structured_output, StructuredOutput), "must be None or a StructuredOutput"),
             ("prompt_logprobs", self.prompt_logprobs is None
              or (isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= 20),
              "must be None or an integer in [0, 20]"),

@@ -14,6 +14,8 @@ Steps, in order:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from tokenloom.outputs import TokenLogprobs
@@ -98,11 +100,18 @@ def gather_logprobs(raw_logprobs: torch.Tensor, chosen: torch.Tensor,
 
 
 class Sampler:
-    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata,
+                 constrain: Callable[[torch.Tensor], None] | None = None
                  ) -> tuple[torch.Tensor, list[TokenLogprobs | None]]:
-        """logits: float32 (B, V) -> (token ids (B,), per-row logprobs or None)."""
+        """logits: float32 (B, V) -> (token ids (B,), per-row logprobs or None).
+
+        `constrain` masks disallowed tokens in place (structured output) after the
+        processors; reported logprobs stay the model's raw ones.
+        """
         raw_logprobs = logits.log_softmax(-1) if meta.max_logprobs is not None else None
         logits = apply_processors(logits, meta)
+        if constrain is not None:
+            constrain(logits)
         chosen = logits.argmax(dim=-1)
         if not meta.all_greedy:
             rows = [i for i, p in enumerate(meta.params) if not p.greedy]

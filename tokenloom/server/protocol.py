@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from tokenloom.sampling_params import SamplingParams
+from tokenloom.structured import StructuredOutput
 
 
 class APIError(Exception):
@@ -30,6 +31,11 @@ class APIError(Exception):
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
 
 
 class _Sampling(BaseModel):
@@ -57,6 +63,32 @@ class _Sampling(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None      # vLLM's extensions
+    guided_regex: str | None = None
+    guided_grammar: str | None = None                    # Lark syntax
+
+    def structured_output(self) -> tuple[StructuredOutput | None, str]:
+        """The constraint asked for (at most one) and the parameter that asked."""
+        asked = []
+        rf = self.response_format
+        if rf is not None and rf.type != "text":
+            asked.append(("response_format", _from_response_format(rf)))
+        if self.guided_json is not None:
+            asked.append(("guided_json", lambda: StructuredOutput.json(self.guided_json)))
+        if self.guided_regex is not None:
+            asked.append(("guided_regex", lambda: StructuredOutput.regex(self.guided_regex)))
+        if self.guided_grammar is not None:
+            asked.append(("guided_grammar", lambda: StructuredOutput.grammar(self.guided_grammar)))
+        if len(asked) > 1:
+            raise APIError(400, f"give one of {', '.join(a for a, _ in asked)}, not several", asked[1][0])
+        if not asked:
+            return None, ""
+        param, make = asked[0]
+        try:
+            return make(), param
+        except ValueError as e:
+            raise APIError(400, str(e), param) from None
 
     def _logit_bias(self) -> dict[int, float] | None:
         if self.logit_bias is None:
@@ -79,7 +111,8 @@ class _Sampling(BaseModel):
                 **set_fields, max_tokens=max_tokens, min_tokens=min(self.min_tokens, max_tokens),
                 stop=self.stop, stop_token_ids=self.stop_token_ids or [], seed=self.seed,
                 logit_bias=self._logit_bias(), ignore_eos=self.ignore_eos, logprobs=logprobs,
-                prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens)
+                prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
+                structured_output=self.structured_output()[0])
         except ValueError as e:
             raise APIError(400, str(e), _param_named_in(str(e))) from None
 
@@ -153,11 +186,6 @@ class ChatMessage(BaseModel):
         return {"role": role, "content": content or ""}
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    type: str
-
-
 class ChatCompletionRequest(_Sampling):
     """POST /v1/chat/completions."""
 
@@ -171,9 +199,6 @@ class ChatCompletionRequest(_Sampling):
     def check_supported(self) -> None:
         if self.tools:
             raise APIError(400, "tool calling is not supported", "tools")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise APIError(400, f"response_format {self.response_format.type!r} is not supported "
-                                "(only 'text')", "response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
 
@@ -182,3 +207,16 @@ class ChatCompletionRequest(_Sampling):
 
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+def _from_response_format(rf: "ResponseFormat"):
+    """OpenAI's response_format -> a StructuredOutput factory (APIError for a bad shape)."""
+    if rf.type == "json_object":
+        return lambda: StructuredOutput.json()
+    if rf.type != "json_schema":
+        raise APIError(400, f"response_format type must be text, json_object or json_schema, got {rf.type!r}",
+                       "response_format")
+    spec = (rf.model_extra or {}).get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema"), (dict, str)):
+        raise APIError(400, "response_format json_schema needs {'name': ..., 'schema': {...}}", "response_format")
+    return lambda: StructuredOutput.json(spec["schema"])

@@ -102,6 +102,12 @@ class OpenAIServing:
                  prompt_param: str, max_tokens: int | None, logprobs: int | None) -> Prepared:
         self.check_model(req.model)
         req.check_supported()
+        constraint, constraint_param = req.structured_output()
+        if constraint is not None:
+            try:
+                self.engine.engine.grammars.grammar(constraint)     # compiled once, cached
+            except ValueError as e:
+                raise APIError(400, str(e), constraint_param) from None
         texts, all_ids, choices = [], [], []
         for p_index, prompt in enumerate(prompts):
             ids = self._prompt_ids(prompt, prompt_param)

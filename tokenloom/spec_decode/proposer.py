@@ -43,8 +43,8 @@ class SpecProposer:
             return                                     # compute bound: plain decoding is cheaper
         todo = []
         for r in running:
-            if r.is_finished or r.num_computed_tokens != r.num_tokens - 1:
-                continue                               # still prefilling
+            if r.is_finished or r.num_computed_tokens != r.num_tokens - 1 or r.matcher is not None:
+                continue                               # still prefilling, or constrained (decoded plainly)
             if r.spec_acceptance < self.config.min_acceptance:
                 r.spec_acceptance += _RECOVERY_PER_STEP  # backed off: decode plainly for a while
                 continue

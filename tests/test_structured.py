@@ -1,0 +1,107 @@
+"""Structured output through llguidance: every output parses and validates, in mixed batches,
+through the Python API, the CLI flags' parser and the server's response_format."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import openai
+import pytest
+
+from tokenloom import SamplingParams
+from tokenloom.structured import StructuredOutput
+from tests.server_harness import ThreadedServer, wait_until_idle
+
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "role"],
+          "properties": {"name": {"type": "string", "minLength": 1, "maxLength": 24},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                         "role": {"enum": ["engineer", "artist", "doctor"]},
+                         "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 3}}}
+ASK = [{"role": "user", "content": "Describe a person as JSON with name, age and role."}]
+
+
+def test_sampled_json_always_validates_across_seeds_mixed_with_free_text(smol_llm):
+    constrained = [SamplingParams(temperature=1.0, seed=s, max_tokens=160, structured_output=StructuredOutput.json(PERSON))
+                   for s in range(12)]
+    free = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompt = smol_llm.tokenizer.encode_chat(ASK)
+    free_alone = smol_llm.generate([prompt], free)[0].outputs[0].token_ids
+    outs = smol_llm.generate([prompt] * 13, constrained + [free])
+    for out in outs[:12]:
+        o = out.outputs[0]
+        assert o.finish_reason == "stop", o.text
+        jsonschema.validate(json.loads(o.text), PERSON)
+    assert outs[12].outputs[0].token_ids == free_alone          # the free request is untouched
+    assert len({o.outputs[0].text for o in outs[:12]}) > 3      # really sampled
+
+
+def test_regex_json_object_and_grammar(smol_llm):
+    phone = SamplingParams(temperature=0.8, seed=1, max_tokens=20, structured_output=StructuredOutput.regex(r"\d{3}-\d{4}"))
+    for out in smol_llm.generate(["My phone number is "] * 4, [phone] * 4):
+        assert re.fullmatch(r"\d{3}-\d{4}", out.outputs[0].text)
+    obj = smol_llm.chat(ASK, SamplingParams(temperature=0, max_tokens=120, structured_output=StructuredOutput.json()))
+    assert isinstance(json.loads(obj[0].outputs[0].text), dict)
+    lark = 'start: "The answer is " ANSWER "."\nANSWER: "yes" | "no"'
+    out = smol_llm.generate(["Is the sky blue?"], SamplingParams(temperature=0, max_tokens=10,
+                                                                 structured_output=StructuredOutput.grammar(lark)))
+    assert out[0].outputs[0].text in ("The answer is yes.", "The answer is no.")
+
+
+def test_compiled_grammars_are_cached_and_bad_ones_are_clear_errors(smol_llm):
+    grammars = smol_llm.engine.grammars
+    spec = StructuredOutput.json({"type": "object", "properties": {"x": {"type": "integer"}}})
+    grammars.grammar(spec)
+    before = grammars.compiled
+    smol_llm.generate(["{"], SamplingParams(max_tokens=8, temperature=0, structured_output=spec))
+    assert grammars.compiled == before                           # cached: not compiled again
+    for bad in [StructuredOutput("json_schema", "{not json"), StructuredOutput.regex("(unclosed"),
+                StructuredOutput.grammar("start: undefined_rule")]:
+        with pytest.raises(ValueError, match="invalid"):
+            smol_llm.generate(["x"], SamplingParams(max_tokens=4, structured_output=bad))
+    with pytest.raises(ValueError, match="kind"):
+        StructuredOutput("xml", "<a/>")
+    assert smol_llm.engine.block_manager.num_used_blocks == 0
+
+
+def test_server_response_format_and_guided_extensions(smol_llm):
+    from tokenloom.async_engine import AsyncLLMEngine
+    from tokenloom.server import build_app
+    with ThreadedServer(build_app(AsyncLLMEngine(smol_llm.engine), "smol")) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+        resp = client.chat.completions.create(model="smol", messages=ASK, max_tokens=160, temperature=0.7, seed=0,
+                                              response_format=fmt)
+        jsonschema.validate(json.loads(resp.choices[0].message.content), PERSON)
+        stream = client.chat.completions.create(model="smol", messages=ASK, max_tokens=160, temperature=0,
+                                                response_format={"type": "json_object"}, stream=True)
+        text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        assert isinstance(json.loads(text), dict)
+        comp = client.completions.create(model="smol", prompt="Call me at ", max_tokens=24, temperature=0,
+                                         extra_body={"guided_regex": r"\(\d{3}\) \d{3}-\d{4}"})
+        assert re.fullmatch(r"\(\d{3}\) \d{3}-\d{4}", comp.choices[0].text)
+        for body, param in [({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema":
+                                                  {"type": "object", "properties": {"a": {"type": "frobnicate"}}}}}},
+                              "response_format"),
+                             ({"response_format": {"type": "xml"}}, "response_format"),
+                             ({"extra_body": {"guided_regex": "(oops"}}, "guided_regex"),
+                             ({"extra_body": {"guided_regex": "a", "guided_grammar": "start: \"a\""}}, "guided_grammar")]:
+            with pytest.raises(openai.BadRequestError) as err:
+                client.chat.completions.create(model="smol", messages=ASK, max_tokens=8, **body)
+            assert err.value.body["param"] == param, err.value.body
+        assert wait_until_idle(url) == 0
+
+
+def test_cli_flags_build_the_constraint(tmp_path):
+    from tokenloom.cli import _sampling_params, build_parser
+    schema_file = tmp_path / "person.json"
+    schema_file.write_text(json.dumps(PERSON))
+    parse = lambda *a: _sampling_params(build_parser().parse_args(["generate", *a, "hi"])).structured_output
+    assert parse("--json-schema", str(schema_file)) == StructuredOutput.json(PERSON)
+    assert parse("--json-schema", '{"type": "object"}') == StructuredOutput.json({"type": "object"})
+    assert parse("--json") == StructuredOutput.json()
+    assert parse("--regex", "a+") == StructuredOutput.regex("a+")
+    assert parse() is None
+    with pytest.raises(SystemExit):
+        parse("--json", "--regex", "a")            # mutually exclusive
