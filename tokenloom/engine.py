@@ -151,7 +151,7 @@ class LLMEngine:
         for s in sched.scheduled:
             req = s.request
             if req.params.max_tokens == 0 and not req.is_finished and req.num_computed_tokens >= req.num_prompt_tokens:
-                self.scheduler.finish(req, "length")
+                self.scheduler.finish(req, "length", computed_tokens=req.num_computed_tokens)
                 req.metrics.first_token_time = req.metrics.finish_time = now
                 delta = StepDelta(req.request_id, [], "", True, "length")
                 delta.completion = self._complete(req)
@@ -203,9 +203,9 @@ class LLMEngine:
         stopped_by_token = token_stop is not None and token_stop[1] is not None
         text, string_stop = ("", False) if stopped_by_token else detok.push(token)
         if string_stop:
-            self.scheduler.finish(req, "stop", detok.matched_stop)
+            self.scheduler.finish(req, "stop", detok.matched_stop, computed_tokens=req.num_tokens - 1)
         elif token_stop is not None:
-            self.scheduler.finish(req, token_stop[0], token_stop[1])
+            self.scheduler.finish(req, token_stop[0], token_stop[1], computed_tokens=req.num_tokens - 1)
             text += detok.finish()
         return text
 

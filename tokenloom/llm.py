@@ -9,6 +9,7 @@ from typing import Any, Union
 
 from tqdm import tqdm
 
+from tokenloom.beam_search import BeamHypothesis, beam_search
 from tokenloom.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from tokenloom.engine import LLMEngine
 from tokenloom.hub import resolve_model
@@ -113,6 +114,13 @@ class LLM:
         entries = out.prompt_logprobs[len(prompt_ids):]
         logprobs = [entry[token] for entry, token in zip(entries, cont_ids)]
         return ScoreResult(cont_ids, logprobs, sum(logprobs))
+
+    def beam_search(self, prompt: Prompt, beam_width: int, max_tokens: int = 16, length_penalty: float = 1.0,
+                    early_stopping: bool | str = False, n: int | None = None) -> list[BeamHypothesis]:
+        """The n (default beam_width) best continuations by beam search, best first, each with its
+        tokens, text, cumulative logprob and length-penalized score (see tokenloom/beam_search.py)."""
+        return beam_search(self, self._prompt_ids(prompt)[1], beam_width, max_tokens, length_penalty,
+                           early_stopping, n)
 
     def chat(self, messages: Messages | list[Messages], params: SamplingParams | None = None,
              **template_kwargs: Any) -> list[RequestOutput]:

@@ -150,11 +150,20 @@ class Scheduler:
             req.draft_num_computed = min(req.draft_num_computed, req.num_computed_tokens)
             self.blocks.cache_full_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens)
 
-    def finish(self, request: Request, reason: str, stop_reason: str | int | None = None) -> None:
-        """End a request (stop, length or abort): free its blocks and drop it from the queues."""
+    def finish(self, request: Request, reason: str, stop_reason: str | int | None = None,
+               computed_tokens: int | None = None) -> None:
+        """End a request (stop, length or abort): free its blocks and drop it from the queues.
+
+        `computed_tokens`: how many of its tokens have KV in the cache (a request finishing
+        during a step's update: all but the newest); their full blocks join the prefix cache
+        first, so a request that finishes in the step that computed its prompt (max_tokens=1,
+        scoring) still leaves its prompt blocks to be reused.
+        """
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.stop_reason = stop_reason
+        if computed_tokens is not None and self.blocks.block_ids(request.request_id):
+            self.blocks.cache_full_blocks(request.request_id, request.all_token_ids, computed_tokens)
         self.blocks.free(request.request_id)
         if request in self.running:
             self.running.remove(request)

@@ -1,0 +1,62 @@
+"""Beam search against HF transformers' generate(num_beams=...) on the same weights:
+the same hypotheses in the same order with the same scores."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenloom import LLM
+
+transformers = pytest.importorskip("transformers")
+
+PROMPT = [5, 17, 42, 99, 7, 3, 250, 64]
+
+
+def hf_beams(folder, prompt, beams, new, length_penalty, early_stopping, eos, n):
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), num_beams=beams, num_return_sequences=n, max_new_tokens=new,
+                             do_sample=False, length_penalty=length_penalty, early_stopping=early_stopping,
+                             eos_token_id=eos, pad_token_id=eos if eos is not None else 0,
+                             output_scores=True, return_dict_in_generate=True)
+    seqs = []
+    for row in out.sequences[:, len(prompt):].tolist():
+        if eos is not None and eos in row:
+            row = row[:row.index(eos) + 1]           # the rest is padding
+        seqs.append(row)
+    scores = getattr(out, "sequences_scores", None)      # none for a greedy (1-beam) run
+    return seqs, [] if scores is None else scores.tolist()
+
+
+@pytest.mark.parametrize("arch,beams,new,length_penalty,early_stopping,use_eos", [
+    ("llama_gqa", 4, 12, 1.0, False, False),
+    ("llama_gqa", 3, 10, 0.0, True, True),
+    ("qwen2", 4, 10, 1.5, False, True),
+    ("gpt2", 2, 8, -0.5, "never", True),
+])
+def test_beam_search_equals_transformers(tiny_model_dir, arch, beams, new, length_penalty, early_stopping, use_eos):
+    folder = tiny_model_dir(arch)
+    llm = LLM(str(folder), kv_cache_memory=16 << 20)
+    eos = None
+    if use_eos:   # an EOS the beams will meet: a token the model likes early on (from HF's own greedy run)
+        eos = hf_beams(folder, PROMPT, 1, 4, 1.0, False, None, 1)[0][0][2]
+        llm.engine.eos_token_ids = frozenset({eos})
+    want_seqs, want_scores = hf_beams(folder, PROMPT, beams, new, length_penalty, early_stopping, eos, beams)
+    got = llm.beam_search(PROMPT, beam_width=beams, max_tokens=new, length_penalty=length_penalty,
+                          early_stopping=early_stopping)
+    assert [h.token_ids for h in got] == want_seqs
+    assert [h.score for h in got] == pytest.approx(want_scores, abs=1e-4)
+    for h in got:
+        assert h.score == pytest.approx(h.cumulative_logprob / len(h.token_ids) ** length_penalty)
+    assert llm.engine.block_manager.num_used_blocks == 0
+
+
+def test_beam_search_on_the_default_model_shares_prompt_blocks(smol_llm):
+    prompt = smol_llm.tokenizer.encode("The three primary colors are red, blue and yellow. The three primary colors")
+    hits_before = smol_llm.engine.block_manager.stats.hits if hasattr(smol_llm.engine.block_manager.stats, "hits") else None
+    best = smol_llm.beam_search(prompt, beam_width=3, max_tokens=6, n=2)
+    assert len(best) == 2 and best[0].score >= best[1].score and best[0].text
+    assert smol_llm.engine.stats().prefix_cache_hit_rate > 0      # beams reuse the prompt's cached blocks
+    with pytest.raises(ValueError, match="beam_width"):
+        smol_llm.beam_search(prompt, beam_width=2, n=3)
