@@ -60,3 +60,27 @@ def test_beam_search_on_the_default_model_shares_prompt_blocks(smol_llm):
     assert smol_llm.engine.stats().prefix_cache_hit_rate > 0      # beams reuse the prompt's cached blocks
     with pytest.raises(ValueError, match="beam_width"):
         smol_llm.beam_search(prompt, beam_width=2, n=3)
+
+
+def test_server_use_beam_search_returns_the_same_beams(smol_llm):
+    import openai
+
+    from tests.server_harness import ThreadedServer, wait_until_idle
+    from tokenloom.async_engine import AsyncLLMEngine
+    from tokenloom.server import build_app
+    prompt = smol_llm.tokenizer.encode("Once upon a time, in a small village,")
+    want = smol_llm.beam_search(prompt, beam_width=3, max_tokens=6, n=2, length_penalty=0.5)
+    with ThreadedServer(build_app(AsyncLLMEngine(smol_llm.engine), "smol")) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        resp = client.completions.create(model="smol", prompt=prompt, max_tokens=6, n=2, best_of=3,
+                                         extra_body={"use_beam_search": True, "length_penalty": 0.5})
+        assert [c.text for c in resp.choices] == [h.text for h in want]
+        assert [c.model_extra["score"] for c in resp.choices] == pytest.approx([h.score for h in want], abs=1e-5)
+        for bad, param in [({"best_of": 1, "n": 2}, "best_of"), ({"stream": True}, "stream"),
+                           ({"best_of": 3}, "best_of")]:
+            extra = {"use_beam_search": True} if param != "best_of" or "n" in bad else {}
+            with pytest.raises(openai.BadRequestError) as err:
+                client.completions.create(model="smol", prompt="Hi", max_tokens=4, extra_body=extra,
+                                          **{k: v for k, v in bad.items()})
+            assert err.value.body["param"] == param
+        assert wait_until_idle(url) == 0

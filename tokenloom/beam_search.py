@@ -34,44 +34,81 @@ class _Beam:
     logprob: float              # cumulative
 
 
+Expansion = tuple[list[list[int]], SamplingParams]      # prompts to run one step for, and their params
+
+
 def beam_search(llm, prompt_ids: list[int], beam_width: int, max_tokens: int, length_penalty: float = 1.0,
                 early_stopping: bool | str = False, n: int | None = None) -> list[BeamHypothesis]:
-    """The `n` (default: beam_width) best hypotheses, best first."""
+    """The `n` (default: beam_width) best hypotheses, best first, on the synchronous LLM."""
+    search = _search(prompt_ids, set(llm.engine.eos_token_ids), beam_width, max_tokens, length_penalty,
+                     early_stopping, n)
+    try:
+        prompts, params = next(search)
+        while True:
+            prompts, params = search.send([o.outputs[0] for o in llm.generate(prompts, params)])
+    except StopIteration as done:
+        return _with_text(done.value, llm.tokenizer)
+
+
+async def beam_search_async(engine, prompt_ids: list[int], beam_width: int, max_tokens: int,
+                            length_penalty: float = 1.0, early_stopping: bool | str = False,
+                            n: int | None = None) -> list[BeamHypothesis]:
+    """The same search over an AsyncLLMEngine (the server): each step's beams run as requests
+    among everyone else's."""
+    import asyncio
+
+    async def final(prompt: list[int], params: SamplingParams):
+        async for delta in engine.generate(prompt, params):
+            if delta.finished:
+                return delta.completion
+    search = _search(prompt_ids, set(engine.engine.eos_token_ids), beam_width, max_tokens, length_penalty,
+                     early_stopping, n)
+    try:
+        prompts, params = next(search)
+        while True:
+            prompts, params = search.send(await asyncio.gather(*(final(p, params) for p in prompts)))
+    except StopIteration as done:
+        return _with_text(done.value, engine.tokenizer)
+
+
+def _with_text(hypotheses: list[BeamHypothesis], tokenizer) -> list[BeamHypothesis]:
+    for h in hypotheses:
+        h.text = tokenizer.decode(h.token_ids)
+    return hypotheses
+
+
+def _search(prompt_ids: list[int], eos: set[int], beam_width: int, max_tokens: int, length_penalty: float,
+            early_stopping: bool | str, n: int | None):
+    """The algorithm, as a generator: yields the step's expansions (prompts + params), is sent
+    their CompletionOutputs, returns the n best BeamHypothesis (HF transformers' rules)."""
     n = beam_width if n is None else n
     if beam_width < 1 or not 1 <= n <= beam_width or max_tokens < 1:
         raise ValueError("need beam_width >= 1, 1 <= n <= beam_width and max_tokens >= 1")
     if early_stopping not in (True, False, "never"):
         raise ValueError(f"early_stopping must be True, False or 'never', got {early_stopping!r}")
-    eos = set(llm.engine.eos_token_ids)
     keep = max(2, 1 + len(eos)) * beam_width
-    running = [_Beam([], 0.0)]
-    finished: list[BeamHypothesis] = []
-    improvable = True
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, logprobs=keep)
+    running, finished, improvable = [_Beam([], 0.0)], [], True
     for step in range(max_tokens):
-        candidates = _expand(llm, prompt_ids, running, keep)[:keep]         # best cumulative first
+        outs = yield [prompt_ids + b.tokens for b in running], params
+        candidates = _rank(running, outs)[:keep]                          # best cumulative first
         last = step + 1 == max_tokens
         hits = [last or c.tokens[-1] in eos for c in candidates]
         running = [c for c, h in zip(candidates, hits) if not h][:beam_width]
-        full = early_stopping is True and len(finished) == beam_width
-        if improvable and not full:
-            for rank, (c, h) in enumerate(zip(candidates, hits)):
-                if h and rank < beam_width:
-                    finished.append(BeamHypothesis(c.tokens, c.logprob, c.logprob / (step + 1) ** length_penalty))
+        if improvable and not (early_stopping is True and len(finished) == beam_width):
+            finished += [BeamHypothesis(c.tokens, c.logprob, c.logprob / (step + 1) ** length_penalty)
+                         for rank, (c, h) in enumerate(zip(candidates, hits)) if h and rank < beam_width]
             finished = sorted(finished, key=lambda f: -f.score)[:beam_width]
         if len(finished) == beam_width and running:
             length = max_tokens if early_stopping == "never" and length_penalty > 0 else step + 1
             improvable = improvable and running[0].logprob / length ** length_penalty > finished[-1].score
         if not running or not improvable or (early_stopping is True and len(finished) == beam_width):
             break
-    for f in finished:
-        f.text = llm.tokenizer.decode(f.token_ids)
     return finished[:n]
 
 
-def _expand(llm, prompt_ids: list[int], running: list[_Beam], keep: int) -> list[_Beam]:
-    """Every running beam's top-`keep` one-token continuations, ranked by cumulative logprob."""
-    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, logprobs=keep)
-    outs = llm.generate([prompt_ids + b.tokens for b in running], params)
+def _rank(running: list[_Beam], outs: list) -> list[_Beam]:
+    """Every running beam's top one-token continuations, ranked by cumulative logprob."""
     candidates = [_Beam(b.tokens + [token], b.logprob + lp)
-                  for b, out in zip(running, outs) for token, lp in out.outputs[0].logprobs[0].items()]
+                  for b, out in zip(running, outs) for token, lp in out.logprobs[0].items()]
     return sorted(candidates, key=lambda c: -c.logprob)

@@ -146,7 +146,10 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
 
     @app.post("/v1/completions")
     async def create_completion(req: CompletionRequest, request: Request):
-        return await respond(completions, req, serving.prepare_completion(req), request)
+        prepared = serving.prepare_completion(req)
+        if req.use_beam_search:
+            return JSONResponse(await completions.beam_response(req, prepared))
+        return await respond(completions, req, prepared, request)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(req: ChatCompletionRequest, request: Request):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+from tokenloom.beam_search import beam_search_async
 from tokenloom.outputs import CompletionOutput, StepDelta
 from tokenloom.server import responses as R
 from tokenloom.server.protocol import CompletionRequest
@@ -31,6 +32,24 @@ class Completions:
             choices.append({"index": choice.index, "text": prefix + out.text, "logprobs": logprobs,
                             "finish_reason": out.finish_reason, "stop_reason": out.stop_reason})
         completion_tokens = sum(len(o.token_ids) for o in outs)
+        return R.envelope("text_completion", prepared.response_id, prepared.created, self.serving.model_name,
+                          choices, R.usage(prepared.prompt_tokens, completion_tokens))
+
+    async def beam_response(self, req: CompletionRequest, prepared: Prepared) -> dict:
+        """use_beam_search: the n best beams of each prompt (beam width best_of or n), best first."""
+        engine = self.serving.engine
+        max_tokens = prepared.choices[0].params.max_tokens
+        choices, completion_tokens = [], 0
+        for p_index, ids in enumerate(prepared.prompt_ids):
+            beams = await beam_search_async(engine, ids, req.beam_width, max_tokens, req.length_penalty,
+                                            req.early_stopping, req.n)
+            prefix = prepared.prompt_texts[p_index] if req.echo else ""
+            for beam in beams:
+                ended = beam.token_ids[-1] in engine.engine.eos_token_ids
+                choices.append({"index": len(choices), "text": prefix + beam.text, "logprobs": None,
+                                "finish_reason": "stop" if ended else "length", "stop_reason": None,
+                                "cumulative_logprob": beam.cumulative_logprob, "score": beam.score})
+                completion_tokens += len(beam.token_ids)
         return R.envelope("text_completion", prepared.response_id, prepared.created, self.serving.model_name,
                           choices, R.usage(prepared.prompt_tokens, completion_tokens))
 

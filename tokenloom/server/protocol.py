@@ -136,18 +136,36 @@ class CompletionRequest(_Sampling):
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: int | None = Field(default=None, ge=1, le=16)
+    use_beam_search: bool = False                       # vLLM's extension: beam width = best_of (or n)
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
 
     def check_supported(self) -> None:
         if self.suffix:
             raise APIError(400, "suffix (fill-in-the-middle) is not supported", "suffix")
-        if self.best_of is not None and self.best_of != self.n:
-            raise APIError(400, "best_of other than n is not supported", "best_of")
+        if self.use_beam_search:
+            self._check_beam_search()
+        elif self.best_of is not None and self.best_of != self.n:
+            raise APIError(400, "best_of other than n needs use_beam_search (sampled best_of is not supported)",
+                           "best_of")
         if self.max_tokens == 0 and not self.scores_prompt:
             raise APIError(400, "max_tokens must be >= 1 (0 only with echo and logprobs: scoring the prompt)",
                            "max_tokens")
         if self.scores_prompt and self.stream:
             raise APIError(400, "echo with logprobs (prompt logprobs) is not supported when streaming", "stream")
+
+    def _check_beam_search(self) -> None:
+        if self.best_of is not None and self.best_of < self.n:
+            raise APIError(400, f"best_of ({self.best_of}) must be >= n ({self.n})", "best_of")
+        for name, bad in [("stream", self.stream), ("logprobs", self.logprobs is not None),
+                          ("max_tokens", self.max_tokens == 0)]:
+            if bad:
+                raise APIError(400, f"{name} is not supported with use_beam_search", name)
+
+    @property
+    def beam_width(self) -> int:
+        return self.best_of or self.n
 
     @property
     def scores_prompt(self) -> bool:
