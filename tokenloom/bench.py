@@ -13,6 +13,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from tokenloom.config import proc_kib_field
+
 
 @dataclass
 class SpeedReport:
@@ -50,13 +52,8 @@ def bytes_read_per_token(model: torch.nn.Module) -> int:
 def peak_rss_bytes() -> int:
     """This process's peak resident memory: VmHWM (reset by exec, unlike ru_maxrss, which a
     child inherits from the parent it forked from)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    if (peak := proc_kib_field("/proc/self/status", "VmHWM")) is not None:
+        return peak
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024   # Linux reports KiB
 
 
