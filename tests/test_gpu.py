@@ -82,3 +82,28 @@ def test_cuda_int8_kv_cache_tracks_float(tiny_model_dir):
         lx = x.outputs[0].logprobs[0][x.outputs[0].token_ids[0]]
         ly = y.outputs[0].logprobs[0][x.outputs[0].token_ids[0]]
         assert ly == pytest.approx(lx, abs=0.05)
+
+
+def test_cuda_structured_output_scoring_and_beam_search(tiny_model_dir):
+    """The newer decoding features on the CUDA path: token masks applied to GPU logits, prompt
+    logprobs equal to the CPU's, beam search equal to the CPU's beams."""
+    import re
+
+    from tokenloom.structured import StructuredOutput
+    folder = str(tiny_model_dir("llama_gqa"))
+    gpu = LLM(folder, device="cuda", kv_cache_memory=8 << 20)
+    cpu = LLM(folder, kv_cache_memory=8 << 20)
+    constrained = SamplingParams(temperature=1.0, seed=0, max_tokens=12,
+                                 structured_output=StructuredOutput.regex(r"[ab]{3,6}"))
+    for out in gpu.generate([PROMPTS[0]] * 4, [constrained] * 4):   # (decode the ids: this id prompt ends
+        text = gpu.tokenizer.decode(out.outputs[0].token_ids)        # mid-character, which .text completes)
+        assert re.fullmatch(r"[ab]{3,6}", text), text
+    scored = SamplingParams(max_tokens=0, prompt_logprobs=2)
+    g = gpu.generate([PROMPTS[0]], scored)[0].prompt_logprobs
+    c = cpu.generate([PROMPTS[0]], scored)[0].prompt_logprobs
+    assert [e[t] for e, t in zip(g[1:], PROMPTS[0][1:])] == \
+        pytest.approx([e[t] for e, t in zip(c[1:], PROMPTS[0][1:])], abs=1e-3)
+    gb = gpu.beam_search(PROMPTS[0], beam_width=3, max_tokens=8)
+    cb = cpu.beam_search(PROMPTS[0], beam_width=3, max_tokens=8)
+    assert [h.token_ids for h in gb] == [h.token_ids for h in cb]
+    assert [h.score for h in gb] == pytest.approx([h.score for h in cb], abs=1e-3)

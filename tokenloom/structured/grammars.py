@@ -35,7 +35,7 @@ class GrammarCompiler:
     def tokenizer(self) -> llguidance.LLTokenizer:
         if self._tokenizer is None:
             self._tokenizer = llguidance.LLTokenizer(self._tokenizer_json, n_vocab=self._vocab_size,
-                                                     eos_token=self._eos)
+                                                     eos_token=self._eos or None)   # None: its own guess
         return self._tokenizer
 
     def grammar(self, spec: StructuredOutput) -> str:
