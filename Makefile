@@ -29,6 +29,7 @@ bench: setup
 	$(PY) -m pip install -q --disable-pip-version-check llama-cpp-python==0.3.36 \
 	  || echo "llama-cpp-python did not build (~9 min compile); bench_quant runs without llama.cpp"
 	$(PY) benchmarks/bench_quant.py
+	$(PY) benchmarks/bench_structured.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
