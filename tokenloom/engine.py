@@ -76,7 +76,7 @@ class LLMEngine:
         ids = prompt_token_ids
         if not ids:
             raise ValueError("prompt is empty: give at least one token")
-        if len(ids) >= self.max_model_len:
+        if len(ids) + min(params.max_tokens, 1) > self.max_model_len:   # scoring (max_tokens=0) needs no room
             raise ValueError(f"prompt has {len(ids)} tokens but the context window is {self.max_model_len} "
                              "tokens (the prompt must leave room for at least one new token)")
         vocab = self.model_config.vocab_size

@@ -1,8 +1,9 @@
 """Log-probabilities of given tokens, and perplexity over a text, in prefill passes.
 
-Scoring borrows KV blocks from the engine's block manager for one sequence and
-runs the model over it in chunks (no sampling, no requests), so it measures
-exactly the model the engine serves: its dtype, its quantization, its KV cache.
+Both run on the engine itself, so they measure exactly the model it serves: its dtype,
+its quantization, its KV cache. ``prefill_logits`` (full logits, for comparisons) borrows
+KV blocks for one sequence and runs the model in chunks; ``score_tokens`` is a scoring
+request (prompt logprobs) like any other.
 """
 
 from __future__ import annotations
@@ -44,17 +45,27 @@ def prefill_logits(engine, token_ids: list[int], chunk_size: int = 128) -> Itera
         blocks_mgr.free(seq_id)
 
 
-def score_tokens(engine, token_ids: list[int], chunk_size: int = 128) -> list[float]:
-    """log p(token_ids[i] | token_ids[:i]) for i = 1 .. n-1 (n-1 floats, natural log)."""
+def score_tokens(engine, token_ids: list[int]) -> list[float]:
+    """log p(token_ids[i] | token_ids[:i]) for i = 1 .. n-1 (n-1 floats, natural log).
+
+    One scoring request (prompt_logprobs, max_tokens=0) stepped through the idle engine:
+    the same path as LLM.score and the server's echo + logprobs.
+    """
+    from tokenloom.sampling_params import SamplingParams
     if len(token_ids) < 2:
         raise ValueError("scoring needs at least two tokens")
-    scores: list[float] = []
-    with torch.inference_mode():
-        for start, logits in prefill_logits(engine, token_ids[:-1], chunk_size):
-            targets = torch.tensor(token_ids[start + 1:start + 1 + logits.shape[0]], device=logits.device)
-            logprobs = torch.log_softmax(logits, dim=-1)
-            scores.extend(logprobs[torch.arange(len(targets), device=logits.device), targets].tolist())
-    return scores
+    if engine.has_unfinished_requests():
+        raise RuntimeError("scoring runs only while the engine has no requests in flight")
+    request_id = f"score-{uuid.uuid4().hex}"
+    engine.add_request(request_id, token_ids, SamplingParams(max_tokens=0, prompt_logprobs=0))
+    try:
+        while True:
+            done = next((d for d in engine.step() if d.request_id == request_id and d.finished), None)
+            if done is not None:
+                entries = done.completion.prompt_logprobs[1:]
+                return [entry[token] for entry, token in zip(entries, token_ids[1:])]
+    finally:
+        engine.abort(request_id)
 
 
 @dataclass
