@@ -124,6 +124,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     _check_engine_flags(args)
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     llm = _make_llm(args)
+    if params.structured_output is not None:
+        llm.engine.grammars.grammar(params.structured_output)   # a bad constraint fails before any output
     target: Any = [{"role": "user", "content": prompt}] if args.chat else prompt
     if not args.chat:
         print(prompt, end="", flush=True)
