@@ -52,14 +52,30 @@ def test_beam_search_equals_transformers(tiny_model_dir, arch, beams, new, lengt
     assert llm.engine.block_manager.num_used_blocks == 0
 
 
-def test_beam_search_on_the_default_model_shares_prompt_blocks(smol_llm):
-    prompt = smol_llm.tokenizer.encode("The three primary colors are red, blue and yellow. The three primary colors")
-    hits_before = smol_llm.engine.block_manager.stats.hits if hasattr(smol_llm.engine.block_manager.stats, "hits") else None
-    best = smol_llm.beam_search(prompt, beam_width=3, max_tokens=6, n=2)
+def test_beams_share_blocks_and_compute_one_token_each_per_step(smol_llm):
+    """Full blocks are shared through the prefix cache and each beam's last, partial block is
+    continued (taken over or copied on write): after the prompt, every step computes exactly
+    one new token per beam, never a beam's history again."""
+    prompt = smol_llm.tokenizer.encode("Beam search test: the three primary colors are red, blue and")
+    engine, steps = smol_llm.engine, []
+    generate = smol_llm.generate
+
+    def recording(prompts, params):
+        steps.append(len(prompts))
+        return generate(prompts, params)
+    smol_llm.generate = recording
+    stats = engine.block_manager.stats
+    computed, copies = engine.stats().prompt_tokens_computed, stats.copied_blocks
+    try:
+        best = smol_llm.beam_search(prompt, beam_width=3, max_tokens=6, n=2)
+    finally:
+        del smol_llm.generate
     assert len(best) == 2 and best[0].score >= best[1].score and best[0].text
-    assert smol_llm.engine.stats().prefix_cache_hit_rate > 0      # beams reuse the prompt's cached blocks
-    with pytest.raises(ValueError, match="beam_width"):
-        smol_llm.beam_search(prompt, beam_width=2, n=3)
+    assert engine.stats().prompt_tokens_computed - computed == len(prompt) + sum(steps[1:])
+    assert steps[1:] == [3] * (len(steps) - 1)
+    assert stats.copied_blocks - copies >= len(steps) - 1      # siblings of a beam write into copies
+    assert engine.block_manager.num_used_blocks == 0
+    engine.block_manager.check_integrity()
 
 
 def test_server_use_beam_search_returns_the_same_beams(smol_llm):

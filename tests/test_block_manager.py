@@ -136,3 +136,63 @@ def test_prefix_caching_can_be_disabled():
     bm.allocate("a", 8)
     bm.cache_full_blocks("a", toks(8), 8)
     assert bm.find_cached_prefix(toks(9)) == []
+
+
+def finished(bm, rid, tokens):
+    """A request that computed all of `tokens` and ended (as the scheduler's finish does)."""
+    assert bm.allocate(rid, len(tokens))
+    bm.cache_full_blocks(rid, tokens, len(tokens))
+    bm.remember_partial(rid, tokens, len(tokens))
+    bm.free(rid)
+
+
+def test_a_finished_requests_partial_block_is_taken_over_without_a_copy(bm):
+    finished(bm, "a", toks(6))                               # blocks 0 (full) + 1 (2 of 4 slots)
+    want = toks(6) + [99]
+    hits = bm.find_cached_prefix(want)
+    partial = bm.find_cached_partial(want, hits)
+    assert [b.block_id for b in hits] == [0] and partial[0].block_id == 1 and partial[1] == 2
+    assert bm.allocate("b", 7, cached_prefix=hits, partial=partial)
+    assert bm.block_ids("b") == [0, 1] and bm.take_copies() == []
+    assert bm.stats.partial_hits == 1 and bm.stats.copied_blocks == 0
+
+
+def test_a_partial_block_someone_holds_is_copied_before_anyone_writes(bm):
+    finished(bm, "a", toks(6))
+    first, second = toks(6) + [99], toks(6) + [77]
+    for rid, tokens in (("b", first), ("c", second)):
+        hits = bm.find_cached_prefix(tokens)
+        assert bm.allocate(rid, 7, cached_prefix=hits, partial=bm.find_cached_partial(tokens, hits))
+    assert bm.block_ids("b") == [0, 1]
+    copy = bm.block_ids("c")[1]
+    assert bm.block_ids("c")[0] == 0 and copy not in (0, 1)
+    assert bm.take_copies() == [(1, copy)]
+    assert bm.ref_count(1) == 2                              # b, and the pending copy's pin
+    bm.check_integrity()
+    bm.copies_done()
+    assert bm.ref_count(1) == 1 and bm.take_copies() == []
+    assert bm.stats.copied_blocks == 1
+
+
+def test_taking_a_partial_block_over_forgets_its_longer_prefixes(bm):
+    finished(bm, "a", toks(7))                               # block 1 remembers 3 tokens: 4, 5, 6
+    diverging = toks(5) + [50, 51]                           # shares only token 4 of block 1
+    hits = bm.find_cached_prefix(diverging)
+    partial = bm.find_cached_partial(diverging, hits)
+    assert partial[1] == 1
+    assert bm.allocate("b", 7, cached_prefix=hits, partial=partial)   # b overwrites slots 1, 2 of block 1
+    again = toks(7) + [9]
+    assert bm.find_cached_partial(again, bm.find_cached_prefix(again))[1] == 1   # not 3 any more
+
+
+def test_evicting_a_partial_block_forgets_it(bm):
+    finished(bm, "a", toks(6))
+    assert bm.allocate("z", 8 * BS)                          # takes every block, block 1 included
+    want = toks(6) + [99]
+    assert bm.find_cached_partial(want, []) is None
+    bm.free("z")
+
+
+def test_a_partial_block_with_the_next_token_only_is_not_a_hit(bm):
+    finished(bm, "a", toks(6))
+    assert bm.find_cached_partial(toks(6), bm.find_cached_prefix(toks(6)))[1] == 1   # last token left to compute

@@ -69,6 +69,26 @@ def test_prefix_cache_hit_equals_miss(make_llm):
     assert_same(tokens_and_logprobs(hit), tokens_and_logprobs(miss))
 
 
+def test_partial_block_hit_and_its_copy_equal_a_miss(make_llm):
+    """Two requests continuing a finished one mid-block: one takes its last block over, the
+    other writes into a copy of it; both must match requests computed from scratch."""
+    hit_llm = make_llm()
+    miss_llm = make_llm(enable_prefix_caching=False)
+    first = miss_llm.generate(TARGET, GREEDY)[0]
+    base = first.prompt_token_ids + first.outputs[0].token_ids[:20]          # 1 full block + 9 tokens
+    assert len(base) % 16 not in (0, 15)
+    hit_llm.generate([base], SamplingParams(temperature=0, max_tokens=1))
+    continuations = [base + [first.outputs[0].token_ids[20]], base + [11]]
+    hits = hit_llm.generate(continuations, GREEDY)
+    misses = miss_llm.generate(continuations, GREEDY)
+    stats = hit_llm.engine.block_manager.stats
+    assert (stats.partial_hits, stats.copied_blocks) == (2, 1)
+    for hit, miss in zip(hits, misses):
+        assert hit.outputs[0].metrics.num_cached_prompt_tokens == len(base)
+        assert_same(tokens_and_logprobs(hit), tokens_and_logprobs(miss))
+    hit_llm.engine.block_manager.check_integrity()
+
+
 def test_preempted_equals_uninterrupted(make_llm):
     prompts = [TARGET, OTHERS[0], OTHERS[2], OTHERS[7]]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=0)

@@ -25,6 +25,7 @@ class SchedulerOutput:
     """What the scheduler hands the runner for one step."""
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)  # in batch order
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) KV blocks to copy first
 
     @property
     def is_empty(self) -> bool:

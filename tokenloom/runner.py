@@ -45,6 +45,8 @@ class ModelRunner:
         constrained = [s.request.matcher for s in sched.scheduled
                        if s.samples and not s.spec_token_ids and s.request.matcher is not None]
         masks = MaskStep(constrained, self.model.config.vocab_size) if constrained else None  # runs meanwhile
+        if sched.block_copies:
+            self.kv_cache.copy_blocks(sched.block_copies)
         hidden, meta = self.forward(self._chunks(sched))                     # (T, hidden)
         plain, spec, rows_plain, rows_spec = [], [], [], []
         for s, start, q_len in zip(sched.scheduled, meta.query_start, meta.query_lens):

@@ -71,6 +71,7 @@ class Scheduler:
             i += 1
         if self.num_preemptions == preemptions_before:
             self._admit(out, budget)
+        out.block_copies = self.blocks.take_copies()
         return out
 
     def _allocate_or_preempt(self, req: Request, n: int) -> bool:
@@ -100,11 +101,10 @@ class Scheduler:
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            # A scoring request needs logits at every prompt position: compute them all.
-            hits = [] if req.params.prompt_logprobs is not None else self.blocks.find_cached_prefix(req.all_token_ids)
-            computed = len(hits) * self.blocks.block_size
+            hits, partial = self._cached_prefix(req)
+            computed = len(hits) * self.blocks.block_size + (partial[1] if partial else 0)
             n = min(req.num_tokens - computed, budget)
-            if not self.blocks.allocate(req.request_id, computed + n, cached_prefix=hits):
+            if not self.blocks.allocate(req.request_id, computed + n, cached_prefix=hits, partial=partial):
                 break
             self.blocks.record_lookup(req.num_tokens, computed)
             if req.num_preemptions == 0:
@@ -114,6 +114,14 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             bisect.insort(self.running, req, key=_by_arrival)
             budget -= self._emit(out, req, n)
+
+    def _cached_prefix(self, req: Request):
+        """The full cached blocks, and a remembered partial block after them, that req starts
+        from; none for a scoring request, which needs logits at every prompt position."""
+        if req.params.prompt_logprobs is not None:
+            return [], None
+        hits = self.blocks.find_cached_prefix(req.all_token_ids)
+        return hits, self.blocks.find_cached_partial(req.all_token_ids, hits)
 
     def _emit(self, out: SchedulerOutput, req: Request, n: int, spec: list[int] = ()) -> int:
         samples = req.num_computed_tokens + n - len(spec) == req.num_tokens and req.params.max_tokens > 0
@@ -138,6 +146,7 @@ class Scheduler:
         A request that verified drafts holds valid KV for its last token and the accepted
         drafts, i.e. for all its tokens but the newest (the target's own token).
         """
+        self.blocks.copies_done()
         for s in out.scheduled:
             req = s.request
             if req.is_finished:
@@ -164,6 +173,7 @@ class Scheduler:
         request.stop_reason = stop_reason
         if computed_tokens is not None and self.blocks.block_ids(request.request_id):
             self.blocks.cache_full_blocks(request.request_id, request.all_token_ids, computed_tokens)
+            self.blocks.remember_partial(request.request_id, request.all_token_ids, computed_tokens)
         self.blocks.free(request.request_id)
         if request in self.running:
             self.running.remove(request)

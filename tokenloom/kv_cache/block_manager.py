@@ -13,6 +13,15 @@ Prefix caching (as in vLLM v1):
 - the free queue is the eviction order: blocks without a hash first, then
   cached blocks least recently freed first; a request's blocks are freed tail
   first, so its later blocks are evicted before the prefix others may share.
+
+Partial last blocks (copy-on-write): a finished request's last, partly filled
+block is remembered under (hash of the block before, each prefix of its computed
+token ids).
+A later request whose tokens continue that prefix (a beam, a chat's next turn)
+starts after it: it takes the block over if nobody holds it, or else gets a
+fresh block plus a pending copy of the shared one (run by the runner before
+the step's forward, see ``take_copies``), so no one ever writes into a block
+another request still reads.
 """
 
 from __future__ import annotations
@@ -27,12 +36,15 @@ class Block:
     ref_count: int = 0
     hash: int | None = None                    # set once the block is full and cached
     key: tuple | None = None                   # (parent hash, token ids): guards against hash collisions
+    partial_keys: list | None = None           # (parent hash, token ids) of computed prefixes of this block
 
 
 @dataclass(slots=True)
 class PrefixCacheStats:
     queried_tokens: int = 0     # prompt tokens looked up in the prefix cache
     hit_tokens: int = 0         # of those, found cached
+    partial_hits: int = 0       # requests that continued a remembered partial block
+    copied_blocks: int = 0      # of those, the ones that had to copy it (someone else held it)
 
     @property
     def hit_rate(self) -> float:
@@ -53,6 +65,8 @@ class BlockManager:
         self._cached: dict[int, Block] = {}                     # hash -> block
         self._tables: dict[str, list[Block]] = {}
         self._hashes: dict[str, list[int]] = {}                # per request: hashes of its full blocks so far
+        self._partial: dict[tuple, Block] = {}                 # (parent hash, token ids) -> block starting so
+        self._copies: list[tuple[Block, Block]] = []           # (shared source, private copy) not yet run
         self.stats = PrefixCacheStats()
 
     # ---- queries -------------------------------------------------------------------------
@@ -103,6 +117,35 @@ class BlockManager:
             parent = block.hash
         return hits
 
+    def find_cached_partial(self, token_ids: list[int], hits: list[Block]) -> tuple[Block, int] | None:
+        """A remembered partial block continuing `hits` with the most of `token_ids`' next tokens,
+        and how many (< block_size, leaving the last token to compute); None if there is none."""
+        if not self.enable_prefix_caching:
+            return None
+        start = len(hits) * self.block_size
+        parent = hits[-1].hash if hits else None
+        for j in range(min(self.block_size - 1, len(token_ids) - 1 - start), 0, -1):
+            block = self._partial.get((parent, tuple(token_ids[start:start + j])))
+            if block is not None:
+                return block, j
+        return None
+
+    def remember_partial(self, request_id: str, token_ids: list[int], num_computed_tokens: int) -> None:
+        """Index the request's partly filled last block by every prefix of its computed tokens
+        (call once its full blocks are cached, before freeing it)."""
+        table, hashes = self._tables.get(request_id, []), self._hashes.get(request_id, [])
+        full, j = divmod(num_computed_tokens, self.block_size)
+        if not self.enable_prefix_caching or not j or full >= len(table) or full != len(hashes):
+            return
+        block, parent, start = table[full], hashes[-1] if hashes else None, full * self.block_size
+        if block.hash is not None:
+            return
+        for length in range(1, j + 1):
+            key = (parent, tuple(token_ids[start:start + length]))
+            if key not in self._partial:
+                self._partial[key] = block
+                block.partial_keys = (block.partial_keys or []) + [key]
+
     def record_lookup(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
         self.stats.queried_tokens += num_prompt_tokens
         self.stats.hit_tokens += num_hit_tokens
@@ -125,15 +168,20 @@ class BlockManager:
         self._hashes[request_id] = hashes
 
     # ---- allocation ----------------------------------------------------------------------
-    def can_allocate(self, request_id: str, num_tokens: int, cached_prefix: list[Block] = ()) -> bool:
+    def can_allocate(self, request_id: str, num_tokens: int, cached_prefix: list[Block] = (),
+                     partial: tuple[Block, int] | None = None) -> bool:
         have = len(self._tables.get(request_id, ())) or len(cached_prefix)
         reclaimable = sum(1 for b in cached_prefix if b.ref_count == 0)  # hits sitting in the free queue
+        if partial is not None and self._must_copy(partial[0]) and partial[0].ref_count == 0:
+            reclaimable += 1                                             # the copy's source, pinned
         return self.blocks_needed(num_tokens) - have <= len(self._free) - reclaimable
 
-    def allocate(self, request_id: str, num_tokens: int, cached_prefix: list[Block] = ()) -> bool:
+    def allocate(self, request_id: str, num_tokens: int, cached_prefix: list[Block] = (),
+                 partial: tuple[Block, int] | None = None) -> bool:
         """Grow the request's table to hold `num_tokens` tokens, starting from `cached_prefix`
-        if it has no table yet. Returns False (and changes nothing) if blocks are short."""
-        if not self.can_allocate(request_id, num_tokens, cached_prefix):
+        and then the `partial` block (from find_cached_partial) if it has no table yet.
+        Returns False (and changes nothing) if blocks are short."""
+        if not self.can_allocate(request_id, num_tokens, cached_prefix, partial):
             return False
         table = self._tables.setdefault(request_id, [])
         if not table:
@@ -141,12 +189,49 @@ class BlockManager:
                 self._take(block)
                 table.append(block)
             self._hashes[request_id] = [b.hash for b in cached_prefix]
+            if partial is not None:
+                table.append(self._continue_partial(*partial))
         while len(table) < self.blocks_needed(num_tokens):
-            block = self.blocks[next(iter(self._free))]
-            self._evict(block)
-            self._take(block)
-            table.append(block)
+            table.append(self._take_free())
         return True
+
+    def _take_free(self) -> Block:
+        block = self.blocks[next(iter(self._free))]
+        self._evict(block)
+        self._take(block)
+        return block
+
+    @staticmethod
+    def _must_copy(block: Block) -> bool:
+        """Someone else reads this block (or it is a full cached one): write into a copy."""
+        return block.ref_count > 0 or block.hash is not None
+
+    def _continue_partial(self, block: Block, num_tokens: int) -> Block:
+        """The block a request continuing `block`'s first `num_tokens` slots writes into:
+        `block` itself if nobody holds it (its longer prefixes are forgotten, since their
+        slots will be overwritten), else a fresh block with a copy pending (source pinned)."""
+        self.stats.partial_hits += 1
+        if not self._must_copy(block):
+            self._take(block)
+            for key in [k for k in block.partial_keys if len(k[1]) > num_tokens]:
+                block.partial_keys.remove(key)
+                del self._partial[key]
+            return block
+        self._take(block)                                      # pinned until the copy has run
+        copy = self._take_free()
+        self._copies.append((block, copy))
+        self.stats.copied_blocks += 1
+        return copy
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The (source, destination) block copies to run before the next forward."""
+        return [(src.block_id, dst.block_id) for src, dst in self._copies]
+
+    def copies_done(self) -> None:
+        """The runner has copied: unpin the sources."""
+        for src, _ in self._copies:
+            self._release(src)
+        self._copies.clear()
 
     def _take(self, block: Block) -> None:
         if block.ref_count == 0:
@@ -157,7 +242,9 @@ class BlockManager:
         """Forget a free block's cached contents before reusing it."""
         if block.hash is not None and self._cached.get(block.hash) is block:
             del self._cached[block.hash]
-        block.hash = block.key = None
+        for key in block.partial_keys or ():
+            del self._partial[key]
+        block.hash = block.key = block.partial_keys = None
 
     def free(self, request_id: str) -> None:
         """Drop the request's references (tail first); blocks no one holds become free."""
@@ -179,7 +266,7 @@ class BlockManager:
         block.ref_count -= 1
         if block.ref_count == 0:
             self._free[block.block_id] = None
-            if block.hash is None:            # nothing worth keeping: reuse it first
+            if block.hash is None and not block.partial_keys:   # nothing worth keeping: reuse it first
                 self._free.move_to_end(block.block_id, last=False)
 
     def reset_prefix_cache(self) -> None:
@@ -193,6 +280,8 @@ class BlockManager:
         """Assert every invariant: ref counts match the tables, free + used = total,
         free blocks are exactly those nobody holds, and the index points at matching blocks."""
         holders: dict[int, int] = {}
+        for src, _ in self._copies:                                  # pinned copy sources
+            holders[src.block_id] = holders.get(src.block_id, 0) + 1
         for rid, table in self._tables.items():
             ids = [b.block_id for b in table]
             assert len(set(ids)) == len(ids), f"request {rid} holds a block twice: {ids}"
@@ -206,3 +295,5 @@ class BlockManager:
         assert len(self._free) + len(holders) == self.num_blocks, "free + used != total"
         for h, block in self._cached.items():
             assert block.hash == h and block.key is not None, f"index entry {h} points at a block without it"
+        for key, block in self._partial.items():
+            assert key in (block.partial_keys or ()), f"partial entry {key} points at a block without it"

@@ -54,6 +54,10 @@ class Int8Cache:
         scales = self.scales.index_select(0, flat).view(*blocks.shape, *self.scales.shape[1:])
         return data.to(self.dtype) * scales.to(self.dtype)[..., None]
 
+    def copy_blocks_(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        self.data[dst] = self.data[src]
+        self.scales[dst] = self.scales[src]
+
     def index_fill_(self, dim: int, index: torch.Tensor, value: float) -> None:
         self.data.index_fill_(dim, index, 0)
         self.scales.index_fill_(dim, index, 0)
@@ -78,6 +82,7 @@ class PagedKVCache:
         self.block_size = block_size
         self.dtype = dtype                      # what attention computes in
         self.kv_cache_dtype = kv_cache_dtype
+        self.device = torch.device(device)
 
         def layer_cache():
             if kv_cache_dtype == "int8":
@@ -110,3 +115,13 @@ class PagedKVCache:
         for k, v in zip(self.keys, self.values):
             k.index_fill_(0, block_ids, 0)
             v.index_fill_(0, block_ids, 0)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole blocks src -> dst in every layer (copy-on-write of a shared partial block)."""
+        src = torch.tensor([p[0] for p in pairs], dtype=torch.int64, device=self.device)
+        dst = torch.tensor([p[1] for p in pairs], dtype=torch.int64, device=self.device)
+        for cache in self.keys + self.values:
+            if isinstance(cache, Int8Cache):
+                cache.copy_blocks_(src, dst)
+            else:
+                cache[dst] = cache[src]
