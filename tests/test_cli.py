@@ -22,6 +22,27 @@ def test_generate_with_chat_template(default_model_dir, capsys):
     assert capsys.readouterr().out.strip() == "The capital of France is Paris."
 
 
+def test_generate_explain_prints_a_readable_record_per_token(default_model_dir, capsys):
+    assert cli_main(["generate", "-m", str(default_model_dir), "-n", "6", "--explain",
+                     "Once upon a time, there was a little"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert all(len(line) <= 80 for line in lines) and "\x1b[" not in out     # not a TTY: no colors
+    steps = [line for line in lines if line[:4].strip().isdigit()]
+    assert [int(line[:4]) for line in steps] == list(range(6))
+    assert " p 0." in steps[0] and "KV " in steps[0] and "' girl'" in steps[0]
+    assert sum(line.startswith("      alt ") for line in lines) == 6
+    assert lines[-1] == "Once upon a time, there was a little girl named Emma who loved to"   # as without --explain
+
+
+def test_generate_explain_full_tabulates_20_candidates(default_model_dir, capsys):
+    assert cli_main(["generate", "-m", str(default_model_dir), "-n", "2", "--explain=full", "-t", "0.7",
+                     "--top-p", "0.5", "--seed", "1", "Paris is"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("     > ") == 2 and out.count("top_p") >= 2 and "KV blocks in use" in out
+    assert all(len(line) <= 80 for line in out.splitlines())
+
+
 def test_chat_keeps_the_conversation(default_model_dir, monkeypatch, capsys):
     from tokenloom.llm import LLM
     seen = []

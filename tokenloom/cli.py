@@ -16,6 +16,7 @@ _EXAMPLES = """examples:
   tokenloom generate "Once upon a time"            stream a continuation (greedy)
   tokenloom generate --chat "What is the capital of France?"
   tokenloom generate -t 0.8 --top-p 0.95 --seed 1 --max-tokens 64 "The ocean"
+  tokenloom generate --explain -t 0.8 --top-k 40 -n 8 "The capital of France is"   watch each step
   tokenloom chat --system "You are terse."         interactive conversation
   tokenloom serve --port 8000                      OpenAI-compatible server on 127.0.0.1:8000
   tokenloom generate --speculative ngram,k=4 "Repeat: a b c a b c"   speculative decoding
@@ -127,11 +128,38 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if params.structured_output is not None:
         llm.engine.grammars.grammar(params.structured_output)   # a bad constraint fails before any output
     target: Any = [{"role": "user", "content": prompt}] if args.chat else prompt
+    if args.explain:
+        return _generate_explained(llm, target, params, args.explain, "" if args.chat else prompt)
     if not args.chat:
         print(prompt, end="", flush=True)
     for delta in llm.stream(target, params):
         print(delta, end="", flush=True)
     print()
+    return 0
+
+
+EXPLAIN_CANDIDATES = {"compact": 6, "full": 20}     # listed per step (the chosen token among them)
+
+
+def _generate_explained(llm, target, params, mode: str, prompt_text: str) -> int:
+    """--explain: a record per token as it is generated, then the prompt and the whole text."""
+    import dataclasses
+    import os
+    import shutil
+
+    from tokenloom.explain.render import LEGEND, render_compact, render_full
+    tty = sys.stdout.isatty()
+    color = tty and not os.environ.get("NO_COLOR")
+    width = shutil.get_terminal_size((80, 24)).columns if tty else 80
+    params = dataclasses.replace(params, explain=EXPLAIN_CANDIDATES[mode])
+    print(LEGEND, flush=True)
+    text = []
+    for delta in llm.stream_deltas(target, params):
+        for record in delta.explanation or ():
+            print(render_full(record, width, color) if mode == "full" else render_compact(record, width, color),
+                  flush=True)
+        text.append(delta.text_delta)
+    print("\n" + prompt_text + "".join(text))
     return 0
 
 
@@ -199,6 +227,11 @@ def build_parser() -> argparse.ArgumentParser:
                          description="Stream a completion of PROMPT (or of stdin) to the terminal.")
     gen.add_argument("prompt", nargs="?", help="prompt text (default: read stdin)")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.add_argument("--explain", action="store_const", const="compact", default=None,
+                     help="show each step: the token, its probability, the top alternatives, what "
+                          "top-k/top-p/min-p/penalties cut, the KV cache size (--explain=full: a table "
+                          "of 20 candidates with logits, penalties and timings)")
+    gen.add_argument("--explain-mode", dest="explain", choices=list(EXPLAIN_CANDIDATES), help=argparse.SUPPRESS)
     _engine_flags(gen)
     _sampling_flags(gen)
     gen.set_defaults(func=cmd_generate)
@@ -232,8 +265,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _explain_mode(argv: list[str]) -> list[str]:
+    """`--explain=MODE` -> `--explain-mode MODE`: a bare `--explain` then cannot swallow the prompt."""
+    out = []
+    for arg in argv:
+        out += ["--explain-mode", arg.split("=", 1)[1]] if arg.startswith("--explain=") else [arg]
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(_explain_mode(sys.argv[1:] if argv is None else argv))
     import logging
     logging.basicConfig(level=logging.INFO, format="tokenloom: %(message)s", stream=sys.stderr)
     from tokenloom.config import UnsupportedModelError

@@ -13,6 +13,8 @@ import time
 
 from tokenloom.config import EngineConfig, parse_dtype
 from tokenloom.detokenizer import IncrementalDetokenizer
+from tokenloom.explain.annotate import annotate
+from tokenloom.explain.records import StepRecord
 from tokenloom.kv_cache.block_manager import BlockManager
 from tokenloom.kv_cache.paged import PagedKVCache, kv_bytes_per_token
 from tokenloom.loader import load_model
@@ -44,7 +46,8 @@ class LLMEngine:
         dtype = parse_dtype(config.dtype)
         kv = PagedKVCache.from_memory_budget(loaded.config, config.cache.resolve_memory(),
                                              config.cache.block_size, dtype, config.device, config.kv_cache_dtype)
-        self._report_cache(kv, kv_bytes_per_token(loaded.config, dtype, config.kv_cache_dtype))
+        self._kv_bytes_per_token = kv_bytes_per_token(loaded.config, dtype, config.kv_cache_dtype)
+        self._report_cache(kv, self._kv_bytes_per_token)
         self.block_manager = BlockManager(kv.num_blocks, kv.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
         self.runner = ModelRunner(loaded.model, kv, config.device)
@@ -58,6 +61,7 @@ class LLMEngine:
         self._prompt_tokens_computed = 0
         self._generated_tokens = 0
         self._spec_steps = self._spec_drafts = self._spec_accepted = 0   # summed over requests
+        self._last_step_s = 0.0
 
     def _report_cache(self, kv: PagedKVCache, per_token: int) -> None:
         c = self.model_config
@@ -118,10 +122,12 @@ class LLMEngine:
         A request's finishing delta carries its CompletionOutput, and the engine
         forgets the request then.
         """
+        started = time.perf_counter()
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
         out = self.runner.execute(sched)
+        self._last_step_s = time.perf_counter() - started
         deltas = self._update(sched, out)
         if self.proposer is not None:
             self.proposer.propose_for(self.scheduler.running)
@@ -138,7 +144,7 @@ class LLMEngine:
             req = self.requests[rid]
             if rid in drafted:
                 self._record_speculation(req, drafted[rid], len(tokens) - 1)
-            deltas.append(self._append(req, tokens, logprobs, now))
+            deltas.append(self._append(req, tokens, logprobs, now, out.explanations.get(rid)))
         for rid, (first, entries) in out.prompt_logprobs.items():
             _record_prompt_logprobs(self.requests[rid], first, entries)
         self.scheduler.on_step_done(sched)
@@ -169,10 +175,15 @@ class LLMEngine:
         req.spec_acceptance = 0.5 * req.spec_acceptance + 0.5 * accepted / proposed
 
     def _append(self, req: Request, tokens: list[int], logprobs: list[TokenLogprobs] | None,
-                now: float) -> StepDelta:
-        """Append this step's new tokens one by one, stopping exactly where plain decoding would."""
+                now: float, record: StepRecord | None = None) -> StepDelta:
+        """Append this step's new tokens one by one, stopping exactly where plain decoding would.
+        `record`: the (single) token's explain record, if the request asked for one."""
         if req.metrics.first_token_time is None:
             req.metrics.first_token_time = now
+        if record is not None:
+            annotate(record, self.tokenizer, req.all_token_ids, self._kv_bytes_per_token,
+                     self.block_manager.num_used_blocks, self._last_step_s, len(req.output_token_ids))
+            req.explanation.append(record)
         texts, appended = [], []
         for i, token in enumerate(tokens):
             if req.matcher is not None:
@@ -186,7 +197,8 @@ class LLMEngine:
             if req.is_finished:
                 break
         delta = StepDelta(req.request_id, appended, "".join(texts), req.is_finished, req.finish_reason,
-                          logprobs=None if logprobs is None else logprobs[:len(appended)])
+                          logprobs=None if logprobs is None else logprobs[:len(appended)],
+                          explanation=None if record is None else [record])
         if req.is_finished:
             req.metrics.finish_time = now
             delta.completion = self._complete(req)
@@ -217,7 +229,8 @@ class LLMEngine:
         m.num_generated, m.num_preemptions = len(req.output_token_ids), req.num_preemptions
         return CompletionOutput(0, text, req.output_token_ids, req.finish_reason, req.stop_reason,
                                 req.logprobs if req.params.logprobs is not None else None, m,
-                                req.prompt_logprobs if req.params.prompt_logprobs is not None else None)
+                                req.prompt_logprobs if req.params.prompt_logprobs is not None else None,
+                                req.explanation if req.params.explain else None)
 
     def stats(self) -> EngineStats:
         bm = self.block_manager

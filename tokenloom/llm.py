@@ -13,7 +13,7 @@ from tokenloom.beam_search import BeamHypothesis, beam_search
 from tokenloom.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from tokenloom.engine import LLMEngine
 from tokenloom.hub import resolve_model
-from tokenloom.outputs import CompletionOutput, RequestOutput
+from tokenloom.outputs import CompletionOutput, RequestOutput, StepDelta
 from tokenloom.sampling_params import SamplingParams
 
 Prompt = Union[str, list[int]]
@@ -131,6 +131,14 @@ class LLM:
 
     def stream(self, prompt: Prompt | Messages, params: SamplingParams | None = None) -> Iterator[str]:
         """Text deltas of one sequence as they are decoded (a chat if given a list of messages)."""
+        for delta in self.stream_deltas(prompt, params):
+            if delta.text_delta:
+                yield delta.text_delta
+
+    def stream_deltas(self, prompt: Prompt | Messages, params: SamplingParams | None = None
+                      ) -> Iterator[StepDelta]:
+        """One sequence's StepDeltas as they come: tokens, text, logprobs and (with
+        ``explain=N``) each token's StepRecord; the last one carries the CompletionOutput."""
         params = params or SamplingParams()
         if params.n != 1:
             raise ValueError("stream() produces one sequence; use n=1")
@@ -143,8 +151,7 @@ class LLM:
                 for delta in self.engine.step():
                     if delta.request_id == child:
                         finished = delta.finished
-                        if delta.text_delta:
-                            yield delta.text_delta
+                        yield delta
         finally:
             self.engine.abort(child)
 

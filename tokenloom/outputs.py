@@ -4,8 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from typing import TYPE_CHECKING
+
 from tokenloom.metrics import RequestMetrics
 from tokenloom.request import Request
+
+if TYPE_CHECKING:
+    from tokenloom.explain.records import StepRecord
 
 # One generated token's logprobs: {token_id: logprob} holding the chosen token and the top N.
 TokenLogprobs = dict[int, float]
@@ -45,6 +50,7 @@ class RunnerOutput:
     logprobs: list[list[TokenLogprobs] | None]        # per request, per new token: chosen + top-N (if asked)
     # request -> (index of the first prompt token scored, entries) for this step's prompt chunk
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
+    explanations: dict[str, "StepRecord"] = field(default_factory=dict)   # request -> its token's record
 
 
 @dataclass(slots=True)
@@ -59,6 +65,7 @@ class CompletionOutput:
     logprobs: list[TokenLogprobs] | None = None
     metrics: RequestMetrics | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None   # per prompt token (None for the first)
+    explanation: list["StepRecord"] | None = None    # per generated token, when explain was asked
 
 
 @dataclass(slots=True)
@@ -72,6 +79,7 @@ class StepDelta:
     finish_reason: str | None = None
     completion: CompletionOutput | None = None   # the whole result, on the finishing delta only
     logprobs: list[TokenLogprobs] | None = None    # the new tokens' logprobs, when the request asked
+    explanation: list["StepRecord"] | None = None  # the new tokens' records, when explain was asked
 
 
 @dataclass(slots=True)

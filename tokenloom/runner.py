@@ -57,14 +57,17 @@ class ModelRunner:
                 plain.append(s)
                 rows_plain.append(start + q_len - 1)
         results: dict[str, tuple[list[int], list | None]] = {}
+        explanations = {}
         if plain:
             logits = self.model.compute_logits(hidden[rows_plain])            # (B, vocab) float32
             rows = [i for i, s in enumerate(plain) if s.request.matcher is not None]
             constrain = (lambda lg: masks.apply(lg, rows)) if masks else None
-            tokens, logprobs = self.sampler(logits, SamplingMetadata.for_requests([s.request for s in plain]),
-                                            constrain)
-            for s, t, lp in zip(plain, tokens.tolist(), logprobs):
+            sampled = self.sampler.sample(logits, SamplingMetadata.for_requests([s.request for s in plain]),
+                                          constrain)
+            for s, t, lp, record in zip(plain, sampled.tokens.tolist(), sampled.logprobs, sampled.explanations):
                 results[s.request.request_id] = ([t], None if lp is None else [lp])
+                if record is not None:
+                    explanations[s.request.request_id] = record
         if spec:
             logits = self.model.compute_logits(hidden[rows_spec])             # (sum(k + 1), vocab)
             drafts = [Draft(s.request, s.spec_token_ids, s.request.spec_draft_probs) for s in spec]
@@ -72,7 +75,7 @@ class ModelRunner:
                 results[s.request.request_id] = result
         ids = [s.request.request_id for s in sched.scheduled if s.request.request_id in results]
         return RunnerOutput(ids, [results[i][0] for i in ids], [results[i][1] for i in ids],
-                            self._prompt_logprobs(sched, hidden, meta))
+                            self._prompt_logprobs(sched, hidden, meta), explanations)
 
     def _prompt_logprobs(self, sched: SchedulerOutput, hidden: torch.Tensor, meta: AttentionMetadata
                          ) -> dict[str, tuple[int, list[TokenLogprobs]]]:

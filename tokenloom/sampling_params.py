@@ -17,6 +17,8 @@ class SamplingParams:
     frequency_penalty subtracts count x penalty and presence_penalty subtracts the
     penalty once, for tokens in the output. logprobs=N returns the chosen token's
     logprob plus the top N (raw model distribution, before any processing).
+    explain=N records, per generated token, the top N candidates and what the
+    processors and filters did to them (tokenloom.explain.StepRecord).
     """
 
     n: int = 1
@@ -38,6 +40,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None   # logprobs of the prompt's own tokens (+ top N): scoring
     structured_output: StructuredOutput | None = None   # JSON schema / JSON object / regex / grammar
     skip_special_tokens: bool = True
+    explain: int | None = None           # per-step records of the distribution with the top N candidates
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -74,6 +77,8 @@ class SamplingParams:
             ("prompt_logprobs", self.prompt_logprobs is None
              or (isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= 20),
              "must be None or an integer in [0, 20]"),
+            ("explain", self.explain is None or (isinstance(self.explain, int) and 1 <= self.explain <= 100),
+             "must be None or an integer in [1, 100] (candidates listed per step)"),
             ("seed", self.seed is None or isinstance(self.seed, int), "must be None or an integer"),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
             ("stop_token_ids", all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),

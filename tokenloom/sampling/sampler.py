@@ -15,12 +15,17 @@ Steps, in order:
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from tokenloom.outputs import TokenLogprobs
 from tokenloom.sampling.metadata import SamplingMetadata
 from tokenloom.sampling.processors import apply_processors
+
+if TYPE_CHECKING:
+    from tokenloom.explain.records import StepRecord
 
 
 def _row_tensor(values, logits: torch.Tensor) -> torch.Tensor:
@@ -99,17 +104,34 @@ def gather_logprobs(raw_logprobs: torch.Tensor, chosen: torch.Tensor,
     return out
 
 
+@dataclass(slots=True)
+class SamplerOutput:
+    tokens: torch.Tensor                                  # (B,) int64
+    logprobs: list[TokenLogprobs | None]                  # per row, when its request asked
+    explanations: list[StepRecord | None]                 # per row, when its request asked (explain=N)
+
+
 class Sampler:
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata,
                  constrain: Callable[[torch.Tensor], None] | None = None
                  ) -> tuple[torch.Tensor, list[TokenLogprobs | None]]:
-        """logits: float32 (B, V) -> (token ids (B,), per-row logprobs or None).
+        """logits: float32 (B, V) -> (token ids (B,), per-row logprobs or None)."""
+        out = self.sample(logits, meta, constrain)
+        return out.tokens, out.logprobs
+
+    def sample(self, logits: torch.Tensor, meta: SamplingMetadata,
+               constrain: Callable[[torch.Tensor], None] | None = None) -> SamplerOutput:
+        """The whole pipeline on float32 logits (B, V).
 
         `constrain` masks disallowed tokens in place (structured output) after the
-        processors; reported logprobs stay the model's raw ones.
+        processors; reported logprobs stay the model's raw ones. Rows whose params ask
+        for `explain` also get a StepRecord of what each stage did.
         """
         raw_logprobs = logits.log_softmax(-1) if meta.max_logprobs is not None else None
-        logits = apply_processors(logits, meta)
+        explained = [i for i, p in enumerate(meta.params) if p.explain]
+        raw = logits[explained]                                           # (E, V) copies: constrain writes
+        logits = apply_processors(logits, meta)                           # in place, maybe into `logits`
+        processed = logits[explained]                                     # (E, V) before the grammar mask
         if constrain is not None:
             constrain(logits)
         chosen = logits.argmax(dim=-1)
@@ -119,4 +141,9 @@ class Sampler:
             probs = sampling_distribution(logits[rows], sub)
             chosen[rows] = exponential_race(probs, sub.generators)
         logprobs = gather_logprobs(raw_logprobs, chosen, meta) if raw_logprobs is not None else [None] * meta.num_rows
-        return chosen, logprobs
+        explanations: list[StepRecord | None] = [None] * meta.num_rows
+        from tokenloom.explain.compute import explain_row      # it reuses this module's filters
+        for j, i in enumerate(explained):
+            p = meta.params[i]
+            explanations[i] = explain_row(raw[j], processed[j], logits[i], int(chosen[i]), p, p.explain)
+        return SamplerOutput(chosen, logprobs, explanations)

@@ -43,8 +43,9 @@ class SpecProposer:
             return                                     # compute bound: plain decoding is cheaper
         todo = []
         for r in running:
-            if r.is_finished or r.num_computed_tokens != r.num_tokens - 1 or r.matcher is not None:
-                continue                               # still prefilling, or constrained (decoded plainly)
+            if (r.is_finished or r.num_computed_tokens != r.num_tokens - 1 or r.matcher is not None
+                    or r.params.explain):
+                continue                               # still prefilling, constrained or explained: decoded plainly
             if r.spec_acceptance < self.config.min_acceptance:
                 r.spec_acceptance += _RECOVERY_PER_STEP  # backed off: decode plainly for a while
                 continue
