@@ -3,10 +3,19 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: setup demo test bench clean
+.PHONY: setup browser demo test bench clean
 
-setup: $(STAMP)
+setup: $(STAMP) browser
 	$(VENV)/bin/tokenloom pull
+
+# Debian's Chromium for the playground's browser tests (Playwright drives it; it downloads no browser).
+browser:
+	@test -x /usr/bin/chromium || { \
+	  SUDO=$$(test "$$(id -u)" = 0 || echo sudo); \
+	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q --no-install-recommends chromium >/dev/null \
+	  || { $$SUDO apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q \
+	       --no-install-recommends chromium >/dev/null; } \
+	  || echo "could not install chromium: the playground's browser tests will be skipped"; }
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)

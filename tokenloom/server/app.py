@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import logging
 import secrets
+from importlib import resources
 from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tokenloom.async_engine import AsyncLLMEngine
@@ -121,6 +122,13 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unexpected error serving %s", request.url.path)
         return _error_response(APIError(500, f"internal error: {exc!r}", type="server_error"))
+
+    playground = (resources.files("tokenloom.server") / "static" / "playground.html").read_text(encoding="utf-8")
+
+    @app.get("/", include_in_schema=False)
+    async def playground_page() -> HTMLResponse:
+        """The web playground: one static page (no outside resources) over the API below."""
+        return HTMLResponse(playground)
 
     @app.get("/health")
     async def health() -> dict[str, str]:

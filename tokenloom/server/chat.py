@@ -20,13 +20,15 @@ class ChatCompletions:
         return self.serving.fmt.chat(token_ids, logprobs or [], req.top_logprobs or 0)
 
     def response(self, req: ChatCompletionRequest, prepared: Prepared, outs: list[CompletionOutput]) -> dict:
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": out.text},
+        choices = []
+        for c, out in zip(prepared.choices, outs):
+            body = {"index": c.index, "message": {"role": "assistant", "content": out.text},
                     "logprobs": self._logprobs(req, out.token_ids, out.logprobs),
                     "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}
-                   for c, out in zip(prepared.choices, outs)]
+            choices.append(R.with_explanation(body, out.explanation, c.prompt_ids) if req.explain else body)
         completion_tokens = sum(len(o.token_ids) for o in outs)
         return R.envelope("chat.completion", prepared.response_id, prepared.created, self.serving.model_name,
-                          choices, R.usage(prepared.prompt_tokens, completion_tokens))
+                          choices, R.usage(prepared.prompt_tokens, completion_tokens, R.cached_tokens(outs)))
 
     def stream(self, req: ChatCompletionRequest, prepared: Prepared) -> AsyncIterator[str]:
         """SSE events: a role chunk per choice, one chunk per delta, usage if asked, [DONE]."""

@@ -29,11 +29,12 @@ class Completions:
                 logprobs = self._logprobs(req, ids, (out.prompt_logprobs or []) + (out.logprobs or []), 0)
             else:
                 logprobs = self._logprobs(req, out.token_ids, out.logprobs, 0)
-            choices.append({"index": choice.index, "text": prefix + out.text, "logprobs": logprobs,
-                            "finish_reason": out.finish_reason, "stop_reason": out.stop_reason})
+            body = {"index": choice.index, "text": prefix + out.text, "logprobs": logprobs,
+                    "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}
+            choices.append(R.with_explanation(body, out.explanation, choice.prompt_ids) if req.explain else body)
         completion_tokens = sum(len(o.token_ids) for o in outs)
         return R.envelope("text_completion", prepared.response_id, prepared.created, self.serving.model_name,
-                          choices, R.usage(prepared.prompt_tokens, completion_tokens))
+                          choices, R.usage(prepared.prompt_tokens, completion_tokens, R.cached_tokens(outs)))
 
     async def beam_response(self, req: CompletionRequest, prepared: Prepared) -> dict:
         """use_beam_search: the n best beams of each prompt (beam width best_of or n), best first."""

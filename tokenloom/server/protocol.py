@@ -67,6 +67,7 @@ class _Sampling(BaseModel):
     guided_json: dict[str, Any] | str | None = None      # vLLM's extensions
     guided_regex: str | None = None
     guided_grammar: str | None = None                    # Lark syntax
+    explain: int | None = Field(default=None, ge=1, le=100)   # tokenloom: per-token StepRecords, N candidates
 
     def structured_output(self) -> tuple[StructuredOutput | None, str]:
         """The constraint asked for (at most one) and the parameter that asked."""
@@ -111,7 +112,7 @@ class _Sampling(BaseModel):
                 **set_fields, max_tokens=max_tokens, min_tokens=min(self.min_tokens, max_tokens),
                 stop=self.stop, stop_token_ids=self.stop_token_ids or [], seed=self.seed,
                 logit_bias=self._logit_bias(), ignore_eos=self.ignore_eos, logprobs=logprobs,
-                prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
+                prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens, explain=self.explain,
                 structured_output=self.structured_output()[0])
         except ValueError as e:
             raise APIError(400, str(e), _param_named_in(str(e))) from None
@@ -159,6 +160,7 @@ class CompletionRequest(_Sampling):
         if self.best_of is not None and self.best_of < self.n:
             raise APIError(400, f"best_of ({self.best_of}) must be >= n ({self.n})", "best_of")
         for name, bad in [("stream", self.stream), ("logprobs", self.logprobs is not None),
+                          ("explain", self.explain is not None),
                           ("max_tokens", self.max_tokens == 0)]:
             if bad:
                 raise APIError(400, f"{name} is not supported with use_beam_search", name)

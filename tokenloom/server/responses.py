@@ -9,9 +9,18 @@ from tokenloom.outputs import TokenLogprobs
 from tokenloom.tokenizer import Tokenizer
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
+    """OpenAI's usage; `cached_tokens`: prompt tokens served from the prefix cache, if known."""
+    body: dict = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                  "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens is not None:
+        body["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return body
+
+
+def cached_tokens(outs: list) -> int:
+    """Prompt tokens the completions' requests found in the prefix cache."""
+    return sum(o.metrics.num_cached_prompt_tokens for o in outs if o is not None and o.metrics is not None)
 
 
 def envelope(kind: str, response_id: str, created: int, model: str, choices: list[dict],
@@ -22,6 +31,15 @@ def envelope(kind: str, response_id: str, created: int, model: str, choices: lis
     if usage_counts is not None:
         body["usage"] = usage_counts
     return body
+
+
+def with_explanation(choice: dict, records: list | None, prompt_ids: list[int] | None) -> dict:
+    """tokenloom's `explain` extension on a choice: the tokens' StepRecords, and (given once per
+    choice) the prompt's token ids, so a client can branch from any step by sending ids."""
+    choice["explain"] = [r.to_dict() for r in records or ()]
+    if prompt_ids is not None:
+        choice["prompt_token_ids"] = prompt_ids
+    return choice
 
 
 def now() -> int:

@@ -181,12 +181,22 @@ class OpenAIServing:
 
         for choice in opening:
             yield chunk([choice])
-        completion_tokens = 0
+        completion_tokens = cached = 0
+        explained = bool(prepared.choices[0].params.explain)
+        unseen = {c.index for c in prepared.choices}          # choices yet to receive their prompt ids
         async with aclosing(self.deltas(prepared)) as stream:
             async for index, delta in stream:
                 completion_tokens += len(delta.new_token_ids)
-                if delta.text_delta or delta.finished or delta.logprobs is not None:
-                    yield chunk([choice_of(index, delta)])
+                if delta.finished and delta.completion is not None:
+                    cached += R.cached_tokens([delta.completion])
+                if delta.text_delta or delta.finished or delta.logprobs is not None or delta.explanation:
+                    choice = choice_of(index, delta)
+                    if explained:
+                        first = index in unseen
+                        unseen.discard(index)
+                        R.with_explanation(choice, delta.explanation,
+                                           prepared.choices[index].prompt_ids if first else None)
+                    yield chunk([choice])
         if include_usage:
-            yield chunk([], R.usage(prepared.prompt_tokens, completion_tokens))
+            yield chunk([], R.usage(prepared.prompt_tokens, completion_tokens, cached))
         yield sse("[DONE]")
