@@ -133,3 +133,17 @@ def test_rendering_fits_80_columns_and_colors_only_when_asked(smol_llm):
         colored = render_compact(r, color=True)
         assert "\x1b[" in colored and re.sub(r"\x1b\[[0-9;]*m", "", colored) == plain
     assert any("top-k" in render_compact(r) for r in records)
+
+
+def test_explained_requests_decode_plainly_under_speculation(default_model_dir):
+    """Speculative steps verify several tokens at once and would have no record per token:
+    an explained request is left out of speculation, and every token gets its record."""
+    from tokenloom import LLM
+    llm = LLM(str(default_model_dir), kv_cache_memory=64 << 20, speculative="ngram,k=4")
+    prompt = "a b c d a b c d a b c d a b c"
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    plain = llm.generate(prompt, params)[0].outputs[0]
+    explained = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, explain=2))
+    out = explained[0].outputs[0]
+    assert out.token_ids == plain.token_ids and [r.token_id for r in out.explanation] == out.token_ids
+    assert out.metrics.num_spec_steps == 0 < plain.metrics.num_spec_steps
