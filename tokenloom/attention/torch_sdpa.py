@@ -1,7 +1,8 @@
 """Reference paged attention on torch's scaled_dot_product_attention (any device).
 
-Prefill chunks run one SDPA call per sequence. A pure-decode batch (one query
-per sequence) runs as one padded call: one gather of every sequence's blocks
+Prefill chunks run one SDPA call per sequence. On the CPU in float32, every
+one-query (decoding) sequence goes to a compiled kernel reading the blocks in place
+(cpu_decode.py). Elsewhere a pure-decode batch runs as one padded call: one gather of every sequence's blocks
 and a mask that hides each sequence's padding, so a sequence still attends to
 exactly its own context whatever its batch companions are.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tokenloom.attention import cpu_decode
 from tokenloom.attention.metadata import AttentionMetadata
 from tokenloom.kv_cache.paged import Int8Cache
 
@@ -69,14 +71,22 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     gqa = q.shape[1] != k.shape[1]
-    if meta.num_seqs > 1 and max(meta.query_lens) == 1:
+    decoding = cpu_decode.decode_rows(meta) if cpu_decode.usable(q, k_cache) else []
+    if decoding and len(decoding) == meta.num_seqs:                     # one query per sequence: q rows = sequences
+        return cpu_decode.attend(q, k_cache, v_cache, meta, decoding, scale)
+    if not decoding and meta.num_seqs > 1 and max(meta.query_lens) == 1:
         return _decode_batch(q, k_cache, v_cache, meta, scale, gqa)
     out = torch.empty_like(q)
+    if decoding:
+        rows = [meta.query_start[i] for i in decoding]
+        out[rows] = cpu_decode.attend(q[rows], k_cache, v_cache, meta, decoding, scale)
     # An int8 cache is always read back, so a prompt attends to the same (quantized) keys
     # whether it is prefilled whole, in chunks, or found in the prefix cache.
     quantized = isinstance(k_cache, Int8Cache)
     for start, q_len, ctx_len, table in zip(meta.query_start, meta.query_lens,
                                             meta.context_lens, meta.block_tables):
+        if decoding and q_len == 1:
+            continue                                                     # done by the kernel above
         qi = q[start:start + q_len].transpose(0, 1)[None]         # (1, heads, q_len, head_dim)
         if q_len == ctx_len and not quantized:   # whole context is this step's: no need to read the cache
             ki = k[start:start + q_len].transpose(0, 1)            # (kv_heads, q_len, head_dim)
