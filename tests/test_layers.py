@@ -1,4 +1,4 @@
-"""CPU layout swaps must compute the same function as nn.Linear."""
+"""CPU layout swaps and fused glue must compute the same function as the torch ops they replace."""
 
 from __future__ import annotations
 
@@ -33,3 +33,27 @@ def test_other_dtypes_keep_plain_linear(tiny_model_dir):
     from tokenloom.loader import load_model
     loaded = load_model(tiny_model_dir("llama_gqa"), dtype="bfloat16")
     assert isinstance(loaded.model.lm_head, nn.Linear)
+
+
+def test_fused_glue_equals_the_torch_ops_it_replaces():
+    from tokenloom import native
+    from tokenloom.models import fused
+    from tokenloom.models.layers import GatedMLP, RMSNorm, _rotate_half, apply_rope, rope_cos_sin, rope_inv_freq
+    from tokenloom.config import RopeConfig
+    if not native.cpu_has_avx2():
+        pytest.skip("the fused ops need AVX2 + FMA")
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(9, 96, generator=gen)
+    assert fused.enabled(x)
+    norm = RMSNorm(96, 1e-5)
+    norm.weight.data = torch.randn(96, generator=gen)
+    want = norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
+    torch.testing.assert_close(norm(x), want, atol=2e-6, rtol=2e-6)
+    assert torch.equal(norm(x[3:4]), norm(x)[3:4])                      # a row alone: the same bits
+    qkv = torch.randn(9, 5 * 16, generator=gen)
+    qk = qkv[:, :4 * 16].view(9, 4, 16)                                  # a strided view, as in attention
+    cos, sin = rope_cos_sin(rope_inv_freq(RopeConfig(), 16), torch.arange(9), torch.float32)
+    torch.testing.assert_close(apply_rope(qk, cos, sin), qk * cos + _rotate_half(qk) * sin, atol=1e-6, rtol=1e-6)
+    mlp = GatedMLP(96, 40, False, "silu")
+    gate, up = mlp.gate_up_proj(x).split(40, dim=-1)
+    torch.testing.assert_close(mlp(x), mlp.down_proj(torch.nn.functional.silu(gate) * up), atol=1e-5, rtol=1e-5)

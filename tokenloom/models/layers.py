@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenloom.config import RopeConfig
+from tokenloom.models import fused
 
 
 class RMSNorm(nn.Module):
@@ -24,6 +25,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.stride(1) == 1 and fused.enabled(x):
+            return fused.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -68,6 +71,9 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half RoPE: x (T, heads, head_dim), cos/sin (T, 1, head_dim)."""
+    if x.stride(2) == 1 and x.stride(1) == x.shape[2] and cos.is_contiguous() and sin.is_contiguous() \
+            and fused.enabled(x):
+        return fused.rope(x, cos, sin)
     return x * cos + _rotate_half(x) * sin
 
 
@@ -95,7 +101,10 @@ class GatedMLP(nn.Module):
         self.intermediate = intermediate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)  # each (T, intermediate)
+        gate_up = self.gate_up_proj(x)                                    # (T, 2 intermediate)
+        if self.act is F.silu and gate_up.dim() == 2 and gate_up.stride(1) == 1 and fused.enabled(gate_up):
+            return self.down_proj(fused.silu_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate, dim=-1)               # each (T, intermediate)
         return self.down_proj(self.act(gate) * up)
 
 

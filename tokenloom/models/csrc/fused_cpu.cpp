@@ -1,0 +1,97 @@
+// Fused float32 CPU ops for the decoder's glue: each replaces a chain of small torch ops
+// (one dispatch and one pass over memory instead of four to six). Row-independent, so a
+// row's result does not depend on its batch. Same operation order as layers.py.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <cmath>
+
+namespace {
+
+void check_rows(const at::Tensor& x, const char* what) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.device().is_cpu(), what, " must be a float32 CPU tensor");
+}
+
+// y = w * (x * (1 / sqrt(mean(x^2) + eps))) per row of x (T, H).
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  check_rows(x, "x");
+  check_rows(w, "w");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && w.dim() == 1 && w.size(0) == x.size(1) && w.is_contiguous(),
+              "rms_norm wants x (T, H) with unit stride rows and w (H,)");
+  const int64_t T = x.size(0), H = x.size(1), ld = x.stride(0);
+  at::Tensor y = at::empty({T, H}, x.options());
+  const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, T, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* xr = xp + r * ld;
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t i = 0; i < H; ++i) ss += xr[i] * xr[i];
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + static_cast<float>(eps));
+      float* yr = yp + r * H;
+#pragma omp simd
+      for (int64_t i = 0; i < H; ++i) yr[i] = wp[i] * (xr[i] * inv);
+    }
+  });
+  return y;
+}
+
+// Rotate-half RoPE: x (T, heads, D) with unit-stride heads, cos/sin (T, 1, D) contiguous.
+// out[d] = x[d] * cos[d] + rot[d] * sin[d], rot = (-x[half:], x[:half]). Returns a new (T, heads, D).
+at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  check_rows(x, "x");
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2), "rope wants x (T, heads, D) rows");
+  const int64_t T = x.size(0), NH = x.size(1), D = x.size(2), half = D / 2, ld = x.stride(0);
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == T * D && sin.numel() == T * D,
+              "cos/sin must be contiguous (T, 1, D)");
+  at::Tensor y = at::empty({T, NH, D}, x.options());
+  const float *xp = x.data_ptr<float>(), *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, T, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float *c = cp + r * D, *s = sp + r * D;
+      for (int64_t h = 0; h < NH; ++h) {
+        const float* xr = xp + r * ld + h * D;
+        float* yr = yp + (r * NH + h) * D;
+#pragma omp simd
+        for (int64_t d = 0; d < half; ++d) yr[d] = xr[d] * c[d] + (-xr[d + half]) * s[d];
+#pragma omp simd
+        for (int64_t d = half; d < D; ++d) yr[d] = xr[d] * c[d] + xr[d - half] * s[d];
+      }
+    }
+  });
+  return y;
+}
+
+// silu(gate) * up for gate_up (T, 2I) = [gate | up] -> (T, I); silu(g) = g / (1 + exp(-g)).
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  check_rows(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.stride(1) == 1 && gate_up.size(1) % 2 == 0, "silu_mul wants (T, 2I)");
+  const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2, ld = gate_up.stride(0);
+  at::Tensor y = at::empty({T, I}, gate_up.options());
+  const float* gp = gate_up.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, T, 4, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float *g = gp + r * ld, *u = g + I;
+      float* yr = yp + r * I;
+      for (int64_t i = 0; i < I; ++i) yr[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(tokenloom_fused, m) {
+  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
+  m.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tokenloom_fused, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("rope", &rope);
+  m.impl("silu_mul", &silu_mul);
+}

@@ -1,0 +1,37 @@
+"""Fused float32 CPU versions of the decoder's glue (``csrc/fused_cpu.cpp``): RMSNorm,
+rotate-half RoPE and silu(gate) * up, each one op instead of four to six.
+
+At batch 1 a decode step is ~30 layers x ~35 small torch ops, and their dispatch
+costs a measurable share of the step once the matmuls are fast (quantized). Used
+only where ``enabled(x)``: float32 on the CPU with the kernels compiled; everything
+else (bf16, fp16, CUDA, no compiler) takes the torch ops in layers.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tokenloom import native
+
+_SOURCE = Path(__file__).parent / "csrc" / "fused_cpu.cpp"
+
+
+def enabled(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and x.dtype == torch.float32 and native.load(_SOURCE, "fused decoder ops")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x (T, H) -> w * x / sqrt(mean(x^2) + eps)."""
+    return torch.ops.tokenloom_fused.rms_norm(x, weight, eps)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (T, heads, head_dim), cos/sin (T, 1, head_dim) -> rotated (T, heads, head_dim)."""
+    return torch.ops.tokenloom_fused.rope(x, cos, sin)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """(T, 2I) = [gate | up] -> silu(gate) * up (T, I)."""
+    return torch.ops.tokenloom_fused.silu_mul(gate_up)
