@@ -14,18 +14,18 @@ pytestmark = pytest.mark.skipif(not native.cpu_has_avx2(), reason="the kernel ne
 NUM_BLOCKS, BS, D = 64, 16, 32
 
 
-def paged_setup(lens: list[int], heads: int, kv_heads: int, seed: int = 0):
+def paged_setup(lens: list[int], heads: int, kv_heads: int, seed: int = 0, head_dim: int = D):
     """Random caches (null block zero), each sequence's blocks scattered, one query per sequence."""
     gen = torch.Generator().manual_seed(seed)
-    k = torch.randn(NUM_BLOCKS + 1, BS, kv_heads, D, generator=gen)
-    v = torch.randn(NUM_BLOCKS + 1, BS, kv_heads, D, generator=gen)
+    k = torch.randn(NUM_BLOCKS + 1, BS, kv_heads, head_dim, generator=gen)
+    v = torch.randn(NUM_BLOCKS + 1, BS, kv_heads, head_dim, generator=gen)
     k[NUM_BLOCKS] = v[NUM_BLOCKS] = 0
     order = torch.randperm(NUM_BLOCKS, generator=gen).tolist()
     tables, used = [], 0
     for n in lens:
         tables.append(torch.tensor(order[used:used + -(-n // BS)]))
         used += len(tables[-1])
-    return k, v, tables, torch.randn(len(lens), heads, D, generator=gen)
+    return k, v, tables, torch.randn(len(lens), heads, head_dim, generator=gen)
 
 
 def decode_meta(lens, tables, window=None) -> AttentionMetadata:
@@ -41,6 +41,16 @@ def test_kernel_equals_sdpa_over_gathered_blocks(heads, kv_heads, window):
     assert cpu_decode.usable(q, k)
     got = cpu_decode.attend(q, k, v, decode_meta(lens, tables, window), list(range(len(lens))), 0.2)
     want = torch_sdpa._decode_batch(q, k, v, decode_meta(lens, tables, window), 0.2, heads != kv_heads)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("head_dim", [20, 64, 80, 128])       # 20: the scalar path; 80: a 16-column tail
+@pytest.mark.parametrize("heads,kv_heads", [(5, 5), (8, 2), (10, 2), (14, 2)])   # 1, 4, 5, 7 heads per kv head
+def test_kernel_handles_head_sizes_and_group_sizes(head_dim, heads, kv_heads):
+    lens = [3, 31, 64, 129]
+    k, v, tables, q = paged_setup(lens, heads, kv_heads, seed=3, head_dim=head_dim)
+    got = cpu_decode.attend(q, k, v, decode_meta(lens, tables), list(range(len(lens))), head_dim ** -0.5)
+    want = torch_sdpa._decode_batch(q, k, v, decode_meta(lens, tables), head_dim ** -0.5, heads != kv_heads)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
