@@ -122,15 +122,38 @@ def worker_llama_cpp(runs: int, part: str) -> dict:
     return llama_cpp_perplexity(path) if part == "ppl" else llama_cpp_speed(path, runs)
 
 
+def open_llama_cpp(path: str, **kwargs):
+    """llama_cpp.Llama on `path` without "extra buffer types" (weight repacking).
+
+    On CPUs with AMX (Intel Sapphire Rapids and later) llama.cpp repacks weights into an
+    AMX buffer and then segfaults on the first multi-token batch (measured here with
+    llama-cpp-python 0.3.36; ggml-org/llama.cpp#20824). Without extra buffers it runs its
+    AVX-512/AVX2 kernels. The high-level Llama class has no switch for this, so the
+    default model params it reads are patched for the duration of the load.
+    """
+    import llama_cpp.llama_cpp as low
+    from llama_cpp import Llama
+    defaults = low.llama_model_default_params
+
+    def without_extra_buffers():
+        params = defaults()
+        params.use_extra_bufts = False
+        return params
+    low.llama_model_default_params = without_extra_buffers
+    try:
+        return Llama(model_path=path, verbose=False, **kwargs)
+    finally:
+        low.llama_model_default_params = defaults
+
+
 def llama_cpp_speed(path: str, runs: int) -> dict:
     """The same timing as tokenloom.bench.measure, through llama-cpp-python's eval loop (greedy)."""
     import statistics
 
     import gguf
-    from llama_cpp import Llama
 
     from tokenloom.bench import peak_rss_bytes
-    llm = Llama(model_path=path, n_ctx=1024, n_threads=2, n_threads_batch=2, n_batch=512, verbose=False)
+    llm = open_llama_cpp(path, n_ctx=1024, n_threads=2, n_threads_batch=2, n_batch=512)
     vocab, gen = llm.n_vocab(), torch.Generator().manual_seed(0)
     prefill, decode, ttft = [], [], []
     for i in range(runs + 1):
@@ -155,8 +178,7 @@ def llama_cpp_speed(path: str, runs: int) -> dict:
 
 
 def llama_cpp_perplexity(path: str) -> dict:
-    from llama_cpp import Llama
-    scorer = Llama(model_path=path, n_ctx=WINDOW, n_threads=2, n_batch=WINDOW, logits_all=True, verbose=False)
+    scorer = open_llama_cpp(path, n_ctx=WINDOW, n_threads=2, n_batch=WINDOW, logits_all=True)
     ids, nll = eval_ids(), []
     for start in range(0, len(ids) - 1, WINDOW):
         piece = ids[start:start + WINDOW]
