@@ -241,13 +241,16 @@ def main() -> None:
                                                     max_num_batched_tokens=args.max_num_batched_tokens))
     engine = AsyncLLMEngine.from_config(config)
     import transformers
-    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    # Every torch call of this process runs on the engine's one thread (AsyncLLMEngine's doc:
+    # a second thread with its own OpenMP pool would slow both engines).
+    on_engine_thread = engine.run_on_engine_thread
+    hf = on_engine_thread(lambda: transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval())
     res: dict = {"tokenloom": {}, "transformers_static": {}, "transformers_continuous": {},
                  "config": vars(args) | {"threads": torch.get_num_threads(), "transformers": transformers.__version__}}
     run_tokenloom(engine, reqs[:2], 2)                                   # warm-up
     runners = [("tokenloom", lambda c: run_tokenloom(engine, reqs, c)),
-               ("transformers_static", lambda c: run_hf_static(hf, reqs, c)),
-               ("transformers_continuous", lambda c: run_hf_continuous(hf, reqs, c))]
+               ("transformers_static", lambda c: on_engine_thread(run_hf_static, hf, reqs, c)),
+               ("transformers_continuous", lambda c: on_engine_thread(run_hf_continuous, hf, reqs, c))]
     plan = [(c, name, fn) for c in args.concurrency for name, fn in runners
             if (name != "transformers_continuous" or c in args.hf_continuous_levels)
             and (name == "tokenloom" or not args.skip_hf)]
@@ -259,6 +262,7 @@ def main() -> None:
                 res[name][str(c)] = None
                 res.setdefault("errors", []).append(f"{name} at {c}: {e!r}")
             bar.update()
+        engine.close()
         if args.shared_prefix:
             res["shared_prefix"] = shared_prefix_run(folder, args, bar)
     print_tables(res, args.concurrency)
@@ -283,6 +287,7 @@ def shared_prefix_run(folder: str, args, bar) -> dict:
         engine = AsyncLLMEngine.from_config(config)
         summary = run_tokenloom(engine, reqs, concurrency).summary()
         summary["hit_rate"] = engine.stats().prefix_cache_hit_rate
+        engine.close()
         out[label] = summary
         bar.update()
     return out

@@ -73,3 +73,35 @@ def test_bad_request_raises_without_disturbing_others(async_engine):
             await async_engine.shutdown()
     text, last = asyncio.run(main())
     assert last.finished and len(last.completion.token_ids) == 5
+
+
+def test_one_thread_builds_the_engine_and_runs_every_step(default_model_dir):
+    """Every step runs on the thread that built the engine, never on the event loop's thread
+    (one OpenMP pool per process: see async_engine's module doc), and close() ends it."""
+    import threading
+
+    from tokenloom.config import CacheConfig, EngineConfig
+    built_on, stepped_on = [], set()
+
+    def make():
+        from tokenloom.engine import LLMEngine
+        built_on.append(threading.get_ident())
+        engine = LLMEngine(EngineConfig(str(default_model_dir), cache=CacheConfig(kv_cache_memory=64 << 20)))
+        step = engine.step
+        engine.step = lambda: (stepped_on.add(threading.get_ident()), step())[1]
+        return engine
+    engine = AsyncLLMEngine.build(make)
+
+    async def main():
+        try:
+            return await asyncio.gather(*(collect(engine, p, SamplingParams(temperature=0, max_tokens=4))
+                                          for p in PROMPTS[:2]))
+        finally:
+            await engine.shutdown()
+    results = asyncio.run(main())
+    assert all(last.finished for _, last in results)
+    assert stepped_on == set(built_on) and built_on[0] != threading.get_ident()
+    assert engine.run_on_engine_thread(threading.get_ident) == built_on[0]
+    engine.close()
+    with pytest.raises(RuntimeError):              # the thread is gone
+        engine.run_on_engine_thread(threading.get_ident)

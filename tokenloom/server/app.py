@@ -102,6 +102,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
     async def lifespan(app: FastAPI):
         yield
         await engine.shutdown()
+        engine.close()
 
     app = FastAPI(title="tokenloom", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible completions and chat over tokenloom's engine")
