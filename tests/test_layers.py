@@ -50,6 +50,9 @@ def test_fused_glue_equals_the_torch_ops_it_replaces():
     want = norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
     torch.testing.assert_close(norm(x), want, atol=2e-6, rtol=2e-6)
     assert torch.equal(norm(x[3:4]), norm(x)[3:4])                      # a row alone: the same bits
+    residual = torch.randn(9, 96, generator=gen)
+    normed, total = norm.add_forward(x, residual)                        # fused residual add + norm
+    assert torch.equal(total, residual + x) and torch.equal(normed, norm(residual + x))
     qkv = torch.randn(9, 5 * 16, generator=gen)
     qk = qkv[:, :4 * 16].view(9, 4, 16)                                  # a strided view, as in attention
     cos, sin = rope_cos_sin(rope_inv_freq(RopeConfig(), 16), torch.arange(9), torch.float32)

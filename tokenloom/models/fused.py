@@ -1,5 +1,6 @@
-"""Fused float32 CPU versions of the decoder's glue (``csrc/fused_cpu.cpp``): RMSNorm,
-rotate-half RoPE and silu(gate) * up, each one op instead of four to six.
+"""Fused float32 CPU versions of the decoder's glue (``csrc/fused_cpu.cpp``): RMSNorm (alone
+or with the residual add before it), rotate-half RoPE and silu(gate) * up, each one op
+instead of two to six.
 
 At batch 1 a decode step is ~30 layers x ~35 small torch ops, and their dispatch
 costs a measurable share of the step once the matmuls are fast (quantized). Used
@@ -25,6 +26,12 @@ def enabled(x: torch.Tensor) -> bool:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x (T, H) -> w * x / sqrt(mean(x^2) + eps)."""
     return torch.ops.tokenloom_fused.rms_norm(x, weight, eps)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, residual (T, H) -> (rms_norm(residual + x), residual + x)."""
+    return torch.ops.tokenloom_fused.add_rms_norm(x, residual, weight, eps)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -32,6 +32,13 @@ class RMSNorm(nn.Module):
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
 
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual update and this norm: (norm(residual + x), residual + x)."""
+        if x.dim() == 2 and x.stride(1) == 1 and residual.stride(-1) == 1 and fused.enabled(x):
+            return fused.add_rms_norm(x, residual, self.weight, self.eps)
+        total = residual + x
+        return self(total), total
+
 
 def rope_inv_freq(rope: RopeConfig, rotary_dim: int) -> torch.Tensor:
     """Inverse frequencies (rotary_dim/2,) float32, with the configured scaling applied."""

@@ -55,9 +55,17 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, cfg.hidden_act)
 
-    def forward(self, h, cos, sin, kv, meta):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, x, residual, cos, sin, kv, meta):
+        """x: the previous layer's MLP output (the embeddings for layer 0, with residual None);
+        returns (this layer's MLP output, the residual stream before it is added). Deferring
+        each residual add into the next norm makes it one fused op; the sums are the same."""
+        if residual is None:
+            residual, normed = x, self.input_layernorm(x)
+        else:
+            normed, residual = self.input_layernorm.add_forward(x, residual)
+        attn = self.self_attn(normed, cos, sin, kv, meta)
+        normed, residual = self.post_attention_layernorm.add_forward(attn, residual)
+        return self.mlp(normed), residual
 
 
 class LlamaModel(nn.Module):
@@ -97,6 +105,7 @@ class LlamaForCausalLM(CausalLM):
     def forward(self, input_ids, positions, meta, kv_cache: PagedKVCache):
         h = self.model.embed_tokens(input_ids)                        # (T, hidden)
         cos, sin = rope_cos_sin(self.inv_freq, positions, h.dtype)    # each (T, 1, head_dim)
+        residual = None
         for i, layer in enumerate(self.model.layers):
-            h = layer(h, cos, sin, kv_cache.layer(i), meta)
-        return self.model.norm(h)
+            h, residual = layer(h, residual, cos, sin, kv_cache.layer(i), meta)
+        return self.model.norm.add_forward(h, residual)[0]

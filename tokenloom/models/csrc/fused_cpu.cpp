@@ -5,6 +5,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <cmath>
+#include <tuple>
 
 namespace {
 
@@ -12,29 +13,57 @@ void check_rows(const at::Tensor& x, const char* what) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.device().is_cpu(), what, " must be a float32 CPU tensor");
 }
 
-// y = w * (x * (1 / sqrt(mean(x^2) + eps))) per row of x (T, H).
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+// yr = w * (xr * (1 / sqrt(mean(xr^2) + eps))) for one row of H values.
+inline void norm_row(const float* xr, const float* w, int64_t H, float eps, float* yr) {
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < H; ++i) ss += xr[i] * xr[i];
+  const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < H; ++i) yr[i] = w[i] * (xr[i] * inv);
+}
+
+void check_norm_args(const at::Tensor& x, const at::Tensor& w) {
   check_rows(x, "x");
   check_rows(w, "w");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && w.dim() == 1 && w.size(0) == x.size(1) && w.is_contiguous(),
               "rms_norm wants x (T, H) with unit stride rows and w (H,)");
+}
+
+// y = w * (x * (1 / sqrt(mean(x^2) + eps))) per row of x (T, H).
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  check_norm_args(x, w);
   const int64_t T = x.size(0), H = x.size(1), ld = x.stride(0);
   at::Tensor y = at::empty({T, H}, x.options());
   const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, T, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const float* xr = xp + r * ld;
-      float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-      for (int64_t i = 0; i < H; ++i) ss += xr[i] * xr[i];
-      const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + static_cast<float>(eps));
-      float* yr = yp + r * H;
-#pragma omp simd
-      for (int64_t i = 0; i < H; ++i) yr[i] = wp[i] * (xr[i] * inv);
-    }
+    for (int64_t r = r0; r < r1; ++r) norm_row(xp + r * ld, wp, H, static_cast<float>(eps), yp + r * H);
   });
   return y;
+}
+
+// The residual stream's update and the next norm in one pass: sum = residual + x, then
+// y = rms_norm(sum). Returns (y, sum), each (T, H); the same bits as the two ops apart.
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                const at::Tensor& w, double eps) {
+  check_norm_args(x, w);
+  check_rows(residual, "residual");
+  TORCH_CHECK(residual.sizes() == x.sizes() && residual.stride(1) == 1, "residual must match x (T, H)");
+  const int64_t T = x.size(0), H = x.size(1), ldx = x.stride(0), ldr = residual.stride(0);
+  at::Tensor y = at::empty({T, H}, x.options()), sum = at::empty({T, H}, x.options());
+  const float *xp = x.data_ptr<float>(), *rp = residual.data_ptr<float>(), *wp = w.data_ptr<float>();
+  float *yp = y.data_ptr<float>(), *sp = sum.data_ptr<float>();
+  at::parallel_for(0, T, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      float* sr = sp + r * H;
+      const float *xr = xp + r * ldx, *res = rp + r * ldr;
+#pragma omp simd
+      for (int64_t i = 0; i < H; ++i) sr[i] = res[i] + xr[i];
+      norm_row(sr, wp, H, static_cast<float>(eps), yp + r * H);
+    }
+  });
+  return {y, sum};
 }
 
 // Rotate-half RoPE: x (T, heads, D) with unit-stride heads, cos/sin (T, 1, D) contiguous.
@@ -86,12 +115,14 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
 
 TORCH_LIBRARY(tokenloom_fused, m) {
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor residual, Tensor w, float eps) -> (Tensor, Tensor)");
   m.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tokenloom_fused, CPU, m) {
   m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
   m.impl("rope", &rope);
   m.impl("silu_mul", &silu_mul);
 }
