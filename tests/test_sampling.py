@@ -141,3 +141,14 @@ def test_sampler_leaves_the_callers_logits_untouched():
                             [frozenset({0})] * 2)
     Sampler()(logits, meta)
     assert torch.equal(logits, before)
+
+
+def test_row_argmax_is_argmax_including_ties_and_nan():
+    from tokenloom.sampling.sampler import row_argmax
+    x = torch.randn(5, 1000, generator=torch.Generator().manual_seed(0))
+    x[1, 10] = x[1, 20] = x[1, 30] = 50.0          # ties: the first index wins
+    x[2] = 0.0                                        # a whole row tied
+    x[3, 400] = float("inf")
+    x[4, 7] = float("nan")                            # NaN is the maximum, as for argmax
+    assert torch.equal(row_argmax(x), x.argmax(dim=-1))
+    assert row_argmax(x).tolist()[1:3] == [10, 0]

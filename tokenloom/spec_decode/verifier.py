@@ -16,7 +16,7 @@ from tokenloom.outputs import TokenLogprobs
 from tokenloom.request import Request
 from tokenloom.sampling.metadata import SamplingMetadata
 from tokenloom.sampling.processors import apply_processors
-from tokenloom.sampling.sampler import sampling_distribution
+from tokenloom.sampling.sampler import row_argmax, sampling_distribution
 from tokenloom.spec_decode.rejection import accept_greedy, accept_sampled
 
 
@@ -57,7 +57,7 @@ def verify(logits: torch.Tensor, drafts: list[Draft]) -> list[tuple[list[int], l
     meta = _expanded_metadata(drafts)
     raw = logits.log_softmax(-1) if meta.max_logprobs is not None else None
     processed = apply_processors(logits.clone(), meta)
-    argmax = processed.argmax(-1).tolist()
+    argmax = row_argmax(processed).tolist()
     sampled_rows = [i for i, p in enumerate(meta.params) if not p.greedy]
     probs = torch.zeros(0)
     if sampled_rows:
