@@ -47,10 +47,10 @@ def read_bandwidth() -> float:
 def weight_bytes_per_token(model: torch.nn.Module, vocab: int, hidden: int) -> int:
     """Every weight is read once per decoded token, except the embedding table (one row).
 
-    Counts parameters and prepacked projection weights (PackedLinear buffers, which hold
-    the output projection even when it is tied to the embedding)."""
+    Counts parameters and prepacked projection weights (PackedLinear / PanelLinear buffers,
+    which hold the output projection even when it is tied to the embedding)."""
     tensors = {id(p): p for p in model.parameters()}
-    packed = [b for name, b in model.named_buffers() if name.endswith("packed_weight")]
+    packed = [b for name, b in model.named_buffers() if name.endswith(("packed_weight", "panels"))]
     total = sum(t.numel() * t.element_size() for t in list(tensors.values()) + packed)
     embed = vocab * hidden * 4
     head = vocab * hidden * 4     # the output projection is read in full (tied or not)

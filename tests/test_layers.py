@@ -6,7 +6,10 @@ import pytest
 import torch
 from torch import nn
 
-from tokenloom.models.layers import PackedLinear
+from tokenloom.models.prepacked import PackedLinear, PanelLinear
+
+needs_panel_kernel = pytest.mark.skipif(not PanelLinear.supports(nn.Linear(16, 16)),
+                                        reason="no AVX-512 CPU or the kernel could not be built")
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 8, 64, 300])
@@ -19,13 +22,38 @@ def test_packed_linear_matches_linear(rows, bias):
         torch.testing.assert_close(PackedLinear(ref)(x), ref(x), rtol=1e-5, atol=1e-5)
 
 
+@needs_panel_kernel
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 16, 23, 64, 300])
+@pytest.mark.parametrize("in_features,out_features,bias", [(48, 200, False), (37, 16, True), (576, 1000, True)])
+def test_panel_linear_matches_linear(rows, in_features, out_features, bias):
+    """Every row-block size (1-8 rows and remainders), widths that are not whole panels, bias."""
+    torch.manual_seed(rows)
+    ref = nn.Linear(in_features, out_features, bias=bias)
+    x = torch.randn(rows, in_features)
+    with torch.inference_mode():
+        torch.testing.assert_close(PanelLinear(ref)(x), ref(x), rtol=1e-5, atol=1e-5)
+
+
+@needs_panel_kernel
+def test_panel_linear_keeps_leading_dims_and_is_batch_invariant_bit_for_bit():
+    torch.manual_seed(0)
+    layer = PanelLinear(nn.Linear(96, 130))
+    x = torch.randn(2, 17, 96)
+    with torch.inference_mode():
+        batched = layer(x)
+        assert batched.shape == (2, 17, 130)
+        for b, t in [(0, 0), (0, 8), (1, 16), (1, 3)]:
+            assert torch.equal(layer(x[b, t:t + 1]), batched[b, t:t + 1])   # alone == among 33 others
+
+
 def test_every_float32_projection_is_packed_and_tied_embedding_survives(tiny_model_dir):
     from tokenloom.loader import load_model
     loaded = load_model(tiny_model_dir("llama_gqa"))
     model = loaded.model
     assert not [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
     layer = model.model.layers[0]
-    assert isinstance(layer.mlp.down_proj, PackedLinear) and isinstance(model.lm_head, PackedLinear)
+    kind = PanelLinear if PanelLinear.supports(nn.Linear(16, 16)) else PackedLinear
+    assert isinstance(layer.mlp.down_proj, kind) and isinstance(model.lm_head, kind)
     assert model.model.embed_tokens.weight.layout == torch.strided   # the embedding stays dense
 
 

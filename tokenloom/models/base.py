@@ -43,17 +43,12 @@ class CausalLM(nn.Module):
     def prepare_for_inference(self) -> None:
         """Called once after the weights are loaded: CPU-only layout changes.
 
-        Every float32 nn.Linear (the output projection included) becomes a
-        PackedLinear, its weight prepacked for oneDNN (see it for the measurements).
+        Every float32 nn.Linear (the output projection included) gets its weight prepacked
+        for this CPU's fastest kernel (models/prepacked.py, with the measurements).
         Forward signatures do not change.
         """
-        from tokenloom.models.layers import PackedLinear
-        swaps = [(name, mod) for name, mod in self.named_modules()
-                 if isinstance(mod, nn.Linear) and PackedLinear.supports(mod)]
-        for name, mod in swaps:
-            parent_name, _, child = name.rpartition(".")
-            parent = self.get_submodule(parent_name) if parent_name else self
-            setattr(parent, child, PackedLinear(mod))
+        from tokenloom.models.prepacked import prepack_linears
+        prepack_linears(self)
 
     def shard_rows(self, param_name: str, shard_id: str) -> slice:
         """Rows of a fused parameter that hold one packed checkpoint tensor."""

@@ -113,36 +113,3 @@ class GatedMLP(nn.Module):
             return self.down_proj(fused.silu_mul(gate_up))
         gate, up = gate_up.split(self.intermediate, dim=-1)               # each (T, intermediate)
         return self.down_proj(self.act(gate) * up)
-
-
-class PackedLinear(nn.Module):
-    """nn.Linear with its weight prepacked once in oneDNN's blocked layout; same forward contract.
-
-    ``x (..., in) -> (..., out)`` through ``mkldnn._linear_pointwise``, which reads the
-    prepacked weight directly: no per-call weight packing (what MKL's sgemm does for
-    every call) and no dense<->mkldnn conversion of activations. Measured on the 2-core
-    AVX2 CPU over SmolLM2-135M's 30 layers of projections (424 MB, read from DRAM):
-    1 row 24-29 ms (F.linear 45-52, x @ W_t 35), 16 rows 28-45 ms (F.linear 73),
-    64 rows 88-97 ms (F.linear 116), 512 rows 590-615 ms (F.linear 771).
-    The dense weight is dropped after packing (a tied weight stays with its embedding).
-    """
-
-    def __init__(self, linear: nn.Linear, batch_hint: int = 64) -> None:
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        weight = linear.weight.detach()
-        self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint),
-                             persistent=False)
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
-
-    @staticmethod
-    def supports(linear: nn.Linear) -> bool:
-        """True where oneDNN can take this layer: float32 weights on CPU, oneDNN built in."""
-        return (torch.backends.mkldnn.is_available() and linear.weight.device.type == "cpu"
-                and linear.weight.dtype == torch.float32 and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
