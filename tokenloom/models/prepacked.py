@@ -45,6 +45,8 @@ class PanelLinear(_PrepackedLinear):
     """
 
     def __init__(self, linear: nn.Linear) -> None:
+        if not self.supports(linear):
+            raise ValueError("PanelLinear needs a float32 CPU weight and an AVX-512 CPU with the kernel built")
         super().__init__(linear)
         weight = linear.weight.detach()
         self.register_buffer("panels", torch.ops.tokenloom_panel.pack(weight), persistent=False)
