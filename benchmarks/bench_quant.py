@@ -2,7 +2,9 @@
 """Precision and quantization: speed, memory and perplexity, beside llama.cpp on the same GGUF.
 
 For float32, bfloat16, int8 and int4 (the HF folder of SmolLM2), tokenloom's `gguf` mode
-(the GGUF file's own Q4_1/Q8_0 blocks) and llama.cpp (llama-cpp-python) on that same GGUF:
+(the GGUF file's own Q4_1/Q8_0 blocks) and llama.cpp (llama-cpp-python) on that same GGUF
+(on CPUs with AMX a second llama.cpp row, "llama.cpp AMX", with its weights repacked for
+AMX: it only runs one-token batches there, so its prompt is fed token by token):
   - batch-1 prefill tokens/s (128-token prompt) and decode tokens/s (64 new tokens),
     medians of --runs after a warm-up;
   - peak resident memory of the process (each configuration runs in its own process);
@@ -54,6 +56,17 @@ def eval_ids() -> list[int]:
     return Tokenizer.from_folder(hub.pull()).encode(default_eval_text())
 
 
+def panel_layers(weights: list[torch.Tensor]) -> list[torch.nn.Module]:
+    """PanelLinear over each weight where this CPU runs the AVX-512 kernel; [] elsewhere."""
+    from tokenloom.models.prepacked import PanelLinear
+    linears = []
+    for w in weights:
+        linear = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
+        linear.weight.data = w
+        linears.append(linear)
+    return [PanelLinear(x) for x in linears] if PanelLinear.supports(linears[0]) else []
+
+
 def kernel_times(repeats: int = 20) -> dict[str, float]:
     """Milliseconds for one decode step's projections of SmolLM2 (30 layers + output head, one row)
     through each weight-only matmul available here, all weights distinct so they stream from DRAM."""
@@ -64,6 +77,7 @@ def kernel_times(repeats: int = 20) -> dict[str, float]:
     x = torch.randn(1, 576)
     xs = {576: x, 1536: torch.randn(1, 1536)}
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in weights]
+    panels = panel_layers(weights)
     q8 = [quantize_int8(w) for w in weights]
     q4 = [quantize_int4(w, 32) for w in weights]
     t8 = [(torch.round(w / (s := w.abs().amax(1, keepdim=True) / 127)).to(torch.int8), s[:, 0]) for w in weights]
@@ -76,9 +90,11 @@ def kernel_times(repeats: int = 20) -> dict[str, float]:
                    zeros_scales))
     kernels.available()
     runs = {
-        "float32 (oneDNN prepacked, tokenloom's float path)":
+        "float32 oneDNN prepacked (tokenloom's float path without AVX-512)":
             lambda: [torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
                      for w, p in zip(weights, packed)],
+        **({"float32 tokenloom panel kernel (its float path with AVX-512)":
+            lambda: [layer(xs[w.shape[1]]) for w, layer in zip(weights, panels)]} if panels else {}),
         "int8 torch._weight_int8pack_mm": lambda: [torch.ops.aten._weight_int8pack_mm(xs[w.shape[1]], q, s)
                                                   for w, (q, s) in zip(weights, t8)],
         "int4 torch._weight_int4pack_mm_for_cpu (g32)": lambda: [
@@ -116,23 +132,33 @@ def worker_tokenloom(name: str, runs: int, part: str) -> dict:
     return {"perplexity": ppl.perplexity, "tokens_scored": ppl.tokens_scored}
 
 
-def worker_llama_cpp(runs: int, part: str) -> dict:
+def worker_llama_cpp(name: str, runs: int, part: str) -> dict:
     from tokenloom import hub
-    path = str(hub.default_gguf_path())
-    return llama_cpp_perplexity(path) if part == "ppl" else llama_cpp_speed(path, runs)
+    path, amx = str(hub.default_gguf_path()), name == "llama.cpp AMX"
+    return llama_cpp_perplexity(path, amx) if part == "ppl" else llama_cpp_speed(path, runs, amx)
 
 
-def open_llama_cpp(path: str, **kwargs):
-    """llama_cpp.Llama on `path` without "extra buffer types" (weight repacking).
+def cpu_has_amx() -> bool:
+    try:
+        return "amx_int8" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+def open_llama_cpp(path: str, amx: bool = False, **kwargs):
+    """llama_cpp.Llama on `path`; without "extra buffer types" (weight repacking) unless `amx`.
 
     On CPUs with AMX (Intel Sapphire Rapids and later) llama.cpp repacks weights into an
     AMX buffer and then segfaults on the first multi-token batch (measured here with
     llama-cpp-python 0.3.36; ggml-org/llama.cpp#20824). Without extra buffers it runs its
-    AVX-512/AVX2 kernels. The high-level Llama class has no switch for this, so the
-    default model params it reads are patched for the duration of the load.
+    AVX-512/AVX2 kernels. With `amx` the repacked model is opened for one-token batches
+    only. The high-level Llama class has no switch for this, so the default model params
+    it reads are patched for the duration of the load.
     """
     import llama_cpp.llama_cpp as low
     from llama_cpp import Llama
+    if amx:
+        return Llama(model_path=path, verbose=False, **kwargs | {"n_batch": 1, "n_ubatch": 1, "logits_all": True})
     defaults = low.llama_model_default_params
 
     def without_extra_buffers():
@@ -146,14 +172,14 @@ def open_llama_cpp(path: str, **kwargs):
         low.llama_model_default_params = defaults
 
 
-def llama_cpp_speed(path: str, runs: int) -> dict:
+def llama_cpp_speed(path: str, runs: int, amx: bool) -> dict:
     """The same timing as tokenloom.bench.measure, through llama-cpp-python's eval loop (greedy)."""
     import statistics
 
     import gguf
 
     from tokenloom.bench import peak_rss_bytes
-    llm = open_llama_cpp(path, n_ctx=1024, n_threads=2, n_threads_batch=2, n_batch=512)
+    llm = open_llama_cpp(path, amx, n_ctx=1024, n_threads=2, n_threads_batch=2, n_batch=512)
     vocab, gen = llm.n_vocab(), torch.Generator().manual_seed(0)
     prefill, decode, ttft = [], [], []
     for i in range(runs + 1):
@@ -177,8 +203,8 @@ def llama_cpp_speed(path: str, runs: int) -> dict:
             "weight_bytes": file_bytes, "bytes_per_token": file_bytes, "peak_rss_bytes": peak_rss_bytes()}
 
 
-def llama_cpp_perplexity(path: str) -> dict:
-    scorer = open_llama_cpp(path, n_ctx=WINDOW, n_threads=2, n_batch=WINDOW, logits_all=True)
+def llama_cpp_perplexity(path: str, amx: bool) -> dict:
+    scorer = open_llama_cpp(path, amx, n_ctx=WINDOW, n_threads=2, n_batch=WINDOW, logits_all=True)
     ids, nll = eval_ids(), []
     for start in range(0, len(ids) - 1, WINDOW):
         piece = ids[start:start + WINDOW]
@@ -210,8 +236,8 @@ def table(results: dict[str, dict], bandwidth: float) -> str:
              "| prefill tok/s | weights MB | peak RSS MB | perplexity | vs float32 ppl |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, r in results.items():
-        engine = "llama.cpp" if name == "llama.cpp" else "tokenloom"
-        weights = "gguf (Q4_1 + Q8_0 blocks)" if name == "llama.cpp" else name
+        engine = name if name.startswith("llama.cpp") else "tokenloom"
+        weights = "gguf (Q4_1 + Q8_0 blocks)" if name.startswith("llama.cpp") else name
         limit = bandwidth / r["bytes_per_token"]
         lines.append(f"| {engine} | {weights} | {r['decode_tok_s']:.1f} | {r['decode_tok_s'] / base['decode_tok_s']:.2f}x "
                      f"| {limit:.0f} | {100 * r['decode_tok_s'] / limit:.0f}% | {r['prefill_tok_s']:.0f} "
@@ -235,8 +261,16 @@ def plot(results: dict[str, dict], bandwidth: float, path: Path) -> None:
                label="memory-bandwidth limit", zorder=3)
     ax.set_xticks(list(xs), [n.replace(" (", "\n(") for n in names], fontsize=8)
     ax.set_ylabel("tokens/s")
-    ax.set_title("SmolLM2-135M batch-1 decode by weight format (2-core Zen 3)")
+    ax.set_title(f"SmolLM2-135M batch-1 decode by weight format ({cpu_name()})")
     finish_plot(fig, ax, path)
+
+
+def cpu_name() -> str:
+    try:
+        line = next(x for x in Path("/proc/cpuinfo").read_text().splitlines() if x.startswith("model name"))
+        return f"{torch.get_num_threads()}-core {line.split(':', 1)[1].strip()}"
+    except (OSError, StopIteration):
+        return "this CPU"
 
 
 def main() -> None:
@@ -252,7 +286,7 @@ def main() -> None:
     args = p.parse_args()
     if args.worker:
         torch.set_num_threads(2)
-        out = worker_llama_cpp(args.runs, args.part) if args.worker == "llama.cpp" else \
+        out = worker_llama_cpp(args.worker, args.runs, args.part) if args.worker.startswith("llama.cpp") else \
             worker_tokenloom(args.worker, args.runs, args.part)
         print(json.dumps(out))
         return
@@ -265,7 +299,8 @@ def main() -> None:
     if args.kernels_only:
         return
     bandwidth = read_bandwidth()
-    names = list(CONFIGS) + ([] if args.no_llama_cpp else ["llama.cpp"])
+    llama_cpp = ["llama.cpp"] + (["llama.cpp AMX"] if cpu_has_amx() else [])
+    names = list(CONFIGS) + ([] if args.no_llama_cpp else llama_cpp)
     rounds: dict[str, list[dict]] = {n: [] for n in names}
     for _ in tqdm(range(args.rounds), desc="speed rounds", unit="round"):
         for name in names:

@@ -28,9 +28,11 @@ constexpr int64_t ROWS_IN_CACHE = 512;  // rows of x swept per pass over a threa
 at::Tensor pack(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat, "panel pack: float32 (N, K) weight");
   const int64_t N = w.size(0), K = w.size(1), P = (N + NP - 1) / NP;
-  auto padded = at::zeros({P * NP, K}, w.options());
-  padded.narrow(0, 0, N).copy_(w);
-  return padded.view({P, NP, K}).transpose(1, 2).contiguous();
+  auto panels = at::zeros({P, K, NP}, w.options());  // one copy of the weight, no padded temporary
+  const int64_t full = N / NP;
+  if (full > 0) panels.narrow(0, 0, full).copy_(w.narrow(0, 0, full * NP).view({full, NP, K}).transpose(1, 2));
+  if (N > full * NP) panels.select(0, full).narrow(1, 0, N - full * NP).copy_(w.narrow(0, full * NP, N - full * NP).t());
+  return panels;
 }
 
 // y rows [0, MR) x columns [0, NZ*16) (clipped to ncols) of one row block against NZ panels.
