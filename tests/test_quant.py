@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from tokenloom import native
 from tokenloom.quant import QuantizedLinear, WeightFormat, kernels, quantize_int4, quantize_int8
 from tokenloom.quant.formats import pack_int4, unpack_int4
 
@@ -69,6 +70,25 @@ def test_kernel_rows_do_not_depend_on_their_batch(bits):
         (lambda x: kernels.linear_int4(x, q.data, q.scales, q.offsets, q.group_size, None))
     whole = run(x)
     assert all(torch.equal(whole[i:i + 1], run(x[i:i + 1].contiguous())) for i in range(7))
+
+
+@needs_kernels
+@pytest.mark.skipif(not native.cpu_has_avx512_vnni(), reason="no AVX-512 VNNI on this CPU")
+@pytest.mark.parametrize("bits", [8, 4])
+def test_vnni_build_gives_the_avx2_builds_bits(bits):
+    """Both builds sum each block exactly in int32; extreme codes (+-127, 15) included."""
+    assert native.load(kernels._SOURCE, "int8/int4 CPU kernels") and kernels._ops() is torch.ops.tokenloom_quant_vnni
+    torch.manual_seed(2)
+    w, x = torch.randn(96, 320) * 0.05, torch.randn(9, 320) * 4
+    w[:, :32] = torch.where(torch.rand(96, 32) < 0.5, -1.0, 1.0)   # whole blocks at the code extremes
+    x[:, :32] = torch.where(torch.rand(9, 32) < 0.5, -8.0, 8.0)
+    q = quantize_int8(w) if bits == 8 else quantize_int4(w)
+    for ops in (torch.ops.tokenloom_quant, torch.ops.tokenloom_quant_vnni):
+        got = ops.linear_int8(x, q.data, q.scales, q.group_size, None) if bits == 8 else \
+            ops.linear_int4(x, q.data, q.scales, q.offsets, q.group_size, None)
+        if ops is torch.ops.tokenloom_quant:
+            avx2 = got
+    assert torch.equal(got, avx2)
 
 
 # Relative error of a quantized layer vs the float layer on random inputs, as documented

@@ -20,7 +20,9 @@ log = logging.getLogger(__name__)
 
 
 _ISA_FLAGS = {"avx2": ["-mavx2", "-mfma"],
-              "avx512": ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl"]}
+              "avx512": ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl"],
+              "avx512vnni": ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl",
+                             "-mavx512vnni"]}
 
 
 def cpu_has_avx2() -> bool:
@@ -32,21 +34,28 @@ def cpu_has_avx512() -> bool:
     return torch.backends.cpu.get_cpu_capability() == "AVX512"
 
 
+def cpu_has_avx512_vnni() -> bool:
+    is_vnni = getattr(torch.cpu, "_is_vnni_supported", None)
+    return cpu_has_avx512() and bool(is_vnni and is_vnni())
+
+
+_HAS_ISA = {"avx2": cpu_has_avx2, "avx512": cpu_has_avx512, "avx512vnni": cpu_has_avx512_vnni}
+
+
 @lru_cache(maxsize=None)
 def load(source: Path, what: str, isa: str = "avx2") -> bool:
-    """Compile and register `source` for `isa` ("avx2" or "avx512") once per process.
+    """Compile and register `source` for `isa` ("avx2", "avx512", "avx512vnni") once per process.
 
     False, with one warning where a build fails, if it cannot: kernels disabled, the CPU
     lacks the instruction set, or no toolchain.
     """
-    has_isa = cpu_has_avx512() if isa == "avx512" else cpu_has_avx2()
-    if os.environ.get("TOKENLOOM_NO_KERNELS") == "1" or not has_isa:
+    if os.environ.get("TOKENLOOM_NO_KERNELS") == "1" or not _HAS_ISA[isa]():
         return False
     from torch.utils.cpp_extension import load as build
     digest = hashlib.sha1(source.read_bytes()).hexdigest()[:10]
     try:
         log.info("compiling tokenloom's %s (once, ~15 s)", what)
-        build(name=f"tokenloom_{source.stem}_{digest}", sources=[str(source)], is_python_module=False,
+        build(name=f"tokenloom_{source.stem}_{isa}_{digest}", sources=[str(source)], is_python_module=False,
               extra_cflags=["-O3", *_ISA_FLAGS[isa], "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # no compiler, no ninja, a toolchain error: fall back, say why once
         log.warning("tokenloom's %s could not be built (%s); using the slower torch fallback", what, e)

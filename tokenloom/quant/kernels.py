@@ -5,6 +5,7 @@ falls back to dequantize + matmul: correct, slower.
 
 from __future__ import annotations
 
+from functools import lru_cache
 from pathlib import Path
 
 import torch
@@ -15,18 +16,28 @@ _SOURCE = Path(__file__).parent / "csrc" / "quant_cpu.cpp"
 _cpu_has_avx2 = native.cpu_has_avx2
 
 
+@lru_cache(maxsize=None)
+def _ops():
+    """The fastest build this CPU runs: AVX-512 VNNI (dpbusd), else AVX2; None if neither builds."""
+    if native.load(_SOURCE, "int8/int4 CPU kernels (AVX-512 VNNI)", "avx512vnni"):
+        return torch.ops.tokenloom_quant_vnni
+    if native.load(_SOURCE, "int8/int4 CPU kernels"):
+        return torch.ops.tokenloom_quant
+    return None
+
+
 def available() -> bool:
     """True once the kernels are compiled and registered (compiles on the first call)."""
-    return native.load(_SOURCE, "int8/int4 CPU kernels")
+    return _ops() is not None
 
 
 def linear_int8(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, group: int,
                 bias: torch.Tensor | None) -> torch.Tensor:
     """x (M, K) float32 contiguous -> (M, N); w = q * scales (see formats.py)."""
-    return torch.ops.tokenloom_quant.linear_int8(x, q, scales, group, bias)
+    return _ops().linear_int8(x, q, scales, group, bias)
 
 
 def linear_int4(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, group: int,
                 bias: torch.Tensor | None) -> torch.Tensor:
     """x (M, K) float32 contiguous -> (M, N); w = q * scales + offsets (see formats.py)."""
-    return torch.ops.tokenloom_quant.linear_int4(x, q, scales, offsets, group, bias)
+    return _ops().linear_int4(x, q, scales, offsets, group, bias)

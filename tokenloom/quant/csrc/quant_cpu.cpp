@@ -55,6 +55,19 @@ inline float hsum(__m256 v) {
 }
 
 // Sum over 32 lanes of w * x for signed int8 w (in -127..127) and x: 8 int32 partial sums.
+// Built twice: for AVX2 (maddubs + madd) and, as library tokenloom_quant_vnni, for AVX-512
+// VNNI (one dpbusd). Both sums are exact in int32 (|w| <= 127 keeps maddubs' int16 pairs
+// from saturating), so the two builds give the same bits.
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define TOKENLOOM_QUANT_LIBRARY tokenloom_quant_vnni
+inline __m256i dot_s8s8(__m256i w, __m256i x) {
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+}
+
+// Same for unsigned w in 0..15.
+inline __m256i dot_u8s8(__m256i w, __m256i x) { return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x); }
+#else
+#define TOKENLOOM_QUANT_LIBRARY tokenloom_quant
 inline __m256i dot_s8s8(__m256i w, __m256i x) {
   const __m256i p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
   return _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
@@ -64,6 +77,7 @@ inline __m256i dot_s8s8(__m256i w, __m256i x) {
 inline __m256i dot_u8s8(__m256i w, __m256i x) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
 }
+#endif
 
 inline __m256i unpack_nibbles(const uint8_t* p) {   // 16 bytes -> 32 values 0..15, in order
   const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
@@ -204,12 +218,12 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& q, const at::Tenso
 
 }  // namespace
 
-TORCH_LIBRARY(tokenloom_quant, m) {
+TORCH_LIBRARY(TOKENLOOM_QUANT_LIBRARY, m) {
   m.def("linear_int8(Tensor x, Tensor q, Tensor scale, int group, Tensor? bias) -> Tensor");
   m.def("linear_int4(Tensor x, Tensor q, Tensor scale, Tensor offset, int group, Tensor? bias) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(tokenloom_quant, CPU, m) {
+TORCH_LIBRARY_IMPL(TOKENLOOM_QUANT_LIBRARY, CPU, m) {
   m.impl("linear_int8", &linear_int8);
   m.impl("linear_int4", &linear_int4);
 }
