@@ -99,7 +99,11 @@ struct Activations {       // raw views of QuantizedActivations
   int64_t K, nb;
 };
 
-constexpr int64_t PREFETCH_BYTES = 384;   // software prefetch distance ahead of each weight row
+#ifdef __AVX512VNNI__
+constexpr int64_t PREFETCH_BYTES = 4096;  // Xeon (AVX-512): 121 decode projections int8 7.7 -> 6.1 ms, int4 7.3 -> 5.1 vs 384
+#else
+constexpr int64_t PREFETCH_BYTES = 384;   // tuned on Zen 3 (AVX2)
+#endif
 
 template <bool INT4>
 inline __m256i load_weight_block(const uint8_t* row, int64_t b) {
