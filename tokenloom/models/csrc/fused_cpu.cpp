@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+#include <immintrin.h>
 #include <cmath>
 #include <tuple>
 
@@ -93,7 +94,10 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
   return y;
 }
 
-// silu(gate) * up for gate_up (T, 2I) = [gate | up] -> (T, I); silu(g) = g / (1 + exp(-g)).
+extern "C" __m256 Sleef_expf8_u10avx2(__m256);  // in libtorch_cpu: the exp ATen's own silu uses
+
+// silu(gate) * up for gate_up (T, 2I) = [gate | up] -> (T, I); silu(g) = g / (1 + exp(-g)),
+// eight lanes at a time through SLEEF's exp as in ATen's vectorized silu.
 at::Tensor silu_mul(const at::Tensor& gate_up) {
   check_rows(gate_up, "gate_up");
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.stride(1) == 1 && gate_up.size(1) % 2 == 0, "silu_mul wants (T, 2I)");
@@ -105,7 +109,14 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
     for (int64_t r = r0; r < r1; ++r) {
       const float *g = gp + r * ld, *u = g + I;
       float* yr = yp + r * I;
-      for (int64_t i = 0; i < I; ++i) yr[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+      int64_t i = 0;
+      const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
+      for (; i + 8 <= I; i += 8) {
+        const __m256 gv = _mm256_loadu_ps(g + i);
+        const __m256 silu = _mm256_div_ps(gv, _mm256_add_ps(one, Sleef_expf8_u10avx2(_mm256_sub_ps(zero, gv))));
+        _mm256_storeu_ps(yr + i, _mm256_mul_ps(silu, _mm256_loadu_ps(u + i)));
+      }
+      for (; i < I; ++i) yr[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
     }
   });
   return y;
