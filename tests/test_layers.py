@@ -91,3 +91,18 @@ def test_fused_glue_equals_the_torch_ops_it_replaces():
     gate_up = torch.randn(5, 2 * 3075, generator=gen) * 6                # vector lanes and a scalar tail
     want = torch.nn.functional.silu(gate_up[:, :3075]) * gate_up[:, 3075:]
     torch.testing.assert_close(fused.silu_mul(gate_up), want, atol=0, rtol=2.4e-7)   # within 2 ulp of torch
+
+
+def test_loading_builds_the_cpu_kernels_before_the_first_forward(tiny_model_dir, monkeypatch):
+    """Their one-time "compiling" messages must come while loading, not inside streamed text."""
+    from tokenloom import native
+    from tokenloom.loader import load_model
+    requested = []
+    real_load = native.load
+    monkeypatch.setattr(native, "load", lambda source, what, isa="avx2": requested.append(source.name)
+                        or real_load(source, what, isa))
+    load_model(tiny_model_dir("llama_gqa"))
+    assert {"fused_cpu.cpp", "paged_decode_cpu.cpp"} <= set(requested)
+    requested.clear()
+    load_model(tiny_model_dir("llama_gqa"), quantization="int8")
+    assert "quant_cpu.cpp" in requested

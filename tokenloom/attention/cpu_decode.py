@@ -19,10 +19,15 @@ from tokenloom.attention.metadata import AttentionMetadata
 _SOURCE = Path(__file__).parent / "csrc" / "paged_decode_cpu.cpp"
 
 
+def build() -> bool:
+    """Compile and register the kernel (once per process); False where it cannot be."""
+    return native.load(_SOURCE, "paged decode attention kernel")
+
+
 def usable(q: torch.Tensor, k_cache) -> bool:
     """The kernel handles this step: float32 on the CPU, a plain (not int8) cache, and it compiled."""
     return (q.device.type == "cpu" and q.dtype == torch.float32 and isinstance(k_cache, torch.Tensor)
-            and k_cache.dtype == torch.float32 and native.load(_SOURCE, "paged decode attention kernel"))
+            and k_cache.dtype == torch.float32 and build())
 
 
 def decode_rows(meta: AttentionMetadata) -> list[int]:

@@ -49,6 +49,20 @@ class CausalLM(nn.Module):
         """
         from tokenloom.models.prepacked import prepack_linears
         prepack_linears(self)
+        self._build_cpu_kernels()
+
+    def _build_cpu_kernels(self) -> None:
+        """Compile (or load from torch's cache) the CPU kernels this model's forward will call,
+        so their one-time "compiling" messages come while loading, not inside streamed text."""
+        from tokenloom.attention import cpu_decode
+        from tokenloom.models import fused
+        from tokenloom.quant import QuantizedLinear, kernels
+        weight = next((p for p in self.parameters() if p.is_floating_point()), None)   # a norm's, at least
+        if weight is not None and weight.device.type == "cpu" and weight.dtype == torch.float32:
+            fused.enabled(weight)
+            cpu_decode.build()
+        if any(isinstance(m, QuantizedLinear) for m in self.modules()):
+            kernels.available()
 
     def shard_rows(self, param_name: str, shard_id: str) -> slice:
         """Rows of a fused parameter that hold one packed checkpoint tensor."""
