@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-from functools import lru_cache
 from pathlib import Path
 
 import torch
@@ -19,10 +18,9 @@ import torch
 log = logging.getLogger(__name__)
 
 
-_ISA_FLAGS = {"avx2": ["-mavx2", "-mfma"],
-              "avx512": ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl"],
-              "avx512vnni": ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl",
-                             "-mavx512vnni"]}
+_ISA_FLAGS = {"avx2": ["-mavx2", "-mfma"]}
+_ISA_FLAGS["avx512"] = _ISA_FLAGS["avx2"] + ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl"]
+_ISA_FLAGS["avx512vnni"] = _ISA_FLAGS["avx512"] + ["-mavx512vnni"]
 
 
 def cpu_has_avx2() -> bool:
@@ -42,13 +40,23 @@ def cpu_has_avx512_vnni() -> bool:
 _HAS_ISA = {"avx2": cpu_has_avx2, "avx512": cpu_has_avx512, "avx512vnni": cpu_has_avx512_vnni}
 
 
-@lru_cache(maxsize=None)
+_loaded: dict[tuple[Path, str], bool] = {}
+
+
 def load(source: Path, what: str, isa: str = "avx2") -> bool:
     """Compile and register `source` for `isa` ("avx2", "avx512", "avx512vnni") once per process.
 
     False, with one warning where a build fails, if it cannot: kernels disabled, the CPU
-    lacks the instruction set, or no toolchain.
+    lacks the instruction set, or no toolchain. `what` only names the kernel in messages:
+    the outcome is remembered per (source, isa), so a library is never registered twice.
     """
+    key = (source, isa)
+    if key not in _loaded:
+        _loaded[key] = _build(source, what, isa)
+    return _loaded[key]
+
+
+def _build(source: Path, what: str, isa: str) -> bool:
     if os.environ.get("TOKENLOOM_NO_KERNELS") == "1" or not _HAS_ISA[isa]():
         return False
     from torch.utils.cpp_extension import load as build

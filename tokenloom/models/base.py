@@ -59,7 +59,7 @@ class CausalLM(nn.Module):
         from tokenloom.quant import QuantizedLinear, kernels
         weight = next((p for p in self.parameters() if p.is_floating_point()), None)   # a norm's, at least
         if weight is not None and weight.device.type == "cpu" and weight.dtype == torch.float32:
-            fused.enabled(weight)
+            fused.build()
             cpu_decode.build()
         if any(isinstance(m, QuantizedLinear) for m in self.modules()):
             kernels.available()

@@ -19,8 +19,13 @@ from tokenloom import native
 _SOURCE = Path(__file__).parent / "csrc" / "fused_cpu.cpp"
 
 
+def build() -> bool:
+    """Compile and register the ops (once per process); False where they cannot be."""
+    return native.load(_SOURCE, "fused decoder ops")
+
+
 def enabled(x: torch.Tensor) -> bool:
-    return x.device.type == "cpu" and x.dtype == torch.float32 and native.load(_SOURCE, "fused decoder ops")
+    return x.device.type == "cpu" and x.dtype == torch.float32 and build()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -40,7 +40,8 @@ class PanelLinear(_PrepackedLinear):
 
     Measured on a 2-core AVX-512 Xeon over SmolLM2-135M's 120 projections (424 MB, no
     output layer): 1 row 15.5 ms (PackedLinear 20.0, F.linear 16.7), 16 rows 27 (31),
-    64 rows 60 (66); 512 rows 348 (315), so prefill is ~10% slower and decode 10-25% faster.
+    64 rows 60 (66); 512 rows 348 (315): prefill-sized calls 0-10% slower (engine prefill
+    ~5%), decode 10-25% faster.
     A row's output is the same bits whichever rows share the call.
     """
 
