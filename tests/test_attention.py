@@ -14,6 +14,15 @@ pytestmark = pytest.mark.skipif(not native.cpu_has_avx2(), reason="the kernel ne
 NUM_BLOCKS, BS, D = 64, 16, 32
 
 
+@pytest.fixture(autouse=True, params=cpu_decode.ISAS)
+def kernel_build(request, monkeypatch):
+    """Every test runs against each build of the kernel this CPU runs (AVX-512, AVX2)."""
+    monkeypatch.setattr(cpu_decode, "ISAS", (request.param,))
+    if not cpu_decode.build():
+        pytest.skip(f"the {request.param} build of the kernel does not run here")
+    return request.param
+
+
 def paged_setup(lens: list[int], heads: int, kv_heads: int, seed: int = 0, head_dim: int = D):
     """Random caches (null block zero), each sequence's blocks scattered, one query per sequence."""
     gen = torch.Generator().manual_seed(seed)

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from tokenloom import LLM, SamplingParams, native
+from tokenloom import LLM, SamplingParams
 from tokenloom.scoring import default_eval_text, perplexity, prefill_logits
 
 KV = 64 << 20
@@ -83,7 +83,7 @@ def test_quantized_generation_is_batch_invariant_bit_for_bit(default_model_dir):
     (padded SDPA, dequantize + matmul) gives no such guarantee."""
     from tokenloom.attention import cpu_decode
     from tokenloom.quant import kernels
-    if not (kernels.available() and native.load(cpu_decode._SOURCE, "paged decode attention kernel")):
+    if not (kernels.available() and cpu_decode.build()):
         pytest.skip("the compiled CPU kernels are not available here (torch fallback)")
     llm = LLM(str(default_model_dir), quantization="int8", kv_cache_memory=KV, enable_prefix_caching=False)
     prompts = ["Once upon a time", "List three colors:", "The quick brown fox jumps over", "In 1776,"]

@@ -3,7 +3,9 @@
 The torch path gathers every sequence's blocks into a padded copy, then runs SDPA on it
 (about 40% of a 16-sequence decode step at 300 tokens of context, measured). The kernel
 (``csrc/paged_decode_cpu.cpp``) walks each sequence's block table instead, one task per
-(sequence, kv head). It serves every one-query sequence of a float32 step, whatever else
+(sequence, kv head). It is built for AVX2 and, where the CPU has it, AVX-512 (16-lane dot
+products reduced 16 at a time, for head sizes 32/64/128: 16 sequences x 150 positions x 30
+layers 7.9 -> 6.0 ms on the 2-core Xeon). It serves every one-query sequence of a float32 step, whatever else
 is in the batch, so a sequence decodes with the same arithmetic alone or batched.
 """
 
@@ -17,11 +19,21 @@ from tokenloom import native
 from tokenloom.attention.metadata import AttentionMetadata
 
 _SOURCE = Path(__file__).parent / "csrc" / "paged_decode_cpu.cpp"
+_LIBRARIES = {"avx512": "tokenloom_attention512", "avx2": "tokenloom_attention"}
+ISAS = ("avx512", "avx2")  # builds to try, fastest first
+
+
+def _ops():
+    """The fastest build of the kernel this CPU runs (torch.ops namespace), or None."""
+    for isa in ISAS:
+        if native.load(_SOURCE, f"paged decode attention kernel ({isa})", isa):
+            return getattr(torch.ops, _LIBRARIES[isa])
+    return None
 
 
 def build() -> bool:
     """Compile and register the kernel (once per process); False where it cannot be."""
-    return native.load(_SOURCE, "paged decode attention kernel")
+    return _ops() is not None
 
 
 def usable(q: torch.Tensor, k_cache) -> bool:
@@ -52,5 +64,4 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: 
            seqs: list[int], scale: float) -> torch.Tensor:
     """q (S, heads, head_dim): the query of each sequence in `seqs` -> (S, heads, head_dim)."""
     tables, ctx = _inputs(meta, seqs)
-    return torch.ops.tokenloom_attention.paged_decode(q.contiguous(), k_cache, v_cache, tables, ctx, scale,
-                                                      meta.sliding_window or 0)
+    return _ops().paged_decode(q.contiguous(), k_cache, v_cache, tables, ctx, scale, meta.sliding_window or 0)

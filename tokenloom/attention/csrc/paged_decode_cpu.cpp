@@ -8,6 +8,8 @@
 // its heads for every position, a softmax (exp vectorized through SLEEF, which libtorch
 // exports), then the weighted sum of values. Each head's arithmetic is fixed, so a
 // sequence's result does not depend on what else is in the batch or how it was split.
+// The AVX-512 build computes head sizes 32/64/128 with 16-lane vectors (attend512), other
+// head sizes as the AVX2 build does.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -17,6 +19,13 @@
 #include <vector>
 
 extern "C" __m256 Sleef_expf8_u10avx2(__m256);  // in libtorch_cpu (1-ulp exp, 8 lanes)
+
+// Built twice: for AVX2, and as tokenloom_attention512 with AVX-512 paths for head sizes 32/64/128.
+#if defined(__AVX512F__)
+#define TOKENLOOM_ATTENTION_LIBRARY tokenloom_attention512
+#else
+#define TOKENLOOM_ATTENTION_LIBRARY tokenloom_attention
+#endif
 
 namespace {
 
@@ -191,12 +200,132 @@ void values_into(const float* w, const Rows& rows, int64_t n, int64_t g0, int64_
   }
 }
 
+
+#if defined(__AVX512F__)
+extern "C" __m512 Sleef_expf16_u10avx512f(__m512);  // in libtorch_cpu (1-ulp exp, 16 lanes)
+
+// r[i] = the sum of v[i]'s 16 lanes (i < 16), added in one fixed order.
+inline __m512 reduce16(const __m512* v) {
+  __m512 s[8], t[4], p[2];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+    s[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // per lane: [a, b, c, d] (that lane's part of each sum)
+    const __m512d a = _mm512_castps_pd(s[2 * i]), b = _mm512_castps_pd(s[2 * i + 1]);
+    t[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  for (int i = 0; i < 2; ++i)    // lanes 0+1 and 2+3 of t[2i], then of t[2i+1]
+    p[i] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(p[0], p[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(p[0], p[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// scores[h * n + t] = q_h . k_t * scale for heads [h0, h1) and the 16 positions from t0
+// (clipped to n): each head's 16 dot products side by side, reduced together.
+template <int C>  // head_dim = 16 * C
+void scores_tile512(const float* q, const Rows& rows, int64_t n, int64_t t0, int64_t h0, int64_t h1, const Shapes& s,
+                    float scale, float* scores) {
+  const int m = static_cast<int>(std::min<int64_t>(16, n - t0));
+  const float* kp[16];
+  for (int i = 0; i < 16; ++i) kp[i] = rows.k[t0 + std::min(i, m - 1)];  // idle lanes repeat the last
+  const __mmask16 mask = m == 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << m) - 1);
+  for (int64_t h = h0; h < h1; ++h) {
+    const int64_t off = (h / s.G) * s.D;
+    __m512 acc[16];
+    for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+    for (int c = 0; c < C; ++c) {
+      const __m512 qc = _mm512_loadu_ps(q + h * s.D + 16 * c);
+      for (int i = 0; i < 16; ++i) acc[i] = _mm512_fmadd_ps(qc, _mm512_loadu_ps(kp[i] + off + 16 * c), acc[i]);
+    }
+    _mm512_mask_storeu_ps(scores + h * n + t0, mask, _mm512_mul_ps(reduce16(acc), _mm512_set1_ps(scale)));
+  }
+}
+
+// x[i] = exp(x[i] - max(x)) in place over n scores; returns their sum.
+float softmax_numerator512(float* x, int64_t n) {
+  __m512 top = _mm512_set1_ps(-INFINITY);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 mask = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1);
+    top = _mm512_max_ps(top, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), mask, x + i));
+  }
+  const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 mask = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1);
+    const __m512 e = Sleef_expf16_u10avx512f(_mm512_sub_ps(_mm512_mask_loadu_ps(shift, mask, x + i), shift));
+    _mm512_mask_storeu_ps(x + i, mask, e);
+    acc = _mm512_add_ps(acc, _mm512_maskz_mov_ps(mask, e));
+  }
+  return _mm512_reduce_add_ps(acc);
+}
+
+// out rows [h, h + count) (D = 16 * C floats each) = sum_t w[j * n + t] * v_t (kv head g
+// at offset off), HC heads x C columns of 16 held in registers, positions in order.
+template <int C, int HC>
+void values_heads512(const float* w, const Rows& rows, int64_t n, int64_t off, int64_t h, int64_t count, float* out) {
+  constexpr int64_t D = 16 * C;
+  for (; count >= HC; count -= HC, h += HC) {
+    __m512 acc[HC][C];
+    for (int j = 0; j < HC; ++j)
+      for (int c = 0; c < C; ++c) acc[j][c] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < n; ++t) {
+      const float* v = rows.v[t] + off;
+      __m512 x[C];
+      for (int c = 0; c < C; ++c) x[c] = _mm512_loadu_ps(v + 16 * c);
+      for (int j = 0; j < HC; ++j) {
+        const __m512 wj = _mm512_set1_ps(w[(h + j) * n + t]);
+        for (int c = 0; c < C; ++c) acc[j][c] = _mm512_fmadd_ps(wj, x[c], acc[j][c]);
+      }
+    }
+    for (int j = 0; j < HC; ++j)
+      for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + (h + j) * D + 16 * c, acc[j][c]);
+  }
+  if constexpr (HC > 1) {
+    if (count > 0) values_heads512<C, HC - 1>(w, rows, n, off, h, count, out);
+  }
+}
+
+// attend() for head_dim = 16 * C: scores 16 positions at a time with the rows two tiles
+// ahead on their way from memory (the values' rows into L2 for the second pass).
+template <int C>
+void attend512(const float* q, const Rows& rows, int64_t n, int64_t g0, int64_t g1, const Shapes& s, float scale,
+               float* out, std::vector<float>& scores) {
+  constexpr int HC = 16 / C > 1 ? 16 / C : 1;  // heads whose C accumulators fit in 16 registers
+  const int64_t G = s.G, D = s.D;
+  scores.resize(static_cast<size_t>(n * s.H));
+  const int64_t first = g0 * D * sizeof(float), bytes = (g1 - g0) * D * sizeof(float);
+  auto fetch = [&](const std::vector<const float*>& r, int64_t t0, int64_t t1, int locality) {
+    for (int64_t t = t0; t < std::min<int64_t>(t1, n); ++t)
+      for (int64_t b = 0; b < bytes; b += 64) {
+        const char* p = reinterpret_cast<const char*>(r[t]) + first + b;
+        if (locality == 3) __builtin_prefetch(p, 0, 3); else __builtin_prefetch(p, 0, 2);
+      }
+  };
+  fetch(rows.k, 0, 32, 3);
+  for (int64_t t0 = 0; t0 < n; t0 += 16) {
+    fetch(rows.k, t0 + 32, t0 + 48, 3);
+    fetch(rows.v, t0, t0 + 16, 2);
+    scores_tile512<C>(q, rows, n, t0, g0 * G, g1 * G, s, scale, scores.data());
+  }
+  for (int64_t h = g0 * G; h < g1 * G; ++h) {
+    const float inv = 1.f / softmax_numerator512(scores.data() + h * n, n);
+    for (int64_t t = 0; t < n; ++t) scores[h * n + t] *= inv;
+  }
+  for (int64_t g = g0; g < g1; ++g) values_heads512<C, HC>(scores.data(), rows, n, g * D, g * G, G, out);
+}
+#endif
+
 // One sequence's query heads [g0 * G, g1 * G) (those of kv heads g0..g1-1): q (H, D) of the
 // sequence against the n positions in `rows` -> out (H, D), the same rows. `scores` is
 // scratch. Every head's arithmetic is the same whichever range it is computed in.
 void attend(const float* q, const Rows& rows, int64_t n, int64_t g0, int64_t g1, const Shapes& s, float scale,
             float* out, std::vector<float>& scores) {
   const int64_t G = s.G, D = s.D;
+#if defined(__AVX512F__)
+  if (D == 64) return attend512<4>(q, rows, n, g0, g1, s, scale, out, scores);
+  if (D == 128) return attend512<8>(q, rows, n, g0, g1, s, scale, out, scores);
+  if (D == 32) return attend512<2>(q, rows, n, g0, g1, s, scale, out, scores);
+#endif
   scores.resize(static_cast<size_t>(n * s.H));
   if (D % 8 == 0) {
     scores_simd(q, rows, n, g0 * G, g1 * G, s, scale, scores.data());
@@ -250,9 +379,9 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
 
 }  // namespace
 
-TORCH_LIBRARY(tokenloom_attention, m) {
+TORCH_LIBRARY(TOKENLOOM_ATTENTION_LIBRARY, m) {
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables, Tensor ctx_lens, float scale, "
         "int window) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(tokenloom_attention, CPU, m) { m.impl("paged_decode", &paged_decode); }
+TORCH_LIBRARY_IMPL(TOKENLOOM_ATTENTION_LIBRARY, CPU, m) { m.impl("paged_decode", &paged_decode); }
