@@ -41,3 +41,16 @@ def linear_int4(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, offsets:
                 bias: torch.Tensor | None) -> torch.Tensor:
     """x (M, K) float32 contiguous -> (M, N); w = q * scales + offsets (see formats.py)."""
     return _ops().linear_int4(x, q, scales, offsets, group, bias)
+
+
+def panels_available() -> bool:
+    """The AVX-512 VNNI build, which has the panel kernels, runs here."""
+    ops = _ops()
+    return ops is not None and hasattr(ops, "panel_linear_int4")
+
+
+def panel_linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
+    """x (M, K) float32 contiguous, w a QuantizedTensor in the panel layout (panels.py) -> (M, N)."""
+    if w.bits == 8:
+        return _ops().panel_linear_int8(x, w.data, w.scales, w.group_size, bias)
+    return _ops().panel_linear_int4(x, w.data, w.scales, w.offsets, w.group_size, bias)

@@ -6,7 +6,9 @@ CPU it runs the compiled kernels; anywhere else (GPU, other CPUs) it dequantizes
 the weight per call and runs a float matmul: same numbers, no speed-up.
 The kernel serves every batch size: measured on the 2-core AVX2 machine against
 dequantize + float GEMM, it wins from 1 to 128 rows (int8, 3072 x 576: 0.37 vs 7.7 ms
-at 8 rows, 6.0 vs 12.7 ms at 128).
+at 8 rows, 6.0 vs 12.7 ms at 128). On AVX-512 VNNI CPUs ``use_panels`` re-lays the
+weight in 16-row panels (quant/panels.py) for kernels that take 16 output columns per
+instruction; ``weight_q`` and saved checkpoints keep the row layout either way.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenloom.quant import kernels
+from tokenloom.quant import kernels, panels
 from tokenloom.quant.formats import BLOCK, QuantizedTensor, quantize
 from tokenloom.quant.scheme import WeightFormat
 
@@ -43,6 +45,7 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("offsets", offsets)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False) \
             if bias else None
+        self.panel_layout = False   # buffers hold the panel layout (use_panels) instead of the row layout
 
     @staticmethod
     def supports(in_features: int, fmt: WeightFormat) -> bool:
@@ -50,8 +53,36 @@ class QuantizedLinear(nn.Module):
         return in_features % BLOCK == 0 and in_features % group == 0
 
     @property
-    def weight_q(self) -> QuantizedTensor:
+    def stored_q(self) -> QuantizedTensor:
+        """The buffers as they are: row layout, or panel layout after ``use_panels``."""
         return QuantizedTensor(self.fmt.bits, self.qweight, self.scales, self.offsets, self.group_size)
+
+    @property
+    def weight_q(self) -> QuantizedTensor:
+        """The weight in the row layout (formats.py), whatever the buffers hold."""
+        return panels.from_panels(self.stored_q) if self.panel_layout else self.stored_q
+
+    def rows_q(self, index: torch.Tensor) -> QuantizedTensor:
+        """Rows `index` (1-D) in the row layout, without unpacking the rest."""
+        return panels.rows(self.stored_q, index) if self.panel_layout else self.stored_q.rows(index)
+
+    def use_panels(self) -> bool:
+        """Re-lay the weight for the AVX-512 VNNI panel kernels where they run; True if it did."""
+        if self.panel_layout or self.qweight.device.type != "cpu" or not kernels.panels_available() \
+                or not panels.fits(self.stored_q):
+            return self.panel_layout
+        packed = panels.to_panels(self.stored_q)
+        self.qweight, self.scales, self.offsets = packed.data, packed.scales, packed.offsets
+        self.panel_layout = True
+        return True
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.panel_layout:                        # checkpoints always hold the row layout
+            rows = self.weight_q
+            destination[prefix + "qweight"], destination[prefix + "scales"] = rows.data, rows.scales
+            if rows.offsets is not None:
+                destination[prefix + "offsets"] = rows.offsets
 
     def load_weight(self, tensor: torch.Tensor | QuantizedTensor, rows: slice | None = None) -> None:
         """Fill rows `rows` (all by default) from a float tensor or a QuantizedTensor.
@@ -59,6 +90,8 @@ class QuantizedLinear(nn.Module):
         A QuantizedTensor already in this layer's format is copied as is; anything
         else is (dequantized and) quantized into this layer's format.
         """
+        if self.panel_layout:
+            raise RuntimeError("load weights before use_panels() re-lays them")
         rows = rows if rows is not None else slice(None)
         target = self.weight_q.rows(rows)
         if not (isinstance(tensor, QuantizedTensor) and tensor.bits == self.fmt.bits
@@ -79,7 +112,9 @@ class QuantizedLinear(nn.Module):
         if x2.device.type == "cpu" and kernels.available():
             xf = x2.float().contiguous()
             bias = None if self.bias is None else self.bias.float()
-            if self.fmt.bits == 8:
+            if self.panel_layout:
+                y = kernels.panel_linear(xf, self.stored_q, bias)
+            elif self.fmt.bits == 8:
                 y = kernels.linear_int8(xf, self.qweight, self.scales, self.group_size, bias)
             else:
                 y = kernels.linear_int4(xf, self.qweight, self.scales, self.offsets, self.group_size, bias)
@@ -109,7 +144,7 @@ class QuantizedEmbedding(nn.Module):
         self._tied[0].load_weight(tensor, rows)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        rows = self._tied[0].weight_q.rows(ids.reshape(-1)).dequantize()   # (numel, hidden)
+        rows = self._tied[0].rows_q(ids.reshape(-1)).dequantize()   # (numel, hidden)
         return rows.to(self.dtype).view(*ids.shape, -1)
 
 
@@ -134,6 +169,11 @@ def quantize_structure(model: nn.Module, format_of: Callable[[str], WeightFormat
     if tied and "lm_head" in swapped:
         model.set_submodule(embedding_name, QuantizedEmbedding(model.get_submodule("lm_head"), dtype))
     return swapped
+
+
+def use_panels(model: nn.Module) -> int:
+    """Re-lay every QuantizedLinear that the panel kernels take (AVX-512 VNNI CPUs); returns how many."""
+    return sum(m.use_panels() for m in model.modules() if isinstance(m, QuantizedLinear))
 
 
 def quantized_targets(model: nn.Module) -> dict[str, QuantizedLinear | QuantizedEmbedding]:

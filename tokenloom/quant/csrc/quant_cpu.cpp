@@ -22,24 +22,32 @@ struct QuantizedActivations {
   at::Tensor q;      // (M, K) int8
   at::Tensor scale;  // (M, K/32) float
   at::Tensor sum;    // (M, K/32) float: sum of the original values of each block
+  at::Tensor isum;   // (M, K/32) int32: sum of each block's int8 codes
 };
 
 // x (M, K) float32 -> int8 per block of 32 with scale max|x|/127.
 QuantizedActivations quantize_activations(const at::Tensor& x) {
   const int64_t M = x.size(0), K = x.size(1), nb = K / QK;
   QuantizedActivations a{at::empty({M, K}, x.options().dtype(at::kChar)),
-                         at::empty({M, nb}, x.options()), at::empty({M, nb}, x.options())};
+                         at::empty({M, nb}, x.options()), at::empty({M, nb}, x.options()),
+                         at::empty({M, nb}, x.options().dtype(at::kInt))};
   const float* src = x.data_ptr<float>();
   int8_t* q = a.q.data_ptr<int8_t>();
   float* scale = a.scale.data_ptr<float>();
   float* sum = a.sum.data_ptr<float>();
+  int32_t* isum = a.isum.data_ptr<int32_t>();
   at::parallel_for(0, M * nb, 256, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const float* v = src + b * QK;
       float amax = 0.f, s = 0.f;
       for (int i = 0; i < QK; ++i) { amax = std::max(amax, std::fabs(v[i])); s += v[i]; }
       const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
-      for (int i = 0; i < QK; ++i) q[b * QK + i] = static_cast<int8_t>(std::nearbyint(v[i] * inv));
+      int32_t codes = 0;
+      for (int i = 0; i < QK; ++i) {
+        q[b * QK + i] = static_cast<int8_t>(std::nearbyint(v[i] * inv));
+        codes += q[b * QK + i];
+      }
+      isum[b] = codes;
       scale[b] = d;
       sum[b] = s;
     }
@@ -220,14 +228,156 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   return linear<true>(x, w, q.size(0), bias);
 }
 
+
+#if defined(__AVX512VNNI__)
+// ---- 16-column panels (AVX-512 VNNI build only) ---------------------------------------------
+// Weights re-laid once at load (quant/panels.py) so that one 512-bit dpbusd multiplies 16
+// output columns by 4 activations: per panel p (columns 16p..16p+15), block b (32 values of
+// k), chunk c, the dword of column n holds
+//   int4: qp (P, K/32, 4, 64) uint8, byte i = w[32b+8c+i] | w[32b+8c+4+i] << 4 (codes 0..15)
+//   int8: qp (P, K/32, 8, 64) uint8, byte i = w[32b+4c+i] + 128 (codes biased to 0..254)
+// with scales (and int4 offsets) as (P, groups, 16) float32. Same bytes as the row layout.
+// Each column's block dot product is exact in int32, then scaled in float per block and per
+// group; a row's result does not depend on the other rows in the call.
+// Measured on the 2-core Xeon over SmolLM2-135M's 121 projections at one row (noisy, +-15%):
+// 4 panels / 4 KB ahead: int4 5.2 ms, int8 5.8; 2 panels / 1 KB ahead: int4 3.6-4.4, int8 5.5-5.8
+// (row kernels: int4 ~5.9, int8 ~6.1).
+constexpr int PANELS = 2;      // panels per pass (their weight streams run side by side)
+constexpr int64_t PANEL_PREFETCH_BYTES = 1024;
+
+struct PanelWeights {
+  const uint8_t* q;
+  const float* scale;
+  const float* offset;         // int4 only
+  int64_t nb, groups, bpg;     // blocks per row, groups per row, blocks per group
+};
+
+// y[16 j + n] for NZ panels from `first` and one activation row (codes xq, block scales xs,
+// block sums xsum (float) and isum (codes)).
+template <int NZ, bool INT4>
+void panel_row(const PanelWeights& w, int64_t first, const int8_t* xq, const float* xs, const float* xsum,
+               const int32_t* isum, float* y, bool prefetch) {
+  constexpr int64_t CHUNKS = INT4 ? 4 : 8, BLOCK_BYTES = CHUNKS * 64;
+  const uint8_t* q0 = w.q + first * w.nb * BLOCK_BYTES;
+  const int64_t pstride = w.nb * BLOCK_BYTES, sstride = w.groups * 16;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  __m512 acc[NZ], off[NZ];
+  for (int j = 0; j < NZ; ++j) acc[j] = off[j] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < w.groups; ++g) {
+    __m512 gacc[NZ];
+    for (int j = 0; j < NZ; ++j) gacc[j] = _mm512_setzero_ps();
+    float gsum = 0.f;
+    for (int64_t b = g * w.bpg; b < (g + 1) * w.bpg; ++b) {
+      __m512i d0[NZ], d1[NZ];
+      for (int j = 0; j < NZ; ++j) d0[j] = d1[j] = _mm512_setzero_si512();
+      const int32_t* xb = reinterpret_cast<const int32_t*>(xq + b * QK);
+      const uint8_t* qb = q0 + b * BLOCK_BYTES;
+      if (prefetch)
+        for (int j = 0; j < NZ; ++j)
+          for (int64_t c = 0; c < CHUNKS; ++c)
+            _mm_prefetch(reinterpret_cast<const char*>(qb + j * pstride + c * 64 + PANEL_PREFETCH_BYTES), _MM_HINT_T0);
+      if constexpr (INT4) {
+        for (int c = 0; c < 4; ++c) {
+          const __m512i x0 = _mm512_set1_epi32(xb[2 * c]), x1 = _mm512_set1_epi32(xb[2 * c + 1]);
+          for (int j = 0; j < NZ; ++j) {
+            const __m512i v = _mm512_loadu_si512(qb + j * pstride + c * 64);
+            d0[j] = _mm512_dpbusd_epi32(d0[j], _mm512_and_si512(v, low), x0);
+            d1[j] = _mm512_dpbusd_epi32(d1[j], _mm512_and_si512(_mm512_srli_epi16(v, 4), low), x1);
+          }
+        }
+      } else {
+        for (int c = 0; c < 8; c += 2) {
+          const __m512i x0 = _mm512_set1_epi32(xb[c]), x1 = _mm512_set1_epi32(xb[c + 1]);
+          for (int j = 0; j < NZ; ++j) {
+            d0[j] = _mm512_dpbusd_epi32(d0[j], _mm512_loadu_si512(qb + j * pstride + c * 64), x0);
+            d1[j] = _mm512_dpbusd_epi32(d1[j], _mm512_loadu_si512(qb + j * pstride + (c + 1) * 64), x1);
+          }
+        }
+      }
+      const __m512 s = _mm512_set1_ps(xs[b]);
+      const __m512i bias = _mm512_set1_epi32(INT4 ? 0 : 128 * isum[b]);   // int8: undo the +128
+      for (int j = 0; j < NZ; ++j)
+        gacc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_add_epi32(d0[j], d1[j]), bias)), s, gacc[j]);
+      gsum += xsum[b];
+    }
+    const __m512 gs = _mm512_set1_ps(gsum);
+    for (int j = 0; j < NZ; ++j) {
+      acc[j] = _mm512_fmadd_ps(gacc[j], _mm512_loadu_ps(w.scale + (first + j) * sstride + g * 16), acc[j]);
+      if constexpr (INT4) off[j] = _mm512_fmadd_ps(_mm512_loadu_ps(w.offset + (first + j) * sstride + g * 16), gs, off[j]);
+    }
+  }
+  for (int j = 0; j < NZ; ++j) _mm512_storeu_ps(y + 16 * j, INT4 ? _mm512_add_ps(acc[j], off[j]) : acc[j]);
+}
+
+template <bool INT4>
+using PanelRowFn = void (*)(const PanelWeights&, int64_t, const int8_t*, const float*, const float*, const int32_t*,
+                            float*, bool);
+template <bool INT4>
+constexpr PanelRowFn<INT4> kPanelRow[PANELS + 1] = {nullptr, panel_row<1, INT4>, panel_row<2, INT4>};
+
+template <bool INT4>
+at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& qp, const at::Tensor& scale,
+                        const c10::optional<at::Tensor>& offset, int64_t group, const c10::optional<at::Tensor>& bias) {
+  constexpr int64_t CHUNKS = INT4 ? 4 : 8;
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) % QK == 0,
+              "x must be a contiguous float32 (M, K) matrix, K a multiple of 32");
+  const int64_t M = x.size(0), K = x.size(1), nb = K / QK;
+  TORCH_CHECK(qp.scalar_type() == at::kByte && qp.is_contiguous() && qp.dim() == 4 && qp.size(1) == nb &&
+              qp.size(2) == CHUNKS && qp.size(3) == 64, "panel weight must be (N/16, K/32, ", CHUNKS, ", 64) uint8");
+  TORCH_CHECK(group % QK == 0 && K % group == 0, "group size must be a multiple of 32 dividing K");
+  const int64_t P = qp.size(0), groups = K / group;
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.sizes() == at::IntArrayRef({P, groups, 16}),
+              "panel scales must be (N/16, K/group, 16) float32");
+  TORCH_CHECK(!INT4 || (offset && offset->sizes() == scale.sizes() && offset->is_contiguous() &&
+                        offset->scalar_type() == at::kFloat), "int4 panel offsets must be shaped like the scales");
+  const QuantizedActivations qa = quantize_activations(x);
+  const PanelWeights w{qp.data_ptr<uint8_t>(), scale.data_ptr<float>(), INT4 ? offset->data_ptr<float>() : nullptr,
+                       nb, groups, group / QK};
+  const int8_t* xq = qa.q.data_ptr<int8_t>();
+  const float *xs = qa.scale.data_ptr<float>(), *xsum = qa.sum.data_ptr<float>();
+  const int32_t* isum = qa.isum.data_ptr<int32_t>();
+  at::Tensor out = at::empty({M, P * 16}, x.options());
+  float* y = out.data_ptr<float>();
+  const int64_t threads = at::get_num_threads();
+  const int64_t grain = std::max<int64_t>(1, (P + threads - 1) / threads);
+  at::parallel_for(0, P, grain, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; p += PANELS) {       // a few panels' weights stay in cache across the rows
+      const int nz = static_cast<int>(std::min<int64_t>(PANELS, p1 - p));
+      for (int64_t m = 0; m < M; ++m)
+        kPanelRow<INT4>[nz](w, p, xq + m * K, xs + m * nb, xsum + m * nb, isum + m * nb, y + m * P * 16 + p * 16, m == 0);
+    }
+  });
+  if (bias.has_value() && bias->defined()) out.add_(*bias);
+  return out;
+}
+
+at::Tensor panel_linear_int8(const at::Tensor& x, const at::Tensor& qp, const at::Tensor& scale, int64_t group,
+                             const c10::optional<at::Tensor>& bias) {
+  return panel_linear<false>(x, qp, scale, c10::nullopt, group, bias);
+}
+
+at::Tensor panel_linear_int4(const at::Tensor& x, const at::Tensor& qp, const at::Tensor& scale,
+                             const at::Tensor& offset, int64_t group, const c10::optional<at::Tensor>& bias) {
+  return panel_linear<true>(x, qp, scale, offset, group, bias);
+}
+#endif
+
 }  // namespace
 
 TORCH_LIBRARY(TOKENLOOM_QUANT_LIBRARY, m) {
   m.def("linear_int8(Tensor x, Tensor q, Tensor scale, int group, Tensor? bias) -> Tensor");
   m.def("linear_int4(Tensor x, Tensor q, Tensor scale, Tensor offset, int group, Tensor? bias) -> Tensor");
+#if defined(__AVX512VNNI__)
+  m.def("panel_linear_int8(Tensor x, Tensor qp, Tensor scale, int group, Tensor? bias) -> Tensor");
+  m.def("panel_linear_int4(Tensor x, Tensor qp, Tensor scale, Tensor offset, int group, Tensor? bias) -> Tensor");
+#endif
 }
 
 TORCH_LIBRARY_IMPL(TOKENLOOM_QUANT_LIBRARY, CPU, m) {
   m.impl("linear_int8", &linear_int8);
   m.impl("linear_int4", &linear_int4);
+#if defined(__AVX512VNNI__)
+  m.impl("panel_linear_int8", &panel_linear_int8);
+  m.impl("panel_linear_int4", &panel_linear_int4);
+#endif
 }

@@ -1,0 +1,85 @@
+"""The 16-row panel layout of int8/int4 weights and its AVX-512 VNNI kernels."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenloom.quant import QuantizedLinear, WeightFormat, kernels, panels, quantize_int4, quantize_int8
+from tokenloom.quant.modules import QuantizedEmbedding
+
+needs_panels = pytest.mark.skipif(not kernels.panels_available(), reason="no AVX-512 VNNI build here")
+FORMATS = ["int8", "int8-g32", "int4-g32", "int4-g64", "int4-g128"]
+
+
+def quantized(fmt: str, n: int, k: int, seed: int = 0):
+    torch.manual_seed(seed)
+    f = WeightFormat.parse(fmt)
+    w = torch.randn(n, k) * 0.05
+    w[:, :32] = torch.where(torch.rand(n, 32) < 0.5, -1.0, 1.0)      # a block at the code extremes
+    return quantize_int8(w, f.group_size) if f.bits == 8 else quantize_int4(w, f.group_size)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_panels_hold_the_same_codes_and_convert_back_exactly(fmt):
+    q = quantized(fmt, 48, 256)
+    p = panels.to_panels(q)
+    assert p.data.numel() == q.data.numel() and p.scales.shape == (3, q.scales.shape[1], 16)
+    if q.bits == 4:     # panel 1, block 2, chunk 3, row 16+5: byte i = codes k | k+4 << 4, k = 64 + 24 + i
+        codes = panels._codes(q)
+        for i in range(4):
+            assert p.data[1, 2, 3, 4 * 5 + i] == codes[21, 88 + i] | (codes[21, 92 + i] << 4)
+    else:               # byte i of chunk 3 = code of k = 64 + 12 + i, plus 128
+        for i in range(4):
+            assert int(p.data[1, 2, 3, 4 * 5 + i]) == int(q.data[21, 76 + i]) + 128
+    back = panels.from_panels(p)
+    assert torch.equal(back.data, q.data) and torch.equal(back.scales, q.scales)
+    assert (q.offsets is None) == (back.offsets is None) and (q.offsets is None or torch.equal(back.offsets, q.offsets))
+    ids = torch.tensor([0, 47, 21, 16, 21])
+    picked = panels.rows(p, ids)
+    assert torch.equal(picked.dequantize(), q.rows(ids).dequantize())
+
+
+@needs_panels
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("rows", [1, 3, 17])
+def test_panel_kernel_matches_the_row_kernel_and_the_dequantized_matmul(fmt, rows):
+    """Both kernels quantize activations the same way; only the float sums' order differs."""
+    q = quantized(fmt, 96, 384, seed=rows)
+    torch.manual_seed(rows)
+    x, bias = torch.randn(rows, 384) * 4, torch.randn(96)
+    got = kernels.panel_linear(x, panels.to_panels(q), bias)
+    row_kernel = kernels.linear_int8(x, q.data, q.scales, q.group_size, bias) if q.bits == 8 else \
+        kernels.linear_int4(x, q.data, q.scales, q.offsets, q.group_size, bias)
+    torch.testing.assert_close(got, row_kernel, rtol=1e-5, atol=1e-4)
+    want = x @ q.dequantize().T + bias
+    assert ((got - want).norm() / want.norm()).item() < (0.01 if q.bits == 8 else 0.03)
+
+
+@needs_panels
+@pytest.mark.parametrize("fmt", ["int8", "int4-g32"])
+def test_panel_kernel_rows_do_not_depend_on_their_batch(fmt):
+    p = panels.to_panels(quantized(fmt, 208, 576))     # 13 panels: 2-panel passes and a leftover
+    x = torch.randn(6, 576)
+    whole = kernels.panel_linear(x, p, None)
+    assert all(torch.equal(whole[i:i + 1], kernels.panel_linear(x[i:i + 1].contiguous(), p, None)) for i in range(6))
+
+
+@needs_panels
+def test_a_re_laid_layer_saves_and_embeds_in_the_row_layout():
+    torch.manual_seed(0)
+    layer = QuantizedLinear(256, 64, False, WeightFormat.parse("int4"))
+    layer.load_weight(torch.randn(64, 256) * 0.05)
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    x = torch.randn(5, 256)
+    y_rows = layer(x)
+    embedding = QuantizedEmbedding(layer, torch.float32)
+    ids = torch.tensor([[3, 63], [17, 3]])
+    e_rows = embedding(ids)
+    assert layer.use_panels() and layer.qweight.shape == (4, 8, 4, 64)
+    after = layer.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+    torch.testing.assert_close(layer(x), y_rows, rtol=1e-5, atol=1e-5)
+    assert torch.equal(embedding(ids), e_rows)
+    with pytest.raises(RuntimeError, match="before use_panels"):
+        layer.load_weight(torch.randn(64, 256))

@@ -1,0 +1,86 @@
+"""The 16-column panel layout of int8/int4 weights, for the AVX-512 VNNI kernels.
+
+The row layout (formats.py) keeps each output row's blocks together; a kernel then reduces
+one row at a time. The panel layout interleaves 16 output rows so that one 512-bit
+``dpbusd`` multiplies 16 columns by 4 activations at once (``csrc/quant_cpu.cpp``):
+
+- int4: ``data`` (P, K/32, 4, 64) uint8, P = N/16: in panel p, block b, chunk c, bytes
+  4n..4n+3 belong to output row 16p+n and byte i holds codes k = 32b+8c+i (low nibble)
+  and k+4 (high nibble).
+- int8: ``data`` (P, K/32, 8, 64) uint8: byte i of row 16p+n in chunk c is the code of
+  k = 32b+4c+i plus 128 (dpbusd multiplies unsigned by signed bytes; the kernel subtracts
+  128 x the activations' code sum).
+- ``scales`` / ``offsets``: (P, groups, 16) float32, the 16 rows of a panel side by side.
+
+The same bytes as the row layout, re-ordered: ``to_panels`` and ``from_panels`` are exact
+inverses (tested), plain torch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tokenloom.quant.formats import BLOCK, QuantizedTensor, pack_int4, unpack_int4
+
+PANEL = 16
+
+
+def fits(t: QuantizedTensor) -> bool:
+    """The panel kernels take this tensor: whole panels of 16 output rows."""
+    return t.shape[0] % PANEL == 0
+
+
+def _codes(t: QuantizedTensor) -> torch.Tensor:
+    """(N, K) codes: int4 as 0..15 (uint8), int8 as -127..127 (int8)."""
+    return unpack_int4(t.data) if t.bits == 4 else t.data
+
+
+def _side_by_side(x: torch.Tensor) -> torch.Tensor:
+    """(N, G) per-row values -> (P, G, 16)."""
+    n, g = x.shape
+    return x.view(n // PANEL, PANEL, g).transpose(1, 2).contiguous()
+
+
+def _row_by_row(x: torch.Tensor) -> torch.Tensor:
+    """(P, G, 16) -> (N, G)."""
+    p, g, _ = x.shape
+    return x.transpose(1, 2).reshape(p * PANEL, g).contiguous()
+
+
+def to_panels(t: QuantizedTensor) -> QuantizedTensor:
+    """Row layout -> panel layout (same format, shapes as in the module docstring)."""
+    if not fits(t):
+        raise ValueError(f"the panel layout needs a multiple of {PANEL} output rows, got {t.shape[0]}")
+    n, k = t.shape
+    p, nb = n // PANEL, k // BLOCK
+    if t.bits == 4:
+        c = _codes(t).view(p, PANEL, nb, 4, 2, 4)                        # [p, n, b, c, half, i]
+        data = (c[..., 0, :] | (c[..., 1, :] << 4)).permute(0, 2, 3, 1, 4).reshape(p, nb, 4, 64)
+    else:
+        c = (_codes(t).to(torch.int16) + 128).to(torch.uint8).view(p, PANEL, nb, 8, 4)   # [p, n, b, c, i]
+        data = c.permute(0, 2, 3, 1, 4).reshape(p, nb, 8, 64)
+    offsets = None if t.offsets is None else _side_by_side(t.offsets)
+    return QuantizedTensor(t.bits, data.contiguous(), _side_by_side(t.scales), offsets, t.group_size)
+
+
+def from_panels(t: QuantizedTensor) -> QuantizedTensor:
+    """Panel layout -> row layout: the exact inverse of ``to_panels``."""
+    p, nb = t.data.shape[:2]
+    n, k = p * PANEL, nb * BLOCK
+    if t.bits == 4:
+        b = t.data.view(p, nb, 4, PANEL, 4).permute(0, 3, 1, 2, 4)       # [p, n, b, c, i]
+        data = pack_int4(torch.stack([b & 0x0F, b >> 4], dim=4).reshape(n, k))   # k = 32b + 8c + 4 half + i
+    else:
+        b = t.data.view(p, nb, 8, PANEL, 4).permute(0, 3, 1, 2, 4).reshape(n, k)
+        data = (b.to(torch.int16) - 128).to(torch.int8)
+    offsets = None if t.offsets is None else _row_by_row(t.offsets)
+    return QuantizedTensor(t.bits, data.contiguous(), _row_by_row(t.scales), offsets, t.group_size)
+
+
+def rows(t: QuantizedTensor, index: torch.Tensor) -> QuantizedTensor:
+    """Rows `index` (1-D) of a panel-layout tensor, in the row layout (an embedding lookup)."""
+    panels = index // PANEL
+    picked = QuantizedTensor(t.bits, t.data.index_select(0, panels), t.scales.index_select(0, panels),
+                             None if t.offsets is None else t.offsets.index_select(0, panels), t.group_size)
+    full = from_panels(picked)                                          # (16 * len(index), ...)
+    return full.rows(torch.arange(len(index)) * PANEL + index % PANEL)
