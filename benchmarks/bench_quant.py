@@ -104,6 +104,13 @@ def kernel_times(repeats: int = 20) -> dict[str, float]:
         "int4 tokenloom kernel (g32)": lambda: [kernels.linear_int4(xs[w.shape[1]], q.data, q.scales, q.offsets, 32,
                                                                     None) for w, q in zip(weights, q4)],
     }
+    if kernels.panels_available():     # what the engine runs on AVX-512 VNNI CPUs
+        from tokenloom.quant import panels as layout
+        p8, p4 = [layout.to_panels(q) for q in q8], [layout.to_panels(q) for q in q4]
+        runs["int8 tokenloom panel kernel (AVX-512 VNNI)"] = lambda: [
+            kernels.panel_linear(xs[w.shape[1]], p, None) for w, p in zip(weights, p8)]
+        runs["int4 tokenloom panel kernel (g32, AVX-512 VNNI)"] = lambda: [
+            kernels.panel_linear(xs[w.shape[1]], p, None) for w, p in zip(weights, p4)]
     out = {}
     for name, fn in runs.items():
         try:

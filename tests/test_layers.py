@@ -104,5 +104,7 @@ def test_loading_builds_the_cpu_kernels_before_the_first_forward(tiny_model_dir,
     load_model(tiny_model_dir("llama_gqa"))
     assert {"fused_cpu.cpp", "paged_decode_cpu.cpp"} <= set(requested)
     requested.clear()
+    from tokenloom.quant import kernels
+    kernels._ops.cache_clear()               # other test modules may have built them at collection
     load_model(tiny_model_dir("llama_gqa"), quantization="int8")
     assert "quant_cpu.cpp" in requested
