@@ -14,12 +14,12 @@ pytestmark = pytest.mark.skipif(not native.cpu_has_avx2(), reason="the kernel ne
 NUM_BLOCKS, BS, D = 64, 16, 32
 
 
-@pytest.fixture(autouse=True, params=cpu_decode.ISAS)
+@pytest.fixture(autouse=True, params=cpu_decode.BUILDS, ids=[isa for isa, _ in cpu_decode.BUILDS])
 def kernel_build(request, monkeypatch):
     """Every test runs against each build of the kernel this CPU runs (AVX-512, AVX2)."""
-    monkeypatch.setattr(cpu_decode, "ISAS", (request.param,))
+    monkeypatch.setattr(cpu_decode, "BUILDS", (request.param,))
     if not cpu_decode.build():
-        pytest.skip(f"the {request.param} build of the kernel does not run here")
+        pytest.skip(f"the {request.param[0]} build of the kernel does not run here")
     return request.param
 
 

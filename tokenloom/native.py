@@ -56,16 +56,30 @@ def load(source: Path, what: str, isa: str = "avx2") -> bool:
     return _loaded[key]
 
 
+_fastest: dict[tuple[tuple[str, str], ...], object] = {}
+
+
+def fastest(source: Path, what: str, builds: tuple[tuple[str, str], ...]):
+    """The torch.ops namespace of the first (isa, library) in `builds` that `source` loads for,
+    fastest first (the source names its TORCH_LIBRARY per ISA); None if none does.
+    Remembered per `builds` (library names are unique to their source): callers sit on
+    every layer's forward."""
+    if builds not in _fastest:
+        _fastest[builds] = next((getattr(torch.ops, library) for isa, library in builds if load(source, what, isa)),
+                                None)
+    return _fastest[builds]
+
+
 def _build(source: Path, what: str, isa: str) -> bool:
     if os.environ.get("TOKENLOOM_NO_KERNELS") == "1" or not _HAS_ISA[isa]():
         return False
     from torch.utils.cpp_extension import load as build
     digest = hashlib.sha1(source.read_bytes()).hexdigest()[:10]
     try:
-        log.info("compiling tokenloom's %s (once, ~15 s)", what)
+        log.info("compiling tokenloom's %s for %s (once, ~15 s)", what, isa)
         build(name=f"tokenloom_{source.stem}_{isa}_{digest}", sources=[str(source)], is_python_module=False,
               extra_cflags=["-O3", *_ISA_FLAGS[isa], "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # no compiler, no ninja, a toolchain error: fall back, say why once
-        log.warning("tokenloom's %s could not be built (%s); using the slower torch fallback", what, e)
+        log.warning("tokenloom's %s (%s) could not be built (%s); using the slower torch fallback", what, isa, e)
         return False
     return True

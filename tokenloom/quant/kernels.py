@@ -5,7 +5,6 @@ falls back to dequantize + matmul: correct, slower.
 
 from __future__ import annotations
 
-from functools import lru_cache
 from pathlib import Path
 
 import torch
@@ -16,14 +15,12 @@ _SOURCE = Path(__file__).parent / "csrc" / "quant_cpu.cpp"
 _cpu_has_avx2 = native.cpu_has_avx2
 
 
-@lru_cache(maxsize=None)
+_BUILDS = (("avx512vnni", "tokenloom_quant_vnni"), ("avx2", "tokenloom_quant"))
+
+
 def _ops():
     """The fastest build this CPU runs: AVX-512 VNNI (dpbusd), else AVX2; None if neither builds."""
-    if native.load(_SOURCE, "int8/int4 CPU kernels (AVX-512 VNNI)", "avx512vnni"):
-        return torch.ops.tokenloom_quant_vnni
-    if native.load(_SOURCE, "int8/int4 CPU kernels"):
-        return torch.ops.tokenloom_quant
-    return None
+    return native.fastest(_SOURCE, "int8/int4 CPU kernels", _BUILDS)
 
 
 def available() -> bool:

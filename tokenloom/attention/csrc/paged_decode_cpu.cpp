@@ -91,13 +91,15 @@ struct Rows {
   }
 };
 
-// Ask for slot rows [t0, t1) of `rows` (bytes [0, bytes) of each) ahead of use: the slots are
-// scattered in 16-position blocks, where the hardware prefetcher loses the stream, and
-// without this the kernel waits on DRAM latency (measured ~10 GB/s of a ~35 GB/s machine).
+// Ask for slot rows [t0, t1) of `rows` (bytes [first, first + bytes) of each) ahead of use: the
+// slots are scattered in 16-position blocks, where the hardware prefetcher loses the stream,
+// and without this the kernel waits on DRAM latency (measured ~10 GB/s of a ~35 GB/s machine).
 template <int Locality = 3>
-inline void prefetch_rows(const std::vector<const float*>& rows, int64_t t0, int64_t t1, int64_t bytes) {
+inline void prefetch_rows(const std::vector<const float*>& rows, int64_t t0, int64_t t1, int64_t bytes,
+                          int64_t first = 0) {
   for (int64_t t = t0; t < std::min<int64_t>(t1, rows.size()); ++t)
-    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(rows[t]) + b, 0, Locality);
+    for (int64_t b = first; b < first + bytes; b += 64)
+      __builtin_prefetch(reinterpret_cast<const char*>(rows[t]) + b, 0, Locality);
 }
 
 // Sum of each of 8 vectors' lanes -> one vector of 8 sums (lane i = sum of v[i]).
@@ -293,18 +295,11 @@ void attend512(const float* q, const Rows& rows, int64_t n, int64_t g0, int64_t 
   constexpr int HC = 16 / C > 1 ? 16 / C : 1;  // heads whose C accumulators fit in 16 registers
   const int64_t G = s.G, D = s.D;
   scores.resize(static_cast<size_t>(n * s.H));
-  const int64_t first = g0 * D * sizeof(float), bytes = (g1 - g0) * D * sizeof(float);
-  auto fetch = [&](const std::vector<const float*>& r, int64_t t0, int64_t t1, int locality) {
-    for (int64_t t = t0; t < std::min<int64_t>(t1, n); ++t)
-      for (int64_t b = 0; b < bytes; b += 64) {
-        const char* p = reinterpret_cast<const char*>(r[t]) + first + b;
-        if (locality == 3) __builtin_prefetch(p, 0, 3); else __builtin_prefetch(p, 0, 2);
-      }
-  };
-  fetch(rows.k, 0, 32, 3);
+  const int64_t first = g0 * D * sizeof(float), bytes = (g1 - g0) * D * sizeof(float);   // this task's kv heads
+  prefetch_rows(rows.k, 0, 32, bytes, first);
   for (int64_t t0 = 0; t0 < n; t0 += 16) {
-    fetch(rows.k, t0 + 32, t0 + 48, 3);
-    fetch(rows.v, t0, t0 + 16, 2);
+    prefetch_rows(rows.k, t0 + 32, t0 + 48, bytes, first);
+    prefetch_rows<2>(rows.v, t0, t0 + 16, bytes, first);
     scores_tile512<C>(q, rows, n, t0, g0 * G, g1 * G, s, scale, scores.data());
   }
   for (int64_t h = g0 * G; h < g1 * G; ++h) {
