@@ -63,24 +63,31 @@ def to_panels(t: QuantizedTensor) -> QuantizedTensor:
     return QuantizedTensor(t.bits, data.contiguous(), _side_by_side(t.scales), offsets, t.group_size)
 
 
+def _row_bytes(b: torch.Tensor, bits: int) -> torch.Tensor:
+    """(L, K/32, chunks, 4) panel bytes of L output rows -> their (L, K) row-layout data."""
+    n, nb = b.shape[:2]
+    if bits == 4:                                                      # [n, b, c, i]; k = 32b + 8c + 4 half + i
+        return pack_int4(torch.stack([b & 0x0F, b >> 4], dim=3).reshape(n, nb * BLOCK))
+    return (b.reshape(n, nb * BLOCK).to(torch.int16) - 128).to(torch.int8)
+
+
 def from_panels(t: QuantizedTensor) -> QuantizedTensor:
     """Panel layout -> row layout: the exact inverse of ``to_panels``."""
-    p, nb = t.data.shape[:2]
-    n, k = p * PANEL, nb * BLOCK
-    if t.bits == 4:
-        b = t.data.view(p, nb, 4, PANEL, 4).permute(0, 3, 1, 2, 4)       # [p, n, b, c, i]
-        data = pack_int4(torch.stack([b & 0x0F, b >> 4], dim=4).reshape(n, k))   # k = 32b + 8c + 4 half + i
-    else:
-        b = t.data.view(p, nb, 8, PANEL, 4).permute(0, 3, 1, 2, 4).reshape(n, k)
-        data = (b.to(torch.int16) - 128).to(torch.int8)
+    p, nb, chunks = t.data.shape[:3]
+    b = t.data.view(p, nb, chunks, PANEL, 4).permute(0, 3, 1, 2, 4).reshape(p * PANEL, nb, chunks, 4)
     offsets = None if t.offsets is None else _row_by_row(t.offsets)
-    return QuantizedTensor(t.bits, data.contiguous(), _row_by_row(t.scales), offsets, t.group_size)
+    return QuantizedTensor(t.bits, _row_bytes(b, t.bits).contiguous(), _row_by_row(t.scales), offsets,
+                           t.group_size)
 
 
 def rows(t: QuantizedTensor, index: torch.Tensor) -> QuantizedTensor:
-    """Rows `index` (1-D) of a panel-layout tensor, in the row layout (an embedding lookup)."""
-    panels = index // PANEL
-    picked = QuantizedTensor(t.bits, t.data.index_select(0, panels), t.scales.index_select(0, panels),
-                             None if t.offsets is None else t.offsets.index_select(0, panels), t.group_size)
-    full = from_panels(picked)                                          # (16 * len(index), ...)
-    return full.rows(torch.arange(len(index)) * PANEL + index % PANEL)
+    """Rows `index` (1-D) of a panel-layout tensor, in the row layout (an embedding lookup).
+
+    Reads only the picked rows' bytes (4 per chunk), not their whole panels.
+    """
+    p, nb, chunks = t.data.shape[:3]
+    panel, lane = index // PANEL, index % PANEL
+    b = t.data.view(p, nb, chunks, PANEL, 4)[panel, :, :, lane]             # (L, nb, chunks, 4)
+    offsets = None if t.offsets is None else t.offsets[panel, :, lane]
+    return QuantizedTensor(t.bits, _row_bytes(b, t.bits).contiguous(), t.scales[panel, :, lane], offsets,
+                           t.group_size)
