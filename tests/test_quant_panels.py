@@ -83,3 +83,23 @@ def test_a_re_laid_layer_saves_and_embeds_in_the_row_layout():
     assert torch.equal(embedding(ids), e_rows)
     with pytest.raises(RuntimeError, match="before use_panels"):
         layer.load_weight(torch.randn(64, 256))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_quantize_puts_scales_and_offsets_on_the_float16_grid(fmt):
+    """What lets the panel layout hold them in float16 without changing a weight."""
+    q = quantized(fmt, 32, 256)
+    assert torch.equal(q.scales.half().float(), q.scales)
+    assert q.offsets is None or torch.equal(q.offsets.half().float(), q.offsets)
+    assert panels.fits(q) and panels.to_panels(q).scales.dtype == torch.float16
+
+
+@needs_panels
+def test_a_layer_whose_scales_float16_cannot_hold_keeps_the_row_layout():
+    q = quantized("int4-g32", 32, 256)
+    q.scales = q.scales * (1 + 1e-6)                  # off the float16 grid: float16 would change them
+    layer = QuantizedLinear(256, 32, False, WeightFormat.parse("int4"))
+    layer.load_weight(q)
+    assert not panels.fits(q) and not layer.use_panels()
+    x = torch.randn(3, 256)
+    torch.testing.assert_close(layer(x), x @ q.dequantize().T, rtol=0.03, atol=0.05)

@@ -10,6 +10,10 @@ A ``QuantizedTensor`` is a (N, K) weight matrix stored as
   its low nibble and value j+16 in its high nibble: GGUF's Q4_0/Q4_1 layout, so
   those blocks load without conversion.
 
+Scales and offsets are float16 values held in float32 (``quantize`` rounds them to the
+float16 grid, as GGUF stores them), so the panel layout (panels.py) keeps them in half
+the bytes without changing a weight.
+
 Rows are independent (groups never cross a row), so row slices and row
 permutations of a QuantizedTensor are exact. Everything here is plain torch,
 the reference the CPU kernels are tested against.
@@ -29,8 +33,8 @@ INT4_GROUP_SIZES = (32, 64, 128)
 class QuantizedTensor:
     bits: int                       # 8 or 4
     data: torch.Tensor              # int8 (N, K) or uint8 (N, K/2)
-    scales: torch.Tensor            # float32 (N, K / group)
-    offsets: torch.Tensor | None    # float32 (N, K / group) for int4, None for int8
+    scales: torch.Tensor            # float32 (N, K / group); float16 in the panel layout
+    offsets: torch.Tensor | None    # like scales for int4, None for int8
     group_size: int
 
     @property
@@ -77,7 +81,7 @@ def quantize_int8(w: torch.Tensor, group_size: int | None = None) -> QuantizedTe
     group = k if group_size is None else group_size
     _check_group(k, group)
     g = w.float().reshape(n, k // group, group)
-    scales = g.abs().amax(-1) / 127.0                                   # (N, groups)
+    scales = to_half_grid(g.abs().amax(-1) / 127.0)                     # (N, groups)
     inv = torch.where(scales > 0, 1.0 / scales, torch.zeros_like(scales))
     q = torch.round(g * inv[..., None]).clamp_(-127, 127).to(torch.int8)
     return QuantizedTensor(8, q.reshape(n, k).contiguous(), scales.contiguous(), None, group)
@@ -89,10 +93,20 @@ def quantize_int4(w: torch.Tensor, group_size: int = 32) -> QuantizedTensor:
     _check_group(k, group_size)
     g = w.float().reshape(n, k // group_size, group_size)
     lo, hi = g.amin(-1), g.amax(-1)                                     # (N, groups)
-    scales = (hi - lo) / 15.0
+    scales, lo = to_half_grid((hi - lo) / 15.0), to_half_grid(lo)
     inv = torch.where(scales > 0, 1.0 / scales, torch.zeros_like(scales))
     q = torch.round((g - lo[..., None]) * inv[..., None]).clamp_(0, 15).to(torch.uint8)
     return QuantizedTensor(4, pack_int4(q.reshape(n, k)), scales.contiguous(), lo.contiguous(), group_size)
+
+
+def to_half_grid(x: torch.Tensor) -> torch.Tensor:
+    """float32 x rounded to the nearest float16 value, where float16 holds it (|x| < 65504)."""
+    return torch.where(x.abs() < 65504, x.half().float(), x)
+
+
+def on_half_grid(x: torch.Tensor) -> bool:
+    """Every value of x is a float16 value (float16 holds x without change)."""
+    return bool(torch.equal(x.half().float(), x))
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:

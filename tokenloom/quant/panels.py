@@ -10,24 +10,26 @@ one row at a time. The panel layout interleaves 16 output rows so that one 512-b
 - int8: ``data`` (P, K/32, 8, 64) uint8: byte i of row 16p+n in chunk c is the code of
   k = 32b+4c+i plus 128 (dpbusd multiplies unsigned by signed bytes; the kernel subtracts
   128 x the activations' code sum).
-- ``scales`` / ``offsets``: (P, groups, 16) float32, the 16 rows of a panel side by side.
+- ``scales`` / ``offsets``: (P, groups, 16) float16, the 16 rows of a panel side by side
+  (an int4 block of 32 weights reads 20 bytes instead of 24).
 
-The same bytes as the row layout, re-ordered: ``to_panels`` and ``from_panels`` are exact
-inverses (tested), plain torch.
+The same codes as the row layout, re-ordered, and the same scales in float16: only tensors
+whose scales are float16 values (what ``quantize`` and GGUF give) take the layout, so
+``to_panels`` and ``from_panels`` are exact inverses (tested), plain torch.
 """
 
 from __future__ import annotations
 
 import torch
 
-from tokenloom.quant.formats import BLOCK, QuantizedTensor, pack_int4, unpack_int4
+from tokenloom.quant.formats import BLOCK, QuantizedTensor, on_half_grid, pack_int4, unpack_int4
 
 PANEL = 16
 
 
 def fits(t: QuantizedTensor) -> bool:
-    """The panel kernels take this tensor: whole panels of 16 output rows."""
-    return t.shape[0] % PANEL == 0
+    """The panel kernels take this tensor: whole panels of 16 output rows, float16 scales."""
+    return t.shape[0] % PANEL == 0 and all(on_half_grid(x) for x in (t.scales, t.offsets) if x is not None)
 
 
 def _codes(t: QuantizedTensor) -> torch.Tensor:
@@ -36,21 +38,22 @@ def _codes(t: QuantizedTensor) -> torch.Tensor:
 
 
 def _side_by_side(x: torch.Tensor) -> torch.Tensor:
-    """(N, G) per-row values -> (P, G, 16)."""
+    """(N, G) per-row float32 values -> (P, G, 16) float16."""
     n, g = x.shape
-    return x.view(n // PANEL, PANEL, g).transpose(1, 2).contiguous()
+    return x.view(n // PANEL, PANEL, g).transpose(1, 2).to(torch.float16).contiguous()
 
 
 def _row_by_row(x: torch.Tensor) -> torch.Tensor:
-    """(P, G, 16) -> (N, G)."""
+    """(P, G, 16) float16 -> (N, G) float32."""
     p, g, _ = x.shape
-    return x.transpose(1, 2).reshape(p * PANEL, g).contiguous()
+    return x.transpose(1, 2).reshape(p * PANEL, g).float().contiguous()
 
 
 def to_panels(t: QuantizedTensor) -> QuantizedTensor:
     """Row layout -> panel layout (same format, shapes as in the module docstring)."""
     if not fits(t):
-        raise ValueError(f"the panel layout needs a multiple of {PANEL} output rows, got {t.shape[0]}")
+        raise ValueError(f"the panel layout needs a multiple of {PANEL} output rows and float16 scales, "
+                         f"got {t.shape[0]} rows")
     n, k = t.shape
     p, nb = n // PANEL, k // BLOCK
     if t.bits == 4:
@@ -88,6 +91,6 @@ def rows(t: QuantizedTensor, index: torch.Tensor) -> QuantizedTensor:
     p, nb, chunks = t.data.shape[:3]
     panel, lane = index // PANEL, index % PANEL
     b = t.data.view(p, nb, chunks, PANEL, 4)[panel, :, :, lane]             # (L, nb, chunks, 4)
-    offsets = None if t.offsets is None else t.offsets[panel, :, lane]
-    return QuantizedTensor(t.bits, _row_bytes(b, t.bits).contiguous(), t.scales[panel, :, lane], offsets,
+    offsets = None if t.offsets is None else t.offsets[panel, :, lane].float()
+    return QuantizedTensor(t.bits, _row_bytes(b, t.bits).contiguous(), t.scales[panel, :, lane].float(), offsets,
                            t.group_size)
