@@ -97,11 +97,13 @@ def test_loading_builds_the_cpu_kernels_before_the_first_forward(tiny_model_dir,
     """Their one-time "compiling" messages must come while loading, not inside streamed text."""
     from tokenloom import native
     from tokenloom.loader import load_model
+    from tokenloom.models import fused
     requested = []
     real_load = native.load
     monkeypatch.setattr(native, "load", lambda source, what, isa="avx2": requested.append(source.name)
                         or real_load(source, what, isa))
     monkeypatch.setattr(native, "_fastest", {})   # other tests may already have picked the builds
+    monkeypatch.setattr(fused, "_built", None)
     load_model(tiny_model_dir("llama_gqa"))
     assert {"fused_cpu.cpp", "paged_decode_cpu.cpp"} <= set(requested)
     requested.clear()

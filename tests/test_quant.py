@@ -113,6 +113,21 @@ def test_quantized_linear_stays_within_its_stated_error(fmt):
     assert err > 1e-4          # really quantized
 
 
+def test_a_reloaded_bfloat16_bias_reaches_the_kernel():
+    """The layer binds its kernel (with a float32 copy of the bias) on the first forward;
+    loading a state dict must not leave that copy behind."""
+    torch.manual_seed(0)
+    layer = QuantizedLinear(256, 32, True, WeightFormat.parse("int8"), dtype=torch.bfloat16)
+    layer.load_weight(torch.randn(32, 256) * 0.02)
+    layer.bias.data.zero_()
+    x = torch.randn(2, 256, dtype=torch.bfloat16)
+    before = layer(x)
+    state = layer.state_dict()
+    state["bias"] = torch.full((32,), 3.0, dtype=torch.bfloat16)
+    layer.load_state_dict(state)
+    torch.testing.assert_close(layer(x).float(), before.float() + 3.0, rtol=0.02, atol=0.02)
+
+
 def test_gguf_blocks_load_exactly_as_gguf_dequantizes_them(default_gguf_path):
     import gguf
 

@@ -19,13 +19,20 @@ from tokenloom import native
 _SOURCE = Path(__file__).parent / "csrc" / "fused_cpu.cpp"
 
 
+_built: bool | None = None
+
+
 def build() -> bool:
     """Compile and register the ops (once per process); False where they cannot be."""
-    return native.load(_SOURCE, "fused decoder ops")
+    global _built
+    if _built is None:
+        _built = native.load(_SOURCE, "fused decoder ops")
+    return _built
 
 
 def enabled(x: torch.Tensor) -> bool:
-    return x.device.type == "cpu" and x.dtype == torch.float32 and build()
+    """The fused ops take x: float32 on the CPU, ops compiled (checked on every layer: kept cheap)."""
+    return x.dtype == torch.float32 and x.device.type == "cpu" and (_built or build())
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -40,6 +40,19 @@ def linear_int4(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, offsets:
     return _ops().linear_int4(x, q, scales, offsets, group, bias)
 
 
+def bind(w, bias: torch.Tensor | None, panel_layout: bool):
+    """``x (M, K) float32 contiguous -> (M, N)`` for QuantizedTensor `w` (row or panel layout) and
+    float32 `bias`: the op looked up once, for callers on every layer's forward."""
+    ops = _ops()
+    if panel_layout:
+        op = (ops.panel_linear_int8 if w.bits == 8 else ops.panel_linear_int4).default
+    else:
+        op = (ops.linear_int8 if w.bits == 8 else ops.linear_int4).default
+    if w.bits == 8:
+        return lambda x: op(x, w.data, w.scales, w.group_size, bias)
+    return lambda x: op(x, w.data, w.scales, w.offsets, w.group_size, bias)
+
+
 def panels_available() -> bool:
     """The AVX-512 VNNI build, which has the panel kernels, runs here."""
     ops = _ops()

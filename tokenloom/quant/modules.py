@@ -46,6 +46,7 @@ class QuantizedLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False) \
             if bias else None
         self.panel_layout = False   # buffers hold the panel layout (use_panels) instead of the row layout
+        self._kernel = None         # (M, in) float32 -> (M, out) with this weight bound; False: no CPU kernel
 
     @staticmethod
     def supports(in_features: int, fmt: WeightFormat) -> bool:
@@ -73,8 +74,23 @@ class QuantizedLinear(nn.Module):
             return self.panel_layout
         packed = panels.to_panels(self.stored_q)
         self.qweight, self.scales, self.offsets = packed.data, packed.scales, packed.offsets
-        self.panel_layout = True
+        self.panel_layout, self._kernel = True, None
         return True
+
+    def _bind_kernel(self):
+        """The compiled kernel for this weight as one callable ``x2 -> y``, or False where there is
+        none (a GPU, no compiler): bound once, so a decode step's 100+ calls skip the lookups."""
+        if self.qweight.device.type != "cpu" or not kernels.available():
+            return False
+        return kernels.bind(self.stored_q, None if self.bias is None else self.bias.float(), self.panel_layout)
+
+    def _apply(self, fn, recurse=True):
+        self._kernel = None          # .to() / .float() may replace the buffers the kernel holds
+        return super()._apply(fn, recurse)
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self._kernel = None          # a float32 copy of a bfloat16 bias would go stale
+        super()._load_from_state_dict(*args, **kwargs)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
@@ -109,16 +125,12 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)                               # (M, in)
-        if x2.device.type == "cpu" and kernels.available():
-            xf = x2.float().contiguous()
-            bias = None if self.bias is None else self.bias.float()
-            if self.panel_layout:
-                y = kernels.panel_linear(xf, self.stored_q, bias)
-            elif self.fmt.bits == 8:
-                y = kernels.linear_int8(xf, self.qweight, self.scales, self.group_size, bias)
-            else:
-                y = kernels.linear_int4(xf, self.qweight, self.scales, self.offsets, self.group_size, bias)
-            y = y.to(x.dtype)
+        if self._kernel is None:
+            self._kernel = self._bind_kernel()
+        if self._kernel and x2.device.type == "cpu":
+            if x2.dtype == torch.float32 and x2.is_contiguous():
+                return self._kernel(x2).view(*x.shape[:-1], self.out_features)
+            y = self._kernel(x2.float().contiguous()).to(x.dtype)
         else:
             y = F.linear(x2, self.weight_q.dequantize().to(x.dtype), self.bias)
         return y.view(*x.shape[:-1], self.out_features)
