@@ -89,3 +89,38 @@ def test_decoding_rows_beside_a_prefill_chunk_use_the_kernel_and_match_the_refer
     with_kernel = run()
     monkeypatch.setattr(cpu_decode, "usable", lambda q, cache: False)
     torch.testing.assert_close(with_kernel, run(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(6, 2, 32), (9, 3, 64), (4, 4, 80)])
+def test_the_fused_decode_block_equals_rope_then_cache_write_then_attention(heads, kv_heads, head_dim):
+    """rope_attend (one call) against the op-by-op path: the fused rope, index_copy into the
+    cache, the decode kernel. Same bits for the cached keys/values and the output."""
+    from tokenloom.models import fused
+    from tokenloom.models.layers import rope_cos_sin, apply_rope
+    lens = [5, 40, 17]
+    k_cache, v_cache, tables, _ = paged_setup(lens, heads, kv_heads, seed=4, head_dim=head_dim)
+    gen = torch.Generator().manual_seed(5)
+    qkv = torch.randn(len(lens), (heads + 2 * kv_heads) * head_dim, generator=gen)
+    positions = torch.tensor(lens) - 1
+    cos, sin = rope_cos_sin(1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim)), positions, torch.float32)
+    slots = torch.stack([tables[i][(n - 1) // BS] * BS + (n - 1) % BS for i, n in enumerate(lens)])
+    meta = decode_meta(lens, tables)
+    meta.slot_mapping = slots
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    assert fused.build()
+    qk = apply_rope(qkv[:, :(heads + kv_heads) * head_dim].view(len(lens), -1, head_dim), cos, sin)
+    torch_sdpa.write_kv(k_ref, v_ref, qk[:, heads:], qkv[:, (heads + kv_heads) * head_dim:].view(len(lens), kv_heads, head_dim),
+                        slots)
+    want = cpu_decode.attend(qk[:, :heads], k_ref, v_ref, decode_meta(lens, tables), [0, 1, 2], 0.3)
+    got = cpu_decode.rope_attend(qkv, cos, sin, k_cache, v_cache, meta, heads, 0.3)
+    assert got is not None and got.shape == (len(lens), heads * head_dim)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+    assert torch.equal(got, want.reshape(len(lens), -1))
+
+
+def test_the_fused_decode_block_declines_a_step_with_a_prefill_chunk():
+    lens = [5, 40]
+    k_cache, v_cache, tables, _ = paged_setup(lens, 4, 4)
+    meta = AttentionMetadata(torch.zeros(4, dtype=torch.long), [0, 1], [1, 3], lens, tables, null_block=NUM_BLOCKS)
+    qkv, cos = torch.randn(4, 12 * D), torch.randn(4, 1, D)
+    assert cpu_decode.rope_attend(qkv, cos, cos, k_cache, v_cache, meta, 4, 0.3) is None

@@ -109,3 +109,15 @@ def test_loading_builds_the_cpu_kernels_before_the_first_forward(tiny_model_dir,
     requested.clear()
     load_model(tiny_model_dir("llama_gqa"), quantization="int8")
     assert "quant_cpu.cpp" in requested
+
+
+def test_a_kernel_is_rebuilt_when_a_header_it_includes_changes(tmp_path):
+    """The build cache is named by a hash of the source and its quoted includes."""
+    from tokenloom import native
+    (tmp_path / "sub").mkdir()
+    source = tmp_path / "sub" / "k.cpp"
+    source.write_text('#include <vector>\n#include "../h.h"\nint f() { return g(); }\n')
+    (tmp_path / "h.h").write_text("inline int g() { return 1; }\n")
+    before = native._text_with_headers(source)
+    (tmp_path / "h.h").write_text("inline int g() { return 2; }\n")
+    assert native._text_with_headers(source) != before

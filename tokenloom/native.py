@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -70,11 +71,19 @@ def fastest(source: Path, what: str, builds: tuple[tuple[str, str], ...]):
     return _fastest[builds]
 
 
+def _text_with_headers(source: Path) -> bytes:
+    """The source's bytes and those of the headers it includes by a quoted relative path, so
+    editing a shared header rebuilds every kernel that uses it."""
+    text = source.read_bytes()
+    headers = re.findall(rb'^#include "([^"]+)"', text, flags=re.MULTILINE)
+    return text + b"".join((source.parent / h.decode()).read_bytes() for h in headers)
+
+
 def _build(source: Path, what: str, isa: str) -> bool:
     if os.environ.get("TOKENLOOM_NO_KERNELS") == "1" or not _HAS_ISA[isa]():
         return False
     from torch.utils.cpp_extension import load as build
-    digest = hashlib.sha1(source.read_bytes()).hexdigest()[:10]
+    digest = hashlib.sha1(_text_with_headers(source)).hexdigest()[:10]
     try:
         log.info("compiling tokenloom's %s for %s (once, ~15 s)", what, isa)
         build(name=f"tokenloom_{source.stem}_{isa}_{digest}", sources=[str(source)], is_python_module=False,

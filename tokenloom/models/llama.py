@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tokenloom.attention import AttentionMetadata, paged_attention
+from tokenloom.attention import AttentionMetadata, cpu_decode, paged_attention
 from tokenloom.config import ModelConfig
 from tokenloom.kv_cache.paged import PagedKVCache
 from tokenloom.models.base import CausalLM
@@ -35,6 +35,10 @@ class LlamaAttention(nn.Module):
                 kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
         qkv = self.qkv_proj(x)                                               # (T, q_size + 2 kv_size)
+        if not self.qk_norm:    # every sequence decoding on the CPU: rope, cache write, attention in one call
+            fused = cpu_decode.rope_attend(qkv, cos, sin, kv[0], kv[1], meta, self.num_heads, self.scale)
+            if fused is not None:
+                return self.o_proj(fused)
         v = qkv[:, self.q_size + self.kv_size:].view(T, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q = self.q_norm(qkv[:, :self.q_size].view(T, self.num_heads, self.head_dim))

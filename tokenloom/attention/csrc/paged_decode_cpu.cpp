@@ -18,6 +18,8 @@
 #include <cmath>
 #include <vector>
 
+#include "../../models/csrc/rope_row.h"
+
 extern "C" __m256 Sleef_expf8_u10avx2(__m256);  // in libtorch_cpu (1-ulp exp, 8 lanes)
 
 // Built twice: for AVX2, and as tokenloom_attention512 with AVX-512 paths for head sizes 32/64/128.
@@ -337,26 +339,26 @@ void attend(const float* q, const Rows& rows, int64_t n, int64_t g0, int64_t g1,
   }
 }
 
-at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                        const at::Tensor& tables, const at::Tensor& ctx_lens, double scale, int64_t window) {
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q must be contiguous (B, H, D) float32");
+void check_caches(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables,
+                  const at::Tensor& ctx_lens, int64_t B) {
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.scalar_type() == at::kFloat && k_cache.is_contiguous() &&
               v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == at::kFloat && v_cache.is_contiguous(),
               "caches must be contiguous (blocks, block_size, kv_heads, head_dim) float32");
-  TORCH_CHECK(tables.dim() == 2 && tables.scalar_type() == at::kLong && tables.is_contiguous() &&
-              tables.size(0) == q.size(0), "tables must be (B, W) int64");
-  TORCH_CHECK(ctx_lens.dim() == 1 && ctx_lens.scalar_type() == at::kLong && ctx_lens.size(0) == q.size(0),
+  TORCH_CHECK(tables.dim() == 2 && tables.scalar_type() == at::kLong && tables.is_contiguous() && tables.size(0) == B,
+              "tables must be (B, W) int64");
+  TORCH_CHECK(ctx_lens.dim() == 1 && ctx_lens.scalar_type() == at::kLong && ctx_lens.size(0) == B,
               "ctx_lens must be (B,) int64");
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), KVH = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == D && H % KVH == 0, "head_dim or head counts disagree");
-  const Shapes s{H, KVH, H / KVH, D, k_cache.size(1), tables.size(1)};
   const int64_t* lens = ctx_lens.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b)
-    TORCH_CHECK(lens[b] >= 1 && lens[b] <= s.W * s.BS, "a context length exceeds its block table");
-  at::Tensor out = at::empty_like(q);
-  const float *qp = q.data_ptr<float>(), *kc = k_cache.data_ptr<float>(), *vc = v_cache.data_ptr<float>();
-  const int64_t* tp = tables.data_ptr<int64_t>();
-  float* op = out.data_ptr<float>();
+    TORCH_CHECK(lens[b] >= 1 && lens[b] <= tables.size(1) * k_cache.size(1), "a context length exceeds its block table");
+}
+
+// out (B, H, D) = attention of q (B, H, D) over each sequence's cached positions.
+void decode_all(const float* qp, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables,
+                const at::Tensor& ctx_lens, const Shapes& s, float scale, int64_t window, float* op) {
+  const int64_t B = tables.size(0), H = s.H, D = s.D, KVH = s.KVH;
+  const float *kc = k_cache.data_ptr<float>(), *vc = v_cache.data_ptr<float>();
+  const int64_t *tp = tables.data_ptr<int64_t>(), *lens = ctx_lens.data_ptr<int64_t>();
   // Fewer sequences than threads: split each sequence by kv head so both cores work.
   const int64_t parts = B >= at::get_num_threads() ? 1 : KVH;
   at::parallel_for(0, B * parts, 1, [&](int64_t i0, int64_t i1) {
@@ -366,9 +368,55 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
       const int64_t b = i / parts, g0 = parts == 1 ? 0 : i % parts, g1 = parts == 1 ? KVH : g0 + 1;
       const int64_t start = window > 0 ? std::max<int64_t>(0, lens[b] - window) : 0;
       rows.fill(kc, vc, tp + b * s.W, start, lens[b], s);
-      attend(qp + b * H * D, rows, lens[b] - start, g0, g1, s, static_cast<float>(scale), op + b * H * D, scores);
+      attend(qp + b * H * D, rows, lens[b] - start, g0, g1, s, scale, op + b * H * D, scores);
     }
   });
+}
+
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                        const at::Tensor& tables, const at::Tensor& ctx_lens, double scale, int64_t window) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q must be contiguous (B, H, D) float32");
+  check_caches(k_cache, v_cache, tables, ctx_lens, q.size(0));
+  const int64_t H = q.size(1), D = q.size(2), KVH = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == D && H % KVH == 0, "head_dim or head counts disagree");
+  at::Tensor out = at::empty_like(q);
+  decode_all(q.data_ptr<float>(), k_cache, v_cache, tables, ctx_lens,
+             Shapes{H, KVH, H / KVH, D, k_cache.size(1), tables.size(1)}, static_cast<float>(scale), window,
+             out.data_ptr<float>());
+  return out;
+}
+
+// One call for a decode step's attention block: qkv (B, (H + 2 KVH) D) = [q | k | v] rows of
+// the step's one token per sequence; q and k rotated (rope_row, the fused rope's arithmetic)
+// with cos/sin (B, 1, D); k and v written to cache slot slots[b]; then paged_decode's
+// attention. Returns (B, H * D). Replaces a dozen small ops per layer.
+at::Tensor rope_write_decode(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                             const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slots,
+                             const at::Tensor& tables, const at::Tensor& ctx_lens, int64_t num_heads, double scale,
+                             int64_t window) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == at::kFloat && qkv.is_contiguous(), "qkv must be contiguous (B, C) float32");
+  const int64_t B = qkv.size(0);
+  check_caches(k_cache, v_cache, tables, ctx_lens, B);
+  const int64_t H = num_heads, KVH = k_cache.size(2), D = k_cache.size(3), slot_count = k_cache.size(0) * k_cache.size(1);
+  TORCH_CHECK(H % KVH == 0 && qkv.size(1) == (H + 2 * KVH) * D, "qkv must hold (heads + 2 kv_heads) x head_dim columns");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == B * D && sin.numel() == B * D &&
+              cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat, "cos/sin must be contiguous (B, 1, D) float32");
+  TORCH_CHECK(slots.dim() == 1 && slots.size(0) == B && slots.scalar_type() == at::kLong, "slots must be (B,) int64");
+  const float *x = qkv.data_ptr<float>(), *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  float *kc = k_cache.data_ptr<float>(), *vc = v_cache.data_ptr<float>();
+  at::Tensor q = at::empty({B, H, D}, qkv.options());
+  float* qp = q.data_ptr<float>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(slot[b] >= 0 && slot[b] < slot_count, "a cache slot is out of range");
+    const float *row = x + b * (H + 2 * KVH) * D, *c = cp + b * D, *sn = sp + b * D;
+    for (int64_t h = 0; h < H; ++h) rope_row(row + h * D, c, sn, qp + (b * H + h) * D, D);
+    for (int64_t g = 0; g < KVH; ++g) rope_row(row + (H + g) * D, c, sn, kc + (slot[b] * KVH + g) * D, D);
+    std::copy(row + (H + KVH) * D, row + (H + 2 * KVH) * D, vc + slot[b] * KVH * D);
+  }
+  at::Tensor out = at::empty({B, H * D}, qkv.options());
+  decode_all(qp, k_cache, v_cache, tables, ctx_lens, Shapes{H, KVH, H / KVH, D, k_cache.size(1), tables.size(1)},
+             static_cast<float>(scale), window, out.data_ptr<float>());
   return out;
 }
 
@@ -377,6 +425,11 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
 TORCH_LIBRARY(TOKENLOOM_ATTENTION_LIBRARY, m) {
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables, Tensor ctx_lens, float scale, "
         "int window) -> Tensor");
+  m.def("rope_write_decode(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, "
+        "Tensor tables, Tensor ctx_lens, int num_heads, float scale, int window) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(TOKENLOOM_ATTENTION_LIBRARY, CPU, m) { m.impl("paged_decode", &paged_decode); }
+TORCH_LIBRARY_IMPL(TOKENLOOM_ATTENTION_LIBRARY, CPU, m) {
+  m.impl("paged_decode", &paged_decode);
+  m.impl("rope_write_decode", &rope_write_decode);
+}

@@ -8,6 +8,8 @@
 #include <cmath>
 #include <tuple>
 
+#include "rope_row.h"
+
 namespace {
 
 void check_rows(const at::Tensor& x, const char* what) {
@@ -72,7 +74,7 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
 at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   check_rows(x, "x");
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2), "rope wants x (T, heads, D) rows");
-  const int64_t T = x.size(0), NH = x.size(1), D = x.size(2), half = D / 2, ld = x.stride(0);
+  const int64_t T = x.size(0), NH = x.size(1), D = x.size(2), ld = x.stride(0);
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == T * D && sin.numel() == T * D,
               "cos/sin must be contiguous (T, 1, D)");
   at::Tensor y = at::empty({T, NH, D}, x.options());
@@ -81,14 +83,7 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
   at::parallel_for(0, T, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const float *c = cp + r * D, *s = sp + r * D;
-      for (int64_t h = 0; h < NH; ++h) {
-        const float* xr = xp + r * ld + h * D;
-        float* yr = yp + (r * NH + h) * D;
-#pragma omp simd
-        for (int64_t d = 0; d < half; ++d) yr[d] = xr[d] * c[d] + (-xr[d + half]) * s[d];
-#pragma omp simd
-        for (int64_t d = half; d < D; ++d) yr[d] = xr[d] * c[d] + xr[d - half] * s[d];
-      }
+      for (int64_t h = 0; h < NH; ++h) rope_row(xp + r * ld + h * D, c, s, yp + (r * NH + h) * D, D);
     }
   });
   return y;
