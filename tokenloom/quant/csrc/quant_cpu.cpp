@@ -18,24 +18,27 @@ namespace {
 
 constexpr int64_t QK = 32;   // values per quantization block
 
+// One allocation holds all four arrays (a decode step quantizes activations 100+ times).
 struct QuantizedActivations {
-  at::Tensor q;      // (M, K) int8
-  at::Tensor scale;  // (M, K/32) float
-  at::Tensor sum;    // (M, K/32) float: sum of the original values of each block
-  at::Tensor isum;   // (M, K/32) int32: sum of each block's int8 codes
+  at::Tensor storage;
+  int8_t* q;         // (M, K)
+  float* scale;      // (M, K/32)
+  float* sum;        // (M, K/32): sum of the original values of each block
+  int32_t* isum;     // (M, K/32): sum of each block's int8 codes
 };
 
 // x (M, K) float32 -> int8 per block of 32 with scale max|x|/127.
 QuantizedActivations quantize_activations(const at::Tensor& x) {
-  const int64_t M = x.size(0), K = x.size(1), nb = K / QK;
-  QuantizedActivations a{at::empty({M, K}, x.options().dtype(at::kChar)),
-                         at::empty({M, nb}, x.options()), at::empty({M, nb}, x.options()),
-                         at::empty({M, nb}, x.options().dtype(at::kInt))};
+  const int64_t M = x.size(0), K = x.size(1), nb = K / QK;   // K % 32 == 0: the float arrays stay aligned
+  at::Tensor storage = at::empty({M * K + 3 * M * nb * 4}, x.options().dtype(at::kByte));
+  uint8_t* base = storage.data_ptr<uint8_t>();
+  float* scale = reinterpret_cast<float*>(base + M * K);
+  QuantizedActivations a{storage, reinterpret_cast<int8_t*>(base), scale, scale + M * nb,
+                         reinterpret_cast<int32_t*>(scale + 2 * M * nb)};
   const float* src = x.data_ptr<float>();
-  int8_t* q = a.q.data_ptr<int8_t>();
-  float* scale = a.scale.data_ptr<float>();
-  float* sum = a.sum.data_ptr<float>();
-  int32_t* isum = a.isum.data_ptr<int32_t>();
+  int8_t* q = a.q;
+  float* sum = a.sum;
+  int32_t* isum = a.isum;
   at::parallel_for(0, M * nb, 256, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const float* v = src + b * QK;
@@ -200,7 +203,7 @@ template <bool INT4>
 at::Tensor linear(const at::Tensor& x, const Weights& w, int64_t N, const c10::optional<at::Tensor>& bias) {
   const int64_t M = x.size(0), K = x.size(1);
   const QuantizedActivations qa = quantize_activations(x);
-  const Activations a{qa.q.data_ptr<int8_t>(), qa.scale.data_ptr<float>(), qa.sum.data_ptr<float>(), K, K / QK};
+  const Activations a{qa.q, qa.scale, qa.sum, K, K / QK};
   at::Tensor out = at::empty({M, N}, x.options());
   float* y = out.data_ptr<float>();
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { dot_rows<INT4>(w, a, M, n0, n1, y, N); });
@@ -338,9 +341,9 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& qp, const at::Ten
   const QuantizedActivations qa = quantize_activations(x);
   const auto halves = [](const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::Half>()); };
   const PanelWeights w{qp.data_ptr<uint8_t>(), halves(scale), INT4 ? halves(*offset) : nullptr, nb, groups, group / QK};
-  const int8_t* xq = qa.q.data_ptr<int8_t>();
-  const float *xs = qa.scale.data_ptr<float>(), *xsum = qa.sum.data_ptr<float>();
-  const int32_t* isum = qa.isum.data_ptr<int32_t>();
+  const int8_t* xq = qa.q;
+  const float *xs = qa.scale, *xsum = qa.sum;
+  const int32_t* isum = qa.isum;
   at::Tensor out = at::empty({M, P * 16}, x.options());
   float* y = out.data_ptr<float>();
   const int64_t threads = at::get_num_threads();
