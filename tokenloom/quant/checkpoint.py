@@ -25,13 +25,20 @@ from tokenloom.quant.scheme import WeightFormat
 QUANT_METHOD = "tokenloom"
 
 
+OUTPUT_HEAD = "lm_head"
+
+
 def formats_for(quantization: str | None, ckpt, model_cls) -> Callable[[str], WeightFormat | None] | None:
     """Module name -> format for a float or GGUF checkpoint loaded with `--quantization`."""
     if quantization is None:
         return None
     if quantization != "gguf":
         fmt = WeightFormat.parse(quantization)
-        return lambda name: fmt
+        # int4 keeps the output head (and so a tied embedding) at int8, as llama.cpp's quantizer
+        # keeps output.weight at Q6_K/Q8_0: its error reaches every logit (SmolLM2 perplexity
+        # +9.6% -> see docs/BENCHMARKS.md).
+        head = WeightFormat.parse("int8") if fmt.bits == 4 else fmt
+        return lambda name: head if name == OUTPUT_HEAD else fmt
     if ckpt.block_formats is None:
         raise ValueError("--quantization gguf keeps a GGUF file's own Q8_0/Q4_0/Q4_1 blocks, "
                          "but this checkpoint is not a GGUF file; use int8 or int4")
