@@ -93,8 +93,8 @@ def test_decoding_rows_beside_a_prefill_chunk_use_the_kernel_and_match_the_refer
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(6, 2, 32), (9, 3, 64), (4, 4, 80)])
 def test_the_fused_decode_block_equals_rope_then_cache_write_then_attention(heads, kv_heads, head_dim):
-    """rope_attend (one call) against the op-by-op path: the fused rope, index_copy into the
-    cache, the decode kernel. Same bits for the cached keys/values and the output."""
+    """rope_write_decode (one call) against the op-by-op path: the fused rope, index_copy into
+    the cache, the decode kernel. Same bits for the cached keys/values and the output."""
     from tokenloom.models import fused
     from tokenloom.models.layers import rope_cos_sin, apply_rope
     lens = [5, 40, 17]
@@ -112,15 +112,9 @@ def test_the_fused_decode_block_equals_rope_then_cache_write_then_attention(head
     torch_sdpa.write_kv(k_ref, v_ref, qk[:, heads:], qkv[:, (heads + kv_heads) * head_dim:].view(len(lens), kv_heads, head_dim),
                         slots)
     want = cpu_decode.attend(qk[:, :heads], k_ref, v_ref, decode_meta(lens, tables), [0, 1, 2], 0.3)
-    got = cpu_decode.rope_attend(qkv, cos, sin, k_cache, v_cache, meta, heads, 0.3)
-    assert got is not None and got.shape == (len(lens), heads * head_dim)
+    tables_padded, ctx = cpu_decode.decode_inputs(meta)
+    got = cpu_decode.ops().rope_write_decode(qkv, cos, sin, k_cache, v_cache, slots, tables_padded, ctx, heads, 0.3, 0)
+    assert got.shape == (len(lens), heads * head_dim)
     assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
     assert torch.equal(got, want.reshape(len(lens), -1))
 
-
-def test_the_fused_decode_block_declines_a_step_with_a_prefill_chunk():
-    lens = [5, 40]
-    k_cache, v_cache, tables, _ = paged_setup(lens, 4, 4)
-    meta = AttentionMetadata(torch.zeros(4, dtype=torch.long), [0, 1], [1, 3], lens, tables, null_block=NUM_BLOCKS)
-    qkv, cos = torch.randn(4, 12 * D), torch.randn(4, 1, D)
-    assert cpu_decode.rope_attend(qkv, cos, cos, k_cache, v_cache, meta, 4, 0.3) is None

@@ -23,14 +23,14 @@ _SOURCE = Path(__file__).parent / "csrc" / "paged_decode_cpu.cpp"
 BUILDS = (("avx512", "tokenloom_attention512"), ("avx2", "tokenloom_attention"))   # (isa, library), fastest first
 
 
-def _ops():
+def ops():
     """The fastest build of the kernel this CPU runs (torch.ops namespace), or None."""
     return native.fastest(_SOURCE, "paged decode attention kernel", BUILDS)
 
 
 def build() -> bool:
     """Compile and register the kernel (once per process); False where it cannot be."""
-    return _ops() is not None
+    return ops() is not None
 
 
 def usable(q: torch.Tensor, k_cache) -> bool:
@@ -44,6 +44,11 @@ def decode_rows(meta: AttentionMetadata) -> list[int]:
     if "decode_rows" not in meta.derived:
         meta.derived["decode_rows"] = [i for i, n in enumerate(meta.query_lens) if n == 1]
     return meta.derived["decode_rows"]
+
+
+def decode_inputs(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """Padded block tables and context lengths of the step's decoding sequences."""
+    return _inputs(meta, decode_rows(meta))
 
 
 def _inputs(meta: AttentionMetadata, seqs: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,23 +66,5 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: 
            seqs: list[int], scale: float) -> torch.Tensor:
     """q (S, heads, head_dim): the query of each sequence in `seqs` -> (S, heads, head_dim)."""
     tables, ctx = _inputs(meta, seqs)
-    return _ops().paged_decode(q.contiguous(), k_cache, v_cache, tables, ctx, scale, meta.sliding_window or 0)
+    return ops().paged_decode(q.contiguous(), k_cache, v_cache, tables, ctx, scale, meta.sliding_window or 0)
 
-
-def rope_attend(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache, v_cache,
-                meta: AttentionMetadata, num_heads: int, scale: float) -> torch.Tensor | None:
-    """A decode step's attention block in one kernel call, or None where it does not apply.
-
-    qkv (S, (heads + 2 kv_heads) head_dim) = [q | k | v] of one token per sequence, cos/sin
-    (S, 1, head_dim): rotates q and k (the fused rope's arithmetic, same bits), writes k and
-    v into the cache and attends as ``attend`` does -> (S, heads * head_dim). Applies when
-    every sequence of the step decodes, float32 on the CPU with a plain cache, rope over
-    the whole head; otherwise the caller takes the op-by-op path.
-    """
-    if not (usable(qkv, k_cache) and qkv.dim() == 2 and qkv.shape[0] == meta.num_seqs
-            and len(decode_rows(meta)) == meta.num_seqs and cos.shape[-1] == k_cache.shape[-1]
-            and qkv.is_contiguous() and cos.is_contiguous() and sin.is_contiguous() and cos.dtype == torch.float32):
-        return None
-    tables, ctx = _inputs(meta, decode_rows(meta))
-    return _ops().rope_write_decode(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, tables, ctx, num_heads,
-                                    scale, meta.sliding_window or 0)

@@ -10,9 +10,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tokenloom.attention import AttentionMetadata, cpu_decode, paged_attention
+from tokenloom.attention import AttentionMetadata, paged_attention
 from tokenloom.config import ModelConfig
 from tokenloom.kv_cache.paged import PagedKVCache
+from tokenloom.models import llama_decode
 from tokenloom.models.base import CausalLM
 from tokenloom.models.layers import GatedMLP, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
 
@@ -35,10 +36,6 @@ class LlamaAttention(nn.Module):
                 kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
         qkv = self.qkv_proj(x)                                               # (T, q_size + 2 kv_size)
-        if not self.qk_norm:    # every sequence decoding on the CPU: rope, cache write, attention in one call
-            fused = cpu_decode.rope_attend(qkv, cos, sin, kv[0], kv[1], meta, self.num_heads, self.scale)
-            if fused is not None:
-                return self.o_proj(fused)
         v = qkv[:, self.q_size + self.kv_size:].view(T, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q = self.q_norm(qkv[:, :self.q_size].view(T, self.num_heads, self.head_dim))
@@ -109,6 +106,8 @@ class LlamaForCausalLM(CausalLM):
     def forward(self, input_ids, positions, meta, kv_cache: PagedKVCache):
         h = self.model.embed_tokens(input_ids)                        # (T, hidden)
         cos, sin = rope_cos_sin(self.inv_freq, positions, h.dtype)    # each (T, 1, head_dim)
+        if llama_decode.applies(self, h, cos, meta, kv_cache):       # every sequence decoding, float32 CPU
+            return llama_decode.run(self, h, cos, sin, meta, kv_cache)
         residual = None
         for i, layer in enumerate(self.model.layers):
             h, residual = layer(h, residual, cos, sin, kv_cache.layer(i), meta)
