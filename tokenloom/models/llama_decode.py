@@ -32,7 +32,6 @@ def run(model, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: Atte
     """h (S, hidden) embeddings of one token per sequence -> final normed hidden (S, hidden);
     writes each layer's keys/values. Call only where ``applies``."""
     attend = cpu_decode.ops().rope_write_decode
-    add_norm, silu_mul = torch.ops.tokenloom_fused.add_rms_norm, torch.ops.tokenloom_fused.silu_mul
     tables, ctx = cpu_decode.decode_inputs(meta)
     slots, window = meta.slot_mapping, meta.sliding_window or 0
     first = model.model.layers[0].self_attn
@@ -43,10 +42,10 @@ def run(model, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: Atte
         if residual is None:
             residual, x = h, fused.rms_norm(h, ln1.weight, ln1.eps)
         else:
-            x, residual = add_norm(h, residual, ln1.weight, ln1.eps)
+            x, residual = fused.add_rms_norm(h, residual, ln1.weight, ln1.eps)
         a = attend(attn.qkv_proj.forward(x), cos, sin, kv_cache.keys[i], kv_cache.values[i], slots, tables, ctx,
                    heads, scale, window)                                       # (S, heads * head_dim)
-        x, residual = add_norm(attn.o_proj.forward(a), residual, ln2.weight, ln2.eps)
-        h = mlp.down_proj.forward(silu_mul(mlp.gate_up_proj.forward(x)))
+        x, residual = fused.add_rms_norm(attn.o_proj.forward(a), residual, ln2.weight, ln2.eps)
+        h = mlp.down_proj.forward(fused.silu_mul(mlp.gate_up_proj.forward(x)))
     norm = model.model.norm
-    return add_norm(h, residual, norm.weight, norm.eps)[0]
+    return fused.add_rms_norm(h, residual, norm.weight, norm.eps)[0]

@@ -61,6 +61,4 @@ def panels_available() -> bool:
 
 def panel_linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
     """x (M, K) float32 contiguous, w a QuantizedTensor in the panel layout (panels.py) -> (M, N)."""
-    if w.bits == 8:
-        return _ops().panel_linear_int8(x, w.data, w.scales, w.group_size, bias)
-    return _ops().panel_linear_int4(x, w.data, w.scales, w.offsets, w.group_size, bias)
+    return bind(w, bias, panel_layout=True)(x)
