@@ -11,6 +11,7 @@ import itertools
 import logging
 import time
 
+from tokenloom.allocator import keep_freed_memory
 from tokenloom.config import EngineConfig, parse_dtype
 from tokenloom.detokenizer import IncrementalDetokenizer
 from tokenloom.explain.annotate import annotate
@@ -37,6 +38,8 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, progress: bool = False) -> None:
         self.config = config
+        if str(config.device).startswith("cpu"):
+            keep_freed_memory()            # large activations reuse mapped pages (allocator.py)
         loaded = load_model(config.model, config.dtype, config.device, config.max_model_len, progress,
                             quantization=config.quantization)
         self.model_config = loaded.config
