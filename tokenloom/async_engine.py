@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from tokenloom.allocator import keep_freed_memory
 from tokenloom.config import EngineConfig
 from tokenloom.engine import LLMEngine
 from tokenloom.metrics import EngineStats
@@ -157,4 +158,5 @@ class AsyncLLMEngine:
 
 
 def _engine_thread() -> ThreadPoolExecutor:
+    keep_freed_memory()     # before the thread exists, so that it allocates from the kept heap
     return ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenloom-engine")

@@ -38,8 +38,7 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, progress: bool = False) -> None:
         self.config = config
-        if str(config.device).startswith("cpu"):
-            keep_freed_memory()            # large activations reuse mapped pages (allocator.py)
+        keep_freed_memory()                # large activations reuse mapped pages (allocator.py)
         loaded = load_model(config.model, config.dtype, config.device, config.max_model_len, progress,
                             quantization=config.quantization)
         self.model_config = loaded.config
