@@ -23,10 +23,11 @@ def test_packed_linear_matches_linear(rows, bias):
 
 
 @needs_panel_kernel
-@pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 16, 23, 64, 300])
+@pytest.mark.parametrize("rows", [1, 2, 4, 5, 8, 9, 12, 14, 15, 16, 23, 64, 300])
 @pytest.mark.parametrize("in_features,out_features,bias", [(48, 200, False), (37, 16, True), (576, 1000, True)])
 def test_panel_linear_matches_linear(rows, in_features, out_features, bias):
-    """Every row-block size (1-8 rows and remainders), widths that are not whole panels, bias."""
+    """Each blocking (one block up to 14 rows, 8-row blocks and remainders beyond), with and
+    without the next panels fetched ahead (4+ rows), widths that are not whole panels, bias."""
     torch.manual_seed(rows)
     ref = nn.Linear(in_features, out_features, bias=bias)
     x = torch.randn(rows, in_features)
@@ -44,6 +45,18 @@ def test_panel_linear_keeps_leading_dims_and_is_batch_invariant_bit_for_bit():
         assert batched.shape == (2, 17, 130)
         for b, t in [(0, 0), (0, 8), (1, 16), (1, 3)]:
             assert torch.equal(layer(x[b, t:t + 1]), batched[b, t:t + 1])   # alone == among 33 others
+
+
+@needs_panel_kernel
+def test_panel_linear_rows_are_the_same_bits_under_every_blocking():
+    """Calls of 1-40 rows use every block height and prefetch choice; row i never changes."""
+    torch.manual_seed(1)
+    layer = PanelLinear(nn.Linear(576, 1000, bias=True))
+    x = torch.randn(40, 576)
+    with torch.inference_mode():
+        alone = torch.cat([layer(x[i:i + 1]) for i in range(40)])
+        for rows in range(2, 41):
+            assert torch.equal(layer(x[:rows]), alone[:rows]), f"{rows} rows"
 
 
 def test_every_float32_projection_is_packed_and_tied_embedding_survives(tiny_model_dir):
