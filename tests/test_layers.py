@@ -134,3 +134,33 @@ def test_a_kernel_is_rebuilt_when_a_header_it_includes_changes(tmp_path):
     before = native._text_with_headers(source)
     (tmp_path / "h.h").write_text("inline int g() { return 2; }\n")
     assert native._text_with_headers(source) != before
+
+
+@needs_panel_kernel
+@pytest.mark.parametrize("bias", [False, True])
+def test_panel_silu_mul_epilogue_is_the_same_bits_as_linear_then_fused_silu_mul(bias):
+    """Every blocking of the gated kernel (1-14 rows in one block, 6-row blocks beyond),
+    pre-activations from -100 to 100 (exp over- and underflow), with and without bias."""
+    from tokenloom.models import fused
+    if not fused.build():
+        pytest.skip("fused ops not built")
+    torch.manual_seed(2)
+    ref = nn.Linear(64, 2 * 96, bias=bias)
+    with torch.no_grad():
+        ref.weight.mul_(8.0)
+    layer = PanelLinear(ref)
+    assert layer.pairs_gate_up
+    x = torch.randn(40, 64) * torch.logspace(-3, 1.3, 40)[:, None]     # rows from tiny to huge
+    with torch.inference_mode():
+        assert layer(x).abs().max() > 100                                  # exp(-g) over- and underflows
+        for rows in (1, 5, 6, 9, 14, 15, 23, 40):
+            expected = fused.silu_mul(layer(x[:rows]))
+            assert torch.equal(layer.silu_mul(x[:rows]), expected), f"{rows} rows"
+
+
+def test_gated_mlp_picks_the_epilogue_only_for_whole_panel_halves():
+    kind_ok = PanelLinear.supports(nn.Linear(16, 16))
+    if not kind_ok:
+        pytest.skip("needs the panel kernel")
+    assert PanelLinear(nn.Linear(8, 64)).pairs_gate_up
+    assert not PanelLinear(nn.Linear(8, 48)).pairs_gate_up            # halves of 24: not whole panels

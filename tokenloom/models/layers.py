@@ -14,6 +14,7 @@ from torch import nn
 
 from tokenloom.config import RopeConfig
 from tokenloom.models import fused
+from tokenloom.models.prepacked import PanelLinear
 
 
 class RMSNorm(nn.Module):
@@ -108,8 +109,17 @@ class GatedMLP(nn.Module):
         self.intermediate = intermediate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)                                    # (T, 2 intermediate)
+        return self.down_proj(self.gated(x))
+
+    def gated(self, x: torch.Tensor) -> torch.Tensor:
+        """x (T, hidden) -> act(gate(x)) * up(x), (T, intermediate): in the panel kernel's
+        epilogue where it can (the (T, 2 intermediate) product never reaches memory), else
+        one fused op after the matmul, else torch ops."""
+        proj = self.gate_up_proj
+        if self.act is F.silu and isinstance(proj, PanelLinear) and proj.pairs_gate_up:
+            return proj.silu_mul(x)
+        gate_up = proj(x)                                                 # (T, 2 intermediate)
         if self.act is F.silu and gate_up.dim() == 2 and gate_up.stride(1) == 1 and fused.enabled(gate_up):
-            return self.down_proj(fused.silu_mul(gate_up))
+            return fused.silu_mul(gate_up)
         gate, up = gate_up.split(self.intermediate, dim=-1)               # each (T, intermediate)
-        return self.down_proj(self.act(gate) * up)
+        return self.act(gate) * up

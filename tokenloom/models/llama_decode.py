@@ -46,6 +46,6 @@ def run(model, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: Atte
         a = attend(attn.qkv_proj.forward(x), cos, sin, kv_cache.keys[i], kv_cache.values[i], slots, tables, ctx,
                    heads, scale, window)                                       # (S, heads * head_dim)
         x, residual = fused.add_rms_norm(attn.o_proj.forward(a), residual, ln2.weight, ln2.eps)
-        h = mlp.down_proj.forward(fused.silu_mul(mlp.gate_up_proj.forward(x)))
+        h = mlp.down_proj.forward(mlp.gated(x))
     norm = model.model.norm
     return fused.add_rms_norm(h, residual, norm.weight, norm.eps)[0]

@@ -60,6 +60,16 @@ class PanelLinear(_PrepackedLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.tokenloom_panel.linear(x, self.panels, self.out_features, self.bias)
 
+    @property
+    def pairs_gate_up(self) -> bool:
+        """A gated MLP's gate_up weight splits into gate and up halves of whole panels."""
+        return self.out_features % (2 * 16) == 0
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """For a gate_up weight (gate rows, then up rows): x (..., in) -> silu(gate) * up
+        (..., out / 2) in the kernel's epilogue; the same bits as forward then fused.silu_mul."""
+        return torch.ops.tokenloom_panel.linear_silu_mul(x, self.panels, self.bias)
+
 
 class PackedLinear(_PrepackedLinear):
     """nn.Linear with its weight prepacked once in oneDNN's blocked layout; same forward contract.
