@@ -105,3 +105,37 @@ def test_one_thread_builds_the_engine_and_runs_every_step(default_model_dir):
     engine.close()
     with pytest.raises(RuntimeError):              # the thread is gone
         engine.run_on_engine_thread(threading.get_ident)
+
+
+def test_a_request_submitted_on_finishing_joins_the_next_step(async_engine):
+    """A client that submits its next request when the previous one finishes (a closed loop)
+    is in the very next step: with one long request beside it, every step has two requests."""
+    engine = async_engine.engine
+    known_per_step = []
+    real_step = engine.step
+
+    def counting_step():
+        known_per_step.append(len(engine.requests))
+        return real_step()
+
+    async def closed_loop_client():
+        for prompt in PROMPTS:
+            await collect(async_engine, prompt, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+
+    async def main():
+        try:
+            long = asyncio.ensure_future(collect(async_engine, PROMPTS[0], SamplingParams(
+                temperature=0, max_tokens=40, ignore_eos=True)))
+            await asyncio.sleep(0)
+            await closed_loop_client()
+            known_per_step.append(None)                      # the client's last request is done
+            await long
+        finally:
+            await async_engine.shutdown()
+    engine.step = counting_step
+    try:
+        asyncio.run(main())
+    finally:
+        del engine.step
+    while_client_ran = known_per_step[:known_per_step.index(None)]
+    assert len(while_client_ran) >= 9 and set(while_client_ran) == {2}, while_client_ran
