@@ -56,6 +56,44 @@ def test_prefix_hit_skips_cached_blocks():
     assert b.is_finished
 
 
+def test_requests_arriving_together_compute_a_shared_prefix_once():
+    """b and c share a's 3-block system prompt: they wait one step, then hit it."""
+    e = FakeEngine(num_blocks=32, block_size=4)
+    system = list(range(50, 62))                       # 3 full blocks
+    e.add("a", system + [1, 2], max_tokens=3)
+    e.add("b", system + [3, 4, 5], max_tokens=3)
+    e.add("c", system + [6], max_tokens=3)
+    e.add("d", [7, 8, 9], max_tokens=3)                # unrelated, but behind b (FCFS)
+    e.step()
+    assert e.log[-1] == [("a", 14)]
+    e.step()
+    assert e.log[-1] == [("a", 1), ("b", 3), ("c", 1), ("d", 3)]   # 12 prompt tokens each from the cache
+    assert e.blocks.stats.hit_tokens == 24
+    e.run()                                            # check_integrity() after every step
+    assert all(r.is_finished for r in e.requests.values()) and e.blocks.num_free_blocks == 32
+
+
+def test_a_shared_prefix_in_chunked_prefill_is_waited_for_until_computed():
+    e = FakeEngine(num_blocks=32, block_size=4, max_num_batched_tokens=8)
+    system = list(range(50, 66))                       # 4 full blocks, two 8-token chunks
+    e.add("a", system + [1], max_tokens=2)
+    e.add("b", system + [2], max_tokens=2)
+    e.step()
+    e.step()
+    assert e.log == [[("a", 8)], [("a", 8)]]           # b waits while a computes blocks it needs
+    e.step()
+    assert e.log[-1] == [("a", 1), ("b", 1)]           # a's last prompt token; b: 16 from the cache + 1
+
+
+def test_without_prefix_caching_requests_are_admitted_together():
+    e = FakeEngine(num_blocks=32, block_size=4, prefix_caching=False)
+    system = list(range(50, 62))
+    e.add("a", system + [1, 2], max_tokens=1)
+    e.add("b", system + [3], max_tokens=1)
+    e.step()
+    assert e.log[-1] == [("a", 14), ("b", 13)]
+
+
 def test_newest_request_is_preempted_and_recomputed():
     # 6 blocks of 4: a and b (prompt 8 each) fill 4 blocks; growing needs more than there are.
     e = FakeEngine(num_blocks=6, block_size=4, prefix_caching=False)

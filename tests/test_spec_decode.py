@@ -122,7 +122,7 @@ def test_greedy_speculation_is_token_identical(plain_llm, default_model_dir, tin
 
 
 def test_speculation_survives_preemption_and_keeps_blocks_exact(default_model_dir):
-    prompts = [f"{TEXT} {TEXT} {i}" for i in range(6)]
+    prompts = [f"{i}: {TEXT} {TEXT}" for i in range(6)]   # distinct from the first block: no shared prefix
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     tiny_cache = 21 * 16 * 46080          # 20 blocks of 16 tokens (+ the null block) at 46080 B per token
     plain = LLM(str(default_model_dir), kv_cache_memory=tiny_cache)

@@ -13,6 +13,10 @@ after preemption are all that one rule:
    there is budget, a sequence slot and blocks; an admitted prompt starts after
    its longest cached prefix. Nobody overtakes the head of the queue (FCFS), and
    since preemption always takes the newest, the oldest request always progresses.
+   With prefix caching, the head also waits while its next uncached prompt block is
+   one that a running request has yet to compute (this step or a later chunk): requests
+   that arrive together with a shared system prompt compute it once, then hit it,
+   instead of each computing it side by side in the same step.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ class Scheduler:
         self.waiting: list[Request] = []       # sorted by arrival
         self.running: list[Request] = []       # sorted by arrival
         self.num_preemptions = 0
+        self._prompt_hashes: dict[str, list[int]] = {}   # per request: its full prompt blocks' hashes
 
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
         """ValueError if a request this long could never fit in the whole cache."""
@@ -99,9 +104,12 @@ class Scheduler:
         return []
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        uncomputed = self._blocks_in_flight()
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             hits, partial = self._cached_prefix(req)
+            if uncomputed and self._next_block_in_flight(req, len(hits), uncomputed):
+                break                                  # hit it next step instead of computing it twice
             computed = len(hits) * self.blocks.block_size + (partial[1] if partial else 0)
             n = min(req.num_tokens - computed, budget)
             if not self.blocks.allocate(req.request_id, computed + n, cached_prefix=hits, partial=partial):
@@ -114,6 +122,29 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             bisect.insort(self.running, req, key=_by_arrival)
             budget -= self._emit(out, req, n)
+            if self.blocks.enable_prefix_caching:
+                uncomputed.update(self._hashes_of(req)[computed // self.blocks.block_size:])
+
+    def _hashes_of(self, req: Request) -> list[int]:
+        """Hashes of req's full prompt blocks (computed once per request)."""
+        if req.request_id not in self._prompt_hashes:
+            self._prompt_hashes[req.request_id] = self.blocks.prefix_hashes(req.prompt_token_ids)
+        return self._prompt_hashes[req.request_id]
+
+    def _blocks_in_flight(self) -> set[int]:
+        """Hashes of the prompt blocks running requests have still to compute (none without caching)."""
+        if not self.blocks.enable_prefix_caching:
+            return set()
+        bs = self.blocks.block_size
+        return {h for r in self.running if r.num_computed_tokens < r.num_prompt_tokens
+                for h in self._hashes_of(r)[r.num_computed_tokens // bs:]}
+
+    def _next_block_in_flight(self, req: Request, num_hits: int, in_flight: set[int]) -> bool:
+        """req's first prompt block after its cached prefix is being computed by another request."""
+        if req.params.prompt_logprobs is not None:     # scoring recomputes its whole prompt anyway
+            return False
+        hashes = self._hashes_of(req)
+        return num_hits < len(hashes) and hashes[num_hits] in in_flight
 
     def _cached_prefix(self, req: Request):
         """The full cached blocks, and a remembered partial block after them, that req starts
@@ -175,6 +206,7 @@ class Scheduler:
             self.blocks.cache_full_blocks(request.request_id, request.all_token_ids, computed_tokens)
             self.blocks.remember_partial(request.request_id, request.all_token_ids, computed_tokens)
         self.blocks.free(request.request_id)
+        self._prompt_hashes.pop(request.request_id, None)
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:

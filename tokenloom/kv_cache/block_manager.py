@@ -97,6 +97,10 @@ class BlockManager:
             hashes.append(hash((parent, tuple(token_ids[i * bs:(i + 1) * bs]))))
         return hashes
 
+    def prefix_hashes(self, token_ids: list[int]) -> list[int]:
+        """The chained hashes of every full block of `token_ids` (what a full block is cached under)."""
+        return self._chain(token_ids, [], len(token_ids) // self.block_size)
+
     def find_cached_prefix(self, token_ids: list[int]) -> list[Block]:
         """The cached blocks holding the longest prefix of `token_ids` (not yet referenced).
 
