@@ -104,6 +104,8 @@ class Scheduler:
         return []
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        if not self.waiting:
+            return
         uncomputed = self._blocks_in_flight()
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
