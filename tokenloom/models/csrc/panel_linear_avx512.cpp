@@ -86,9 +86,7 @@ inline void micro(const float* x, const float* wp, int64_t up, int64_t K, float*
   for (int64_t k = 0; k < K; ++k) {
     __m512 w[NZ];
     for (int j = 0; j < NZ; ++j) w[j] = _mm512_loadu_ps(w0[j] + k * NP);
-    if ((k & 3) == 0)  // one cache line every 4 k per panel: fetch 16 k ahead
-      for (int j = 0; j < NZ; ++j) _mm_prefetch((const char*)(w0[j] + (k + 16) * NP), _MM_HINT_T0);
-    pf.step();
+    if (pf.per_k) pf.step();
     for (int m = 0; m < MR; ++m) {
       const __m512 xb = _mm512_set1_ps(x[m * K + k]);
       for (int j = 0; j < NZ; ++j) acc[m][j] = _mm512_fmadd_ps(xb, w[j], acc[m][j]);
@@ -170,9 +168,13 @@ constexpr auto kBlock = block_kernels_upto<KIND>(std::make_integer_sequence<int,
 template <Kind KIND>
 inline int64_t block_rows(int64_t M) { return M <= MB_MAX ? M : KIND == Kind::Glu ? 6 : MB; }
 
-// Below this many rows the next sweep's panels are left to the hardware prefetchers (explicit
-// fetching slowed 1-2 rows by ~1 ms per 121 projections and sped up 4-64 rows by 1-5 ms).
+// Outside [PREFETCH_MIN_ROWS, PREFETCH_MAX_ROWS] rows the next sweep's panels are left to the
+// hardware prefetchers. Explicit fetching slowed 1-2 rows by ~1 ms per 121 projections and
+// sped up 4-64 rows by 1-5 ms; above 64 rows, where a sweep's panels are reused by several row
+// blocks from L2, it cost 3-8% (SmolLM2's 120 projections at 1024 rows 641 -> 570 ms without
+// it and without the per-k L1 fetch the micro kernel used to issue).
 constexpr int64_t PREFETCH_MIN_ROWS = 4;
+constexpr int64_t PREFETCH_MAX_ROWS = 64;
 
 // Row blocks [r0, r1) x output panels [c0, c1). Every block also fetches its share of panels
 // [c1, c2) (the next sweep's) into L2, spread over its k steps, so that DRAM streams the
@@ -181,7 +183,8 @@ template <Kind KIND>
 void sweep(const float* xp, const Block& blk, int64_t r0, int64_t r1, int64_t c0, int64_t c1, int64_t c2,
            int64_t mb) {
   const int64_t blocks = (r1 - r0 + mb - 1) / mb, K = blk.K;
-  const int64_t lines = r1 - r0 < PREFETCH_MIN_ROWS ? 0 : (c2 - c1) * K * NP * int64_t(sizeof(float)) / 64;
+  const bool fetch = r1 - r0 >= PREFETCH_MIN_ROWS && r1 - r0 <= PREFETCH_MAX_ROWS;
+  const int64_t lines = fetch ? (c2 - c1) * K * NP * int64_t(sizeof(float)) / 64 : 0;
   const int ranges = panels_per_output<KIND>();
   Prefetch pf;
   const char* next[2] = {reinterpret_cast<const char*>(blk.wp + c1 * K * NP),
