@@ -18,6 +18,9 @@
 // Measured on the 2-core Xeon (AVX-512) over SmolLM2-135M's 121 projections (651 MB):
 // 1 row 18.8 ms, 8 rows 22.6, 12 rows 25.5 (30.4 with 8-row blocks and no L2 fetch),
 // 32 rows 38.5 (43.5), 64 rows 61.8 (65.7), 190 rows 119 (116), 1024 rows 591 (~600).
+// Since (even L2 fetches up to 160 rows, none above), over the 120 layer projections
+// (424 MB; oneDNN's prepacked linear in brackets): 12 rows 20.9 ms (26.3), 32 rows 30.6
+// (36.9), 64 rows 46.0 (59.3), 128 rows 81.5 (89.8), 190 rows 119 (117), 1024 rows 577 (541).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -47,14 +50,20 @@ at::Tensor pack(const at::Tensor& w) {
 
 // Cache lines of the next panels to fetch into L2 while a row block computes from the current
 // ones (which an earlier row block already brought in): DRAM and FMAs overlap. Up to two
-// ranges (a gated MLP's gate and up panels).
+// ranges (a gated MLP's gate and up panels). The fetches are spread evenly over the block's
+// k steps (`lines` per `steps`, Bresenham-style): issued in a burst, each waiting fetch holds
+// one of the core's few fill buffers and starves the kernel's own L2 -> L1 loads (evenly:
+// 121 projections at 35 rows 33.9 -> 31.2 ms, 64 rows 50.7 -> 45.8, 128 rows 84.4 -> 80.5).
 struct Prefetch {
   const char* next[2] = {nullptr, nullptr};  // next line to fetch per range
   int64_t left[2] = {0, 0};                  // lines still to fetch per range
-  int64_t per_k = 0;                         // lines per k step
+  int64_t lines = 0, steps = 1;              // fetch `lines` lines over `steps` k steps
+  int64_t credit = 0;                        // lines owed x steps, carried between k steps
 
   inline void step() {
-    for (int64_t i = 0; i < per_k; ++i) {
+    credit += lines;
+    while (credit >= steps) {
+      credit -= steps;
       const int r = left[0] > 0 ? 0 : 1;
       if (left[r] == 0) return;
       _mm_prefetch(next[r], _MM_HINT_T1);
@@ -86,7 +95,7 @@ inline void micro(const float* x, const float* wp, int64_t up, int64_t K, float*
   for (int64_t k = 0; k < K; ++k) {
     __m512 w[NZ];
     for (int j = 0; j < NZ; ++j) w[j] = _mm512_loadu_ps(w0[j] + k * NP);
-    if (pf.per_k) pf.step();
+    if (pf.lines) pf.step();
     for (int m = 0; m < MR; ++m) {
       const __m512 xb = _mm512_set1_ps(x[m * K + k]);
       for (int j = 0; j < NZ; ++j) acc[m][j] = _mm512_fmadd_ps(xb, w[j], acc[m][j]);
@@ -170,11 +179,11 @@ inline int64_t block_rows(int64_t M) { return M <= MB_MAX ? M : KIND == Kind::Gl
 
 // Outside [PREFETCH_MIN_ROWS, PREFETCH_MAX_ROWS] rows the next sweep's panels are left to the
 // hardware prefetchers. Explicit fetching slowed 1-2 rows by ~1 ms per 121 projections and
-// sped up 4-64 rows by 1-5 ms; above 64 rows, where a sweep's panels are reused by several row
-// blocks from L2, it cost 3-8% (SmolLM2's 120 projections at 1024 rows 641 -> 570 ms without
-// it and without the per-k L1 fetch the micro kernel used to issue).
+// sped up 4-160 rows by 1-5 ms; from ~190 rows it gained nothing, and from 512 rows (when x
+// no longer leaves L2 room for two sweeps' panels) it cost 4-6%. (A per-k L1 fetch the micro
+// kernel used to issue cost 3-8% at 190+ rows: 1024 rows 641 -> 570 ms without it.)
 constexpr int64_t PREFETCH_MIN_ROWS = 4;
-constexpr int64_t PREFETCH_MAX_ROWS = 64;
+constexpr int64_t PREFETCH_MAX_ROWS = 160;
 
 // Row blocks [r0, r1) x output panels [c0, c1). Every block also fetches its share of panels
 // [c1, c2) (the next sweep's) into L2, spread over its k steps, so that DRAM streams the
@@ -198,7 +207,9 @@ void sweep(const float* xp, const Block& blk, int64_t r0, int64_t r1, int64_t c0
       pf.next[r] = next[r] + ((lines * b) / blocks) * 64;
       pf.left[r] = share;
     }
-    pf.per_k = (ranges * share + calls * K - 1) / (calls * K);
+    pf.lines = ranges * share;
+    pf.steps = calls * K;
+    pf.credit = 0;
     Block rows_out = blk;
     rows_out.y += m0 * blk.N;
     kernel.fn(xp + m0 * K, rows_out, c0, c1, pf);
