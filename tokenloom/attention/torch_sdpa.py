@@ -2,7 +2,8 @@
 
 Prefill chunks run one SDPA call per sequence. On the CPU in float32, every
 one-query (decoding) sequence goes to a compiled kernel reading the blocks in place
-(cpu_decode.py). Elsewhere a pure-decode batch runs as one padded call: one gather of every sequence's blocks
+(cpu_decode.py), and on AVX-512 CPUs so do prompt chunks of up to 2048 positions of
+context (cpu_prefill.py). Elsewhere a pure-decode batch runs as one padded call: one gather of every sequence's blocks
 and a mask that hides each sequence's padding, so a sequence still attends to
 exactly its own context whatever its batch companions are.
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tokenloom.attention import cpu_decode
+from tokenloom.attention import cpu_decode, cpu_prefill
 from tokenloom.attention.metadata import AttentionMetadata
 from tokenloom.kv_cache.paged import Int8Cache
 
@@ -80,13 +81,17 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if decoding:
         rows = [meta.query_start[i] for i in decoding]
         out[rows] = cpu_decode.attend(q[rows], k_cache, v_cache, meta, decoding, scale)
+    prompts = cpu_prefill.prefill_rows(meta) if cpu_prefill.usable(q, k_cache) else []
+    if prompts:
+        cpu_prefill.attend_into(out, q, k_cache, v_cache, meta, prompts, scale)
+    done = set(prompts)
     # An int8 cache is always read back, so a prompt attends to the same (quantized) keys
     # whether it is prefilled whole, in chunks, or found in the prefix cache.
     quantized = isinstance(k_cache, Int8Cache)
-    for start, q_len, ctx_len, table in zip(meta.query_start, meta.query_lens,
-                                            meta.context_lens, meta.block_tables):
-        if decoding and q_len == 1:
-            continue                                                     # done by the kernel above
+    for i, (start, q_len, ctx_len, table) in enumerate(zip(meta.query_start, meta.query_lens,
+                                                           meta.context_lens, meta.block_tables)):
+        if (decoding and q_len == 1) or i in done:
+            continue                                                     # done by a kernel above
         qi = q[start:start + q_len].transpose(0, 1)[None]         # (1, heads, q_len, head_dim)
         if q_len == ctx_len and not quantized:   # whole context is this step's: no need to read the cache
             ki = k[start:start + q_len].transpose(0, 1)            # (kv_heads, q_len, head_dim)

@@ -1,0 +1,222 @@
+// Causal attention for prompt chunks (several queries per sequence), float32, AVX-512,
+// reading the keys and values from the paged cache where they lie.
+//
+// q (T, H, D) holds every row of the step; sequence s owns rows [q_starts[s], + q_lens[s]),
+// at positions ctx_lens[s] - q_lens[s] ... ctx_lens[s] - 1, and its keys/values (this step's
+// already written) are in blocks tables[s] of k_cache/v_cache (num_blocks + 1, block_size,
+// KVH, D). A query at position p attends to positions t <= p (and t > p - window when
+// window > 0). Only the listed sequences' rows of out (T, H, D) are written.
+//
+// One task = 16 query rows of one sequence and one head, the 16 queries side by side in the
+// lanes of a zmm: q is transposed once per task (qt[d] = lane j's q[d]), so for every key t
+// the 16 scores are one FMA chain over d = 0..D-1 with k_t[d] broadcast, the softmax runs
+// lane-wise, and the output is a chain over t of v_t[d] broadcast times the 16 weights. No
+// key tile is ever transposed and the FMA units stay busy. Against torch's flash attention
+// (one call per sequence, 9 heads / 3 kv heads of 64, 2-core Xeon): 64 prompts of 16-192
+// tokens 7.8 vs 15 ms, one of 512 1.3 vs 2.6 ms, 2048 even, 4096 104 vs 79 ms (each task
+// rereads its head's keys and values from L3 at that length; cpu_prefill.py routes such
+// contexts to torch). Every query row is computed by the same chains in the same order
+// whichever rows share its task: keys masked for it (past its position) add exactly zero.
+// So a row's output is the same bits whether its prompt is prefilled whole, in chunks, after
+// a prefix-cache hit, or batched with other prompts.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/library.h>
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <vector>
+
+extern "C" __m512 Sleef_expf16_u10avx512f(__m512);  // in libtorch_cpu (1-ulp exp, 16 lanes)
+
+namespace {
+
+constexpr int64_t QT = 16;  // query rows per task (zmm lanes)
+
+struct Task {
+  int64_t seq, head, first;  // sequence, query head, first query row of the chunk (0-based in it)
+  int64_t cost;              // keys read (for scheduling the longest first)
+};
+
+struct Layout {
+  const float *q, *kc, *vc;
+  float* out;
+  const int64_t *tables, *q_starts, *q_lens, *ctx_lens;
+  int64_t H, KVH, D, BS, W;
+  float scale;
+  int64_t window;
+};
+
+// Rows of positions [t_lo, t_hi) of kv head g in the key and the value cache, walked through
+// the sequence's block table (no division per position).
+struct Rows {
+  std::vector<const float*> k, v;
+  void fill(const Layout& l, const int64_t* table, int64_t g, int64_t t_lo, int64_t t_hi) {
+    k.resize(t_hi - t_lo);
+    v.resize(t_hi - t_lo);
+    int64_t block = t_lo / l.BS, offset = t_lo % l.BS;
+    for (int64_t t = 0; t < t_hi - t_lo; ++t) {
+      const int64_t at = ((table[block] * l.BS + offset) * l.KVH + g) * l.D;
+      k[t] = l.kc + at;
+      v[t] = l.vc + at;
+      if (++offset == l.BS) offset = 0, ++block;
+    }
+  }
+};
+
+// Scores of the n keys in rows.k for the task's 16 queries (qt[d * 16 + lane]) into
+// st[t * 16 + lane]: scale * sum_d q[d] k_t[d] (one chain over d), -inf where a lane may not
+// attend to position t_lo + t. Each key tile is copied first: contiguous rows give its 16
+// broadcasts one base register. Returns the lane-wise maximum.
+template <int D>
+__m512 scores(const float* qt, const Rows& rows, int64_t t_lo, __m512i pos, const Layout& l, float* st) {
+  const __m512 scale = _mm512_set1_ps(l.scale), ninf = _mm512_set1_ps(-INFINITY);
+  const int64_t n = static_cast<int64_t>(rows.k.size());
+  alignas(64) float keys[16 * D];
+  __m512 top = ninf;
+  for (int64_t t0 = 0; t0 < n; t0 += 16) {
+    const int m = static_cast<int>(std::min<int64_t>(16, n - t0));
+    for (int i = 0; i < 16; ++i) std::copy_n(rows.k[t0 + std::min(i, m - 1)], D, keys + i * D);
+    __m512 acc[16];
+    for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+    for (int d = 0; d < D; ++d) {
+      const __m512 qd = _mm512_load_ps(qt + d * QT);
+      for (int i = 0; i < 16; ++i) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(keys[i * D + d]), qd, acc[i]);
+    }
+    for (int i = 0; i < m; ++i) {
+      const __m512i t = _mm512_set1_epi32(static_cast<int>(t_lo + t0 + i));
+      __mmask16 ok = _mm512_cmple_epi32_mask(t, pos);                          // t <= p
+      if (l.window > 0) ok &= _mm512_cmpgt_epi32_mask(t, _mm512_sub_epi32(pos, _mm512_set1_epi32(l.window)));
+      const __m512 sc = _mm512_mask_mov_ps(ninf, ok, _mm512_mul_ps(acc[i], scale));
+      _mm512_storeu_ps(st + (t0 + i) * QT, sc);
+      top = _mm512_max_ps(top, sc);
+    }
+  }
+  return top;
+}
+
+// st <- exp(st - top) lane-wise; returns the lane-wise sums (one chain over t per lane).
+inline __m512 exponentiate(float* st, int64_t n, __m512 top) {
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t t = 0; t < n; ++t) {
+    const __m512 e = Sleef_expf16_u10avx512f(_mm512_sub_ps(_mm512_loadu_ps(st + t * QT), top));
+    _mm512_storeu_ps(st + t * QT, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  return sum;
+}
+
+// out rows of the task's queries (lanes j < m) for head h = (sum_t w_t[j] v_t[d]) / sum[j]:
+// for 16 columns of d at a time, query j's accumulator is a chain over t of its weight
+// (broadcast from st) times v_t's columns. Keys go in runs of TB, the partial sums parked in
+// the output rows between runs (the chain's order is unchanged), so a run's weights stay in
+// L1 while every column group reads them.
+constexpr int64_t TB = 256;
+template <int D>
+void values(const float* st, const Rows& rows, const float* inv, float* const* out_rows, int m, int64_t h) {
+  const int64_t n = static_cast<int64_t>(rows.v.size());
+  for (int64_t t0 = 0; t0 < n; t0 += TB) {
+    const int64_t t1 = std::min(n, t0 + TB);
+    for (int c = 0; c < D / 16; ++c) {
+      __m512 acc[QT];
+      for (int j = 0; j < QT; ++j) acc[j] = t0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(out_rows[j] + h * D + 16 * c);
+      for (int64_t t = t0; t < t1; ++t) {
+        const __m512 v = _mm512_loadu_ps(rows.v[t] + 16 * c);
+        const float* w = st + t * QT;
+        for (int j = 0; j < QT; ++j) acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(w[j]), v, acc[j]);
+      }
+      for (int j = 0; j < m; ++j)
+        _mm512_storeu_ps(out_rows[j] + h * D + 16 * c, t1 == n ? _mm512_mul_ps(acc[j], _mm512_set1_ps(inv[j])) : acc[j]);
+    }
+  }
+}
+
+// The task's 16 query rows of one head (idle lanes repeat the last query: computed, not stored).
+template <int D>
+void run_task(const Task& task, const Layout& l, std::vector<float>& st, Rows& rows) {
+  const int64_t s = task.seq, h = task.head, g = h / (l.H / l.KVH);
+  const int64_t q_len = l.q_lens[s], base = l.ctx_lens[s] - q_len;
+  const int m = static_cast<int>(std::min<int64_t>(QT, q_len - task.first));
+  alignas(64) float qt[D * QT];
+  alignas(64) int32_t pos[QT];
+  float* out_rows[QT];
+  for (int j = 0; j < QT; ++j) {
+    const int64_t r = l.q_starts[s] + task.first + std::min(j, m - 1);
+    pos[j] = static_cast<int32_t>(base + task.first + std::min(j, m - 1));
+    out_rows[j] = l.out + r * l.H * D;
+    const float* qr = l.q + (r * l.H + h) * D;
+    for (int d = 0; d < D; ++d) qt[d * QT + j] = qr[d];
+  }
+  const int64_t t_hi = pos[m - 1] + 1;
+  const int64_t t_lo = l.window > 0 ? std::max<int64_t>(0, pos[0] - l.window + 1) : 0, n = t_hi - t_lo;
+  rows.fill(l, l.tables + s * l.W, g, t_lo, t_hi);
+  st.resize(static_cast<size_t>(n * QT));
+  const __m512 top = scores<D>(qt, rows, t_lo, _mm512_load_si512(pos), l, st.data());
+  alignas(64) float inv[QT];
+  _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.f), exponentiate(st.data(), n, top)));
+  values<D>(st.data(), rows, inv, out_rows, m, h);
+}
+
+template <int D>
+void run_all(const std::vector<Task>& tasks, const Layout& l) {
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {   // each thread pulls tasks
+    std::vector<float> st;
+    Rows rows;
+    for (int64_t i = next++; i < static_cast<int64_t>(tasks.size()); i = next++) run_task<D>(tasks[i], l, st, rows);
+  });
+}
+
+// Writes the rows of the listed sequences into out (T, H, D); other rows are left as they are.
+void paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables,
+                   const at::Tensor& q_starts, const at::Tensor& q_lens, const at::Tensor& ctx_lens, double scale,
+                   int64_t window, at::Tensor& out) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q must be contiguous (T, H, D) float32");
+  TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == at::kFloat && out.is_contiguous(),
+              "out must be contiguous float32 shaped like q");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.scalar_type() == at::kFloat && k_cache.is_contiguous() &&
+              v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == at::kFloat && v_cache.is_contiguous(),
+              "caches must be contiguous (blocks, block_size, kv_heads, head_dim) float32");
+  const int64_t S = tables.size(0), T = q.size(0), H = q.size(1), D = q.size(2), KVH = k_cache.size(2);
+  TORCH_CHECK(tables.dim() == 2 && tables.scalar_type() == at::kLong && tables.is_contiguous(), "tables must be (S, W) int64");
+  for (const at::Tensor* t : {&q_starts, &q_lens, &ctx_lens})
+    TORCH_CHECK(t->dim() == 1 && t->size(0) == S && t->scalar_type() == at::kLong && t->is_contiguous(),
+                "q_starts, q_lens and ctx_lens must be (S,) int64");
+  TORCH_CHECK(k_cache.size(3) == D && H % KVH == 0, "head_dim or head counts disagree");
+  TORCH_CHECK(D == 32 || D == 64 || D == 128, "paged_prefill: head_dim must be 32, 64 or 128");
+  const int64_t *starts = q_starts.data_ptr<int64_t>(), *lens = q_lens.data_ptr<int64_t>(),
+                *ctxs = ctx_lens.data_ptr<int64_t>();
+  const int64_t BS = k_cache.size(1), W = tables.size(1);
+  const int64_t* table = tables.data_ptr<int64_t>();
+  std::vector<Task> tasks;
+  for (int64_t s = 0; s < S; ++s) {
+    TORCH_CHECK(lens[s] >= 1 && lens[s] <= ctxs[s] && ctxs[s] <= W * BS && starts[s] >= 0 && starts[s] + lens[s] <= T,
+                "sequence ", s, ": query rows or context length out of range");
+    for (int64_t b = 0; b < (ctxs[s] + BS - 1) / BS; ++b)
+      TORCH_CHECK(table[s * W + b] >= 0 && table[s * W + b] < k_cache.size(0), "sequence ", s, ": block id out of range");
+    for (int64_t first = 0; first < lens[s]; first += QT)
+      for (int64_t h = 0; h < H; ++h) {
+        const int64_t hi = ctxs[s] - lens[s] + std::min(lens[s], first + QT);
+        const int64_t lo = window > 0 ? std::max<int64_t>(0, ctxs[s] - lens[s] + first - window + 1) : 0;
+        tasks.push_back({s, h, first, hi - lo});
+      }
+  }
+  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.cost > b.cost; });
+  const Layout l{q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), out.data_ptr<float>(),
+                 table, starts, lens, ctxs, H, KVH, D, BS, W, static_cast<float>(scale), window};
+  if (D == 64) run_all<64>(tasks, l);
+  else if (D == 128) run_all<128>(tasks, l);
+  else run_all<32>(tasks, l);
+}
+
+}  // namespace
+
+TORCH_LIBRARY(tokenloom_prefill512, m) {
+  m.def("paged_prefill(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables, Tensor q_starts, Tensor q_lens, "
+        "Tensor ctx_lens, float scale, int window, Tensor(a!) out) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(tokenloom_prefill512, CPU, m) {
+  m.impl("paged_prefill", &paged_prefill);
+}
