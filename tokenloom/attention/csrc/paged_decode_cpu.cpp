@@ -104,6 +104,28 @@ inline void prefetch_rows(const std::vector<const float*>& rows, int64_t t0, int
       __builtin_prefetch(reinterpret_cast<const char*>(rows[t]) + b, 0, Locality);
 }
 
+// Cache lines of rows [t, t_end) (bytes [first, first + bytes) of each) to fetch a few at a
+// time between pieces of work, instead of in one burst: each waiting fetch holds one of the
+// core's few fill buffers, and a tile's ~380 fetches at once stalled the kernel on them
+// (35 sequences x 150 positions x 30 layers: 12.1 -> 10.6 ms with the fetches spread over
+// the tile's heads; in the engine 13.9 -> 11.8 ms per decode step).
+template <int Locality>
+struct RowFetch {
+  const std::vector<const float*>* rows = nullptr;
+  int64_t t = 0, t_end = 0, first = 0, bytes = 0, off = 0;
+  void start(const std::vector<const float*>& r, int64_t t0, int64_t t1, int64_t b, int64_t f) {
+    rows = &r; t = t0; t_end = std::min<int64_t>(t1, r.size()); bytes = b; first = f; off = 0;
+  }
+  int64_t lines() const { return t < t_end ? (t_end - t) * ((bytes + 63) / 64) : 0; }
+  inline void next(int64_t count) {
+    for (; count > 0 && t < t_end; --count) {
+      __builtin_prefetch(reinterpret_cast<const char*>((*rows)[t]) + first + off, 0, Locality);
+      off += 64;
+      if (off >= bytes) off = 0, ++t;
+    }
+  }
+};
+
 // Sum of each of 8 vectors' lanes -> one vector of 8 sums (lane i = sum of v[i]).
 inline __m256 reduce8(const __m256* v) {
   const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
@@ -228,12 +250,15 @@ inline __m512 reduce16(const __m512* v) {
 // (clipped to n): each head's 16 dot products side by side, reduced together.
 template <int C>  // head_dim = 16 * C
 void scores_tile512(const float* q, const Rows& rows, int64_t n, int64_t t0, int64_t h0, int64_t h1, const Shapes& s,
-                    float scale, float* scores) {
+                    float scale, float* scores, RowFetch<3>& fk, RowFetch<2>& fv) {
+  const int64_t per_head_k = (fk.lines() + (h1 - h0) - 1) / (h1 - h0), per_head_v = (fv.lines() + (h1 - h0) - 1) / (h1 - h0);
   const int m = static_cast<int>(std::min<int64_t>(16, n - t0));
   const float* kp[16];
   for (int i = 0; i < 16; ++i) kp[i] = rows.k[t0 + std::min(i, m - 1)];  // idle lanes repeat the last
   const __mmask16 mask = m == 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << m) - 1);
   for (int64_t h = h0; h < h1; ++h) {
+    fk.next(per_head_k);
+    fv.next(per_head_v);
     const int64_t off = (h / s.G) * s.D;
     __m512 acc[16];
     for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
@@ -299,10 +324,14 @@ void attend512(const float* q, const Rows& rows, int64_t n, int64_t g0, int64_t 
   scores.resize(static_cast<size_t>(n * s.H));
   const int64_t first = g0 * D * sizeof(float), bytes = (g1 - g0) * D * sizeof(float);   // this task's kv heads
   prefetch_rows(rows.k, 0, 32, bytes, first);
+  RowFetch<3> fk;
+  RowFetch<2> fv;
   for (int64_t t0 = 0; t0 < n; t0 += 16) {
-    prefetch_rows(rows.k, t0 + 32, t0 + 48, bytes, first);
-    prefetch_rows<2>(rows.v, t0, t0 + 16, bytes, first);
-    scores_tile512<C>(q, rows, n, t0, g0 * G, g1 * G, s, scale, scores.data());
+    fk.next(fk.lines());  // whatever the last tile left
+    fv.next(fv.lines());
+    fk.start(rows.k, t0 + 32, t0 + 48, bytes, first);
+    fv.start(rows.v, t0, t0 + 16, bytes, first);
+    scores_tile512<C>(q, rows, n, t0, g0 * G, g1 * G, s, scale, scores.data(), fk, fv);
   }
   for (int64_t h = g0 * G; h < g1 * G; ++h) {
     const float inv = 1.f / softmax_numerator512(scores.data() + h * n, n);
