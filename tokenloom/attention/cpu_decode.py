@@ -54,11 +54,8 @@ def decode_inputs(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
 def _inputs(meta: AttentionMetadata, seqs: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Padded block tables (S, W) int64 and context lengths (S,) of `seqs`; same for every layer."""
     if "cpu_decode" not in meta.derived:
-        width = max(len(meta.block_tables[i]) for i in seqs)
-        tables = torch.full((len(seqs), width), meta.null_block, dtype=torch.int64)
-        for row, i in enumerate(seqs):
-            tables[row, :len(meta.block_tables[i])] = meta.block_tables[i]
-        meta.derived["cpu_decode"] = tables, torch.tensor([meta.context_lens[i] for i in seqs], dtype=torch.int64)
+        meta.derived["cpu_decode"] = (meta.padded_block_tables(seqs),
+                                      torch.tensor([meta.context_lens[i] for i in seqs], dtype=torch.int64))
     return meta.derived["cpu_decode"]
 
 

@@ -47,13 +47,9 @@ def prefill_rows(meta: AttentionMetadata) -> list[int]:
 def _inputs(meta: AttentionMetadata, seqs: list[int]) -> tuple[torch.Tensor, ...]:
     """Padded block tables (S, W) and query starts, query lengths, context lengths (S,) int64."""
     if "cpu_prefill" not in meta.derived:
-        width = max(len(meta.block_tables[i]) for i in seqs)
-        tables = torch.full((len(seqs), width), meta.null_block, dtype=torch.int64)
-        for row, i in enumerate(seqs):
-            tables[row, :len(meta.block_tables[i])] = meta.block_tables[i]
         per_seq = [torch.tensor([field[i] for i in seqs], dtype=torch.int64)
                    for field in (meta.query_start, meta.query_lens, meta.context_lens)]
-        meta.derived["cpu_prefill"] = (tables, *per_seq)
+        meta.derived["cpu_prefill"] = (meta.padded_block_tables(seqs), *per_seq)
     return meta.derived["cpu_prefill"]
 
 

@@ -32,3 +32,11 @@ class AttentionMetadata:
     @property
     def num_seqs(self) -> int:
         return len(self.query_lens)
+
+    def padded_block_tables(self, seqs: list[int]) -> torch.Tensor:
+        """Block tables of sequences `seqs`, (len(seqs), longest) int64 on the CPU, padded with the null block."""
+        width = max(len(self.block_tables[i]) for i in seqs)
+        tables = torch.full((len(seqs), width), self.null_block, dtype=torch.int64)
+        for row, i in enumerate(seqs):
+            tables[row, :len(self.block_tables[i])] = self.block_tables[i]
+        return tables
