@@ -251,6 +251,7 @@ inline __m512 reduce16(const __m512* v) {
 template <int C>  // head_dim = 16 * C
 void scores_tile512(const float* q, const Rows& rows, int64_t n, int64_t t0, int64_t h0, int64_t h1, const Shapes& s,
                     float scale, float* scores, RowFetch<3>& fk, RowFetch<2>& fv) {
+  // a ceiling share per head: the tile's heads issue every fetch it was given
   const int64_t per_head_k = (fk.lines() + (h1 - h0) - 1) / (h1 - h0), per_head_v = (fv.lines() + (h1 - h0) - 1) / (h1 - h0);
   const int m = static_cast<int>(std::min<int64_t>(16, n - t0));
   const float* kp[16];
@@ -327,8 +328,6 @@ void attend512(const float* q, const Rows& rows, int64_t n, int64_t g0, int64_t 
   RowFetch<3> fk;
   RowFetch<2> fv;
   for (int64_t t0 = 0; t0 < n; t0 += 16) {
-    fk.next(fk.lines());  // whatever the last tile left
-    fv.next(fv.lines());
     fk.start(rows.k, t0 + 32, t0 + 48, bytes, first);
     fv.start(rows.v, t0, t0 + 16, bytes, first);
     scores_tile512<C>(q, rows, n, t0, g0 * G, g1 * G, s, scale, scores.data(), fk, fv);
