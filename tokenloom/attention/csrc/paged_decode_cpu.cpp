@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "../../models/csrc/rope_row.h"
+#include "paged_rows.h"
 
 extern "C" __m256 Sleef_expf8_u10avx2(__m256);  // in libtorch_cpu (1-ulp exp, 8 lanes)
 
@@ -73,24 +74,6 @@ float softmax_numerator(float* x, int64_t n) {
 
 struct Shapes {
   int64_t H, KVH, G, D, BS, W;
-};
-
-// Where each of a sequence's positions [start, ctx) lies: the start of its slot (all kv
-// heads, KVH * D floats) in the key and the value cache, walked block by block.
-struct Rows {
-  std::vector<const float*> k, v;
-  void fill(const float* kc, const float* vc, const int64_t* table, int64_t start, int64_t ctx, const Shapes& s) {
-    const int64_t row = s.KVH * s.D;
-    k.resize(ctx - start);
-    v.resize(ctx - start);
-    int64_t block = start / s.BS, offset = start % s.BS;
-    for (int64_t t = 0; t < ctx - start; ++t) {
-      const int64_t at = (table[block] * s.BS + offset) * row;
-      k[t] = kc + at;
-      v[t] = vc + at;
-      if (++offset == s.BS) offset = 0, ++block;
-    }
-  }
 };
 
 // Ask for slot rows [t0, t1) of `rows` (bytes [first, first + bytes) of each) ahead of use: the
@@ -395,7 +378,7 @@ void decode_all(const float* qp, const at::Tensor& k_cache, const at::Tensor& v_
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = i / parts, g0 = parts == 1 ? 0 : i % parts, g1 = parts == 1 ? KVH : g0 + 1;
       const int64_t start = window > 0 ? std::max<int64_t>(0, lens[b] - window) : 0;
-      rows.fill(kc, vc, tp + b * s.W, start, lens[b], s);
+      rows.fill(kc, vc, tp + b * s.W, start, lens[b], s.BS, s.KVH * s.D);
       attend(qp + b * H * D, rows, lens[b] - start, g0, g1, s, scale, op + b * H * D, scores);
     }
   });

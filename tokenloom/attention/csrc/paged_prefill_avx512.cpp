@@ -28,6 +28,8 @@
 #include <cmath>
 #include <vector>
 
+#include "paged_rows.h"
+
 extern "C" __m512 Sleef_expf16_u10avx512f(__m512);  // in libtorch_cpu (1-ulp exp, 16 lanes)
 
 namespace {
@@ -46,23 +48,6 @@ struct Layout {
   int64_t H, KVH, D, BS, W;
   float scale;
   int64_t window;
-};
-
-// Rows of positions [t_lo, t_hi) of kv head g in the key and the value cache, walked through
-// the sequence's block table (no division per position).
-struct Rows {
-  std::vector<const float*> k, v;
-  void fill(const Layout& l, const int64_t* table, int64_t g, int64_t t_lo, int64_t t_hi) {
-    k.resize(t_hi - t_lo);
-    v.resize(t_hi - t_lo);
-    int64_t block = t_lo / l.BS, offset = t_lo % l.BS;
-    for (int64_t t = 0; t < t_hi - t_lo; ++t) {
-      const int64_t at = ((table[block] * l.BS + offset) * l.KVH + g) * l.D;
-      k[t] = l.kc + at;
-      v[t] = l.vc + at;
-      if (++offset == l.BS) offset = 0, ++block;
-    }
-  }
 };
 
 // Scores of the n keys in rows.k for the task's 16 queries (qt[d * 16 + lane]) into
@@ -150,7 +135,7 @@ void run_task(const Task& task, const Layout& l, std::vector<float>& st, Rows& r
   }
   const int64_t t_hi = pos[m - 1] + 1;
   const int64_t t_lo = l.window > 0 ? std::max<int64_t>(0, pos[0] - l.window + 1) : 0, n = t_hi - t_lo;
-  rows.fill(l, l.tables + s * l.W, g, t_lo, t_hi);
+  rows.fill(l.kc + g * D, l.vc + g * D, l.tables + s * l.W, t_lo, t_hi, l.BS, l.KVH * D);   // kv head g's rows
   st.resize(static_cast<size_t>(n * QT));
   const __m512 top = scores<D>(qt, rows, t_lo, _mm512_load_si512(pos), l, st.data());
   alignas(64) float inv[QT];
