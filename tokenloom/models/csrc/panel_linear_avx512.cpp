@@ -21,6 +21,8 @@
 // Since (even L2 fetches up to 160 rows, none above), over the 120 layer projections
 // (424 MB; oneDNN's prepacked linear in brackets): 12 rows 20.9 ms (26.3), 32 rows 30.6
 // (36.9), 64 rows 46.0 (59.3), 128 rows 81.5 (89.8), 190 rows 119 (117), 1024 rows 577 (541).
+// With the first row block fetching its panels ahead: 1 row 14.7, 4 rows 15.2, 12 rows 16.9,
+// 35 rows 30.8, 64 rows 44.8, 180 rows 114, 1024 rows 567 (cold weights, interleaved A/B).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -32,6 +34,7 @@
 namespace {
 
 constexpr int64_t NP = 16;     // output columns per panel (one zmm)
+constexpr int64_t AHEAD = 64;  // k steps between fetching a panel row and loading it (4 KiB)
 constexpr int64_t MB = 8;      // rows of x per register block, prefill-sized calls
 constexpr int MB_MAX = 14;     // rows of x per register block at most (decode-sized calls)
 constexpr int64_t CHUNK = 6;   // panels a row-block sweep covers while they sit in L2
@@ -48,8 +51,15 @@ at::Tensor pack(const at::Tensor& w) {
   return panels;
 }
 
-// Cache lines of the next panels to fetch into L2 while a row block computes from the current
-// ones (which an earlier row block already brought in): DRAM and FMAs overlap. Up to two
+// What a row block fetches into L2 besides its loads. `ahead`: its own panels, AHEAD k steps
+// (one 4 KiB page per panel) before it loads them. The first row block of a sweep reads its
+// panels from DRAM; the hardware prefetchers keep only a few lines of each panel stream in
+// flight, so with 2-3 streams per core a decode-sized call waited on DRAM, then did its FMAs
+// (120 layer projections at 12 rows: 21.2 ms, the 1-row time plus the FMA time). Fetching
+// ahead overlaps the two: 12 rows 21.2 -> 16.9 ms, 4 rows 18.1 -> 15.2, 35 rows 32.7 -> 30.8,
+// 1 row 15.2 -> 14.7, 180 rows 118 -> 114, 1024 rows 574 -> 567.
+// Then the cache lines of the next panels to fetch into L2 while later row blocks compute from
+// the current ones (which the first row block brought in): DRAM and FMAs overlap. Up to two
 // ranges (a gated MLP's gate and up panels). The fetches are spread evenly over the block's
 // k steps (`lines` per `steps`, Bresenham-style): issued in a burst, each waiting fetch holds
 // one of the core's few fill buffers and starves the kernel's own L2 -> L1 loads (evenly:
@@ -59,6 +69,7 @@ struct Prefetch {
   int64_t left[2] = {0, 0};                  // lines still to fetch per range
   int64_t lines = 0, steps = 1;              // fetch `lines` lines over `steps` k steps
   int64_t credit = 0;                        // lines owed x steps, carried between k steps
+  bool ahead = false;                        // fetch the block's own panels AHEAD k steps ahead
 
   inline void step() {
     credit += lines;
@@ -95,6 +106,9 @@ inline void micro(const float* x, const float* wp, int64_t up, int64_t K, float*
   for (int64_t k = 0; k < K; ++k) {
     __m512 w[NZ];
     for (int j = 0; j < NZ; ++j) w[j] = _mm512_loadu_ps(w0[j] + k * NP);
+    if (pf.ahead) {
+      for (int j = 0; j < NZ; ++j) _mm_prefetch(reinterpret_cast<const char*>(w0[j] + (k + AHEAD) * NP), _MM_HINT_T1);
+    }
     if (pf.lines) pf.step();
     for (int m = 0; m < MR; ++m) {
       const __m512 xb = _mm512_set1_ps(x[m * K + k]);
@@ -177,22 +191,22 @@ constexpr auto kBlock = block_kernels_upto<KIND>(std::make_integer_sequence<int,
 template <Kind KIND>
 inline int64_t block_rows(int64_t M) { return M <= MB_MAX ? M : KIND == Kind::Glu ? 6 : MB; }
 
-// Outside [PREFETCH_MIN_ROWS, PREFETCH_MAX_ROWS] rows the next sweep's panels are left to the
-// hardware prefetchers. Explicit fetching slowed 1-2 rows by ~1 ms per 121 projections and
-// sped up 4-160 rows by 1-5 ms; from ~190 rows it gained nothing, and from 512 rows (when x
-// no longer leaves L2 room for two sweeps' panels) it cost 4-6%. (A per-k L1 fetch the micro
-// kernel used to issue cost 3-8% at 190+ rows: 1024 rows 641 -> 570 ms without it.)
-constexpr int64_t PREFETCH_MIN_ROWS = 4;
+// The next sweep's panels are fetched only by calls of several row blocks, up to
+// PREFETCH_MAX_ROWS rows. A one-block call fetches its own panels ahead instead (the next
+// sweep's as well cost 1-4 ms per 120 projections at 4-14 rows); from ~190 rows it gained
+// nothing, and from 512 rows (when x no longer leaves L2 room for two sweeps' panels) it cost
+// 4-6%. (A per-k L1 fetch the micro kernel used to issue cost 3-8% at 190+ rows.)
 constexpr int64_t PREFETCH_MAX_ROWS = 160;
 
-// Row blocks [r0, r1) x output panels [c0, c1). Every block also fetches its share of panels
-// [c1, c2) (the next sweep's) into L2, spread over its k steps, so that DRAM streams the
-// next panels while the FMAs work on these.
+// Row blocks [r0, r1) x output panels [c0, c1). The first block fetches its panels ahead of
+// its loads; with several blocks, every block also fetches its share of panels [c1, c2) (the
+// next sweep's) into L2, spread over its k steps, so that DRAM streams the next panels while
+// the FMAs work on these.
 template <Kind KIND>
 void sweep(const float* xp, const Block& blk, int64_t r0, int64_t r1, int64_t c0, int64_t c1, int64_t c2,
            int64_t mb) {
   const int64_t blocks = (r1 - r0 + mb - 1) / mb, K = blk.K;
-  const bool fetch = r1 - r0 >= PREFETCH_MIN_ROWS && r1 - r0 <= PREFETCH_MAX_ROWS;
+  const bool fetch = r1 - r0 > mb && r1 - r0 <= PREFETCH_MAX_ROWS;
   const int64_t lines = fetch ? (c2 - c1) * K * NP * int64_t(sizeof(float)) / 64 : 0;
   const int ranges = panels_per_output<KIND>();
   Prefetch pf;
@@ -210,6 +224,7 @@ void sweep(const float* xp, const Block& blk, int64_t r0, int64_t r1, int64_t c0
     pf.lines = ranges * share;
     pf.steps = calls * K;
     pf.credit = 0;
+    pf.ahead = b == 0;
     Block rows_out = blk;
     rows_out.y += m0 * blk.N;
     kernel.fn(xp + m0 * K, rows_out, c0, c1, pf);
