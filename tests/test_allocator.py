@@ -55,6 +55,41 @@ def test_freed_large_tensors_are_reused_without_page_faults(where):
     assert on < off // 5, f"kept memory should be reused without faults ({on} faults vs {off} without)"
 
 
+# The first step of a new size: page faults of one layer-shaped step in a fresh process, with
+# or without the heap reserved for it first.
+_FIRST_STEP = textwrap.dedent("""
+    import resource, sys, torch
+    from tokenloom.allocator import keep_freed_memory, reserve_heap
+    assert keep_freed_memory()
+    if sys.argv[1] == "reserve":
+        assert reserve_heap(160 << 20)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    x = torch.ones(6000, 576)
+    for _ in range(2):
+        qkv = torch.ones(6000, 960); o = torch.ones(6000, 576); del qkv
+        act = torch.ones(6000, 1536); x = torch.ones(6000, 576) + o; del act, o
+    print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+""")
+
+
+def test_reserved_heap_serves_the_first_large_step_without_page_faults():
+    def faults(mode):
+        out = subprocess.run([sys.executable, "-c", _FIRST_STEP, mode], capture_output=True, text=True, check=True)
+        return int(out.stdout.split()[-1])
+    written = 6000 * (576 * 3 + 960 + 1536) * 4 // resource.getpagesize()   # pages of the first layer alone
+    plain, reserved = faults("plain"), faults("reserve")
+    assert plain > written // 2, f"a fresh heap should fault the step's pages in ({plain} faults, ~{written} pages)"
+    assert reserved < plain // 10, f"the reserved heap should serve the step ({reserved} faults vs {plain})"
+
+
+def test_reserve_refuses_blocks_it_could_not_keep(monkeypatch):
+    from tokenloom import allocator
+    assert allocator.reserve_heap(0) is False
+    assert allocator.reserve_heap(allocator.KEEP_BELOW) is False       # would be mmapped, then unmapped on free
+    monkeypatch.setattr(allocator, "_done", False)                       # settings not in force (opted out)
+    assert allocator.reserve_heap(1 << 20) is False
+
+
 def test_applied_once_per_process(monkeypatch):
     from tokenloom import allocator
     calls = []
@@ -68,3 +103,20 @@ def test_opt_out(monkeypatch):
     from tokenloom import allocator
     monkeypatch.setenv("TOKENLOOM_KEEP_FREED_MEMORY", "0")
     assert allocator._apply() is False
+
+
+def test_runner_reserves_for_its_token_budget(monkeypatch):
+    import types
+    import torch
+    from tokenloom import runner
+    asked = []
+    monkeypatch.setattr(runner, "reserve_heap", lambda n: asked.append(n) or True)
+    config = types.SimpleNamespace(hidden_size=576, intermediate_size=1536, num_heads=9, num_kv_heads=3, head_dim=64)
+    cpu = types.SimpleNamespace(device=torch.device("cpu"), model=types.SimpleNamespace(config=config))
+    assert runner.ModelRunner.reserve_activation_memory(cpu, 1000, torch.float32)
+    assert asked == [4 * (576 + 1536 + 15 * 64) * 4 * 1000]      # 4 x (hidden + intermediate + q + 2 kv) floats a token
+    runner.ModelRunner.reserve_activation_memory(cpu, 10**9, torch.float32)
+    assert asked[-1] == runner.KEEP_BELOW // 2                       # capped: a larger block would not be kept
+    gpu = types.SimpleNamespace(device=torch.device("cuda"), model=cpu.model)
+    assert not runner.ModelRunner.reserve_activation_memory(gpu, 1000, torch.float32)
+    assert len(asked) == 2

@@ -53,6 +53,7 @@ class LLMEngine:
         self.block_manager = BlockManager(kv.num_blocks, kv.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
         self.runner = ModelRunner(loaded.model, kv, config.device)
+        self.runner.reserve_activation_memory(config.scheduler.max_num_batched_tokens, dtype)
         self.grammars = GrammarCompiler(self.tokenizer.backend.to_str(), loaded.config.vocab_size,
                                         sorted(self.eos_token_ids))
         self.proposer = None if config.speculative is None else SpecProposer.create(
