@@ -53,7 +53,7 @@ class LLMEngine:
         self.block_manager = BlockManager(kv.num_blocks, kv.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
         self.runner = ModelRunner(loaded.model, kv, config.device)
-        self.runner.reserve_activation_memory(config.scheduler.max_num_batched_tokens, dtype)
+        self.reserve_activation_memory()
         self.grammars = GrammarCompiler(self.tokenizer.backend.to_str(), loaded.config.vocab_size,
                                         sorted(self.eos_token_ids))
         self.proposer = None if config.speculative is None else SpecProposer.create(
@@ -73,6 +73,13 @@ class LLMEngine:
         logger.info("KV cache: %d tokens (%d blocks x %d) in %.2f GiB; per token 2 x %d layers x %d kv_heads x "
                     "%s = %d B", kv.num_tokens, kv.num_blocks, kv.block_size,
                     kv.num_tokens * per_token / 2**30, c.num_layers, c.num_kv_heads, element, per_token)
+
+    def reserve_activation_memory(self) -> bool:
+        """Grow the heap for one full step's activations now (ModelRunner.reserve_activation_memory);
+        done at start-up. Again after other code in the process (a benchmark's second model)
+        has taken the freed heap; True where reserved."""
+        return self.runner.reserve_activation_memory(self.config.scheduler.max_num_batched_tokens,
+                                                     parse_dtype(self.config.dtype))
 
     @property
     def kv_cache_tokens(self) -> int:
