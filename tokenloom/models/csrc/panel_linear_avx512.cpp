@@ -58,28 +58,29 @@ at::Tensor pack(const at::Tensor& w) {
 // (120 layer projections at 12 rows: 21.2 ms, the 1-row time plus the FMA time). Fetching
 // ahead overlaps the two: 12 rows 21.2 -> 16.9 ms, 4 rows 18.1 -> 15.2, 35 rows 32.7 -> 30.8,
 // 1 row 15.2 -> 14.7, 180 rows 118 -> 114, 1024 rows 574 -> 567.
-// Then the cache lines of the next panels to fetch into L2 while later row blocks compute from
-// the current ones (which the first row block brought in): DRAM and FMAs overlap. Up to two
-// ranges (a gated MLP's gate and up panels). The fetches are spread evenly over the block's
-// k steps (`lines` per `steps`, Bresenham-style): issued in a burst, each waiting fetch holds
-// one of the core's few fill buffers and starves the kernel's own L2 -> L1 loads (evenly:
-// 121 projections at 35 rows 33.9 -> 31.2 ms, 64 rows 50.7 -> 45.8, 128 rows 84.4 -> 80.5).
+// Then the cache lines of the next sweep's panels, fetched into L2 while the later row blocks
+// compute from the current ones (which the first row block brought in): DRAM and FMAs overlap.
+// Up to two ranges (a gated MLP's gate and up panels), one line every 4 or 8 k steps from
+// the sweep's first block on until all are asked for. A fixed interval keeps the branch
+// predictable: spreading the lines evenly over all blocks (Bresenham-style) mispredicted
+// about once per fetch and slowed every block ~8%, which ate the gain above 160 rows.
+// Against that (120 layer projections, interleaved A/B): 16 rows 22.7 -> 20.9 ms, 96 rows
+// 62.3 -> 59.5, 180 rows 109.4 -> 104.3, 256 rows 149.9 -> 146.3.
 struct Prefetch {
   const char* next[2] = {nullptr, nullptr};  // next line to fetch per range
   int64_t left[2] = {0, 0};                  // lines still to fetch per range
-  int64_t lines = 0, steps = 1;              // fetch `lines` lines over `steps` k steps
-  int64_t credit = 0;                        // lines owed x steps, carried between k steps
+  int64_t every = 0;                         // fetch on k steps k % (every + 1) == 0 (every: 3 or 7)
+  bool active = false;                       // lines are left (set per block: the k loop tests it once)
   bool ahead = false;                        // fetch the block's own panels AHEAD k steps ahead
 
-  inline void step() {
-    credit += lines;
-    while (credit >= steps) {
-      credit -= steps;
+  inline void step(int64_t k) {
+    if ((k & every) == 0) {
       const int r = left[0] > 0 ? 0 : 1;
-      if (left[r] == 0) return;
-      _mm_prefetch(next[r], _MM_HINT_T1);
-      next[r] += 64;
-      --left[r];
+      if (left[r] > 0) {
+        _mm_prefetch(next[r], _MM_HINT_T1);
+        next[r] += 64;
+        --left[r];
+      }
     }
   }
 };
@@ -109,7 +110,7 @@ inline void micro(const float* x, const float* wp, int64_t up, int64_t K, float*
     if (pf.ahead) {
       for (int j = 0; j < NZ; ++j) _mm_prefetch(reinterpret_cast<const char*>(w0[j] + (k + AHEAD) * NP), _MM_HINT_T1);
     }
-    if (pf.lines) pf.step();
+    if (pf.active) pf.step(k);
     for (int m = 0; m < MR; ++m) {
       const __m512 xb = _mm512_set1_ps(x[m * K + k]);
       for (int j = 0; j < NZ; ++j) acc[m][j] = _mm512_fmadd_ps(xb, w[j], acc[m][j]);
@@ -192,11 +193,11 @@ template <Kind KIND>
 inline int64_t block_rows(int64_t M) { return M <= MB_MAX ? M : KIND == Kind::Glu ? 6 : MB; }
 
 // The next sweep's panels are fetched only by calls of several row blocks, up to
-// PREFETCH_MAX_ROWS rows. A one-block call fetches its own panels ahead instead (the next
-// sweep's as well cost 1-4 ms per 120 projections at 4-14 rows); from ~190 rows it gained
-// nothing, and from 512 rows (when x no longer leaves L2 room for two sweeps' panels) it cost
-// 4-6%. (A per-k L1 fetch the micro kernel used to issue cost 3-8% at 190+ rows.)
-constexpr int64_t PREFETCH_MAX_ROWS = 160;
+// PREFETCH_MAX_ROWS rows: past ~300 rows it gained nothing, and from 512 rows (when x no
+// longer leaves L2 room for two sweeps' panels) it cost 2-6%. A one-block call fetches its own
+// panels ahead instead (the next sweep's as well cost 1-4 ms per 120 projections at 4-14
+// rows). (A per-k L1 fetch the micro kernel used to issue cost 3-8% at 190+ rows.)
+constexpr int64_t PREFETCH_MAX_ROWS = 256;
 
 // Row blocks [r0, r1) x output panels [c0, c1). The first block fetches its panels ahead of
 // its loads; with several blocks, every block also fetches its share of panels [c1, c2) (the
@@ -210,20 +211,14 @@ void sweep(const float* xp, const Block& blk, int64_t r0, int64_t r1, int64_t c0
   const int64_t lines = fetch ? (c2 - c1) * K * NP * int64_t(sizeof(float)) / 64 : 0;
   const int ranges = panels_per_output<KIND>();
   Prefetch pf;
-  const char* next[2] = {reinterpret_cast<const char*>(blk.wp + c1 * K * NP),
-                         reinterpret_cast<const char*>(blk.wp + blk.up + c1 * K * NP)};
+  pf.next[0] = reinterpret_cast<const char*>(blk.wp + c1 * K * NP);
+  pf.next[1] = reinterpret_cast<const char*>(blk.wp + blk.up + c1 * K * NP);
+  for (int r = 0; r < ranges; ++r) pf.left[r] = lines;
+  pf.every = r1 - r0 <= 128 ? 3 : 7;
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t m0 = r0 + b * mb, rows = std::min(mb, r1 - m0);
     const BlockKernel& kernel = kBlock<KIND>[rows];
-    const int64_t share = (lines * (b + 1)) / blocks - (lines * b) / blocks;   // per range
-    const int64_t calls = (c1 - c0 + kernel.outputs - 1) / kernel.outputs;
-    for (int r = 0; r < ranges; ++r) {
-      pf.next[r] = next[r] + ((lines * b) / blocks) * 64;
-      pf.left[r] = share;
-    }
-    pf.lines = ranges * share;
-    pf.steps = calls * K;
-    pf.credit = 0;
+    pf.active = pf.left[0] + pf.left[1] > 0;
     pf.ahead = b == 0;
     Block rows_out = blk;
     rows_out.y += m0 * blk.N;
