@@ -103,6 +103,11 @@ async def _tokenloom_run(engine: AsyncLLMEngine, reqs: list[Req], concurrency: i
 
 def run_tokenloom(engine: AsyncLLMEngine, reqs: list[Req], concurrency: int) -> Run:
     engine.engine.block_manager.reset_prefix_cache()
+    # transformers, in the same process, takes the heap the engine reserved for its activations
+    # at start-up (its weights, its caches), which a process of its own keeps: reserve it again
+    # (untimed), or tokenloom's first large step faults in fresh pages (~0.3 s of its 6.4k-token
+    # prefill at 64 clients).
+    engine.run_on_engine_thread(engine.engine.reserve_activation_memory)
 
     async def main():
         try:
@@ -245,10 +250,6 @@ def main() -> None:
     # a second thread with its own OpenMP pool would slow both engines).
     on_engine_thread = engine.run_on_engine_thread
     hf = on_engine_thread(lambda: transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval())
-    # transformers' weights took the heap the engine reserved for its activations at start (a
-    # process of its own keeps it): reserve it again, or tokenloom's first large step faults in
-    # fresh pages (~0.3 s of its 6.4k-token prefill at 64 clients).
-    on_engine_thread(engine.engine.reserve_activation_memory)
     res: dict = {"tokenloom": {}, "transformers_static": {}, "transformers_continuous": {},
                  "config": vars(args) | {"threads": torch.get_num_threads(), "transformers": transformers.__version__}}
     run_tokenloom(engine, reqs[:2], 2)                                   # warm-up
