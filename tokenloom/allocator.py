@@ -54,12 +54,16 @@ def keep_freed_memory() -> bool:
     return _done
 
 
+def _libc() -> ctypes.CDLL:
+    """The C library (raises OSError where there is none to load)."""
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+
+
 def _apply() -> bool:
     if os.environ.get("TOKENLOOM_KEEP_FREED_MEMORY") == "0" or not sys.platform.startswith("linux"):
         return False
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
+        mallopt = _libc().mallopt
     except (OSError, AttributeError):     # musl and friends have no mallopt
         return False
     ok = all(mallopt(param, value) == 1 for param, value in
@@ -78,7 +82,7 @@ def reserve_heap(nbytes: int) -> bool:
     """
     if not keep_freed_memory() or not 0 < nbytes < KEEP_BELOW:
         return False
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    libc = _libc()
     libc.malloc.restype = ctypes.c_void_p
     libc.malloc.argtypes = [ctypes.c_size_t]
     libc.free.argtypes = [ctypes.c_void_p]
