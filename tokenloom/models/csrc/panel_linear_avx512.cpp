@@ -23,7 +23,10 @@
 // (36.9), 64 rows 46.0 (59.3), 128 rows 81.5 (89.8), 190 rows 119 (117), 1024 rows 577 (541).
 // With the first row block fetching its panels ahead and the next sweep's panels fetched at a
 // fixed interval up to 256 rows: 12 rows 16.5 ms, 16 rows 20.8, 35 rows 30.0, 96 rows 59.8,
-// 180 rows 106.7, 256 rows 148.4, 1024 rows 574 (cold weights, interleaved A/B).
+// 180 rows 106.7, 256 rows 148.4, 1024 rows 574 (cold weights, interleaved A/B). With the k loop
+// unrolled in groups (kGroup): 1 row 13.4, 12 rows 15.9, 144 rows 80, 180 rows 97.4, 512 rows 264,
+// 1536 rows 776 (oneDNN at 2048 x 576 x 3072, weights hot: ~446 GFLOPS; this kernel at 1536 rows
+// ~420 with them cold).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -52,39 +55,54 @@ at::Tensor pack(const at::Tensor& w) {
   return panels;
 }
 
-// What a row block fetches into L2 besides its loads. `ahead`: its own panels, AHEAD k steps
-// (one 4 KiB page per panel) before it loads them. The first row block of a sweep reads its
-// panels from DRAM; the hardware prefetchers keep only a few lines of each panel stream in
-// flight, so with 2-3 streams per core a decode-sized call waited on DRAM, then did its FMAs
-// (120 layer projections at 12 rows: 21.2 ms, the 1-row time plus the FMA time). Fetching
-// ahead overlaps the two: 12 rows 21.2 -> 16.9 ms, 4 rows 18.1 -> 15.2, 35 rows 32.7 -> 30.8,
-// 1 row 15.2 -> 14.7, 180 rows 118 -> 114, 1024 rows 574 -> 567.
-// Then the cache lines of the next sweep's panels, fetched into L2 while the later row blocks
-// compute from the current ones (which the first row block brought in): DRAM and FMAs overlap.
-// Up to two ranges (a gated MLP's gate and up panels), one line every 4 or 8 k steps from
-// the sweep's first block on until all are asked for. A fixed interval keeps the branch
-// predictable: spreading the lines evenly over all blocks (Bresenham-style) mispredicted
-// about once per fetch and slowed every block ~8%, which ate the gain above 160 rows.
-// Against that (120 layer projections, interleaved A/B): 16 rows 22.7 -> 20.9 ms, 96 rows
-// 62.3 -> 59.5, 180 rows 109.4 -> 104.3, 256 rows 149.9 -> 146.3.
+// What a row block fetches into L2 besides its loads. AHEAD_PF (a template flag of the micro
+// kernel): its own panels, AHEAD k steps (one 4 KiB page per panel) before it loads them. The
+// first row block of a sweep reads its panels from DRAM; the hardware prefetchers keep only a
+// few lines of each panel stream in flight, so with 2-3 streams per core a decode-sized call
+// waited on DRAM, then did its FMAs (120 layer projections at 12 rows: 21.2 ms, the 1-row time
+// plus the FMA time). Fetching ahead overlaps the two: 12 rows 21.2 -> 16.9 ms, 4 rows 18.1 ->
+// 15.2, 35 rows 32.7 -> 30.8, 1 row 15.2 -> 14.7, 180 rows 118 -> 114, 1024 rows 574 -> 567.
+// Then (this struct) the cache lines of the next sweep's panels, fetched into L2 while the later
+// row blocks compute from the current ones (which the first row block brought in): DRAM and
+// FMAs overlap. Up to two ranges (a gated MLP's gate and up panels), one line per `interval`
+// k steps from the sweep's first block on until all are asked for, issued once per unrolled
+// group of k steps. A fixed interval keeps the branch predictable: spreading the lines evenly
+// over all blocks (Bresenham-style) mispredicted about once per fetch and slowed every block
+// ~8%, which ate the gain above 160 rows. Against that (120 layer projections, interleaved
+// A/B): 16 rows 22.7 -> 20.9 ms, 96 rows 62.3 -> 59.5, 180 rows 109.4 -> 104.3, 256 rows
+// 149.9 -> 146.3.
 struct Prefetch {
   const char* next[2] = {nullptr, nullptr};  // next line to fetch per range
   int64_t left[2] = {0, 0};                  // lines still to fetch per range
-  int64_t every = 0;                         // fetch on k steps k % (every + 1) == 0 (every: 3 or 7)
-  bool active = false;                       // lines are left (set per block: the k loop tests it once)
-  bool ahead = false;                        // fetch the block's own panels AHEAD k steps ahead
+  int64_t interval = 8;                      // k steps per line (4 or 8)
+  bool active = false;                       // lines are left (tested once per group of k steps)
 
-  inline void step(int64_t k) {
-    if ((k & every) == 0) {
+  // Once per group of G k steps: G / interval lines (at least one).
+  template <int64_t G>
+  inline void group() {
+    const int64_t lines = std::max<int64_t>(1, G / interval);
+    for (int64_t i = 0; i < lines; ++i) {
       const int r = left[0] > 0 ? 0 : 1;
-      if (left[r] > 0) {
-        _mm_prefetch(next[r], _MM_HINT_T1);
-        next[r] += 64;
-        --left[r];
-      }
+      if (left[r] <= 0) break;
+      _mm_prefetch(next[r], _MM_HINT_T1);
+      next[r] += 64;
+      --left[r];
     }
+    active = left[0] + left[1] > 0;
   }
 };
+
+// k steps per unrolled group of the micro kernel: 4 for the block that fetches its own panels
+// ahead (a sweep's first block; every decode-sized call is one such block), 16 for the rest.
+// A k loop of one step per iteration with the fetch flags tested in it kept ~10 integer and
+// flag instructions next to the FMAs and spilled pointers into vector registers (each move
+// back took an FMA port). 120 layer projections, cold weights, interleaved A/B: 1 row 14.1 ->
+// 13.4 ms, 4 rows 14.5 -> 13.8, 12 rows 16.1 -> 15.9, 64 rows 42.8 -> 41.2, 144 rows 87 -> 80,
+// 180 rows 106.3 -> 97.4, 512 rows 288 -> 264, 1536 rows 846 -> 776. Groups of 16 for the
+// decode blocks as well were 2-4% slower at 8-14 rows; groups of 8 unrolled by 2 or 4 rather
+// than whole ~13% slower at 144-512 rows.
+template <bool AHEAD_PF>
+constexpr int64_t kGroup = AHEAD_PF ? 4 : 16;
 
 extern "C" __m512 Sleef_expf16_u10avx512f(__m512);  // in libtorch_cpu: the exp ATen's silu uses
 
@@ -95,7 +113,7 @@ enum class Kind { Dense, Glu };
 
 // y rows [0, MR) x output columns [0, outputs*16) (clipped to ncols) of one row block.
 // x: the block's first row (row stride K); wp: its first panel; up: offset of the up panels.
-template <int MR, int NZ, Kind KIND>
+template <int MR, int NZ, Kind KIND, bool AHEAD_PF>
 inline void micro(const float* x, const float* wp, int64_t up, int64_t K, float* y, int64_t ldy, int64_t ncols,
                   const float* bias, int64_t bias_up, Prefetch& pf) {
   constexpr int OUT = KIND == Kind::Glu ? NZ / 2 : NZ;   // output panels
@@ -105,18 +123,26 @@ inline void micro(const float* x, const float* wp, int64_t up, int64_t K, float*
   __m512 acc[MR][NZ];
   for (int m = 0; m < MR; ++m)
     for (int j = 0; j < NZ; ++j) acc[m][j] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; ++k) {
+  // One k step: NZ panel rows loaded once, each multiplied into MR broadcast x values.
+  auto step = [&](int64_t k) __attribute__((always_inline)) {
     __m512 w[NZ];
     for (int j = 0; j < NZ; ++j) w[j] = _mm512_loadu_ps(w0[j] + k * NP);
-    if (pf.ahead) {
+    if constexpr (AHEAD_PF) {
       for (int j = 0; j < NZ; ++j) _mm_prefetch(reinterpret_cast<const char*>(w0[j] + (k + AHEAD) * NP), _MM_HINT_T1);
     }
-    if (pf.active) pf.step(k);
     for (int m = 0; m < MR; ++m) {
       const __m512 xb = _mm512_set1_ps(x[m * K + k]);
       for (int j = 0; j < NZ; ++j) acc[m][j] = _mm512_fmadd_ps(xb, w[j], acc[m][j]);
     }
+  };
+  constexpr int64_t G = kGroup<AHEAD_PF>;
+  int64_t k = 0;
+  for (; k + G <= K; k += G) {
+    if (pf.active) pf.group<G>();
+#pragma GCC unroll 16
+    for (int64_t u = 0; u < G; ++u) step(k + u);
   }
+  for (; k < K; ++k) step(k);
   const __m512 one = _mm512_set1_ps(1.f), zero = _mm512_setzero_ps();
   for (int j = 0; j < OUT; ++j) {
     const int64_t c = ncols - j * NP;
@@ -157,27 +183,28 @@ struct Block {
 };
 
 // One row block (MR rows) against output panels [p0, p1).
-template <int MR, Kind KIND, int NZ = panels_per_call<MR, KIND>()>
+template <int MR, Kind KIND, bool AHEAD_PF, int NZ = panels_per_call<MR, KIND>()>
 void row_block(const float* x, const Block& b, int64_t p0, int64_t p1, Prefetch& pf) {
   constexpr int OUT = NZ / panels_per_output<KIND>();
   int64_t p = p0;
   for (; p + OUT <= p1; p += OUT)
-    micro<MR, NZ, KIND>(x, b.wp + p * b.K * NP, b.up, b.K, b.y + p * NP, b.N, b.N - p * NP,
+    micro<MR, NZ, KIND, AHEAD_PF>(x, b.wp + p * b.K * NP, b.up, b.K, b.y + p * NP, b.N, b.N - p * NP,
                         b.bias ? b.bias + p * NP : nullptr, b.bias_up, pf);
   if constexpr (OUT > 1) {
-    if (p < p1) row_block<MR, KIND, NZ - panels_per_output<KIND>()>(x, b, p, p1, pf);
+    if (p < p1) row_block<MR, KIND, AHEAD_PF, NZ - panels_per_output<KIND>()>(x, b, p, p1, pf);
   }
 }
 
 using RowBlockFn = void (*)(const float*, const Block&, int64_t, int64_t, Prefetch&);
 struct BlockKernel {
-  RowBlockFn fn;
+  RowBlockFn fn;        // loads its panels as they come
+  RowBlockFn fn_ahead;  // fetches them AHEAD k steps ahead (a sweep's first block)
   int outputs;  // output panels per micro call
 };
 template <Kind KIND, int... MR>
 constexpr std::array<BlockKernel, sizeof...(MR) + 1> block_kernels() {
-  return {BlockKernel{nullptr, 0},
-          BlockKernel{row_block<MR, KIND>, panels_per_call<MR, KIND>() / panels_per_output<KIND>()}...};
+  return {BlockKernel{nullptr, nullptr, 0},
+          BlockKernel{row_block<MR, KIND, false>, row_block<MR, KIND, true>, panels_per_call<MR, KIND>() / panels_per_output<KIND>()}...};
 }
 template <Kind KIND, int... MR>
 constexpr auto block_kernels_upto(std::integer_sequence<int, MR...>) {
@@ -215,15 +242,14 @@ void sweep(const float* xp, const Block& blk, int64_t r0, int64_t r1, int64_t c0
   pf.next[0] = reinterpret_cast<const char*>(blk.wp + c1 * K * NP);
   pf.next[1] = reinterpret_cast<const char*>(blk.wp + blk.up + c1 * K * NP);
   for (int r = 0; r < ranges; ++r) pf.left[r] = lines;
-  pf.every = r1 - r0 <= 128 ? 3 : 7;
+  pf.interval = r1 - r0 <= 128 ? 4 : 8;
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t m0 = r0 + b * mb, rows = std::min(mb, r1 - m0);
     const BlockKernel& kernel = kBlock<KIND>[rows];
     pf.active = pf.left[0] + pf.left[1] > 0;
-    pf.ahead = b == 0;
     Block rows_out = blk;
     rows_out.y += m0 * blk.N;
-    kernel.fn(xp + m0 * K, rows_out, c0, c1, pf);
+    (b == 0 ? kernel.fn_ahead : kernel.fn)(xp + m0 * K, rows_out, c0, c1, pf);
   }
 }
 
