@@ -64,23 +64,25 @@ at::Tensor pack(const at::Tensor& w) {
 // 15.2, 35 rows 32.7 -> 30.8, 1 row 15.2 -> 14.7, 180 rows 118 -> 114, 1024 rows 574 -> 567.
 // Then (this struct) the cache lines of the next sweep's panels, fetched into L2 while the later
 // row blocks compute from the current ones (which the first row block brought in): DRAM and
-// FMAs overlap. Up to two ranges (a gated MLP's gate and up panels), one line per `interval`
-// k steps from the sweep's first block on until all are asked for, issued once per unrolled
-// group of k steps. A fixed interval keeps the branch predictable: spreading the lines evenly
-// over all blocks (Bresenham-style) mispredicted about once per fetch and slowed every block
-// ~8%, which ate the gain above 160 rows. Against that (120 layer projections, interleaved
-// A/B): 16 rows 22.7 -> 20.9 ms, 96 rows 62.3 -> 59.5, 180 rows 109.4 -> 104.3, 256 rows
-// 149.9 -> 146.3.
+// FMAs overlap. Up to two ranges (a gated MLP's gate and up panels), issued once per unrolled
+// group of k steps, `per16` lines per 16 k steps: as many as spread all lines over the sweep's
+// later blocks, at most 4 (one line per 4 k steps; faster rates were slower at 16-48 rows).
+// A fixed rate keeps the branch predictable: spreading the lines one by one over all blocks
+// (Bresenham-style) mispredicted about once per fetch and slowed every block ~8%, which ate the
+// gain above 160 rows. Against that (120 layer projections, interleaved A/B): 16 rows 22.7 ->
+// 20.9 ms, 96 rows 62.3 -> 59.5, 180 rows 109.4 -> 104.3, 256 rows 149.9 -> 146.3. The rate
+// computed per sweep rather than a fixed interval divided per group: 35 rows 29.1 -> 28.4 ms,
+// 64 rows 41.8 -> 40.4, 96 rows 56.9 -> 54.9, 144 rows even.
 struct Prefetch {
   const char* next[2] = {nullptr, nullptr};  // next line to fetch per range
   int64_t left[2] = {0, 0};                  // lines still to fetch per range
-  int64_t interval = 8;                      // k steps per line (4 or 8)
+  int64_t per16 = 1;                         // lines per 16 k steps (1-4)
   bool active = false;                       // lines are left (tested once per group of k steps)
 
-  // Once per group of G k steps: G / interval lines (at least one).
+  // Once per group of G k steps (G = 4 or 16).
   template <int64_t G>
   inline void group() {
-    const int64_t lines = std::max<int64_t>(1, G / interval);
+    const int64_t lines = G >= 16 ? per16 * (G / 16) : (per16 * G + 15) / 16;
     for (int64_t i = 0; i < lines; ++i) {
       const int r = left[0] > 0 ? 0 : 1;
       if (left[r] <= 0) break;
@@ -229,8 +231,7 @@ constexpr int64_t PREFETCH_MAX_ROWS = 256;
 
 // Row blocks [r0, r1) x output panels [c0, c1). The first block fetches its panels ahead of
 // its loads; with several blocks (up to PREFETCH_MAX_ROWS rows), the blocks also fetch panels
-// [c1, c2) (the next sweep's) into L2, a line every 4 or 8 k steps until all are asked for,
-// so that DRAM streams the next panels while the FMAs work on these.
+// [c1, c2) (the next sweep's) into L2, spread over the later blocks (Prefetch::per16), so that DRAM streams the next panels while the FMAs work on these.
 template <Kind KIND>
 void sweep(const float* xp, const Block& blk, int64_t r0, int64_t r1, int64_t c0, int64_t c1, int64_t c2,
            int64_t mb) {
@@ -242,7 +243,9 @@ void sweep(const float* xp, const Block& blk, int64_t r0, int64_t r1, int64_t c0
   pf.next[0] = reinterpret_cast<const char*>(blk.wp + c1 * K * NP);
   pf.next[1] = reinterpret_cast<const char*>(blk.wp + blk.up + c1 * K * NP);
   for (int r = 0; r < ranges; ++r) pf.left[r] = lines;
-  pf.interval = r1 - r0 <= 128 ? 4 : 8;
+  const BlockKernel& full = kBlock<KIND>[std::min(mb, r1 - r0)];
+  const int64_t groups = (blocks - 1) * ((c1 - c0 + full.outputs - 1) / full.outputs) * (K / 16);  // blocks 1..
+  pf.per16 = std::clamp<int64_t>((ranges * lines + groups - 1) / std::max<int64_t>(1, groups), 1, 4);
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t m0 = r0 + b * mb, rows = std::min(mb, r1 - m0);
     const BlockKernel& kernel = kBlock<KIND>[rows];
