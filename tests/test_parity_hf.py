@@ -12,6 +12,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from tokenloom import LLM, SamplingParams
+from tokenloom.attention import cpu_decode
 from tests.conftest import TINY_CONFIGS
 from tests.hf_reference import hf_greedy
 
@@ -72,3 +73,19 @@ def test_batched_decode_ignores_garbage_past_each_sequence(tiny_model_dir):
         v[:kv.num_blocks].fill_(float("nan"))
     llm.engine.block_manager.reset_prefix_cache()   # the cached prefixes' contents were just destroyed
     assert [r.outputs[0].token_ids for r in llm.generate(PROMPTS, params)] == expected
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_fresh_blocks_are_cleared_only_where_a_reader_looks_past_the_context(tiny_model_dir, kv_cache_dtype):
+    """The padded decode batch (int8 caches, no kernels) masks slots past each sequence's end
+    and needs them zero; the float32 CPU kernels read only the context, so clearing is skipped
+    there (the NaN test above shows nothing leaks either way)."""
+    llm = LLM(str(tiny_model_dir("llama_gqa")), kv_cache_memory=16 << 20, kv_cache_dtype=kv_cache_dtype)
+    runner = llm.engine.runner
+    kernel_reads_all = kv_cache_dtype == "auto" and cpu_decode.build()
+    assert runner.zero_fresh_blocks is (not kernel_reads_all)
+    cleared = []
+    clear = runner.kv_cache.zero_blocks
+    runner.kv_cache.zero_blocks = lambda ids: (cleared.append(ids.tolist()), clear(ids))
+    llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    assert bool(cleared) is (not kernel_reads_all)

@@ -61,6 +61,15 @@ def _mask(q_len: int, ctx_len: int, window: int | None, device: torch.device) ->
     return allowed
 
 
+def reads_past_context(kv_cache) -> bool:
+    """Whether attention over `kv_cache` (a PagedKVCache) may read the slots past a sequence's
+    end: the padded decode batch below does (masked, so they must hold zeros, not NaN); where
+    the CPU decode kernel takes every decoding sequence, no reader does (the kernels and the
+    per-sequence SDPA calls read exactly each context), and fresh blocks need no clearing."""
+    probe = torch.empty(0, dtype=kv_cache.dtype, device=kv_cache.device)
+    return not cpu_decode.usable(probe, kv_cache.keys[0])
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:

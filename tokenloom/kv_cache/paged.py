@@ -70,8 +70,9 @@ class PagedKVCache:
     The tensors are allocated once; which request owns which block is the
     BlockManager's business, not this class's. Block ``null_block`` (the extra
     last one) is never handed out or written: it stays zero and pads block tables.
-    Together with ``zero_blocks`` on a block's first write, every slot a
-    sequence can see past its own end is zero, never stale or NaN.
+    Together with ``zero_blocks`` on a block's first write (done where a reader looks
+    past a sequence's end: ``attention.reads_past_context``), every slot a sequence
+    can see past its own end is zero, never stale or NaN.
     """
 
     def __init__(self, model: ModelConfig, num_blocks: int, block_size: int,
