@@ -222,21 +222,23 @@ constexpr auto kBlock = block_kernels_upto<KIND>(std::make_integer_sequence<int,
 template <Kind KIND>
 inline int64_t block_rows(int64_t M) { return M <= MB_MAX ? M : KIND == Kind::Glu ? 6 : MB; }
 
-// The next sweep's panels are fetched only by calls of several row blocks, up to
-// PREFETCH_MAX_ROWS rows: past ~300 rows it gained nothing, and from 512 rows (when x no
-// longer leaves L2 room for two sweeps' panels) it cost 2-6%. A one-block call fetches its own
-// panels ahead instead (the next sweep's as well cost 1-4 ms per 120 projections at 4-14
-// rows). (A per-k L1 fetch the micro kernel used to issue cost 3-8% at 190+ rows.)
-constexpr int64_t PREFETCH_MAX_ROWS = 256;
+// The next sweep's panels are fetched by calls of several row blocks, whatever their size. A
+// one-block call fetches its own panels ahead instead (the next sweep's as well cost 1-4 ms per
+// 120 projections at 4-14 rows). With a fixed interval, fetching cost 2-6% from 512 rows (when
+// x no longer leaves L2 room for two sweeps' panels), so it stopped at 256 rows; at the rate
+// spread over the sweep (one line per 16 k steps there) it gains 0.5-2%: 384 rows 200.7 ->
+// 196.8 ms, 1536 rows 777 -> 772. (A per-k L1 fetch the micro kernel used to issue cost 3-8%
+// at 190+ rows.)
 
 // Row blocks [r0, r1) x output panels [c0, c1). The first block fetches its panels ahead of
-// its loads; with several blocks (up to PREFETCH_MAX_ROWS rows), the blocks also fetch panels
-// [c1, c2) (the next sweep's) into L2, spread over the later blocks (Prefetch::per16), so that DRAM streams the next panels while the FMAs work on these.
+// its loads; with several blocks, the blocks also fetch panels [c1, c2) (the next sweep's)
+// into L2, spread over the later blocks (Prefetch::per16), so that DRAM streams the next
+// panels while the FMAs work on these.
 template <Kind KIND>
 void sweep(const float* xp, const Block& blk, int64_t r0, int64_t r1, int64_t c0, int64_t c1, int64_t c2,
            int64_t mb) {
   const int64_t blocks = (r1 - r0 + mb - 1) / mb, K = blk.K;
-  const bool fetch = r1 - r0 > mb && r1 - r0 <= PREFETCH_MAX_ROWS;
+  const bool fetch = r1 - r0 > mb;
   const int64_t lines = fetch ? (c2 - c1) * K * NP * int64_t(sizeof(float)) / 64 : 0;
   const int ranges = panels_per_output<KIND>();
   Prefetch pf;
