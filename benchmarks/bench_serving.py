@@ -256,10 +256,10 @@ def main() -> None:
     runners = [("tokenloom", lambda c: run_tokenloom(engine, reqs, c)),
                ("transformers_static", lambda c: on_engine_thread(run_hf_static, hf, reqs, c)),
                ("transformers_continuous", lambda c: on_engine_thread(run_hf_continuous, hf, reqs, c))]
-    # transformers' continuous batching runs last: its manager thread starts an OpenMP pool of its
-    # own, which stays after it stops, and with more OpenMP threads than cores GNU OpenMP's
-    # threads sleep between parallel regions for the rest of the process (tokenloom at 64
-    # clients 6.28 -> 6.56 s after one short continuous run).
+    # transformers' continuous batching runs last: it slows every later run in the process
+    # (tokenloom at 64 clients 6.28 -> 6.56 s after one short continuous run, measured). Likely
+    # cause, not verified: its manager thread leaves an OpenMP pool behind, and with more OpenMP
+    # threads than cores GNU OpenMP's threads sleep between parallel regions.
     plan = [(c, name, fn) for last in (False, True) for c in args.concurrency for name, fn in runners
             if (name == "transformers_continuous") == last
             and (name != "transformers_continuous" or c in args.hf_continuous_levels)

@@ -24,8 +24,7 @@
 // With the first row block fetching its panels ahead and the next sweep's panels fetched at a
 // fixed interval up to 256 rows: 12 rows 16.5 ms, 16 rows 20.8, 35 rows 30.0, 96 rows 59.8,
 // 180 rows 106.7, 256 rows 148.4, 1024 rows 574 (cold weights, interleaved A/B). With the k loop
-// unrolled in groups (kGroup): 1 row 13.4, 12 rows 15.9, 144 rows 80, 180 rows 97.4, 512 rows 264,
-// 1536 rows 776 (oneDNN at 2048 x 576 x 3072, weights hot: ~446 GFLOPS; this kernel at 1536 rows
+// unrolled in groups (kGroup): 144 rows 80, 180 rows 97.4, 512 rows 264, 1536 rows 776 (oneDNN at 2048 x 576 x 3072, weights hot: ~446 GFLOPS; this kernel at 1536 rows
 // ~420 with them cold).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -98,11 +97,12 @@ struct Prefetch {
 // ahead (a sweep's first block; every decode-sized call is one such block), 16 for the rest.
 // A k loop of one step per iteration with the fetch flags tested in it kept ~10 integer and
 // flag instructions next to the FMAs and spilled pointers into vector registers (each move
-// back took an FMA port). 120 layer projections, cold weights, interleaved A/B: 1 row 14.1 ->
-// 13.4 ms, 4 rows 14.5 -> 13.8, 12 rows 16.1 -> 15.9, 64 rows 42.8 -> 41.2, 144 rows 87 -> 80,
-// 180 rows 106.3 -> 97.4, 512 rows 288 -> 264, 1536 rows 846 -> 776. Groups of 16 for the
-// decode blocks as well were 2-4% slower at 8-14 rows; groups of 8 unrolled by 2 or 4 rather
-// than whole ~13% slower at 144-512 rows.
+// back took an FMA port). 120 layer projections, cold weights, interleaved A/B: 64 rows 42.8
+// -> 41.2 ms, 144 rows 87 -> 80, 180 rows 106.3 -> 97.4, 512 rows 288 -> 264, 1536 rows 846 ->
+// 776; groups of 8 unrolled by 2 or 4 rather than whole ~13% slower at 144-512 rows. At 1-14
+// rows the A/Bs read 1 row 14.1 -> 13.4 ms, 12 rows 16.1 -> 15.9, and groups of 16 for the
+// decode blocks 2-4% slower; but two builds of the same source differed by 6-7% there (where
+// their packed weights landed in memory), so those figures are within that noise.
 template <bool AHEAD_PF>
 constexpr int64_t kGroup = AHEAD_PF ? 4 : 16;
 
