@@ -31,9 +31,14 @@ def ops():
 
 
 def usable(q: torch.Tensor, k_cache) -> bool:
-    """Float32 on the CPU, a plain (not int8) cache, head size 32/64/128, and the kernel built."""
-    return (q.device.type == "cpu" and q.dtype == torch.float32 and isinstance(k_cache, torch.Tensor)
-            and k_cache.dtype == torch.float32 and q.shape[-1] in (32, 64, 128) and ops() is not None)
+    """Float32 queries on the CPU that the kernel takes (``takes``)."""
+    return q.device.type == "cpu" and q.dtype == torch.float32 and takes(q.shape[-1], k_cache)
+
+
+def takes(head_dim: int, k_cache) -> bool:
+    """A plain (not int8) float32 CPU cache, head size 32/64/128, and the kernel built."""
+    return (isinstance(k_cache, torch.Tensor) and k_cache.device.type == "cpu" and k_cache.dtype == torch.float32
+            and head_dim in (32, 64, 128) and ops() is not None)
 
 
 def prefill_rows(meta: AttentionMetadata) -> list[int]:

@@ -13,7 +13,7 @@ from torch import nn
 from tokenloom.attention import AttentionMetadata, paged_attention
 from tokenloom.config import ModelConfig
 from tokenloom.kv_cache.paged import PagedKVCache
-from tokenloom.models import llama_decode
+from tokenloom.models import llama_step
 from tokenloom.models.base import CausalLM
 from tokenloom.models.layers import GatedMLP, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
 
@@ -106,8 +106,8 @@ class LlamaForCausalLM(CausalLM):
     def forward(self, input_ids, positions, meta, kv_cache: PagedKVCache):
         h = self.model.embed_tokens(input_ids)                        # (T, hidden)
         cos, sin = rope_cos_sin(self.inv_freq, positions, h.dtype)    # each (T, 1, head_dim)
-        if llama_decode.applies(self, h, cos, meta, kv_cache):       # every sequence decoding, float32 CPU
-            return llama_decode.run(self, h, cos, sin, meta, kv_cache)
+        if llama_step.applies(self, h, cos, meta, kv_cache):   # decodes and prompt chunks the kernels take, float32 CPU
+            return llama_step.run(self, h, cos, sin, meta, kv_cache)
         residual = None
         for i, layer in enumerate(self.model.layers):
             h, residual = layer(h, residual, cos, sin, kv_cache.layer(i), meta)

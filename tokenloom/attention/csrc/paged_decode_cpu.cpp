@@ -15,6 +15,7 @@
 #include <immintrin.h>
 #include <torch/library.h>
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <vector>
 
@@ -384,47 +385,87 @@ void decode_all(const float* qp, const at::Tensor& k_cache, const at::Tensor& v_
   });
 }
 
-at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                        const at::Tensor& tables, const at::Tensor& ctx_lens, double scale, int64_t window) {
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q must be contiguous (B, H, D) float32");
-  check_caches(k_cache, v_cache, tables, ctx_lens, q.size(0));
-  const int64_t H = q.size(1), D = q.size(2), KVH = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == D && H % KVH == 0, "head_dim or head counts disagree");
-  at::Tensor out = at::empty_like(q);
-  decode_all(q.data_ptr<float>(), k_cache, v_cache, tables, ctx_lens,
-             Shapes{H, KVH, H / KVH, D, k_cache.size(1), tables.size(1)}, static_cast<float>(scale), window,
-             out.data_ptr<float>());
-  return out;
-}
-
-// One call for a decode step's attention block: qkv (B, (H + 2 KVH) D) = [q | k | v] rows of
-// the step's one token per sequence; q and k rotated (rope_row, the fused rope's arithmetic)
-// with cos/sin (B, 1, D); k and v written to cache slot slots[b]; then paged_decode's
-// attention. Returns (B, H * D). Replaces a dozen small ops per layer.
-at::Tensor rope_write_decode(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
-                             const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slots,
-                             const at::Tensor& tables, const at::Tensor& ctx_lens, int64_t num_heads, double scale,
-                             int64_t window) {
-  TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == at::kFloat && qkv.is_contiguous(), "qkv must be contiguous (B, C) float32");
-  const int64_t B = qkv.size(0);
-  check_caches(k_cache, v_cache, tables, ctx_lens, B);
-  const int64_t H = num_heads, KVH = k_cache.size(2), D = k_cache.size(3), slot_count = k_cache.size(0) * k_cache.size(1);
-  TORCH_CHECK(H % KVH == 0 && qkv.size(1) == (H + 2 * KVH) * D, "qkv must hold (heads + 2 kv_heads) x head_dim columns");
-  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == B * D && sin.numel() == B * D &&
-              cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat, "cos/sin must be contiguous (B, 1, D) float32");
-  TORCH_CHECK(slots.dim() == 1 && slots.size(0) == B && slots.scalar_type() == at::kLong, "slots must be (B,) int64");
-  const float *x = qkv.data_ptr<float>(), *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
-  const int64_t* slot = slots.data_ptr<int64_t>();
-  float *kc = k_cache.data_ptr<float>(), *vc = v_cache.data_ptr<float>();
-  at::Tensor q = at::empty({B, H, D}, qkv.options());
-  float* qp = q.data_ptr<float>();
-  for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK(slot[b] >= 0 && slot[b] < slot_count, "a cache slot is out of range");
+// Rows [b0, b1) of qkv (rows of (H + 2 KVH) D = [q | k | v]): q and k rotated (rope_row, the
+// fused rope's arithmetic) with cos/sin rows b, q into qp (rows of H D), k and v written to
+// cache slot slots[b] (slots checked by the caller).
+void rope_write_rows(const float* x, const float* cp, const float* sp, const int64_t* slot, int64_t b0, int64_t b1,
+                     int64_t H, int64_t KVH, int64_t D, float* kc, float* vc, float* qp) {
+  for (int64_t b = b0; b < b1; ++b) {
     const float *row = x + b * (H + 2 * KVH) * D, *c = cp + b * D, *sn = sp + b * D;
     for (int64_t h = 0; h < H; ++h) rope_row(row + h * D, c, sn, qp + (b * H + h) * D, D);
     for (int64_t g = 0; g < KVH; ++g) rope_row(row + (H + g) * D, c, sn, kc + (slot[b] * KVH + g) * D, D);
     std::copy(row + (H + KVH) * D, row + (H + 2 * KVH) * D, vc + slot[b] * KVH * D);
   }
+}
+
+// Checks rope_write's arguments; returns (rows, heads H, kv heads KVH, head_dim D).
+std::array<int64_t, 4> check_rope_write(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                                        const at::Tensor& k_cache, const at::Tensor& slots, int64_t num_heads) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == at::kFloat && qkv.is_contiguous(), "qkv must be contiguous (B, C) float32");
+  const int64_t B = qkv.size(0), H = num_heads, KVH = k_cache.size(2), D = k_cache.size(3);
+  const int64_t slot_count = k_cache.size(0) * k_cache.size(1);
+  TORCH_CHECK(H % KVH == 0 && qkv.size(1) == (H + 2 * KVH) * D, "qkv must hold (heads + 2 kv_heads) x head_dim columns");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == B * D && sin.numel() == B * D &&
+              cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat, "cos/sin must be contiguous (B, 1, D) float32");
+  TORCH_CHECK(slots.dim() == 1 && slots.size(0) == B && slots.scalar_type() == at::kLong && slots.is_contiguous(),
+              "slots must be (B,) int64");
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) TORCH_CHECK(slot[b] >= 0 && slot[b] < slot_count, "a cache slot is out of range");
+  return {B, H, KVH, D};
+}
+
+// qkv (T, (H + 2 KVH) D) = [q | k | v] rows of a step's tokens, cos/sin (T, 1, D): q and k
+// rotated, k and v written to cache slots `slots` (T,). Returns the rotated q (T, H, D). A
+// prompt step's rope, cache write and query copy in one pass (rows split over the threads).
+at::Tensor rope_write(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache,
+                      const at::Tensor& v_cache, const at::Tensor& slots, int64_t num_heads) {
+  const auto [T, H, KVH, D] = check_rope_write(qkv, cos, sin, k_cache, slots, num_heads);
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
+              k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat,
+              "caches must be contiguous (blocks, block_size, kv_heads, head_dim) float32");
+  at::Tensor q = at::empty({T, H, D}, qkv.options());
+  const float *x = qkv.data_ptr<float>(), *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  float *kc = k_cache.data_ptr<float>(), *vc = v_cache.data_ptr<float>(), *qp = q.data_ptr<float>();
+  at::parallel_for(0, T, 64, [&](int64_t b0, int64_t b1) {
+    rope_write_rows(x, cp, sp, slots.data_ptr<int64_t>(), b0, b1, H, KVH, D, kc, vc, qp);
+  });
+  return q;
+}
+
+// paged_decode into out (B, H, D) contiguous, e.g. the first rows of a mixed step's output.
+void paged_decode_out(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                      const at::Tensor& tables, const at::Tensor& ctx_lens, double scale, int64_t window, at::Tensor& out) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q must be contiguous (B, H, D) float32");
+  TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == at::kFloat && out.is_contiguous(),
+              "out must be contiguous float32 shaped like q");
+  check_caches(k_cache, v_cache, tables, ctx_lens, q.size(0));
+  const int64_t H = q.size(1), D = q.size(2), KVH = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == D && H % KVH == 0, "head_dim or head counts disagree");
+  decode_all(q.data_ptr<float>(), k_cache, v_cache, tables, ctx_lens,
+             Shapes{H, KVH, H / KVH, D, k_cache.size(1), tables.size(1)}, static_cast<float>(scale), window,
+             out.data_ptr<float>());
+}
+
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                        const at::Tensor& tables, const at::Tensor& ctx_lens, double scale, int64_t window) {
+  at::Tensor out = at::empty_like(q);
+  paged_decode_out(q, k_cache, v_cache, tables, ctx_lens, scale, window, out);
+  return out;
+}
+
+// One call for a decode step's attention block: rope_write of the step's one token per
+// sequence, then paged_decode's attention. Returns (B, H * D). Replaces a dozen small ops
+// per layer.
+at::Tensor rope_write_decode(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                             const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slots,
+                             const at::Tensor& tables, const at::Tensor& ctx_lens, int64_t num_heads, double scale,
+                             int64_t window) {
+  const auto [B, H, KVH, D] = check_rope_write(qkv, cos, sin, k_cache, slots, num_heads);
+  check_caches(k_cache, v_cache, tables, ctx_lens, B);
+  at::Tensor q = at::empty({B, H, D}, qkv.options());
+  float* qp = q.data_ptr<float>();
+  rope_write_rows(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), slots.data_ptr<int64_t>(), 0, B,
+                  H, KVH, D, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), qp);
   at::Tensor out = at::empty({B, H * D}, qkv.options());
   decode_all(qp, k_cache, v_cache, tables, ctx_lens, Shapes{H, KVH, H / KVH, D, k_cache.size(1), tables.size(1)},
              static_cast<float>(scale), window, out.data_ptr<float>());
@@ -438,9 +479,15 @@ TORCH_LIBRARY(TOKENLOOM_ATTENTION_LIBRARY, m) {
         "int window) -> Tensor");
   m.def("rope_write_decode(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, "
         "Tensor tables, Tensor ctx_lens, int num_heads, float scale, int window) -> Tensor");
+  m.def("rope_write(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, "
+        "int num_heads) -> Tensor");
+  m.def("paged_decode_out(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables, Tensor ctx_lens, float scale, "
+        "int window, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(TOKENLOOM_ATTENTION_LIBRARY, CPU, m) {
   m.impl("paged_decode", &paged_decode);
   m.impl("rope_write_decode", &rope_write_decode);
+  m.impl("rope_write", &rope_write);
+  m.impl("paged_decode_out", &paged_decode_out);
 }
