@@ -152,3 +152,26 @@ def test_row_argmax_is_argmax_including_ties_and_nan():
     x[4, 7] = float("nan")                            # NaN is the maximum, as for argmax
     assert torch.equal(row_argmax(x), x.argmax(dim=-1))
     assert row_argmax(x).tolist()[1:3] == [10, 0]
+
+
+@pytest.mark.parametrize("width", [5, 33, 49152, 49157])
+def test_row_argmax_kernel_is_argmax_across_its_column_ranges(width):
+    """The fused kernel splits wide rows into one column range per thread: ties across the
+    ranges, NaN in a later range, all -inf rows, -0.0 vs 0.0, short rows and tails."""
+    from tokenloom.models import fused
+    from tokenloom.sampling.sampler import row_argmax
+    if not fused.build():
+        pytest.skip("fused ops not built")
+    g = torch.Generator().manual_seed(width)
+    x = torch.randn(7, width, generator=g)
+    last = width - 1
+    x[0, 3] = x[0, last] = 9.0                       # a tie between the first and the last range
+    x[1, last] = float("nan")                         # NaN in the last range beats any value
+    x[2] = float("-inf")
+    x[3] = 0.0
+    x[3, 1::2] = -0.0                                 # equal to 0.0: the first index wins
+    x[4, width // 2:] = x[4, :width - width // 2].clone()     # every maximum twice
+    x[5] = torch.randint(0, 2, (width,), generator=g).float()
+    assert torch.equal(fused.row_argmax(x), x.argmax(dim=-1))
+    narrower = x[:, 1:]                               # rows apart by more than their width
+    assert torch.equal(row_argmax(narrower), narrower.argmax(dim=-1))

@@ -1,6 +1,6 @@
 """Fused float32 CPU versions of the decoder's glue (``csrc/fused_cpu.cpp``): RMSNorm (alone
 or with the residual add before it), rotate-half RoPE and silu(gate) * up, each one op
-instead of two to six.
+instead of two to six; and the greedy pick (row argmax) over the logits.
 
 At batch 1 a decode step is ~30 layers x ~35 small torch ops, and their dispatch
 costs a measurable share of the step once the matmuls are fast (quantized). Used
@@ -49,6 +49,12 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x (T, heads, head_dim), cos/sin (T, 1, head_dim) -> rotated (T, heads, head_dim)."""
     return torch.ops.tokenloom_fused.rope(x, cos, sin)
+
+
+def row_argmax(x: torch.Tensor) -> torch.Tensor:
+    """x (B, V) with unit-stride rows -> (B,) int64: the first index of each row's maximum,
+    NaN counting as the maximum (torch.argmax's result)."""
+    return torch.ops.tokenloom_fused.row_argmax(x)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,8 @@
 #include <immintrin.h>
 #include <cmath>
 #include <tuple>
+#include <utility>
+#include <vector>
 
 #include "rope_row.h"
 
@@ -117,6 +119,79 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return y;
 }
 
+// The better of two (value, index) candidates for the first maximum, NaN above everything
+// (torch.max's order): b wins if strictly greater, or NaN where a is not; ties keep a, so
+// candidates met in index order give the first index.
+inline bool beats(float b, float a) { return b > a || (std::isnan(b) && !std::isnan(a)); }
+
+// (value, index) of the first maximum of x[0, n) (index relative to x): the maximum in one
+// pass (four independent max chains, NaN noted aside), then the first position holding it.
+std::pair<float, int64_t> first_max(const float* x, int64_t n) {
+  int64_t i = 0;
+  float top = -INFINITY;
+  bool nan = false;
+  if (n >= 32) {
+    __m256 m[4], bad = _mm256_setzero_ps();
+    for (int j = 0; j < 4; ++j) m[j] = _mm256_set1_ps(-INFINITY);
+    for (; i + 32 <= n; i += 32)
+      for (int j = 0; j < 4; ++j) {
+        const __m256 v = _mm256_loadu_ps(x + i + 8 * j);
+        m[j] = _mm256_max_ps(m[j], v);
+        bad = _mm256_or_ps(bad, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+      }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, _mm256_max_ps(_mm256_max_ps(m[0], m[1]), _mm256_max_ps(m[2], m[3])));
+    for (float v : lanes) top = std::max(top, v);
+    nan = _mm256_movemask_ps(bad) != 0;
+  }
+  for (; i < n; ++i) {
+    nan |= std::isnan(x[i]);
+    top = std::max(top, x[i]);
+  }
+  if (nan) {
+    for (i = 0; !std::isnan(x[i]); ++i) {}
+    return {x[i], i};
+  }
+  const __m256 t = _mm256_set1_ps(top);
+  for (i = 0; i + 8 <= n; i += 8)
+    if (const int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), t, _CMP_EQ_OQ)))
+      return {top, i + __builtin_ctz(hit)};
+  while (x[i] != top) ++i;
+  return {top, i};
+}
+
+// Index of the first maximum of each row of x (B, V), NaN counting as the maximum: the same
+// as torch.argmax. Each thread scans one range of columns for every row (the ranges the
+// column-split LM head wrote, so each core reads what sits in its own cache), then the
+// ranges' winners are compared in order.
+at::Tensor row_argmax(const at::Tensor& x) {
+  check_rows(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) > 0 && x.stride(1) == 1, "row_argmax wants x (B, V), V > 0, unit-stride rows");
+  const int64_t B = x.size(0), V = x.size(1), ld = x.stride(0);
+  const int64_t parts = std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(1, V / 4096));
+  const int64_t span = (V + parts - 1) / parts;
+  std::vector<std::pair<float, int64_t>> found(parts * B);
+  const float* xp = x.data_ptr<float>();
+  at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t c0 = p * span, c1 = std::min(V, c0 + span);
+      for (int64_t b = 0; b < B; ++b) {
+        auto [value, index] = first_max(xp + b * ld + c0, c1 - c0);
+        found[p * B + b] = {value, c0 + index};
+      }
+    }
+  });
+  at::Tensor out = at::empty({B}, x.options().dtype(at::kLong));
+  int64_t* op = out.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    auto best = found[b];
+    for (int64_t p = 1; p < parts; ++p)
+      if (found[p * B + b].second >= 0 && beats(found[p * B + b].first, best.first)) best = found[p * B + b];
+    op[b] = best.second;
+  }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(tokenloom_fused, m) {
@@ -124,6 +199,7 @@ TORCH_LIBRARY(tokenloom_fused, m) {
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor w, float eps) -> (Tensor, Tensor)");
   m.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("row_argmax(Tensor x) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tokenloom_fused, CPU, m) {
@@ -131,4 +207,5 @@ TORCH_LIBRARY_IMPL(tokenloom_fused, CPU, m) {
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("rope", &rope);
   m.impl("silu_mul", &silu_mul);
+  m.impl("row_argmax", &row_argmax);
 }
