@@ -60,11 +60,14 @@ def reference(q, k, v, meta, scale) -> torch.Tensor:
     return out
 
 
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 32), (9, 3, 64), (8, 2, 128), (6, 1, 64)])
-@pytest.mark.parametrize("window", [None, 20])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 32), (9, 3, 64), (8, 2, 128), (6, 1, 64), (10, 2, 32),
+                                                     (7, 1, 32)])
+@pytest.mark.parametrize("window", [None, 20, 40])
 def test_kernel_equals_float64_attention(heads, kv_heads, head_dim, window):
-    # whole prompts (q_len == ctx), chunks after cached context, lengths around the 16-row tiles
-    q_lens, ctx_lens = [2, 16, 17, 150, 5, 40], [2, 16, 17, 150, 45, 200]
+    # whole prompts (q_len == ctx), chunks after cached context, lengths around the 16-row tiles;
+    # 1-7 query heads per kv head (passes of 3, 2 and 1 heads); windows that leave every key
+    # tile masked (20) or some tiles wholly inside it (40: the unmasked path)
+    q_lens, ctx_lens = [2, 16, 17, 150, 5, 40, 34], [2, 16, 17, 150, 45, 200, 80]
     k, v = caches(kv_heads, head_dim)
     meta = meta_for(q_lens, ctx_lens, scattered_tables(ctx_lens), window)
     q = torch.randn(sum(q_lens), heads, head_dim, generator=torch.Generator().manual_seed(1))
