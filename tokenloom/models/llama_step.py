@@ -80,7 +80,7 @@ def _attention(model, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetad
     def mixed(i: int, qkv: torch.Tensor) -> torch.Tensor:
         T = qkv.shape[0]
         q = decode.rope_write(qkv, cos, sin, keys[i], values[i], slots, heads)  # (T, heads, head_dim)
-        out = torch.empty(T, heads * head_dim)
+        out = qkv.new_empty(T, heads * head_dim)
         if n:
             decode.paged_decode_out(q[:n], keys[i], values[i], tables, ctx, scale, window,
                                     out[:n].view(n, heads, head_dim))
