@@ -102,12 +102,12 @@ async def _tokenloom_run(engine: AsyncLLMEngine, reqs: list[Req], concurrency: i
 
 
 def run_tokenloom(engine: AsyncLLMEngine, reqs: list[Req], concurrency: int) -> Run:
-    engine.engine.block_manager.reset_prefix_cache()
+    engine.reset_prefix_cache()
     # transformers, in the same process, takes the heap the engine reserved for its activations
     # at start-up (its weights, its caches), which a process of its own keeps: reserve it again
     # (untimed), or tokenloom's first large step faults in fresh pages (~0.3 s of its 6.4k-token
     # prefill at 64 clients).
-    engine.run_on_engine_thread(engine.engine.reserve_activation_memory)
+    engine.reserve_activation_memory()
 
     async def main():
         try:

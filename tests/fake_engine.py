@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from tokenloom.config import SchedulerConfig
 from tokenloom.kv_cache.block_manager import BlockManager
+from tokenloom.outputs import RunnerOutput
 from tokenloom.request import Request
 from tokenloom.sampling_params import SamplingParams
 from tokenloom.scheduler import Scheduler
@@ -29,19 +30,16 @@ class FakeEngine:
 
     def abort(self, rid: str) -> None:
         req = self.requests.get(rid)
-        if req is not None and not req.is_finished:
+        if req is not None:
             self.scheduler.finish(req, "abort")
 
     def step(self) -> None:
         out = self.scheduler.schedule()
         self.log.append([(s.request.request_id, s.num_tokens) for s in out.scheduled])
-        self.scheduler.on_step_done(out)
-        for s in out.scheduled:
-            req = s.request
-            if s.samples:
-                req.output_token_ids.append(1000 + req.num_tokens)
-                if len(req.output_token_ids) >= req.params.max_tokens:
-                    self.scheduler.finish(req, "length")
+        sampled = [s.request for s in out.scheduled if s.samples]
+        tokens = [[1000 + r.num_tokens] for r in sampled]
+        self.scheduler.update_from_output(out, RunnerOutput([r.request_id for r in sampled], tokens,
+                                                            [None] * len(sampled)))
         self.blocks.check_integrity()
 
     def run(self, max_steps: int = 10_000) -> None:

@@ -21,7 +21,7 @@ def _softmax(x):
 
 def _draw(params: SamplingParams, logits=LOGITS, prompt=(), output=(), n=DRAWS) -> np.ndarray:
     meta = SamplingMetadata([params] * n, [list(prompt)] * n, [list(output)] * n, [None] * n, [frozenset()] * n)
-    tokens, _ = Sampler()(torch.tensor(logits, dtype=torch.float32).repeat(n, 1), meta)
+    tokens = Sampler().sample(torch.tensor(logits, dtype=torch.float32).repeat(n, 1), meta).tokens
     return np.bincount(tokens.numpy(), minlength=len(logits))
 
 
@@ -104,7 +104,7 @@ def test_greedy_takes_argmax_after_processors():
 def test_min_tokens_bans_eos_and_stop_ids():
     params = SamplingParams(temperature=0, min_tokens=3, stop_token_ids=[1])
     meta = SamplingMetadata([params], [[5]], [[4, 4]], [None], [frozenset({0})])
-    tokens, _ = Sampler()(torch.tensor(LOGITS[None], dtype=torch.float32), meta)
+    tokens = Sampler().sample(torch.tensor(LOGITS[None], dtype=torch.float32), meta).tokens
     assert tokens.item() == 2     # 0 (EOS) and 1 (stop id) are banned, 2 is the next best
 
 
@@ -114,7 +114,7 @@ def test_seed_reproduces_and_ignores_batch_companions():
         gens = [torch.Generator().manual_seed(7)] + [None] * companions
         n = len(params)
         meta = SamplingMetadata(params, [[]] * n, [[]] * n, gens, [frozenset()] * n)
-        return [Sampler()(torch.tensor(np.stack([LOGITS] * n), dtype=torch.float32), meta)[0][0].item() for _ in range(seed_rows)]
+        return [Sampler().sample(torch.tensor(np.stack([LOGITS] * n), dtype=torch.float32), meta).tokens[0].item() for _ in range(seed_rows)]
     # A fresh generator per run: the seeded row's draws depend only on its seed.
     assert run(1, 0) == run(1, 5)
     seq = [run(1, c)[0] for c in range(4)]
@@ -124,7 +124,8 @@ def test_seed_reproduces_and_ignores_batch_companions():
 def test_logprobs_are_raw_model_logprobs():
     params = SamplingParams(temperature=0, logprobs=3, logit_bias={5: 50.0})
     meta = SamplingMetadata([params], [[]], [[]], [None], [frozenset()])
-    tokens, logprobs = Sampler()(torch.tensor(LOGITS[None], dtype=torch.float32), meta)
+    out = Sampler().sample(torch.tensor(LOGITS[None], dtype=torch.float32), meta)
+    tokens, logprobs = out.tokens, out.logprobs
     raw = np.log(_softmax(LOGITS))
     assert tokens.item() == 5
     assert set(logprobs[0]) == {0, 1, 2, 5}                      # top 3 plus the chosen token
@@ -139,7 +140,7 @@ def test_sampler_leaves_the_callers_logits_untouched():
               SamplingParams(temperature=0.8, repetition_penalty=1.3, seed=1)]
     meta = SamplingMetadata(params, [[0], [0]], [[], [2]], [None, torch.Generator().manual_seed(1)],
                             [frozenset({0})] * 2)
-    Sampler()(logits, meta)
+    Sampler().sample(logits, meta)
     assert torch.equal(logits, before)
 
 

@@ -27,7 +27,7 @@ from tokenloom.allocator import keep_freed_memory
 from tokenloom.config import EngineConfig
 from tokenloom.engine import LLMEngine
 from tokenloom.metrics import EngineStats
-from tokenloom.outputs import StepDelta
+from tokenloom.outputs import RequestError, StepDelta
 from tokenloom.sampling_params import SamplingParams
 
 
@@ -56,6 +56,39 @@ class AsyncLLMEngine:
     def from_config(cls, config: EngineConfig, progress: bool = False) -> "AsyncLLMEngine":
         return cls.build(lambda: LLMEngine(config, progress=progress))
 
+    # ---- what the server reads (the engine's public facts; safe while a step runs) -------------
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.model_config.vocab_size
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self.engine.eos_token_ids
+
+    @property
+    def model_path(self) -> str:
+        return self.engine.config.model
+
+    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """ValueError (naming the problem) for input the model cannot take; read-only."""
+        self.engine.validate_request(prompt_token_ids, params)
+
+    def check_constraint(self, constraint) -> None:
+        """ValueError if a structured-output constraint does not compile (compiled once, cached)."""
+        self.engine.check_constraint(constraint)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix; only while no request is in flight."""
+        self.engine.reset_prefix_cache()
+
+    def reserve_activation_memory(self) -> bool:
+        """Re-grow the engine's activation heap, on its own thread (LLMEngine.reserve_activation_memory)."""
+        return self.run_on_engine_thread(self.engine.reserve_activation_memory)
+
     def run_on_engine_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Call fn(*args) on the engine's thread and return its result (blocking): for other
         torch work in the same process, e.g. a benchmark's baseline, so one thread runs it all."""
@@ -67,7 +100,8 @@ class AsyncLLMEngine:
 
     async def generate(self, prompt: str | list[int], params: SamplingParams,
                        request_id: str | None = None) -> AsyncIterator[StepDelta]:
-        """Stream one request's deltas. Raises ValueError at once for input the model cannot take."""
+        """Stream one request's deltas. Raises ValueError at once for input the model cannot take,
+        and RequestError where the request failed in the engine (the others go on)."""
         self._ensure_loop()
         rid = request_id if request_id is not None else f"async-{next(self._ids)}"
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -75,7 +109,7 @@ class AsyncLLMEngine:
             raise ValueError("generate() streams one sequence; use n=1 (submit n requests for n samples)")
         if rid in self._queues:
             raise ValueError(f"request id {rid!r} is already in use")
-        self.engine.validate_request(ids, params)   # read-only: safe while a step runs
+        self.validate_request(ids, params)
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = queue
         self._submit(lambda: self.engine.add_request(rid, ids, params), rid)
@@ -86,6 +120,8 @@ class AsyncLLMEngine:
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
+                if item.error is not None:
+                    raise RequestError(item.error)
                 yield item
         finally:
             self._queues.pop(rid, None)

@@ -62,7 +62,7 @@ async def beam_search_async(engine, prompt_ids: list[int], beam_width: int, max_
         async for delta in engine.generate(prompt, params):
             if delta.finished:
                 return delta.completion
-    search = _search(prompt_ids, set(engine.engine.eos_token_ids), beam_width, max_tokens, length_penalty,
+    search = _search(prompt_ids, set(engine.eos_token_ids), beam_width, max_tokens, length_penalty,
                      early_stopping, n)
     try:
         prompts, params = next(search)

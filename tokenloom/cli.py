@@ -201,7 +201,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     _check_engine_flags(args)
     engine = AsyncLLMEngine.build(lambda: _make_llm(args).engine)   # built on the thread that steps it
     api_key = args.api_key or os.environ.get("TOKENLOOM_API_KEY")
-    name = args.served_model_name or served_model_name(engine.engine.config.model)
+    name = args.served_model_name or served_model_name(engine.model_path)
     app = build_app(engine, name, api_key=api_key, max_body_bytes=args.max_body_bytes)
     print(f"tokenloom: serving {name!r} on http://{args.host}:{args.port}/v1"
           f"{' (API key required)' if api_key else ''}", file=sys.stderr)

@@ -13,7 +13,7 @@ from tokenloom.beam_search import BeamHypothesis, beam_search
 from tokenloom.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from tokenloom.engine import LLMEngine
 from tokenloom.hub import resolve_model
-from tokenloom.outputs import CompletionOutput, RequestOutput, StepDelta
+from tokenloom.outputs import CompletionOutput, RequestError, RequestOutput, StepDelta
 from tokenloom.sampling_params import SamplingParams
 
 Prompt = Union[str, list[int]]
@@ -79,7 +79,8 @@ class LLM:
     def generate(self, prompts: Prompt | list[Prompt], params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """Generate for every prompt together (continuous batching); results in prompt order.
-        `params` is one SamplingParams for all prompts or a list with one per prompt."""
+        `params` is one SamplingParams for all prompts or a list with one per prompt. A request
+        that failed in the engine ends alone: finish_reason "error", the message in ``error``."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         per_prompt = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
@@ -111,6 +112,8 @@ class LLM:
         if not prompt_ids or not cont_ids:
             raise ValueError("score() needs at least one prompt token and one continuation token")
         out = self.generate([prompt_ids + cont_ids], SamplingParams(max_tokens=0, prompt_logprobs=0))[0]
+        if out.outputs[0].error is not None:
+            raise RequestError(f"scoring failed: {out.outputs[0].error}")
         entries = out.prompt_logprobs[len(prompt_ids):]
         logprobs = [entry[token] for entry, token in zip(entries, cont_ids)]
         return ScoreResult(cont_ids, logprobs, sum(logprobs))
@@ -151,6 +154,8 @@ class LLM:
                 for delta in self.engine.step():
                     if delta.request_id == child:
                         finished = delta.finished
+                        if delta.error is not None:
+                            raise RequestError(delta.error)
                         yield delta
         finally:
             self.engine.abort(child)

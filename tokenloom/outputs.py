@@ -51,6 +51,30 @@ class RunnerOutput:
     # request -> (index of the first prompt token scored, entries) for this step's prompt chunk
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
     explanations: dict[str, "StepRecord"] = field(default_factory=dict)   # request -> its token's record
+    errors: dict[str, str] = field(default_factory=dict)   # request -> why its part of the step failed
+
+
+def describe_error(error: BaseException) -> str:
+    """The message a failed request reports: the exception's type and text."""
+    return f"{type(error).__name__}: {error}"
+
+
+class RequestError(RuntimeError):
+    """One request failed inside the engine (its data or params broke a stage of a step);
+    the engine and every other request went on."""
+
+
+@dataclass(slots=True)
+class CoreOutput:
+    """What one engine-core step did for one request, handed to the OutputProcessor."""
+
+    request: Request
+    new_token_ids: list[int]                          # appended this step (up to a token stop)
+    logprobs: list[TokenLogprobs] | None = None       # per new token, when the request asked
+    prompt_logprobs: tuple[int, list[TokenLogprobs]] | None = None   # (first prompt index, entries)
+    explanation: "StepRecord | None" = None           # the new token's record (explain=N)
+    finished: bool = False
+    error: str | None = None                          # set when the request failed (finished too)
 
 
 @dataclass(slots=True)
@@ -60,12 +84,13 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None        # "stop" (EOS, stop id or stop string), "length", "abort"
+    finish_reason: str | None        # "stop" (EOS, stop id or stop string), "length", "abort", "error"
     stop_reason: str | int | None = None  # the stop string or stop token id that matched
     logprobs: list[TokenLogprobs] | None = None
     metrics: RequestMetrics | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None   # per prompt token (None for the first)
     explanation: list["StepRecord"] | None = None    # per generated token, when explain was asked
+    error: str | None = None                         # finish_reason "error": what failed
 
 
 @dataclass(slots=True)
@@ -80,6 +105,7 @@ class StepDelta:
     completion: CompletionOutput | None = None   # the whole result, on the finishing delta only
     logprobs: list[TokenLogprobs] | None = None    # the new tokens' logprobs, when the request asked
     explanation: list["StepRecord"] | None = None  # the new tokens' records, when explain was asked
+    error: str | None = None                       # the request failed (finished, finish_reason "error")
 
 
 @dataclass(slots=True)

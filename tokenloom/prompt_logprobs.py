@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from tokenloom.outputs import TokenLogprobs
+from tokenloom.sampling.logprobs import logprob_entries
 
 ROWS_PER_SLICE = 256     # logits of 256 rows x a 150k vocabulary: 150 MB of float32 at most
 
@@ -21,15 +22,9 @@ def prompt_logprobs(model, hidden: torch.Tensor, targets: list[int], top_n: int)
     """hidden (len(targets), hidden): row i predicts targets[i] -> one entry per row."""
     out: list[TokenLogprobs] = []
     for lo in range(0, len(targets), ROWS_PER_SLICE):
-        rows = hidden[lo:lo + ROWS_PER_SLICE]
-        logprobs = torch.log_softmax(model.compute_logits(rows), dim=-1)               # (r, vocab) float32
+        logprobs = torch.log_softmax(model.compute_logits(hidden[lo:lo + ROWS_PER_SLICE]), dim=-1)   # (r, vocab)
         chosen = torch.tensor(targets[lo:lo + ROWS_PER_SLICE], device=logprobs.device)
-        chosen_vals = logprobs.gather(1, chosen[:, None])[:, 0].tolist()
-        top_vals, top_ids = logprobs.topk(top_n, dim=-1) if top_n else (None, None)
-        for i, token in enumerate(chosen.tolist()):
-            entry = dict(zip(top_ids[i].tolist(), top_vals[i].tolist())) if top_n else {}
-            entry[token] = chosen_vals[i]
-            out.append(entry)
+        out.extend(logprob_entries(logprobs, chosen, [top_n] * len(chosen)))
     return out
 
 

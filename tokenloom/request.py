@@ -34,9 +34,6 @@ class Request:
     eos_token_ids: frozenset[int] = frozenset()
     arrival: int = 0                                   # FCFS order
     output_token_ids: list[int] = field(default_factory=list)
-    logprobs: list[dict[int, float]] = field(default_factory=list)
-    prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)  # per prompt token
-    explanation: list = field(default_factory=list)    # StepRecords per output token (params.explain)
     num_computed_tokens: int = 0
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING

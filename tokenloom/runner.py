@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from tokenloom.allocator import KEEP_BELOW, reserve_heap
@@ -9,7 +11,7 @@ from tokenloom.attention import AttentionMetadata, reads_past_context
 from tokenloom.batch import SeqChunk, build_batch
 from tokenloom.kv_cache.paged import PagedKVCache
 from tokenloom.models.base import CausalLM
-from tokenloom.outputs import RunnerOutput, SchedulerOutput, TokenLogprobs
+from tokenloom.outputs import RunnerOutput, SchedulerOutput, TokenLogprobs, describe_error
 from tokenloom.prompt_logprobs import chunk_targets, prompt_logprobs
 from tokenloom.sampling import Sampler, SamplingMetadata
 from tokenloom.spec_decode.verifier import Draft, verify
@@ -59,52 +61,142 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        """Run one step. A failure that one request's data causes (in the forward, its sampling,
+        draft verification or prompt logprobs) lands in ``errors`` for that request alone."""
+        errors: dict[str, str] = {}
         constrained = [s.request.matcher for s in sched.scheduled
                        if s.samples and not s.spec_token_ids and s.request.matcher is not None]
         masks = MaskStep(constrained, self.model.config.vocab_size) if constrained else None  # runs meanwhile
         if sched.block_copies:
             self.kv_cache.copy_blocks(sched.block_copies)
-        hidden, meta = self.forward(self._chunks(sched))                     # (T, hidden)
+        hidden = self._forward_isolated(sched, errors)                       # (T, hidden)
         plain, spec, rows_plain, rows_spec = [], [], [], []
-        for s, start, q_len in zip(sched.scheduled, meta.query_start, meta.query_lens):
+        start = 0
+        for s in sched.scheduled:
+            end, start = start + s.num_tokens, start + s.num_tokens
+            if s.request.request_id in errors:
+                continue
             if s.spec_token_ids:
                 spec.append(s)
-                rows_spec.extend(range(start + q_len - 1 - len(s.spec_token_ids), start + q_len))
+                rows_spec.append(list(range(end - 1 - len(s.spec_token_ids), end)))
             elif s.samples:
                 plain.append(s)
-                rows_plain.append(start + q_len - 1)
+                rows_plain.append(end - 1)
         results: dict[str, tuple[list[int], list | None]] = {}
-        explanations = {}
+        explanations: dict = {}
         if plain:
-            logits = self.model.compute_logits(hidden[rows_plain])            # (B, vocab) float32
-            rows = [i for i, s in enumerate(plain) if s.request.matcher is not None]
-            constrain = (lambda lg: masks.apply(lg, rows)) if masks else None
-            sampled = self.sampler.sample(logits, SamplingMetadata.for_requests([s.request for s in plain]),
-                                          constrain)
-            for s, t, lp, record in zip(plain, sampled.tokens.tolist(), sampled.logprobs, sampled.explanations):
-                results[s.request.request_id] = ([t], None if lp is None else [lp])
-                if record is not None:
-                    explanations[s.request.request_id] = record
+            self._sample(plain, hidden[rows_plain], masks, constrained, results, explanations, errors)
         if spec:
-            logits = self.model.compute_logits(hidden[rows_spec])             # (sum(k + 1), vocab)
-            drafts = [Draft(s.request, s.spec_token_ids, s.request.spec_draft_probs) for s in spec]
-            for s, result in zip(spec, verify(logits, drafts)):
-                results[s.request.request_id] = result
+            self._verify(spec, hidden, rows_spec, results, errors)
+        prompt = self._prompt_logprobs(sched, hidden, errors)
         ids = [s.request.request_id for s in sched.scheduled if s.request.request_id in results]
         return RunnerOutput(ids, [results[i][0] for i in ids], [results[i][1] for i in ids],
-                            self._prompt_logprobs(sched, hidden, meta), explanations)
+                            prompt, explanations, errors)
 
-    def _prompt_logprobs(self, sched: SchedulerOutput, hidden: torch.Tensor, meta: AttentionMetadata
+    def _forward_isolated(self, sched: SchedulerOutput, errors: dict[str, str]) -> torch.Tensor:
+        """The step's hidden states (T, hidden). Should the batched forward raise, each request's
+        chunk runs alone (rewriting the same cache slots): those that fail again get an error
+        and zero rows, the rest their own hidden states."""
+        chunks = self._chunks(sched)
+        try:
+            return self.forward(chunks)[0]
+        except Exception as batch_error:
+            if len(chunks) == 1:
+                errors[sched.scheduled[0].request.request_id] = describe_error(batch_error)
+                return torch.zeros(len(chunks[0].token_ids), self.model.config.hidden_size, device=self.device)
+        parts = []
+        for s, chunk in zip(sched.scheduled, chunks):
+            try:
+                parts.append(self.forward([chunk])[0])
+            except Exception as e:
+                errors[s.request.request_id] = describe_error(e)
+                parts.append(torch.zeros(len(chunk.token_ids), self.model.config.hidden_size, device=self.device))
+        return torch.cat(parts)
+
+    def _sample(self, plain: list, hidden: torch.Tensor, masks: MaskStep | None, constrained: list,
+                results: dict, explanations: dict, errors: dict[str, str]) -> None:
+        """One token for each of `plain`'s requests from its row of hidden (B, hidden)."""
+        logits = self.model.compute_logits(hidden)                          # (B, vocab) float32
+        mask_row = {id(m): j for j, m in enumerate(constrained)}
+        requests = [s.request for s in plain]
+
+        def sample(rows: list[int]) -> list:
+            sub = [requests[i] for i in rows]
+            constrain = None
+            if masks is not None and any(r.matcher is not None for r in sub):
+                local = [j for j, r in enumerate(sub) if r.matcher is not None]
+                which = [mask_row[id(sub[j].matcher)] for j in local]
+                constrain = lambda lg: masks.apply(lg, local, which)      # noqa: E731
+            # a retry recomputes its logits: the failed batch may have processed them in place
+            rows_logits = logits if len(rows) == len(plain) else self.model.compute_logits(hidden[rows])
+            out = self.sampler.sample(rows_logits, SamplingMetadata.for_requests(sub), constrain)
+            return list(zip(out.tokens.tolist(), out.logprobs, out.explanations))
+
+        for req, got in zip(requests, isolated(requests, sample, errors, seeded=True)):
+            if got is not None:
+                token, lp, record = got
+                results[req.request_id] = ([token], None if lp is None else [lp])
+                if record is not None:
+                    explanations[req.request_id] = record
+
+    def _verify(self, spec: list, hidden: torch.Tensor, rows: list[list[int]], results: dict,
+                errors: dict[str, str]) -> None:
+        """Accept or reject each of `spec`'s drafts against the target's logits at its rows."""
+        def verify_rows(which: list[int]) -> list:
+            flat = [r for i in which for r in rows[i]]
+            logits = self.model.compute_logits(hidden[flat])                 # (sum(k + 1), vocab)
+            drafts = [Draft(spec[i].request, spec[i].spec_token_ids, spec[i].request.spec_draft_probs)
+                      for i in which]
+            return verify(logits, drafts)
+        requests = [s.request for s in spec]
+        for req, got in zip(requests, isolated(requests, verify_rows, errors, seeded=True)):
+            if got is not None:
+                results[req.request_id] = got
+
+    def _prompt_logprobs(self, sched: SchedulerOutput, hidden: torch.Tensor, errors: dict[str, str]
                          ) -> dict[str, tuple[int, list[TokenLogprobs]]]:
         """Scoring requests' prompt-chunk rows -> logprobs of the prompt tokens they predict."""
         out = {}
-        for s, row in zip(sched.scheduled, meta.query_start):
-            req = s.request
-            if req.params.prompt_logprobs is None or req.num_computed_tokens >= req.num_prompt_tokens:
+        row = 0
+        for s in sched.scheduled:
+            req, first_row, row = s.request, row, row + s.num_tokens
+            if (req.params.prompt_logprobs is None or req.num_computed_tokens >= req.num_prompt_tokens
+                    or req.request_id in errors):
                 continue
             start = req.num_computed_tokens
             k, targets = chunk_targets(req.prompt_token_ids, start, s.num_tokens)
-            if k:
-                out[req.request_id] = (start + 1, prompt_logprobs(self.model, hidden[row:row + k], targets,
-                                                                   req.params.prompt_logprobs))
+            if not k:
+                continue
+            try:
+                out[req.request_id] = (start + 1, prompt_logprobs(self.model, hidden[first_row:first_row + k],
+                                                                   targets, req.params.prompt_logprobs))
+            except Exception as e:
+                errors[req.request_id] = describe_error(e)
         return out
+
+
+def isolated(requests: list, run: Callable[[list[int]], list], errors: dict[str, str],
+             seeded: bool = False) -> list:
+    """run(indices) -> one result per index, for the whole batch of `requests` at once. Should
+    that raise, each request runs alone: those that raise again get an error in `errors` (and
+    result None), the others their own results. With `seeded`, seeded requests' generators are
+    put back before the retry, so a retried request draws what it would have drawn."""
+    everyone = list(range(len(requests)))
+    generators = [r.generator for r in requests if seeded and r.generator is not None]
+    states = [g.get_state() for g in generators]
+    try:
+        return run(everyone)
+    except Exception as batch_error:
+        if len(requests) == 1:
+            errors[requests[0].request_id] = describe_error(batch_error)
+            return [None]
+    for g, state in zip(generators, states):
+        g.set_state(state)
+    results = []
+    for i, req in enumerate(requests):
+        try:
+            results.append(run([i])[0])
+        except Exception as e:
+            errors[req.request_id] = describe_error(e)
+            results.append(None)
+    return results

@@ -22,11 +22,15 @@ after preemption are all that one rule:
 from __future__ import annotations
 
 import bisect
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from tokenloom.config import SchedulerConfig
 from tokenloom.kv_cache.block_manager import BlockManager
-from tokenloom.outputs import ScheduledRequest, SchedulerOutput
+from tokenloom.outputs import CoreOutput, RunnerOutput, ScheduledRequest, SchedulerOutput, describe_error
 from tokenloom.request import Request, RequestStatus
+from tokenloom.stopping import check_token_stop
 
 
 def _by_arrival(r: Request) -> int:
@@ -41,6 +45,8 @@ class Scheduler:
         self.waiting: list[Request] = []       # sorted by arrival
         self.running: list[Request] = []       # sorted by arrival
         self.num_preemptions = 0
+        self.num_generated_tokens = 0
+        self.spec_steps = self.spec_draft_tokens = self.spec_accepted_tokens = 0   # summed over requests
         self._prompt_hashes: dict[str, list[int]] = {}   # per request: its full prompt blocks' hashes
 
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
@@ -172,41 +178,135 @@ class Scheduler:
         self.num_preemptions += 1
         bisect.insort(self.waiting, req, key=_by_arrival)
 
-    def on_step_done(self, out: SchedulerOutput) -> None:
-        """The step's tokens are in the cache and its new tokens appended: advance counts,
-        index newly full blocks, and give back the room of rejected draft tokens.
+    def update_from_output(self, sched: SchedulerOutput, out: RunnerOutput) -> list[CoreOutput]:
+        """The step's tokens are in the cache: append each request's new tokens, check token
+        stops and grammar completion, advance ``num_computed_tokens``, index newly full blocks,
+        give back the room of rejected drafts, and finish requests that ended (the only place a
+        step finishes one). A request whose data failed anywhere in the step ends alone with
+        finish reason "error"; the others go on.
 
-        A request that verified drafts holds valid KV for its last token and the accepted
-        drafts, i.e. for all its tokens but the newest (the target's own token).
+        Returns one CoreOutput per request that produced tokens, prompt logprobs or an ending.
         """
         self.blocks.copies_done()
-        for s in out.scheduled:
+        results = dict(zip(out.request_ids, zip(out.sampled_token_ids, out.logprobs)))
+        outputs = []
+        for s in sched.scheduled:
             req = s.request
             if req.is_finished:
+                continue                                   # aborted while the step ran
+            rid = req.request_id
+            tokens, logprobs = results.get(rid, ([], None))
+            error = out.errors.get(rid)
+            if error is None:
+                try:
+                    tokens = self._advance(req, s, tokens)
+                except Exception as e:                     # e.g. a grammar matcher refusing a token
+                    error = describe_error(e)
+            if error is not None:
+                self.finish(req, "error", error)
+                outputs.append(CoreOutput(req, [], finished=True, error=error))
                 continue
-            if s.spec_token_ids:
-                req.num_computed_tokens = req.num_tokens - 1
-                self.blocks.trim(req.request_id, req.num_tokens)
-            else:
-                req.num_computed_tokens += s.num_tokens
-            req.draft_num_computed = min(req.draft_num_computed, req.num_computed_tokens)
-            self.blocks.cache_full_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens)
+            output = CoreOutput(req, tokens, None if logprobs is None else logprobs[:len(tokens)],
+                                out.prompt_logprobs.get(rid), out.explanations.get(rid))
+            output.finished = req.is_finished
+            if tokens or output.finished or output.prompt_logprobs is not None:
+                outputs.append(output)
+        return outputs
 
-    def finish(self, request: Request, reason: str, stop_reason: str | int | None = None,
-               computed_tokens: int | None = None) -> None:
-        """End a request (stop, length or abort): free its blocks and drop it from the queues.
+    def _advance(self, req: Request, s: ScheduledRequest, tokens: list[int]) -> list[int]:
+        """Append `tokens` up to the first token stop, advance the computed count, cache full
+        blocks; finish the request if it ended. Returns the tokens appended.
 
-        `computed_tokens`: how many of its tokens have KV in the cache (a request finishing
-        during a step's update: all but the newest); their full blocks join the prefix cache
-        first, so a request that finishes in the step that computed its prompt (max_tokens=1,
-        scoring) still leaves its prompt blocks to be reused.
+        After a step every token but the newest has KV in the cache: a prompt chunk adds its
+        own tokens, a sampled token is the newest, and a request that verified drafts holds KV
+        for its last token and every accepted draft.
         """
+        if s.spec_token_ids:
+            self._record_speculation(req, len(s.spec_token_ids), len(tokens) - 1)
+        appended, stop = [], None
+        for token in tokens:
+            if req.matcher is not None:
+                req.matcher.consume_token(token)
+            req.output_token_ids.append(token)
+            appended.append(token)
+            self.num_generated_tokens += 1
+            stop = self._token_stop(req)
+            if stop is not None:
+                break
+        if s.spec_token_ids:
+            req.num_computed_tokens = req.num_tokens - 1
+            self.blocks.trim(req.request_id, req.num_tokens)
+        else:
+            req.num_computed_tokens += s.num_tokens
+        req.draft_num_computed = min(req.draft_num_computed, req.num_computed_tokens)
+        if stop is None and req.params.max_tokens == 0 and req.num_computed_tokens >= req.num_prompt_tokens:
+            stop = ("length", None)                        # scored: the whole prompt is computed
+        if stop is not None:
+            self.finish(req, *stop)
+        else:
+            self.blocks.cache_full_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens)
+        return appended
+
+    def _token_stop(self, req: Request) -> tuple[str, int | None] | None:
+        """(finish reason, stop token) if req's newest token ends it: EOS, a stop id, max_tokens,
+        the context end, or a grammar that is complete (nothing may follow)."""
+        stop = check_token_stop(req.output_token_ids, req.params, req.eos_token_ids, req.num_tokens,
+                                self.max_model_len)
+        if stop is None and req.matcher is not None and req.matcher.is_stopped():
+            stop = ("stop", None)
+        return stop
+
+    def _record_speculation(self, req: Request, proposed: int, accepted: int) -> None:
+        m = req.metrics
+        m.num_spec_steps += 1
+        m.num_draft_tokens += proposed
+        m.num_accepted_tokens += accepted
+        self.spec_steps += 1
+        self.spec_draft_tokens += proposed
+        self.spec_accepted_tokens += accepted
+        req.spec_acceptance = 0.5 * req.spec_acceptance + 0.5 * accepted / proposed
+
+    def reserve_lookahead(self, req: Request, num_tokens: int) -> list[int] | None:
+        """KV blocks for `num_tokens` of req's positions ahead of the scheduler's own allocation
+        (a draft model writes its drafts' keys there): the block table, or None if they do
+        not fit (a lookahead never preempts anyone)."""
+        if self.blocks.allocate(req.request_id, num_tokens):
+            return self.blocks.block_ids(req.request_id)
+        return None
+
+    @contextmanager
+    def borrowed_blocks(self, num_tokens: int) -> Iterator[list[int]]:
+        """A block table for one sequence of `num_tokens` outside any request (full-logits
+        scoring), freed when the block ends. Only while no request is queued or running
+        (RuntimeError otherwise); ValueError if the free blocks cannot hold it."""
+        if self.has_unfinished:
+            raise RuntimeError("scoring runs only while the engine has no requests in flight")
+        seq_id = f"borrowed-{uuid.uuid4().hex}"
+        if not self.blocks.allocate(seq_id, num_tokens):
+            raise ValueError(f"{num_tokens} tokens need more KV cache blocks than are free")
+        try:
+            yield self.blocks.block_ids(seq_id)
+        finally:
+            self.blocks.free(seq_id)
+
+    def finish(self, request: Request, reason: str, stop_reason: str | int | None = None) -> None:
+        """End a request: free its blocks and drop it from the queues (no-op if it has ended).
+
+        A request that ended normally ("stop", "length") first adds the full blocks of its
+        tokens that have KV (``num_computed_tokens``) to the prefix cache, and remembers its
+        last partial block, so a request that ends in the step that computed its prompt
+        (max_tokens=1, scoring) still leaves its prompt to be reused. `reason` "error" carries
+        the message in `stop_reason`.
+        """
+        if request.is_finished:
+            return
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.stop_reason = stop_reason
-        if computed_tokens is not None and self.blocks.block_ids(request.request_id):
-            self.blocks.cache_full_blocks(request.request_id, request.all_token_ids, computed_tokens)
-            self.blocks.remember_partial(request.request_id, request.all_token_ids, computed_tokens)
+        computed = request.num_computed_tokens
+        if reason in ("stop", "length") and self.blocks.block_ids(request.request_id):
+            self.blocks.cache_full_blocks(request.request_id, request.all_token_ids, computed)
+            self.blocks.remember_partial(request.request_id, request.all_token_ids, computed)
         self.blocks.free(request.request_id)
         self._prompt_hashes.pop(request.request_id, None)
         if request in self.running:

@@ -17,6 +17,8 @@ from importlib import resources
 import torch
 
 from tokenloom.batch import SeqChunk
+from tokenloom.outputs import RequestError
+from tokenloom.sampling_params import SamplingParams
 
 
 @torch.inference_mode()
@@ -31,18 +33,11 @@ def prefill_logits(engine, token_ids: list[int], chunk_size: int = 128) -> Itera
     n = len(token_ids)
     if n > engine.max_model_len:
         raise ValueError(f"{n} tokens exceed the model's context of {engine.max_model_len}")
-    if engine.has_unfinished_requests():
-        raise RuntimeError("scoring runs only while the engine has no requests in flight")
-    seq_id, blocks_mgr = f"score-{uuid.uuid4().hex}", engine.block_manager
-    if not blocks_mgr.allocate(seq_id, n):
-        raise ValueError(f"{n} tokens need more KV cache blocks than are free")
-    try:
-        blocks, runner = blocks_mgr.block_ids(seq_id), engine.runner
+    runner = engine.runner
+    with engine.scheduler.borrowed_blocks(n) as blocks:
         for start in range(0, n, chunk_size):
             hidden, _ = runner.forward([SeqChunk(token_ids[start:start + chunk_size], start, blocks)])
             yield start, runner.model.compute_logits(hidden)                  # (len, vocab)
-    finally:
-        blocks_mgr.free(seq_id)
 
 
 def score_tokens(engine, token_ids: list[int]) -> list[float]:
@@ -51,7 +46,6 @@ def score_tokens(engine, token_ids: list[int]) -> list[float]:
     One scoring request (prompt_logprobs, max_tokens=0) stepped through the idle engine:
     the same path as LLM.score and the server's echo + logprobs.
     """
-    from tokenloom.sampling_params import SamplingParams
     if len(token_ids) < 2:
         raise ValueError("scoring needs at least two tokens")
     if engine.has_unfinished_requests():
@@ -62,6 +56,8 @@ def score_tokens(engine, token_ids: list[int]) -> list[float]:
         while True:
             done = next((d for d in engine.step() if d.request_id == request_id and d.finished), None)
             if done is not None:
+                if done.error is not None:
+                    raise RequestError(f"scoring failed: {done.error}")
                 entries = done.completion.prompt_logprobs[1:]
                 return [entry[token] for entry, token in zip(entries, token_ids[1:])]
     finally:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from tokenloom.explain.records import CUT_REASONS, Candidate, StepRecord
-from tokenloom.sampling.sampler import apply_min_p, apply_top_k, apply_top_p
+from tokenloom.sampling.filters import apply_min_p, apply_top_k, apply_top_p
 from tokenloom.sampling_params import SamplingParams
 
 

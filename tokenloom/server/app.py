@@ -24,7 +24,8 @@ from tokenloom.server.chat import ChatCompletions
 from tokenloom.server.completions import Completions
 from tokenloom.server.metrics import ServerMetrics
 from tokenloom.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
-from tokenloom.server.serving import OpenAIServing
+from tokenloom.outputs import RequestError
+from tokenloom.server.serving import OpenAIServing, request_failed
 from tokenloom.server.streams import ClientDisconnected, unless_disconnected
 
 log = logging.getLogger("tokenloom.server")
@@ -118,6 +119,10 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         return _error_response(_validation_error(exc))
+
+    @app.exception_handler(RequestError)
+    async def on_request_failed(request: Request, exc: RequestError) -> JSONResponse:
+        return _error_response(request_failed(exc))
 
     @app.exception_handler(Exception)
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:

@@ -46,7 +46,7 @@ class Completions:
                                             req.early_stopping, req.n)
             prefix = prepared.prompt_texts[p_index] if req.echo else ""
             for beam in beams:
-                ended = beam.token_ids[-1] in engine.engine.eos_token_ids
+                ended = beam.token_ids[-1] in engine.eos_token_ids
                 choices.append({"index": len(choices), "text": prefix + beam.text, "logprobs": None,
                                 "finish_reason": "stop" if ended else "length", "stop_reason": None,
                                 "cumulative_logprob": beam.cumulative_logprob, "score": beam.score})

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import jinja2
 
 from tokenloom.async_engine import AsyncLLMEngine
-from tokenloom.outputs import CompletionOutput, StepDelta
+from tokenloom.outputs import CompletionOutput, RequestError, StepDelta
 from tokenloom.sampling_params import SamplingParams
 from tokenloom.server import responses as R
 from tokenloom.server.metrics import ServerMetrics
@@ -63,7 +63,7 @@ class OpenAIServing:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.model_name = model_name
-        self.max_model_len = engine.engine.max_model_len
+        self.max_model_len = engine.max_model_len
         self.metrics = metrics
         self.fmt = R.LogprobFormatter(self.tokenizer)
 
@@ -89,7 +89,7 @@ class OpenAIServing:
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
         else:
-            vocab = self.engine.engine.model_config.vocab_size
+            vocab = self.engine.vocab_size
             bad = [t for t in prompt if not 0 <= t < vocab]
             if bad:
                 raise APIError(400, f"prompt token ids {bad[:5]} are outside the vocabulary (size {vocab})", param)
@@ -105,7 +105,7 @@ class OpenAIServing:
         constraint, constraint_param = req.structured_output()
         if constraint is not None:
             try:
-                self.engine.engine.grammars.grammar(constraint)     # compiled once, cached
+                self.engine.check_constraint(constraint)
             except ValueError as e:
                 raise APIError(400, str(e), constraint_param) from None
         texts, all_ids, choices = [], [], []
@@ -116,7 +116,7 @@ class OpenAIServing:
             for sample in range(req.n):
                 params = base.for_sample(sample)
                 try:
-                    self.engine.engine.validate_request(ids, params)
+                    self.engine.validate_request(ids, params)
                 except ValueError as e:
                     raise APIError(400, str(e), prompt_param) from None
                 choices.append(Choice(len(choices), p_index, ids, params))
@@ -151,6 +151,10 @@ class OpenAIServing:
                         finished = True
                         self.metrics.record_finished(delta.finish_reason, delta.completion.metrics)
                     yield delta
+        except RequestError:
+            finished = True
+            self.metrics.record_finished("error", None)
+            raise
         finally:
             if not finished:
                 self.metrics.record_finished("abort", None)
@@ -172,7 +176,8 @@ class OpenAIServing:
                             choice_of: Callable[[int, StepDelta], dict]) -> AsyncIterator[str]:
         """The SSE stream of one response: a chunk per opening choice dict, then one per delta
         that carries text, logprobs or the finish (``choice_of(index, delta)`` shapes it), a
-        usage chunk if asked, and ``data: [DONE]``."""
+        usage chunk if asked, and ``data: [DONE]``. Should the request fail in the engine, an
+        error event (OpenAI's error shape) and ``data: [DONE]`` end the stream instead."""
         def chunk(choices: list[dict], usage: dict | None = None) -> str:
             body = R.envelope(kind, prepared.response_id, prepared.created, self.model_name, choices)
             if include_usage:
@@ -184,19 +189,29 @@ class OpenAIServing:
         completion_tokens = cached = 0
         explained = bool(prepared.choices[0].params.explain)
         unseen = {c.index for c in prepared.choices}          # choices yet to receive their prompt ids
-        async with aclosing(self.deltas(prepared)) as stream:
-            async for index, delta in stream:
-                completion_tokens += len(delta.new_token_ids)
-                if delta.finished and delta.completion is not None:
-                    cached += R.cached_tokens([delta.completion])
-                if delta.text_delta or delta.finished or delta.logprobs is not None or delta.explanation:
-                    choice = choice_of(index, delta)
-                    if explained:
-                        first = index in unseen
-                        unseen.discard(index)
-                        R.with_explanation(choice, delta.explanation,
-                                           prepared.choices[index].prompt_ids if first else None)
-                    yield chunk([choice])
+        try:
+            async with aclosing(self.deltas(prepared)) as stream:
+                async for index, delta in stream:
+                    completion_tokens += len(delta.new_token_ids)
+                    if delta.finished and delta.completion is not None:
+                        cached += R.cached_tokens([delta.completion])
+                    if delta.text_delta or delta.finished or delta.logprobs is not None or delta.explanation:
+                        choice = choice_of(index, delta)
+                        if explained:
+                            first = index in unseen
+                            unseen.discard(index)
+                            R.with_explanation(choice, delta.explanation,
+                                               prepared.choices[index].prompt_ids if first else None)
+                        yield chunk([choice])
+        except RequestError as e:
+            yield sse(request_failed(e).body())
+            yield sse("[DONE]")
+            return
         if include_usage:
             yield chunk([], R.usage(prepared.prompt_tokens, completion_tokens, cached))
         yield sse("[DONE]")
+
+
+def request_failed(error: RequestError) -> APIError:
+    """The answer to a request that failed inside the engine (nobody else's request did)."""
+    return APIError(500, f"the request failed in the engine: {error}", type="server_error", code="request_failed")

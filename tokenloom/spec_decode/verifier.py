@@ -14,9 +14,10 @@ import torch
 
 from tokenloom.outputs import TokenLogprobs
 from tokenloom.request import Request
+from tokenloom.sampling.filters import greedy_and_distribution
+from tokenloom.sampling.logprobs import logprob_entries
 from tokenloom.sampling.metadata import SamplingMetadata
 from tokenloom.sampling.processors import apply_processors
-from tokenloom.sampling.sampler import row_argmax, sampling_distribution
 from tokenloom.spec_decode.rejection import accept_greedy, accept_sampled
 
 
@@ -39,15 +40,6 @@ def _expanded_metadata(drafts: list[Draft]) -> SamplingMetadata:
     return SamplingMetadata.for_requests(requests, outputs)
 
 
-def _logprobs_of(raw: torch.Tensor, row: int, token: int, top_n: int) -> TokenLogprobs:
-    entry: TokenLogprobs = {}
-    if top_n:
-        vals, ids = raw[row].topk(top_n)
-        entry = dict(zip(ids.tolist(), vals.tolist()))
-    entry[token] = float(raw[row, token])
-    return entry
-
-
 def verify(logits: torch.Tensor, drafts: list[Draft]) -> list[tuple[list[int], list[TokenLogprobs] | None]]:
     """logits: float32 (sum(k_i + 1), V), rows grouped per request in `drafts` order.
 
@@ -55,14 +47,13 @@ def verify(logits: torch.Tensor, drafts: list[Draft]) -> list[tuple[list[int], l
     if it asked for logprobs, the raw model logprobs of each.
     """
     meta = _expanded_metadata(drafts)
-    raw = logits.log_softmax(-1) if meta.max_logprobs is not None else None
     processed = apply_processors(logits.clone(), meta)
-    argmax = row_argmax(processed).tolist()
-    sampled_rows = [i for i, p in enumerate(meta.params) if not p.greedy]
+    argmax, sampled_rows, sampled_probs = greedy_and_distribution(processed, meta)
+    argmax = argmax.tolist()
     probs = torch.zeros(0)
     if sampled_rows:
         probs = torch.zeros_like(processed)
-        probs[sampled_rows] = sampling_distribution(processed[sampled_rows], meta.rows(sampled_rows))
+        probs[sampled_rows] = sampled_probs
     results = []
     row = 0
     for d in drafts:
@@ -73,7 +64,9 @@ def verify(logits: torch.Tensor, drafts: list[Draft]) -> list[tuple[list[int], l
             tokens = accept_sampled(probs[row:row + k + 1], d.token_ids, d.probs, d.request.generator)
         logprobs = None
         if params.logprobs is not None:
-            logprobs = [_logprobs_of(raw, row + j, t, params.logprobs) for j, t in enumerate(tokens)]
+            raw = logits[row:row + len(tokens)].log_softmax(-1)                 # (accepted + 1, V)
+            chosen = torch.tensor(tokens, device=logits.device)
+            logprobs = logprob_entries(raw, chosen, [params.logprobs] * len(tokens))
         results.append((tokens, logprobs))
         row += k + 1
     return results

@@ -24,9 +24,9 @@ class MaskStep:
         self._done: Future = self._pool.submit(llg_torch.fill_next_token_bitmask_par, self._executor, pairs,
                                                self.bitmask)
 
-    def apply(self, logits: torch.Tensor, rows: list[int]) -> None:
-        """logits (B, vocab): mask rows[i] with matcher i's allowed set (in place)."""
+    def apply(self, logits: torch.Tensor, rows: list[int], which: list[int]) -> None:
+        """logits (B, vocab): mask rows[i] with matcher which[i]'s allowed set (in place)."""
         self._done.result()
         sub = logits[rows]
-        llg_torch.apply_token_bitmask_inplace(sub, self.bitmask.to(logits.device))
+        llg_torch.apply_token_bitmask_inplace(sub, self.bitmask[which].to(logits.device))
         logits[rows] = sub

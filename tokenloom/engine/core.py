@@ -1,0 +1,135 @@
+"""The engine core: owns every request's token state and the KV cache, one step at a time.
+
+``EngineCore.step()`` is schedule -> execute -> update: the scheduler decides who computes
+how many tokens (and holds their KV blocks), the runner runs the model and sampler, and
+``Scheduler.update_from_output`` appends tokens, checks token stops and ends finished
+requests. Text (detokenizing, stop strings, records) is the OutputProcessor's, above.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from tokenloom.config import EngineConfig, parse_dtype
+from tokenloom.kv_cache.block_manager import BlockManager
+from tokenloom.kv_cache.paged import PagedKVCache, kv_bytes_per_token
+from tokenloom.loader.load import LoadedModel
+from tokenloom.outputs import CoreOutput
+from tokenloom.request import Request
+from tokenloom.runner import ModelRunner
+from tokenloom.sampling_params import SamplingParams
+from tokenloom.scheduler import Scheduler
+from tokenloom.spec_decode.proposer import SpecProposer
+from tokenloom.structured.grammars import GrammarCompiler
+
+logger = logging.getLogger("tokenloom")
+
+
+@dataclass(slots=True)
+class CoreStep:
+    """One step's outputs, and what the step cost (for explain records)."""
+
+    outputs: list[CoreOutput]
+    seconds: float = 0.0
+    kv_blocks_used: int = 0
+
+
+class EngineCore:
+    """Model runner, KV cache, block manager, scheduler, grammar compiler and draft proposer.
+
+    Not thread-safe: one caller at a time. Requests enter validated (``add``) and leave
+    through ``Scheduler.finish`` only: at a token stop or scoring's end in a step's update,
+    or by ``finish`` (aborts, stop strings matched above).
+    """
+
+    def __init__(self, config: EngineConfig, loaded: LoadedModel, progress: bool = False) -> None:
+        self.config = config
+        self.model_config = loaded.config
+        self.max_model_len = loaded.config.max_model_len
+        self.eos_token_ids = loaded.eos_token_ids
+        dtype = parse_dtype(config.dtype)
+        kv = PagedKVCache.from_memory_budget(loaded.config, config.cache.resolve_memory(),
+                                             config.cache.block_size, dtype, config.device, config.kv_cache_dtype)
+        self.kv_bytes_per_token = kv_bytes_per_token(loaded.config, dtype, config.kv_cache_dtype)
+        self._report_cache(kv)
+        self.block_manager = BlockManager(kv.num_blocks, kv.block_size, config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
+        self.runner = ModelRunner(loaded.model, kv, config.device)
+        self.reserve_activation_memory()
+        self.grammars = GrammarCompiler(loaded.tokenizer.backend.to_str(), loaded.config.vocab_size,
+                                        sorted(self.eos_token_ids))
+        self.proposer = None if config.speculative is None else SpecProposer.create(
+            config.speculative, self.runner, loaded.tokenizer, self.max_model_len, config.dtype, progress)
+        self.requests: dict[str, Request] = {}
+        self.prompt_tokens_computed = 0
+
+    def _report_cache(self, kv: PagedKVCache) -> None:
+        c, per_token = self.model_config, self.kv_bytes_per_token
+        element = ("(%d head_dim x 1 B int8 + 4 B scale)" % c.head_dim if kv.kv_cache_dtype == "int8"
+                   else "%d head_dim x %d B" % (c.head_dim, per_token // (2 * c.num_layers * c.num_kv_heads * c.head_dim)))
+        logger.info("KV cache: %d tokens (%d blocks x %d) in %.2f GiB; per token 2 x %d layers x %d kv_heads x "
+                    "%s = %d B", kv.num_tokens, kv.num_blocks, kv.block_size,
+                    kv.num_tokens * per_token / 2**30, c.num_layers, c.num_kv_heads, element, per_token)
+
+    def reserve_activation_memory(self) -> bool:
+        """Grow the heap for one full step's activations now (ModelRunner.reserve_activation_memory):
+        at start-up, and again after other code in the process has taken the freed heap."""
+        return self.runner.reserve_activation_memory(self.config.scheduler.max_num_batched_tokens,
+                                                     parse_dtype(self.config.dtype))
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError (naming the problem) for input the model cannot take; changes nothing."""
+        ids = prompt_token_ids
+        if not ids:
+            raise ValueError("prompt is empty: give at least one token")
+        if len(ids) + min(params.max_tokens, 1) > self.max_model_len:   # scoring (max_tokens=0) needs no room
+            raise ValueError(f"prompt has {len(ids)} tokens but the context window is {self.max_model_len} "
+                             "tokens (the prompt must leave room for at least one new token)")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < vocab)]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary (size {vocab})")
+        params.check_vocab(vocab)
+        self.scheduler.check_fits(len(ids), params.max_tokens)
+        if params.structured_output is not None:
+            self.grammars.grammar(params.structured_output)     # compiles (cached); ValueError if invalid
+
+    def add(self, request: Request) -> None:
+        """Queue a request built from validated input (``validate``)."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.params.structured_output is not None:
+            request.matcher = self.grammars.matcher(request.params.structured_output)
+        self.scheduler.add(request)
+        self.requests[request.request_id] = request
+
+    def finish(self, request_id: str, reason: str = "abort", stop_reason: str | int | None = None) -> None:
+        """End a request now and free its KV blocks (no-op for unknown or ended ids)."""
+        req = self.requests.pop(request_id, None)
+        if req is not None:
+            self.scheduler.finish(req, reason, stop_reason)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    def step(self) -> CoreStep:
+        """Propose drafts, schedule, execute, update: one CoreOutput per request that moved."""
+        started = time.perf_counter()
+        if self.proposer is not None:
+            self.proposer.propose_for(self.scheduler.running, self.scheduler.reserve_lookahead)
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return CoreStep([])
+        for s in sched.scheduled:
+            self.prompt_tokens_computed += max(0, min(s.num_tokens, s.request.num_prompt_tokens
+                                                      - s.request.num_computed_tokens))
+        out = self.runner.execute(sched)
+        seconds, used = time.perf_counter() - started, self.block_manager.num_used_blocks   # what the step ran on
+        outputs = self.scheduler.update_from_output(sched, out)
+        for o in outputs:
+            if o.finished:
+                self.requests.pop(o.request.request_id, None)
+        return CoreStep(outputs, seconds, used)

@@ -1,0 +1,125 @@
+"""LLMEngine: the EngineCore and the OutputProcessor behind one interface.
+
+Requests in (``add_request``), one ``step()`` at a time, StepDeltas out. The sync ``LLM``,
+``AsyncLLMEngine`` and, through it, the server use this interface only.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from tokenloom.allocator import keep_freed_memory
+from tokenloom.config import EngineConfig
+from tokenloom.engine.core import EngineCore
+from tokenloom.engine.output_processor import OutputProcessor
+from tokenloom.loader import load_model
+from tokenloom.metrics import EngineStats
+from tokenloom.outputs import StepDelta
+from tokenloom.request import Request
+from tokenloom.sampling_params import SamplingParams
+
+
+class LLMEngine:
+    """Not thread-safe: one caller at a time (AsyncLLMEngine serializes concurrent users)."""
+
+    def __init__(self, config: EngineConfig, progress: bool = False) -> None:
+        self.config = config
+        keep_freed_memory()                # large activations reuse mapped pages (allocator.py)
+        loaded = load_model(config.model, config.dtype, config.device, config.max_model_len, progress,
+                            quantization=config.quantization)
+        self.tokenizer = loaded.tokenizer
+        self.core = EngineCore(config, loaded, progress)
+        self.output_processor = OutputProcessor(self.tokenizer, self.core.finish, self.core.kv_bytes_per_token)
+        self._arrivals = itertools.count()
+
+    # ---- what callers read -------------------------------------------------------------------
+    @property
+    def model_config(self):
+        return self.core.model_config
+
+    @property
+    def max_model_len(self) -> int:
+        return self.core.max_model_len
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self.core.eos_token_ids
+
+    @eos_token_ids.setter
+    def eos_token_ids(self, ids: frozenset[int]) -> None:
+        self.core.eos_token_ids = frozenset(ids)
+
+    @property
+    def block_manager(self):
+        return self.core.block_manager
+
+    @property
+    def scheduler(self):
+        return self.core.scheduler
+
+    @property
+    def runner(self):
+        return self.core.runner
+
+    @property
+    def grammars(self):
+        return self.core.grammars
+
+    @property
+    def requests(self) -> dict[str, Request]:
+        """The requests the core is running or queueing, by id (read-only use)."""
+        return self.core.requests
+
+    @property
+    def kv_cache_tokens(self) -> int:
+        return self.core.runner.kv_cache.num_tokens
+
+    def reserve_activation_memory(self) -> bool:
+        return self.core.reserve_activation_memory()
+
+    def check_constraint(self, constraint) -> None:
+        """ValueError if a structured-output constraint does not compile (compiled once, cached)."""
+        self.core.grammars.grammar(constraint)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (the next prompts compute from scratch)."""
+        self.core.block_manager.reset_prefix_cache()
+
+    # ---- requests ----------------------------------------------------------------------------
+    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError (naming the problem) for input the model cannot take; changes nothing."""
+        self.core.validate(prompt_token_ids, params)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
+        """Queue a request (validated first: ValueError for input the model cannot take)."""
+        if request_id in self.core.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.core.validate(prompt_token_ids, params)
+        req = Request(request_id, list(prompt_token_ids), params, self.core.eos_token_ids, next(self._arrivals))
+        self.core.add(req)
+        self.output_processor.add(req)
+        return req
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request now and free its KV blocks (no-op for unknown or finished ids)."""
+        self.output_processor.drop(request_id)
+        self.core.finish(request_id, "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return self.core.has_unfinished
+
+    def step(self) -> list[StepDelta]:
+        """Run one engine step; a delta for every request that produced tokens or ended.
+
+        A request's finishing delta carries its CompletionOutput (finish reason "error" and
+        the message in ``error`` for a request that failed; the others go on).
+        """
+        step = self.core.step()
+        return self.output_processor.process(step.outputs, step.seconds, step.kv_blocks_used)
+
+    def stats(self) -> EngineStats:
+        s, bm = self.core.scheduler, self.core.block_manager
+        return EngineStats(len(s.running), len(s.waiting), bm.num_used_blocks, bm.num_free_blocks,
+                           bm.stats.hit_rate, self.core.prompt_tokens_computed, s.num_generated_tokens,
+                           s.num_preemptions, spec_steps=s.spec_steps, spec_draft_tokens=s.spec_draft_tokens,
+                           spec_accepted_tokens=s.spec_accepted_tokens)
