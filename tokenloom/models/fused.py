@@ -30,6 +30,11 @@ def build() -> bool:
     return _built
 
 
+def built() -> bool:
+    """The ops are compiled and registered (built on first use)."""
+    return _built or build()
+
+
 def enabled(x: torch.Tensor) -> bool:
     """The fused ops take x: float32 on the CPU, ops compiled (checked on every layer: kept cheap)."""
     return x.dtype == torch.float32 and x.device.type == "cpu" and (_built or build())

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tokenloom.attention import paged_attention
+from tokenloom.attention.backend import AttentionShape, StepAttention, plan_attention
 from tokenloom.config import ModelConfig
 from tokenloom.kv_cache.paged import PagedKVCache
 from tokenloom.models.base import CausalLM
@@ -18,14 +18,9 @@ class GPT2Attention(nn.Module):
         self.num_heads, self.head_dim, self.hidden = cfg.num_heads, cfg.head_dim, cfg.hidden_size
         self.c_attn = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size)
         self.c_proj = nn.Linear(cfg.hidden_size, cfg.hidden_size)
-        self.scale = cfg.head_dim ** -0.5
 
-    def forward(self, x, kv, meta):
-        T = x.shape[0]
-        q, k, v = (t.view(T, self.num_heads, self.head_dim)       # each (T, heads, head_dim)
-                   for t in self.c_attn(x).split(self.hidden, dim=-1))
-        out = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)
-        return self.c_proj(out.reshape(T, self.hidden))
+    def forward(self, x: torch.Tensor, attend: StepAttention, layer: int) -> torch.Tensor:
+        return self.c_proj(attend(layer, self.c_attn(x)))
 
 
 class GPT2MLP(nn.Module):
@@ -47,8 +42,8 @@ class GPT2Block(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
         self.mlp = GPT2MLP(cfg)
 
-    def forward(self, h, kv, meta):
-        h = h + self.attn(self.ln_1(h), kv, meta)
+    def forward(self, h: torch.Tensor, attend: StepAttention, layer: int) -> torch.Tensor:
+        h = h + self.attn(self.ln_1(h), attend, layer)
         return h + self.mlp(self.ln_2(h))
 
 
@@ -71,6 +66,7 @@ class GPT2LMHeadModel(CausalLM):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg)
         self.transformer = GPT2Transformer(cfg)
+        self.attention_shape = AttentionShape(cfg.num_heads, cfg.num_heads, cfg.head_dim, cfg.head_dim ** -0.5)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
 
@@ -84,6 +80,7 @@ class GPT2LMHeadModel(CausalLM):
     def forward(self, input_ids, positions, meta, kv_cache: PagedKVCache):
         t = self.transformer
         h = t.wte(input_ids) + t.wpe(positions)                      # (T, hidden)
+        attend = plan_attention(self.attention_shape, meta, kv_cache, None, h.dtype)
         for i, block in enumerate(t.h):
-            h = block(h, kv_cache.layer(i), meta)
+            h = block(h, attend, i)
         return t.ln_f(h)

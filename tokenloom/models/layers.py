@@ -14,31 +14,43 @@ from torch import nn
 
 from tokenloom.config import RopeConfig
 from tokenloom.models import fused
+from tokenloom.models.custom_op import CustomOp
 from tokenloom.models.prepacked import PanelLinear
 
 
-class RMSNorm(nn.Module):
-    """y = w * x / sqrt(mean(x^2) + eps), computed in float32 like HF Llama."""
+class RMSNorm(CustomOp):
+    """y = w * x / sqrt(mean(x^2) + eps), computed in float32 like HF Llama. Entry points:
+    ``forward(x)`` and ``add_forward(x, residual)`` (the residual update, then the norm)."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and x.stride(1) == 1 and fused.enabled(x):
-            return fused.rms_norm(x, self.weight, self.eps)
+    def cpu_takes(self, x: torch.Tensor) -> bool:
+        return x.dim() == 2 and x.stride(1) == 1
+
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
 
+    def forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
+        return fused.rms_norm(x, self.weight, self.eps)
+
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The residual update and this norm: (norm(residual + x), residual + x)."""
-        if x.dim() == 2 and x.stride(1) == 1 and residual.stride(-1) == 1 and fused.enabled(x):
-            return fused.add_rms_norm(x, residual, self.weight, self.eps)
+        """x, residual (T, H) -> (norm(residual + x), residual + x)."""
+        if self.on_cpu_kernels(x) and self.cpu_takes(x) and residual.stride(-1) == 1:
+            return self.add_forward_cpu(x, residual)
+        return self.add_forward_native(x, residual)
+
+    def add_forward_native(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         total = residual + x
         return self(total), total
+
+    def add_forward_cpu(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return fused.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def rope_inv_freq(rope: RopeConfig, rotary_dim: int) -> torch.Tensor:
@@ -65,7 +77,8 @@ def _llama3_scale(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables for `positions` (T,) -> each (T, 1, rotary_dim), cast to `dtype`."""
     freqs = positions.float()[:, None] * inv_freq[None, :]  # (T, rotary_dim/2)
     emb = torch.cat((freqs, freqs), dim=-1)                 # (T, rotary_dim)
@@ -98,8 +111,12 @@ def activation(name: str):
     raise ValueError(f"activation {name!r} is not supported")
 
 
-class GatedMLP(nn.Module):
-    """down(act(gate(x)) * up(x)) with gate and up fused into one matmul."""
+class GatedMLP(CustomOp):
+    """down(act(gate(x)) * up(x)) with gate and up fused into one matmul: x (T, hidden) -> (T, hidden).
+
+    On the CPU in float32 with silu, act * up runs in the panel kernel's epilogue where the
+    gate_up weight is panel-packed (the (T, 2 intermediate) product never reaches memory),
+    else as one fused op after the matmul."""
 
     def __init__(self, hidden: int, intermediate: int, bias: bool, act: str) -> None:
         super().__init__()
@@ -108,18 +125,18 @@ class GatedMLP(nn.Module):
         self.act = activation(act)
         self.intermediate = intermediate
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.gated(x))
+    def cpu_takes(self, x: torch.Tensor) -> bool:
+        return self.act is F.silu
 
-    def gated(self, x: torch.Tensor) -> torch.Tensor:
-        """x (T, hidden) -> act(gate(x)) * up(x), (T, intermediate): in the panel kernel's
-        epilogue where it can (the (T, 2 intermediate) product never reaches memory), else
-        one fused op after the matmul, else torch ops."""
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)      # each (T, intermediate)
+        return self.down_proj(self.act(gate) * up)
+
+    def forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
         proj = self.gate_up_proj
-        if self.act is F.silu and isinstance(proj, PanelLinear) and proj.pairs_gate_up:
-            return proj.silu_mul(x)
-        gate_up = proj(x)                                                 # (T, 2 intermediate)
-        if self.act is F.silu and gate_up.dim() == 2 and gate_up.stride(1) == 1 and fused.enabled(gate_up):
-            return fused.silu_mul(gate_up)
-        gate, up = gate_up.split(self.intermediate, dim=-1)               # each (T, intermediate)
-        return self.act(gate) * up
+        if isinstance(proj, PanelLinear) and proj.pairs_gate_up:
+            return self.down_proj.forward(proj.silu_mul(x))
+        gate_up = proj.forward(x)                                             # (T, 2 intermediate)
+        if gate_up.dim() == 2 and gate_up.stride(1) == 1:
+            return self.down_proj.forward(fused.silu_mul(gate_up))
+        return self.forward_native(x)

@@ -7,15 +7,16 @@ embeddings (SmolLM2, small Qwens).
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from torch import nn
 
-from tokenloom.attention import AttentionMetadata, paged_attention
+from tokenloom.attention.backend import AttentionShape, StepAttention, plan_attention
 from tokenloom.config import ModelConfig
 from tokenloom.kv_cache.paged import PagedKVCache
-from tokenloom.models import llama_step
 from tokenloom.models.base import CausalLM
-from tokenloom.models.layers import GatedMLP, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
+from tokenloom.models.layers import GatedMLP, RMSNorm, rope_cos_sin, rope_inv_freq
 
 
 class LlamaAttention(nn.Module):
@@ -26,26 +27,15 @@ class LlamaAttention(nn.Module):
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
-        self.qk_norm = cfg.qk_norm
+        self.norms = None
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
-        self.scale = cfg.head_dim ** -0.5
+            self.norms = (self.q_norm, self.k_norm)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        T = x.shape[0]
-        qkv = self.qkv_proj(x)                                               # (T, q_size + 2 kv_size)
-        v = qkv[:, self.q_size + self.kv_size:].view(T, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q = self.q_norm(qkv[:, :self.q_size].view(T, self.num_heads, self.head_dim))
-            k = self.k_norm(qkv[:, self.q_size:self.q_size + self.kv_size].view(T, self.num_kv_heads, self.head_dim))
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        else:   # q and k side by side: one rotation for both (elementwise, so the same numbers)
-            qk = apply_rope(qkv[:, :self.q_size + self.kv_size].view(T, -1, self.head_dim), cos, sin)
-            q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]             # (T, heads|kv_heads, head_dim)
-        out = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)  # (T, heads, head_dim)
-        return self.o_proj(out.reshape(T, self.q_size))
+    def forward(self, x: torch.Tensor, attend: StepAttention, layer: int) -> torch.Tensor:
+        """x (T, hidden) -> (T, hidden); writes this layer's keys/values of the step's tokens."""
+        return self.o_proj.forward(attend(layer, self.qkv_proj.forward(x), self.norms))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -56,17 +46,19 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, cfg.hidden_act)
 
-    def forward(self, x, residual, cos, sin, kv, meta):
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, attend: StepAttention, layer: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous layer's MLP output (the embeddings for layer 0, with residual None);
         returns (this layer's MLP output, the residual stream before it is added). Deferring
-        each residual add into the next norm makes it one fused op; the sums are the same."""
+        each residual add into the next norm makes it one fused op; the sums are the same.
+        Submodules are called through ``forward`` (no module hooks): ~8 op calls a layer."""
         if residual is None:
-            residual, normed = x, self.input_layernorm(x)
+            residual, normed = x, self.input_layernorm.forward(x)
         else:
             normed, residual = self.input_layernorm.add_forward(x, residual)
-        attn = self.self_attn(normed, cos, sin, kv, meta)
+        attn = self.self_attn.forward(normed, attend, layer)
         normed, residual = self.post_attention_layernorm.add_forward(attn, residual)
-        return self.mlp(normed), residual
+        return self.mlp.forward(normed), residual
 
 
 class LlamaModel(nn.Module):
@@ -78,7 +70,7 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(CausalLM):
-    packed_modules_mapping = {
+    packed_modules_mapping: ClassVar[dict[str, tuple[str, str]]] = {
         "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
         "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up"),
     }
@@ -90,6 +82,7 @@ class LlamaForCausalLM(CausalLM):
         self.model = LlamaModel(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(cfg.rope, cfg.head_dim), persistent=False)
+        self.attention_shape = AttentionShape(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim ** -0.5)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -105,10 +98,9 @@ class LlamaForCausalLM(CausalLM):
 
     def forward(self, input_ids, positions, meta, kv_cache: PagedKVCache):
         h = self.model.embed_tokens(input_ids)                        # (T, hidden)
-        cos, sin = rope_cos_sin(self.inv_freq, positions, h.dtype)    # each (T, 1, head_dim)
-        if llama_step.applies(self, h, cos, meta, kv_cache):   # decodes and prompt chunks the kernels take, float32 CPU
-            return llama_step.run(self, h, cos, sin, meta, kv_cache)
+        rope = rope_cos_sin(self.inv_freq, positions, h.dtype)        # each (T, 1, head_dim)
+        attend = plan_attention(self.attention_shape, meta, kv_cache, rope, h.dtype)
         residual = None
         for i, layer in enumerate(self.model.layers):
-            h, residual = layer(h, residual, cos, sin, kv_cache.layer(i), meta)
+            h, residual = layer.forward(h, residual, attend, i)
         return self.model.norm.add_forward(h, residual)[0]

@@ -1,12 +1,13 @@
-"""The module-free step (models/llama_step.py) against the module tree it replaces."""
+"""The attention op's kernel backend (one rope+cache-write pass, decode and prefill kernels) against
+its torch backend (separate ops): the same tokens and logprobs, to the bit."""
 
 from __future__ import annotations
 
 import pytest
 
 from tokenloom import native
+from tokenloom.attention import backend
 from tokenloom.llm import LLM
-from tokenloom.models import llama_step
 from tokenloom.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(not native.cpu_has_avx2(), reason="the decode path needs the AVX2 kernels")
@@ -20,21 +21,25 @@ def generate(folder, quantization, batch):
 
 
 def count_runs(monkeypatch) -> list[list[int]]:
-    """Patches llama_step.run to record the query lengths of every step it takes."""
+    """Patches the kernel backend to record the query lengths of every step it takes."""
     steps = []
-    real_run = llama_step.run
-    monkeypatch.setattr(llama_step, "run", lambda *a: steps.append(list(a[4].query_lens)) or real_run(*a))
+    real_init = backend.KernelAttention.__init__
+
+    def init(self, shape, meta, *rest):
+        steps.append(list(meta.query_lens))
+        real_init(self, shape, meta, *rest)
+    monkeypatch.setattr(backend.KernelAttention, "__init__", init)
     return steps
 
 
-@pytest.mark.parametrize("arch", ["llama_gqa", "mistral_sliding", "llama_linear_rope_bias", "llama_mqa_tied"])
+@pytest.mark.parametrize("arch", ["llama_gqa", "mistral_sliding", "llama_linear_rope_bias", "llama_mqa_tied", "qwen3"])
 @pytest.mark.parametrize("quantization", [None, "int4"])
-def test_decoding_without_the_module_tree_gives_the_same_bits(tiny_model_dir, monkeypatch, arch, quantization):
+def test_decoding_on_the_kernel_backend_gives_the_same_bits(tiny_model_dir, monkeypatch, arch, quantization):
     folder = str(tiny_model_dir(arch))
     steps = count_runs(monkeypatch)
     fast = generate(folder, quantization, batch=3)
     assert len(steps) >= 9                               # every decode step after the prefill took it
-    monkeypatch.setattr(llama_step, "applies", lambda *a: False)
+    monkeypatch.setattr(backend, "kernels_take", lambda *a: False)
     assert fast == generate(folder, quantization, batch=3)    # tokens and logprobs, exactly
 
 
@@ -58,7 +63,8 @@ def mixed_steps(folder, quantization, chunk):
     return [done[str(i)] for i in range(len(prompts))]
 
 
-@pytest.mark.skipif(not native.cpu_has_avx512(), reason="prompt chunks take the path only with the AVX-512 prefill kernel")
+@pytest.mark.skipif(not native.cpu_has_avx512(),
+                    reason="prompt chunks take the kernel backend only with the AVX-512 prefill kernel")
 @pytest.mark.parametrize("quantization", [None, "int4"])
 @pytest.mark.parametrize("chunk", [7, 64])
 def test_steps_mixing_decodes_and_prompt_chunks_give_the_same_bits(tiny_model_dir, monkeypatch, quantization, chunk):
@@ -66,5 +72,5 @@ def test_steps_mixing_decodes_and_prompt_chunks_give_the_same_bits(tiny_model_di
     steps = count_runs(monkeypatch)
     fast = mixed_steps(folder, quantization, chunk)
     assert any(1 in lens and max(lens) > 1 for lens in steps)     # mixed steps took it
-    monkeypatch.setattr(llama_step, "applies", lambda *a: False)
+    monkeypatch.setattr(backend, "kernels_take", lambda *a: False)
     assert fast == mixed_steps(folder, quantization, chunk)

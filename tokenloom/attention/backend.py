@@ -1,0 +1,148 @@
+"""The attention op every model calls: one step's rope, cache write and paged attention,
+planned once per forward from the step's shape and called per layer.
+
+A model computes qkv (T, (heads + 2 kv_heads) head_dim) and calls ``attend(layer, qkv,
+norms)``; which kernels run is decided here, once per step, so every architecture written
+against this op gets the fastest path the step allows:
+
+- ``KernelAttention`` (CPU, float32, kernels built, a plain cache, rope over whole heads,
+  every sequence decoding one token or a prompt chunk the prefill kernel takes, decoding
+  ones first): q/k rotated and k/v written in one kernel pass, decode attention into the
+  first rows, prompt attention into the rest. One kernel call per layer when every
+  sequence decodes.
+- ``TorchAttention`` (everything else: bf16/fp16, CUDA, an int8 cache, long prompts, no
+  rope): the same arithmetic from separate ops: q/k norm, rope (fused on CPU float32),
+  ``paged_attention`` (torch SDPA, with the CPU kernels for the rows they take).
+
+Both give the same bits where both run (tests/test_attention_backends.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tokenloom.attention import cpu_decode, cpu_prefill
+from tokenloom.attention.metadata import AttentionMetadata
+from tokenloom.attention.torch_sdpa import paged_attention
+from tokenloom.models.layers import apply_rope
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionShape:
+    """What the attention op needs to know of a model's attention layers."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+QKNorms = tuple[nn.Module, nn.Module]       # per-head RMSNorms of q and of k (Qwen3), or None
+
+
+class StepAttention:
+    """One step's attention: ``attend(layer, qkv, norms)`` -> (T, heads head_dim).
+
+    qkv: (T, (heads + 2 kv_heads) head_dim), this layer's projections of the step's tokens;
+    writes the layer's keys/values of those tokens into the cache.
+    """
+
+    def __init__(self, shape: AttentionShape, meta: AttentionMetadata, kv_cache,
+                 rope: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        self.shape, self.meta, self.kv_cache, self.rope = shape, meta, kv_cache, rope
+
+    def __call__(self, layer: int, qkv: torch.Tensor, norms: QKNorms | None = None) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class TorchAttention(StepAttention):
+    def __call__(self, layer: int, qkv: torch.Tensor, norms: QKNorms | None = None) -> torch.Tensor:
+        sh, T = self.shape, qkv.shape[0]
+        q_size, kv_size = sh.q_size, sh.kv_size
+        if norms is not None:
+            _norm_in_place(qkv, norms, sh)
+        v = qkv[:, q_size + kv_size:].view(T, sh.num_kv_heads, sh.head_dim)
+        qk = qkv[:, :q_size + kv_size].view(T, -1, sh.head_dim)
+        if self.rope is not None:   # q and k side by side: one rotation for both (elementwise, same numbers)
+            qk = apply_rope(qk, *self.rope)
+        q, k = qk[:, :sh.num_heads], qk[:, sh.num_heads:]                    # (T, heads|kv_heads, head_dim)
+        keys, values = self.kv_cache.layer(layer)
+        out = paged_attention(q, k, v, keys, values, self.meta, sh.scale)    # (T, heads, head_dim)
+        return out.reshape(T, q_size)
+
+
+class KernelAttention(StepAttention):
+    def __init__(self, shape: AttentionShape, meta: AttentionMetadata, kv_cache,
+                 rope: tuple[torch.Tensor, torch.Tensor]) -> None:
+        super().__init__(shape, meta, kv_cache, rope)
+        self.decoding = cpu_decode.decode_rows(meta)
+        self.ops = cpu_decode.ops()
+        self.tables, self.ctx = cpu_decode.decode_inputs(meta) if self.decoding else (None, None)
+        self.all_decode = len(self.decoding) == meta.num_seqs
+        self.prompts = [] if self.all_decode else cpu_prefill.prefill_rows(meta)
+
+    def __call__(self, layer: int, qkv: torch.Tensor, norms: QKNorms | None = None) -> torch.Tensor:
+        sh, meta = self.shape, self.meta
+        if norms is not None:
+            _norm_in_place(qkv, norms, sh)
+        keys, values = self.kv_cache.keys[layer], self.kv_cache.values[layer]
+        cos, sin = self.rope
+        slots, window = meta.slot_mapping, meta.sliding_window or 0
+        if self.all_decode:
+            return self.ops.rope_write_decode(qkv, cos, sin, keys, values, slots, self.tables, self.ctx,
+                                              sh.num_heads, sh.scale, window)
+        T, n = qkv.shape[0], len(self.decoding)
+        q = self.ops.rope_write(qkv, cos, sin, keys, values, slots, sh.num_heads)   # (T, heads, head_dim)
+        out = qkv.new_empty(T, sh.q_size)
+        if n:
+            self.ops.paged_decode_out(q[:n], keys, values, self.tables, self.ctx, sh.scale, window,
+                                      out[:n].view(n, sh.num_heads, sh.head_dim))
+        cpu_prefill.attend_into(out.view(T, sh.num_heads, sh.head_dim), q, keys, values, meta, self.prompts,
+                                sh.scale)
+        return out
+
+
+def _norm_in_place(qkv: torch.Tensor, norms: QKNorms, sh: AttentionShape) -> None:
+    """Per-head RMSNorm of qkv's q and k columns, written back (T, (heads + 2 kv_heads) head_dim);
+    each head row is one row of a 2-D norm, so both backends normalize with the same op."""
+    T = qkv.shape[0]
+    q = qkv[:, :sh.q_size].reshape(T * sh.num_heads, sh.head_dim)
+    k = qkv[:, sh.q_size:sh.q_size + sh.kv_size].reshape(T * sh.num_kv_heads, sh.head_dim)
+    qkv[:, :sh.q_size] = norms[0](q).view(T, sh.q_size)
+    qkv[:, sh.q_size:sh.q_size + sh.kv_size] = norms[1](k).view(T, sh.kv_size)
+
+
+def kernels_take(shape: AttentionShape, meta: AttentionMetadata, kv_cache,
+                 rope: tuple[torch.Tensor, torch.Tensor] | None, dtype: torch.dtype) -> bool:
+    """The step's attention can run on the CPU kernels (see the module doc)."""
+    if rope is None or dtype != torch.float32:
+        return False
+    cos = rope[0]
+    if not (cpu_decode.usable(cos, kv_cache.keys[0]) and cos.shape[-1] == shape.head_dim and cos.is_contiguous()):
+        return False
+    decoding = cpu_decode.decode_rows(meta)
+    if len(decoding) == meta.num_seqs:
+        return True
+    return (cpu_prefill.takes(shape.head_dim, kv_cache.keys[0])
+            and (not decoding or decoding[-1] == len(decoding) - 1)
+            and len(cpu_prefill.prefill_rows(meta)) == meta.num_seqs - len(decoding))
+
+
+def plan_attention(shape: AttentionShape, meta: AttentionMetadata, kv_cache,
+                   rope: tuple[torch.Tensor, torch.Tensor] | None, dtype: torch.dtype) -> StepAttention:
+    """The attention op for this step's layers; `rope`: (cos, sin) (T, 1, head_dim) or None
+    (learned positions); `dtype`: the activations'."""
+    if kernels_take(shape, meta, kv_cache, rope, dtype):
+        return KernelAttention(shape, meta, kv_cache, rope)
+    return TorchAttention(shape, meta, kv_cache, rope)
