@@ -3,7 +3,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: setup browser demo test bench clean
+.PHONY: setup browser demo lint test bench clean
 
 setup: $(STAMP) browser
 	$(VENV)/bin/tokenloom pull
@@ -26,7 +26,10 @@ $(STAMP): pyproject.toml
 demo: setup
 	$(VENV)/bin/tokenloom generate "Once upon a time"
 
-test: setup
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+test: setup lint
 	$(PY) -m pytest -q
 
 bench: setup

@@ -21,11 +21,10 @@ import time
 from pathlib import Path
 
 import torch
+from _common import RESULTS, finish_plot, parser
 from tqdm import tqdm
 
-from _common import RESULTS, finish_plot, parser
 from tokenloom import LLM, SamplingParams, hub
-
 
 
 def median_time(fn, repeats: int) -> float:
@@ -135,10 +134,12 @@ def print_table(res: dict, args, limit_tok_s: float) -> None:
     print(f"\nbandwidth limit for batch-1 decode: {limit_tok_s:.1f} tok/s "
           f"(tokenloom at {ours['decode_tok_s'] / limit_tok_s:.0%}, transformers at "
           f"{hf['decode_tok_s'] / limit_tok_s:.0%})")
-    print("\n| context | tokenloom cached ms | tokenloom uncached ms | HF cached ms | HF uncached ms |\n|---:|---:|---:|---:|---:|")
+    print("\n| context | tokenloom cached ms | tokenloom uncached ms | HF cached ms | HF uncached ms |\n"
+          "|---:|---:|---:|---:|---:|")
     for length in args.lengths:
         a, b = ours["latency_by_length"][length], hf["latency_by_length"][length]
-        print(f"| {length} | {a['cached_ms']:.1f} | {a['uncached_ms']:.1f} | {b['cached_ms']:.1f} | {b['uncached_ms']:.1f} |")
+        print(f"| {length} | {a['cached_ms']:.1f} | {a['uncached_ms']:.1f} | {b['cached_ms']:.1f} "
+              f"| {b['uncached_ms']:.1f} |")
 
 
 def plot(res: dict, args, path: Path) -> bool:

@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 
 import torch
-
 from _common import RESULTS, parser
+
 from tokenloom import LLM, SamplingParams
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -101,7 +101,8 @@ def main() -> None:
     Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                                           "random_weights": bool(args.random_from), "rows": rows}, indent=2))
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}; prompt {PROMPT}, {NEW} new tokens")
-    print("| dtype | engine | batch-1 decode tok/s | vs HF | TTFT ms | batch-16 tok/s | vs HF | greedy tokens = HF (of 32) |")
+    print("| dtype | engine | batch-1 decode tok/s | vs HF | TTFT ms | batch-16 tok/s | vs HF "
+          "| greedy tokens = HF (of 32) |")
     print("|---|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         for eng in ("tokenloom", "transformers"):

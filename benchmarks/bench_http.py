@@ -25,12 +25,12 @@ import httpx
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import RESULTS, parser  # noqa: E402
-from bench_serving import Req, Run, add_workload_args, make_workload, run_tokenloom  # noqa: E402
+from _common import RESULTS, parser
+from bench_serving import Req, Run, add_workload_args, make_workload, run_tokenloom
 
-from tokenloom import hub  # noqa: E402
-from tokenloom.async_engine import AsyncLLMEngine  # noqa: E402
-from tokenloom.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
+from tokenloom import hub
+from tokenloom.async_engine import AsyncLLMEngine
+from tokenloom.config import CacheConfig, EngineConfig, SchedulerConfig
 
 
 def start_server(model: str, port: int, max_num_seqs: int) -> subprocess.Popen:

@@ -24,9 +24,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from tqdm import tqdm
-
 from _common import RESULTS, finish_plot, parser
+from tqdm import tqdm
 
 CONFIGS = {   # name -> LLM kwargs; "model": "gguf" loads the GGUF file instead of the HF folder
     "float32": {},
@@ -99,18 +98,18 @@ def kernel_times(repeats: int = 20) -> dict[str, float]:
                                                   for w, (q, s) in zip(weights, t8)],
         "int4 torch._weight_int4pack_mm_for_cpu (g32)": lambda: [
             torch.ops.aten._weight_int4pack_mm_for_cpu(xs[w.shape[1]], q, 32, sz) for w, (q, sz) in zip(weights, t4)],
-        "int8 tokenloom kernel": lambda: [kernels.linear_int8(xs[w.shape[1]], q.data, q.scales, q.group_size, None)
+        "int8 tokenloom kernel": lambda: [kernels.bind(q, None, False)(xs[w.shape[1]])
                                           for w, q in zip(weights, q8)],
-        "int4 tokenloom kernel (g32)": lambda: [kernels.linear_int4(xs[w.shape[1]], q.data, q.scales, q.offsets, 32,
-                                                                    None) for w, q in zip(weights, q4)],
+        "int4 tokenloom kernel (g32)": lambda: [kernels.bind(q, None, False)(xs[w.shape[1]])
+                                                for w, q in zip(weights, q4)],
     }
     if kernels.panels_available():     # what the engine runs on AVX-512 VNNI CPUs
         from tokenloom.quant import panels as layout
         p8, p4 = [layout.to_panels(q) for q in q8], [layout.to_panels(q) for q in q4]
         runs["int8 tokenloom panel kernel (AVX-512 VNNI)"] = lambda: [
-            kernels.panel_linear(xs[w.shape[1]], p, None) for w, p in zip(weights, p8)]
+            kernels.bind(p, None, True)(xs[w.shape[1]]) for w, p in zip(weights, p8)]
         runs["int4 tokenloom panel kernel (g32, AVX-512 VNNI)"] = lambda: [
-            kernels.panel_linear(xs[w.shape[1]], p, None) for w, p in zip(weights, p4)]
+            kernels.bind(p, None, True)(xs[w.shape[1]]) for w, p in zip(weights, p4)]
     out = {}
     for name, fn in runs.items():
         try:
@@ -246,7 +245,8 @@ def table(results: dict[str, dict], bandwidth: float) -> str:
         engine = name if name.startswith("llama.cpp") else "tokenloom"
         weights = "gguf (Q4_1 + Q8_0 blocks)" if name.startswith("llama.cpp") else name
         limit = bandwidth / r["bytes_per_token"]
-        lines.append(f"| {engine} | {weights} | {r['decode_tok_s']:.1f} | {r['decode_tok_s'] / base['decode_tok_s']:.2f}x "
+        ratio = r['decode_tok_s'] / base['decode_tok_s']
+        lines.append(f"| {engine} | {weights} | {r['decode_tok_s']:.1f} | {ratio:.2f}x "
                      f"| {limit:.0f} | {100 * r['decode_tok_s'] / limit:.0f}% | {r['prefill_tok_s']:.0f} "
                      f"| {r['weight_bytes'] / 1e6:.0f} | {r['peak_rss_bytes'] / 1e6:.0f} | {r['perplexity']:.3f} "
                      f"| {100 * (r['perplexity'] / base['perplexity'] - 1):+.1f}% |")

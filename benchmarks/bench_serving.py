@@ -31,13 +31,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from _common import RESULTS, finish_plot, parser
 from tqdm import tqdm
 
-from _common import RESULTS, finish_plot, parser
 from tokenloom import SamplingParams, hub
 from tokenloom.async_engine import AsyncLLMEngine
 from tokenloom.config import CacheConfig, EngineConfig, SchedulerConfig
-
 
 
 @dataclass
@@ -188,7 +187,8 @@ def run_hf_continuous(model, reqs: list[Req], concurrency: int) -> Run:
 
 # ---- reporting --------------------------------------------------------------------------------
 def print_tables(res: dict, levels: list[int]) -> None:
-    print("\n| concurrency | engine | output tok/s | vs HF static | TTFT median s | TTFT p99 s | TPOT median ms | TPOT p99 ms |")
+    print("\n| concurrency | engine | output tok/s | vs HF static | TTFT median s | TTFT p99 s | TPOT median ms "
+          "| TPOT p99 ms |")
     print("|---:|---|---:|---:|---:|---:|---:|---:|")
     for c in levels:
         static = res["transformers_static"].get(str(c))
@@ -198,11 +198,13 @@ def print_tables(res: dict, levels: list[int]) -> None:
             if not s:
                 continue
             print(f"| {c} | {name} | {s['output_tok_s']:.1f} | {s['output_tok_s'] / base:.2f}x | "
-                  f"{s['ttft_median_s']:.2f} | {s['ttft_p99_s']:.2f} | {s['tpot_median_ms']:.0f} | {s['tpot_p99_ms']:.0f} |")
+                  f"{s['ttft_median_s']:.2f} | {s['ttft_p99_s']:.2f} | {s['tpot_median_ms']:.0f} "
+                  f"| {s['tpot_p99_ms']:.0f} |")
     if "shared_prefix" in res:
         sp = res["shared_prefix"]
         print(f"\nshared prefix ({sp['workload']}):")
-        print("| prefix caching | output tok/s | TTFT median s | TTFT p99 s | prefix-cache hit rate |\n|---|---:|---:|---:|---:|")
+        print("| prefix caching | output tok/s | TTFT median s | TTFT p99 s | prefix-cache hit rate |\n"
+              "|---|---:|---:|---:|---:|")
         for k in ("on", "off"):
             s = sp[k]
             print(f"| {k} | {s['output_tok_s']:.1f} | {s['ttft_median_s']:.2f} | {s['ttft_p99_s']:.2f} | "
@@ -218,7 +220,7 @@ def plot(res: dict, levels: list[int], path: Path) -> bool:
         return False
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, style in (("tokenloom", "o-"), ("transformers_static", "s--"), ("transformers_continuous", "^:")):
-        if name in res and res[name]:
+        if res.get(name):
             xs = [c for c in levels if str(c) in res[name]]
             ax.plot(xs, [res[name][str(c)]["output_tok_s"] for c in xs], style, label=name)
     ax.set(xscale="log", xlabel="concurrent requests", ylabel="output tokens/s",

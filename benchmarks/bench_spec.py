@@ -25,10 +25,10 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import RESULTS, parser  # noqa: E402
+from _common import RESULTS, parser
 
-from tokenloom import LLM, SamplingParams, hub  # noqa: E402
-from tokenloom.testing import save_random_draft  # noqa: E402
+from tokenloom import LLM, SamplingParams, hub
+from tokenloom.testing import save_random_draft
 
 STORY = ("Maria opened the bakery at six every morning. She baked bread, croissants and small apple "
          "pies, and by seven the first customers were waiting at the door. Her brother Tom delivered "
@@ -105,7 +105,8 @@ def main() -> None:
             acc = "-" if r["acceptance"] is None else f"{r['acceptance']:.0%}"
             per = "-" if r["tokens_per_spec_step"] is None else f"{r['tokens_per_spec_step']:.2f}"
             same = "yes" if r["outputs"] == base["outputs"] else "NO"
-            print(f"| {workload} | {name} | {r['tok_s']:.1f} | {r['tok_s'] / base['tok_s']:.2f}x | {acc} | {per} | {same} |")
+            ratio = r['tok_s'] / base['tok_s']
+            print(f"| {workload} | {name} | {r['tok_s']:.1f} | {ratio:.2f}x | {acc} | {per} | {same} |")
     for runs in res["runs"].values():
         for r in runs.values():
             del r["outputs"]

@@ -15,6 +15,7 @@ import statistics
 import time
 
 from _common import RESULTS, parser
+
 from tokenloom import LLM, SamplingParams, hub
 from tokenloom.structured import StructuredOutput
 

@@ -24,6 +24,7 @@ class FakeEngine:
     def add(self, rid: str, prompt: list[int], max_tokens: int) -> Request:
         req = Request(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0), arrival=self.arrivals)
         self.arrivals += 1
+        self.scheduler.check_fits(len(prompt), max_tokens)      # as EngineCore.validate does
         self.scheduler.add(req)
         self.requests[rid] = req
         return req

@@ -48,7 +48,8 @@ def _faults(mode: str, where: str) -> int:
 
 @pytest.mark.parametrize("where", ["main", "thread"])
 def test_freed_large_tensors_are_reused_without_page_faults(where):
-    touched = 4 * 20 * 6000 * 4 // resource.getpagesize()     # ~ pages the four steps write (4 layers of ~20k floats per row)
+    # ~ pages the four steps write (4 layers of ~20k floats per row)
+    touched = 4 * 20 * 6000 * 4 // resource.getpagesize()
     off, on = _faults("off", where), _faults("on", where)
     assert off > touched // 4, f"default glibc should fault fresh pages in ({off} faults, ~{touched} pages written)"
     # heap fragmentation costs the odd fresh block (measured 2-9k faults main, 18-30k thread)
@@ -107,7 +108,9 @@ def test_opt_out(monkeypatch):
 
 def test_runner_reserves_for_its_token_budget(monkeypatch):
     import types
+
     import torch
+
     from tokenloom import runner
     asked = []
     monkeypatch.setattr(runner, "reserve_heap", lambda n: asked.append(n) or True)

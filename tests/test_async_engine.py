@@ -44,7 +44,8 @@ def test_leaving_a_stream_aborts_and_frees_blocks(async_engine):
     async def main():
         try:
             long = async_engine.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
-            other = asyncio.ensure_future(collect(async_engine, PROMPTS[1], SamplingParams(temperature=0, max_tokens=30)))
+            other_params = SamplingParams(temperature=0, max_tokens=30)
+            other = asyncio.ensure_future(collect(async_engine, PROMPTS[1], other_params))
             seen = 0
             async for _ in long:
                 seen += 1

@@ -96,20 +96,22 @@ def test_the_fused_decode_block_equals_rope_then_cache_write_then_attention(head
     """rope_write_decode (one call) against the op-by-op path: the fused rope, index_copy into
     the cache, the decode kernel. Same bits for the cached keys/values and the output."""
     from tokenloom.models import fused
-    from tokenloom.models.layers import rope_cos_sin, apply_rope
+    from tokenloom.models.layers import apply_rope, rope_cos_sin
     lens = [5, 40, 17]
     k_cache, v_cache, tables, _ = paged_setup(lens, heads, kv_heads, seed=4, head_dim=head_dim)
     gen = torch.Generator().manual_seed(5)
     qkv = torch.randn(len(lens), (heads + 2 * kv_heads) * head_dim, generator=gen)
     positions = torch.tensor(lens) - 1
-    cos, sin = rope_cos_sin(1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim)), positions, torch.float32)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    cos, sin = rope_cos_sin(inv_freq, positions, torch.float32)
     slots = torch.stack([tables[i][(n - 1) // BS] * BS + (n - 1) % BS for i, n in enumerate(lens)])
     meta = decode_meta(lens, tables)
     meta.slot_mapping = slots
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
     assert fused.build()
     qk = apply_rope(qkv[:, :(heads + kv_heads) * head_dim].view(len(lens), -1, head_dim), cos, sin)
-    torch_sdpa.write_kv(k_ref, v_ref, qk[:, heads:], qkv[:, (heads + kv_heads) * head_dim:].view(len(lens), kv_heads, head_dim),
+    v_rows = qkv[:, (heads + kv_heads) * head_dim:].view(len(lens), kv_heads, head_dim)
+    torch_sdpa.write_kv(k_ref, v_ref, qk[:, heads:], v_rows,
                         slots)
     want = cpu_decode.attend(qk[:, :heads], k_ref, v_ref, decode_meta(lens, tables), [0, 1, 2], 0.3)
     tables_padded, ctx = cpu_decode.decode_inputs(meta)

@@ -14,8 +14,13 @@ from tokenloom.explain.render import render_compact, render_full
 from tokenloom.structured import StructuredOutput
 
 transformers = pytest.importorskip("transformers")
-from transformers import (MinPLogitsWarper, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,  # noqa: E402
-                          TopKLogitsWarper, TopPLogitsWarper)
+from transformers import (
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 PROMPT = "The three primary colors are red, blue and"
 

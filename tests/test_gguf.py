@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.hf_reference import hf_greedy
 from tokenloom import LLM, SamplingParams
 from tokenloom.loader.gguf import GGUFFile, unpermute_rope_rows
-from tests.hf_reference import hf_greedy
 
 NEW_TOKENS = 32
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenloom import LLM, SamplingParams
 from tests.conftest import TINY_CONFIGS
 from tests.hf_reference import hf_greedy
+from tokenloom import LLM, SamplingParams
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.gpu

@@ -78,9 +78,9 @@ def test_other_dtypes_keep_plain_linear(tiny_model_dir):
 
 def test_fused_glue_equals_the_torch_ops_it_replaces():
     from tokenloom import native
+    from tokenloom.config import RopeConfig
     from tokenloom.models import fused
     from tokenloom.models.layers import GatedMLP, RMSNorm, _rotate_half, apply_rope, rope_cos_sin, rope_inv_freq
-    from tokenloom.config import RopeConfig
     if not native.cpu_has_avx2():
         pytest.skip("the fused ops need AVX2 + FMA")
     gen = torch.Generator().manual_seed(0)

@@ -11,10 +11,10 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from tokenloom import LLM, SamplingParams
-from tokenloom.attention import cpu_decode
 from tests.conftest import TINY_CONFIGS
 from tests.hf_reference import hf_greedy
+from tokenloom import LLM, SamplingParams
+from tokenloom.attention import cpu_decode
 
 NEW_TOKENS = 40
 PROMPTS = [[5, 17, 42, 99, 7, 3, 250, 64, 12, 77, 31], [200, 1, 2, 3], [8] * 20]

@@ -3,6 +3,8 @@ gathered blocks, and the bit-for-bit invariances it promises."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -56,7 +58,8 @@ def reference(q, k, v, meta, scale) -> torch.Tensor:
         allowed = k_pos <= q_pos
         if meta.sliding_window:
             allowed &= k_pos > q_pos - meta.sliding_window
-        out[start:start + q_len] = torch.einsum("hqk,khd->qhd", scores.masked_fill(~allowed, -torch.inf).softmax(-1), vals)
+        weights = scores.masked_fill(~allowed, -torch.inf).softmax(-1)
+        out[start:start + q_len] = torch.einsum("hqk,khd->qhd", weights, vals)
     return out
 
 
@@ -96,7 +99,7 @@ def test_a_prompt_gets_the_same_bits_whole_chunked_or_row_by_row():
     whole = kernel(q, k, v, meta_for([n], [n], table), 0.125)
     for cuts in ([0, 7, 64, 65, 190], [0, 100, 190], list(range(0, 191, 19))):
         parts = [kernel(q[a:b].contiguous(), k, v, meta_for([b - a], [b], table), 0.125)
-                 for a, b in zip(cuts, cuts[1:])]
+                 for a, b in itertools.pairwise(cuts)]
         assert torch.equal(torch.cat(parts), whole), cuts
     rows = [kernel(q[t:t + 1].contiguous(), k, v, meta_for([1], [t + 1], table), 0.125) for t in range(0, n, 37)]
     assert torch.equal(torch.cat(rows), whole[0:n:37])

@@ -10,7 +10,7 @@ from tokenloom import native
 from tokenloom.quant import QuantizedLinear, WeightFormat, kernels, quantize_int4, quantize_int8
 from tokenloom.quant.formats import pack_int4, unpack_int4
 
-needs_kernels = pytest.mark.skipif(not kernels._cpu_has_avx2(), reason="the kernels need AVX2 + FMA")
+needs_kernels = pytest.mark.skipif(not native.cpu_has_avx2(), reason="the kernels need AVX2 + FMA")
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -52,10 +52,7 @@ def test_kernel_matches_the_dequantized_matmul(fmt, rows):
     f = WeightFormat.parse(fmt)
     w, bias, x = torch.randn(72, 256) * 0.05, torch.randn(72), torch.randn(rows, 256)
     q = quantize_int8(w, f.group_size) if f.bits == 8 else quantize_int4(w, f.group_size)
-    if f.bits == 8:
-        got = kernels.linear_int8(x, q.data, q.scales, q.group_size, bias)
-    else:
-        got = kernels.linear_int4(x, q.data, q.scales, q.offsets, q.group_size, bias)
+    got = kernels.bind(q, bias, False)(x)
     want = x @ q.dequantize().T + bias
     assert rel_err(got, want) < (0.01 if f.bits == 8 else 0.03)     # measured: 0.5% / 1-2%
 
@@ -66,8 +63,7 @@ def test_kernel_rows_do_not_depend_on_their_batch(bits):
     torch.manual_seed(1)
     w, x = torch.randn(200, 576) * 0.05, torch.randn(7, 576)
     q = quantize_int8(w) if bits == 8 else quantize_int4(w)
-    run = (lambda x: kernels.linear_int8(x, q.data, q.scales, q.group_size, None)) if bits == 8 else \
-        (lambda x: kernels.linear_int4(x, q.data, q.scales, q.offsets, q.group_size, None))
+    run = kernels.bind(q, None, False)
     whole = run(x)
     assert all(torch.equal(whole[i:i + 1], run(x[i:i + 1].contiguous())) for i in range(7))
 

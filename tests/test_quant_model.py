@@ -126,8 +126,9 @@ def test_perplexity_equals_transformers_and_int8_stays_within_5_percent(default_
 
 
 def test_saved_quantized_folder_loads_without_requantizing(tiny_model_dir, tmp_path, monkeypatch):
+    from tokenloom.loader.save import save_quantized
     from tokenloom.quant import formats
-    from tokenloom.quant.checkpoint import describe, save_quantized
+    from tokenloom.quant.checkpoint import describe
     src = tiny_model_dir("llama_mqa_tied")
     modules = save_quantized(src, tmp_path / "q", "int4-g64", progress=False)
     assert modules.pop("lm_head") == "int8"          # int4 keeps the output head at int8, as llama.cpp does

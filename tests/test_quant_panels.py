@@ -48,9 +48,8 @@ def test_panel_kernel_matches_the_row_kernel_and_the_dequantized_matmul(fmt, row
     q = quantized(fmt, 96, 384, seed=rows)
     torch.manual_seed(rows)
     x, bias = torch.randn(rows, 384) * 4, torch.randn(96)
-    got = kernels.panel_linear(x, panels.to_panels(q), bias)
-    row_kernel = kernels.linear_int8(x, q.data, q.scales, q.group_size, bias) if q.bits == 8 else \
-        kernels.linear_int4(x, q.data, q.scales, q.offsets, q.group_size, bias)
+    got = kernels.bind(panels.to_panels(q), bias, True)(x)
+    row_kernel = kernels.bind(q, bias, False)(x)
     torch.testing.assert_close(got, row_kernel, rtol=1e-5, atol=1e-4)
     want = x @ q.dequantize().T + bias
     assert ((got - want).norm() / want.norm()).item() < (0.01 if q.bits == 8 else 0.03)
@@ -61,8 +60,8 @@ def test_panel_kernel_matches_the_row_kernel_and_the_dequantized_matmul(fmt, row
 def test_panel_kernel_rows_do_not_depend_on_their_batch(fmt):
     p = panels.to_panels(quantized(fmt, 208, 576))     # 13 panels: 2-panel passes and a leftover
     x = torch.randn(6, 576)
-    whole = kernels.panel_linear(x, p, None)
-    assert all(torch.equal(whole[i:i + 1], kernels.panel_linear(x[i:i + 1].contiguous(), p, None)) for i in range(6))
+    whole = kernels.bind(p, None, True)(x)
+    assert all(torch.equal(whole[i:i + 1], kernels.bind(p, None, True)(x[i:i + 1].contiguous())) for i in range(6))
 
 
 @needs_panels

@@ -114,7 +114,8 @@ def test_seed_reproduces_and_ignores_batch_companions():
         gens = [torch.Generator().manual_seed(7)] + [None] * companions
         n = len(params)
         meta = SamplingMetadata(params, [[]] * n, [[]] * n, gens, [frozenset()] * n)
-        return [Sampler().sample(torch.tensor(np.stack([LOGITS] * n), dtype=torch.float32), meta).tokens[0].item() for _ in range(seed_rows)]
+        logits = torch.tensor(np.stack([LOGITS] * n), dtype=torch.float32)
+        return [Sampler().sample(logits.clone(), meta).tokens[0].item() for _ in range(seed_rows)]
     # A fresh generator per run: the seeded row's draws depend only on its seed.
     assert run(1, 0) == run(1, 5)
     seq = [run(1, c)[0] for c in range(4)]

@@ -163,4 +163,4 @@ def test_random_submit_abort_sequences_never_leak(ops):
     e.run()
     assert e.blocks.num_free_blocks == e.blocks.num_blocks
     assert all(r.is_finished for r in e.requests.values())
-    assert not e.scheduler._prompt_hashes                   # no per-request state outlives its request
+    assert not e.blocks._hashes and not e.blocks._registered    # no per-request state outlives its request

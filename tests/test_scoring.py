@@ -7,8 +7,8 @@ import openai
 import pytest
 import torch
 
-from tokenloom import LLM, SamplingParams
 from tests.server_harness import ThreadedServer, wait_until_idle
+from tokenloom import LLM, SamplingParams
 
 PROMPT, CONTINUATION = "The capital of France is", " Paris, a city on the Seine."
 

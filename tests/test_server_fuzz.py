@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 
 from tests.server_harness import ThreadedServer, wait_until_idle
 
-junk = st.one_of(st.none(), st.booleans(), st.integers(-10 ** 12, 10 ** 12), st.floats(allow_nan=False, allow_infinity=False),
+junk = st.one_of(st.none(), st.booleans(), st.integers(-10 ** 12, 10 ** 12),
+                 st.floats(allow_nan=False, allow_infinity=False),
                  st.text(max_size=8), st.lists(st.integers(-5, 60000), max_size=4),
                  st.dictionaries(st.text(max_size=3), st.integers(-200, 200), max_size=2))
 small = st.one_of(st.integers(-2, 6), junk)

@@ -10,9 +10,9 @@ import jsonschema
 import openai
 import pytest
 
+from tests.server_harness import ThreadedServer, wait_until_idle
 from tokenloom import SamplingParams
 from tokenloom.structured import StructuredOutput
-from tests.server_harness import ThreadedServer, wait_until_idle
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "role"],
           "properties": {"name": {"type": "string", "minLength": 1, "maxLength": 24},
@@ -23,7 +23,8 @@ ASK = [{"role": "user", "content": "Describe a person as JSON with name, age and
 
 
 def test_sampled_json_always_validates_across_seeds_mixed_with_free_text(smol_llm):
-    constrained = [SamplingParams(temperature=1.0, seed=s, max_tokens=160, structured_output=StructuredOutput.json(PERSON))
+    person = StructuredOutput.json(PERSON)
+    constrained = [SamplingParams(temperature=1.0, seed=s, max_tokens=160, structured_output=person)
                    for s in range(12)]
     free = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     prompt = smol_llm.tokenizer.encode_chat(ASK)
@@ -38,7 +39,8 @@ def test_sampled_json_always_validates_across_seeds_mixed_with_free_text(smol_ll
 
 
 def test_regex_json_object_and_grammar(smol_llm):
-    phone = SamplingParams(temperature=0.8, seed=1, max_tokens=20, structured_output=StructuredOutput.regex(r"\d{3}-\d{4}"))
+    phone = SamplingParams(temperature=0.8, seed=1, max_tokens=20,
+                           structured_output=StructuredOutput.regex(r"\d{3}-\d{4}"))
     for out in smol_llm.generate(["My phone number is "] * 4, [phone] * 4):
         assert re.fullmatch(r"\d{3}-\d{4}", out.outputs[0].text)
     obj = smol_llm.chat(ASK, SamplingParams(temperature=0, max_tokens=120, structured_output=StructuredOutput.json()))
@@ -86,7 +88,8 @@ def test_server_response_format_and_guided_extensions(smol_llm):
                               "response_format"),
                              ({"response_format": {"type": "xml"}}, "response_format"),
                              ({"extra_body": {"guided_regex": "(oops"}}, "guided_regex"),
-                             ({"extra_body": {"guided_regex": "a", "guided_grammar": "start: \"a\""}}, "guided_grammar")]:
+                             ({"extra_body": {"guided_regex": "a", "guided_grammar": "start: \"a\""}},
+                              "guided_grammar")]:
             with pytest.raises(openai.BadRequestError) as err:
                 client.chat.completions.create(model="smol", messages=ASK, max_tokens=8, **body)
             assert err.value.body["param"] == param, err.value.body
@@ -97,7 +100,8 @@ def test_cli_flags_build_the_constraint(tmp_path):
     from tokenloom.cli import _sampling_params, build_parser
     schema_file = tmp_path / "person.json"
     schema_file.write_text(json.dumps(PERSON))
-    parse = lambda *a: _sampling_params(build_parser().parse_args(["generate", *a, "hi"])).structured_output
+    def parse(*flags):
+        return _sampling_params(build_parser().parse_args(["generate", *flags, "hi"])).structured_output
     assert parse("--json-schema", str(schema_file)) == StructuredOutput.json(PERSON)
     assert parse("--json-schema", '{"type": "object"}') == StructuredOutput.json({"type": "object"})
     assert parse("--json") == StructuredOutput.json()

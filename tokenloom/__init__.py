@@ -1,9 +1,9 @@
 """tokenloom: a fast, hackable LLM inference engine."""
 
-from tokenloom.sampling_params import SamplingParams
 from tokenloom.outputs import CompletionOutput, RequestOutput
+from tokenloom.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
 __version__ = "0.1.0"
 
 

@@ -47,13 +47,13 @@ class AsyncLLMEngine:
         self._ids = itertools.count()
 
     @classmethod
-    def build(cls, make_engine: Callable[[], LLMEngine]) -> "AsyncLLMEngine":
+    def build(cls, make_engine: Callable[[], LLMEngine]) -> AsyncLLMEngine:
         """Construct the engine on the thread that will run its steps (see the module doc)."""
         thread = _engine_thread()
         return cls(thread.submit(make_engine).result(), thread)
 
     @classmethod
-    def from_config(cls, config: EngineConfig, progress: bool = False) -> "AsyncLLMEngine":
+    def from_config(cls, config: EngineConfig, progress: bool = False) -> AsyncLLMEngine:
         return cls.build(lambda: LLMEngine(config, progress=progress))
 
     # ---- what the server reads (the engine's public facts; safe while a step runs) -------------
@@ -99,9 +99,10 @@ class AsyncLLMEngine:
         self._thread.shutdown(wait=True)
 
     async def generate(self, prompt: str | list[int], params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[StepDelta]:
-        """Stream one request's deltas. Raises ValueError at once for input the model cannot take,
-        and RequestError where the request failed in the engine (the others go on)."""
+                       request_id: str | None = None, validated: bool = False) -> AsyncIterator[StepDelta]:
+        """Stream one request's deltas. Raises ValueError at once for input the model cannot take
+        (unless the caller has already run ``validate_request`` on it: `validated`), and
+        RequestError where the request failed in the engine (the others go on)."""
         self._ensure_loop()
         rid = request_id if request_id is not None else f"async-{next(self._ids)}"
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -109,10 +110,11 @@ class AsyncLLMEngine:
             raise ValueError("generate() streams one sequence; use n=1 (submit n requests for n samples)")
         if rid in self._queues:
             raise ValueError(f"request id {rid!r} is already in use")
-        self.validate_request(ids, params)
+        if not validated:
+            self.validate_request(ids, params)
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = queue
-        self._submit(lambda: self.engine.add_request(rid, ids, params), rid)
+        self._submit(lambda: self.engine.enqueue(rid, ids, params), rid)
         finished = False
         try:
             while not finished:

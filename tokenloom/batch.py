@@ -45,7 +45,8 @@ def build_batch(chunks: list[SeqChunk], block_size: int, device: torch.device, n
         q_lens.append(len(c.token_ids))
         ctx_lens.append(end)
         tables.append(torch.tensor(table[:-(-end // bs)], dtype=torch.int64, device=device))
-    as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)
+    def as_tensor(xs: list[int]) -> torch.Tensor:
+        return torch.tensor(xs, dtype=torch.int64, device=device)
     meta = AttentionMetadata(as_tensor(slots), starts, q_lens, ctx_lens, tables,
                              null_block=null_block, sliding_window=sliding_window)
     return Batch(as_tensor(ids), as_tensor(positions), meta, fresh)

@@ -5,7 +5,8 @@ beam (K = max(2, 1 + #EOS) x beam width), batched. The beams share their KV bloc
 the prefix cache: every full block of the prompt and of a common history is computed once
 and referenced by all beams that contain it, and a beam's last, partial block is continued
 by its children copy-on-write (the first takes it over, each sibling writes into a copy;
-see BlockManager), so a step computes one token per beam. Candidates are ranked by cumulative logprob; finished hypotheses are scored
+see BlockManager), so a step computes one token per beam. Candidates are ranked by cumulative
+logprob; finished hypotheses are scored
 cum_logprob / generated_length ** length_penalty. ``early_stopping``: True stops once
 `beam_width` hypotheses are finished; False stops when the best running beam, scored at
 its current length, cannot beat the worst finished one; "never" as False, but with a

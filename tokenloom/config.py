@@ -7,28 +7,13 @@ by the same fields, so the model code reads flags instead of architecture names.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-# HF ``architectures[0]`` / ``model_type`` -> our family name.
-_ARCH_TO_FAMILY = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "llama",
-    "Qwen2ForCausalLM": "llama",
-    "Qwen3ForCausalLM": "llama",
-    "GPT2LMHeadModel": "gpt2",
-}
-_MODEL_TYPE_TO_ARCH = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "gpt2": "GPT2LMHeadModel",
-}
-SUPPORTED_ARCHITECTURES = tuple(_ARCH_TO_FAMILY)
+from tokenloom.architectures import BY_MODEL_TYPE, SUPPORTED_ARCHITECTURES
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -90,7 +75,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.architecture not in _ARCH_TO_FAMILY:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise UnsupportedModelError(
                 f"architecture {self.architecture!r} is not supported "
                 f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
@@ -102,12 +87,8 @@ class ModelConfig:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of "
                              f"num_kv_heads ({self.num_kv_heads})")
 
-    @property
-    def family(self) -> str:
-        return _ARCH_TO_FAMILY[self.architecture]
-
     @classmethod
-    def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
+    def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
         """Build from a HF ``config.json`` dict (transformers 4.x and 5.x spellings)."""
         arch = _architecture_of(hf)
         eos = hf.get("eos_token_id")
@@ -140,17 +121,14 @@ class ModelConfig:
                    qk_norm=arch == "Qwen3ForCausalLM", sliding_window=sliding,
                    hidden_act=hf.get("hidden_act", "silu"))
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
 
 def _architecture_of(hf: dict[str, Any]) -> str:
     archs = hf.get("architectures") or []
     if archs:
         return archs[0]
     model_type = hf.get("model_type")
-    if model_type in _MODEL_TYPE_TO_ARCH:
-        return _MODEL_TYPE_TO_ARCH[model_type]
+    if model_type in BY_MODEL_TYPE:
+        return BY_MODEL_TYPE[model_type].hf_name
     raise UnsupportedModelError(
         f"config names neither a supported architecture nor model_type (got "
         f"architectures={archs!r}, model_type={model_type!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
@@ -262,7 +240,7 @@ class SpeculativeConfig:
             raise ValueError("speculative max_batch must be >= 1 and min_acceptance in [0, 1]")
 
     @classmethod
-    def parse(cls, spec: str) -> "SpeculativeConfig":
+    def parse(cls, spec: str) -> SpeculativeConfig:
         """'ngram,k=4' or 'draft=PATH,k=4[,max_batch=8,...]' -> SpeculativeConfig."""
         head, *options = [part.strip() for part in spec.split(",") if part.strip()]
         method, _, path = head.partition("=")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 from tqdm import tqdm
 
@@ -16,7 +16,7 @@ from tokenloom.hub import resolve_model
 from tokenloom.outputs import CompletionOutput, RequestError, RequestOutput, StepDelta
 from tokenloom.sampling_params import SamplingParams
 
-Prompt = Union[str, list[int]]
+Prompt = str | list[int]
 Messages = list[dict[str, Any]]
 
 

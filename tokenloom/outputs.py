@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
 from typing import TYPE_CHECKING
 
 from tokenloom.metrics import RequestMetrics
@@ -50,7 +49,7 @@ class RunnerOutput:
     logprobs: list[list[TokenLogprobs] | None]        # per request, per new token: chosen + top-N (if asked)
     # request -> (index of the first prompt token scored, entries) for this step's prompt chunk
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
-    explanations: dict[str, "StepRecord"] = field(default_factory=dict)   # request -> its token's record
+    explanations: dict[str, StepRecord] = field(default_factory=dict)   # request -> its token's record
     errors: dict[str, str] = field(default_factory=dict)   # request -> why its part of the step failed
 
 
@@ -72,7 +71,7 @@ class CoreOutput:
     new_token_ids: list[int]                          # appended this step (up to a token stop)
     logprobs: list[TokenLogprobs] | None = None       # per new token, when the request asked
     prompt_logprobs: tuple[int, list[TokenLogprobs]] | None = None   # (first prompt index, entries)
-    explanation: "StepRecord | None" = None           # the new token's record (explain=N)
+    explanation: StepRecord | None = None           # the new token's record (explain=N)
     finished: bool = False
     error: str | None = None                          # set when the request failed (finished too)
 
@@ -89,7 +88,7 @@ class CompletionOutput:
     logprobs: list[TokenLogprobs] | None = None
     metrics: RequestMetrics | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None   # per prompt token (None for the first)
-    explanation: list["StepRecord"] | None = None    # per generated token, when explain was asked
+    explanation: list[StepRecord] | None = None    # per generated token, when explain was asked
     error: str | None = None                         # finish_reason "error": what failed
 
 
@@ -104,7 +103,7 @@ class StepDelta:
     finish_reason: str | None = None
     completion: CompletionOutput | None = None   # the whole result, on the finishing delta only
     logprobs: list[TokenLogprobs] | None = None    # the new tokens' logprobs, when the request asked
-    explanation: list["StepRecord"] | None = None  # the new tokens' records, when explain was asked
+    explanation: list[StepRecord] | None = None  # the new tokens' records, when explain was asked
     error: str | None = None                       # the request failed (finished, finish_reason "error")
 
 

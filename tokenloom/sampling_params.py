@@ -92,7 +92,7 @@ class SamplingParams:
                 raise ValueError(f"SamplingParams.logit_bias maps token ids >= 0 to biases in [-100, 100], "
                                  f"got {token!r}: {bias!r}")
 
-    def for_sample(self, index: int) -> "SamplingParams":
+    def for_sample(self, index: int) -> SamplingParams:
         """The params of the index-th of n samples: n=1, and a distinct seed derived from the user's."""
         import dataclasses
         seed = None if self.seed is None else self.seed + index

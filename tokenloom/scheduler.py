@@ -47,7 +47,6 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_generated_tokens = 0
         self.spec_steps = self.spec_draft_tokens = self.spec_accepted_tokens = 0   # summed over requests
-        self._prompt_hashes: dict[str, list[int]] = {}   # per request: its full prompt blocks' hashes
 
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
         """ValueError if a request this long could never fit in the whole cache."""
@@ -59,8 +58,7 @@ class Scheduler:
                              "--kv-cache-memory")
 
     def add(self, request: Request) -> None:
-        """Queue a request; ValueError if it could never fit in the whole cache."""
-        self.check_fits(request.num_prompt_tokens, request.params.max_tokens)
+        """Queue a request (``check_fits`` has accepted its size)."""
         bisect.insort(self.waiting, request, key=_by_arrival)
 
     @property
@@ -134,10 +132,9 @@ class Scheduler:
                 uncomputed.update(self._hashes_of(req)[computed // self.blocks.block_size:])
 
     def _hashes_of(self, req: Request) -> list[int]:
-        """Hashes of req's full prompt blocks (computed once per request)."""
-        if req.request_id not in self._prompt_hashes:
-            self._prompt_hashes[req.request_id] = self.blocks.prefix_hashes(req.prompt_token_ids)
-        return self._prompt_hashes[req.request_id]
+        """Hashes of req's full prompt blocks (kept by the block manager with req's blocks)."""
+        return self.blocks.request_hashes(req.request_id, req.prompt_token_ids)[:req.num_prompt_tokens
+                                                                                // self.blocks.block_size]
 
     def _blocks_in_flight(self) -> set[int]:
         """Hashes of the prompt blocks running requests have still to compute (none without caching)."""
@@ -308,7 +305,6 @@ class Scheduler:
             self.blocks.cache_full_blocks(request.request_id, request.all_token_ids, computed)
             self.blocks.remember_partial(request.request_id, request.all_token_ids, computed)
         self.blocks.free(request.request_id)
-        self._prompt_hashes.pop(request.request_id, None)
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:

@@ -71,7 +71,7 @@ class Tokenizer:
         self._template = _compile_template(chat_template) if chat_template else None
 
     @classmethod
-    def from_folder(cls, folder: str | Path) -> "Tokenizer":
+    def from_folder(cls, folder: str | Path) -> Tokenizer:
         """Load tokenizer.json (+ tokenizer_config.json / chat_template.jinja) from an HF folder."""
         folder = Path(folder)
         backend = _load_backend(folder)

@@ -1,11 +1,9 @@
 """Decode attention on the CPU through a compiled kernel that reads KV blocks in place.
 
-The torch path gathers every sequence's blocks into a padded copy, then runs SDPA on it
-(about 40% of a 16-sequence decode step at 300 tokens of context, measured). The kernel
-(``csrc/paged_decode_cpu.cpp``) walks each sequence's block table instead, one task per
-(sequence, kv head). It is built for AVX2 and, where the CPU has it, AVX-512 (16-lane dot
-products reduced 16 at a time, for head sizes 32/64/128: 16 sequences x 150 positions x 30
-layers, caches evicted, 8.7 -> 7.6 ms on the 2-core Xeon). It serves every one-query
+The torch path gathers every sequence's blocks into a padded copy, then runs SDPA on it.
+The kernel (``csrc/paged_decode_cpu.cpp``) walks each sequence's block table instead, one
+task per (sequence, kv head). It is built for AVX2 and, where the CPU has it, AVX-512
+(16-lane dot products reduced 16 at a time, for head sizes 32/64/128). It serves every one-query
 sequence of a float32 step, whatever else is in the batch, so a sequence decodes with the
 same arithmetic alone or batched.
 """

@@ -44,7 +44,7 @@ def select_blocks(cache, table: torch.Tensor) -> torch.Tensor:
 
 def _gather(cache, block_table: torch.Tensor, length: int) -> torch.Tensor:
     """The first `length` cached tokens of a sequence: (kv_heads, length, head_dim)."""
-    _, block_size, kv_heads, head_dim = cache.shape
+    _, _, kv_heads, head_dim = cache.shape
     blocks = select_blocks(cache, block_table)                  # (nb, block_size, kv_heads, head_dim)
     return blocks.view(-1, kv_heads, head_dim)[:length].transpose(0, 1)
 
@@ -121,7 +121,8 @@ def _decode_inputs(meta: AttentionMetadata, block_size: int, device: torch.devic
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Padded block tables (B, W) and the may-attend mask (B, 1, 1, W * block_size) of a decode batch."""
     width = max(len(t) for t in meta.block_tables)
-    tables = torch.full((meta.num_seqs, width), meta.null_block, dtype=torch.int64, device=device)  # pad: the zero block
+    # padded with the null block (all zeros)
+    tables = torch.full((meta.num_seqs, width), meta.null_block, dtype=torch.int64, device=device)
     for i, t in enumerate(meta.block_tables):
         tables[i, :len(t)] = t
     ctx = torch.tensor(meta.context_lens, device=device)[:, None]             # (B, 1)

@@ -67,8 +67,9 @@ class EngineCore:
 
     def _report_cache(self, kv: PagedKVCache) -> None:
         c, per_token = self.model_config, self.kv_bytes_per_token
-        element = ("(%d head_dim x 1 B int8 + 4 B scale)" % c.head_dim if kv.kv_cache_dtype == "int8"
-                   else "%d head_dim x %d B" % (c.head_dim, per_token // (2 * c.num_layers * c.num_kv_heads * c.head_dim)))
+        element_bytes = per_token // (2 * c.num_layers * c.num_kv_heads * c.head_dim)
+        element = (f"({c.head_dim} head_dim x 1 B int8 + 4 B scale)" if kv.kv_cache_dtype == "int8"
+                   else f"{c.head_dim} head_dim x {element_bytes} B")
         logger.info("KV cache: %d tokens (%d blocks x %d) in %.2f GiB; per token 2 x %d layers x %d kv_heads x "
                     "%s = %d B", kv.num_tokens, kv.num_blocks, kv.block_size,
                     kv.num_tokens * per_token / 2**30, c.num_layers, c.num_kv_heads, element, per_token)

@@ -92,9 +92,13 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
         """Queue a request (validated first: ValueError for input the model cannot take)."""
+        self.core.validate(prompt_token_ids, params)
+        return self.enqueue(request_id, prompt_token_ids, params)
+
+    def enqueue(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
+        """Queue a request whose input ``validate_request`` has accepted (it is not checked again)."""
         if request_id in self.core.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        self.core.validate(prompt_token_ids, params)
         req = Request(request_id, list(prompt_token_ids), params, self.core.eos_token_ids, next(self._arrivals))
         self.core.add(req)
         self.output_processor.add(req)

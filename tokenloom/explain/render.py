@@ -86,7 +86,8 @@ def render_full(record: StepRecord, width: int = 80, color: bool = False) -> str
                f"  {c.prob:6.3f}  {penalty:>7}  {c.cut_by or ''}")
         style = "bold" if mark == ">" else "cut" if c.cut_by else ""
         lines.append(_line([(row, style)], width, color))
-    summary = f"       T {record.temperature:g} · {_cuts(record) or 'nothing cut'} · step {record.step_time_s * 1e3:.1f} ms" \
+    summary = f"       T {record.temperature:g} · {_cuts(record) or 'nothing cut'} · " \
+              f"step {record.step_time_s * 1e3:.1f} ms" \
               f" · {record.kv_blocks_used} KV blocks in use"
     lines.append(_line([(summary, "dim")], width, color))
     return "\n".join(lines)

@@ -64,7 +64,10 @@ class BlockManager:
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))  # front: evict first
         self._cached: dict[int, Block] = {}                     # hash -> block
         self._tables: dict[str, list[Block]] = {}
-        self._hashes: dict[str, list[int]] = {}                # per request: hashes of its full blocks so far
+        # per request: the chained hashes of its full blocks (the scheduler's prompt look-ahead may
+        # run past what is cached), and how many of its table's blocks are in the prefix index
+        self._hashes: dict[str, list[int]] = {}
+        self._registered: dict[str, int] = {}
         self._partial: dict[tuple, Block] = {}                 # (parent hash, token ids) -> block starting so
         self._copies: list[tuple[Block, Block]] = []           # (shared source, private copy) not yet run
         self.stats = PrefixCacheStats()
@@ -100,6 +103,14 @@ class BlockManager:
     def prefix_hashes(self, token_ids: list[int]) -> list[int]:
         """The chained hashes of every full block of `token_ids` (what a full block is cached under)."""
         return self._chain(token_ids, [], len(token_ids) // self.block_size)
+
+    def request_hashes(self, request_id: str, token_ids: list[int]) -> list[int]:
+        """The chained hashes of every full block of `token_ids`, a request's tokens, kept with the
+        request's other block state (computed once, extended as blocks fill; dropped by free)."""
+        known = self._hashes.get(request_id, [])
+        if len(known) < len(token_ids) // self.block_size:
+            known = self._hashes[request_id] = self._chain(token_ids, known, len(token_ids) // self.block_size)
+        return known
 
     def find_cached_prefix(self, token_ids: list[int]) -> list[Block]:
         """The cached blocks holding the longest prefix of `token_ids` (not yet referenced).
@@ -139,9 +150,10 @@ class BlockManager:
         (call once its full blocks are cached, before freeing it)."""
         table, hashes = self._tables.get(request_id, []), self._hashes.get(request_id, [])
         full, j = divmod(num_computed_tokens, self.block_size)
-        if not self.enable_prefix_caching or not j or full >= len(table) or full != len(hashes):
+        if (not self.enable_prefix_caching or not j or full >= len(table)
+                or full != self._registered.get(request_id, 0)):
             return
-        block, parent, start = table[full], hashes[-1] if hashes else None, full * self.block_size
+        block, parent, start = table[full], hashes[full - 1] if full else None, full * self.block_size
         if block.hash is not None:
             return
         for length in range(1, j + 1):
@@ -159,17 +171,16 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         table = self._tables.get(request_id, [])
-        known = self._hashes.setdefault(request_id, [])
         num_full = min(num_computed_tokens // self.block_size, len(table))
-        hashes = self._chain(token_ids, known, num_full)
+        hashes = self._hashes[request_id] = self._chain(token_ids, self._hashes.get(request_id, []), num_full)
         bs = self.block_size
-        for i in range(len(known), num_full):
+        for i in range(self._registered.get(request_id, 0), num_full):
             block = table[i]
             if block.hash is None:
                 block.hash = hashes[i]
                 block.key = (hashes[i - 1] if i else None, tuple(token_ids[i * bs:(i + 1) * bs]))
                 self._cached.setdefault(block.hash, block)   # an equal block already cached stays the index entry
-        self._hashes[request_id] = hashes
+        self._registered[request_id] = max(num_full, self._registered.get(request_id, 0))
 
     # ---- allocation ----------------------------------------------------------------------
     def can_allocate(self, request_id: str, num_tokens: int, cached_prefix: list[Block] = (),
@@ -192,7 +203,9 @@ class BlockManager:
             for block in cached_prefix:
                 self._take(block)
                 table.append(block)
-            self._hashes[request_id] = [b.hash for b in cached_prefix]
+            if len(self._hashes.get(request_id, ())) < len(cached_prefix):
+                self._hashes[request_id] = [b.hash for b in cached_prefix]
+            self._registered[request_id] = len(cached_prefix)
             if partial is not None:
                 table.append(self._continue_partial(*partial))
         while len(table) < self.blocks_needed(num_tokens):
@@ -255,6 +268,7 @@ class BlockManager:
         for block in reversed(self._tables.pop(request_id, [])):
             self._release(block)
         self._hashes.pop(request_id, None)
+        self._registered.pop(request_id, None)
 
     def trim(self, request_id: str, num_tokens: int) -> None:
         """Give back the request's tail blocks beyond what `num_tokens` tokens need
@@ -262,7 +276,7 @@ class BlockManager:
         table = self._tables.get(request_id)
         if not table:
             return
-        keep = max(self.blocks_needed(num_tokens), len(self._hashes.get(request_id, ())))
+        keep = max(self.blocks_needed(num_tokens), self._registered.get(request_id, 0))
         while len(table) > keep:
             self._release(table.pop())
 

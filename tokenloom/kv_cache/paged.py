@@ -96,7 +96,7 @@ class PagedKVCache:
     @classmethod
     def from_memory_budget(cls, model: ModelConfig, memory_bytes: int, block_size: int,
                            dtype: torch.dtype, device: torch.device | str,
-                           kv_cache_dtype: str = "auto") -> "PagedKVCache":
+                           kv_cache_dtype: str = "auto") -> PagedKVCache:
         per_block = kv_bytes_per_token(model, dtype, kv_cache_dtype) * block_size
         num_blocks = memory_bytes // per_block - 1        # one block is the null block
         if num_blocks < 1:

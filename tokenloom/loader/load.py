@@ -11,8 +11,7 @@ import torch
 from tqdm import tqdm
 
 from tokenloom.config import ModelConfig, parse_dtype
-from tokenloom.loader.safetensors import (CheckpointError, hf_eos_ids, iter_safetensors, read_json,
-                                          safetensors_files)
+from tokenloom.loader.safetensors import CheckpointError, hf_eos_ids, iter_safetensors, read_json, safetensors_files
 from tokenloom.loader.weights import load_weights
 from tokenloom.models.base import CausalLM
 from tokenloom.models.registry import model_class
@@ -20,7 +19,7 @@ from tokenloom.quant import WeightFormat, parse_quantization, quantize_structure
 from tokenloom.quant.checkpoint import formats_for, load_saved_state, saved_formats
 from tokenloom.tokenizer import Tokenizer
 
-__all__ = ["CheckpointError", "LoadedModel", "load_model", "load_checkpoint", "build_model"]
+__all__ = ["CheckpointError", "LoadedModel", "build_model", "load_checkpoint", "load_model"]
 
 GGUF_MAGIC = b"GGUF"
 

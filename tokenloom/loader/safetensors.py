@@ -44,7 +44,7 @@ def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
     for path in files:
         try:
             with safe_open(str(path), framework="pt") as f:
-                for name in f.keys():
+                for name in f.keys():   # noqa: SIM118 (safe_open has no __iter__)
                     yield name, f.get_tensor(name)
         except SafetensorError as e:
             raise CheckpointError(f"{path} is corrupt or truncated: {e}") from e

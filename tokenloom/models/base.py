@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -23,7 +24,7 @@ class CausalLM(nn.Module):
     - ``transform_checkpoint_tensor``: layout fix-ups (GPT-2's Conv1D transpose).
     """
 
-    packed_modules_mapping: dict[str, tuple[str, str]] = {}
+    packed_modules_mapping: ClassVar[dict[str, tuple[str, str]]] = {}
     ignored_checkpoint_keys: tuple[str, ...] = ()
     input_embedding_name: str = ""   # the nn.Embedding a tied output projection shares
 

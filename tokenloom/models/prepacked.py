@@ -38,13 +38,8 @@ class _PrepackedLinear(nn.Module):
 class PanelLinear(_PrepackedLinear):
     """nn.Linear over a weight packed in panels of 16 output columns, (ceil(out/16), in, 16).
 
-    Measured on a 2-core AVX-512 Xeon over SmolLM2-135M's 120 projections (424 MB, no
-    output layer): 1 row 15.5 ms (PackedLinear 20.0, F.linear 16.7), 16 rows 27 (31),
-    64 rows 60 (66); 512 rows 348 (315): prefill-sized calls 0-10% slower (engine prefill
-    ~5%), decode 10-25% faster. (Since: one register block for up to 14 rows and the next
-    panels fetched into L2, see the kernel's header; with 121 projections, 12 rows 30.4 ->
-    25.5 ms, 64 rows 65.7 -> 61.8 ms; 6.7k rows ~360 GFLOPS once allocations stopped
-    page-faulting, ``tokenloom/allocator.py``.)
+    Chosen over PackedLinear on AVX-512 CPUs because decode-sized calls (1-64 rows) read the
+    weight once at near DRAM bandwidth (docs/BENCHMARKS.md has the measurements).
     A row's output is the same bits whichever rows share the call; ``silu_mul`` (a gated
     MLP's gate_up) gives the same bits as ``forward`` followed by ``fused.silu_mul``.
     """

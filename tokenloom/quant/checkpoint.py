@@ -19,7 +19,6 @@ from pathlib import Path
 import torch
 
 from tokenloom.config import UnsupportedModelError
-from tokenloom.quant.modules import QuantizedLinear
 from tokenloom.quant.scheme import WeightFormat
 
 QUANT_METHOD = "tokenloom"
@@ -76,27 +75,6 @@ def load_saved_state(model: torch.nn.Module, tensors: Iterable[tuple[str, torch.
     problems = [f"missing {k}" for k in result.missing_keys] + [f"unexpected {k}" for k in result.unexpected_keys]
     if problems:
         raise WeightMismatchError(f"quantized checkpoint does not match the model: {', '.join(problems[:8])}")
-
-
-def save_quantized(model_path: str | Path, folder: str | Path, quantization: str,
-                   progress: bool = True) -> dict[str, str]:
-    """Quantize a checkpoint and save it as a folder that loads again without re-quantizing.
-
-    Returns module name -> format name of every quantized layer.
-    """
-    from safetensors.torch import save_file
-
-    from tokenloom.loader.load import load_model, write_folder_metadata
-    loaded = load_model(model_path, quantization=quantization, progress=progress, prepare=False)
-    modules = {name: mod.fmt.name for name, mod in loaded.model.named_modules() if isinstance(mod, QuantizedLinear)}
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    state = {k: v.contiguous() for k, v in loaded.model.state_dict().items()}
-    save_file(state, str(folder / "model.safetensors"))
-    hf_config = dict(loaded.hf_config)
-    hf_config["quantization_config"] = {"quant_method": QUANT_METHOD, "scheme": quantization, "modules": modules}
-    write_folder_metadata(folder, hf_config, set(loaded.eos_token_ids), loaded.tokenizer)
-    return modules
 
 
 def describe(folder: str | Path) -> dict:

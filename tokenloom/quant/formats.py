@@ -45,7 +45,7 @@ class QuantizedTensor:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.data, self.scales, self.offsets) if t is not None)
 
-    def rows(self, index: torch.Tensor | slice) -> "QuantizedTensor":
+    def rows(self, index: torch.Tensor | slice) -> QuantizedTensor:
         """The rows `index` (a slice or a 1-D index tensor) as a QuantizedTensor."""
         pick = (lambda t: t[index]) if isinstance(index, slice) else (lambda t: t.index_select(0, index))
         return QuantizedTensor(self.bits, pick(self.data), pick(self.scales),
@@ -60,8 +60,9 @@ class QuantizedTensor:
             w = w + self.offsets[..., None]
         return w.view(n, k)
 
-    def to(self, device: torch.device | str) -> "QuantizedTensor":
-        move = (lambda t: None if t is None else t.to(device))
+    def to(self, device: torch.device | str) -> QuantizedTensor:
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device)
         return QuantizedTensor(self.bits, move(self.data), move(self.scales), move(self.offsets), self.group_size)
 
 

@@ -12,8 +12,6 @@ import torch
 from tokenloom import native
 
 _SOURCE = Path(__file__).parent / "csrc" / "quant_cpu.cpp"
-_cpu_has_avx2 = native.cpu_has_avx2
-
 
 _BUILDS = (("avx512vnni", "tokenloom_quant_vnni"), ("avx2", "tokenloom_quant"))
 
@@ -26,18 +24,6 @@ def _ops():
 def available() -> bool:
     """True once the kernels are compiled and registered (compiles on the first call)."""
     return _ops() is not None
-
-
-def linear_int8(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, group: int,
-                bias: torch.Tensor | None) -> torch.Tensor:
-    """x (M, K) float32 contiguous -> (M, N); w = q * scales (see formats.py)."""
-    return _ops().linear_int8(x, q, scales, group, bias)
-
-
-def linear_int4(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, group: int,
-                bias: torch.Tensor | None) -> torch.Tensor:
-    """x (M, K) float32 contiguous -> (M, N); w = q * scales + offsets (see formats.py)."""
-    return _ops().linear_int4(x, q, scales, offsets, group, bias)
 
 
 def bind(w, bias: torch.Tensor | None, panel_layout: bool):
@@ -57,8 +43,3 @@ def panels_available() -> bool:
     """The AVX-512 VNNI build, which has the panel kernels, runs here."""
     ops = _ops()
     return ops is not None and hasattr(ops, "panel_linear_int4")
-
-
-def panel_linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
-    """x (M, K) float32 contiguous, w a QuantizedTensor in the panel layout (panels.py) -> (M, N)."""
-    return bind(w, bias, panel_layout=True)(x)

@@ -23,7 +23,7 @@ class WeightFormat:
         return f"int4-g{self.group_size}"
 
     @staticmethod
-    def parse(name: str) -> "WeightFormat":
+    def parse(name: str) -> WeightFormat:
         """'int8', 'int8-g32', 'int4' (group 32), 'int4-g64', ... -> WeightFormat."""
         base, _, group = name.partition("-g")
         if base not in ("int8", "int4") or (group and not group.isdigit()):

@@ -20,14 +20,14 @@ class SamplingMetadata:
     eos_token_ids: list[frozenset[int]]
 
     @classmethod
-    def for_requests(cls, requests: list, output_token_ids: list[list[int]] | None = None) -> "SamplingMetadata":
+    def for_requests(cls, requests: list, output_token_ids: list[list[int]] | None = None) -> SamplingMetadata:
         """One row per request (a Request may repeat); `output_token_ids` overrides each row's
         output history (speculation: outputs plus the drafts before that row)."""
         outputs = output_token_ids if output_token_ids is not None else [r.output_token_ids for r in requests]
         return cls([r.params for r in requests], [r.prompt_token_ids for r in requests], outputs,
                    [r.generator for r in requests], [r.eos_token_ids for r in requests])
 
-    def rows(self, index: list[int]) -> "SamplingMetadata":
+    def rows(self, index: list[int]) -> SamplingMetadata:
         """The metadata of a subset of rows, in the order given."""
         return SamplingMetadata([self.params[i] for i in index], [self.prompt_token_ids[i] for i in index],
                                 [self.output_token_ids[i] for i in index], [self.generators[i] for i in index],

@@ -48,7 +48,7 @@ def apply_min_tokens(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tens
 def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     """Repetition (prompt + output), frequency and presence (output only) penalties."""
     params = meta.params
-    B, V = logits.shape
+    V = logits.shape[1]
     rep = torch.tensor([p.repetition_penalty for p in params], device=logits.device)[:, None]
     freq = torch.tensor([p.frequency_penalty for p in params], device=logits.device)[:, None]
     pres = torch.tensor([p.presence_penalty for p in params], device=logits.device)[:, None]

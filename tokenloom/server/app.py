@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import logging
 import secrets
-from importlib import resources
 from contextlib import asynccontextmanager
+from importlib import resources
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -20,11 +20,11 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tokenloom.async_engine import AsyncLLMEngine
+from tokenloom.outputs import RequestError
 from tokenloom.server.chat import ChatCompletions
 from tokenloom.server.completions import Completions
 from tokenloom.server.metrics import ServerMetrics
 from tokenloom.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
-from tokenloom.outputs import RequestError
 from tokenloom.server.serving import OpenAIServing, request_failed
 from tokenloom.server.streams import ClientDisconnected, unless_disconnected
 

@@ -229,7 +229,7 @@ class ChatCompletionRequest(_Sampling):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-def _from_response_format(rf: "ResponseFormat"):
+def _from_response_format(rf: ResponseFormat):
     """OpenAI's response_format -> a StructuredOutput factory (APIError for a bad shape)."""
     if rf.type == "json_object":
         return lambda: StructuredOutput.json()

@@ -143,7 +143,7 @@ class OpenAIServing:
         """One choice's engine stream; records its metrics when it ends (aborted: 'abort')."""
         finished = False
         try:
-            stream = self.engine.generate(choice.prompt_ids, choice.params,
+            stream = self.engine.generate(choice.prompt_ids, choice.params, validated=True,   # in _prepare
                                           request_id=f"{prepared.response_id}-{choice.index}")
             async with aclosing(stream):
                 async for delta in stream:

@@ -37,7 +37,7 @@ class SpecProposer:
 
     @staticmethod
     def create(config: SpeculativeConfig, target: ModelRunner, tokenizer: Tokenizer, max_model_len: int,
-               dtype: str, progress: bool = False) -> "SpecProposer":
+               dtype: str, progress: bool = False) -> SpecProposer:
         """The proposer `config` names, for a target model run by `target` with `tokenizer`."""
         if config.method == "ngram":
             return NgramProposer(config, max_model_len)

@@ -45,7 +45,8 @@ class GrammarCompiler:
                 self._cache.move_to_end(spec)
                 return self._cache[spec]
         grammar = _to_grammar(spec)
-        error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer, limits=llguidance.LLParserLimits(**LIMITS))
+        limits = llguidance.LLParserLimits(**LIMITS)
+        error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer, limits=limits)
         if error and not error.startswith("WARNING"):
             raise ValueError(f"invalid {spec.kind.replace('_', ' ')}: {error.strip()}")
         with self._lock:

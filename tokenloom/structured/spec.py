@@ -29,14 +29,14 @@ class StructuredOutput:
             raise ValueError(f"structured output {self.kind} needs a non-empty value")
 
     @classmethod
-    def json(cls, schema: dict | str | None = None) -> "StructuredOutput":
+    def json(cls, schema: dict | str | None = None) -> StructuredOutput:
         """A JSON schema, or any JSON object when `schema` is None."""
         return cls("json_object") if schema is None else cls("json_schema", schema)
 
     @classmethod
-    def regex(cls, pattern: str) -> "StructuredOutput":
+    def regex(cls, pattern: str) -> StructuredOutput:
         return cls("regex", pattern)
 
     @classmethod
-    def grammar(cls, lark: str) -> "StructuredOutput":
+    def grammar(cls, lark: str) -> StructuredOutput:
         return cls("grammar", lark)

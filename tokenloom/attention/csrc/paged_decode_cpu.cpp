@@ -90,9 +90,7 @@ inline void prefetch_rows(const std::vector<const float*>& rows, int64_t t0, int
 
 // Cache lines of rows [t, t_end) (bytes [first, first + bytes) of each) to fetch a few at a
 // time between pieces of work, instead of in one burst: each waiting fetch holds one of the
-// core's few fill buffers, and a tile's ~380 fetches at once stalled the kernel on them
-// (35 sequences x 150 positions x 30 layers: 12.1 -> 10.6 ms with the fetches spread over
-// the tile's heads; in the engine 13.9 -> 11.8 ms per decode step).
+// core's few fill buffers, and a tile's ~380 fetches at once stalled the kernel on them.
 template <int Locality>
 struct RowFetch {
   const std::vector<const float*>* rows = nullptr;

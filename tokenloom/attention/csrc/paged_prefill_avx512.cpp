@@ -13,13 +13,9 @@
 // k_t[d] broadcast, the softmax runs lane-wise, and the output is a chain over t of v_t[d]
 // broadcast times the 16 weights. No key tile is ever transposed and the FMA units stay busy.
 // Up to three heads share each key tile's copy and each broadcast key element (heads sharing
-// a kv head), and tiles no lane masks skip the mask: 30 layers of SmolLM2 attention over one
-// 165-token prompt 5.11 -> 4.70 ms, 16 prompts of 94 35.5 -> 30.7, one of 512 36.0 -> 32.9
-// (same bits). Against torch's flash attention
-// (one call per sequence, 9 heads / 3 kv heads of 64, 2-core Xeon): 64 prompts of 16-192
-// tokens 7.8 vs 15 ms, one of 512 1.3 vs 2.6 ms, 2048 even, 4096 104 vs 79 ms (each task
-// rereads its head's keys and values from L3 at that length; cpu_prefill.py routes such
-// contexts to torch). Every query row is computed by the same chains in the same order
+// a kv head), and tiles no lane masks skip the mask. Up to 2048 positions of context it is
+// faster than torch's flash attention; beyond, each task rereads its head's keys and values
+// from L3 and torch wins (cpu_prefill.py routes such contexts to torch; docs/BENCHMARKS.md). Every query row is computed by the same chains in the same order
 // whichever rows share its task: keys masked for it (past its position) add exactly zero.
 // So a row's output is the same bits whether its prompt is prefilled whole, in chunks, after
 // a prefix-cache hit, or batched with other prompts.

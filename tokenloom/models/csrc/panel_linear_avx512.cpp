@@ -12,20 +12,10 @@
 // linear_silu_mul does a gated MLP's gate_up projection and silu(gate) * up in one pass: each
 // micro call holds gate panels and the up panels that pair with them, and its epilogue
 // writes the activation, so the (T, 2I) product is never stored (same bits as linear then
-// fused_cpu's silu_mul, tested). SmolLM2's gate_up + silu at 12 rows 0.246 -> 0.195 ms,
-// 6703 rows 77 -> 72 ms.
+// fused_cpu's silu_mul, tested).
 //
-// Measured on the 2-core Xeon (AVX-512) over SmolLM2-135M's 121 projections (651 MB):
-// 1 row 18.8 ms, 8 rows 22.6, 12 rows 25.5 (30.4 with 8-row blocks and no L2 fetch),
-// 32 rows 38.5 (43.5), 64 rows 61.8 (65.7), 190 rows 119 (116), 1024 rows 591 (~600).
-// Since (even L2 fetches up to 160 rows, none above), over the 120 layer projections
-// (424 MB; oneDNN's prepacked linear in brackets): 12 rows 20.9 ms (26.3), 32 rows 30.6
-// (36.9), 64 rows 46.0 (59.3), 128 rows 81.5 (89.8), 190 rows 119 (117), 1024 rows 577 (541).
-// With the first row block fetching its panels ahead and the next sweep's panels fetched at a
-// fixed interval up to 256 rows: 12 rows 16.5 ms, 16 rows 20.8, 35 rows 30.0, 96 rows 59.8,
-// 180 rows 106.7, 256 rows 148.4, 1024 rows 574 (cold weights, interleaved A/B). With the k loop
-// unrolled in groups (kGroup): 144 rows 80, 180 rows 97.4, 512 rows 264, 1536 rows 776 (oneDNN at 2048 x 576 x 3072, weights hot: ~446 GFLOPS; this kernel at 1536 rows
-// ~420 with them cold).
+// Where it stands against oneDNN's prepacked linear and how each piece below was chosen
+// (interleaved A/B timings) is recorded in docs/BENCHMARKS.md.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -58,9 +48,7 @@ at::Tensor pack(const at::Tensor& w) {
 // kernel): its own panels, AHEAD k steps (one 4 KiB page per panel) before it loads them. The
 // first row block of a sweep reads its panels from DRAM; the hardware prefetchers keep only a
 // few lines of each panel stream in flight, so with 2-3 streams per core a decode-sized call
-// waited on DRAM, then did its FMAs (120 layer projections at 12 rows: 21.2 ms, the 1-row time
-// plus the FMA time). Fetching ahead overlaps the two: 12 rows 21.2 -> 16.9 ms, 4 rows 18.1 ->
-// 15.2, 35 rows 32.7 -> 30.8, 1 row 15.2 -> 14.7, 180 rows 118 -> 114, 1024 rows 574 -> 567.
+// waited on DRAM, then did its FMAs; fetching ahead overlaps the two.
 // Then (this struct) the cache lines of the next sweep's panels, fetched into L2 while the later
 // row blocks compute from the current ones (which the first row block brought in): DRAM and
 // FMAs overlap. Up to two ranges (a gated MLP's gate and up panels), issued once per unrolled
@@ -68,10 +56,7 @@ at::Tensor pack(const at::Tensor& w) {
 // later blocks, at most 4 (one line per 4 k steps; faster rates were slower at 16-48 rows).
 // A fixed rate keeps the branch predictable: spreading the lines one by one over all blocks
 // (Bresenham-style) mispredicted about once per fetch and slowed every block ~8%, which ate the
-// gain above 160 rows. Against that (120 layer projections, interleaved A/B): 16 rows 22.7 ->
-// 20.9 ms, 96 rows 62.3 -> 59.5, 180 rows 109.4 -> 104.3, 256 rows 149.9 -> 146.3. The rate
-// computed per sweep rather than a fixed interval divided per group: 35 rows 29.1 -> 28.4 ms,
-// 64 rows 41.8 -> 40.4, 96 rows 56.9 -> 54.9, 144 rows even.
+// gain above 160 rows. The rate is computed once per sweep.
 struct Prefetch {
   const char* next[2] = {nullptr, nullptr};  // next line to fetch per range
   int64_t left[2] = {0, 0};                  // lines still to fetch per range
@@ -97,12 +82,7 @@ struct Prefetch {
 // ahead (a sweep's first block; every decode-sized call is one such block), 16 for the rest.
 // A k loop of one step per iteration with the fetch flags tested in it kept ~10 integer and
 // flag instructions next to the FMAs and spilled pointers into vector registers (each move
-// back took an FMA port). 120 layer projections, cold weights, interleaved A/B: 64 rows 42.8
-// -> 41.2 ms, 144 rows 87 -> 80, 180 rows 106.3 -> 97.4, 512 rows 288 -> 264, 1536 rows 846 ->
-// 776; groups of 8 unrolled by 2 or 4 rather than whole ~13% slower at 144-512 rows. At 1-14
-// rows the A/Bs read 1 row 14.1 -> 13.4 ms, 12 rows 16.1 -> 15.9, and groups of 16 for the
-// decode blocks 2-4% slower; but two builds of the same source differed by 6-7% there (where
-// their packed weights landed in memory), so those figures are within that noise.
+// back took an FMA port); unrolled groups keep the loop to FMAs and loads.
 template <bool AHEAD_PF>
 constexpr int64_t kGroup = AHEAD_PF ? 4 : 16;
 

@@ -111,7 +111,7 @@ struct Activations {       // raw views of QuantizedActivations
 };
 
 #ifdef __AVX512VNNI__
-constexpr int64_t PREFETCH_BYTES = 4096;  // Xeon (AVX-512): 121 decode projections int8 7.7 -> 6.1 ms, int4 7.3 -> 5.1 vs 384
+constexpr int64_t PREFETCH_BYTES = 4096;  // one page ahead: the distance that measured fastest (docs/BENCHMARKS.md)
 #else
 constexpr int64_t PREFETCH_BYTES = 384;   // tuned on Zen 3 (AVX2)
 #endif

@@ -1,0 +1,29 @@
+"""The one table of supported architectures: HF name -> its config.json model_type and the class
+that implements it. ModelConfig validates against it; models/registry.py imports from it.
+
+Adding an architecture: a row here, its ModelConfig.from_hf branch where its config.json
+spells things its own way, and its model class (docs/ARCHITECTURE.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Architecture:
+    hf_name: str              # config.json "architectures"[0]
+    model_type: str           # config.json "model_type"
+    module: str               # where the implementing CausalLM lives
+    class_name: str
+
+
+ARCHITECTURES: dict[str, Architecture] = {a.hf_name: a for a in (
+    Architecture("LlamaForCausalLM", "llama", "tokenloom.models.llama", "LlamaForCausalLM"),
+    Architecture("MistralForCausalLM", "mistral", "tokenloom.models.llama", "LlamaForCausalLM"),
+    Architecture("Qwen2ForCausalLM", "qwen2", "tokenloom.models.llama", "LlamaForCausalLM"),
+    Architecture("Qwen3ForCausalLM", "qwen3", "tokenloom.models.llama", "LlamaForCausalLM"),
+    Architecture("GPT2LMHeadModel", "gpt2", "tokenloom.models.gpt2", "GPT2LMHeadModel"),
+)}
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
+BY_MODEL_TYPE = {a.model_type: a for a in ARCHITECTURES.values()}

@@ -1,0 +1,50 @@
+"""What every CLI command that loads a model shares: the engine flags, their early check,
+and the LLM they build (used by cli.py and cli_tools.py)."""
+
+from __future__ import annotations
+
+import argparse
+
+from tokenloom.quant.scheme import CHOICES as QUANT_CHOICES
+
+
+def engine_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model and engine")
+    g.add_argument("-m", "--model", default=None,
+                   help="HF folder (config.json + safetensors + tokenizer.json) or .gguf file; "
+                        "default: SmolLM2-135M-Instruct, pulled on first use")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="weight and activation dtype (default: float32; bf16/fp16 are slow on most CPUs)")
+    g.add_argument("--max-model-len", type=int, default=None, help="context window (default: the model's)")
+    g.add_argument("--kv-cache-memory", type=float, default=None, metavar="GIB",
+                   help="memory for the KV cache in GiB (default: 1, or see --kv-cache-fraction)")
+    g.add_argument("--kv-cache-fraction", type=float, default=None, metavar="F",
+                   help="size the KV cache as this fraction of the memory available now")
+    g.add_argument("--no-prefix-caching", action="store_false", dest="enable_prefix_caching",
+                   help="do not reuse the KV cache of shared prompt prefixes")
+    g.add_argument("--speculative", default=None, metavar="SPEC",
+                   help="speculative decoding (lossless): 'ngram,k=4' (prompt lookup) or 'draft=PATH,k=4' "
+                        "(a smaller model with the same tokenizer); options max_batch=N (plain decoding above "
+                        "N running requests, default 8), min_acceptance=F, ngram_max/ngram_min")
+    g.add_argument("--quantization", default=None, choices=list(QUANT_CHOICES),
+                   help="weight-only quantization of every Linear: int8 (per-channel), int4 (groups of 32; "
+                        "int4-g64/-g128 for larger groups), gguf (keep a GGUF file's own Q8_0/Q4_0/Q4_1 blocks)")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
+                   help="int8: store keys/values as int8 with a scale per token and head (half of bf16, "
+                        "a quarter of float32)")
+
+
+def make_llm(args: argparse.Namespace):
+    from tokenloom.llm import LLM
+    memory = None if args.kv_cache_memory is None else int(args.kv_cache_memory * (1 << 30))
+    return LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, kv_cache_memory=memory,
+               kv_cache_fraction=args.kv_cache_fraction, enable_prefix_caching=args.enable_prefix_caching,
+               max_num_seqs=getattr(args, "max_num_seqs", 64), speculative=args.speculative,
+               quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, progress=True)
+
+
+def check_engine_flags(args: argparse.Namespace) -> None:
+    """Fail on bad engine flags before the (slow) model load."""
+    if args.speculative:
+        from tokenloom.config import SpeculativeConfig
+        SpeculativeConfig.parse(args.speculative)
