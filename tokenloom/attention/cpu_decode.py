@@ -39,9 +39,9 @@ def usable(q: torch.Tensor, k_cache) -> bool:
 
 def decode_rows(meta: AttentionMetadata) -> list[int]:
     """The sequences of this step with a single query (decoding)."""
-    if "decode_rows" not in meta.derived:
-        meta.derived["decode_rows"] = [i for i, n in enumerate(meta.query_lens) if n == 1]
-    return meta.derived["decode_rows"]
+    if meta.decode_rows_ is None:
+        meta.decode_rows_ = [i for i, n in enumerate(meta.query_lens) if n == 1]
+    return meta.decode_rows_
 
 
 def decode_inputs(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,10 +51,10 @@ def decode_inputs(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _inputs(meta: AttentionMetadata, seqs: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Padded block tables (S, W) int64 and context lengths (S,) of `seqs`; same for every layer."""
-    if "cpu_decode" not in meta.derived:
-        meta.derived["cpu_decode"] = (meta.padded_block_tables(seqs),
-                                      torch.tensor([meta.context_lens[i] for i in seqs], dtype=torch.int64))
-    return meta.derived["cpu_decode"]
+    if meta.decode_kernel_inputs is None:
+        meta.decode_kernel_inputs = (meta.padded_block_tables(seqs),
+                                     torch.tensor([meta.context_lens[i] for i in seqs], dtype=torch.int64))
+    return meta.decode_kernel_inputs
 
 
 def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,

@@ -43,19 +43,19 @@ def takes(head_dim: int, k_cache) -> bool:
 
 def prefill_rows(meta: AttentionMetadata) -> list[int]:
     """The sequences of this step the kernel takes: several queries, context <= MAX_CONTEXT."""
-    if "prefill_rows" not in meta.derived:
-        meta.derived["prefill_rows"] = [i for i, (n, c) in enumerate(zip(meta.query_lens, meta.context_lens))
-                                        if n > 1 and c <= MAX_CONTEXT]
-    return meta.derived["prefill_rows"]
+    if meta.prefill_rows_ is None:
+        meta.prefill_rows_ = [i for i, (n, c) in enumerate(zip(meta.query_lens, meta.context_lens))
+                              if n > 1 and c <= MAX_CONTEXT]
+    return meta.prefill_rows_
 
 
 def _inputs(meta: AttentionMetadata, seqs: list[int]) -> tuple[torch.Tensor, ...]:
     """Padded block tables (S, W) and query starts, query lengths, context lengths (S,) int64."""
-    if "cpu_prefill" not in meta.derived:
+    if meta.prefill_kernel_inputs is None:
         per_seq = [torch.tensor([field[i] for i in seqs], dtype=torch.int64)
                    for field in (meta.query_start, meta.query_lens, meta.context_lens)]
-        meta.derived["cpu_prefill"] = (meta.padded_block_tables(seqs), *per_seq)
-    return meta.derived["cpu_prefill"]
+        meta.prefill_kernel_inputs = (meta.padded_block_tables(seqs), *per_seq)
+    return meta.prefill_kernel_inputs
 
 
 def attend_into(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
