@@ -19,15 +19,20 @@ _FLOAT32 = torch.float32
 
 
 class CustomOp(nn.Module):
+    """Each call picks the backend from the input's device and dtype, then ``cpu_takes``."""
+
+    _on_cpu_kernels: bool | None = None        # the CPU kernels are built (looked up at the first call)
+
     def forward(self, x: torch.Tensor, *args):
-        if self.on_cpu_kernels(x) and self.cpu_takes(x):
+        if self.uses_cpu_kernels(x) and self.cpu_takes(x):
             return self.forward_cpu(x, *args)
         return (self.forward_cuda if x.is_cuda else self.forward_native)(x, *args)
 
-    @staticmethod
-    def on_cpu_kernels(x: torch.Tensor) -> bool:
-        """x is a float32 CPU tensor and the CPU kernels are built (checked on every call: kept cheap)."""
-        return x.dtype is _FLOAT32 and x.is_cpu and (fused.built() is True)
+    def uses_cpu_kernels(self, x: torch.Tensor) -> bool:
+        """x is a float32 CPU tensor and the kernels are built (built-ness checked once)."""
+        if self._on_cpu_kernels is None:
+            self._on_cpu_kernels = fused.built()
+        return self._on_cpu_kernels and x.dtype is _FLOAT32 and x.is_cpu
 
     def cpu_takes(self, x: torch.Tensor) -> bool:
         """Beyond dtype and device: the float32 CPU kernels take x's shape and layout."""

@@ -41,8 +41,8 @@ class RMSNorm(CustomOp):
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x, residual (T, H) -> (norm(residual + x), residual + x)."""
-        if self.on_cpu_kernels(x) and self.cpu_takes(x) and residual.stride(-1) == 1:
-            return self.add_forward_cpu(x, residual)
+        if self.uses_cpu_kernels(x) and x.dim() == 2 and x.stride(1) == 1 and residual.stride(-1) == 1:
+            return fused.add_rms_norm(x, residual, self.weight, self.eps)           # add_forward_cpu
         return self.add_forward_native(x, residual)
 
     def add_forward_native(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
