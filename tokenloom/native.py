@@ -82,11 +82,14 @@ def _text_with_headers(source: Path) -> bytes:
 def _build(source: Path, what: str, isa: str) -> bool:
     if os.environ.get("TOKENLOOM_NO_KERNELS") == "1" or not _HAS_ISA[isa]():
         return False
+    from torch.utils.cpp_extension import get_default_build_root
     from torch.utils.cpp_extension import load as build
     digest = hashlib.sha1(_text_with_headers(source)).hexdigest()[:10]
+    name = f"tokenloom_{source.stem}_{isa}_{digest}"
     try:
-        log.info("compiling tokenloom's %s for %s (once, ~15 s)", what, isa)
-        build(name=f"tokenloom_{source.stem}_{isa}_{digest}", sources=[str(source)], is_python_module=False,
+        if not os.path.exists(os.path.join(get_default_build_root(), name, f"{name}.so")):
+            log.info("compiling tokenloom's %s for %s (once, ~15 s)", what, isa)
+        build(name=name, sources=[str(source)], is_python_module=False,
               extra_cflags=["-O3", *_ISA_FLAGS[isa], "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # no compiler, no ninja, a toolchain error: fall back, say why once
         log.warning("tokenloom's %s (%s) could not be built (%s); using the slower torch fallback", what, isa, e)

@@ -58,13 +58,14 @@ class CausalLM(nn.Module):
     def _build_cpu_kernels(self) -> None:
         """Compile (or load from torch's cache) the CPU kernels this model's forward will call,
         so their one-time "compiling" messages come while loading, not inside streamed text."""
-        from tokenloom.attention import cpu_decode
+        from tokenloom.attention import cpu_decode, cpu_prefill
         from tokenloom.models import fused
         from tokenloom.quant import QuantizedLinear, kernels
         weight = next((p for p in self.parameters() if p.is_floating_point()), None)   # a norm's, at least
         if weight is not None and weight.device.type == "cpu" and weight.dtype == torch.float32:
             fused.build()
             cpu_decode.build()
+            cpu_prefill.ops()
         if any(isinstance(m, QuantizedLinear) for m in self.modules()):
             kernels.available()
 
