@@ -45,6 +45,7 @@ class Scheduler:
         self.waiting: list[Request] = []       # sorted by arrival
         self.running: list[Request] = []       # sorted by arrival
         self.num_preemptions = 0
+        self.num_prompt_tokens_computed = 0      # prompt positions run through the model (prefill, recompute)
         self.num_generated_tokens = 0
         self.spec_steps = self.spec_draft_tokens = self.spec_accepted_tokens = 0   # summed over requests
 
@@ -189,6 +190,8 @@ class Scheduler:
         outputs = []
         for s in sched.scheduled:
             req = s.request
+            prompt_left = req.num_prompt_tokens - req.num_computed_tokens
+            self.num_prompt_tokens_computed += max(0, min(s.num_tokens, prompt_left))
             if req.is_finished:
                 continue                                   # aborted while the step ran
             rid = req.request_id
@@ -204,8 +207,7 @@ class Scheduler:
                 outputs.append(CoreOutput(req, [], finished=True, error=error))
                 continue
             output = CoreOutput(req, tokens, None if logprobs is None else logprobs[:len(tokens)],
-                                out.prompt_logprobs.get(rid), out.explanations.get(rid))
-            output.finished = req.is_finished
+                                out.prompt_logprobs.get(rid), out.explanations.get(rid), req.is_finished)
             if tokens or output.finished or output.prompt_logprobs is not None:
                 outputs.append(output)
         return outputs

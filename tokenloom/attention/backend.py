@@ -124,9 +124,10 @@ def _norm_in_place(qkv: torch.Tensor, norms: QKNorms, sh: AttentionShape) -> Non
 
 
 def kernels_take(shape: AttentionShape, meta: AttentionMetadata, kv_cache,
-                 rope: tuple[torch.Tensor, torch.Tensor] | None, dtype: torch.dtype) -> bool:
-    """The step's attention can run on the CPU kernels (see the module doc)."""
-    if rope is None or dtype != torch.float32:
+                 rope: tuple[torch.Tensor, torch.Tensor] | None) -> bool:
+    """The step's attention can run on the CPU kernels (see the module doc); the rope tables
+    have the activations' dtype and device, and usable() requires float32 on the CPU."""
+    if rope is None:
         return False
     cos = rope[0]
     if not (cpu_decode.usable(cos, kv_cache.keys[0]) and cos.shape[-1] == shape.head_dim and cos.is_contiguous()):
@@ -140,9 +141,9 @@ def kernels_take(shape: AttentionShape, meta: AttentionMetadata, kv_cache,
 
 
 def plan_attention(shape: AttentionShape, meta: AttentionMetadata, kv_cache,
-                   rope: tuple[torch.Tensor, torch.Tensor] | None, dtype: torch.dtype) -> StepAttention:
-    """The attention op for this step's layers; `rope`: (cos, sin) (T, 1, head_dim) or None
-    (learned positions); `dtype`: the activations'."""
-    if kernels_take(shape, meta, kv_cache, rope, dtype):
+                   rope: tuple[torch.Tensor, torch.Tensor] | None) -> StepAttention:
+    """The attention op for this step's layers; `rope`: (cos, sin) (T, 1, head_dim) in the
+    activations' dtype, or None (learned positions)."""
+    if kernels_take(shape, meta, kv_cache, rope):
         return KernelAttention(shape, meta, kv_cache, rope)
     return TorchAttention(shape, meta, kv_cache, rope)

@@ -63,7 +63,6 @@ class EngineCore:
         self.proposer = None if config.speculative is None else SpecProposer.create(
             config.speculative, self.runner, loaded.tokenizer, self.max_model_len, config.dtype, progress)
         self.requests: dict[str, Request] = {}
-        self.prompt_tokens_computed = 0
 
     def _report_cache(self, kv: PagedKVCache) -> None:
         c, per_token = self.model_config, self.kv_bytes_per_token
@@ -124,9 +123,6 @@ class EngineCore:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return CoreStep([])
-        for s in sched.scheduled:
-            self.prompt_tokens_computed += max(0, min(s.num_tokens, s.request.num_prompt_tokens
-                                                      - s.request.num_computed_tokens))
         out = self.runner.execute(sched)
         seconds, used = time.perf_counter() - started, self.block_manager.num_used_blocks   # what the step ran on
         outputs = self.scheduler.update_from_output(sched, out)

@@ -96,9 +96,8 @@ class LLMEngine:
         return self.enqueue(request_id, prompt_token_ids, params)
 
     def enqueue(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
-        """Queue a request whose input ``validate_request`` has accepted (it is not checked again)."""
-        if request_id in self.core.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
+        """Queue a request whose input ``validate_request`` has accepted (it is not checked again);
+        ValueError if the id is in use."""
         req = Request(request_id, list(prompt_token_ids), params, self.core.eos_token_ids, next(self._arrivals))
         self.core.add(req)
         self.output_processor.add(req)
@@ -124,6 +123,6 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         s, bm = self.core.scheduler, self.core.block_manager
         return EngineStats(len(s.running), len(s.waiting), bm.num_used_blocks, bm.num_free_blocks,
-                           bm.stats.hit_rate, self.core.prompt_tokens_computed, s.num_generated_tokens,
+                           bm.stats.hit_rate, s.num_prompt_tokens_computed, s.num_generated_tokens,
                            s.num_preemptions, spec_steps=s.spec_steps, spec_draft_tokens=s.spec_draft_tokens,
                            spec_accepted_tokens=s.spec_accepted_tokens)

@@ -117,22 +117,19 @@ class OutputProcessor:
             if out.logprobs is not None:
                 state.logprobs.append(out.logprobs[i])
             last = i == len(out.new_token_ids) - 1
-            stopped_by_token = last and req.is_finished and req.stop_reason is not None \
-                and req.stop_reason == token and req.finish_reason == "stop"
+            stopped_by_token = last and req.finish_reason == "stop" and req.stop_reason == token   # EOS, stop id
             text, string_stop = ("", False) if stopped_by_token else detok.push(token)
             texts.append(text)
             if string_stop:
                 state.string_stop = detok.matched_stop
                 self.finish(req.request_id, "stop", detok.matched_stop)   # no-op if it ended in the core
                 return "".join(texts), i + 1
-        if req.is_finished and req.finish_reason != "error":
+        if req.is_finished:
             texts.append(detok.finish())
         return "".join(texts), len(out.new_token_ids)
 
     def _failed(self, state: RequestState, error: str, now: float) -> StepDelta:
-        req = state.request
-        req.metrics.finish_time = now
-        delta = StepDelta(req.request_id, [], "", True, "error", error=error)
+        delta = StepDelta(state.request.request_id, [], "", True, "error", error=error)
         delta.completion = self._complete(state, now, error)
         return delta
 

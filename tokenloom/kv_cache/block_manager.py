@@ -100,10 +100,6 @@ class BlockManager:
             hashes.append(hash((parent, tuple(token_ids[i * bs:(i + 1) * bs]))))
         return hashes
 
-    def prefix_hashes(self, token_ids: list[int]) -> list[int]:
-        """The chained hashes of every full block of `token_ids` (what a full block is cached under)."""
-        return self._chain(token_ids, [], len(token_ids) // self.block_size)
-
     def request_hashes(self, request_id: str, token_ids: list[int]) -> list[int]:
         """The chained hashes of every full block of `token_ids`, a request's tokens, kept with the
         request's other block state (computed once, extended as blocks fill; dropped by free)."""

@@ -80,7 +80,7 @@ class GPT2LMHeadModel(CausalLM):
     def forward(self, input_ids, positions, meta, kv_cache: PagedKVCache):
         t = self.transformer
         h = t.wte(input_ids) + t.wpe(positions)                      # (T, hidden)
-        attend = plan_attention(self.attention_shape, meta, kv_cache, None, h.dtype)
+        attend = plan_attention(self.attention_shape, meta, kv_cache, None)
         for i, block in enumerate(t.h):
             h = block(h, attend, i)
         return t.ln_f(h)

@@ -129,7 +129,10 @@ class GatedMLP(CustomOp):
         return self.act is F.silu
 
     def forward_native(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)      # each (T, intermediate)
+        return self._down_of(self.gate_up_proj(x))
+
+    def _down_of(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.split(self.intermediate, dim=-1)                   # each (T, intermediate)
         return self.down_proj(self.act(gate) * up)
 
     def forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
@@ -139,4 +142,4 @@ class GatedMLP(CustomOp):
         gate_up = proj.forward(x)                                             # (T, 2 intermediate)
         if gate_up.dim() == 2 and gate_up.stride(1) == 1:
             return self.down_proj.forward(fused.silu_mul(gate_up))
-        return self.forward_native(x)
+        return self._down_of(gate_up)

@@ -99,7 +99,7 @@ class LlamaForCausalLM(CausalLM):
     def forward(self, input_ids, positions, meta, kv_cache: PagedKVCache):
         h = self.model.embed_tokens(input_ids)                        # (T, hidden)
         rope = rope_cos_sin(self.inv_freq, positions, h.dtype)        # each (T, 1, head_dim)
-        attend = plan_attention(self.attention_shape, meta, kv_cache, rope, h.dtype)
+        attend = plan_attention(self.attention_shape, meta, kv_cache, rope)
         residual = None
         for i, layer in enumerate(self.model.layers):
             h, residual = layer.forward(h, residual, attend, i)

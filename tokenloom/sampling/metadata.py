@@ -38,10 +38,6 @@ class SamplingMetadata:
         return len(self.params)
 
     @property
-    def all_greedy(self) -> bool:
-        return all(p.greedy for p in self.params)
-
-    @property
     def max_logprobs(self) -> int | None:
         asked = [p.logprobs for p in self.params if p.logprobs is not None]
         return max(asked) if asked else None
