@@ -23,7 +23,7 @@ def hf_gguf(default_gguf_path):
 
 @pytest.fixture(scope="module")
 def gguf_llm(default_gguf_path):
-    return LLM(str(default_gguf_path), kv_cache_memory=64 << 20)
+    return LLM(str(default_gguf_path), dtype="float32", kv_cache_memory=64 << 20)
 
 
 def test_greedy_matches_transformers_on_same_gguf(hf_gguf, gguf_llm):

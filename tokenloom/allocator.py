@@ -97,3 +97,14 @@ def reserve_heap(nbytes: int) -> bool:
     ctypes.memset(block, 0, nbytes)
     libc.free(block)
     return True
+
+
+def release_free_memory() -> bool:
+    """Hand the heap's free pages back to the OS now (glibc ``malloc_trim``): after loading,
+    whose temporaries the thresholds above would otherwise keep resident. True if done."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        return bool(_libc().malloc_trim(0))
+    except (OSError, AttributeError):
+        return False

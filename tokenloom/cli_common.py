@@ -13,8 +13,10 @@ def engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("-m", "--model", default=None,
                    help="HF folder (config.json + safetensors + tokenizer.json) or .gguf file; "
                         "default: SmolLM2-135M-Instruct, pulled on first use")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                   help="weight and activation dtype (default: float32; bf16/fp16 are slow on most CPUs)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weight and activation dtype. auto (default): float32, and a GGUF file's quantized "
+                        "blocks kept as stored; float32/bfloat16/float16 dequantize a GGUF file to that dtype "
+                        "(bf16/fp16 are slow on most CPUs)")
     g.add_argument("--max-model-len", type=int, default=None, help="context window (default: the model's)")
     g.add_argument("--kv-cache-memory", type=float, default=None, metavar="GIB",
                    help="memory for the KV cache in GiB (default: 1, or see --kv-cache-fraction)")

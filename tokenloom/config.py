@@ -24,9 +24,14 @@ class UnsupportedModelError(ValueError):
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
-    """Map a user-facing dtype name onto a torch dtype (ValueError if unknown)."""
+    """Map a user-facing dtype name onto a torch dtype (ValueError if unknown).
+
+    "auto" computes in float32 and keeps a GGUF file's weights as stored.
+    """
     if isinstance(name, torch.dtype):
         return name
+    if name == "auto":
+        return torch.float32
     if name not in _DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {name!r}")
     return _DTYPES[name]
@@ -262,7 +267,7 @@ class EngineConfig:
     """Everything the engine needs besides the weights; the CLI maps flags onto these fields."""
 
     model: str
-    dtype: str = "float32"
+    dtype: str = "auto"                  # auto: float32 compute, GGUF blocks kept; else the weights' dtype
     device: str = "cpu"
     max_model_len: int | None = None     # None: the model's own context length
     cache: CacheConfig = field(default_factory=CacheConfig)

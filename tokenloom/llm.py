@@ -35,7 +35,7 @@ class LLM:
     ``quantization`` stores weights as int8 / int4[-gN] / the GGUF file's own blocks ("gguf");
     ``kv_cache_dtype="int8"`` stores keys and values as int8 with per-token scales."""
 
-    def __init__(self, model: str | None = None, dtype: str = "float32", device: str = "cpu",
+    def __init__(self, model: str | None = None, dtype: str = "auto", device: str = "cpu",
                  max_model_len: int | None = None, kv_cache_memory: int | None = None,
                  kv_cache_fraction: float | None = None, block_size: int = 16, enable_prefix_caching: bool = True,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 8192,

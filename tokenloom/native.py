@@ -19,7 +19,7 @@ import torch
 log = logging.getLogger(__name__)
 
 
-_ISA_FLAGS = {"avx2": ["-mavx2", "-mfma"]}
+_ISA_FLAGS = {"avx2": ["-mavx2", "-mfma", "-mf16c"]}
 _ISA_FLAGS["avx512"] = _ISA_FLAGS["avx2"] + ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl"]
 _ISA_FLAGS["avx512vnni"] = _ISA_FLAGS["avx512"] + ["-mavx512vnni"]
 

@@ -30,18 +30,22 @@ class ModelRunner:
         # end (60 index_fill calls, ~1 ms, in most steps of a float32 SmolLM2 batch otherwise).
         self.zero_fresh_blocks = reads_past_context(kv_cache)
 
+    RESERVE_AT_MOST = 128 << 20
+
     def reserve_activation_memory(self, max_tokens: int, dtype: torch.dtype) -> bool:
         """On the CPU, grow the heap once for the activations of a `max_tokens`-token step, so
         that the first large step does not page-fault them in (allocator.reserve_heap). Sized
         at 4 x (hidden + intermediate + q + 2 kv) elements per token: a 6.4k-token SmolLM2
-        prefill grew the heap by 3.2x that (live tensors and fragmentation). At most half of
-        allocator.KEEP_BELOW; True if reserved."""
+        prefill grew the heap by 3.2x that (live tensors and fragmentation). At most
+        RESERVE_AT_MOST: the reservation stays resident, and for a quantized 0.5B model at
+        the default 8192 tokens it would be ~0.9 GB, twice the weights; a larger first step
+        grows the heap then. True if reserved."""
         if self.device.type != "cpu":
             return False
         c = self.model.config
         width = c.hidden_size + c.intermediate_size + (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
         nbytes = 4 * width * torch.empty((), dtype=dtype).element_size() * max_tokens
-        return reserve_heap(min(nbytes, KEEP_BELOW // 2))
+        return reserve_heap(min(nbytes, KEEP_BELOW // 2, self.RESERVE_AT_MOST))
 
     def _chunks(self, sched: SchedulerOutput) -> list[SeqChunk]:
         chunks = []

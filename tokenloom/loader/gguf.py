@@ -10,6 +10,7 @@ interleaved rotary embedding; we undo that on load and keep HF's rotate-half.
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,15 +21,12 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 from tokenizers import Tokenizer as HFTokenizer
 
 from tokenloom.config import UnsupportedModelError
+from tokenloom.loader.gguf_reader import GGUFFormatError, GGUFReader, GGUFTensorInfo
 from tokenloom.loader.safetensors import CheckpointError
-from tokenloom.quant.formats import QuantizedTensor
-from tokenloom.quant.scheme import WeightFormat
+from tokenloom.quant.ggml import KERNEL_TYPES, GGMLTensor, type_name
 from tokenloom.tokenizer import Tokenizer
 
-try:
-    import gguf
-except ImportError as e:  # pragma: no cover - gguf is a hard dependency
-    raise ImportError("reading GGUF files needs the `gguf` package") from e
+log = logging.getLogger(__name__)
 
 _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
 _QWEN2_SPLIT = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
@@ -46,9 +44,9 @@ _PRE_TOKENIZER_SPLITS = {
 }
 _TOKEN_TYPE_CONTROL, _TOKEN_TYPE_USER_DEFINED = 3, 4
 
-Q = gguf.GGMLQuantizationType
-# GGUF block types that are already one of tokenloom's formats (blocks of 32).
-_BLOCK_FORMATS = {Q.Q8_0: WeightFormat(8, 32), Q.Q4_0: WeightFormat(4, 32), Q.Q4_1: WeightFormat(4, 32)}
+# Float tensor types: read as float32 (lossless).
+_FLOAT_TYPES = {0: np.float32, 1: np.float16}
+_BF16 = 30
 
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                   "qwen3": "Qwen3ForCausalLM", "gpt2": "GPT2LMHeadModel"}
@@ -76,13 +74,13 @@ _GPT2_BLOCK_NAMES = {
 
 
 class GGUFFile:
-    """An opened GGUF file: metadata fields and tensors, via ``gguf.GGUFReader``."""
+    """An opened GGUF file: metadata fields and tensors (memory-mapped, read on demand)."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         try:
-            self.reader = gguf.GGUFReader(str(self.path))
-        except Exception as e:  # the reader raises ValueError, struct.error, IndexError...
+            self.reader = GGUFReader(self.path)
+        except (GGUFFormatError, OSError) as e:
             raise CheckpointError(f"{self.path} is not a readable GGUF file (corrupt or truncated?): {e}") from e
         self.arch = self.field("general.architecture")
         if self.arch not in _ARCHITECTURES:
@@ -90,8 +88,7 @@ class GGUFFile:
                                         f"(supported: {', '.join(_ARCHITECTURES)})")
 
     def field(self, key: str, default=None):
-        f = self.reader.fields.get(key)
-        return default if f is None else f.contents()
+        return self.reader.fields.get(key, default)
 
     def arch_field(self, key: str, default=None):
         return self.field(f"{self.arch}.{key}", default)
@@ -134,55 +131,36 @@ class GGUFFile:
         keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
         return {v for k in keys if (v := self.field(k)) is not None}
 
-    def iter_tensors(self, keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
+    def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor | GGMLTensor]]:
         """(HF name, tensor in HF layout) for every tensor in the file.
 
-        With `keep_quantized`, Q8_0/Q4_0/Q4_1 matrices come as QuantizedTensors
-        holding the file's own blocks (see ``block_tensor``); all else is dequantized.
+        Matrices of a type the GGML kernels run come as GGMLTensors viewing the file's own
+        blocks (no copy; rows un-permuted where llama.cpp permuted them); float types as
+        float32 tensors; any other type is dequantized to float32, with a warning that names
+        it and what it costs.
         """
         cfg = self.hf_config()
         for t in self.reader.tensors:
-            if keep_quantized and (q := self.block_tensor(t)) is not None:
-                yield self._hf_name(t.name), self._to_hf_layout(t.name, q, cfg)
-                continue
-            array = gguf.quants.dequantize(t.data, t.tensor_type)
-            array = array.reshape(tuple(reversed([int(d) for d in t.shape])))  # numpy order: (rows, cols)
-            tensor = torch.from_numpy(np.array(array, dtype=np.float32))  # owned, writable copy
-            yield self._hf_name(t.name), self._to_hf_layout(t.name, tensor, cfg)
+            yield self._hf_name(t.name), self._to_hf_layout(t.name, self._tensor(t), cfg)
+            self.reader.release_pages(t.offset, t.nbytes)    # the consumer has copied it (or views it)
 
-    def quantized_formats(self) -> dict[str, WeightFormat]:
-        """HF tensor name -> the format its blocks load into without conversion."""
-        return {self._hf_name(t.name): fmt for t in self.reader.tensors
-                if (fmt := self._block_format(t)) is not None}
+    def tensor_types(self) -> dict[str, int]:
+        """HF tensor name -> the GGML type it is stored as."""
+        return {self._hf_name(t.name): t.type for t in self.reader.tensors}
 
-    def _block_format(self, t) -> WeightFormat | None:
-        if self.arch == "gpt2" or len(t.shape) != 2:   # GPT-2's Conv1D layout would need a transpose
-            return None
-        return _BLOCK_FORMATS.get(t.tensor_type)
-
-    def block_tensor(self, t) -> QuantizedTensor | None:
-        """A Q8_0 / Q4_0 / Q4_1 matrix as a QuantizedTensor over its own blocks (else None).
-
-        Q8_0 block (34 B): fp16 d, 32 x int8 q;  w = d * q.
-        Q4_0 block (18 B): fp16 d, 16 B nibbles; w = d * (q - 8).
-        Q4_1 block (20 B): fp16 d, fp16 m, 16 B nibbles; w = d * q + m.
-        """
-        fmt = self._block_format(t)
-        if fmt is None:
-            return None
-        rows = int(t.shape[1])
-        raw = np.asarray(t.data, dtype=np.uint8).reshape(rows, -1)
-        kind = t.tensor_type
-        blocks = raw.reshape(rows, -1, {Q.Q8_0: 34, Q.Q4_0: 18, Q.Q4_1: 20}[kind])  # (rows, nb, bytes)
-        d = torch.from_numpy(blocks[:, :, 0:2].copy().view(np.float16)[..., 0]).float()  # (rows, nb)
-        if kind == Q.Q8_0:
-            qs = torch.from_numpy(blocks[:, :, 2:].copy().view(np.int8).reshape(rows, -1))
-            return QuantizedTensor(8, qs, d, None, 32)
-        nibbles = torch.from_numpy(blocks[:, :, -16:].copy().reshape(rows, -1))
-        if kind == Q.Q4_0:
-            return QuantizedTensor(4, nibbles, d, -8.0 * d, 32)
-        m = torch.from_numpy(blocks[:, :, 2:4].copy().view(np.float16)[..., 0]).float()
-        return QuantizedTensor(4, nibbles, d, m, 32)
+    def _tensor(self, t: GGUFTensorInfo) -> torch.Tensor | GGMLTensor:
+        raw = t.raw()
+        if t.type in KERNEL_TYPES and len(t.shape) == 2:
+            return GGMLTensor(t.type, torch.from_numpy(raw).view(t.shape[0], -1), t.shape[1])
+        if t.type in _FLOAT_TYPES:
+            return torch.from_numpy(raw.view(_FLOAT_TYPES[t.type]).astype(np.float32)).view(t.shape)
+        if t.type == _BF16:
+            return (torch.from_numpy(raw.view(np.int16).astype(np.int32) << 16).view(torch.float32)).view(t.shape)
+        from gguf import GGMLQuantizationType, quants
+        log.warning("%s: %s blocks have no tokenloom kernel; dequantized to float32 (%.1f MB instead of %.1f MB)",
+                    t.name, type_name(t.type), 4 * np.prod(t.shape) / 1e6, t.nbytes / 1e6)
+        array = quants.dequantize(raw, GGMLQuantizationType(t.type)).reshape(t.shape)
+        return torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
 
     def _hf_name(self, name: str) -> str:
         flat, block = (_GPT2_NAMES, _GPT2_BLOCK_NAMES) if self.arch == "gpt2" else (_LLAMA_NAMES, _LLAMA_BLOCK_NAMES)
@@ -197,9 +175,11 @@ class GGUFFile:
     def _to_hf_layout(self, name: str, tensor, cfg: dict):
         if self.arch == "llama" and re.search(r"\.attn_[qk]\.", name):
             heads = cfg["num_attention_heads"] if ".attn_q." in name else cfg["num_key_value_heads"]
-            if isinstance(tensor, QuantizedTensor):   # rows are independent: permute them
+            if isinstance(tensor, GGMLTensor):   # rows are independent blocks: permute them
                 return tensor.rows(unpermute_rope_rows(torch.arange(tensor.shape[0]), heads))
             return unpermute_rope_rows(tensor, heads)
+        if isinstance(tensor, GGMLTensor):       # blocks are (out, in) rows: nn.Linear's layout already
+            return tensor
         if self.arch == "gpt2" and tensor.dim() == 2 and re.search(r"\.(attn_qkv|attn_output|ffn_up|ffn_down)\.", name):
             return tensor.t().contiguous()  # back to HF Conv1D's (in, out)
         return tensor

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,18 +11,21 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from tokenloom.allocator import release_free_memory
 from tokenloom.config import ModelConfig, parse_dtype
 from tokenloom.loader.safetensors import CheckpointError, hf_eos_ids, iter_safetensors, read_json, safetensors_files
 from tokenloom.loader.weights import load_weights
 from tokenloom.models.base import CausalLM
 from tokenloom.models.registry import model_class
 from tokenloom.quant import WeightFormat, parse_quantization, quantize_structure
-from tokenloom.quant.checkpoint import formats_for, load_saved_state, saved_formats
+from tokenloom.quant.checkpoint import describe_weights, formats_for, gguf_formats, load_saved_state, saved_formats
 from tokenloom.tokenizer import Tokenizer
 
 __all__ = ["CheckpointError", "LoadedModel", "build_model", "load_checkpoint", "load_model"]
 
 GGUF_MAGIC = b"GGUF"
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -33,7 +37,8 @@ class Checkpoint:
     num_tensors: int
     tokenizer: Tokenizer
     eos_token_ids: set[int]
-    block_formats: dict | None = None   # GGUF only: HF tensor name -> WeightFormat of its blocks
+    tensor_types: dict[str, int] | None = None   # GGUF only: HF tensor name -> its GGML type
+    release_pages: Callable[[], None] = lambda: None   # drop file pages read while loading
 
 
 @dataclass
@@ -50,10 +55,10 @@ def _is_gguf(path: Path) -> bool:
         return f.read(4) == GGUF_MAGIC
 
 
-def load_checkpoint(path: str | Path, keep_quantized: bool = False) -> Checkpoint:
+def load_checkpoint(path: str | Path) -> Checkpoint:
     """Open an HF folder or a GGUF file; raises FileNotFoundError / CheckpointError with the reason.
 
-    `keep_quantized`: GGUF Q8_0/Q4_0/Q4_1 matrices come as QuantizedTensors, not floats.
+    A GGUF file's quantized matrices come as GGMLTensors over the file's own blocks.
     """
     path = Path(path).expanduser()
     if not path.exists():
@@ -64,8 +69,8 @@ def load_checkpoint(path: str | Path, keep_quantized: bool = False) -> Checkpoin
             raise CheckpointError(f"{path} is neither a GGUF file nor a folder (no GGUF magic bytes)")
         from tokenloom.loader.gguf import GGUFFile
         g = GGUFFile(path)
-        return Checkpoint(g.hf_config(), g.iter_tensors(keep_quantized), len(g.reader.tensors), g.tokenizer(),
-                          g.eos_token_ids(), g.quantized_formats())
+        return Checkpoint(g.hf_config(), g.iter_tensors(), len(g.reader.tensors), g.tokenizer(),
+                          g.eos_token_ids(), g.tensor_types(), g.reader.release_pages)
     config_path = path / "config.json"
     if not config_path.is_file():
         raise CheckpointError(f"{path} has no config.json; not an HF model folder")
@@ -113,17 +118,24 @@ def _progress(tensors: Iterable, total: int, desc: str, show: bool) -> Iterator:
     return iter(tqdm(tensors, total=total, desc=desc, unit="tensor", disable=not show, leave=False))
 
 
-def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: str = "cpu",
+def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: str = "cpu",
                max_model_len: int | None = None, progress: bool = False, quantization: str | None = None,
                prepare: bool = True) -> LoadedModel:
     """Load weights and tokenizer; every checkpoint tensor must fill exactly one parameter.
 
-    `quantization` (int8, int4[-gN], gguf) quantizes every Linear while loading,
-    tensor by tensor; a folder saved by ``save_quantized`` loads in its own format.
-    `prepare=False` skips the CPU layout changes (for saving the model again).
+    A GGUF file keeps its blocks as stored unless a `dtype` other than "auto" (dequantize
+    to it) or a `quantization` other than "gguf" is asked for. `quantization` (int8,
+    int4[-gN]) quantizes every Linear while loading, tensor by tensor; a folder saved by
+    ``save_quantized`` loads in its own format. `prepare=False` skips the CPU layout
+    changes (for saving the model again).
     """
     quantization = parse_quantization(quantization)
-    ckpt = load_checkpoint(path, keep_quantized=quantization is not None)
+    ckpt = load_checkpoint(path)
+    is_gguf = ckpt.tensor_types is not None
+    keep_blocks = is_gguf and (quantization == "gguf" or (quantization is None and dtype == "auto"))
+    if quantization == "gguf" and ckpt.tensor_types is None:
+        raise ValueError("--quantization gguf keeps a GGUF file's own blocks, but this checkpoint is not a GGUF file; "
+                         "use int8 or int4")
     config = ModelConfig.from_hf(ckpt.hf_config)
     if max_model_len is not None:
         if max_model_len > config.max_model_len:
@@ -132,15 +144,24 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "float32", device: s
         config.max_model_len = max_model_len
     config.eos_token_ids = tuple(sorted(set(config.eos_token_ids) | ckpt.eos_token_ids))
     saved = saved_formats(ckpt.hf_config, quantization)
-    format_of = saved.get if saved is not None else formats_for(quantization, ckpt, model_class(config))
+    if saved is not None:
+        format_of = saved.get
+    elif keep_blocks:
+        format_of = gguf_formats(ckpt.tensor_types, config.tie_word_embeddings, model_class(config))
+    else:
+        format_of = formats_for(quantization, model_class(config))
     model = build_model(config, parse_dtype(dtype), device, format_of)
     tensors = _progress(ckpt.tensors, ckpt.num_tensors, "loading weights", progress)
     if saved is not None:
         load_saved_state(model, tensors)
     else:
         load_weights(model, tensors)
+    ckpt.release_pages()
+    if keep_blocks:
+        log.info("GGUF weights: %s", describe_weights(model, ckpt.tensor_types))
     if prepare:
         model.prepare_for_inference()
+    release_free_memory()      # conversion temporaries: gone from the resident size
     if ckpt.tokenizer.vocab_size > config.vocab_size:
         raise CheckpointError(f"tokenizer has {ckpt.tokenizer.vocab_size} tokens but the model only "
                               f"{config.vocab_size} embeddings")

@@ -12,6 +12,8 @@ import torch
 
 from tokenloom.models.base import CausalLM
 from tokenloom.quant.formats import QuantizedTensor
+from tokenloom.quant.ggml import GGMLTensor
+from tokenloom.quant.ggml_modules import GGMLEmbedding
 from tokenloom.quant.modules import QuantizedEmbedding, quantized_targets
 
 
@@ -39,11 +41,11 @@ def _tied_alias_names(model: CausalLM) -> set[str]:
     return all_names - {n for n, _ in model.named_parameters()}
 
 
-def load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor | QuantizedTensor]]) -> None:
+def load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor | QuantizedTensor | GGMLTensor]]) -> None:
     """Fill every parameter of `model` from (name, tensor) pairs in HF naming (in place).
 
-    A tensor may be a QuantizedTensor (GGUF blocks); it is copied into a quantized
-    layer as is where the formats match, and dequantized for a float parameter.
+    A tensor may be a QuantizedTensor or a GGMLTensor (GGUF blocks); a quantized layer takes
+    it as is where the formats match, and a float parameter takes it dequantized.
     """
     params = dict(model.named_parameters())
     quantized = quantized_targets(model)
@@ -61,9 +63,10 @@ def load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor | Qu
         if param_name not in params:
             raise WeightMismatchError(f"checkpoint tensor {name!r} matches no parameter of "
                                       f"{type(model).__name__}")
-        if isinstance(tensor, QuantizedTensor):
+        if isinstance(tensor, GGMLTensor):      # GGUF blocks are rows of nn.Linear's layout already
             tensor = tensor.dequantize()
-        tensor = model.transform_checkpoint_tensor(name, tensor)
+        else:
+            tensor = model.transform_checkpoint_tensor(name, tensor)
         target = params[param_name].data
         if shard is not None:
             target = target[model.shard_rows(param_name, shard)]
@@ -74,7 +77,7 @@ def load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor | Qu
         filled[param_name].add(shard)
     missing = [f"{n}" + (f" ({sorted(s - filled[n])})" if s - filled[n] != {None} else "")
                for n in params if (s := _expected_shards(model, n)) - filled[n]]
-    missing += [n for n, mod in quantized.items() if not isinstance(mod, QuantizedEmbedding)
+    missing += [n for n, mod in quantized.items() if not _is_tied_embedding(mod)
                 and _expected_shards(model, n) - filled_quantized.get(id(mod), set())]
     if missing:
         raise WeightMismatchError(f"checkpoint is missing tensors for: {', '.join(missing)}")
@@ -82,11 +85,16 @@ def load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor | Qu
 
 def _load_quantized(model: CausalLM, target, name: str, param_name: str, shard: str | None, tensor):
     """Load one checkpoint tensor into a quantized module; returns the module that owns the data."""
-    if not isinstance(tensor, QuantizedTensor):
+    if isinstance(tensor, torch.Tensor):
         tensor = model.transform_checkpoint_tensor(name, tensor)
     rows = model.shard_rows(param_name, shard) if shard is not None else None
     try:
         target.load_weight(tensor, rows)
     except ValueError as e:
         raise WeightMismatchError(f"checkpoint tensor {name!r}: {e}") from e
-    return target._tied[0] if isinstance(target, QuantizedEmbedding) else target
+    return target._tied[0] if _is_tied_embedding(target) else target
+
+
+def _is_tied_embedding(module) -> bool:
+    """An embedding that reads a quantized output projection's rows (filled through it)."""
+    return isinstance(module, (QuantizedEmbedding, GGMLEmbedding)) and bool(module._tied)

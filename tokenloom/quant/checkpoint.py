@@ -13,12 +13,17 @@ Loading it rebuilds those modules and copies the tensors: no re-quantization.
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
 
 from tokenloom.config import UnsupportedModelError
+from tokenloom.quant.ggml import KERNEL_TYPES, type_name
+from tokenloom.quant.ggml_modules import GGMLEmbedding, GGMLLinear
+from tokenloom.quant.gguf_blocks import exact_format
+from tokenloom.quant.modules import GGML_BLOCKS, QuantizedLinear
 from tokenloom.quant.scheme import WeightFormat
 
 QUANT_METHOD = "tokenloom"
@@ -27,29 +32,64 @@ QUANT_METHOD = "tokenloom"
 OUTPUT_HEAD = "lm_head"
 
 
-def formats_for(quantization: str | None, ckpt, model_cls) -> Callable[[str], WeightFormat | None] | None:
-    """Module name -> format for a float or GGUF checkpoint loaded with `--quantization`."""
+def formats_for(quantization: str | None, model_cls) -> Callable[[str], WeightFormat | None] | None:
+    """Module name -> format for a checkpoint quantized while loading (`--quantization int8|int4...`)."""
     if quantization is None:
         return None
-    if quantization != "gguf":
-        fmt = WeightFormat.parse(quantization)
-        # int4 keeps the output head (and so a tied embedding) at int8, as llama.cpp's quantizer
-        # keeps output.weight at Q6_K/Q8_0: its error reaches every logit (SmolLM2 perplexity
-        # +9.6% -> see docs/BENCHMARKS.md).
-        head = WeightFormat.parse("int8") if fmt.bits == 4 else fmt
-        return lambda name: head if name == OUTPUT_HEAD else fmt
-    if ckpt.block_formats is None:
-        raise ValueError("--quantization gguf keeps a GGUF file's own Q8_0/Q4_0/Q4_1 blocks, "
-                         "but this checkpoint is not a GGUF file; use int8 or int4")
-    formats: dict[str, WeightFormat] = {}
-    for name, fmt in ckpt.block_formats.items():
-        module = name.removesuffix(".weight")
-        for ckpt_sub, (our_sub, _) in model_cls.packed_modules_mapping.items():
-            module = module.replace(f".{ckpt_sub}", f".{our_sub}") if module.endswith(f".{ckpt_sub}") else module
-        formats.setdefault(module, fmt)     # a fused layer takes its first shard's format
-    if ckpt.hf_config.get("tie_word_embeddings") and model_cls.input_embedding_name in formats:
-        formats.setdefault("lm_head", formats[model_cls.input_embedding_name])
-    return formats.get
+    fmt = WeightFormat.parse(quantization)
+    # int4 keeps the output head (and so a tied embedding) at int8, as llama.cpp's quantizer
+    # keeps output.weight at Q6_K/Q8_0: its error reaches every logit (SmolLM2 perplexity
+    # +9.6% -> see docs/BENCHMARKS.md).
+    head = WeightFormat.parse("int8") if fmt.bits == 4 else fmt
+    return lambda name: head if name == OUTPUT_HEAD else fmt
+
+
+def gguf_formats(tensor_types: dict[str, int], tied: bool, model_cls) -> Callable[[str], WeightFormat | str | None]:
+    """Module name -> how a GGUF file's blocks are kept: a tokenloom format where every shard's
+    type is that format as it stands (Q8_0, Q5_0, IQ4_NL -> int8; Q4_0, Q4_1 -> int4: the
+    panel kernels), else ``GGML_BLOCKS`` (the GGML kernels, any mix of types); None (float)
+    where a shard is a float type or a type without a kernel (dequantized, with a warning).
+    An untied embedding keeps its blocks (rows dequantized on lookup)."""
+    kinds_of: dict[str, list[int]] = {}
+    for name, kind in tensor_types.items():
+        if name.endswith(".weight"):
+            kinds_of.setdefault(_module_of(name.removesuffix(".weight"), model_cls), []).append(kind)
+    plan: dict[str, WeightFormat | str] = {}
+    for module, kinds in kinds_of.items():
+        if all(k in KERNEL_TYPES for k in kinds):
+            exact = {exact_format(k) for k in kinds}
+            plan[module] = exact.pop() if len(exact) == 1 and None not in exact else GGML_BLOCKS
+    embedding = model_cls.input_embedding_name
+    if embedding in plan:
+        if tied:
+            plan.setdefault(OUTPUT_HEAD, plan[embedding])
+        plan[embedding] = GGML_BLOCKS
+    return plan.get
+
+
+def _module_of(checkpoint_module: str, model_cls) -> str:
+    """A checkpoint module name -> the (possibly fused) module that loads it."""
+    for ckpt_sub, (our_sub, _) in model_cls.packed_modules_mapping.items():
+        if checkpoint_module.endswith(f".{ckpt_sub}"):
+            return checkpoint_module.removesuffix(ckpt_sub) + our_sub
+    return checkpoint_module
+
+
+def describe_weights(model: torch.nn.Module, tensor_types: dict[str, int]) -> str:
+    """What the file holds and what each layer was kept as: 'file: Q5_0 x133, ...; layers: Q5_0 panels x48, ...'."""
+    counts: Counter[str] = Counter()
+    for mod in model.modules():
+        if isinstance(mod, QuantizedLinear):
+            counts[f"{mod.fmt.name} (exact)"] += 1
+        elif isinstance(mod, GGMLLinear):
+            counts["+".join(dict.fromkeys(mod.types))] += 1
+        elif isinstance(mod, GGMLEmbedding) and not mod._tied:
+            counts[f"embedding {mod.weight_q.type_name} (rows on lookup)"] += 1
+        elif isinstance(mod, torch.nn.Linear):
+            counts["float32 linear"] += 1
+    stored = Counter(type_name(k) for k in tensor_types.values())
+    return (f"file: {', '.join(f'{n} x{c}' for n, c in stored.most_common())}; layers: "
+            f"{', '.join(f'{n} x{c}' for n, c in counts.most_common())}")
 
 
 def saved_formats(hf_config: dict, quantization: str | None) -> dict[str, WeightFormat] | None:

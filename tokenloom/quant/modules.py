@@ -22,9 +22,14 @@ from torch import nn
 
 from tokenloom.quant import kernels, panels
 from tokenloom.quant.formats import BLOCK, QuantizedTensor, quantize
+from tokenloom.quant.ggml import GGMLTensor
+from tokenloom.quant.ggml_modules import GGMLEmbedding, GGMLLinear
+from tokenloom.quant.gguf_blocks import exact_format, to_quantized
 from tokenloom.quant.scheme import WeightFormat
 
 log = logging.getLogger(__name__)
+
+GGML_BLOCKS = "ggml"   # a format_of answer: keep the GGUF file's blocks (GGMLLinear / GGMLEmbedding)
 
 class QuantizedLinear(nn.Module):
     """A Linear layer whose weight is int8 or int4 (buffers ``qweight``, ``scales``, ``offsets``)."""
@@ -103,9 +108,12 @@ class QuantizedLinear(nn.Module):
     def load_weight(self, tensor: torch.Tensor | QuantizedTensor, rows: slice | None = None) -> None:
         """Fill rows `rows` (all by default) from a float tensor or a QuantizedTensor.
 
-        A QuantizedTensor already in this layer's format is copied as is; anything
-        else is (dequantized and) quantized into this layer's format.
+        A QuantizedTensor already in this layer's format, or GGUF blocks that are this format
+        as they stand (gguf_blocks.py), is copied as is; anything else is (dequantized and)
+        quantized into this layer's format.
         """
+        if isinstance(tensor, GGMLTensor):
+            tensor = to_quantized(tensor) if exact_format(tensor.kind) == self.fmt else tensor.dequantize()
         if self.panel_layout:
             raise RuntimeError("load weights before use_panels() re-lays them")
         rows = rows if rows is not None else slice(None)
@@ -160,17 +168,23 @@ class QuantizedEmbedding(nn.Module):
         return rows.to(self.dtype).view(*ids.shape, -1)
 
 
-def quantize_structure(model: nn.Module, format_of: Callable[[str], WeightFormat | None],
+def quantize_structure(model: nn.Module, format_of: Callable[[str], WeightFormat | str | None],
                        embedding_name: str, tied: bool, dtype: torch.dtype) -> list[str]:
     """Swap every nn.Linear that `format_of(name)` gives a format for; returns the swapped names.
 
-    Call on a model built on the meta device, before its tensors are allocated.
-    With tied embeddings and a quantized output projection, the input embedding
-    becomes a QuantizedEmbedding that reads the projection's rows.
+    Call on a model built on the meta device, before its tensors are allocated. ``GGML_BLOCKS``
+    makes a GGMLLinear. With tied embeddings and a quantized output projection, the input
+    embedding becomes a QuantizedEmbedding / GGMLEmbedding that reads the projection's rows;
+    an untied embedding that `format_of` gives ``GGML_BLOCKS`` keeps its own blocks.
     """
     swapped = []
     for name, mod in list(model.named_modules()):
         if not isinstance(mod, nn.Linear) or (fmt := format_of(name)) is None:
+            continue
+        if fmt == GGML_BLOCKS:
+            model.set_submodule(name, GGMLLinear(mod.in_features, mod.out_features, mod.bias is not None, dtype,
+                                                 device=mod.weight.device))
+            swapped.append(name)
             continue
         if not QuantizedLinear.supports(mod.in_features, fmt):
             log.warning("%s stays float: in_features %d does not fit %s", name, mod.in_features, fmt.name)
@@ -178,8 +192,14 @@ def quantize_structure(model: nn.Module, format_of: Callable[[str], WeightFormat
         model.set_submodule(name, QuantizedLinear(mod.in_features, mod.out_features, mod.bias is not None,
                                                   fmt, dtype, device=mod.weight.device))
         swapped.append(name)
+    embedding = model.get_submodule(embedding_name)
     if tied and "lm_head" in swapped:
-        model.set_submodule(embedding_name, QuantizedEmbedding(model.get_submodule("lm_head"), dtype))
+        head = model.get_submodule("lm_head")
+        tied_embedding = GGMLEmbedding(embedding.num_embeddings, embedding.embedding_dim, dtype, head) \
+            if isinstance(head, GGMLLinear) else QuantizedEmbedding(head, dtype)
+        model.set_submodule(embedding_name, tied_embedding)
+    elif not tied and format_of(embedding_name) == GGML_BLOCKS:
+        model.set_submodule(embedding_name, GGMLEmbedding(embedding.num_embeddings, embedding.embedding_dim, dtype))
     return swapped
 
 
@@ -191,4 +211,4 @@ def use_panels(model: nn.Module) -> int:
 def quantized_targets(model: nn.Module) -> dict[str, QuantizedLinear | QuantizedEmbedding]:
     """Checkpoint weight name ('<module>.weight') -> the quantized module that loads it."""
     return {f"{name}.weight": mod for name, mod in model.named_modules()
-            if isinstance(mod, (QuantizedLinear, QuantizedEmbedding))}
+            if isinstance(mod, (QuantizedLinear, QuantizedEmbedding, GGMLLinear, GGMLEmbedding))}

@@ -55,15 +55,26 @@ def to_panels(t: QuantizedTensor) -> QuantizedTensor:
         raise ValueError(f"the panel layout needs a multiple of {PANEL} output rows and float16 scales, "
                          f"got {t.shape[0]} rows")
     n, k = t.shape
+    data = torch.empty(n // PANEL, k // BLOCK, 4 if t.bits == 4 else 8, 64, dtype=torch.uint8)
+    for start in range(0, n, _CHUNK_ROWS):    # a chunk at a time: temporaries stay small for a vocabulary head
+        rows = slice(start, min(n, start + _CHUNK_ROWS))
+        data[start // PANEL:rows.stop // PANEL] = _panel_bytes(t.rows(rows))
+    offsets = None if t.offsets is None else _side_by_side(t.offsets)
+    return QuantizedTensor(t.bits, data, _side_by_side(t.scales), offsets, t.group_size)
+
+
+_CHUNK_ROWS = 4096
+
+
+def _panel_bytes(t: QuantizedTensor) -> torch.Tensor:
+    """The (N/16, K/32, chunks, 64) panel bytes of a row-layout tensor."""
+    n, k = t.shape
     p, nb = n // PANEL, k // BLOCK
     if t.bits == 4:
         c = _codes(t).view(p, PANEL, nb, 4, 2, 4)                        # [p, n, b, c, half, i]
-        data = (c[..., 0, :] | (c[..., 1, :] << 4)).permute(0, 2, 3, 1, 4).reshape(p, nb, 4, 64)
-    else:
-        c = (_codes(t).to(torch.int16) + 128).to(torch.uint8).view(p, PANEL, nb, 8, 4)   # [p, n, b, c, i]
-        data = c.permute(0, 2, 3, 1, 4).reshape(p, nb, 8, 64)
-    offsets = None if t.offsets is None else _side_by_side(t.offsets)
-    return QuantizedTensor(t.bits, data.contiguous(), _side_by_side(t.scales), offsets, t.group_size)
+        return (c[..., 0, :] | (c[..., 1, :] << 4)).permute(0, 2, 3, 1, 4).reshape(p, nb, 4, 64)
+    c = (_codes(t).to(torch.int16) + 128).to(torch.uint8).view(p, PANEL, nb, 8, 4)   # [p, n, b, c, i]
+    return c.permute(0, 2, 3, 1, 4).reshape(p, nb, 8, 64)
 
 
 def _row_bytes(b: torch.Tensor, bits: int) -> torch.Tensor:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
-import llguidance
-import llguidance.torch as llg_torch
 import torch
+
+if TYPE_CHECKING:
+    import llguidance
 
 
 class MaskStep:
@@ -17,6 +19,8 @@ class MaskStep:
     _executor: llguidance.LLExecutor | None = None
 
     def __init__(self, matchers: list[llguidance.LLMatcher], vocab_size: int) -> None:
+        import llguidance  # here, not at import: ~0.8 s and ~100 MB that unconstrained runs never need
+        import llguidance.torch as llg_torch
         if MaskStep._executor is None:
             MaskStep._executor = llguidance.LLExecutor()
         self.bitmask = llg_torch.allocate_token_bitmask(len(matchers), vocab_size)      # (rows, vocab/32) int32
@@ -26,6 +30,7 @@ class MaskStep:
 
     def apply(self, logits: torch.Tensor, rows: list[int], which: list[int]) -> None:
         """logits (B, vocab): mask rows[i] with matcher which[i]'s allowed set (in place)."""
+        import llguidance.torch as llg_torch
         self._done.result()
         sub = logits[rows]
         llg_torch.apply_token_bitmask_inplace(sub, self.bitmask[which].to(logits.device))

@@ -1,0 +1,134 @@
+"""GGUF blocks kept as stored: every block type's kernels against the `gguf` package's own
+dequantization, on both instruction-set builds, and the exact re-layouts against the same."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from tokenloom import native
+from tokenloom.quant import ggml, gguf_blocks, gguf_panels
+from tokenloom.quant.ggml import KERNEL_TYPES, GGMLTensor
+
+# byte offsets of each type's float16 fields (random bytes there could be inf/nan)
+HALF_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "IQ4_NL": [0],
+               "Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "IQ4_XS": [0]}
+TYPES = sorted(KERNEL_TYPES)
+
+
+def random_blocks(kind: int, rows: int, k: int, seed: int = 0) -> np.ndarray:
+    """(rows, bytes) of random blocks of GGML type `kind`, with finite scales."""
+    name, values, nbytes = KERNEL_TYPES[kind]
+    rng = np.random.default_rng(seed + kind)
+    raw = rng.integers(0, 256, size=(rows, k // values, nbytes), dtype=np.uint8)
+    for at in HALF_FIELDS[name]:
+        halves = rng.uniform(-0.05, 0.05, size=(rows, k // values)).astype(np.float16)
+        raw[:, :, at:at + 2] = halves.view(np.uint8).reshape(rows, k // values, 2)
+    return raw.reshape(rows, -1)
+
+
+def reference(kind: int, raw: np.ndarray, k: int) -> torch.Tensor:
+    array = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(kind))
+    return torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32)).view(raw.shape[0], k)
+
+
+def grid_activations(m: int, k: int) -> torch.Tensor:
+    """x whose int8 quantization per 32 values is exact (codes -127..127, power-of-two scales, each
+    block holding a +-127), so kernel and float products differ only in summation order."""
+    g = torch.Generator().manual_seed(m * k)
+    codes = torch.randint(-127, 128, (m, k // 32, 32), generator=g)
+    codes[:, :, 0] = 127
+    scales = 2.0 ** torch.randint(-8, 0, (m, k // 32, 1), generator=g)
+    return (codes * scales).view(m, k).float()
+
+
+def builds() -> list[tuple[str, object]]:
+    """(isa, torch.ops namespace) for every build of the GGML kernels this CPU runs."""
+    found = []
+    for isa, library in ggml._BUILDS:
+        if native.load(ggml._SOURCE, "GGUF block kernels", isa):
+            found.append((isa, getattr(torch.ops, library)))
+    return found
+
+
+@pytest.fixture(scope="module", params=["avx512vnni", "avx2"])
+def kernel_ops(request):
+    match = [ops for isa, ops in builds() if isa == request.param]
+    if not match:
+        pytest.skip(f"no {request.param} build on this CPU")
+    return match[0]
+
+
+@pytest.mark.parametrize("kind", TYPES, ids=[KERNEL_TYPES[t][0] for t in TYPES])
+def test_dequantize_matches_gguf_exactly(kernel_ops, kind):
+    k = 512
+    raw = random_blocks(kind, 8, k)
+    got = kernel_ops.dequantize(torch.from_numpy(raw), kind, k)
+    assert torch.equal(got, reference(kind, raw, k))
+
+
+@pytest.mark.parametrize("kind", TYPES, ids=[KERNEL_TYPES[t][0] for t in TYPES])
+@pytest.mark.parametrize("m", [1, 3])
+def test_matmul_matches_dequantized_product(kernel_ops, kind, m):
+    k, n = 512, 37
+    raw = random_blocks(kind, n, k, seed=m)
+    x = grid_activations(m, k)
+    xq = kernel_ops.quantize_activations(x)
+    out = torch.full((m, n + 5), 7.0)
+    kernel_ops.matmul_into(out, 2, xq, k, torch.from_numpy(raw), kind)
+    want = x @ reference(kind, raw, k).T
+    torch.testing.assert_close(out[:, 2:2 + n], want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    assert torch.all(out[:, :2] == 7.0) and torch.all(out[:, 2 + n:] == 7.0)   # other columns untouched
+
+
+def test_activation_quantization_error_is_small(kernel_ops):
+    """Off the grid, the product stays within int8 activation rounding of the float one."""
+    kind, k = 14, 1024                                   # Q6_K
+    raw = random_blocks(kind, 64, k)
+    x = torch.randn(2, k)
+    out = torch.empty(2, 64)
+    kernel_ops.matmul_into(out, 0, kernel_ops.quantize_activations(x), k, torch.from_numpy(raw), kind)
+    want = x @ reference(kind, raw, k).T
+    assert ((out - want).norm() / want.norm()).item() < 0.02
+
+
+def test_unsupported_type_and_wrong_row_size_are_errors():
+    with pytest.raises(ValueError, match="IQ2_XXS has no kernel"):
+        GGMLTensor(16, torch.zeros(4, 66, dtype=torch.uint8), 256)
+    with pytest.raises(ValueError, match="do not hold"):
+        GGMLTensor(8, torch.zeros(4, 30, dtype=torch.uint8), 32)
+
+
+needs_panels = pytest.mark.skipif(not gguf_panels.available(), reason="GGUF panel kernels need AVX-512 VNNI")
+
+
+@needs_panels
+@pytest.mark.parametrize("kind", sorted(gguf_panels.LAYOUTS),
+                         ids=[KERNEL_TYPES[t][0] for t in sorted(gguf_panels.LAYOUTS)])
+@pytest.mark.parametrize("m", [1, 5])
+def test_panels_hold_the_same_values_and_products(kind, m):
+    k, n = 768, 48
+    raw = random_blocks(kind, n, k, seed=m)
+    ref = reference(kind, raw, k)
+    panels = gguf_panels.to_panels(GGMLTensor(kind, torch.from_numpy(raw), k))
+    index = torch.tensor([0, 17, 47, 16, 3])
+    assert torch.equal(panels.rows(index), ref[index])
+    x = grid_activations(m, k)
+    out = torch.zeros(m, n + 16)
+    panels.matmul_into(out, 16, ggml.ops().quantize_activations(x))
+    want = x @ ref.T
+    torch.testing.assert_close(out[:, 16:], want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    bytes_per_32 = {6: 22, 7: 24, 12: 24, 13: 28, 14: 32}[kind]   # the file: 22, 24, 18, 22, 26.25
+    assert panels.nbytes == bytes_per_32 * n * k // 32
+
+
+@pytest.mark.parametrize("kind", sorted(gguf_blocks.EXACT_FORMATS),
+                         ids=[KERNEL_TYPES[t][0] for t in sorted(gguf_blocks.EXACT_FORMATS)])
+def test_exact_conversions_keep_every_value(kind):
+    k = 256
+    raw = random_blocks(kind, 16, k)
+    q = gguf_blocks.to_quantized(GGMLTensor(kind, torch.from_numpy(raw), k))
+    assert (q.bits, q.group_size) == (gguf_blocks.EXACT_FORMATS[kind].bits, 32)
+    assert torch.equal(q.dequantize(), reference(kind, raw, k))

@@ -1,0 +1,622 @@
+// Matrix products with GGUF weight blocks exactly as the file stores them (x86, AVX2 + FMA;
+// the AVX-512 VNNI build replaces the integer dot product with dpbusd).
+//
+// A weight is (N, row_bytes) uint8: each output row is K / block_values blocks of the GGUF
+// type, bytes as in the file (see ggml-common.h). Every block type is read as sub-blocks of
+// 32 values: 32 integer codes (signed, or unsigned with an offset), a scale per 16 values
+// and an offset per 16 values, so that
+//     w[k] = scale[k / 16] * code[k] + offset[k / 16]     (within one 32-value sub-block).
+// Activations are quantized per 32 values to int8 with one float scale (as for the int8/int4
+// kernels, quant_cpu.cpp), keeping the float sum of each 16 values for the offsets; each
+// sub-block's dot product is exact in int32 and scaled once in float.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <immintrin.h>
+#include <cmath>
+#include <cstring>
+
+namespace {
+
+constexpr int64_t QK = 32;
+
+enum GGMLType : int64_t {
+  Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14,
+  IQ4_NL = 20, IQ4_XS = 23,
+};
+
+inline float fp16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+const int8_t kIQ4NL[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+// One 32-value sub-block, decoded: codes, the scale of each int32 lane of a dot product
+// (lanes 0-3 hold values 0-15, lanes 4-7 values 16-31) and the offsets of the two halves.
+struct Sub {
+  __m256i codes;
+  __m256 scale;
+  float off0, off1;
+};
+
+inline __m256 halves(float a, float b) { return _mm256_setr_ps(a, a, a, a, b, b, b, b); }
+
+inline __m256i nibbles_lo_hi(const uint8_t* q) {   // 16 bytes -> low nibbles then high nibbles
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), _mm256_set1_epi8(0x0F));
+}
+
+inline __m256i low_nibbles(const uint8_t* q) {     // 32 bytes -> their low nibbles
+  return _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)), _mm256_set1_epi8(0x0F));
+}
+
+inline __m256i high_nibbles(const uint8_t* q) {    // 32 bytes -> their high nibbles
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+  return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F));
+}
+
+// 32 bits (bit j for value j) -> bytes of 0x10 where the bit is set.
+inline __m256i bits_to_16(uint32_t bits) {
+  const __m256i shuffle = _mm256_setr_epi64x(0x0000000000000000, 0x0101010101010101, 0x0202020202020202,
+                                              0x0303030303030303);
+  const __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)), shuffle);
+  const __m256i mask = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(bytes, mask), mask), _mm256_set1_epi8(0x10));
+}
+
+inline __m256i lookup_iq4nl(__m256i idx) {
+  const __m128i t = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kIQ4NL));
+  return _mm256_shuffle_epi8(_mm256_set_m128i(t, t), idx);
+}
+
+inline void scale_min_k4(int j, const uint8_t* q, int& sc, int& m) {
+  if (j < 4) {
+    sc = q[j] & 63;
+    m = q[j + 4] & 63;
+  } else {
+    sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+    m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+// The 16 signed 6-bit scales of a Q3_K block (ggml's kmask unpacking), minus 32.
+inline int q3k_scale(const uint8_t* s, int i) {
+  const int low = i < 8 ? s[i] & 0xF : s[i - 8] >> 4;
+  const int high = (s[8 + (i % 4)] >> (2 * (i / 4))) & 3;
+  return (low | (high << 4)) - 32;
+}
+
+// Per type: bytes per block, values per block, whether codes are signed, and the decoder of
+// sub-block s (0 .. values/32 - 1) of block b.
+template <int T> struct Block;
+
+template <> struct Block<Q8_0> {
+  static constexpr int64_t BYTES = 34, VALUES = 32;
+  static constexpr bool SIGNED = true;
+  static Sub sub(const uint8_t* b, int) {
+    const float d = fp16(b);
+    return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2)), _mm256_set1_ps(d), 0.f, 0.f};
+  }
+};
+
+template <> struct Block<Q4_0> {
+  static constexpr int64_t BYTES = 18, VALUES = 32;
+  static constexpr bool SIGNED = false;
+  static Sub sub(const uint8_t* b, int) {
+    const float d = fp16(b);
+    return {nibbles_lo_hi(b + 2), _mm256_set1_ps(d), -8.f * d, -8.f * d};
+  }
+};
+
+template <> struct Block<Q4_1> {
+  static constexpr int64_t BYTES = 20, VALUES = 32;
+  static constexpr bool SIGNED = false;
+  static Sub sub(const uint8_t* b, int) {
+    const float m = fp16(b + 2);
+    return {nibbles_lo_hi(b + 4), _mm256_set1_ps(fp16(b)), m, m};
+  }
+};
+
+template <> struct Block<Q5_0> {
+  static constexpr int64_t BYTES = 22, VALUES = 32;
+  static constexpr bool SIGNED = false;
+  static Sub sub(const uint8_t* b, int) {
+    const float d = fp16(b);
+    uint32_t qh;
+    std::memcpy(&qh, b + 2, 4);
+    return {_mm256_or_si256(nibbles_lo_hi(b + 6), bits_to_16(qh)), _mm256_set1_ps(d), -16.f * d, -16.f * d};
+  }
+};
+
+template <> struct Block<Q5_1> {
+  static constexpr int64_t BYTES = 24, VALUES = 32;
+  static constexpr bool SIGNED = false;
+  static Sub sub(const uint8_t* b, int) {
+    const float m = fp16(b + 2);
+    uint32_t qh;
+    std::memcpy(&qh, b + 4, 4);
+    return {_mm256_or_si256(nibbles_lo_hi(b + 8), bits_to_16(qh)), _mm256_set1_ps(fp16(b)), m, m};
+  }
+};
+
+template <> struct Block<IQ4_NL> {
+  static constexpr int64_t BYTES = 18, VALUES = 32;
+  static constexpr bool SIGNED = true;
+  static Sub sub(const uint8_t* b, int) { return {lookup_iq4nl(nibbles_lo_hi(b + 2)), _mm256_set1_ps(fp16(b)), 0.f, 0.f}; }
+};
+
+// Q2_K (84 B): scales[16] (low nibble scale, high nibble min, per 16 values), qs[64], d, dmin.
+// Value 128n + 32j + l is (qs[32n + l] >> 2j) & 3.
+template <> struct Block<Q2_K> {
+  static constexpr int64_t BYTES = 84, VALUES = 256;
+  static constexpr bool SIGNED = false;
+  static Sub sub(const uint8_t* b, int s) {
+    const int n = s / 4, j = s % 4;
+    const float d = fp16(b + 80), dmin = fp16(b + 82);
+    const uint8_t s0 = b[2 * s], s1 = b[2 * s + 1];
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * n));
+    const __m256i codes = _mm256_and_si256(_mm256_srl_epi16(q, _mm_cvtsi32_si128(2 * j)), _mm256_set1_epi8(3));
+    return {codes, halves(d * (s0 & 0xF), d * (s1 & 0xF)), -dmin * (s0 >> 4), -dmin * (s1 >> 4)};
+  }
+};
+
+// Q3_K (110 B): hmask[32], qs[64], scales[12], d. Value 128n + 32j + l is
+// ((qs[32n + l] >> 2j) & 3) - (hmask[l] bit 4n+j ? 0 : 4), scaled per 16 values.
+template <> struct Block<Q3_K> {
+  static constexpr int64_t BYTES = 110, VALUES = 256;
+  static constexpr bool SIGNED = true;
+  static Sub sub(const uint8_t* b, int s) {
+    const int n = s / 4, j = s % 4;
+    const float d = fp16(b + 108);
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32 + 32 * n));
+    const __m256i low = _mm256_and_si256(_mm256_srl_epi16(q, _mm_cvtsi32_si128(2 * j)), _mm256_set1_epi8(3));
+    const __m256i hm = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b));
+    const __m256i bit = _mm256_set1_epi8(static_cast<char>(1 << s));
+    const __m256i missing = _mm256_cmpeq_epi8(_mm256_and_si256(hm, bit), _mm256_setzero_si256());   // 0xFF: minus 4
+    const __m256i codes = _mm256_sub_epi8(low, _mm256_and_si256(missing, _mm256_set1_epi8(4)));
+    const uint8_t* sc = b + 96;
+    return {codes, halves(d * q3k_scale(sc, 2 * s), d * q3k_scale(sc, 2 * s + 1)), 0.f, 0.f};
+  }
+};
+
+// Q4_K (144 B): d, dmin, scales[12] (6-bit scale and min per 32 values), qs[128]. Sub-block
+// 2i is the low nibbles of qs[32i..32i+31], 2i+1 their high nibbles.
+template <> struct Block<Q4_K> {
+  static constexpr int64_t BYTES = 144, VALUES = 256;
+  static constexpr bool SIGNED = false;
+  static Sub sub(const uint8_t* b, int s) {
+    int sc, m;
+    scale_min_k4(s, b + 4, sc, m);
+    const uint8_t* q = b + 16 + 32 * (s / 2);
+    const float off = -fp16(b + 2) * m;
+    return {s % 2 ? high_nibbles(q) : low_nibbles(q), _mm256_set1_ps(fp16(b) * sc), off, off};
+  }
+};
+
+// Q5_K (176 B): d, dmin, scales[12], qh[32], qs[128]: Q4_K plus a fifth bit, bit s of qh[l].
+template <> struct Block<Q5_K> {
+  static constexpr int64_t BYTES = 176, VALUES = 256;
+  static constexpr bool SIGNED = false;
+  static Sub sub(const uint8_t* b, int s) {
+    int sc, m;
+    scale_min_k4(s, b + 4, sc, m);
+    const uint8_t* q = b + 48 + 32 * (s / 2);
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
+    const __m256i bit = _mm256_set1_epi8(static_cast<char>(1 << s));
+    const __m256i high = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, bit), bit), _mm256_set1_epi8(0x10));
+    const __m256i codes = _mm256_or_si256(s % 2 ? high_nibbles(q) : low_nibbles(q), high);
+    const float off = -fp16(b + 2) * m;
+    return {codes, _mm256_set1_ps(fp16(b) * sc), off, off};
+  }
+};
+
+// Q6_K (210 B): ql[128], qh[64], scales[16] int8 (per 16 values), d. Value 128n + 32j + l is
+// (4 bits of ql[64n + l + 32 (j&1)], low for j < 2, high otherwise) | ((qh[32n + l] >> 2j) & 3) << 4, minus 32.
+template <> struct Block<Q6_K> {
+  static constexpr int64_t BYTES = 210, VALUES = 256;
+  static constexpr bool SIGNED = true;
+  static Sub sub(const uint8_t* b, int s) {
+    const int n = s / 4, j = s % 4;
+    const uint8_t* ql = b + 64 * n + 32 * (j & 1);
+    const __m256i low = j < 2 ? low_nibbles(ql) : high_nibbles(ql);
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * n));
+    const __m256i high = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * j)), _mm256_set1_epi8(3));
+    const __m256i codes = _mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(high, 4)), _mm256_set1_epi8(32));
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    const float d = fp16(b + 208);
+    return {codes, halves(d * sc[2 * s], d * sc[2 * s + 1]), 0.f, 0.f};
+  }
+};
+
+// IQ4_XS (136 B): d, scales_h (uint16), scales_l[4], qs[128]; sub-block s: 16 bytes of nibbles
+// (low: values 0-15, high: 16-31) indexing the IQ4_NL table, scale d * (6-bit ls - 32).
+template <> struct Block<IQ4_XS> {
+  static constexpr int64_t BYTES = 136, VALUES = 256;
+  static constexpr bool SIGNED = true;
+  static Sub sub(const uint8_t* b, int s) {
+    uint16_t sh;
+    std::memcpy(&sh, b + 2, 2);
+    const int ls = ((b[4 + s / 2] >> (4 * (s % 2))) & 0xF) | (((sh >> (2 * s)) & 3) << 4);
+    return {lookup_iq4nl(nibbles_lo_hi(b + 8 + 16 * s)), _mm256_set1_ps(fp16(b) * (ls - 32)), 0.f, 0.f};
+  }
+};
+
+// ---- activations ---------------------------------------------------------------------------
+
+// x (M, K) float32 -> int8 codes per 32 values (scale max|x|/127), the float sum of every
+// 16 values and the integer sum of every 16 codes; one byte tensor holds q (M*K), scale
+// (M*K/32 floats), sum16 (M*K/16 floats), isum16 (M*K/16 int32).
+at::Tensor quantize_activations(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.device().is_cpu(),
+              "x must be a contiguous float32 CPU matrix");
+  const int64_t M = x.size(0), K = x.size(1), nb = K / QK;
+  TORCH_CHECK(K % QK == 0, "in_features must be a multiple of 32, got ", K);
+  at::Tensor storage = at::empty({M * K + M * nb * 4 * 5}, x.options().dtype(at::kByte));
+  uint8_t* base = storage.data_ptr<uint8_t>();
+  int8_t* q = reinterpret_cast<int8_t*>(base);
+  float* scale = reinterpret_cast<float*>(base + M * K);
+  float* sum16 = scale + M * nb;
+  int32_t* isum16 = reinterpret_cast<int32_t*>(sum16 + 2 * M * nb);
+  const float* src = x.data_ptr<float>();
+  at::parallel_for(0, M * nb, 256, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const float* v = src + b * QK;
+      float amax = 0.f, s[2] = {0.f, 0.f};
+      for (int i = 0; i < QK; ++i) { amax = std::max(amax, std::fabs(v[i])); s[i / 16] += v[i]; }
+      const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+      int32_t codes[2] = {0, 0};
+      for (int i = 0; i < QK; ++i) {
+        q[b * QK + i] = static_cast<int8_t>(std::nearbyint(v[i] * inv));
+        codes[i / 16] += q[b * QK + i];
+      }
+      scale[b] = d;
+      for (int h = 0; h < 2; ++h) { sum16[2 * b + h] = s[h]; isum16[2 * b + h] = codes[h]; }
+    }
+  });
+  return storage;
+}
+
+struct Acts {
+  const int8_t* q;
+  const float* scale;
+  const float* sum16;
+  const int32_t* isum16;
+  int64_t K, nb;
+};
+
+Acts view_acts(const at::Tensor& storage, int64_t M, int64_t K) {
+  TORCH_CHECK(storage.scalar_type() == at::kByte && storage.numel() == M * K + M * (K / QK) * 20,
+              "activations must come from quantize_activations for (M, K)");
+  const uint8_t* base = storage.data_ptr<uint8_t>();
+  const float* scale = reinterpret_cast<const float*>(base + M * K);
+  const float* sum16 = scale + M * (K / QK);
+  return {reinterpret_cast<const int8_t*>(base), scale, sum16,
+          reinterpret_cast<const int32_t*>(sum16 + 2 * M * (K / QK)), K, K / QK};
+}
+
+// ---- products ------------------------------------------------------------------------------
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define TOKENLOOM_GGML_LIBRARY tokenloom_ggml_vnni
+inline __m256i dot_signed(__m256i w, __m256i x) {
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+}
+inline __m256i dot_unsigned(__m256i w, __m256i x) { return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x); }
+#else
+#define TOKENLOOM_GGML_LIBRARY tokenloom_ggml
+// maddubs' int16 pairs stay exact: unsigned codes are < 64, signed codes have |w| <= 127.
+inline __m256i dot_signed(__m256i w, __m256i x) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)), _mm256_set1_epi16(1));
+}
+inline __m256i dot_unsigned(__m256i w, __m256i x) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
+}
+#endif
+
+inline float hsum(__m256 v) {
+  __m128 r = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+  r = _mm_add_ss(r, _mm_movehdup_ps(r));
+  return _mm_cvtss_f32(r);
+}
+
+struct Weight {
+  const uint8_t* q;
+  int64_t row_bytes;
+};
+
+constexpr int64_t PREFETCH_BYTES = 1024;
+
+// out[m][col0 + n] for an MT x NT tile (activation rows m0.., weight rows n0..), one pass over K.
+template <int T, int MT, int NT>
+void tile(const Weight& w, const Acts& a, int64_t m0, int64_t n0, float* out, int64_t ldo) {
+  using B = Block<T>;
+  constexpr int SUBS = B::VALUES / QK;
+  __m256 acc[MT][NT];
+  float off[MT][NT];
+  for (int m = 0; m < MT; ++m)
+    for (int j = 0; j < NT; ++j) { acc[m][j] = _mm256_setzero_ps(); off[m][j] = 0.f; }
+  const int64_t blocks = a.K / B::VALUES;
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    for (int j = 0; j < NT; ++j)
+      _mm_prefetch(reinterpret_cast<const char*>(w.q + (n0 + j) * w.row_bytes + blk * B::BYTES + PREFETCH_BYTES),
+                   _MM_HINT_T0);
+    for (int s = 0; s < SUBS; ++s) {
+      const int64_t xb = blk * SUBS + s;    // activation block index within a row
+      Sub sub[NT];
+      for (int j = 0; j < NT; ++j) sub[j] = B::sub(w.q + (n0 + j) * w.row_bytes + blk * B::BYTES, s);
+      for (int m = 0; m < MT; ++m) {
+        const int64_t xi = (m0 + m) * a.nb + xb;
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + (m0 + m) * a.K + xb * QK));
+        const __m256 xs = _mm256_set1_ps(a.scale[xi]);
+        const float x0 = a.sum16[2 * xi], x1 = a.sum16[2 * xi + 1];   // offsets use the float sums
+        for (int j = 0; j < NT; ++j) {
+          const __m256i d = B::SIGNED ? dot_signed(sub[j].codes, xv) : dot_unsigned(sub[j].codes, xv);
+          acc[m][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(sub[j].scale, xs), acc[m][j]);
+          if constexpr (!B::SIGNED) off[m][j] += sub[j].off0 * x0 + sub[j].off1 * x1;
+        }
+      }
+    }
+  }
+  for (int m = 0; m < MT; ++m)
+    for (int j = 0; j < NT; ++j) out[(m0 + m) * ldo + n0 + j] = hsum(acc[m][j]) + off[m][j];
+}
+
+template <int T>
+void rows(const Weight& w, const Acts& a, int64_t M, int64_t n0, int64_t n1, float* out, int64_t ldo) {
+  int64_t m = 0;
+  for (; m + 2 <= M; m += 2) {
+    int64_t n = n0;
+    for (; n + 2 <= n1; n += 2) tile<T, 2, 2>(w, a, m, n, out, ldo);
+    for (; n < n1; ++n) tile<T, 2, 1>(w, a, m, n, out, ldo);
+  }
+  for (; m < M; ++m) {
+    int64_t n = n0;
+    for (; n + 4 <= n1; n += 4) tile<T, 1, 4>(w, a, m, n, out, ldo);
+    for (; n < n1; ++n) tile<T, 1, 1>(w, a, m, n, out, ldo);
+  }
+}
+
+template <int T>
+void matmul_type(const Weight& w, const Acts& a, int64_t M, int64_t N, float* out, int64_t ldo) {
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { rows<T>(w, a, M, n0, n1, out, ldo); });
+}
+
+template <int T>
+void dequantize_type(const uint8_t* q, int64_t R, int64_t row_bytes, int64_t K, float* out) {
+  using B = Block<T>;
+  constexpr int SUBS = B::VALUES / QK;
+  at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t blk = 0; blk < K / B::VALUES; ++blk)
+        for (int s = 0; s < SUBS; ++s) {
+          const Sub sub = B::sub(q + r * row_bytes + blk * B::BYTES, s);
+          alignas(32) int8_t codes[32];
+          alignas(32) float scale[8];
+          _mm256_store_si256(reinterpret_cast<__m256i*>(codes), sub.codes);
+          _mm256_store_ps(scale, sub.scale);
+          float* y = out + r * K + (blk * SUBS + s) * QK;
+          for (int i = 0; i < QK; ++i) {
+            const int code = B::SIGNED ? codes[i] : static_cast<uint8_t>(codes[i]);
+            y[i] = scale[(i / 16) * 4] * code + (i < 16 ? sub.off0 : sub.off1);
+          }
+        }
+  });
+}
+
+#define TOKENLOOM_GGML_TYPES(X) X(Q4_0) X(Q4_1) X(Q5_0) X(Q5_1) X(Q8_0) X(Q2_K) X(Q3_K) X(Q4_K) X(Q5_K) X(Q6_K) \
+  X(IQ4_NL) X(IQ4_XS)
+
+int64_t block_bytes(int64_t type, int64_t& values) {
+  switch (type) {
+#define CASE(T) case T: values = Block<T>::VALUES; return Block<T>::BYTES;
+    TOKENLOOM_GGML_TYPES(CASE)
+#undef CASE
+    default: TORCH_CHECK(false, "GGML type ", type, " has no CPU kernel");
+  }
+}
+
+void check_weight(const at::Tensor& w, int64_t type, int64_t K) {
+  int64_t values = 0;
+  const int64_t bytes = block_bytes(type, values);
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.stride(1) == 1, "weight must be (N, row_bytes) uint8");
+  TORCH_CHECK(K % values == 0 && w.size(1) == K / values * bytes, "weight rows of ", w.size(1), " bytes do not hold ",
+              K, " values of GGML type ", type);
+}
+
+// out[:, col0 : col0 + N] = x @ w.T for the activations of ggml_quantize_activations(x).
+void matmul_into(at::Tensor out, int64_t col0, const at::Tensor& xq, int64_t K, const at::Tensor& w, int64_t type) {
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.stride(1) == 1, "out must be (M, *) float32");
+  check_weight(w, type, K);
+  const int64_t M = out.size(0), N = w.size(0);
+  TORCH_CHECK(col0 >= 0 && col0 + N <= out.size(1), "columns ", col0, "+", N, " exceed out");
+  const Acts a = view_acts(xq, M, K);
+  const Weight wt{w.data_ptr<uint8_t>(), w.stride(0)};
+  float* y = out.data_ptr<float>() + col0;
+  switch (type) {
+#define CASE(T) case T: matmul_type<T>(wt, a, M, N, y, out.stride(0)); break;
+    TOKENLOOM_GGML_TYPES(CASE)
+#undef CASE
+  }
+}
+
+at::Tensor dequantize(const at::Tensor& w, int64_t type, int64_t K) {
+  check_weight(w, type, K);
+  at::Tensor out = at::empty({w.size(0), K}, w.options().dtype(at::kFloat));
+  const uint8_t* q = w.data_ptr<uint8_t>();
+  switch (type) {
+#define CASE(T) case T: dequantize_type<T>(q, w.size(0), w.stride(0), K, out.data_ptr<float>()); break;
+    TOKENLOOM_GGML_TYPES(CASE)
+#undef CASE
+  }
+  return out;
+}
+
+#if defined(__AVX512VNNI__)
+// ---- 16-row panels of 4/5/6-bit codes (AVX-512 VNNI build only) ------------------------------
+// GGUF blocks re-laid at load (quant/gguf_panels.py), the same values, so that one 512-bit
+// dpbusd multiplies 16 output rows by 4 activations. Per panel p (rows 16p..16p+15) and block
+// b (values 32b..32b+31), the unsigned code of row n, value 32b + 8c + 4h + i is
+//   lo (P, nb, 4, 64): byte 64c + 4n + i, nibble h (low: h = 0)       -> code bits 0-3
+//   hi (P, nb, HB, 64): plane j, byte 4n + i, bit 2c + h             -> code bit 4 + j
+// and the weight is  scale * (code - Z) [+ offset], with
+//   per-32 scales: scale, offset (P, nb, 16) of S (float16 or float32), one per row and block;
+//   per-16 scales: scale (P, nb, 2, 16) float32 (values 0-15, 16-31), no offset.
+// Q5_0: HB 1, Z 16, float16; Q5_1: HB 1, offsets, float16; Q4_K: HB 0, offsets, float32;
+// Q5_K: HB 1, offsets, float32; Q6_K: HB 2, Z 32, per-16. Dot products are exact in int32.
+struct GPanel {
+  const uint8_t* lo;
+  const uint8_t* hi;
+  const void* scale;
+  const void* offset;
+  int64_t nb;
+};
+
+template <typename S> inline __m512 load16(const S* p);
+template <> inline __m512 load16<float>(const float* p) { return _mm512_loadu_ps(p); }
+template <> inline __m512 load16<uint16_t>(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// Bit (2c + h) of each byte of `plane`, moved to bit `to`, OR-ed into `codes`.
+template <int FROM, int TO>
+inline __m512i add_bit(__m512i codes, __m512i plane) {
+  const __m512i moved = FROM > TO ? _mm512_srli_epi16(plane, FROM - TO) : _mm512_slli_epi16(plane, TO - FROM);
+  return _mm512_ternarylogic_epi32(codes, moved, _mm512_set1_epi8(static_cast<char>(1 << TO)), 0xF8);  // a | (b & c)
+}
+
+template <int HB, int C, int H>
+inline __m512i with_high_bits(__m512i codes, const __m512i* planes) {
+  if constexpr (HB >= 1) codes = add_bit<2 * C + H, 4>(codes, planes[0]);
+  if constexpr (HB >= 2) codes = add_bit<2 * C + H, 5>(codes, planes[1]);
+  return codes;
+}
+
+// Chunk C of a block: dot products of its low-nibble and high-nibble codes with the activations.
+template <int HB, int C>
+inline void chunk_dots(const uint8_t* lo, const __m512i* planes, const int32_t* xb, __m512i& d0, __m512i& d1) {
+  const __m512i v = _mm512_loadu_si512(lo + C * 64), low = _mm512_set1_epi8(0x0F);
+  const __m512i c0 = with_high_bits<HB, C, 0>(_mm512_and_si512(v, low), planes);
+  const __m512i c1 = with_high_bits<HB, C, 1>(_mm512_and_si512(_mm512_srli_epi16(v, 4), low), planes);
+  d0 = _mm512_dpbusd_epi32(d0, c0, _mm512_set1_epi32(xb[2 * C]));
+  d1 = _mm512_dpbusd_epi32(d1, c1, _mm512_set1_epi32(xb[2 * C + 1]));
+}
+
+// y[16 j + n] for NZ panels from `first` and one activation row (block b of row: xq, xs, sums).
+template <int NZ, int HB, int Z, bool PER16, bool OFFS, typename S>
+void gpanel_row(const GPanel& w, int64_t first, const Acts& a, int64_t m, float* y, bool prefetch) {
+  constexpr int64_t LO = 256, HI = 64 * HB;
+  const int64_t nb = w.nb;
+  const int8_t* xq = a.q + m * a.K;
+  __m512 acc[NZ], off[NZ];
+  for (int j = 0; j < NZ; ++j) acc[j] = off[j] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const int64_t xi = m * nb + b;
+    const int32_t* xb = reinterpret_cast<const int32_t*>(xq + b * QK);
+    const __m512 xs = _mm512_set1_ps(a.scale[xi]);
+    for (int j = 0; j < NZ; ++j) {
+      const int64_t pb = (first + j) * nb + b;   // this panel's block index
+      const uint8_t* lo = w.lo + pb * LO;
+      if (prefetch) {
+        for (int c = 0; c < 4; ++c) _mm_prefetch(reinterpret_cast<const char*>(lo + 1024 + 64 * c), _MM_HINT_T0);
+        if constexpr (HB > 0) _mm_prefetch(reinterpret_cast<const char*>(w.hi + pb * HI + 1024), _MM_HINT_T0);
+      }
+      __m512i planes[2];
+      for (int h = 0; h < HB; ++h) planes[h] = _mm512_loadu_si512(w.hi + pb * HI + 64 * h);
+      __m512i a0 = _mm512_setzero_si512(), a1 = a0, b0 = a0, b1 = a0;    // values 0-15 (a), 16-31 (b)
+      chunk_dots<HB, 0>(lo, planes, xb, a0, a1);
+      chunk_dots<HB, 1>(lo, planes, xb, a0, a1);
+      chunk_dots<HB, 2>(lo, planes, xb, b0, b1);
+      chunk_dots<HB, 3>(lo, planes, xb, b0, b1);
+      const int32_t* is = a.isum16 + 2 * xi;
+      if constexpr (PER16) {
+        const float* sc = static_cast<const float*>(w.scale) + pb * 32;
+        const __m512i da = _mm512_sub_epi32(_mm512_add_epi32(a0, a1), _mm512_set1_epi32(Z * is[0]));
+        const __m512i db = _mm512_sub_epi32(_mm512_add_epi32(b0, b1), _mm512_set1_epi32(Z * is[1]));
+        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(da), _mm512_mul_ps(xs, _mm512_loadu_ps(sc)), acc[j]);
+        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(db), _mm512_mul_ps(xs, _mm512_loadu_ps(sc + 16)), acc[j]);
+      } else {
+        const __m512i d = _mm512_sub_epi32(_mm512_add_epi32(_mm512_add_epi32(a0, a1), _mm512_add_epi32(b0, b1)),
+                                           _mm512_set1_epi32(Z * (is[0] + is[1])));
+        const __m512 sc = load16(static_cast<const S*>(w.scale) + pb * 16);
+        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(xs, sc), acc[j]);
+        if constexpr (OFFS) {
+          const __m512 xsum = _mm512_set1_ps(a.sum16[2 * xi] + a.sum16[2 * xi + 1]);
+          off[j] = _mm512_fmadd_ps(load16(static_cast<const S*>(w.offset) + pb * 16), xsum, off[j]);
+        }
+      }
+    }
+  }
+  for (int j = 0; j < NZ; ++j) _mm512_storeu_ps(y + 16 * j, OFFS ? _mm512_add_ps(acc[j], off[j]) : acc[j]);
+}
+
+template <int HB, int Z, bool PER16, bool OFFS, typename S>
+void gpanel_matmul(const GPanel& w, const Acts& a, int64_t M, int64_t P, float* out, int64_t ldo) {
+  const int64_t threads = at::get_num_threads();
+  const int64_t grain = std::max<int64_t>(1, (P + threads - 1) / threads);
+  at::parallel_for(0, P, grain, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; p += 2) {        // two panels' weight streams side by side
+      for (int64_t m = 0; m < M; ++m) {
+        float* y = out + m * ldo + p * 16;
+        if (p + 2 <= p1) gpanel_row<2, HB, Z, PER16, OFFS, S>(w, p, a, m, y, m == 0);
+        else gpanel_row<1, HB, Z, PER16, OFFS, S>(w, p, a, m, y, m == 0);
+      }
+    }
+  });
+}
+
+// out[:, col0 : col0 + 16 P] = x @ w.T for GGUF type `type` in the panel layout above.
+void panel_matmul_into(at::Tensor out, int64_t col0, const at::Tensor& xq, int64_t K, int64_t type,
+                       const at::Tensor& lo, const c10::optional<at::Tensor>& hi, const at::Tensor& scale,
+                       const c10::optional<at::Tensor>& offset) {
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.stride(1) == 1, "out must be (M, *) float32");
+  TORCH_CHECK(lo.scalar_type() == at::kByte && lo.is_contiguous() && lo.dim() == 4 && lo.size(1) == K / QK &&
+              lo.size(2) == 4 && lo.size(3) == 64, "lo must be (N/16, K/32, 4, 64) uint8");
+  const int64_t M = out.size(0), P = lo.size(0), nb = K / QK;
+  TORCH_CHECK(col0 >= 0 && col0 + 16 * P <= out.size(1), "columns exceed out");
+  const int hb = type == Q6_K ? 2 : (type == Q5_0 || type == Q5_1 || type == Q5_K) ? 1 : 0;
+  TORCH_CHECK(hb == 0 || (hi && hi->is_contiguous() && hi->numel() == P * nb * hb * 64), "high-bit planes missing");
+  const bool half = type == Q5_0 || type == Q5_1, per16 = type == Q6_K;
+  TORCH_CHECK(scale.is_contiguous() && scale.numel() == P * nb * 16 * (per16 ? 2 : 1) &&
+              scale.scalar_type() == (half ? at::kHalf : at::kFloat), "panel scales have the wrong shape or dtype");
+  const bool offs = type == Q5_1 || type == Q4_K || type == Q5_K;
+  TORCH_CHECK(!offs || (offset && offset->is_contiguous() && offset->sizes() == scale.sizes() &&
+                        offset->scalar_type() == scale.scalar_type()), "panel offsets must be shaped like the scales");
+  const Acts a = view_acts(xq, M, K);
+  const GPanel w{lo.data_ptr<uint8_t>(), hb ? hi->data_ptr<uint8_t>() : nullptr, scale.data_ptr(),
+                 offs ? offset->data_ptr() : nullptr, nb};
+  float* y = out.data_ptr<float>() + col0;
+  const int64_t ldo = out.stride(0);
+  switch (type) {
+    case Q5_0: gpanel_matmul<1, 16, false, false, uint16_t>(w, a, M, P, y, ldo); break;
+    case Q5_1: gpanel_matmul<1, 0, false, true, uint16_t>(w, a, M, P, y, ldo); break;
+    case Q4_K: gpanel_matmul<0, 0, false, true, float>(w, a, M, P, y, ldo); break;
+    case Q5_K: gpanel_matmul<1, 0, false, true, float>(w, a, M, P, y, ldo); break;
+    case Q6_K: gpanel_matmul<2, 32, true, false, float>(w, a, M, P, y, ldo); break;
+    default: TORCH_CHECK(false, "GGML type ", type, " has no panel kernel");
+  }
+}
+#endif
+
+}  // namespace
+
+TORCH_LIBRARY(TOKENLOOM_GGML_LIBRARY, m) {
+  m.def("quantize_activations(Tensor x) -> Tensor");
+  m.def("matmul_into(Tensor(a!) out, int col0, Tensor xq, int K, Tensor w, int type) -> ()");
+  m.def("dequantize(Tensor w, int type, int K) -> Tensor");
+#if defined(__AVX512VNNI__)
+  m.def("panel_matmul_into(Tensor(a!) out, int col0, Tensor xq, int K, int type, Tensor lo, Tensor? hi, "
+        "Tensor scale, Tensor? offset) -> ()");
+#endif
+}
+
+TORCH_LIBRARY_IMPL(TOKENLOOM_GGML_LIBRARY, CPU, m) {
+  m.impl("quantize_activations", &quantize_activations);
+  m.impl("matmul_into", &matmul_into);
+  m.impl("dequantize", &dequantize);
+#if defined(__AVX512VNNI__)
+  m.impl("panel_matmul_into", &panel_matmul_into);
+#endif
+}

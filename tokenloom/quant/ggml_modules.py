@@ -1,0 +1,124 @@
+"""nn.Linear / nn.Embedding drop-ins whose weights are GGUF blocks, values as stored.
+
+``GGMLLinear`` keeps nn.Linear's contract, ``x (..., in) -> (..., out)`` in x's dtype. A
+fused layer (qkv, gate_up) may take its shards from tensors of different GGML types: each
+shard is a segment of output columns, loaded into the fastest layout its type has here
+(``segment_for``) and filled by its own kernel. ``GGMLEmbedding`` keeps the embedding's
+blocks and dequantizes only the rows it looks up (or reads a tied GGMLLinear's rows).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tokenloom.quant import gguf_panels, kernels, panels
+from tokenloom.quant.ggml import GGMLTensor, ops
+from tokenloom.quant.gguf_blocks import exact_format, to_quantized
+
+
+class QuantizedSegment:
+    """A GGUF tensor held as a tokenloom int8/int4 panel tensor (values unchanged)."""
+
+    def __init__(self, t: GGMLTensor) -> None:
+        self.q = panels.to_panels(to_quantized(t))
+        self.kind, self.type_name, self.shape = t.kind, t.type_name, t.shape
+        self._run = kernels.bind(self.q, None, True)
+
+    def matmul_into(self, out: torch.Tensor, col0: int, x: torch.Tensor) -> None:
+        out[:, col0:col0 + self.shape[0]] = self._run(x)
+
+    def rows(self, index: torch.Tensor) -> torch.Tensor:
+        return panels.rows(self.q, index).dequantize()
+
+
+def segment_for(t: GGMLTensor):
+    """`t` in the fastest layout this CPU runs: GGUF panels, int8/int4 panels, or as stored."""
+    if gguf_panels.fits(t):
+        return gguf_panels.to_panels(t)
+    fmt = exact_format(t.kind)
+    if fmt is not None and kernels.panels_available() and t.shape[0] % panels.PANEL == 0:
+        return QuantizedSegment(t)
+    return t
+
+
+def _rows(segment, index: torch.Tensor) -> torch.Tensor:
+    return segment.rows(index).dequantize() if isinstance(segment, GGMLTensor) else segment.rows(index)
+
+
+class GGMLLinear(nn.Module):
+    """A Linear layer whose weight is one or more GGUF tensors, each a segment of output rows."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.segments: list[tuple[int, object]] = []     # (first output column, segment), sorted
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False) \
+            if bias else None
+
+    def load_weight(self, tensor: GGMLTensor, rows: slice | None = None) -> None:
+        """Take `tensor` as the weight's rows `rows` (all rows when None), values unchanged."""
+        if not isinstance(tensor, GGMLTensor):
+            raise ValueError(f"a GGML layer takes GGUF blocks, got a {type(tensor).__name__}")
+        start, stop = (0, self.out_features) if rows is None else (rows.start or 0, rows.stop)
+        if tensor.shape != (stop - start, self.in_features):
+            raise ValueError(f"weight shape {tensor.shape} does not match {(stop - start, self.in_features)}")
+        kept = [s for s in self.segments if s[0] != start]
+        self.segments = sorted(kept + [(start, segment_for(tensor))], key=lambda s: s[0])
+
+    def rows(self, index: torch.Tensor) -> torch.Tensor:
+        """float32 rows `index` of a one-segment weight (a tied embedding's lookup)."""
+        if len(self.segments) != 1:
+            raise ValueError("row lookup needs a weight of one GGUF tensor")
+        return _rows(self.segments[0][1], index)
+
+    @property
+    def types(self) -> list[str]:
+        return [s.type_name + ("" if isinstance(s, GGMLTensor) else " panels") for _, s in self.segments]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features).float().contiguous()          # (M, in)
+        if ops() is None or x2.device.type != "cpu":
+            w = torch.cat([_rows(s, torch.arange(s.shape[0])) for _, s in self.segments])
+            y = x2 @ w.to(x2.device).T
+        else:
+            xq = ops().quantize_activations(x2)
+            y = torch.empty(x2.shape[0], self.out_features)
+            for col0, segment in self.segments:
+                segment.matmul_into(y, col0, x2 if isinstance(segment, QuantizedSegment) else xq)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"types={'+'.join(self.types) or 'unloaded'}, bias={self.bias is not None}")
+
+
+class GGMLEmbedding(nn.Module):
+    """An embedding table of GGUF blocks (its own, or the rows of a tied GGMLLinear)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype,
+                 tied: GGMLLinear | None = None) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim, self.dtype = num_embeddings, embedding_dim, dtype
+        self._tied = [tied] if tied is not None else []   # a list: not registered, not saved twice
+        self.weight_q: GGMLTensor | None = None
+
+    def load_weight(self, tensor: GGMLTensor, rows: slice | None = None) -> None:
+        if self._tied:
+            self._tied[0].load_weight(tensor, rows)
+            return
+        if not isinstance(tensor, GGMLTensor) or tensor.shape != (self.num_embeddings, self.embedding_dim):
+            raise ValueError(f"embedding takes GGUF blocks of shape {(self.num_embeddings, self.embedding_dim)}")
+        self.weight_q = tensor
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1).cpu()
+        rows = self._tied[0].rows(flat) if self._tied else self.weight_q.rows(flat).dequantize()
+        return rows.to(self.dtype).to(ids.device).view(*ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        kind = "tied" if self._tied else (self.weight_q.type_name if self.weight_q is not None else "unloaded")
+        return f"{self.num_embeddings}, {self.embedding_dim}, {kind}"

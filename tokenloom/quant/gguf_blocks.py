@@ -1,0 +1,69 @@
+"""GGUF block types that are tokenloom int8/int4 formats as they stand: exact conversions.
+
+Each of these has one float16 scale (and for int4 an offset) per 32 values, which is the
+row layout of ``formats.py`` (so also the AVX-512 panel layout) with no value changed:
+
+- Q8_0  (34 B: fp16 d, 32 x int8 q):          int8-g32, codes q, scale d
+- Q5_0  (22 B: fp16 d, u32 qh, 16 B nibbles):  int8-g32, codes q - 16 (5-bit q), scale d
+- IQ4_NL (18 B: fp16 d, 16 B nibbles):         int8-g32, codes kvalues[nibble], scale d
+- Q4_0  (18 B: fp16 d, 16 B nibbles):          int4-g32, codes q, scale d, offset -8 d
+- Q4_1  (20 B: fp16 d, fp16 m, 16 B nibbles):  int4-g32, codes q, scale d, offset m
+
+Nibble byte j of a block holds value j (low) and j + 16 (high), as in ``formats.pack_int4``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from tokenloom.quant.formats import QuantizedTensor
+from tokenloom.quant.ggml import GGMLTensor
+from tokenloom.quant.scheme import WeightFormat
+
+Q4_0, Q4_1, Q5_0, Q8_0, IQ4_NL = 2, 3, 6, 8, 20
+EXACT_FORMATS = {Q8_0: WeightFormat(8, 32), Q5_0: WeightFormat(8, 32), IQ4_NL: WeightFormat(8, 32),
+                 Q4_0: WeightFormat(4, 32), Q4_1: WeightFormat(4, 32)}
+_IQ4NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
+
+
+def exact_format(kind: int) -> WeightFormat | None:
+    """The tokenloom format that holds GGML type `kind` without a change of value, if any
+    (Q5_0 only where its own panel kernel, which reads 22 bytes per 32 weights, not 34, does not run)."""
+    from tokenloom.quant import gguf_panels
+    if kind in gguf_panels.LAYOUTS and gguf_panels.available():
+        return None
+    return EXACT_FORMATS.get(kind)
+
+
+def _half(blocks: np.ndarray, at: int) -> torch.Tensor:
+    """(rows, nb, bytes) blocks -> their float16 field at byte `at`, as float32 (rows, nb)."""
+    return torch.from_numpy(np.ascontiguousarray(blocks[:, :, at:at + 2]).view(np.float16)[..., 0].astype(np.float32))
+
+
+def _nibbles(blocks: np.ndarray) -> np.ndarray:
+    """The last 16 bytes of each block, unpacked to (rows, nb, 32) values 0..15 in order."""
+    packed = blocks[:, :, -16:]
+    return np.concatenate([packed & 0x0F, packed >> 4], axis=2)
+
+
+def to_quantized(t: GGMLTensor) -> QuantizedTensor:
+    """The QuantizedTensor with exactly `t`'s values (`t.kind` must have an ``exact_format``)."""
+    if t.kind not in EXACT_FORMATS:
+        raise ValueError(f"{t.type_name} is not a tokenloom format as it stands")
+    rows = t.shape[0]
+    blocks = t.data.cpu().numpy().reshape(rows, t.in_features // 32, -1)      # (rows, nb, bytes)
+    d = _half(blocks, 0)
+    if t.kind == Q8_0:
+        codes = blocks[:, :, 2:].view(np.int8)
+    elif t.kind == Q5_0:
+        qh = np.ascontiguousarray(blocks[:, :, 2:6]).view(np.uint32)                # (rows, nb, 1)
+        high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4   # (rows, nb, 32)
+        codes = ((_nibbles(blocks) | high).astype(np.int16) - 16).astype(np.int8)
+    elif t.kind == IQ4_NL:
+        codes = _IQ4NL_VALUES[_nibbles(blocks)]
+    else:
+        nibbles = torch.from_numpy(np.ascontiguousarray(blocks[:, :, -16:]).reshape(rows, -1))
+        offsets = -8.0 * d if t.kind == Q4_0 else _half(blocks, 2)
+        return QuantizedTensor(4, nibbles, d, offsets, 32)
+    return QuantizedTensor(8, torch.from_numpy(np.ascontiguousarray(codes).reshape(rows, -1)), d, None, 32)

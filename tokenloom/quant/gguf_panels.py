@@ -1,0 +1,172 @@
+"""GGUF Q5_0, Q5_1, Q4_K, Q5_K and Q6_K blocks re-laid in 16-row panels for AVX-512 VNNI.
+
+The same values as the file's blocks (exact: K-quant scales ``d * sc`` and mins
+``dmin * m`` are products of a float16 and a 6-bit integer, exact in float32), in the
+layout ``csrc/ggml_cpu.cpp``'s panel kernel reads 16 output rows at a time from (see the
+comment there): low nibbles of the codes (``lo``), their bits 4 and 5 in bit planes
+(``hi``), and per-row scales (and offsets) side by side. Bytes per 32 weights against the
+file: Q5_0 22 (22), Q5_1 24 (24), Q4_K 24 (18), Q5_K 28 (22), Q6_K 32 (26.25).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tokenloom.quant.ggml import GGMLTensor, ops
+
+PANEL = 16
+Q5_0, Q5_1, Q4_K, Q5_K, Q6_K = 6, 7, 12, 13, 14
+# type -> (high bit planes, zero point, per-16 scales, offsets, scale dtype)
+LAYOUTS = {Q5_0: (1, 16, False, False, torch.float16), Q5_1: (1, 0, False, True, torch.float16),
+           Q4_K: (0, 0, False, True, torch.float32), Q5_K: (1, 0, False, True, torch.float32),
+           Q6_K: (2, 32, True, False, torch.float32)}
+_CHUNK_ROWS = 1024
+
+
+@dataclass
+class GGUFPanels:
+    kind: int
+    lo: torch.Tensor                 # (P, K/32, 4, 64) uint8
+    hi: torch.Tensor | None          # (P, K/32, planes, 64) uint8
+    scale: torch.Tensor              # (P, K/32, 16) or (P, K/32, 2, 16)
+    offset: torch.Tensor | None      # like scale
+    in_features: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.lo.shape[0] * PANEL, self.in_features
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.lo, self.hi, self.scale, self.offset) if t is not None)
+
+    @property
+    def type_name(self) -> str:
+        from tokenloom.quant.ggml import KERNEL_TYPES
+        return KERNEL_TYPES[self.kind][0]
+
+    def matmul_into(self, out: torch.Tensor, col0: int, xq: torch.Tensor) -> None:
+        ops().panel_matmul_into(out, col0, xq, self.in_features, self.kind, self.lo, self.hi, self.scale, self.offset)
+
+    def rows(self, index: torch.Tensor) -> torch.Tensor:
+        """float32 (len(index), K): rows `index` dequantized (an embedding lookup)."""
+        planes, zero, per16, _, _ = LAYOUTS[self.kind]
+        p, nb = self.lo.shape[:2]
+        panel, lane = index // PANEL, index % PANEL
+        lo = self.lo.view(p, nb, 4, PANEL, 4)[panel, :, :, lane]              # (L, nb, c, i)
+        codes = torch.stack([lo & 0x0F, lo >> 4], dim=3).int()               # (L, nb, c, h, i)
+        shifts = torch.arange(8, dtype=torch.int32).view(4, 2, 1)             # bit 2c + h
+        for j in range(planes):
+            hi = self.hi.view(p, nb, planes, PANEL, 4)[panel, :, j, lane].int()   # (L, nb, i)
+            codes |= ((hi[:, :, None, None, :] >> shifts) & 1) << (4 + j)
+        w = codes.reshape(len(index), nb, 32).float() - zero
+        if per16:
+            w = w * self.scale[panel, :, :, lane].float().repeat_interleave(16, dim=-1)
+        else:
+            w = w * self.scale[panel, :, lane].float()[..., None]
+        if self.offset is not None:
+            w = w + self.offset[panel, :, lane].float()[..., None]
+        return w.reshape(len(index), self.in_features)
+
+
+def available() -> bool:
+    """The AVX-512 VNNI build, which has the panel kernel, runs here."""
+    kernels = ops()
+    return kernels is not None and hasattr(kernels, "panel_matmul_into")
+
+
+def fits(t: GGMLTensor) -> bool:
+    return t.kind in LAYOUTS and t.shape[0] % PANEL == 0 and available()
+
+
+def to_panels(t: GGMLTensor) -> GGUFPanels:
+    """Re-lay `t` (a type in LAYOUTS, rows a multiple of 16) a chunk of rows at a time."""
+    planes, _, per16, offs, dtype = LAYOUTS[t.kind]
+    n, k = t.shape
+    p, nb = n // PANEL, k // 32
+    lo = torch.empty(p, nb, 4, 64, dtype=torch.uint8)
+    hi = torch.empty(p, nb, planes, 64, dtype=torch.uint8) if planes else None
+    scale = torch.empty((p, nb, 2, PANEL) if per16 else (p, nb, PANEL), dtype=dtype)
+    offset = torch.empty_like(scale) if offs else None
+    for start in range(0, n, _CHUNK_ROWS):
+        stop = min(n, start + _CHUNK_ROWS)
+        codes, s, o = decode(t.kind, t.data[start:stop].numpy(), k)
+        sl = slice(start // PANEL, stop // PANEL)
+        lo[sl], hi_part = _pack_codes(torch.from_numpy(codes), planes)
+        if hi is not None:
+            hi[sl] = hi_part
+        scale[sl] = _side_by_side(torch.from_numpy(s), per16).to(dtype)
+        if offset is not None:
+            offset[sl] = _side_by_side(torch.from_numpy(o), per16).to(dtype)
+    return GGUFPanels(t.kind, lo, hi, scale, offset, k)
+
+
+def _pack_codes(codes: torch.Tensor, planes: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(N, K) codes -> lo (P, nb, 4, 64) and hi (P, nb, planes, 64) as the kernel reads them."""
+    n, k = codes.shape
+    c = codes.view(n // PANEL, PANEL, k // 32, 4, 2, 4)                      # [p, n, b, c, h, i]
+    lo = ((c[..., 0, :] & 0x0F) | ((c[..., 1, :] & 0x0F) << 4)).permute(0, 2, 3, 1, 4)
+    lo = lo.reshape(n // PANEL, k // 32, 4, 64)
+    if not planes:
+        return lo, None
+    weights = (1 << torch.arange(8, dtype=torch.int32)).view(4, 2, 1)        # bit 2c + h
+    hi = [(((c.int() >> (4 + j)) & 1) * weights).sum(dim=(3, 4)).to(torch.uint8)   # [p, n, b, i]
+          for j in range(planes)]
+    hi = torch.stack(hi, dim=3).permute(0, 2, 3, 1, 4)                       # [p, b, j, n, i]
+    return lo, hi.reshape(n // PANEL, k // 32, planes, 64)
+
+
+def _side_by_side(x: torch.Tensor, per16: bool) -> torch.Tensor:
+    """(N, nb) or (N, nb, 2) per-row values -> (P, nb, 16) or (P, nb, 2, 16)."""
+    n = x.shape[0]
+    x = x.view(n // PANEL, PANEL, *x.shape[1:])
+    return (x.permute(0, 2, 3, 1) if per16 else x.permute(0, 2, 1)).contiguous()
+
+
+def _half(blocks: np.ndarray, at: int) -> np.ndarray:
+    return np.ascontiguousarray(blocks[..., at:at + 2]).view(np.float16)[..., 0].astype(np.float32)
+
+
+def _k4_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(rows, nsb, 12) packed Q4_K/Q5_K scales -> 6-bit scales and mins, (rows, nsb, 8) each."""
+    d, m, md = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    sc = np.concatenate([d & 63, (md & 0x0F) | ((d >> 6) << 4)], axis=-1)
+    mn = np.concatenate([m & 63, (md >> 4) | ((m >> 6) << 4)], axis=-1)
+    return sc.astype(np.float32), mn.astype(np.float32)
+
+
+def decode(kind: int, raw: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """Raw rows -> unsigned codes (rows, K) uint8, scales (rows, K/32) or (rows, K/32, 2), offsets."""
+    rows = raw.shape[0]
+    if kind in (Q5_0, Q5_1):
+        blocks = raw.reshape(rows, k // 32, -1)
+        qh = np.ascontiguousarray(blocks[:, :, -20:-16]).view(np.uint32)            # (rows, nb, 1)
+        high = (((qh >> np.arange(32, dtype=np.uint32)) & 1) << 4).astype(np.uint8)
+        packed = blocks[:, :, -16:]
+        codes = np.concatenate([packed & 0x0F, packed >> 4], axis=2) | high
+        offsets = _half(blocks, 2) if kind == Q5_1 else None
+        return codes.reshape(rows, k), _half(blocks, 0), offsets
+    blocks = raw.reshape(rows, k // 256, -1)                                        # (rows, nsb, bytes)
+    if kind in (Q4_K, Q5_K):
+        d, dmin = _half(blocks, 0)[..., None], _half(blocks, 2)[..., None]
+        sc, mn = _k4_scales(blocks[..., 4:16])
+        qs = blocks[..., -128:].reshape(rows, -1, 4, 32)                            # (rows, nsb, pair, l)
+        codes = np.stack([qs & 0x0F, qs >> 4], axis=3)                              # (rows, nsb, pair, half, l)
+        if kind == Q5_K:
+            qh = blocks[..., 16:48]                                                 # (rows, nsb, l)
+            bits = (qh[:, :, None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1  # (rows, nsb, s, l)
+            codes = codes | (bits.reshape(rows, -1, 4, 2, 32) << 4)
+        return codes.reshape(rows, k), (d * sc).reshape(rows, -1), (-dmin * mn).reshape(rows, -1)
+    if kind == Q6_K:
+        ql = blocks[..., 0:128].reshape(rows, -1, 2, 2, 32)                         # (rows, nsb, n, j&1, l)
+        low = np.stack([ql & 0x0F, ql >> 4], axis=3)                                # (rows, nsb, n, j>>1, j&1, l)
+        qh = blocks[..., 128:192].reshape(rows, -1, 2, 1, 32)                       # (rows, nsb, n, 1, l)
+        high = (qh >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3              # (rows, nsb, n, j, l)
+        codes = low.reshape(rows, -1, 2, 4, 32) | (high << 4)
+        sc = np.ascontiguousarray(blocks[..., 192:208]).view(np.int8).astype(np.float32)
+        scales = _half(blocks, 208)[..., None] * sc                                 # (rows, nsb, 16)
+        return codes.reshape(rows, k), scales.reshape(rows, -1, 2), None
+    raise ValueError(f"GGML type {kind} has no panel layout")
