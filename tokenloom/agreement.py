@@ -1,0 +1,42 @@
+"""How close a model as loaded stays to a reference load of the same weights (e.g. GGUF blocks
+with int8 activations against the file dequantized to float32), teacher-forced on a text:
+the share of positions whose top-1 token is the same, and the mean KL divergence
+KL(reference || model), llama.cpp's ``llama-perplexity --kl-divergence`` figures."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tokenloom.scoring import prefill_logits
+
+
+@dataclass
+class Agreement:
+    same_top1: float          # share of scored positions, 0..1
+    kl_mean: float            # nats per position
+    kl_p99: float
+    positions: int
+
+
+@torch.inference_mode()
+def agreement(engine, reference, token_ids: list[int], window: int = 512) -> Agreement:
+    """Compare `engine` with `reference` (both idle engines with the same tokenizer) over
+    non-overlapping windows of `window` tokens, each predicted from its window's earlier tokens."""
+    if window < 2:
+        raise ValueError(f"window must be at least 2 tokens, got {window}")
+    same, kls = 0, []
+    for start in range(0, len(token_ids) - 1, window):
+        piece = token_ids[start:start + window]
+        if len(piece) < 2:
+            break
+        for (at, a), (_, b) in zip(prefill_logits(engine, piece), prefill_logits(reference, piece)):
+            keep = len(piece) - 1 - at                  # the window's last token predicts past it: not scored
+            la, lb = a[:keep].float().log_softmax(-1), b[:keep].float().log_softmax(-1)   # (len, vocab)
+            same += int((la.argmax(-1) == lb.argmax(-1)).sum())
+            kls.append((lb.exp() * (lb - la)).sum(-1))
+    kl = torch.cat(kls)
+    if kl.numel() == 0:
+        raise ValueError("the text has fewer than two tokens")
+    return Agreement(same / kl.numel(), kl.mean().item(), kl.quantile(0.99).item(), kl.numel())
