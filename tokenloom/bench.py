@@ -32,16 +32,27 @@ class SpeedReport:
 
 
 def model_bytes(model: torch.nn.Module) -> int:
-    """Bytes of every distinct parameter and buffer (tied tensors counted once)."""
+    """Bytes of every distinct parameter and buffer (tied tensors counted once), and of GGUF blocks."""
+    from tokenloom.quant.ggml_modules import GGMLEmbedding, GGMLLinear
     seen = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
-    return sum(t.numel() * t.element_size() for t in seen.values())
+    blocks = sum(segment_bytes(s) for m in model.modules() if isinstance(m, GGMLLinear) for _, s in m.segments)
+    blocks += sum(m.weight_q.nbytes for m in model.modules() if isinstance(m, GGMLEmbedding) and m.weight_q is not None)
+    return sum(t.numel() * t.element_size() for t in seen.values()) + blocks
+
+
+def segment_bytes(segment) -> int:
+    q = getattr(segment, "q", None)          # a QuantizedSegment holds a QuantizedTensor
+    return q.nbytes if q is not None else segment.nbytes
 
 
 def bytes_read_per_token(model: torch.nn.Module) -> int:
     """Weight bytes a batch-1 decode step reads: everything but the input embedding table,
     of which it reads one row, unless the output projection reads that same tensor."""
+    from tokenloom.quant.ggml_modules import GGMLEmbedding
     total = model_bytes(model)
     embedding = model.get_submodule(model.input_embedding_name)
+    if isinstance(embedding, GGMLEmbedding) and embedding.weight_q is not None:
+        total -= embedding.weight_q.nbytes
     if isinstance(embedding, torch.nn.Embedding):
         head = model.lm_head
         if not (isinstance(head, torch.nn.Linear) and head.weight is embedding.weight):

@@ -17,6 +17,8 @@ from tokenloom.sampling import Sampler, SamplingMetadata
 from tokenloom.spec_decode.verifier import Draft, verify
 from tokenloom.structured.masks import MaskStep
 
+# The activation heap reserved at start-up stays resident: at most this much (see reserve_activation_memory).
+RESERVE_AT_MOST = 128 << 20
 
 class ModelRunner:
     """Owns the model and its KV cache tensors; runs one step of a ragged batch."""
@@ -29,8 +31,6 @@ class ModelRunner:
         # Blocks are cleared on their first write only where a reader looks past a sequence's
         # end (60 index_fill calls, ~1 ms, in most steps of a float32 SmolLM2 batch otherwise).
         self.zero_fresh_blocks = reads_past_context(kv_cache)
-
-    RESERVE_AT_MOST = 128 << 20
 
     def reserve_activation_memory(self, max_tokens: int, dtype: torch.dtype) -> bool:
         """On the CPU, grow the heap once for the activations of a `max_tokens`-token step, so
@@ -45,7 +45,7 @@ class ModelRunner:
         c = self.model.config
         width = c.hidden_size + c.intermediate_size + (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
         nbytes = 4 * width * torch.empty((), dtype=dtype).element_size() * max_tokens
-        return reserve_heap(min(nbytes, KEEP_BELOW // 2, self.RESERVE_AT_MOST))
+        return reserve_heap(min(nbytes, KEEP_BELOW // 2, RESERVE_AT_MOST))
 
     def _chunks(self, sched: SchedulerOutput) -> list[SeqChunk]:
         chunks = []

@@ -1,0 +1,145 @@
+#!/usr/bin/env python
+"""GGUF files as people download them: tokenloom (blocks kept as stored) beside llama.cpp.
+
+For each file, in one run on this machine, each configuration in its own process:
+  - tokenloom: `tokenloom bench --json` (batch 1, 128-token prompt, 64 new tokens, median
+    of --runs after a warm-up) with a 64 MiB KV cache, and the process's peak RSS;
+  - llama.cpp: `llama-bench -p 128 -n 64 -t <threads>` (its own medians), peak RSS by
+    /usr/bin/time; skipped where no llama-bench binary is found (--llama-bench or
+    $LLAMA_BENCH; ../shared/MODELS.md says how to build it).
+  - the time to read the file's metadata (tokenloom's reader vs gguf.GGUFReader).
+Prints a table with ratios, writes benchmarks/results/bench_gguf.json and gguf_decode.png.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from _common import RESULTS, finish_plot, parser
+from tqdm import tqdm
+
+from tokenloom import hub
+
+PROMPT, NEW = 128, 64
+
+
+def cpu_name() -> str:
+    text = Path("/proc/cpuinfo").read_text()
+    name = re.search(r"model name\s*:\s*(.*)", text).group(1).strip()
+    flags = re.search(r"flags\s*:\s*(.*)", text).group(1).split()
+    isa = "AVX-512 VNNI" if "avx512_vnni" in flags else "AVX-512" if "avx512f" in flags else "AVX2"
+    return f"{name} ({os.cpu_count()} cores, {isa})"
+
+
+def run_tokenloom(path: Path, runs: int) -> dict:
+    cmd = [sys.executable, "-m", "tokenloom.cli", "bench", "-m", str(path), "--json", "--runs", str(runs),
+           "--prompt-tokens", str(PROMPT), "--new-tokens", str(NEW), "--kv-cache-memory", "0.0625"]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"tokenloom bench failed on {path.name}: {out.stderr[-2000:]}")
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    return {"decode": r["decode_tok_s"], "prefill": r["prefill_tok_s"], "rss_mb": r["peak_rss_bytes"] / 1e6}
+
+
+def run_llama_cpp(binary: str, path: Path, runs: int, threads: int) -> dict:
+    cmd = ["/usr/bin/time", "-f", "maxrss_kb=%M", binary, "-m", str(path), "-p", str(PROMPT), "-n", str(NEW),
+           "-t", str(threads), "-r", str(runs), "-o", "json"]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"llama-bench failed on {path.name}: {out.stderr[-2000:]}")
+    rows = json.loads(out.stdout)
+    speed = {("prefill" if r["n_prompt"] else "decode"): r["avg_ts"] for r in rows}
+    rss = int(re.search(r"maxrss_kb=(\d+)", out.stderr).group(1)) / 1e3
+    return speed | {"rss_mb": rss}
+
+
+def metadata_seconds(path: Path) -> dict:
+    import gguf
+
+    from tokenloom.loader.gguf_reader import GGUFReader
+    times = {}
+    for name, read in (("tokenloom", GGUFReader), ("gguf.GGUFReader", gguf.GGUFReader)):
+        start = time.perf_counter()
+        read(str(path))
+        times[name] = time.perf_counter() - start
+    return times
+
+
+def files(extra: list[str]) -> dict[str, Path]:
+    found = {"SmolLM2-135M Q4_1": hub.default_gguf_path()}
+    if hub.is_pulled("qwen2.5-coder-0.5b"):
+        found["Qwen2.5-Coder-0.5B Q4_K_M"] = hub.gguf_path("qwen2.5-coder-0.5b")
+    for item in extra:
+        label, _, file = item.partition("=")
+        found[label] = Path(file)
+    return found
+
+
+def table(results: dict, cpu: str, threads: int) -> str:
+    lines = [f"CPU: {cpu}; {threads} threads; batch 1, prompt {PROMPT}, {NEW} new tokens", "",
+             "| file | tokenloom decode tok/s | llama.cpp decode | ratio | tokenloom prefill tok/s | llama.cpp prefill "
+             "| ratio | tokenloom peak RSS MB | llama.cpp RSS MB | ratio | metadata s (tokenloom / gguf) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for label, r in results.items():
+        t, ll, meta = r["tokenloom"], r.get("llama.cpp"), r["metadata_s"]
+        def ratio(key, invert=False):
+            if not ll:
+                return "-"
+            return f"{(ll[key] / t[key]) if invert else (t[key] / ll[key]):.2f}x"
+        lines.append(f"| {label} | {t['decode']:.1f} | {ll['decode'] if ll else float('nan'):.1f} | {ratio('decode')} "
+                     f"| {t['prefill']:.0f} | {ll['prefill'] if ll else float('nan'):.0f} | {ratio('prefill')} "
+                     f"| {t['rss_mb']:.0f} | {ll['rss_mb'] if ll else float('nan'):.0f} | "
+                     f"{(t['rss_mb'] / ll['rss_mb']) if ll else float('nan'):.2f}x "
+                     f"| {meta['tokenloom']:.2f} / {meta['gguf.GGUFReader']:.2f} |")
+    return "\n".join(lines)
+
+
+def plot(results: dict, path: Path) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    labels = list(results)
+    fig, ax = plt.subplots(figsize=(8, 4))
+    xs = range(len(labels))
+    ax.bar([x - 0.2 for x in xs], [results[k]["tokenloom"]["decode"] for k in labels], 0.4, label="tokenloom")
+    ax.bar([x + 0.2 for x in xs], [results[k].get("llama.cpp", {}).get("decode", 0) for k in labels], 0.4,
+           label="llama.cpp")
+    ax.set_xticks(list(xs), labels, rotation=15, fontsize=8)
+    ax.set_ylabel("batch-1 decode tok/s")
+    ax.set_title("GGUF files, blocks kept as stored")
+    return finish_plot(fig, ax, path)
+
+
+def main() -> None:
+    p = parser(__doc__)
+    p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--llama-bench", default=os.environ.get("LLAMA_BENCH") or shutil.which("llama-bench"))
+    p.add_argument("--file", action="append", default=[], metavar="LABEL=PATH", help="another GGUF file to time")
+    args = p.parse_args()
+    cpu = cpu_name()
+    results = {}
+    for label, path in tqdm(files(args.file).items(), desc="files", unit="file"):
+        results[label] = {"path": str(path), "metadata_s": metadata_seconds(path),
+                          "tokenloom": run_tokenloom(path, args.runs)}
+        if args.llama_bench:
+            results[label]["llama.cpp"] = run_llama_cpp(args.llama_bench, path, args.runs, args.threads)
+    print(table(results, cpu, args.threads))
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "bench_gguf.json").write_text(json.dumps({"cpu": cpu, "threads": args.threads, "results": results},
+                                                        indent=2))
+    plot(results, RESULTS / "gguf_decode.png")
+
+
+if __name__ == "__main__":
+    main()
