@@ -62,6 +62,7 @@ def test_default_gguf_kept_as_blocks_agrees_with_float32(default_gguf_path):
     ids = a.tokenizer.encode(default_eval_text())[:600]
     result = agreement(a.engine, b.engine, ids, window=300)
     assert result.positions == 598
+    assert agreement(a.engine, b.engine, ids, window=300, skip=150).positions == 598 - 300
     # measured 89.5% / 0.052 here; llama.cpp's Q4_1 against its float32 of the same file: 94.8% (docs/BENCHMARKS.md)
     assert result.same_top1 > 0.85
     assert result.kl_mean < 0.08

@@ -21,22 +21,24 @@ class Agreement:
 
 
 @torch.inference_mode()
-def agreement(engine, reference, token_ids: list[int], window: int = 512) -> Agreement:
+def agreement(engine, reference, token_ids: list[int], window: int = 512, skip: int = 0) -> Agreement:
     """Compare `engine` with `reference` (both idle engines with the same tokenizer) over
-    non-overlapping windows of `window` tokens, each predicted from its window's earlier tokens."""
-    if window < 2:
-        raise ValueError(f"window must be at least 2 tokens, got {window}")
+    non-overlapping windows of `window` tokens, each predicted from its window's earlier tokens;
+    the first `skip` positions of each window are context only (llama-perplexity scores the
+    second half of each window: skip = window // 2)."""
+    if window < 2 or not 0 <= skip < window - 1:
+        raise ValueError(f"need window >= 2 and 0 <= skip < window - 1, got window {window}, skip {skip}")
     same, kls = 0, []
     for start in range(0, len(token_ids) - 1, window):
         piece = token_ids[start:start + window]
         if len(piece) < 2:
             break
         for (at, a), (_, b) in zip(prefill_logits(engine, piece), prefill_logits(reference, piece)):
-            keep = len(piece) - 1 - at                  # the window's last token predicts past it: not scored
-            la, lb = a[:keep].float().log_softmax(-1), b[:keep].float().log_softmax(-1)   # (len, vocab)
+            rows = slice(max(0, skip - at), len(piece) - 1 - at)    # the last token predicts past the window
+            la, lb = a[rows].float().log_softmax(-1), b[rows].float().log_softmax(-1)   # (len, vocab)
             same += int((la.argmax(-1) == lb.argmax(-1)).sum())
             kls.append((lb.exp() * (lb - la)).sum(-1))
-    kl = torch.cat(kls)
+    kl = torch.cat(kls) if kls else torch.empty(0)
     if kl.numel() == 0:
-        raise ValueError("the text has fewer than two tokens")
+        raise ValueError("the text is too short: no position was scored")
     return Agreement(same / kl.numel(), kl.mean().item(), kl.quantile(0.99).item(), kl.numel())

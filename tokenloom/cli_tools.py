@@ -39,8 +39,9 @@ def _compare(args: argparse.Namespace, llm, ids: list[int]) -> dict:
     from tokenloom.agreement import agreement
     reference = LLM(llm.engine.config.model, dtype=args.compare, max_model_len=args.max_model_len,
                     kv_cache_memory=256 << 20, progress=True)
-    a = agreement(llm.engine, reference.engine, ids, window=args.window)
-    return {"compare": args.compare, "same_top1": a.same_top1, "kl_mean": a.kl_mean, "kl_p99": a.kl_p99}
+    a = agreement(llm.engine, reference.engine, ids, window=args.window, skip=args.window // 2)
+    return {"compare": args.compare, "same_top1": a.same_top1, "kl_mean": a.kl_mean, "kl_p99": a.kl_p99,
+            "positions_compared": a.positions}
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -80,7 +81,8 @@ def add_commands(sub) -> None:
     ppl.add_argument("--json", action="store_true", help="print one JSON object")
     ppl.add_argument("--compare", default=None, choices=["float32", "bfloat16"], metavar="DTYPE",
                      help="also load the model with this dtype (float32: a GGUF file dequantized) and report "
-                          "the share of same top-1 tokens and the KL divergence against it")
+                          "the share of same top-1 tokens and the KL divergence against it, over the second "
+                          "half of each window (as llama-perplexity --kl-divergence)")
     engine_flags(ppl)
     ppl.set_defaults(func=cmd_eval_ppl)
     bench = sub.add_parser("bench", help="batch-1 prefill and decode speed, memory",

@@ -1,0 +1,81 @@
+"""The memory-mapped GGUF reader against files written by the `gguf` package: every metadata
+type, a tensor of every block type, bad files rejected with the reason."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from tokenloom.loader.gguf_reader import GGUFFormatError, GGUFReader
+from tokenloom.quant.ggml import KERNEL_TYPES, GGMLTensor
+
+from .test_gguf_kernels import random_blocks, reference
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory):
+    """A GGUF file with metadata of each value type and one tensor per kernel block type."""
+    path = tmp_path_factory.mktemp("gguf") / "every-type.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_uint32("test.u32", 7)
+    w.add_int64("test.i64", -5)
+    w.add_float32("test.f32", 0.25)
+    w.add_bool("test.bool", True)
+    w.add_string("test.str", "héllo")
+    w.add_array("test.strings", ["a", "", "Ġthe", "日本"])
+    w.add_array("test.ints", [3, 1, 4, 1, 5])
+    w.add_array("test.floats", [0.5, -1.5])
+    tensors = {}
+    for kind, (name, _, _) in KERNEL_TYPES.items():
+        raw = random_blocks(kind, 4, 2 * 256)
+        tensors[name] = raw
+        w.add_tensor(f"t.{name}", raw, raw_dtype=gguf.GGMLQuantizationType(kind))   # shape from the bytes
+    w.add_tensor("t.f32", np.arange(12, dtype=np.float32).reshape(3, 4))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path, tensors
+
+
+def test_metadata_reads_back(written):
+    path, _ = written
+    f = GGUFReader(path).fields
+    assert f["general.architecture"] == "llama"
+    assert (f["test.u32"], f["test.i64"], f["test.f32"], f["test.bool"]) == (7, -5, 0.25, True)
+    assert f["test.str"] == "héllo"
+    assert f["test.strings"] == ["a", "", "Ġthe", "日本"]
+    assert f["test.ints"] == [3, 1, 4, 1, 5] and f["test.floats"] == [0.5, -1.5]
+
+
+def test_every_block_type_reads_back_as_written(written):
+    path, tensors = written
+    infos = {t.name: t for t in GGUFReader(path).tensors}
+    for name, raw in tensors.items():
+        info = infos[f"t.{name}"]
+        assert info.shape == (4, 512) and KERNEL_TYPES[info.type][0] == name
+        got = GGMLTensor(info.type, torch.from_numpy(info.raw()).view(4, -1), 512)
+        assert np.array_equal(got.data.numpy(), raw)
+        assert torch.equal(got.dequantize(), reference(info.type, raw, 512))
+    f32 = infos["t.f32"]
+    assert f32.shape == (3, 4) and np.array_equal(f32.raw().view(np.float32).reshape(3, 4),
+                                                  np.arange(12, dtype=np.float32).reshape(3, 4))
+
+
+def test_truncated_and_foreign_files_are_errors(written, tmp_path):
+    path, _ = written
+    data = path.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[: len(data) // 2])
+    with pytest.raises(GGUFFormatError, match="past the end|truncated"):
+        GGUFReader(cut)
+    header_cut = tmp_path / "header.gguf"
+    header_cut.write_bytes(data[:100])
+    with pytest.raises(GGUFFormatError):
+        GGUFReader(header_cut)
+    other = tmp_path / "other.gguf"
+    other.write_bytes(b"NOPE" + data[4:])
+    with pytest.raises(GGUFFormatError, match="magic"):
+        GGUFReader(other)
