@@ -63,8 +63,8 @@ def test_default_gguf_kept_as_blocks_agrees_with_float32(default_gguf_path):
     result = agreement(a.engine, b.engine, ids, window=300)
     assert result.positions == 598
     assert agreement(a.engine, b.engine, ids, window=300, skip=150).positions == 598 - 300
-    # measured 89.5% / 0.052 here; llama.cpp's Q4_1 against its float32 of the same file: 94.8% (docs/BENCHMARKS.md)
-    assert result.same_top1 > 0.85
-    assert result.kl_mean < 0.08
+    # measured 95% / 0.007 (second halves); llama.cpp Q4_1 against its float32: 94.8% / 0.006 (docs/BENCHMARKS.md)
+    assert result.same_top1 > 0.92
+    assert result.kl_mean < 0.02
     same = agreement(b.engine, b.engine, ids[:100], window=100)
     assert same.same_top1 == 1.0 and abs(same.kl_mean) < 1e-6

@@ -245,8 +245,8 @@ template <> struct Block<IQ4_XS> {
 
 // ---- activations ---------------------------------------------------------------------------
 
-// x (M, K) float32 -> int8 codes per 32 values (scale max|x|/127), the float sum of every
-// 16 values and the integer sum of every 16 codes; one byte tensor holds q (M*K), scale
+// x (M, K) float32 -> int8 codes per 32 values (scale max|x|/127), the sum of every 16
+// quantized values (scale x code sum) and the integer sum of every 16 codes; one byte tensor holds q (M*K), scale
 // (M*K/32 floats), sum16 (M*K/16 floats), isum16 (M*K/16 int32).
 at::Tensor quantize_activations(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.device().is_cpu(),
@@ -263,8 +263,8 @@ at::Tensor quantize_activations(const at::Tensor& x) {
   at::parallel_for(0, M * nb, 256, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const float* v = src + b * QK;
-      float amax = 0.f, s[2] = {0.f, 0.f};
-      for (int i = 0; i < QK; ++i) { amax = std::max(amax, std::fabs(v[i])); s[i / 16] += v[i]; }
+      float amax = 0.f;
+      for (int i = 0; i < QK; ++i) amax = std::max(amax, std::fabs(v[i]));
       const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
       int32_t codes[2] = {0, 0};
       for (int i = 0; i < QK; ++i) {
@@ -272,7 +272,8 @@ at::Tensor quantize_activations(const at::Tensor& x) {
         codes[i / 16] += q[b * QK + i];
       }
       scale[b] = d;
-      for (int h = 0; h < 2; ++h) { sum16[2 * b + h] = s[h]; isum16[2 * b + h] = codes[h]; }
+      // offsets multiply the quantized values' sums (OFFSET_SUMS in quant_cpu.cpp says why)
+      for (int h = 0; h < 2; ++h) { sum16[2 * b + h] = d * codes[h]; isum16[2 * b + h] = codes[h]; }
     }
   });
   return storage;
