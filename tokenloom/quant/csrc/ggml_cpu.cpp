@@ -16,9 +16,15 @@
 #include <cmath>
 #include <cstring>
 
+#include "int8_dot.h"
+
 namespace {
 
-constexpr int64_t QK = 32;
+using tokenloom_int8::QK;
+using tokenloom_int8::dot_signed;
+using tokenloom_int8::dot_unsigned;
+using tokenloom_int8::hsum;
+using tokenloom_int8::nibbles_lo_hi;
 
 enum GGMLType : int64_t {
   Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14,
@@ -42,11 +48,6 @@ struct Sub {
 };
 
 inline __m256 halves(float a, float b) { return _mm256_setr_ps(a, a, a, a, b, b, b, b); }
-
-inline __m256i nibbles_lo_hi(const uint8_t* q) {   // 16 bytes -> low nibbles then high nibbles
-  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
-  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), _mm256_set1_epi8(0x0F));
-}
 
 inline __m256i low_nibbles(const uint8_t* q) {     // 32 bytes -> their low nibbles
   return _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)), _mm256_set1_epi8(0x0F));
@@ -181,18 +182,22 @@ template <> struct Block<Q3_K> {
   }
 };
 
-// Q4_K (144 B): d, dmin, scales[12] (6-bit scale and min per 32 values), qs[128]. Sub-block
-// 2i is the low nibbles of qs[32i..32i+31], 2i+1 their high nibbles.
+// Sub-block s of a Q4_K / Q5_K block (d, dmin, scales[12] with a 6-bit scale and min per 32
+// values, ...): the nibbles of qs[32 (s/2) ..] (low for even s, high for odd) OR-ed with
+// `high`, scale d * sc, offset -dmin * m.
+inline Sub k4_sub(const uint8_t* b, int s, const uint8_t* qs, __m256i high) {
+  int sc, m;
+  scale_min_k4(s, b + 4, sc, m);
+  const uint8_t* q = qs + 32 * (s / 2);
+  const float off = -fp16(b + 2) * m;
+  return {_mm256_or_si256(s % 2 ? high_nibbles(q) : low_nibbles(q), high), _mm256_set1_ps(fp16(b) * sc), off, off};
+}
+
+// Q4_K (144 B): d, dmin, scales[12], qs[128].
 template <> struct Block<Q4_K> {
   static constexpr int64_t BYTES = 144, VALUES = 256;
   static constexpr bool SIGNED = false;
-  static Sub sub(const uint8_t* b, int s) {
-    int sc, m;
-    scale_min_k4(s, b + 4, sc, m);
-    const uint8_t* q = b + 16 + 32 * (s / 2);
-    const float off = -fp16(b + 2) * m;
-    return {s % 2 ? high_nibbles(q) : low_nibbles(q), _mm256_set1_ps(fp16(b) * sc), off, off};
-  }
+  static Sub sub(const uint8_t* b, int s) { return k4_sub(b, s, b + 16, _mm256_setzero_si256()); }
 };
 
 // Q5_K (176 B): d, dmin, scales[12], qh[32], qs[128]: Q4_K plus a fifth bit, bit s of qh[l].
@@ -200,15 +205,10 @@ template <> struct Block<Q5_K> {
   static constexpr int64_t BYTES = 176, VALUES = 256;
   static constexpr bool SIGNED = false;
   static Sub sub(const uint8_t* b, int s) {
-    int sc, m;
-    scale_min_k4(s, b + 4, sc, m);
-    const uint8_t* q = b + 48 + 32 * (s / 2);
     const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
     const __m256i bit = _mm256_set1_epi8(static_cast<char>(1 << s));
     const __m256i high = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, bit), bit), _mm256_set1_epi8(0x10));
-    const __m256i codes = _mm256_or_si256(s % 2 ? high_nibbles(q) : low_nibbles(q), high);
-    const float off = -fp16(b + 2) * m;
-    return {codes, _mm256_set1_ps(fp16(b) * sc), off, off};
+    return k4_sub(b, s, b + 48, high);
   }
 };
 
@@ -262,15 +262,8 @@ at::Tensor quantize_activations(const at::Tensor& x) {
   const float* src = x.data_ptr<float>();
   at::parallel_for(0, M * nb, 256, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
-      const float* v = src + b * QK;
-      float amax = 0.f;
-      for (int i = 0; i < QK; ++i) amax = std::max(amax, std::fabs(v[i]));
-      const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
-      int32_t codes[2] = {0, 0};
-      for (int i = 0; i < QK; ++i) {
-        q[b * QK + i] = static_cast<int8_t>(std::nearbyint(v[i] * inv));
-        codes[i / 16] += q[b * QK + i];
-      }
+      int32_t codes[2];
+      const float d = tokenloom_int8::quantize_block(src + b * QK, q + b * QK, codes);
       scale[b] = d;
       // offsets multiply the quantized values' sums (OFFSET_SUMS in quant_cpu.cpp says why)
       for (int h = 0; h < 2; ++h) { sum16[2 * b + h] = d * codes[h]; isum16[2 * b + h] = codes[h]; }
@@ -301,27 +294,9 @@ Acts view_acts(const at::Tensor& storage, int64_t M, int64_t K) {
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define TOKENLOOM_GGML_LIBRARY tokenloom_ggml_vnni
-inline __m256i dot_signed(__m256i w, __m256i x) {
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
-}
-inline __m256i dot_unsigned(__m256i w, __m256i x) { return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x); }
 #else
 #define TOKENLOOM_GGML_LIBRARY tokenloom_ggml
-// maddubs' int16 pairs stay exact: unsigned codes are < 64, signed codes have |w| <= 127.
-inline __m256i dot_signed(__m256i w, __m256i x) {
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)), _mm256_set1_epi16(1));
-}
-inline __m256i dot_unsigned(__m256i w, __m256i x) {
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
-}
 #endif
-
-inline float hsum(__m256 v) {
-  __m128 r = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  r = _mm_add_ps(r, _mm_movehl_ps(r, r));
-  r = _mm_add_ss(r, _mm_movehdup_ps(r));
-  return _mm_cvtss_f32(r);
-}
 
 struct Weight {
   const uint8_t* q;

@@ -19,9 +19,15 @@
 #include <immintrin.h>
 #include <cmath>
 
+#include "int8_dot.h"
+
 namespace {
 
-constexpr int64_t QK = 32;   // values per quantization block
+using tokenloom_int8::QK;
+using tokenloom_int8::dot_signed;
+using tokenloom_int8::dot_unsigned;
+using tokenloom_int8::hsum;
+using tokenloom_int8::nibbles_lo_hi;
 
 // One allocation holds all four arrays (a decode step quantizes activations 100+ times).
 struct QuantizedActivations {
@@ -46,15 +52,9 @@ QuantizedActivations quantize_activations(const at::Tensor& x) {
   int32_t* isum = a.isum;
   at::parallel_for(0, M * nb, 256, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
-      const float* v = src + b * QK;
-      float amax = 0.f;
-      for (int i = 0; i < QK; ++i) amax = std::max(amax, std::fabs(v[i]));
-      const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
-      int32_t codes = 0;
-      for (int i = 0; i < QK; ++i) {
-        q[b * QK + i] = static_cast<int8_t>(std::nearbyint(v[i] * inv));
-        codes += q[b * QK + i];
-      }
+      int32_t halves[2];
+      const float d = tokenloom_int8::quantize_block(src + b * QK, q + b * QK, halves);
+      const int32_t codes = halves[0] + halves[1];
       isum[b] = codes;
       scale[b] = d;
       sum[b] = d * codes;   // the quantized values' sum, not s: see OFFSET_SUMS
@@ -63,43 +63,13 @@ QuantizedActivations quantize_activations(const at::Tensor& x) {
   return a;
 }
 
-inline float hsum(__m256 v) {
-  __m128 r = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  r = _mm_add_ps(r, _mm_movehl_ps(r, r));
-  r = _mm_add_ss(r, _mm_movehdup_ps(r));
-  return _mm_cvtss_f32(r);
-}
-
-// Sum over 32 lanes of w * x for signed int8 w (in -127..127) and x: 8 int32 partial sums.
-// Built twice: for AVX2 (maddubs + madd) and, as library tokenloom_quant_vnni, for AVX-512
-// VNNI (one dpbusd). Both sums are exact in int32 (|w| <= 127 keeps maddubs' int16 pairs
-// from saturating), so the two builds give the same bits.
+// The dot products (int8_dot.h) are built twice: for AVX2 (maddubs + madd) and, as library
+// tokenloom_quant_vnni, for AVX-512 VNNI (one dpbusd); both give the same bits.
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define TOKENLOOM_QUANT_LIBRARY tokenloom_quant_vnni
-inline __m256i dot_s8s8(__m256i w, __m256i x) {
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
-}
-
-// Same for unsigned w in 0..15.
-inline __m256i dot_u8s8(__m256i w, __m256i x) { return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x); }
 #else
 #define TOKENLOOM_QUANT_LIBRARY tokenloom_quant
-inline __m256i dot_s8s8(__m256i w, __m256i x) {
-  const __m256i p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
-  return _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
-}
-
-// Same for unsigned w in 0..15.
-inline __m256i dot_u8s8(__m256i w, __m256i x) {
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
-}
 #endif
-
-inline __m256i unpack_nibbles(const uint8_t* p) {   // 16 bytes -> 32 values 0..15, in order
-  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m256i both = _mm256_set_m128i(_mm_srli_epi16(b, 4), b);
-  return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
-}
 
 struct Weights {
   const uint8_t* q;       // row-major, row_bytes per output row
@@ -125,7 +95,7 @@ template <bool INT4>
 inline __m256i load_weight_block(const uint8_t* row, int64_t b) {
   if constexpr (INT4) {
     _mm_prefetch(reinterpret_cast<const char*>(row + b * (QK / 2) + PREFETCH_BYTES), _MM_HINT_T0);
-    return unpack_nibbles(row + b * (QK / 2));
+    return nibbles_lo_hi(row + b * (QK / 2));
   } else {
     _mm_prefetch(reinterpret_cast<const char*>(row + b * QK + PREFETCH_BYTES), _MM_HINT_T0);
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * QK));
@@ -160,7 +130,7 @@ void dot_tile(const Weights& w, const Activations& a, int64_t m0, int64_t n0, fl
         const __m256 xs = _mm256_set1_ps(a.scale[xi]);
         if constexpr (INT4) xsum[m] += a.sum[xi];
         for (int j = 0; j < NT; ++j) {
-          const __m256i d = INT4 ? dot_u8s8(wv[j], xv) : dot_s8s8(wv[j], xv);
+          const __m256i d = INT4 ? dot_unsigned(wv[j], xv) : dot_signed(wv[j], xv);
           gacc[m][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), xs, gacc[m][j]);
         }
       }

@@ -1,0 +1,59 @@
+// Shared by the int8/int4 kernels (quant_cpu.cpp) and the GGUF block kernels (ggml_cpu.cpp):
+// activations quantized to int8 per block of 32, 32-lane integer dot products, nibble unpacking.
+#pragma once
+
+#include <immintrin.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+namespace tokenloom_int8 {
+
+constexpr int64_t QK = 32;   // values per quantization block
+
+// One block of 32 floats -> int8 codes in q (scale max|x|/127, round to nearest even), the
+// integer sum of the codes of each half (values 0-15, 16-31) in halves; returns the scale.
+inline float quantize_block(const float* v, int8_t* q, int32_t halves[2]) {
+  float amax = 0.f;
+  for (int i = 0; i < QK; ++i) amax = std::max(amax, std::fabs(v[i]));
+  const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+  halves[0] = halves[1] = 0;
+  for (int i = 0; i < QK; ++i) {
+    q[i] = static_cast<int8_t>(std::nearbyint(v[i] * inv));
+    halves[i / 16] += q[i];
+  }
+  return d;
+}
+
+inline float hsum(__m256 v) {
+  __m128 r = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+  r = _mm_add_ss(r, _mm_movehdup_ps(r));
+  return _mm_cvtss_f32(r);
+}
+
+// Sum over 32 lanes of w * x, as 8 int32 partial sums (lane j: values 4j..4j+3): signed w in
+// -127..127, or unsigned w small enough that maddubs' int16 pairs cannot saturate (< 128).
+// The AVX-512 VNNI build uses one dpbusd; both builds give the same bits (exact in int32).
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+inline __m256i dot_signed(__m256i w, __m256i x) {
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+}
+inline __m256i dot_unsigned(__m256i w, __m256i x) { return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x); }
+#else
+inline __m256i dot_signed(__m256i w, __m256i x) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)),
+                           _mm256_set1_epi16(1));
+}
+inline __m256i dot_unsigned(__m256i w, __m256i x) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
+}
+#endif
+
+// 16 bytes -> 32 values 0..15: the low nibbles (values 0-15), then the high ones (16-31).
+inline __m256i nibbles_lo_hi(const uint8_t* p) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), _mm256_set1_epi8(0x0F));
+}
+
+}  // namespace tokenloom_int8
