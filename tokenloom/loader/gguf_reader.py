@@ -57,11 +57,11 @@ class GGUFReader:
         except (struct.error, IndexError, UnicodeDecodeError, OverflowError) as e:
             raise GGUFFormatError(f"truncated or corrupt GGUF header at byte {self._pos}: {e}") from e
 
-    def release_pages(self, start: int = 0, length: int | None = None) -> None:
-        """Drop the file pages of bytes [start, start + length) (all by default) from this process's
-        memory: tensors copied out need them no more, tensors still viewing the map read them
-        again (from the page cache) when touched."""
-        end = len(self._map) if length is None else min(len(self._map), start + length)
+    def release_pages(self, start: int, length: int) -> None:
+        """Drop the file pages of bytes [start, start + length) from this process's memory:
+        tensors copied out need them no more, tensors still viewing the map read them again
+        (from the page cache) when touched."""
+        end = min(len(self._map), start + length)
         first = start // mmap.PAGESIZE * mmap.PAGESIZE
         if end > first:
             self._map.madvise(mmap.MADV_DONTNEED, first, end - first)

@@ -38,7 +38,6 @@ class Checkpoint:
     tokenizer: Tokenizer
     eos_token_ids: set[int]
     tensor_types: dict[str, int] | None = None   # GGUF only: HF tensor name -> its GGML type
-    release_pages: Callable[[], None] = lambda: None   # drop file pages read while loading
 
 
 @dataclass
@@ -70,7 +69,7 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
         from tokenloom.loader.gguf import GGUFFile
         g = GGUFFile(path)
         return Checkpoint(g.hf_config(), g.iter_tensors(), len(g.reader.tensors), g.tokenizer(),
-                          g.eos_token_ids(), g.tensor_types(), g.reader.release_pages)
+                          g.eos_token_ids(), g.tensor_types())
     config_path = path / "config.json"
     if not config_path.is_file():
         raise CheckpointError(f"{path} has no config.json; not an HF model folder")
@@ -156,7 +155,6 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: str 
         load_saved_state(model, tensors)
     else:
         load_weights(model, tensors)
-    ckpt.release_pages()
     if keep_blocks:
         log.info("GGUF weights: %s", describe_weights(model, ckpt.tensor_types))
     if prepare:

@@ -21,7 +21,7 @@ class WeightMismatchError(ValueError):
     """The checkpoint's tensors do not match the model's parameters."""
 
 
-def _map_name(model: CausalLM, name: str) -> tuple[str, str | None]:
+def map_name(model: CausalLM | type[CausalLM], name: str) -> tuple[str, str | None]:
     """Checkpoint tensor name -> (parameter name, shard id or None)."""
     for ckpt_sub, (our_sub, shard) in model.packed_modules_mapping.items():
         if f".{ckpt_sub}." in name:
@@ -55,7 +55,7 @@ def load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor | Qu
     for name, tensor in tensors:
         if model.is_ignored_checkpoint_key(name) or name in aliases:
             continue
-        param_name, shard = _map_name(model, name)
+        param_name, shard = map_name(model, name)
         if param_name in quantized:
             owner = _load_quantized(model, quantized[param_name], name, param_name, shard, tensor)
             filled_quantized.setdefault(id(owner), set()).add(shard)

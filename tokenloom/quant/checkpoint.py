@@ -50,10 +50,12 @@ def gguf_formats(tensor_types: dict[str, int], tied: bool, model_cls) -> Callabl
     panel kernels), else ``GGML_BLOCKS`` (the GGML kernels, any mix of types); None (float)
     where a shard is a float type or a type without a kernel (dequantized, with a warning).
     An untied embedding keeps its blocks (rows dequantized on lookup)."""
+    from tokenloom.loader.weights import map_name
     kinds_of: dict[str, list[int]] = {}
     for name, kind in tensor_types.items():
         if name.endswith(".weight"):
-            kinds_of.setdefault(_module_of(name.removesuffix(".weight"), model_cls), []).append(kind)
+            module = map_name(model_cls, name)[0].removesuffix(".weight")
+            kinds_of.setdefault(module, []).append(kind)
     plan: dict[str, WeightFormat | str] = {}
     for module, kinds in kinds_of.items():
         if all(k in KERNEL_TYPES for k in kinds):
@@ -65,14 +67,6 @@ def gguf_formats(tensor_types: dict[str, int], tied: bool, model_cls) -> Callabl
             plan.setdefault(OUTPUT_HEAD, plan[embedding])
         plan[embedding] = GGML_BLOCKS
     return plan.get
-
-
-def _module_of(checkpoint_module: str, model_cls) -> str:
-    """A checkpoint module name -> the (possibly fused) module that loads it."""
-    for ckpt_sub, (our_sub, _) in model_cls.packed_modules_mapping.items():
-        if checkpoint_module.endswith(f".{ckpt_sub}"):
-            return checkpoint_module.removesuffix(ckpt_sub) + our_sub
-    return checkpoint_module
 
 
 def describe_weights(model: torch.nn.Module, tensor_types: dict[str, int]) -> str:

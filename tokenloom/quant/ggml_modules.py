@@ -25,6 +25,10 @@ class QuantizedSegment:
         self.kind, self.type_name, self.shape = t.kind, t.type_name, t.shape
         self._run = kernels.bind(self.q, None, True)
 
+    @property
+    def nbytes(self) -> int:
+        return self.q.nbytes
+
     def matmul_into(self, out: torch.Tensor, col0: int, x: torch.Tensor) -> None:
         out[:, col0:col0 + self.shape[0]] = self._run(x)
 
@@ -56,7 +60,6 @@ class GGMLLinear(nn.Module):
         self.segments: list[tuple[int, object]] = []     # (first output column, segment), sorted
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False) \
             if bias else None
-        self._calls = None      # per segment: fn(out, x, xq), bound once (this sits on every layer's forward)
 
     def load_weight(self, tensor: GGMLTensor, rows: slice | None = None) -> None:
         """Take `tensor` as the weight's rows `rows` (all rows when None), values unchanged."""
@@ -67,7 +70,6 @@ class GGMLLinear(nn.Module):
             raise ValueError(f"weight shape {tensor.shape} does not match {(stop - start, self.in_features)}")
         kept = [s for s in self.segments if s[0] != start]
         self.segments = sorted(kept + [(start, segment_for(tensor))], key=lambda s: s[0])
-        self._calls = None
 
     def rows(self, index: torch.Tensor) -> torch.Tensor:
         """float32 rows `index` of a one-segment weight (a tied embedding's lookup)."""
@@ -79,22 +81,6 @@ class GGMLLinear(nn.Module):
     def types(self) -> list[str]:
         return [s.type_name + ("" if isinstance(s, GGMLTensor) else " panels") for _, s in self.segments]
 
-    def _bind(self) -> tuple:
-        """(quantize op, [fn(out, x, xq) per segment]) with the ops looked up once."""
-        kernels = ops()
-        calls = []
-        for col0, s in self.segments:
-            if isinstance(s, QuantizedSegment):
-                calls.append(lambda out, x, xq, s=s, c=col0: s.matmul_into(out, c, x))
-            elif isinstance(s, GGMLTensor):
-                op, k = kernels.matmul_into.default, s.in_features
-                calls.append(lambda out, x, xq, s=s, c=col0, op=op, k=k: op(out, c, xq, k, s.data, s.kind))
-            else:
-                op, k = kernels.panel_matmul_into.default, s.in_features
-                calls.append(lambda out, x, xq, s=s, c=col0, op=op, k=k:
-                             op(out, c, xq, k, s.kind, s.lo, s.hi, s.scale, s.offset))
-        return kernels.quantize_activations.default, calls
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)                                  # (M, in)
         if x2.dtype != torch.float32 or not x2.is_contiguous():
@@ -104,13 +90,10 @@ class GGMLLinear(nn.Module):
             w = torch.cat([_rows(s, torch.arange(s.shape[0])) for _, s in self.segments])
             y = x2 @ w.to(x2.device).T
         else:
-            if self._calls is None:
-                self._calls = self._bind()
-            quantize, calls = self._calls
-            xq = quantize(x2)
+            xq = kernels.quantize_activations(x2)
             y = torch.empty(x2.shape[0], self.out_features)
-            for call in calls:
-                call(y, x2, xq)
+            for col0, segment in self.segments:
+                segment.matmul_into(y, col0, x2 if isinstance(segment, QuantizedSegment) else xq)
         if self.bias is not None:
             y += self.bias
         if y.dtype != x.dtype:

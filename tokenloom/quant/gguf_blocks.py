@@ -17,8 +17,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from tokenloom.quant import gguf_panels
 from tokenloom.quant.formats import QuantizedTensor
 from tokenloom.quant.ggml import GGMLTensor
+from tokenloom.quant.gguf_panels import half_field, nibbles
 from tokenloom.quant.scheme import WeightFormat
 
 Q4_0, Q4_1, Q5_0, Q8_0, IQ4_NL = 2, 3, 6, 8, 20
@@ -30,21 +32,9 @@ _IQ4NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 3
 def exact_format(kind: int) -> WeightFormat | None:
     """The tokenloom format that holds GGML type `kind` without a change of value, if any
     (Q5_0 only where its own panel kernel, which reads 22 bytes per 32 weights, not 34, does not run)."""
-    from tokenloom.quant import gguf_panels
     if kind in gguf_panels.LAYOUTS and gguf_panels.available():
         return None
     return EXACT_FORMATS.get(kind)
-
-
-def _half(blocks: np.ndarray, at: int) -> torch.Tensor:
-    """(rows, nb, bytes) blocks -> their float16 field at byte `at`, as float32 (rows, nb)."""
-    return torch.from_numpy(np.ascontiguousarray(blocks[:, :, at:at + 2]).view(np.float16)[..., 0].astype(np.float32))
-
-
-def _nibbles(blocks: np.ndarray) -> np.ndarray:
-    """The last 16 bytes of each block, unpacked to (rows, nb, 32) values 0..15 in order."""
-    packed = blocks[:, :, -16:]
-    return np.concatenate([packed & 0x0F, packed >> 4], axis=2)
 
 
 def to_quantized(t: GGMLTensor) -> QuantizedTensor:
@@ -52,18 +42,18 @@ def to_quantized(t: GGMLTensor) -> QuantizedTensor:
     if t.kind not in EXACT_FORMATS:
         raise ValueError(f"{t.type_name} is not a tokenloom format as it stands")
     rows = t.shape[0]
-    blocks = t.data.cpu().numpy().reshape(rows, t.in_features // 32, -1)      # (rows, nb, bytes)
-    d = _half(blocks, 0)
+    raw = t.data.cpu().numpy()
+    blocks = raw.reshape(rows, t.in_features // 32, -1)                          # (rows, nb, bytes)
+    d = torch.from_numpy(half_field(blocks, 0))
     if t.kind == Q8_0:
         codes = blocks[:, :, 2:].view(np.int8)
     elif t.kind == Q5_0:
-        qh = np.ascontiguousarray(blocks[:, :, 2:6]).view(np.uint32)                # (rows, nb, 1)
-        high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4   # (rows, nb, 32)
-        codes = ((_nibbles(blocks) | high).astype(np.int16) - 16).astype(np.int8)
+        unsigned, _, _ = gguf_panels.decode(t.kind, raw, t.in_features)           # (rows, K) 0..31
+        codes = (unsigned.astype(np.int16) - 16).astype(np.int8)
     elif t.kind == IQ4_NL:
-        codes = _IQ4NL_VALUES[_nibbles(blocks)]
+        codes = _IQ4NL_VALUES[nibbles(blocks)]
     else:
-        nibbles = torch.from_numpy(np.ascontiguousarray(blocks[:, :, -16:]).reshape(rows, -1))
-        offsets = -8.0 * d if t.kind == Q4_0 else _half(blocks, 2)
-        return QuantizedTensor(4, nibbles, d, offsets, 32)
+        packed = torch.from_numpy(np.ascontiguousarray(blocks[:, :, -16:]).reshape(rows, -1))
+        offsets = -8.0 * d if t.kind == Q4_0 else torch.from_numpy(half_field(blocks, 2))
+        return QuantizedTensor(4, packed, d, offsets, 32)
     return QuantizedTensor(8, torch.from_numpy(np.ascontiguousarray(codes).reshape(rows, -1)), d, None, 32)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tokenloom.quant.ggml import GGMLTensor, ops
+from tokenloom.quant.ggml import KERNEL_TYPES, GGMLTensor, ops
 
 PANEL = 16
 Q5_0, Q5_1, Q4_K, Q5_K, Q6_K = 6, 7, 12, 13, 14
@@ -45,7 +45,6 @@ class GGUFPanels:
 
     @property
     def type_name(self) -> str:
-        from tokenloom.quant.ggml import KERNEL_TYPES
         return KERNEL_TYPES[self.kind][0]
 
     def matmul_into(self, out: torch.Tensor, col0: int, xq: torch.Tensor) -> None:
@@ -126,8 +125,16 @@ def _side_by_side(x: torch.Tensor, per16: bool) -> torch.Tensor:
     return (x.permute(0, 2, 3, 1) if per16 else x.permute(0, 2, 1)).contiguous()
 
 
-def _half(blocks: np.ndarray, at: int) -> np.ndarray:
+def half_field(blocks: np.ndarray, at: int) -> np.ndarray:
+    """(..., bytes) blocks -> their float16 field at byte `at`, as float32 (...)."""
     return np.ascontiguousarray(blocks[..., at:at + 2]).view(np.float16)[..., 0].astype(np.float32)
+
+
+def nibbles(blocks: np.ndarray) -> np.ndarray:
+    """The last 16 bytes of each 32-value block (..., bytes), unpacked to (..., 32) values 0..15 in
+    order (byte j: value j in its low nibble, j + 16 in its high one)."""
+    packed = blocks[..., -16:]
+    return np.concatenate([packed & 0x0F, packed >> 4], axis=-1)
 
 
 def _k4_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -145,13 +152,12 @@ def decode(kind: int, raw: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, 
         blocks = raw.reshape(rows, k // 32, -1)
         qh = np.ascontiguousarray(blocks[:, :, -20:-16]).view(np.uint32)            # (rows, nb, 1)
         high = (((qh >> np.arange(32, dtype=np.uint32)) & 1) << 4).astype(np.uint8)
-        packed = blocks[:, :, -16:]
-        codes = np.concatenate([packed & 0x0F, packed >> 4], axis=2) | high
-        offsets = _half(blocks, 2) if kind == Q5_1 else None
-        return codes.reshape(rows, k), _half(blocks, 0), offsets
+        codes = nibbles(blocks) | high
+        offsets = half_field(blocks, 2) if kind == Q5_1 else None
+        return codes.reshape(rows, k), half_field(blocks, 0), offsets
     blocks = raw.reshape(rows, k // 256, -1)                                        # (rows, nsb, bytes)
     if kind in (Q4_K, Q5_K):
-        d, dmin = _half(blocks, 0)[..., None], _half(blocks, 2)[..., None]
+        d, dmin = half_field(blocks, 0)[..., None], half_field(blocks, 2)[..., None]
         sc, mn = _k4_scales(blocks[..., 4:16])
         qs = blocks[..., -128:].reshape(rows, -1, 4, 32)                            # (rows, nsb, pair, l)
         codes = np.stack([qs & 0x0F, qs >> 4], axis=3)                              # (rows, nsb, pair, half, l)
@@ -167,6 +173,6 @@ def decode(kind: int, raw: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, 
         high = (qh >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3              # (rows, nsb, n, j, l)
         codes = low.reshape(rows, -1, 2, 4, 32) | (high << 4)
         sc = np.ascontiguousarray(blocks[..., 192:208]).view(np.int8).astype(np.float32)
-        scales = _half(blocks, 208)[..., None] * sc                                 # (rows, nsb, 16)
+        scales = half_field(blocks, 208)[..., None] * sc                                 # (rows, nsb, 16)
         return codes.reshape(rows, k), scales.reshape(rows, -1, 2), None
     raise ValueError(f"GGML type {kind} has no panel layout")
