@@ -62,7 +62,8 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
     path = Path(path).expanduser()
     if not path.exists():
         raise FileNotFoundError(f"model path {str(path)!r} does not exist (expected an HF folder with "
-                                "config.json + *.safetensors, or a .gguf file)")
+                                "config.json + *.safetensors, a .gguf file, or a model name that "
+                                "`tokenloom list` shows)")
     if path.is_file():
         if not _is_gguf(path):
             raise CheckpointError(f"{path} is neither a GGUF file nor a folder (no GGUF magic bytes)")
