@@ -132,3 +132,40 @@ def test_exact_conversions_keep_every_value(kind):
     q = gguf_blocks.to_quantized(GGMLTensor(kind, torch.from_numpy(raw), k))
     assert (q.bits, q.group_size) == (gguf_blocks.EXACT_FORMATS[kind].bits, 32)
     assert torch.equal(q.dequantize(), reference(kind, raw, k))
+
+
+@needs_panels
+@pytest.mark.parametrize("kind", [6, 12, 14], ids=["Q5_0", "Q4_K", "Q6_K"])
+def test_one_call_linear_is_the_same_bits_as_its_steps(kind):
+    """panel_linear (quantize, product, bias, silu * up in one call) against the ops one by one."""
+    from tokenloom.models import fused
+    assert fused.build()
+    k, n, m = 512, 64, 3
+    panels = gguf_panels.to_panels(GGMLTensor(kind, torch.from_numpy(random_blocks(kind, n, k)), k))
+    x, bias = torch.randn(m, k), torch.randn(n)
+    steps = torch.empty(m, n)
+    panels.matmul_into(steps, 0, ggml.ops().quantize_activations(x))
+    steps += bias
+    assert torch.equal(panels.linear(x, bias), steps)
+    assert torch.equal(panels.linear(x, bias, silu_mul=True), fused.silu_mul(steps))
+
+
+@pytest.mark.parametrize("kinds", [(6, 6, 8), (8, 8, 8), (12, 12)], ids=["Q5_0+Q5_0+Q8_0", "Q8_0x3", "Q4_Kx2"])
+def test_fused_layer_joins_touching_shards_of_one_type_without_changing_outputs(kinds):
+    """A qkv/gate_up layer loads shard by shard; touching shards of one type become one kernel
+    call, and each output column is what the shard alone gives."""
+    from tokenloom.quant.ggml_modules import GGMLLinear
+    k, rows = 256, 32
+    raws = [random_blocks(kind, rows, k, seed=i) for i, kind in enumerate(kinds)]
+    layer = GGMLLinear(k, rows * len(kinds), bias=False)
+    for i in reversed(range(len(kinds))):                         # out of order, as a file may hold them
+        layer.load_weight(GGMLTensor(kinds[i], torch.from_numpy(raws[i]), k), slice(i * rows, (i + 1) * rows))
+    x = torch.randn(2, k)
+    y = layer(x)
+    for i, kind in enumerate(kinds):
+        alone = GGMLLinear(k, rows, bias=False)
+        alone.load_weight(GGMLTensor(kind, torch.from_numpy(raws[i]), k))
+        assert torch.equal(y[:, i * rows:(i + 1) * rows], alone(x))
+    if ggml.ops() is not None and gguf_panels.available():
+        runs = 1 + sum(a != b for a, b in zip(kinds, kinds[1:]))
+        assert len(layer.segments) == runs

@@ -9,7 +9,7 @@ from tokenloom.attention.backend import AttentionShape, StepAttention, plan_atte
 from tokenloom.config import ModelConfig
 from tokenloom.kv_cache.paged import PagedKVCache
 from tokenloom.models.base import CausalLM
-from tokenloom.models.layers import activation
+from tokenloom.models.layers import activation, uninitialized_embedding
 
 
 class GPT2Attention(nn.Module):
@@ -50,8 +50,8 @@ class GPT2Block(nn.Module):
 class GPT2Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.wte = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.wpe = nn.Embedding(cfg.max_model_len, cfg.hidden_size)
+        self.wte = uninitialized_embedding(cfg.vocab_size, cfg.hidden_size)
+        self.wpe = uninitialized_embedding(cfg.max_model_len, cfg.hidden_size)
         self.h = nn.ModuleList(GPT2Block(cfg) for _ in range(cfg.num_layers))
         self.ln_f = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
 

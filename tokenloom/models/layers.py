@@ -16,6 +16,7 @@ from tokenloom.config import RopeConfig
 from tokenloom.models import fused
 from tokenloom.models.custom_op import CustomOp
 from tokenloom.models.prepacked import PanelLinear
+from tokenloom.quant.ggml_modules import GGMLLinear
 
 
 class RMSNorm(CustomOp):
@@ -53,9 +54,16 @@ class RMSNorm(CustomOp):
         return fused.add_rms_norm(x, residual, self.weight, self.eps)
 
 
+def uninitialized_embedding(num_embeddings: int, dim: int) -> nn.Embedding:
+    """nn.Embedding whose weight is left unfilled (the loader fills it). Skipping the random
+    init matters on the meta device: its normal_() goes through torch._refs, which imports
+    torch._dynamo (~1 s of every load)."""
+    return nn.Embedding(num_embeddings, dim, _weight=torch.empty(num_embeddings, dim))
+
+
 def rope_inv_freq(rope: RopeConfig, rotary_dim: int) -> torch.Tensor:
     """Inverse frequencies (rotary_dim/2,) float32, with the configured scaling applied."""
-    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device="cpu").float() / rotary_dim  # not meta
     inv_freq = 1.0 / (rope.theta ** exponents)
     if rope.rope_type == "linear":
         return inv_freq / rope.factor
@@ -137,7 +145,7 @@ class GatedMLP(CustomOp):
 
     def forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
         proj = self.gate_up_proj
-        if isinstance(proj, PanelLinear) and proj.pairs_gate_up:
+        if isinstance(proj, PanelLinear | GGMLLinear) and proj.pairs_gate_up:
             return self.down_proj.forward(proj.silu_mul(x))
         gate_up = proj.forward(x)                                             # (T, 2 intermediate)
         if gate_up.dim() == 2 and gate_up.stride(1) == 1:

@@ -16,7 +16,7 @@ from tokenloom.attention.backend import AttentionShape, StepAttention, plan_atte
 from tokenloom.config import ModelConfig
 from tokenloom.kv_cache.paged import PagedKVCache
 from tokenloom.models.base import CausalLM
-from tokenloom.models.layers import GatedMLP, RMSNorm, rope_cos_sin, rope_inv_freq
+from tokenloom.models.layers import GatedMLP, RMSNorm, rope_cos_sin, rope_inv_freq, uninitialized_embedding
 
 
 class LlamaAttention(nn.Module):
@@ -64,7 +64,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = uninitialized_embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
 

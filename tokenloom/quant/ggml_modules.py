@@ -13,17 +13,21 @@ import torch
 from torch import nn
 
 from tokenloom.quant import gguf_panels, kernels, panels
+from tokenloom.quant.formats import QuantizedTensor
 from tokenloom.quant.ggml import GGMLTensor, ops
 from tokenloom.quant.gguf_blocks import exact_format, to_quantized
+from tokenloom.quant.gguf_panels import GGUFPanels
 
 
 class QuantizedSegment:
     """A GGUF tensor held as a tokenloom int8/int4 panel tensor (values unchanged)."""
 
     def __init__(self, t: GGMLTensor) -> None:
-        self.q = panels.to_panels(to_quantized(t))
-        self.kind, self.type_name, self.shape = t.kind, t.type_name, t.shape
-        self._run = kernels.bind(self.q, None, True)
+        self._set(panels.to_panels(to_quantized(t)), t.kind, t.type_name, t.shape)
+
+    def _set(self, q: QuantizedTensor, kind: int, type_name: str, shape: tuple[int, int]) -> None:
+        self.q, self.kind, self.type_name, self.shape = q, kind, type_name, shape
+        self._run = kernels.bind(q, None, True)
 
     @property
     def nbytes(self) -> int:
@@ -31,6 +35,23 @@ class QuantizedSegment:
 
     def matmul_into(self, out: torch.Tensor, col0: int, x: torch.Tensor) -> None:
         out[:, col0:col0 + self.shape[0]] = self._run(x)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x (M, K) float32 contiguous -> x @ w.T + bias (M, N) in one call."""
+        return kernels.bind(self.q, bias, True)(x)
+
+    def followed_by(self, other: QuantizedSegment) -> QuantizedSegment | None:
+        """These rows then `other`'s as one segment (panels stack along their first dimension),
+        or None where the formats differ."""
+        a, b = self.q, other.q
+        if (a.bits, a.group_size, self.kind, self.shape[1]) != (b.bits, b.group_size, other.kind, other.shape[1]):
+            return None
+        cat = lambda x, y: None if x is None else torch.cat([x, y])       # noqa: E731
+        merged = QuantizedTensor(a.bits, cat(a.data, b.data), cat(a.scales, b.scales), cat(a.offsets, b.offsets),
+                                 a.group_size)
+        segment = QuantizedSegment.__new__(QuantizedSegment)
+        segment._set(merged, self.kind, self.type_name, (self.shape[0] + other.shape[0], self.shape[1]))
+        return segment
 
     def rows(self, index: torch.Tensor) -> torch.Tensor:
         return panels.rows(self.q, index).dequantize()
@@ -44,6 +65,28 @@ def segment_for(t: GGMLTensor):
     if fmt is not None and kernels.panels_available() and t.shape[0] % panels.PANEL == 0:
         return QuantizedSegment(t)
     return t
+
+
+def _merge_adjacent(segments: list[tuple[int, object]]) -> list[tuple[int, object]]:
+    """Segments sorted by first column, each run of touching ones of one layout and type
+    joined (a fused qkv or gate_up of one type becomes one kernel call)."""
+    merged: list[tuple[int, object]] = []
+    for col0, segment in segments:
+        if merged:
+            prev0, prev = merged[-1]
+            joined = prev.followed_by(segment) if type(prev) is type(segment) and hasattr(prev, "followed_by") \
+                and prev0 + prev.shape[0] == col0 else None
+            if joined is not None:
+                merged[-1] = (prev0, joined)
+                continue
+        merged.append((col0, segment))
+    return merged
+
+
+def _float_rows(x: torch.Tensor, width: int) -> torch.Tensor:
+    """x (..., width) as a contiguous float32 (M, width) matrix."""
+    x2 = x.reshape(-1, width)
+    return x2 if x2.dtype == torch.float32 and x2.is_contiguous() else x2.float().contiguous()
 
 
 def _rows(segment, index: torch.Tensor) -> torch.Tensor:
@@ -69,7 +112,7 @@ class GGMLLinear(nn.Module):
         if tensor.shape != (stop - start, self.in_features):
             raise ValueError(f"weight shape {tensor.shape} does not match {(stop - start, self.in_features)}")
         kept = [s for s in self.segments if s[0] != start]
-        self.segments = sorted(kept + [(start, segment_for(tensor))], key=lambda s: s[0])
+        self.segments = _merge_adjacent(sorted(kept + [(start, segment_for(tensor))], key=lambda s: s[0]))
 
     def rows(self, index: torch.Tensor) -> torch.Tensor:
         """float32 rows `index` of a one-segment weight (a tied embedding's lookup)."""
@@ -78,27 +121,46 @@ class GGMLLinear(nn.Module):
         return _rows(self.segments[0][1], index)
 
     @property
+    def pairs_gate_up(self) -> bool:
+        """`silu_mul` runs as one kernel call: the weight is one GGUF panel tensor."""
+        return len(self.segments) == 1 and isinstance(self.segments[0][1], gguf_panels.GGUFPanels) \
+            and ops() is not None
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """A gated MLP's gate_up: x (..., in) -> silu(gate) * up (..., out / 2), the same bits as
+        forward then fused.silu_mul."""
+        x2 = _float_rows(x, self.in_features)
+        y = self.segments[0][1].linear(x2, self.bias, silu_mul=True)
+        return y.to(x.dtype).view(*x.shape[:-1], self.out_features // 2)
+
+    @property
     def types(self) -> list[str]:
         return [s.type_name + ("" if isinstance(s, GGMLTensor) else " panels") for _, s in self.segments]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, self.in_features)                                  # (M, in)
-        if x2.dtype != torch.float32 or not x2.is_contiguous():
-            x2 = x2.float().contiguous()
+        x2 = _float_rows(x, self.in_features)                                 # (M, in)
         kernels = ops()
-        if kernels is None or x2.device.type != "cpu":
-            w = torch.cat([_rows(s, torch.arange(s.shape[0])) for _, s in self.segments])
-            y = x2 @ w.to(x2.device).T
+        only = self.segments[0][1] if len(self.segments) == 1 else None
+        if kernels is not None and x2.device.type == "cpu" and isinstance(only, (QuantizedSegment, GGUFPanels)):
+            y = only.linear(x2, self.bias)                                    # one call, bias included
         else:
-            xq = kernels.quantize_activations(x2)
-            y = torch.empty(x2.shape[0], self.out_features)
-            for col0, segment in self.segments:
-                segment.matmul_into(y, col0, x2 if isinstance(segment, QuantizedSegment) else xq)
-        if self.bias is not None:
-            y += self.bias
+            y = self._segments_forward(x2, kernels)
+            if self.bias is not None:
+                y += self.bias
         if y.dtype != x.dtype:
             y = y.to(x.dtype)
         return y.view(*x.shape[:-1], self.out_features)
+
+    def _segments_forward(self, x2: torch.Tensor, kernels) -> torch.Tensor:
+        """x2 (M, in) float32 -> (M, out), each segment by its own kernel (or dequantized off the CPU)."""
+        if kernels is None or x2.device.type != "cpu":
+            w = torch.cat([_rows(s, torch.arange(s.shape[0])) for _, s in self.segments])
+            return x2 @ w.to(x2.device).T
+        xq = kernels.quantize_activations(x2)
+        y = torch.empty(x2.shape[0], self.out_features)
+        for col0, segment in self.segments:
+            segment.matmul_into(y, col0, x2 if isinstance(segment, QuantizedSegment) else xq)
+        return y
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

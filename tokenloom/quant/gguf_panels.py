@@ -50,6 +50,20 @@ class GGUFPanels:
     def matmul_into(self, out: torch.Tensor, col0: int, xq: torch.Tensor) -> None:
         ops().panel_matmul_into(out, col0, xq, self.in_features, self.kind, self.lo, self.hi, self.scale, self.offset)
 
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool = False) -> torch.Tensor:
+        """x (M, K) float32 contiguous -> x @ w.T + bias (M, N) in one call, or with `silu_mul`
+        silu(gate) * up (M, N/2) for a gate_up weight (gate rows first)."""
+        return ops().panel_linear(x, self.kind, self.lo, self.hi, self.scale, self.offset, bias, silu_mul)
+
+    def followed_by(self, other: GGUFPanels) -> GGUFPanels | None:
+        """These rows then `other`'s as one tensor (one kernel call for both), or None where the
+        two differ in type or width. Rows are independent, so each output is unchanged."""
+        if other.kind != self.kind or other.in_features != self.in_features:
+            return None
+        cat = lambda a, b: None if a is None else torch.cat([a, b])      # noqa: E731
+        return GGUFPanels(self.kind, cat(self.lo, other.lo), cat(self.hi, other.hi), cat(self.scale, other.scale),
+                          cat(self.offset, other.offset), self.in_features)
+
     def rows(self, index: torch.Tensor) -> torch.Tensor:
         """float32 (len(index), K): rows `index` dequantized (an embedding lookup)."""
         planes, zero, per16, _, _ = LAYOUTS[self.kind]

@@ -574,6 +574,54 @@ void panel_matmul_into(at::Tensor out, int64_t col0, const at::Tensor& xq, int64
     default: TORCH_CHECK(false, "GGML type ", type, " has no panel kernel");
   }
 }
+
+extern "C" __m512 Sleef_expf16_u10avx512f(__m512);  // in libtorch_cpu: the exp ATen's silu uses
+
+// y (M, N/2) = silu(g) * u for g = y2[:, :N/2], u = y2[:, N/2:], silu(g) = g / (1 + exp(-g)):
+// fused_cpu's silu_mul arithmetic (the same SLEEF exp), bit for bit.
+at::Tensor silu_mul_rows(const at::Tensor& y2) {
+  const int64_t M = y2.size(0), I = y2.size(1) / 2;
+  at::Tensor y = at::empty({M, I}, y2.options());
+  const float* gp = y2.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const __m512 one = _mm512_set1_ps(1.f), zero = _mm512_setzero_ps();
+  for (int64_t r = 0; r < M; ++r) {
+    const float *g = gp + r * 2 * I, *u = g + I;
+    float* yr = yp + r * I;
+    int64_t i = 0;
+    for (; i + 16 <= I; i += 16) {
+      const __m512 gv = _mm512_loadu_ps(g + i);
+      const __m512 silu = _mm512_div_ps(gv, _mm512_add_ps(one, Sleef_expf16_u10avx512f(_mm512_sub_ps(zero, gv))));
+      _mm512_storeu_ps(yr + i, _mm512_mul_ps(silu, _mm512_loadu_ps(u + i)));
+    }
+    for (; i < I; ++i) yr[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+  }
+  return y;
+}
+
+// One call for a layer whose weight is one GGUF panel tensor: x (M, K) float32 -> (M, N) =
+// x @ w.T + bias, or with `silu_mul` (a gated MLP's gate_up, N = 2I) -> (M, I) =
+// silu(gate) * up. The same bits as quantize_activations, panel_matmul_into, the bias add
+// and fused_cpu's silu_mul called one by one; it saves a decode step those Python calls.
+at::Tensor panel_linear(const at::Tensor& x, int64_t type, const at::Tensor& lo, const c10::optional<at::Tensor>& hi,
+                        const at::Tensor& scale, const c10::optional<at::Tensor>& offset,
+                        const c10::optional<at::Tensor>& bias, bool silu_mul) {
+  const at::Tensor xq = quantize_activations(x);
+  const int64_t M = x.size(0), N = lo.size(0) * 16;
+  at::Tensor y = at::empty({M, N}, x.options());
+  panel_matmul_into(y, 0, xq, x.size(1), type, lo, hi, scale, offset);
+  if (bias) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
+                "bias must be (N,) float32");
+    const float* b = bias->data_ptr<float>();
+    float* yp = y.data_ptr<float>();
+    for (int64_t r = 0; r < M; ++r)
+      for (int64_t n = 0; n < N; ++n) yp[r * N + n] += b[n];
+  }
+  if (!silu_mul) return y;
+  TORCH_CHECK(N % 2 == 0, "silu_mul needs an even number of outputs");
+  return silu_mul_rows(y);
+}
 #endif
 
 }  // namespace
@@ -585,6 +633,8 @@ TORCH_LIBRARY(TOKENLOOM_GGML_LIBRARY, m) {
 #if defined(__AVX512VNNI__)
   m.def("panel_matmul_into(Tensor(a!) out, int col0, Tensor xq, int K, int type, Tensor lo, Tensor? hi, "
         "Tensor scale, Tensor? offset) -> ()");
+  m.def("panel_linear(Tensor x, int type, Tensor lo, Tensor? hi, Tensor scale, Tensor? offset, Tensor? bias, "
+        "bool silu_mul) -> Tensor");
 #endif
 }
 
@@ -594,5 +644,6 @@ TORCH_LIBRARY_IMPL(TOKENLOOM_GGML_LIBRARY, CPU, m) {
   m.impl("dequantize", &dequantize);
 #if defined(__AVX512VNNI__)
   m.impl("panel_matmul_into", &panel_matmul_into);
+  m.impl("panel_linear", &panel_linear);
 #endif
 }
