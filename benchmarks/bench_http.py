@@ -7,7 +7,9 @@ concurrency C drives it with C streaming clients in a closed loop over
 generate exactly the same tokens). The same requests then run in-process on
 AsyncLLMEngine with the same engine settings. Reported per C: output tokens/s,
 TTFT and TPOT medians and p99s, and HTTP / in-process throughput (the server's
-overhead: HTTP, JSON, SSE, detokenized streaming).
+overhead: HTTP, JSON, SSE, detokenized streaming). With --llama-server PATH (a GGUF
+--model), llama.cpp's own server runs the same requests over the same API on the same
+file (one slot per client, the same threads), and the table gains tokenloom / llama.cpp.
 
 Writes benchmarks/results/bench_http.json.
 """
@@ -22,6 +24,7 @@ import time
 from pathlib import Path
 
 import httpx
+import torch
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -34,10 +37,21 @@ from tokenloom.config import CacheConfig, EngineConfig, SchedulerConfig
 
 
 def start_server(model: str, port: int, max_num_seqs: int) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", "tokenloom.cli", "serve", "-m", model, "--port", str(port),
-                             "--served-model-name", "bench", "--kv-cache-memory", "2", "--no-prefix-caching",
-                             "--max-num-seqs", str(max_num_seqs), "--log-level", "warning"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return _wait_healthy(subprocess.Popen(
+        [sys.executable, "-m", "tokenloom.cli", "serve", "-m", model, "--port", str(port), "--served-model-name",
+         "bench", "--kv-cache-memory", "2", "--no-prefix-caching", "--max-num-seqs", str(max_num_seqs),
+         "--log-level", "warning"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), port)
+
+
+def start_llama_server(binary: str, model: str, port: int, slots: int, threads: int, slot_ctx: int) -> subprocess.Popen:
+    """llama.cpp's server on `model`: `slots` parallel sequences of `slot_ctx` tokens each, no prompt cache reuse."""
+    return _wait_healthy(subprocess.Popen(
+        [binary, "-m", model, "--port", str(port), "-np", str(slots), "-c", str(slots * slot_ctx), "-t", str(threads),
+         "-tb", str(threads), "--cache-reuse", "0", "--no-webui"], stdout=subprocess.DEVNULL,
+        stderr=open(RESULTS / "llama_server.log", "w")), port)
+
+
+def _wait_healthy(proc: subprocess.Popen, port: int) -> subprocess.Popen:
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
         try:
@@ -60,7 +74,9 @@ async def _http_run(base: str, reqs: list[Req], concurrency: int) -> Run:
                     "ignore_eos": True, "stream": True}
             t0 = time.perf_counter()
             first = None
-            async with http.stream("POST", f"{base}/v1/completions", json=body) as response:
+            # a fresh connection per request: llama-server drops kept-alive ones after a stream
+            async with http.stream("POST", f"{base}/v1/completions", json=body,
+                                   headers={"Connection": "close"}) as response:
                 response.raise_for_status()
                 async for line in response.aiter_lines():
                     if line.startswith("data:") and first is None:
@@ -76,22 +92,54 @@ async def _http_run(base: str, reqs: list[Req], concurrency: int) -> Run:
     return Run(time.perf_counter() - start, sum(r.out_len for r in reqs), ttft, tpot)
 
 
+def _drive(base: str, reqs: list[Req], levels: list[int], into: dict, bar: tqdm) -> None:
+    """A warm-up, then the workload at each concurrency against the server at `base`."""
+    asyncio.run(_http_run(base, reqs[:2], 2))
+    for c in levels:
+        into[str(c)] = asyncio.run(_http_run(base, reqs, c)).summary()
+        bar.update()
+
+
+def print_table(res: dict, levels: list[int]) -> None:
+    """Each path's numbers at each concurrency; ratios against tokenloom in-process and llama.cpp's server."""
+    paths = ["http", "in_process"] + (["llama_server"] if "llama_server" in res else [])
+    print("\n| concurrency | path | output tok/s | / in-process | tokenloom HTTP / llama-server | TTFT median s | "
+          "TTFT p99 s | TPOT median ms | TPOT p99 ms |\n|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+    for c in levels:
+        base_tps = res["in_process"][str(c)]["output_tok_s"]
+        for path in paths:
+            s = res[path][str(c)]
+            vs = (f"{res['http'][str(c)]['output_tok_s'] / s['output_tok_s']:.2f}x"
+                  if path == "llama_server" else "")
+            print(f"| {c} | {path} | {s['output_tok_s']:.1f} | {s['output_tok_s'] / base_tps:.2f} | {vs} | "
+                  f"{s['ttft_median_s']:.2f} | {s['ttft_p99_s']:.2f} | {s['tpot_median_ms']:.0f} | "
+                  f"{s['tpot_p99_ms']:.0f} |")
+
+
 def main() -> None:
     p = parser(__doc__)
     add_workload_args(p)
     p.add_argument("--port", type=int, default=8765)
+    p.add_argument("--llama-server", default=None, help="llama.cpp's llama-server binary (needs a GGUF --model)")
+    p.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = p.parse_args()
     folder = args.model or str(hub.pull())
     reqs = make_workload(args.requests, 0, args.prompt_len, args.output_len)
     res: dict = {"http": {}, "in_process": {}, "config": vars(args)}
+    if args.llama_server:
+        res["llama_server"] = {}
+        with tqdm(total=len(args.concurrency), desc="llama-server", unit="run") as bar:
+            proc = start_llama_server(args.llama_server, folder, args.port, max(args.concurrency), args.threads,
+                                      args.prompt_len[1] + args.output_len[1] + 16)
+            try:
+                _drive(f"http://127.0.0.1:{args.port}", reqs, args.concurrency, res["llama_server"], bar)
+            finally:
+                proc.terminate()
+                proc.wait()
     with tqdm(total=2 * len(args.concurrency), desc="benchmarking", unit="run") as bar:
         proc = start_server(folder, args.port, max(args.concurrency))
         try:
-            base = f"http://127.0.0.1:{args.port}"
-            asyncio.run(_http_run(base, reqs[:2], 2))                      # warm-up
-            for c in args.concurrency:
-                res["http"][str(c)] = asyncio.run(_http_run(base, reqs, c)).summary()
-                bar.update()
+            _drive(f"http://127.0.0.1:{args.port}", reqs, args.concurrency, res["http"], bar)
         finally:
             proc.terminate()
             proc.wait()
@@ -102,15 +150,7 @@ def main() -> None:
         for c in args.concurrency:
             res["in_process"][str(c)] = run_tokenloom(engine, reqs, c).summary()
             bar.update()
-    print("\n| concurrency | path | output tok/s | HTTP / in-process | TTFT median s | TTFT p99 s | "
-          "TPOT median ms | TPOT p99 ms |\n|---:|---|---:|---:|---:|---:|---:|---:|")
-    for c in args.concurrency:
-        base_tps = res["in_process"][str(c)]["output_tok_s"]
-        for path in ("http", "in_process"):
-            s = res[path][str(c)]
-            print(f"| {c} | {path} | {s['output_tok_s']:.1f} | {s['output_tok_s'] / base_tps:.2f} | "
-                  f"{s['ttft_median_s']:.2f} | {s['ttft_p99_s']:.2f} | {s['tpot_median_ms']:.0f} | "
-                  f"{s['tpot_p99_ms']:.0f} |")
+    print_table(res, args.concurrency)
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "bench_http.json").write_text(json.dumps(res, indent=2))
 

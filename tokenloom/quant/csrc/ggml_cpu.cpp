@@ -528,16 +528,83 @@ void gpanel_row(const GPanel& w, int64_t first, const Acts& a, int64_t m, float*
   for (int j = 0; j < NZ; ++j) _mm512_storeu_ps(y + 16 * j, OFFS ? _mm512_add_ps(acc[j], off[j]) : acc[j]);
 }
 
+// The 8 code vectors of block `lo` (chunk C, half H at 2C + H): what chunk_dots multiplies.
+template <int HB>
+inline void block_codes(const uint8_t* lo, const __m512i* planes, __m512i* codes) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+#define TOKENLOOM_CHUNK(C)                                                                               \
+  {                                                                                                      \
+    const __m512i v = _mm512_loadu_si512(lo + C * 64);                                                   \
+    codes[2 * C] = with_high_bits<HB, C, 0>(_mm512_and_si512(v, low), planes);                          \
+    codes[2 * C + 1] = with_high_bits<HB, C, 1>(_mm512_and_si512(_mm512_srli_epi16(v, 4), low), planes); \
+  }
+  TOKENLOOM_CHUNK(0) TOKENLOOM_CHUNK(1) TOKENLOOM_CHUNK(2) TOKENLOOM_CHUNK(3)
+#undef TOKENLOOM_CHUNK
+}
+
+// gpanel_row's products for MR activation rows from m0 and one panel p, each block's codes
+// decoded once for all MR rows (prefill and batched decode). Every row's arithmetic is
+// gpanel_row's, operation for operation: a row's result does not depend on M (tested).
+template <int MR, int HB, int Z, bool PER16, bool OFFS, typename S>
+void gpanel_rows(const GPanel& w, int64_t p, const Acts& a, int64_t m0, float* out, int64_t ldo) {
+  const int64_t nb = w.nb;
+  __m512 acc[MR], off[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = off[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const int64_t pb = p * nb + b;
+    __m512i planes[2], codes[8];
+    for (int h = 0; h < HB; ++h) planes[h] = _mm512_loadu_si512(w.hi + pb * 64 * HB + 64 * h);
+    block_codes<HB>(w.lo + pb * 256, planes, codes);
+    for (int r = 0; r < MR; ++r) {
+      const int64_t xi = (m0 + r) * nb + b;
+      const int32_t* xb = reinterpret_cast<const int32_t*>(a.q + (m0 + r) * a.K + b * QK);
+      const __m512 xs = _mm512_set1_ps(a.scale[xi]);
+      __m512i d[4];                                    // values 0-15 (d0, d1), 16-31 (d2, d3)
+      for (int i = 0; i < 4; ++i) d[i] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes[i + (i & 2)], _mm512_set1_epi32(xb[i + (i & 2)]));
+      for (int i = 0; i < 4; ++i) d[i] = _mm512_dpbusd_epi32(d[i], codes[i + (i & 2) + 2], _mm512_set1_epi32(xb[i + (i & 2) + 2]));
+      const int32_t* is = a.isum16 + 2 * xi;
+      if constexpr (PER16) {
+        const float* sc = static_cast<const float*>(w.scale) + pb * 32;
+        const __m512i da = _mm512_sub_epi32(_mm512_add_epi32(d[0], d[1]), _mm512_set1_epi32(Z * is[0]));
+        const __m512i db = _mm512_sub_epi32(_mm512_add_epi32(d[2], d[3]), _mm512_set1_epi32(Z * is[1]));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(da), _mm512_mul_ps(xs, _mm512_loadu_ps(sc)), acc[r]);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(db), _mm512_mul_ps(xs, _mm512_loadu_ps(sc + 16)), acc[r]);
+      } else {
+        const __m512i dd = _mm512_sub_epi32(_mm512_add_epi32(_mm512_add_epi32(d[0], d[1]), _mm512_add_epi32(d[2], d[3])),
+                                            _mm512_set1_epi32(Z * (is[0] + is[1])));
+        const __m512 sc = load16(static_cast<const S*>(w.scale) + pb * 16);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dd), _mm512_mul_ps(xs, sc), acc[r]);
+        if constexpr (OFFS) {
+          const __m512 xsum = _mm512_set1_ps(a.sum16[2 * xi] + a.sum16[2 * xi + 1]);
+          off[r] = _mm512_fmadd_ps(load16(static_cast<const S*>(w.offset) + pb * 16), xsum, off[r]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    _mm512_storeu_ps(out + (m0 + r) * ldo + p * 16, OFFS ? _mm512_add_ps(acc[r], off[r]) : acc[r]);
+}
+
 template <int HB, int Z, bool PER16, bool OFFS, typename S>
 void gpanel_matmul(const GPanel& w, const Acts& a, int64_t M, int64_t P, float* out, int64_t ldo) {
   const int64_t threads = at::get_num_threads();
   const int64_t grain = std::max<int64_t>(1, (P + threads - 1) / threads);
   at::parallel_for(0, P, grain, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; p += 2) {        // two panels' weight streams side by side
-      for (int64_t m = 0; m < M; ++m) {
-        float* y = out + m * ldo + p * 16;
-        if (p + 2 <= p1) gpanel_row<2, HB, Z, PER16, OFFS, S>(w, p, a, m, y, m == 0);
-        else gpanel_row<1, HB, Z, PER16, OFFS, S>(w, p, a, m, y, m == 0);
+    if (M == 1) {                                   // decode: two panels' weight streams side by side
+      for (int64_t p = p0; p < p1; p += 2) {
+        if (p + 2 <= p1) gpanel_row<2, HB, Z, PER16, OFFS, S>(w, p, a, 0, out + p * 16, true);
+        else gpanel_row<1, HB, Z, PER16, OFFS, S>(w, p, a, 0, out + p * 16, true);
+      }
+      return;
+    }
+    for (int64_t p = p0; p < p1; ++p) {             // each block decoded once per 4 rows
+      int64_t m = 0;
+      for (; m + 4 <= M; m += 4) gpanel_rows<4, HB, Z, PER16, OFFS, S>(w, p, a, m, out, ldo);
+      switch (M - m) {
+        case 3: gpanel_rows<3, HB, Z, PER16, OFFS, S>(w, p, a, m, out, ldo); break;
+        case 2: gpanel_rows<2, HB, Z, PER16, OFFS, S>(w, p, a, m, out, ldo); break;
+        case 1: gpanel_rows<1, HB, Z, PER16, OFFS, S>(w, p, a, m, out, ldo); break;
+        default: break;
       }
     }
   });
