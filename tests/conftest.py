@@ -26,6 +26,9 @@ TINY_CONFIGS = {
     "mistral_sliding": ("MistralConfig", dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=12,
                                              head_dim=16)),
     "qwen2": ("Qwen2Config", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)),
+    # layer 0 attends to everything, layer 1 to the last 6 positions (max_window_layers)
+    "qwen2_window_layers": ("Qwen2Config", dict(num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True,
+                                                sliding_window=6, max_window_layers=1)),
     "qwen3": ("Qwen3Config", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=24)),
     "gpt2": ("GPT2Config", dict(n_embd=64, n_layer=2, n_head=4, n_positions=256, vocab_size=VOCAB,
                                 initializer_range=0.2, bos_token_id=None, eos_token_id=None)),

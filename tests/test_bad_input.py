@@ -44,6 +44,28 @@ def test_unsupported_rope_type(tiny_model_dir, tmp_path):
         LLM(str(folder))
 
 
+@pytest.mark.parametrize("field, value", [("partial_rotary_factor", 0.5), ("final_logit_softcapping", 30.0)])
+def test_config_fields_that_change_the_math_are_refused_by_name(tiny_model_dir, tmp_path, field, value):
+    folder = _copy(tiny_model_dir("llama_gqa"), tmp_path)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg[field] = value
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedModelError, match=f"{field}.*not implemented"):
+        LLM(str(folder))
+
+
+def test_qwen2_window_applies_only_from_max_window_layers():
+    from tokenloom.config import ModelConfig
+    hf = dict(architectures=["Qwen2ForCausalLM"], vocab_size=10, hidden_size=8, num_hidden_layers=4,
+              num_attention_heads=2, intermediate_size=16, use_sliding_window=True, sliding_window=5,
+              max_window_layers=3)
+    assert ModelConfig.from_hf(hf).layer_windows() == (None, None, None, 5)
+    assert ModelConfig.from_hf(hf | {"use_sliding_window": False}).layer_windows() == (None,) * 4
+    assert ModelConfig.from_hf(hf | {"architectures": ["MistralForCausalLM"]}).layer_windows() == (5,) * 4
+    with pytest.raises(UnsupportedModelError, match="chunked_attention"):
+        ModelConfig.from_hf(hf | {"layer_types": ["full_attention"] * 3 + ["chunked_attention"]})
+
+
 def test_truncated_safetensors(tiny_model_dir, tmp_path):
     folder = _copy(tiny_model_dir("llama_gqa"), tmp_path)
     weights = folder / "model.safetensors"

@@ -15,6 +15,7 @@ import torch
 from tokenloom.architectures import BY_MODEL_TYPE, SUPPORTED_ARCHITECTURES
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -75,6 +76,9 @@ class ModelConfig:
     mlp_bias: bool = False
     qk_norm: bool = False             # RMSNorm on q and k per head (Qwen3)
     sliding_window: int | None = None
+    # per layer "full_attention" or "sliding_attention" (HF layer_types); None: every layer
+    # slides when sliding_window is set (Mistral)
+    layer_types: tuple[str, ...] | None = None
     hidden_act: str = "silu"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -91,6 +95,20 @@ class ModelConfig:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of "
                              f"num_kv_heads ({self.num_kv_heads})")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_layers:
+                raise ValueError(f"layer_types names {len(self.layer_types)} layers, the model has {self.num_layers}")
+            unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
+            if unknown:
+                raise UnsupportedModelError(f"layer type(s) {unknown} are not supported (supported: {LAYER_TYPES})")
+
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's attention window in positions (None: the whole context)."""
+        if self.sliding_window is None:
+            return (None,) * self.num_layers
+        if self.layer_types is None:
+            return (self.sliding_window,) * self.num_layers
+        return tuple(self.sliding_window if t == "sliding_attention" else None for t in self.layer_types)
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
@@ -109,12 +127,11 @@ class ModelConfig:
                        max_model_len=hf["n_positions"], norm_eps=hf.get("layer_norm_epsilon", 1e-5),
                        rope=None, attention_bias=True, o_proj_bias=True, mlp_bias=True,
                        hidden_act=hf.get("activation_function", "gelu_new"))
+        _refuse_unimplemented(hf)
         heads = hf["num_attention_heads"]
         head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
         is_qwen2 = arch == "Qwen2ForCausalLM"
-        sliding = hf.get("sliding_window")
-        if is_qwen2 or arch == "Qwen3ForCausalLM":
-            sliding = sliding if hf.get("use_sliding_window", False) else None
+        sliding, layer_types = _sliding_of(hf, arch)
         return cls(**common, hidden_size=hf["hidden_size"], num_layers=hf["num_hidden_layers"],
                    num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
                    head_dim=head_dim, intermediate_size=hf["intermediate_size"],
@@ -123,8 +140,39 @@ class ModelConfig:
                    attention_bias=is_qwen2 or hf.get("attention_bias", False),
                    o_proj_bias=(not is_qwen2) and hf.get("attention_bias", False),
                    mlp_bias=hf.get("mlp_bias", False),
-                   qk_norm=arch == "Qwen3ForCausalLM", sliding_window=sliding,
+                   qk_norm=arch == "Qwen3ForCausalLM", sliding_window=sliding, layer_types=layer_types,
                    hidden_act=hf.get("hidden_act", "silu"))
+
+
+# config fields that change a Llama-family forward pass, with the value that leaves it unchanged
+_NEUTRAL_FIELDS = {"partial_rotary_factor": 1.0, "attn_logit_softcapping": None, "final_logit_softcapping": None,
+                   "query_pre_attn_scalar": None, "use_qk_norm": False, "logits_scaling": 1.0,
+                   "embedding_multiplier": 1.0, "residual_multiplier": 1.0, "attention_multiplier": None}
+
+
+def _refuse_unimplemented(hf: dict[str, Any]) -> None:
+    """An error naming each field that would change the math and is not implemented (never ignored)."""
+    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    found = {k: hf.get(k, params.get(k)) for k in _NEUTRAL_FIELDS if k in hf or k in params}
+    wrong = {k: v for k, v in found.items() if v != _NEUTRAL_FIELDS[k]}
+    if wrong:
+        raise UnsupportedModelError(f"config field(s) {wrong} change the model's arithmetic and are not "
+                                    f"implemented for {_architecture_of(hf)}")
+
+
+def _sliding_of(hf: dict[str, Any], arch: str) -> tuple[int | None, tuple[str, ...] | None]:
+    """(window, per-layer types) as transformers reads them: Qwen2/Qwen3 slide only with
+    use_sliding_window, and then only layers from max_window_layers on, unless the config
+    lists its layer_types."""
+    sliding = hf.get("sliding_window")
+    layer_types = hf.get("layer_types")
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        sliding = sliding if hf.get("use_sliding_window", False) else None
+        if layer_types is None and sliding is not None:
+            first = hf.get("max_window_layers", hf["num_hidden_layers"])
+            layer_types = ["sliding_attention" if i >= first else "full_attention"
+                           for i in range(hf["num_hidden_layers"])]
+    return sliding, tuple(layer_types) if layer_types is not None else None
 
 
 def _architecture_of(hf: dict[str, Any]) -> str:

@@ -38,6 +38,7 @@ class AttentionShape:
     num_kv_heads: int
     head_dim: int
     scale: float
+    windows: tuple[int | None, ...] | None = None   # per layer attention window; None: the batch's
 
     @property
     def q_size(self) -> int:
@@ -65,10 +66,16 @@ class StepAttention:
     def __call__(self, layer: int, qkv: torch.Tensor, norms: QKNorms | None = None) -> torch.Tensor:
         raise NotImplementedError
 
+    def _enter_layer(self, layer: int) -> None:
+        """Point the step's metadata at `layer`'s window (models whose layers differ in it)."""
+        if self.shape.windows is not None:
+            self.meta.sliding_window = self.shape.windows[layer]
+
 
 class TorchAttention(StepAttention):
     def __call__(self, layer: int, qkv: torch.Tensor, norms: QKNorms | None = None) -> torch.Tensor:
         sh, T = self.shape, qkv.shape[0]
+        self._enter_layer(layer)
         q_size, kv_size = sh.q_size, sh.kv_size
         if norms is not None:
             _norm_in_place(qkv, norms, sh)
@@ -94,6 +101,7 @@ class KernelAttention(StepAttention):
 
     def __call__(self, layer: int, qkv: torch.Tensor, norms: QKNorms | None = None) -> torch.Tensor:
         sh, meta = self.shape, self.meta
+        self._enter_layer(layer)
         if norms is not None:
             _norm_in_place(qkv, norms, sh)
         keys, values = self.kv_cache.keys[layer], self.kv_cache.values[layer]

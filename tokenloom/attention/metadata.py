@@ -30,7 +30,7 @@ class AttentionMetadata:
     prefill_rows_: list[int] | None = None          # sequences the prefill kernel takes (cpu_prefill)
     decode_kernel_inputs: tuple[torch.Tensor, torch.Tensor] | None = None   # padded tables (S, W), ctx (S,)
     prefill_kernel_inputs: tuple[torch.Tensor, ...] | None = None  # tables (S, W), starts, lens, ctx (S,)
-    padded_decode_inputs: tuple[torch.Tensor, torch.Tensor] | None = None   # torch path: tables, may-attend mask
+    padded_decode_inputs: tuple | None = None   # torch path: (window, tables, may-attend mask)
 
     @property
     def num_seqs(self) -> int:

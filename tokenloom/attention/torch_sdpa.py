@@ -138,9 +138,10 @@ def _decode_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     """One query per sequence: q (B, heads, head_dim) -> (B, heads, head_dim)."""
     B = q.shape[0]
     _, block_size, kv_heads, head_dim = k_cache.shape
-    if meta.padded_decode_inputs is None:          # same for every layer of this step
-        meta.padded_decode_inputs = _decode_inputs(meta, block_size, q.device)
-    tables, allowed = meta.padded_decode_inputs
+    cached = meta.padded_decode_inputs             # the same for every layer of this step with this window
+    if cached is None or cached[0] != meta.sliding_window:
+        cached = meta.padded_decode_inputs = (meta.sliding_window, *_decode_inputs(meta, block_size, q.device))
+    _, tables, allowed = cached
     L = tables.shape[1] * block_size
     # Slots past a sequence's end are zero (the null block, or zeroed at the block's first
     # write), so masked positions cannot inject NaN through 0-weight x value.

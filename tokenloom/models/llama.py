@@ -82,7 +82,9 @@ class LlamaForCausalLM(CausalLM):
         self.model = LlamaModel(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(cfg.rope, cfg.head_dim), persistent=False)
-        self.attention_shape = AttentionShape(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim ** -0.5)
+        windows = cfg.layer_windows()
+        self.attention_shape = AttentionShape(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim ** -0.5,
+                                              windows if len(set(windows)) > 1 else None)
         self.tie_weights()
 
     def tie_weights(self) -> None:
