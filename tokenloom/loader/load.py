@@ -109,9 +109,7 @@ def build_model(config: ModelConfig, dtype: torch.dtype, device: str | torch.dev
     # Module.to_empty's empty_like on meta tensors runs through torch._refs (~0.4 s a load): plain empty instead
     model = model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     model.tie_weights()
-    if hasattr(model, "inv_freq"):  # non-persistent float32 buffer: recompute after to_empty
-        from tokenloom.models.layers import rope_inv_freq
-        model.inv_freq = rope_inv_freq(config.rope, config.head_dim).to(device)
+    model.init_buffers(device)      # non-persistent float32 buffers: recomputed after the empty move
     return model.eval()
 
 

@@ -69,6 +69,9 @@ class CausalLM(nn.Module):
         if any(isinstance(m, QuantizedLinear) for m in self.modules()):
             kernels.available()
 
+    def init_buffers(self, device: torch.device | str) -> None:
+        """Recompute the non-persistent buffers (rotary tables) once the model is on `device`."""
+
     def shard_rows(self, param_name: str, shard_id: str) -> slice:
         """Rows of a fused parameter that hold one packed checkpoint tensor."""
         raise KeyError(f"{param_name} has no shard {shard_id!r}")

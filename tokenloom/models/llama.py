@@ -87,6 +87,9 @@ class LlamaForCausalLM(CausalLM):
                                               windows if len(set(windows)) > 1 else None)
         self.tie_weights()
 
+    def init_buffers(self, device: torch.device | str) -> None:
+        self.inv_freq = rope_inv_freq(self.config.rope, self.config.head_dim).to(device)
+
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings and isinstance(self.lm_head, nn.Linear):  # not when quantized
             self.lm_head.weight = self.model.embed_tokens.weight

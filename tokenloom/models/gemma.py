@@ -1,0 +1,99 @@
+"""Gemma 3 (text): a Llama-shaped decoder with Gemma's own arithmetic.
+
+What differs from models/llama.py, each as transformers' Gemma3ForCausalLM does it:
+- embeddings scaled by sqrt(hidden) (a float32 constant in the weights' dtype);
+- RMSNorm multiplies by (1 + w): the checkpoint's w is stored here as 1 + w at load
+  (computed in float32, as HF computes it on every call), so the norms are Llama's
+  own fused ops, the same bits;
+- four norms a layer: after attention and after the MLP the output is normed before
+  it joins the residual stream (post_attention_layernorm, post_feedforward_layernorm);
+- per-head q/k norm, attention scaled by query_pre_attn_scalar ** -0.5;
+- sliding-window and full-attention layers interleaved (layer_types), each kind with
+  its own rotary base (rope_local_base_freq for sliding layers);
+- a GELU-tanh gated MLP, tied output projection, optional final logit soft-capping.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tokenloom.attention.backend import AttentionShape, StepAttention, plan_attention
+from tokenloom.config import ModelConfig
+from tokenloom.kv_cache.paged import PagedKVCache
+from tokenloom.models.layers import GatedMLP, RMSNorm, rope_cos_sin, rope_inv_freq, uninitialized_embedding
+from tokenloom.models.llama import LlamaAttention, LlamaForCausalLM
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.self_attn = LlamaAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, cfg.hidden_act)
+        self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, attend: StepAttention, layer: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's normed MLP output (the scaled embeddings for layer 0, with
+        residual None) -> (this layer's normed MLP output, the residual stream before it is
+        added); each residual add runs inside the next norm (the same sums, one op)."""
+        if residual is None:
+            residual, normed = x, self.input_layernorm.forward(x)
+        else:
+            normed, residual = self.input_layernorm.add_forward(x, residual)
+        attn = self.post_attention_layernorm.forward(self.self_attn.forward(normed, attend, layer))
+        normed, residual = self.pre_feedforward_layernorm.add_forward(attn, residual)
+        return self.post_feedforward_layernorm.forward(self.mlp.forward(normed)), residual
+
+
+class Gemma3Model(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = uninitialized_embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Gemma3DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+
+
+class Gemma3ForCausalLM(LlamaForCausalLM):
+    """Loads HF ``Gemma3ForCausalLM`` checkpoints and GGUF ``gemma3`` files (see the module doc)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__(cfg)
+        self.model = Gemma3Model(cfg)
+        self.tie_weights()
+        scale = cfg.query_pre_attn_scalar ** -0.5
+        windows = cfg.layer_windows()
+        self.attention_shape = AttentionShape(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, scale, windows)
+        self.register_buffer("local_inv_freq", rope_inv_freq(cfg.local_rope or cfg.rope, cfg.head_dim),
+                             persistent=False)
+        self.sliding = [w is not None for w in windows]
+
+    def transform_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Gemma's norms scale by (1 + w): keep 1 + w, computed in float32 as HF does per call."""
+        if name.endswith("norm.weight"):
+            return 1.0 + tensor.float()
+        return tensor
+
+    def init_buffers(self, device: torch.device | str) -> None:
+        super().init_buffers(device)
+        self.local_inv_freq = rope_inv_freq(self.config.local_rope or self.config.rope, self.config.head_dim).to(device)
+
+    def forward(self, input_ids, positions, meta, kv_cache: PagedKVCache):
+        h = self.model.embed_tokens(input_ids)                                    # (T, hidden)
+        h = h * torch.tensor(self.config.hidden_size ** 0.5).to(h.dtype)
+        attend_full = plan_attention(self.attention_shape, meta, kv_cache,
+                                     rope_cos_sin(self.inv_freq, positions, h.dtype))
+        attend_local = plan_attention(self.attention_shape, meta, kv_cache,
+                                      rope_cos_sin(self.local_inv_freq, positions, h.dtype))
+        residual = None
+        for i, layer in enumerate(self.model.layers):
+            h, residual = layer.forward(h, residual, attend_local if self.sliding[i] else attend_full, i)
+        return self.model.norm.add_forward(h, residual)[0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = super().compute_logits(hidden)
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
