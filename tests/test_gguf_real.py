@@ -93,7 +93,8 @@ def test_gemma3_gguf_greedy_matches_transformers_on_the_same_file():
         assert got.token_ids == ref.tokens, (prompt, got.text)
         assert [lp[t] for lp, t in zip(got.logprobs, got.token_ids)] == pytest.approx(ref.logprobs, abs=1e-4)
     hf_tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    for text in ["  leading spaces and\ttabs\n\nnewlines", "naïve café 東京 🙂", "<start_of_turn>user\nHi<end_of_turn>"]:
+    texts = ["  leading spaces and\ttabs\n\nnewlines", "naïve café 東京 🙂", "<start_of_turn>user\nHi<end_of_turn>"]
+    for text in texts:
         assert llm.tokenizer.encode(text) == hf_tokenizer(text).input_ids, text
     del hf, llm
     kept = LLM(str(path), kv_cache_memory=32 << 20)
