@@ -23,6 +23,8 @@ TINY_CONFIGS = {
     "llama_linear_rope_bias": ("LlamaConfig", dict(
         num_attention_heads=4, num_key_value_heads=4, attention_bias=True, mlp_bias=True,
         rope_scaling={"rope_type": "linear", "factor": 2.0})),
+    "llama_yarn": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0, rope_scaling={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16})),
     "mistral_sliding": ("MistralConfig", dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=12,
                                              head_dim=16)),
     "qwen2": ("Qwen2Config", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)),

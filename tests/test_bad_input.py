@@ -38,9 +38,9 @@ def test_unsupported_architecture(tiny_model_dir, tmp_path):
 def test_unsupported_rope_type(tiny_model_dir, tmp_path):
     folder = _copy(tiny_model_dir("llama_gqa"), tmp_path)
     cfg = json.loads((folder / "config.json").read_text())
-    cfg["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}
+    cfg["rope_parameters"] = {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0}
     (folder / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(UnsupportedModelError, match="rope type 'yarn'"):
+    with pytest.raises(UnsupportedModelError, match="rope type 'dynamic'"):
         LLM(str(folder))
 
 

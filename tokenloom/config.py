@@ -14,7 +14,7 @@ import torch
 
 from tokenloom.architectures import BY_MODEL_TYPE, SUPPORTED_ARCHITECTURES
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -48,6 +48,13 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # yarn (transformers' _compute_yarn_parameters; None: its defaults)
+    attention_factor: float | None = None
+    beta_fast: float | None = None
+    beta_slow: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
 
     def __post_init__(self) -> None:
         if self.rope_type not in SUPPORTED_ROPE_TYPES:
@@ -238,8 +245,13 @@ def _rope_of(hf: dict[str, Any]) -> RopeConfig:
     params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
     theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default"))
-    kwargs = {k: params[k] for k in ("factor", "low_freq_factor", "high_freq_factor",
-                                     "original_max_position_embeddings") if k in params}
+    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings", "attention_factor",
+            "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate")
+    kwargs = {k: params[k] for k in keys if params.get(k) is not None}
+    if rope_type == "yarn":
+        kwargs.setdefault("original_max_position_embeddings", hf.get("max_position_embeddings", 2048))
+        if "factor" not in kwargs:     # DeepSeek-style: the factor is the context's growth
+            kwargs["factor"] = hf.get("max_position_embeddings", 2048) / kwargs["original_max_position_embeddings"]
     return RopeConfig(theta=float(theta), rope_type=rope_type, **kwargs)
 
 

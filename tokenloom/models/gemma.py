@@ -85,7 +85,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         h = self.model.embed_tokens(input_ids)                                    # (T, hidden)
         h = h * torch.tensor(self.config.hidden_size ** 0.5).to(h.dtype)
         attend_full = plan_attention(self.attention_shape, meta, kv_cache,
-                                     rope_cos_sin(self.inv_freq, positions, h.dtype))
+                                     rope_cos_sin(self.inv_freq, positions, h.dtype, self.rope_scale))
         attend_local = plan_attention(self.attention_shape, meta, kv_cache,
                                       rope_cos_sin(self.local_inv_freq, positions, h.dtype))
         residual = None

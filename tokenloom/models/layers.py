@@ -69,7 +69,44 @@ def rope_inv_freq(rope: RopeConfig, rotary_dim: int) -> torch.Tensor:
         return inv_freq / rope.factor
     if rope.rope_type == "llama3":
         return _llama3_scale(inv_freq, rope)
+    if rope.rope_type == "yarn":
+        return _yarn_inv_freq(rope, rotary_dim)
     return inv_freq
+
+
+def rope_attention_factor(rope: RopeConfig) -> float:
+    """What cos and sin are multiplied by (yarn's attention factor; 1 otherwise)."""
+    if rope.rope_type != "yarn":
+        return 1.0
+    if rope.attention_factor is not None:
+        return rope.attention_factor
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+    if rope.mscale and rope.mscale_all_dim:
+        return float(mscale(rope.factor, rope.mscale) / mscale(rope.factor, rope.mscale_all_dim))
+    return mscale(rope.factor)
+
+
+def _yarn_inv_freq(rope: RopeConfig, dim: int) -> torch.Tensor:
+    """YaRN: interpolated frequencies below the correction range, original ones above, a linear
+    ramp between (transformers' _compute_yarn_parameters, the same float32 steps)."""
+    base, factor = rope.theta, rope.factor
+    beta_fast, beta_slow = rope.beta_fast or 32, rope.beta_slow or 1
+
+    def correction_dim(rotations: float) -> float:
+        turns = rope.original_max_position_embeddings / (rotations * 2 * math.pi)
+        return (dim * math.log(turns)) / (2 * math.log(base))
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001                                                       # no zero-width ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2, device="cpu").to(dtype=torch.float) / dim)
+    extrapolation = 1 - ramp
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
 
 
 def _llama3_scale(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
@@ -85,12 +122,16 @@ def _llama3_scale(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype, scale: float = 1.0
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables for `positions` (T,) -> each (T, 1, rotary_dim), cast to `dtype`."""
+    """cos/sin tables for `positions` (T,) -> each (T, 1, rotary_dim), times `scale` (yarn's
+    attention factor) in float32, cast to `dtype`."""
     freqs = positions.float()[:, None] * inv_freq[None, :]  # (T, rotary_dim/2)
     emb = torch.cat((freqs, freqs), dim=-1)                 # (T, rotary_dim)
-    return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+    cos, sin = emb.cos(), emb.sin()
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
+    return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,14 @@ from tokenloom.attention.backend import AttentionShape, StepAttention, plan_atte
 from tokenloom.config import ModelConfig
 from tokenloom.kv_cache.paged import PagedKVCache
 from tokenloom.models.base import CausalLM
-from tokenloom.models.layers import GatedMLP, RMSNorm, rope_cos_sin, rope_inv_freq, uninitialized_embedding
+from tokenloom.models.layers import (
+    GatedMLP,
+    RMSNorm,
+    rope_attention_factor,
+    rope_cos_sin,
+    rope_inv_freq,
+    uninitialized_embedding,
+)
 
 
 class LlamaAttention(nn.Module):
@@ -82,6 +89,7 @@ class LlamaForCausalLM(CausalLM):
         self.model = LlamaModel(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(cfg.rope, cfg.head_dim), persistent=False)
+        self.rope_scale = rope_attention_factor(cfg.rope)
         windows = cfg.layer_windows()
         self.attention_shape = AttentionShape(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim ** -0.5,
                                               windows if len(set(windows)) > 1 else None)
@@ -103,7 +111,7 @@ class LlamaForCausalLM(CausalLM):
 
     def forward(self, input_ids, positions, meta, kv_cache: PagedKVCache):
         h = self.model.embed_tokens(input_ids)                        # (T, hidden)
-        rope = rope_cos_sin(self.inv_freq, positions, h.dtype)        # each (T, 1, head_dim)
+        rope = rope_cos_sin(self.inv_freq, positions, h.dtype, self.rope_scale)   # each (T, 1, head_dim)
         attend = plan_attention(self.attention_shape, meta, kv_cache, rope)
         residual = None
         for i, layer in enumerate(self.model.layers):
