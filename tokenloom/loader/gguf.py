@@ -116,6 +116,11 @@ class GGUFFile:
                           "n_head": heads, "n_positions": self.arch_field("context_length"),
                           "n_inner": self.arch_field("feed_forward_length"),
                           "layer_norm_epsilon": self.arch_field("attention.layer_norm_epsilon", 1e-5)}
+        experts = self.arch_field("expert_count", 0)
+        if experts:
+            raise UnsupportedModelError(f"{self.path.name} is a mixture-of-experts model ({experts} experts, "
+                                        f"{self.arch_field('expert_used_count', '?')} per token; Mixtral-style), "
+                                        "which is not supported yet")
         if "rope_freqs.weight" in self.tensor_names:
             raise UnsupportedModelError(f"{self.path.name} uses per-dimension rope frequency factors "
                                         "(rope_freqs.weight), which are not supported yet")
