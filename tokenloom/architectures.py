@@ -23,6 +23,7 @@ ARCHITECTURES: dict[str, Architecture] = {a.hf_name: a for a in (
     Architecture("MistralForCausalLM", "mistral", "tokenloom.models.llama", "LlamaForCausalLM"),
     Architecture("Qwen2ForCausalLM", "qwen2", "tokenloom.models.llama", "LlamaForCausalLM"),
     Architecture("Qwen3ForCausalLM", "qwen3", "tokenloom.models.llama", "LlamaForCausalLM"),
+    Architecture("Olmo2ForCausalLM", "olmo2", "tokenloom.models.olmo2", "Olmo2ForCausalLM"),
     Architecture("Gemma3ForCausalLM", "gemma3_text", "tokenloom.models.gemma", "Gemma3ForCausalLM"),
     Architecture("GPT2LMHeadModel", "gpt2", "tokenloom.models.gpt2", "GPT2LMHeadModel"),
 )}
