@@ -470,68 +470,13 @@ inline __m512i with_high_bits(__m512i codes, const __m512i* planes) {
   return codes;
 }
 
-// Chunk C of a block: dot products of its low-nibble and high-nibble codes with the activations.
-template <int HB, int C>
-inline void chunk_dots(const uint8_t* lo, const __m512i* planes, const int32_t* xb, __m512i& d0, __m512i& d1) {
-  const __m512i v = _mm512_loadu_si512(lo + C * 64), low = _mm512_set1_epi8(0x0F);
-  const __m512i c0 = with_high_bits<HB, C, 0>(_mm512_and_si512(v, low), planes);
-  const __m512i c1 = with_high_bits<HB, C, 1>(_mm512_and_si512(_mm512_srli_epi16(v, 4), low), planes);
-  d0 = _mm512_dpbusd_epi32(d0, c0, _mm512_set1_epi32(xb[2 * C]));
-  d1 = _mm512_dpbusd_epi32(d1, c1, _mm512_set1_epi32(xb[2 * C + 1]));
-}
-
-// y[16 j + n] for NZ panels from `first` and one activation row (block b of row: xq, xs, sums).
-template <int NZ, int HB, int Z, bool PER16, bool OFFS, typename S>
-void gpanel_row(const GPanel& w, int64_t first, const Acts& a, int64_t m, float* y, bool prefetch) {
-  constexpr int64_t LO = 256, HI = 64 * HB;
-  const int64_t nb = w.nb;
-  const int8_t* xq = a.q + m * a.K;
-  __m512 acc[NZ], off[NZ];
-  for (int j = 0; j < NZ; ++j) acc[j] = off[j] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    const int64_t xi = m * nb + b;
-    const int32_t* xb = reinterpret_cast<const int32_t*>(xq + b * QK);
-    const __m512 xs = _mm512_set1_ps(a.scale[xi]);
-    for (int j = 0; j < NZ; ++j) {
-      const int64_t pb = (first + j) * nb + b;   // this panel's block index
-      const uint8_t* lo = w.lo + pb * LO;
-      if (prefetch) {
-        for (int c = 0; c < 4; ++c) _mm_prefetch(reinterpret_cast<const char*>(lo + 1024 + 64 * c), _MM_HINT_T0);
-        if constexpr (HB > 0) _mm_prefetch(reinterpret_cast<const char*>(w.hi + pb * HI + 1024), _MM_HINT_T0);
-      }
-      __m512i planes[2];
-      for (int h = 0; h < HB; ++h) planes[h] = _mm512_loadu_si512(w.hi + pb * HI + 64 * h);
-      __m512i a0 = _mm512_setzero_si512(), a1 = a0, b0 = a0, b1 = a0;    // values 0-15 (a), 16-31 (b)
-      chunk_dots<HB, 0>(lo, planes, xb, a0, a1);
-      chunk_dots<HB, 1>(lo, planes, xb, a0, a1);
-      chunk_dots<HB, 2>(lo, planes, xb, b0, b1);
-      chunk_dots<HB, 3>(lo, planes, xb, b0, b1);
-      const int32_t* is = a.isum16 + 2 * xi;
-      if constexpr (PER16) {
-        const float* sc = static_cast<const float*>(w.scale) + pb * 32;
-        const __m512i da = _mm512_sub_epi32(_mm512_add_epi32(a0, a1), _mm512_set1_epi32(Z * is[0]));
-        const __m512i db = _mm512_sub_epi32(_mm512_add_epi32(b0, b1), _mm512_set1_epi32(Z * is[1]));
-        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(da), _mm512_mul_ps(xs, _mm512_loadu_ps(sc)), acc[j]);
-        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(db), _mm512_mul_ps(xs, _mm512_loadu_ps(sc + 16)), acc[j]);
-      } else {
-        const __m512i d = _mm512_sub_epi32(_mm512_add_epi32(_mm512_add_epi32(a0, a1), _mm512_add_epi32(b0, b1)),
-                                           _mm512_set1_epi32(Z * (is[0] + is[1])));
-        const __m512 sc = load16(static_cast<const S*>(w.scale) + pb * 16);
-        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(xs, sc), acc[j]);
-        if constexpr (OFFS) {
-          const __m512 xsum = _mm512_set1_ps(a.sum16[2 * xi] + a.sum16[2 * xi + 1]);
-          off[j] = _mm512_fmadd_ps(load16(static_cast<const S*>(w.offset) + pb * 16), xsum, off[j]);
-        }
-      }
-    }
-  }
-  for (int j = 0; j < NZ; ++j) _mm512_storeu_ps(y + 16 * j, OFFS ? _mm512_add_ps(acc[j], off[j]) : acc[j]);
-}
-
-// The 8 code vectors of block `lo` (chunk C, half H at 2C + H): what chunk_dots multiplies.
+// The 8 code vectors of panel block pb (chunk C, half H at 2C + H), bit planes included.
 template <int HB>
-inline void block_codes(const uint8_t* lo, const __m512i* planes, __m512i* codes) {
+inline void block_codes(const GPanel& w, int64_t pb, __m512i* codes) {
+  const uint8_t* lo = w.lo + pb * 256;
   const __m512i low = _mm512_set1_epi8(0x0F);
+  __m512i planes[2];
+  for (int h = 0; h < HB; ++h) planes[h] = _mm512_loadu_si512(w.hi + pb * 64 * HB + 64 * h);
 #define TOKENLOOM_CHUNK(C)                                                                               \
   {                                                                                                      \
     const __m512i v = _mm512_loadu_si512(lo + C * 64);                                                   \
@@ -542,9 +487,69 @@ inline void block_codes(const uint8_t* lo, const __m512i* planes, __m512i* codes
 #undef TOKENLOOM_CHUNK
 }
 
-// gpanel_row's products for MR activation rows from m0 and one panel p, each block's codes
-// decoded once for all MR rows (prefill and batched decode). Every row's arithmetic is
-// gpanel_row's, operation for operation: a row's result does not depend on M (tested).
+// One activation row's block (32 int8 codes at xb) against a panel block's codes: the exact
+// int32 dot products of values 0-15 (d[0] + d[1]) and 16-31 (d[2] + d[3]) for the 16 rows.
+inline void block_dots(const __m512i* codes, const int32_t* xb, __m512i* d) {
+  for (int i = 0; i < 4; ++i) {
+    const int c = i + (i & 2);                       // chunks 0-1 -> d[0], d[1]; chunks 2-3 -> d[2], d[3]
+    d[i] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes[c], _mm512_set1_epi32(xb[c]));
+    d[i] = _mm512_dpbusd_epi32(d[i], codes[c + 2], _mm512_set1_epi32(xb[c + 2]));
+  }
+}
+
+// acc (+ off) += panel block pb's dot products d (block_dots) in float: minus Z x the codes'
+// sums, times weight scale x activation scale (per 16 or per 32 values), offsets times the
+// activation sums. The one place this arithmetic is written: every path gives the same bits.
+template <int Z, bool PER16, bool OFFS, typename S>
+inline void add_block(const GPanel& w, const Acts& a, int64_t pb, int64_t xi, const __m512i* d, __m512& acc,
+                      __m512& off) {
+  const __m512 xs = _mm512_set1_ps(a.scale[xi]);
+  const int32_t* is = a.isum16 + 2 * xi;
+  if constexpr (PER16) {
+    const float* sc = static_cast<const float*>(w.scale) + pb * 32;
+    const __m512i da = _mm512_sub_epi32(_mm512_add_epi32(d[0], d[1]), _mm512_set1_epi32(Z * is[0]));
+    const __m512i db = _mm512_sub_epi32(_mm512_add_epi32(d[2], d[3]), _mm512_set1_epi32(Z * is[1]));
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(da), _mm512_mul_ps(xs, _mm512_loadu_ps(sc)), acc);
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(db), _mm512_mul_ps(xs, _mm512_loadu_ps(sc + 16)), acc);
+  } else {
+    const __m512i dd = _mm512_sub_epi32(_mm512_add_epi32(_mm512_add_epi32(d[0], d[1]), _mm512_add_epi32(d[2], d[3])),
+                                        _mm512_set1_epi32(Z * (is[0] + is[1])));
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dd), _mm512_mul_ps(xs, load16(static_cast<const S*>(w.scale) + pb * 16)),
+                          acc);
+    if constexpr (OFFS) {
+      const __m512 xsum = _mm512_set1_ps(a.sum16[2 * xi] + a.sum16[2 * xi + 1]);
+      off = _mm512_fmadd_ps(load16(static_cast<const S*>(w.offset) + pb * 16), xsum, off);
+    }
+  }
+}
+
+// y[16 j + n] for NZ panels from `first` and activation row m (decode): the panels' weight
+// streams side by side, fetched ahead.
+template <int NZ, int HB, int Z, bool PER16, bool OFFS, typename S>
+void gpanel_row(const GPanel& w, int64_t first, const Acts& a, int64_t m, float* y) {
+  const int64_t nb = w.nb;
+  __m512 acc[NZ], off[NZ];
+  for (int j = 0; j < NZ; ++j) acc[j] = off[j] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const int64_t xi = m * nb + b;
+    const int32_t* xb = reinterpret_cast<const int32_t*>(a.q + m * a.K + b * QK);
+    for (int j = 0; j < NZ; ++j) {
+      const int64_t pb = (first + j) * nb + b;   // this panel's block index
+      const char* ahead = reinterpret_cast<const char*>(w.lo + pb * 256 + 1024);      // 4 blocks on
+      for (int c = 0; c < 4; ++c) _mm_prefetch(ahead + 64 * c, _MM_HINT_T0);
+      if constexpr (HB > 0) _mm_prefetch(reinterpret_cast<const char*>(w.hi + pb * 64 * HB + 1024), _MM_HINT_T0);
+      __m512i codes[8], d[4];
+      block_codes<HB>(w, pb, codes);
+      block_dots(codes, xb, d);
+      add_block<Z, PER16, OFFS, S>(w, a, pb, xi, d, acc[j], off[j]);
+    }
+  }
+  for (int j = 0; j < NZ; ++j) _mm512_storeu_ps(y + 16 * j, OFFS ? _mm512_add_ps(acc[j], off[j]) : acc[j]);
+}
+
+// MR activation rows from m0 against one panel p, each block's codes decoded once for all MR
+// rows (prefill and batched decode). The same block_dots and add_block as gpanel_row: a row's
+// result does not depend on M (tested).
 template <int MR, int HB, int Z, bool PER16, bool OFFS, typename S>
 void gpanel_rows(const GPanel& w, int64_t p, const Acts& a, int64_t m0, float* out, int64_t ldo) {
   const int64_t nb = w.nb;
@@ -552,33 +557,12 @@ void gpanel_rows(const GPanel& w, int64_t p, const Acts& a, int64_t m0, float* o
   for (int r = 0; r < MR; ++r) acc[r] = off[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const int64_t pb = p * nb + b;
-    __m512i planes[2], codes[8];
-    for (int h = 0; h < HB; ++h) planes[h] = _mm512_loadu_si512(w.hi + pb * 64 * HB + 64 * h);
-    block_codes<HB>(w.lo + pb * 256, planes, codes);
+    __m512i codes[8];
+    block_codes<HB>(w, pb, codes);
     for (int r = 0; r < MR; ++r) {
-      const int64_t xi = (m0 + r) * nb + b;
-      const int32_t* xb = reinterpret_cast<const int32_t*>(a.q + (m0 + r) * a.K + b * QK);
-      const __m512 xs = _mm512_set1_ps(a.scale[xi]);
-      __m512i d[4];                                    // values 0-15 (d0, d1), 16-31 (d2, d3)
-      for (int i = 0; i < 4; ++i) d[i] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes[i + (i & 2)], _mm512_set1_epi32(xb[i + (i & 2)]));
-      for (int i = 0; i < 4; ++i) d[i] = _mm512_dpbusd_epi32(d[i], codes[i + (i & 2) + 2], _mm512_set1_epi32(xb[i + (i & 2) + 2]));
-      const int32_t* is = a.isum16 + 2 * xi;
-      if constexpr (PER16) {
-        const float* sc = static_cast<const float*>(w.scale) + pb * 32;
-        const __m512i da = _mm512_sub_epi32(_mm512_add_epi32(d[0], d[1]), _mm512_set1_epi32(Z * is[0]));
-        const __m512i db = _mm512_sub_epi32(_mm512_add_epi32(d[2], d[3]), _mm512_set1_epi32(Z * is[1]));
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(da), _mm512_mul_ps(xs, _mm512_loadu_ps(sc)), acc[r]);
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(db), _mm512_mul_ps(xs, _mm512_loadu_ps(sc + 16)), acc[r]);
-      } else {
-        const __m512i dd = _mm512_sub_epi32(_mm512_add_epi32(_mm512_add_epi32(d[0], d[1]), _mm512_add_epi32(d[2], d[3])),
-                                            _mm512_set1_epi32(Z * (is[0] + is[1])));
-        const __m512 sc = load16(static_cast<const S*>(w.scale) + pb * 16);
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dd), _mm512_mul_ps(xs, sc), acc[r]);
-        if constexpr (OFFS) {
-          const __m512 xsum = _mm512_set1_ps(a.sum16[2 * xi] + a.sum16[2 * xi + 1]);
-          off[r] = _mm512_fmadd_ps(load16(static_cast<const S*>(w.offset) + pb * 16), xsum, off[r]);
-        }
-      }
+      __m512i d[4];
+      block_dots(codes, reinterpret_cast<const int32_t*>(a.q + (m0 + r) * a.K + b * QK), d);
+      add_block<Z, PER16, OFFS, S>(w, a, pb, (m0 + r) * nb + b, d, acc[r], off[r]);
     }
   }
   for (int r = 0; r < MR; ++r)
@@ -592,8 +576,8 @@ void gpanel_matmul(const GPanel& w, const Acts& a, int64_t M, int64_t P, float* 
   at::parallel_for(0, P, grain, [&](int64_t p0, int64_t p1) {
     if (M == 1) {                                   // decode: two panels' weight streams side by side
       for (int64_t p = p0; p < p1; p += 2) {
-        if (p + 2 <= p1) gpanel_row<2, HB, Z, PER16, OFFS, S>(w, p, a, 0, out + p * 16, true);
-        else gpanel_row<1, HB, Z, PER16, OFFS, S>(w, p, a, 0, out + p * 16, true);
+        if (p + 2 <= p1) gpanel_row<2, HB, Z, PER16, OFFS, S>(w, p, a, 0, out + p * 16);
+        else gpanel_row<1, HB, Z, PER16, OFFS, S>(w, p, a, 0, out + p * 16);
       }
       return;
     }
