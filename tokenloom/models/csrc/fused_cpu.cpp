@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "rope_row.h"
+#include "silu_mul_row.h"
 
 namespace {
 
@@ -91,10 +92,7 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
   return y;
 }
 
-extern "C" __m256 Sleef_expf8_u10avx2(__m256);  // in libtorch_cpu: the exp ATen's own silu uses
-
-// silu(gate) * up for gate_up (T, 2I) = [gate | up] -> (T, I); silu(g) = g / (1 + exp(-g)),
-// eight lanes at a time through SLEEF's exp as in ATen's vectorized silu.
+// silu(gate) * up for gate_up (T, 2I) = [gate | up] -> (T, I) (silu_mul_row.h).
 at::Tensor silu_mul(const at::Tensor& gate_up) {
   check_rows(gate_up, "gate_up");
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.stride(1) == 1 && gate_up.size(1) % 2 == 0, "silu_mul wants (T, 2I)");
@@ -103,18 +101,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   const float* gp = gate_up.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, T, 4, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const float *g = gp + r * ld, *u = g + I;
-      float* yr = yp + r * I;
-      int64_t i = 0;
-      const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
-      for (; i + 8 <= I; i += 8) {
-        const __m256 gv = _mm256_loadu_ps(g + i);
-        const __m256 silu = _mm256_div_ps(gv, _mm256_add_ps(one, Sleef_expf8_u10avx2(_mm256_sub_ps(zero, gv))));
-        _mm256_storeu_ps(yr + i, _mm256_mul_ps(silu, _mm256_loadu_ps(u + i)));
-      }
-      for (; i < I; ++i) yr[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
-    }
+    for (int64_t r = r0; r < r1; ++r) tokenloom_silu::silu_mul_row(gp + r * ld, gp + r * ld + I, yp + r * I, I);
   });
   return y;
 }

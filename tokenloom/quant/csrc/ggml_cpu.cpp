@@ -17,6 +17,7 @@
 #include <cstring>
 
 #include "int8_dot.h"
+#include "../../models/csrc/silu_mul_row.h"
 
 namespace {
 
@@ -626,27 +627,13 @@ void panel_matmul_into(at::Tensor out, int64_t col0, const at::Tensor& xq, int64
   }
 }
 
-extern "C" __m512 Sleef_expf16_u10avx512f(__m512);  // in libtorch_cpu: the exp ATen's silu uses
-
-// y (M, N/2) = silu(g) * u for g = y2[:, :N/2], u = y2[:, N/2:], silu(g) = g / (1 + exp(-g)):
-// fused_cpu's silu_mul arithmetic (the same SLEEF exp), bit for bit.
+// y (M, N/2) = silu(g) * u for g = y2[:, :N/2], u = y2[:, N/2:]: fused_cpu's silu_mul row by row.
 at::Tensor silu_mul_rows(const at::Tensor& y2) {
   const int64_t M = y2.size(0), I = y2.size(1) / 2;
   at::Tensor y = at::empty({M, I}, y2.options());
   const float* gp = y2.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const __m512 one = _mm512_set1_ps(1.f), zero = _mm512_setzero_ps();
-  for (int64_t r = 0; r < M; ++r) {
-    const float *g = gp + r * 2 * I, *u = g + I;
-    float* yr = yp + r * I;
-    int64_t i = 0;
-    for (; i + 16 <= I; i += 16) {
-      const __m512 gv = _mm512_loadu_ps(g + i);
-      const __m512 silu = _mm512_div_ps(gv, _mm512_add_ps(one, Sleef_expf16_u10avx512f(_mm512_sub_ps(zero, gv))));
-      _mm512_storeu_ps(yr + i, _mm512_mul_ps(silu, _mm512_loadu_ps(u + i)));
-    }
-    for (; i < I; ++i) yr[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
-  }
+  for (int64_t r = 0; r < M; ++r) tokenloom_silu::silu_mul_row(gp + r * 2 * I, gp + r * 2 * I + I, yp + r * I, I);
   return y;
 }
 
