@@ -37,9 +37,9 @@ def paged_setup(lens: list[int], heads: int, kv_heads: int, seed: int = 0, head_
     return k, v, tables, torch.randn(len(lens), heads, head_dim, generator=gen)
 
 
-def decode_meta(lens, tables, window=None) -> AttentionMetadata:
+def decode_meta(lens, tables) -> AttentionMetadata:
     return AttentionMetadata(torch.zeros(len(lens), dtype=torch.long), list(range(len(lens))), [1] * len(lens),
-                             list(lens), tables, null_block=NUM_BLOCKS, sliding_window=window)
+                             list(lens), tables, null_block=NUM_BLOCKS)
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (9, 3)])
@@ -48,8 +48,8 @@ def test_kernel_equals_sdpa_over_gathered_blocks(heads, kv_heads, window):
     lens = [1, 16, 17, 150, 45]
     k, v, tables, q = paged_setup(lens, heads, kv_heads)
     assert cpu_decode.usable(q, k)
-    got = cpu_decode.attend(q, k, v, decode_meta(lens, tables, window), list(range(len(lens))), 0.2)
-    want = torch_sdpa._decode_batch(q, k, v, decode_meta(lens, tables, window), 0.2, heads != kv_heads)
+    got = cpu_decode.attend(q, k, v, decode_meta(lens, tables), list(range(len(lens))), 0.2, window)
+    want = torch_sdpa._decode_batch(q, k, v, decode_meta(lens, tables), 0.2, heads != kv_heads, window)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 

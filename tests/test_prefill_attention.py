@@ -34,19 +34,19 @@ def scattered_tables(ctx_lens: list[int], seed: int = 0) -> list[torch.Tensor]:
     return tables
 
 
-def meta_for(q_lens, ctx_lens, tables, window=None) -> AttentionMetadata:
+def meta_for(q_lens, ctx_lens, tables) -> AttentionMetadata:
     starts = [sum(q_lens[:i]) for i in range(len(q_lens))]
     return AttentionMetadata(torch.zeros(sum(q_lens), dtype=torch.long), starts, list(q_lens), list(ctx_lens),
-                             tables, null_block=NUM_BLOCKS, sliding_window=window)
+                             tables, null_block=NUM_BLOCKS)
 
 
-def kernel(q, k, v, meta, scale) -> torch.Tensor:
+def kernel(q, k, v, meta, scale, window=None) -> torch.Tensor:
     out = torch.full_like(q, float("nan"))
-    cpu_prefill.attend_into(out, q, k, v, meta, list(range(meta.num_seqs)), scale)
+    cpu_prefill.attend_into(out, q, k, v, meta, list(range(meta.num_seqs)), scale, window)
     return out
 
 
-def reference(q, k, v, meta, scale) -> torch.Tensor:
+def reference(q, k, v, meta, scale, window=None) -> torch.Tensor:
     """Float64 causal attention of each sequence's rows over its gathered context."""
     out = torch.empty(q.shape, dtype=torch.float64)
     group = q.shape[1] // k.shape[2]
@@ -56,8 +56,8 @@ def reference(q, k, v, meta, scale) -> torch.Tensor:
         scores = torch.einsum("qhd,khd->hqk", q[start:start + q_len].double(), keys) * scale
         q_pos, k_pos = torch.arange(ctx - q_len, ctx)[:, None], torch.arange(ctx)[None, :]
         allowed = k_pos <= q_pos
-        if meta.sliding_window:
-            allowed &= k_pos > q_pos - meta.sliding_window
+        if window:
+            allowed &= k_pos > q_pos - window
         weights = scores.masked_fill(~allowed, -torch.inf).softmax(-1)
         out[start:start + q_len] = torch.einsum("hqk,khd->qhd", weights, vals)
     return out
@@ -72,10 +72,10 @@ def test_kernel_equals_float64_attention(heads, kv_heads, head_dim, window):
     # tile masked (20) or some tiles wholly inside it (40: the unmasked path)
     q_lens, ctx_lens = [2, 16, 17, 150, 5, 40, 34], [2, 16, 17, 150, 45, 200, 80]
     k, v = caches(kv_heads, head_dim)
-    meta = meta_for(q_lens, ctx_lens, scattered_tables(ctx_lens), window)
+    meta = meta_for(q_lens, ctx_lens, scattered_tables(ctx_lens))
     q = torch.randn(sum(q_lens), heads, head_dim, generator=torch.Generator().manual_seed(1))
-    got = kernel(q, k, v, meta, head_dim ** -0.5)
-    torch.testing.assert_close(got.double(), reference(q, k, v, meta, head_dim ** -0.5), atol=2e-6, rtol=1e-5)
+    got = kernel(q, k, v, meta, head_dim ** -0.5, window)
+    torch.testing.assert_close(got.double(), reference(q, k, v, meta, head_dim ** -0.5, window), atol=2e-6, rtol=1e-5)
 
 
 def test_only_the_listed_sequences_rows_are_written():

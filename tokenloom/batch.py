@@ -26,8 +26,7 @@ class Batch:
     fresh_blocks: list[int]       # blocks whose first slot this pass writes (zero them first)
 
 
-def build_batch(chunks: list[SeqChunk], block_size: int, device: torch.device, null_block: int,
-                sliding_window: int | None) -> Batch:
+def build_batch(chunks: list[SeqChunk], block_size: int, device: torch.device, null_block: int) -> Batch:
     """Token ids, positions, slots and block tables of `chunks`, flattened in order."""
     bs = block_size
     ids: list[int] = []
@@ -47,6 +46,5 @@ def build_batch(chunks: list[SeqChunk], block_size: int, device: torch.device, n
         tables.append(torch.tensor(table[:-(-end // bs)], dtype=torch.int64, device=device))
     def as_tensor(xs: list[int]) -> torch.Tensor:
         return torch.tensor(xs, dtype=torch.int64, device=device)
-    meta = AttentionMetadata(as_tensor(slots), starts, q_lens, ctx_lens, tables,
-                             null_block=null_block, sliding_window=sliding_window)
+    meta = AttentionMetadata(as_tensor(slots), starts, q_lens, ctx_lens, tables, null_block=null_block)
     return Batch(as_tensor(ids), as_tensor(positions), meta, fresh)

@@ -57,8 +57,7 @@ class ModelRunner:
 
     def forward(self, chunks: list[SeqChunk]) -> tuple[torch.Tensor, AttentionMetadata]:
         """Run the model over `chunks` (writing their KV): hidden states (T, hidden) and the batch layout."""
-        batch = build_batch(chunks, self.kv_cache.block_size, self.device, self.kv_cache.null_block,
-                            self.model.config.sliding_window)
+        batch = build_batch(chunks, self.kv_cache.block_size, self.device, self.kv_cache.null_block)
         if batch.fresh_blocks and self.zero_fresh_blocks:
             self.kv_cache.zero_blocks(torch.tensor(batch.fresh_blocks, dtype=torch.int64, device=self.device))
         return self.model(batch.input_ids, batch.positions, batch.meta, self.kv_cache), batch.meta

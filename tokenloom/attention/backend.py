@@ -38,7 +38,10 @@ class AttentionShape:
     num_kv_heads: int
     head_dim: int
     scale: float
-    windows: tuple[int | None, ...] | None = None   # per layer attention window; None: the batch's
+    windows: tuple[int | None, ...] = ()   # per layer: the positions a query sees (None: all); () for all layers
+
+    def window(self, layer: int) -> int | None:
+        return self.windows[layer] if self.windows else None
 
     @property
     def q_size(self) -> int:
@@ -66,16 +69,10 @@ class StepAttention:
     def __call__(self, layer: int, qkv: torch.Tensor, norms: QKNorms | None = None) -> torch.Tensor:
         raise NotImplementedError
 
-    def _enter_layer(self, layer: int) -> None:
-        """Point the step's metadata at `layer`'s window (models whose layers differ in it)."""
-        if self.shape.windows is not None:
-            self.meta.sliding_window = self.shape.windows[layer]
-
 
 class TorchAttention(StepAttention):
     def __call__(self, layer: int, qkv: torch.Tensor, norms: QKNorms | None = None) -> torch.Tensor:
         sh, T = self.shape, qkv.shape[0]
-        self._enter_layer(layer)
         q_size, kv_size = sh.q_size, sh.kv_size
         if norms is not None:
             _norm_in_place(qkv, norms, sh)
@@ -85,7 +82,7 @@ class TorchAttention(StepAttention):
             qk = apply_rope(qk, *self.rope)
         q, k = qk[:, :sh.num_heads], qk[:, sh.num_heads:]                    # (T, heads|kv_heads, head_dim)
         keys, values = self.kv_cache.layer(layer)
-        out = paged_attention(q, k, v, keys, values, self.meta, sh.scale)    # (T, heads, head_dim)
+        out = paged_attention(q, k, v, keys, values, self.meta, sh.scale, sh.window(layer))   # (T, heads, head_dim)
         return out.reshape(T, q_size)
 
 
@@ -101,12 +98,11 @@ class KernelAttention(StepAttention):
 
     def __call__(self, layer: int, qkv: torch.Tensor, norms: QKNorms | None = None) -> torch.Tensor:
         sh, meta = self.shape, self.meta
-        self._enter_layer(layer)
         if norms is not None:
             _norm_in_place(qkv, norms, sh)
         keys, values = self.kv_cache.keys[layer], self.kv_cache.values[layer]
         cos, sin = self.rope
-        slots, window = meta.slot_mapping, meta.sliding_window or 0
+        slots, window = meta.slot_mapping, sh.window(layer) or 0
         if self.all_decode:
             return self.ops.rope_write_decode(qkv, cos, sin, keys, values, slots, self.tables, self.ctx,
                                               sh.num_heads, sh.scale, window)
@@ -117,7 +113,7 @@ class KernelAttention(StepAttention):
             self.ops.paged_decode_out(q[:n], keys, values, self.tables, self.ctx, sh.scale, window,
                                       out[:n].view(n, sh.num_heads, sh.head_dim))
         cpu_prefill.attend_into(out.view(T, sh.num_heads, sh.head_dim), q, keys, values, meta, self.prompts,
-                                sh.scale)
+                                sh.scale, sh.window(layer))
         return out
 
 

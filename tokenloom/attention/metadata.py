@@ -23,14 +23,13 @@ class AttentionMetadata:
     context_lens: list[int]         # per sequence: cached tokens after this step (>= query_lens)
     block_tables: list[torch.Tensor]  # per sequence: (num_blocks_i,) int64 block ids covering context_lens[i]
     null_block: int = 0             # an always-zero block that pads block tables
-    sliding_window: int | None = None
     # What the attention backends derive from the fields above, built at the first layer that
     # needs it and reused by the rest of this step's layers (None until then).
     decode_rows_: list[int] | None = None           # sequences with one query (cpu_decode.decode_rows)
     prefill_rows_: list[int] | None = None          # sequences the prefill kernel takes (cpu_prefill)
     decode_kernel_inputs: tuple[torch.Tensor, torch.Tensor] | None = None   # padded tables (S, W), ctx (S,)
     prefill_kernel_inputs: tuple[torch.Tensor, ...] | None = None  # tables (S, W), starts, lens, ctx (S,)
-    padded_decode_inputs: tuple | None = None   # torch path: (window, tables, may-attend mask)
+    padded_decode_inputs: dict | None = None   # torch path: attention window -> (tables, may-attend mask)
 
     @property
     def num_seqs(self) -> int:

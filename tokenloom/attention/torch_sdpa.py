@@ -72,8 +72,9 @@ def reads_past_context(kv_cache) -> bool:
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Causal attention of this step's queries against each sequence's cached context.
+                    meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
+    """Causal attention of this step's queries against each sequence's cached context (its
+    last `window` positions; None: all).
 
     q: (T, heads, head_dim); k, v: (T, kv_heads, head_dim); caches:
     (num_blocks, block_size, kv_heads, head_dim). Writes k/v into the caches first,
@@ -83,16 +84,16 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     gqa = q.shape[1] != k.shape[1]
     decoding = cpu_decode.decode_rows(meta) if cpu_decode.usable(q, k_cache) else []
     if decoding and len(decoding) == meta.num_seqs:                     # one query per sequence: q rows = sequences
-        return cpu_decode.attend(q, k_cache, v_cache, meta, decoding, scale)
+        return cpu_decode.attend(q, k_cache, v_cache, meta, decoding, scale, window)
     if not decoding and meta.num_seqs > 1 and max(meta.query_lens) == 1:
-        return _decode_batch(q, k_cache, v_cache, meta, scale, gqa)
+        return _decode_batch(q, k_cache, v_cache, meta, scale, gqa, window)
     out = torch.empty_like(q)
     if decoding:
         rows = [meta.query_start[i] for i in decoding]
-        out[rows] = cpu_decode.attend(q[rows], k_cache, v_cache, meta, decoding, scale)
+        out[rows] = cpu_decode.attend(q[rows], k_cache, v_cache, meta, decoding, scale, window)
     prompts = cpu_prefill.prefill_rows(meta) if cpu_prefill.usable(q, k_cache) else []
     if prompts:
-        cpu_prefill.attend_into(out, q, k_cache, v_cache, meta, prompts, scale)
+        cpu_prefill.attend_into(out, q, k_cache, v_cache, meta, prompts, scale, window)
     done = set(prompts)
     # An int8 cache is always read back, so a prompt attends to the same (quantized) keys
     # whether it is prefilled whole, in chunks, or found in the prefix cache.
@@ -108,7 +109,6 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         else:
             ki = _gather(k_cache, table, ctx_len)                  # (kv_heads, ctx_len, head_dim)
             vi = _gather(v_cache, table, ctx_len)
-        window = meta.sliding_window
         causal_only = q_len == ctx_len and q_len > 1 and (window is None or ctx_len <= window)
         mask = None if causal_only else _mask(q_len, ctx_len, window, q.device)
         oi = F.scaled_dot_product_attention(qi, ki[None], vi[None], attn_mask=mask,
@@ -117,7 +117,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out
 
 
-def _decode_inputs(meta: AttentionMetadata, block_size: int, device: torch.device
+def _decode_inputs(meta: AttentionMetadata, block_size: int, device: torch.device, window: int | None
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Padded block tables (B, W) and the may-attend mask (B, 1, 1, W * block_size) of a decode batch."""
     width = max(len(t) for t in meta.block_tables)
@@ -128,20 +128,21 @@ def _decode_inputs(meta: AttentionMetadata, block_size: int, device: torch.devic
     ctx = torch.tensor(meta.context_lens, device=device)[:, None]             # (B, 1)
     pos = torch.arange(width * block_size, device=device)[None, :]             # (1, L)
     allowed = pos < ctx
-    if meta.sliding_window is not None:
-        allowed &= pos >= ctx - meta.sliding_window
+    if window is not None:
+        allowed &= pos >= ctx - window
     return tables, allowed[:, None, None, :]
 
 
 def _decode_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  meta: AttentionMetadata, scale: float, gqa: bool) -> torch.Tensor:
+                  meta: AttentionMetadata, scale: float, gqa: bool, window: int | None = None) -> torch.Tensor:
     """One query per sequence: q (B, heads, head_dim) -> (B, heads, head_dim)."""
     B = q.shape[0]
     _, block_size, kv_heads, head_dim = k_cache.shape
-    cached = meta.padded_decode_inputs             # the same for every layer of this step with this window
-    if cached is None or cached[0] != meta.sliding_window:
-        cached = meta.padded_decode_inputs = (meta.sliding_window, *_decode_inputs(meta, block_size, q.device))
-    _, tables, allowed = cached
+    if meta.padded_decode_inputs is None:          # the same for every layer of this step with this window
+        meta.padded_decode_inputs = {}
+    if window not in meta.padded_decode_inputs:
+        meta.padded_decode_inputs[window] = _decode_inputs(meta, block_size, q.device, window)
+    tables, allowed = meta.padded_decode_inputs[window]
     L = tables.shape[1] * block_size
     # Slots past a sequence's end are zero (the null block, or zeroed at the block's first
     # write), so masked positions cannot inject NaN through 0-weight x value.

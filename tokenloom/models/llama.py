@@ -90,9 +90,8 @@ class LlamaForCausalLM(CausalLM):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(cfg.rope, cfg.head_dim), persistent=False)
         self.rope_scale = rope_attention_factor(cfg.rope)
-        windows = cfg.layer_windows()
         self.attention_shape = AttentionShape(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim ** -0.5,
-                                              windows if len(set(windows)) > 1 else None)
+                                              cfg.layer_windows())
         self.tie_weights()
 
     def init_buffers(self, device: torch.device | str) -> None:
