@@ -18,10 +18,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tokenloom.attention.backend import AttentionShape, StepAttention, plan_attention
+from tokenloom.attention.backend import StepAttention, plan_attention
 from tokenloom.config import ModelConfig
 from tokenloom.kv_cache.paged import PagedKVCache
-from tokenloom.models.layers import GatedMLP, RMSNorm, rope_cos_sin, rope_inv_freq, uninitialized_embedding
+from tokenloom.models.layers import GatedMLP, RMSNorm, rope_cos_sin, rope_inv_freq
 from tokenloom.models.llama import LlamaAttention, LlamaForCausalLM
 
 
@@ -49,27 +49,16 @@ class Gemma3DecoderLayer(nn.Module):
         return self.post_feedforward_layernorm.forward(self.mlp.forward(normed)), residual
 
 
-class Gemma3Model(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.embed_tokens = uninitialized_embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Gemma3DecoderLayer(cfg) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-
-
 class Gemma3ForCausalLM(LlamaForCausalLM):
     """Loads HF ``Gemma3ForCausalLM`` checkpoints and GGUF ``gemma3`` files (see the module doc)."""
 
+    decoder_layer = Gemma3DecoderLayer
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg)
-        self.model = Gemma3Model(cfg)
-        self.tie_weights()
-        scale = cfg.query_pre_attn_scalar ** -0.5
-        windows = cfg.layer_windows()
-        self.attention_shape = AttentionShape(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, scale, windows)
         self.register_buffer("local_inv_freq", rope_inv_freq(cfg.local_rope or cfg.rope, cfg.head_dim),
                              persistent=False)
-        self.sliding = [w is not None for w in windows]
+        self.sliding = [w is not None for w in cfg.layer_windows()]
 
     def transform_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """Gemma's norms scale by (1 + w): keep 1 + w, computed in float32 as HF does per call."""

@@ -69,10 +69,10 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, decoder_layer: type[nn.Module] = LlamaDecoderLayer) -> None:
         super().__init__()
         self.embed_tokens = uninitialized_embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(decoder_layer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
 
 
@@ -83,14 +83,17 @@ class LlamaForCausalLM(CausalLM):
     }
     input_embedding_name = "model.embed_tokens"
     ignored_checkpoint_keys = (r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",)
+    # a family that differs only inside its layers (Gemma 3, OLMo 2) names its own
+    decoder_layer: ClassVar[type[nn.Module]] = LlamaDecoderLayer
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg)
-        self.model = LlamaModel(cfg)
+        self.model = LlamaModel(cfg, self.decoder_layer)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(cfg.rope, cfg.head_dim), persistent=False)
         self.rope_scale = rope_attention_factor(cfg.rope)
-        self.attention_shape = AttentionShape(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim ** -0.5,
+        scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
+        self.attention_shape = AttentionShape(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, scale,
                                               cfg.layer_windows())
         self.tie_weights()
 

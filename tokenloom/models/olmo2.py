@@ -13,9 +13,8 @@ from torch import nn
 
 from tokenloom.attention.backend import StepAttention
 from tokenloom.config import ModelConfig
-from tokenloom.kv_cache.paged import PagedKVCache
-from tokenloom.models.layers import GatedMLP, RMSNorm, rope_cos_sin, uninitialized_embedding
-from tokenloom.models.llama import LlamaAttention, LlamaForCausalLM, plan_attention
+from tokenloom.models.layers import GatedMLP, RMSNorm
+from tokenloom.models.llama import LlamaAttention, LlamaForCausalLM
 
 
 class Olmo2Attention(LlamaAttention):
@@ -49,27 +48,8 @@ class Olmo2DecoderLayer(nn.Module):
         return self.post_feedforward_layernorm.forward(self.mlp.forward(stream)), stream
 
 
-class Olmo2Model(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.embed_tokens = uninitialized_embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Olmo2DecoderLayer(cfg) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-
-
 class Olmo2ForCausalLM(LlamaForCausalLM):
-    """Loads HF ``Olmo2ForCausalLM`` checkpoints (see the module doc)."""
+    """Loads HF ``Olmo2ForCausalLM`` checkpoints (see the module doc): Llama's forward over
+    OLMo 2's layers."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__(cfg)
-        self.model = Olmo2Model(cfg)
-        self.tie_weights()
-
-    def forward(self, input_ids, positions, meta, kv_cache: PagedKVCache):
-        h = self.model.embed_tokens(input_ids)                                    # (T, hidden)
-        attend = plan_attention(self.attention_shape, meta, kv_cache,
-                                rope_cos_sin(self.inv_freq, positions, h.dtype, self.rope_scale))
-        residual = None
-        for i, layer in enumerate(self.model.layers):
-            h, residual = layer.forward(h, residual, attend, i)
-        return self.model.norm.add_forward(h, residual)[0]
+    decoder_layer = Olmo2DecoderLayer
