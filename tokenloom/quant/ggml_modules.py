@@ -22,12 +22,13 @@ from tokenloom.quant.gguf_panels import GGUFPanels
 class QuantizedSegment:
     """A GGUF tensor held as a tokenloom int8/int4 panel tensor (values unchanged)."""
 
-    def __init__(self, t: GGMLTensor) -> None:
-        self._set(panels.to_panels(to_quantized(t)), t.kind, t.type_name, t.shape)
-
-    def _set(self, q: QuantizedTensor, kind: int, type_name: str, shape: tuple[int, int]) -> None:
-        self.q, self.kind, self.type_name, self.shape = q, kind, type_name, shape
+    def __init__(self, q: QuantizedTensor, kind: int, type_name: str, shape: tuple[int, int]) -> None:
+        self.q, self.kind, self.type_name, self.shape = q, kind, type_name, shape   # q in the panel layout
         self._run = kernels.bind(q, None, True)
+
+    @classmethod
+    def of(cls, t: GGMLTensor) -> QuantizedSegment:
+        return cls(panels.to_panels(to_quantized(t)), t.kind, t.type_name, t.shape)
 
     @property
     def nbytes(self) -> int:
@@ -49,9 +50,7 @@ class QuantizedSegment:
         cat = lambda x, y: None if x is None else torch.cat([x, y])       # noqa: E731
         merged = QuantizedTensor(a.bits, cat(a.data, b.data), cat(a.scales, b.scales), cat(a.offsets, b.offsets),
                                  a.group_size)
-        segment = QuantizedSegment.__new__(QuantizedSegment)
-        segment._set(merged, self.kind, self.type_name, (self.shape[0] + other.shape[0], self.shape[1]))
-        return segment
+        return QuantizedSegment(merged, self.kind, self.type_name, (self.shape[0] + other.shape[0], self.shape[1]))
 
     def rows(self, index: torch.Tensor) -> torch.Tensor:
         return panels.rows(self.q, index).dequantize()
@@ -63,7 +62,7 @@ def segment_for(t: GGMLTensor):
         return gguf_panels.to_panels(t)
     fmt = exact_format(t.kind)
     if fmt is not None and kernels.panels_available() and t.shape[0] % panels.PANEL == 0:
-        return QuantizedSegment(t)
+        return QuantizedSegment.of(t)
     return t
 
 
@@ -123,7 +122,7 @@ class GGMLLinear(nn.Module):
     @property
     def pairs_gate_up(self) -> bool:
         """`silu_mul` runs as one kernel call: the weight is one GGUF panel tensor."""
-        return len(self.segments) == 1 and isinstance(self.segments[0][1], gguf_panels.GGUFPanels) \
+        return len(self.segments) == 1 and isinstance(self.segments[0][1], GGUFPanels) \
             and ops() is not None
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
