@@ -342,23 +342,12 @@ void tile(const Weight& w, const Acts& a, int64_t m0, int64_t n0, float* out, in
 }
 
 template <int T>
-void rows(const Weight& w, const Acts& a, int64_t M, int64_t n0, int64_t n1, float* out, int64_t ldo) {
-  int64_t m = 0;
-  for (; m + 2 <= M; m += 2) {
-    int64_t n = n0;
-    for (; n + 2 <= n1; n += 2) tile<T, 2, 2>(w, a, m, n, out, ldo);
-    for (; n < n1; ++n) tile<T, 2, 1>(w, a, m, n, out, ldo);
-  }
-  for (; m < M; ++m) {
-    int64_t n = n0;
-    for (; n + 4 <= n1; n += 4) tile<T, 1, 4>(w, a, m, n, out, ldo);
-    for (; n < n1; ++n) tile<T, 1, 1>(w, a, m, n, out, ldo);
-  }
-}
-
-template <int T>
 void matmul_type(const Weight& w, const Acts& a, int64_t M, int64_t N, float* out, int64_t ldo) {
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { rows<T>(w, a, M, n0, n1, out, ldo); });
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    tokenloom_int8::tile_rows(M, n0, n1, [&](auto mt, auto nt, int64_t m, int64_t n) {
+      tile<T, decltype(mt)::value, decltype(nt)::value>(w, a, m, n, out, ldo);
+    });
+  });
 }
 
 template <int T>

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 namespace tokenloom_int8 {
 
@@ -54,6 +55,27 @@ inline __m256i dot_unsigned(__m256i w, __m256i x) {
 inline __m256i nibbles_lo_hi(const uint8_t* p) {
   const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), _mm256_set1_epi8(0x0F));
+}
+
+// Output rows [n0, n1) for activation rows [0, M) in register tiles: 2x2 (1x4 for a lone
+// row), then the leftovers. tile(MT, NT, m, n) computes an MT x NT tile at (m, n); MT and NT
+// come as std::integral_constant so the caller can pass them on as template arguments.
+template <typename Tile>
+inline void tile_rows(int64_t M, int64_t n0, int64_t n1, Tile&& tile) {
+  using One = std::integral_constant<int, 1>;
+  using Two = std::integral_constant<int, 2>;
+  using Four = std::integral_constant<int, 4>;
+  int64_t m = 0;
+  for (; m + 2 <= M; m += 2) {
+    int64_t n = n0;
+    for (; n + 2 <= n1; n += 2) tile(Two{}, Two{}, m, n);
+    for (; n < n1; ++n) tile(Two{}, One{}, m, n);
+  }
+  for (; m < M; ++m) {
+    int64_t n = n0;
+    for (; n + 4 <= n1; n += 4) tile(One{}, Four{}, m, n);
+    for (; n < n1; ++n) tile(One{}, One{}, m, n);
+  }
 }
 
 }  // namespace tokenloom_int8

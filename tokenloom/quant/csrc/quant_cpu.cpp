@@ -148,21 +148,6 @@ void dot_tile(const Weights& w, const Activations& a, int64_t m0, int64_t n0, fl
     for (int j = 0; j < NT; ++j) out[(m0 + m) * N + n0 + j] = hsum(acc[m][j]) + acc_offset[m][j];
 }
 
-// Output rows [n0, n1) for every activation row: 2x2 tiles (1x4 for a lone row), then the leftovers.
-template <bool INT4>
-void dot_rows(const Weights& w, const Activations& a, int64_t M, int64_t n0, int64_t n1, float* out, int64_t N) {
-  int64_t m = 0;
-  for (; m + 2 <= M; m += 2) {
-    int64_t n = n0;
-    for (; n + 2 <= n1; n += 2) dot_tile<2, 2, INT4>(w, a, m, n, out, N);
-    for (; n < n1; ++n) dot_tile<2, 1, INT4>(w, a, m, n, out, N);
-  }
-  for (; m < M; ++m) {
-    int64_t n = n0;
-    for (; n + 4 <= n1; n += 4) dot_tile<1, 4, INT4>(w, a, m, n, out, N);
-    for (; n < n1; ++n) dot_tile<1, 1, INT4>(w, a, m, n, out, N);
-  }
-}
 
 void check_weights(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, int64_t group) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.device().is_cpu(),
@@ -181,7 +166,11 @@ at::Tensor linear(const at::Tensor& x, const Weights& w, int64_t N, const c10::o
   const Activations a{qa.q, qa.scale, qa.sum, K, K / QK};
   at::Tensor out = at::empty({M, N}, x.options());
   float* y = out.data_ptr<float>();
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { dot_rows<INT4>(w, a, M, n0, n1, y, N); });
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    tokenloom_int8::tile_rows(M, n0, n1, [&](auto mt, auto nt, int64_t m, int64_t n) {
+      dot_tile<decltype(mt)::value, decltype(nt)::value, INT4>(w, a, m, n, y, N);
+    });
+  });
   if (bias.has_value() && bias->defined()) out.add_(*bias);
   return out;
 }
