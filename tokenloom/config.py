@@ -121,22 +121,6 @@ class ModelConfig:
         return tuple(self.sliding_window if t == "sliding_attention" else None for t in self.layer_types)
 
     @classmethod
-    def _from_gemma3(cls, hf: dict[str, Any], common: dict[str, Any]) -> ModelConfig:
-        _refuse_unimplemented(hf, "Gemma3ForCausalLM", ("query_pre_attn_scalar", "final_logit_softcapping"))
-        heads = hf["num_attention_heads"]
-        full, local = _gemma3_ropes(hf)
-        return cls(**common, hidden_size=hf["hidden_size"], num_layers=hf["num_hidden_layers"], num_heads=heads,
-                   num_kv_heads=hf.get("num_key_value_heads") or heads, head_dim=hf.get("head_dim", 256),
-                   intermediate_size=hf["intermediate_size"], max_model_len=hf.get("max_position_embeddings", 32768),
-                   norm_eps=hf.get("rms_norm_eps", 1e-6), rope=full, local_rope=local,
-                   attention_bias=hf.get("attention_bias", False), o_proj_bias=hf.get("attention_bias", False),
-                   qk_norm=True, sliding_window=hf.get("sliding_window", 4096),
-                   layer_types=tuple(_gemma3_layer_types(hf)),
-                   hidden_act=hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh",
-                   query_pre_attn_scalar=hf.get("query_pre_attn_scalar", 256),
-                   final_logit_softcapping=hf.get("final_logit_softcapping"))
-
-    @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
         """Build from a HF ``config.json`` dict (transformers 4.x and 5.x spellings)."""
         arch = _architecture_of(hf)
@@ -154,23 +138,43 @@ class ModelConfig:
                        max_model_len=hf["n_positions"], norm_eps=hf.get("layer_norm_epsilon", 1e-5),
                        rope=None, attention_bias=True, o_proj_bias=True, mlp_bias=True,
                        hidden_act=hf.get("activation_function", "gelu_new"))
+        _refuse_unimplemented(hf, arch, _IMPLEMENTED.get(arch, ()))
+        fields = _llama_fields(hf, arch)
         if arch == "Gemma3ForCausalLM":
-            return cls._from_gemma3(hf, common)
-        _refuse_unimplemented(hf, arch)
-        heads = hf["num_attention_heads"]
-        head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
-        is_qwen2 = arch == "Qwen2ForCausalLM"
-        sliding, layer_types = _sliding_of(hf, arch)
-        return cls(**common, hidden_size=hf["hidden_size"], num_layers=hf["num_hidden_layers"],
-                   num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
-                   head_dim=head_dim, intermediate_size=hf["intermediate_size"],
-                   max_model_len=hf.get("max_position_embeddings", 2048),
-                   norm_eps=hf.get("rms_norm_eps", 1e-6), rope=_rope_of(hf),
-                   attention_bias=is_qwen2 or hf.get("attention_bias", False),
-                   o_proj_bias=(not is_qwen2) and hf.get("attention_bias", False),
-                   mlp_bias=hf.get("mlp_bias", False),
-                   qk_norm=arch == "Qwen3ForCausalLM", sliding_window=sliding, layer_types=layer_types,
-                   hidden_act=hf.get("hidden_act", "silu"))
+            fields |= _gemma3_fields(hf)
+        return cls(**common, **fields)
+
+
+def _llama_fields(hf: dict[str, Any], arch: str) -> dict[str, Any]:
+    """ModelConfig fields of a Llama-shaped config.json (Llama, Mistral, Qwen2/3, OLMo 2, Gemma 3)."""
+    heads = hf["num_attention_heads"]
+    is_qwen2 = arch == "Qwen2ForCausalLM"
+    sliding, layer_types = _sliding_of(hf, arch)
+    return dict(hidden_size=hf["hidden_size"], num_layers=hf["num_hidden_layers"],
+                num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
+                head_dim=hf.get("head_dim") or hf["hidden_size"] // heads, intermediate_size=hf["intermediate_size"],
+                max_model_len=hf.get("max_position_embeddings", 2048),
+                norm_eps=hf.get("rms_norm_eps", 1e-6), rope=_rope_of(hf),
+                attention_bias=is_qwen2 or hf.get("attention_bias", False),
+                o_proj_bias=(not is_qwen2) and hf.get("attention_bias", False),
+                mlp_bias=hf.get("mlp_bias", False),
+                qk_norm=arch == "Qwen3ForCausalLM", sliding_window=sliding, layer_types=layer_types,
+                hidden_act=hf.get("hidden_act", "silu"))
+
+
+def _gemma3_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """What Gemma 3 reads differently from a Llama config (transformers' Gemma3TextConfig defaults)."""
+    full, local = _gemma3_ropes(hf)
+    return dict(head_dim=hf.get("head_dim", 256), max_model_len=hf.get("max_position_embeddings", 32768),
+                rope=full, local_rope=local, qk_norm=True, sliding_window=hf.get("sliding_window", 4096),
+                layer_types=tuple(_gemma3_layer_types(hf)),
+                hidden_act=hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh",
+                query_pre_attn_scalar=hf.get("query_pre_attn_scalar", 256),
+                final_logit_softcapping=hf.get("final_logit_softcapping"))
+
+
+# fields an architecture implements among those _refuse_unimplemented checks
+_IMPLEMENTED = {"Gemma3ForCausalLM": ("query_pre_attn_scalar", "final_logit_softcapping")}
 
 
 # config fields that change a Llama-family forward pass, with the value that leaves it unchanged
@@ -226,7 +230,7 @@ def _gemma3_ropes(hf: dict[str, Any]) -> tuple[RopeConfig, RopeConfig]:
         local = {"rope_theta": hf.get("rope_local_base_freq", 10_000.0)}
     full.setdefault("rope_theta", 1_000_000.0)
     local.setdefault("rope_theta", 10_000.0)
-    return _rope_of({"rope_parameters": full}), _rope_of({"rope_parameters": local})
+    return _rope_of(hf | {"rope_parameters": full}), _rope_of(hf | {"rope_parameters": local})
 
 
 def _architecture_of(hf: dict[str, Any]) -> str:
