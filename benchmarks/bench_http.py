@@ -44,11 +44,14 @@ def start_server(model: str, port: int, max_num_seqs: int) -> subprocess.Popen:
 
 
 def start_llama_server(binary: str, model: str, port: int, slots: int, threads: int, slot_ctx: int) -> subprocess.Popen:
-    """llama.cpp's server on `model`: `slots` parallel sequences of `slot_ctx` tokens each, no prompt cache reuse."""
-    return _wait_healthy(subprocess.Popen(
-        [binary, "-m", model, "--port", str(port), "-np", str(slots), "-c", str(slots * slot_ctx), "-t", str(threads),
-         "-tb", str(threads), "--cache-reuse", "0", "--no-webui"], stdout=subprocess.DEVNULL,
-        stderr=open(RESULTS / "llama_server.log", "w")), port)
+    """llama.cpp's server on `model`: `slots` parallel sequences of `slot_ctx` tokens each, no prompt cache reuse;
+    its log goes to benchmarks/results/llama_server.log."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    with open(RESULTS / "llama_server.log", "w") as log:    # the child keeps its own copy of the descriptor
+        return _wait_healthy(subprocess.Popen(
+            [binary, "-m", model, "--port", str(port), "-np", str(slots), "-c", str(slots * slot_ctx),
+             "-t", str(threads), "-tb", str(threads), "--cache-reuse", "0", "--no-webui"],
+            stdout=subprocess.DEVNULL, stderr=log), port)
 
 
 def _wait_healthy(proc: subprocess.Popen, port: int) -> subprocess.Popen:
