@@ -35,6 +35,15 @@ def test_unsupported_architecture(tiny_model_dir, tmp_path):
         LLM(str(folder))
 
 
+def test_unsupported_architecture_is_named_before_the_weights_are_looked_for(tmp_path):
+    """A config.json alone (weights not downloaded yet): what the model is, not 'no safetensors'."""
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["Phi3ForCausalLM"], "vocab_size": 10, "hidden_size": 8, "num_hidden_layers": 1,
+        "num_attention_heads": 2, "intermediate_size": 16}))
+    with pytest.raises(UnsupportedModelError, match="Phi3ForCausalLM.*not supported"):
+        LLM(str(tmp_path))
+
+
 def test_unsupported_rope_type(tiny_model_dir, tmp_path):
     folder = _copy(tiny_model_dir("llama_gqa"), tmp_path)
     cfg = json.loads((folder / "config.json").read_text())

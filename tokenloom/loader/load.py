@@ -33,6 +33,7 @@ class Checkpoint:
     """A checkpoint translated into HF terms, tensors not yet read."""
 
     hf_config: dict
+    config: ModelConfig                          # hf_config validated: the architecture is one tokenloom runs
     tensors: Iterable[tuple[str, torch.Tensor]]
     num_tensors: int
     tokenizer: Tokenizer
@@ -69,17 +70,19 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
             raise CheckpointError(f"{path} is neither a GGUF file nor a folder (no GGUF magic bytes)")
         from tokenloom.loader.gguf import GGUFFile
         g = GGUFFile(path)
-        return Checkpoint(g.hf_config(), g.iter_tensors(), len(g.reader.tensors), g.tokenizer(),
-                          g.eos_token_ids(), g.tensor_types())
+        hf_config = g.hf_config()
+        return Checkpoint(hf_config, ModelConfig.from_hf(hf_config), g.iter_tensors(), len(g.reader.tensors),
+                          g.tokenizer(), g.eos_token_ids(), g.tensor_types())
     config_path = path / "config.json"
     if not config_path.is_file():
         raise CheckpointError(f"{path} has no config.json; not an HF model folder")
     hf_config = read_json(config_path)
+    config = ModelConfig.from_hf(hf_config)       # an unsupported model says so before its files are opened
     files = safetensors_files(path)
     tokenizer = Tokenizer.from_folder(path)
     eos = hf_eos_ids(path, hf_config)
     eos.update(t for t in [tokenizer.token_to_id(tokenizer.eos_token)] if t is not None)
-    return Checkpoint(hf_config, iter_safetensors(files), _count_tensors(files), tokenizer, eos)
+    return Checkpoint(hf_config, config, iter_safetensors(files), _count_tensors(files), tokenizer, eos)
 
 
 def _count_tensors(files: list[Path]) -> int:
@@ -135,7 +138,7 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: str 
     if quantization == "gguf" and ckpt.tensor_types is None:
         raise ValueError("--quantization gguf keeps a GGUF file's own blocks, but this checkpoint is not a GGUF file; "
                          "use int8 or int4")
-    config = ModelConfig.from_hf(ckpt.hf_config)
+    config = ckpt.config
     if max_model_len is not None:
         if max_model_len > config.max_model_len:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's context "
