@@ -37,6 +37,17 @@ TINY_CONFIGS = {
                                         query_pre_attn_scalar=24, sliding_window=6,
                                         layer_types=["sliding_attention", "full_attention"],
                                         final_logit_softcapping=5.0, tie_word_embeddings=True)),
+    # every layer sparse, top-2 of 4 renormalized
+    "mixtral": ("MixtralConfig", dict(num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+                                      num_local_experts=4, num_experts_per_tok=2)),
+    # 8 experts top-2 not renormalized, a sigmoid-gated shared expert, q/k/v bias
+    "qwen2_moe": ("Qwen2MoeConfig", dict(num_attention_heads=4, num_key_value_heads=2, num_experts=8,
+                                         num_experts_per_tok=2, moe_intermediate_size=32,
+                                         shared_expert_intermediate_size=48, norm_topk_prob=False)),
+    # layer 0 dense (mlp_only_layers), layer 1 top-3 of 6 renormalized; q/k norm
+    "qwen3_moe": ("Qwen3MoeConfig", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=6,
+                                         num_experts_per_tok=3, moe_intermediate_size=32, norm_topk_prob=True,
+                                         mlp_only_layers=[0])),
     "olmo2": ("Olmo2Config", dict(num_attention_heads=4, num_key_value_heads=2)),
     "gpt2": ("GPT2Config", dict(n_embd=64, n_layer=2, n_head=4, n_positions=256, vocab_size=VOCAB,
                                 initializer_range=0.2, bos_token_id=None, eos_token_id=None)),

@@ -36,7 +36,8 @@ def test_greedy_tokens_and_logprobs_match_hf(arch, tiny_model_dir):
         assert got == pytest.approx(ref.logprobs, abs=1e-4)
 
 
-@pytest.mark.parametrize("arch", ["llama_gqa", "mistral_sliding", "qwen2_window_layers", "gemma3", "olmo2", "gpt2"])
+@pytest.mark.parametrize("arch", ["llama_gqa", "mistral_sliding", "qwen2_window_layers", "gemma3", "olmo2", "gpt2",
+                                  "mixtral", "qwen2_moe"])
 def test_batched_equals_one_at_a_time(arch, tiny_model_dir):
     llm = LLM(str(tiny_model_dir(arch)), kv_cache_memory=16 << 20)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
@@ -49,7 +50,8 @@ def test_batched_equals_one_at_a_time(arch, tiny_model_dir):
             assert list(lb.values()) == pytest.approx(list(ls.values()), abs=1e-5)
 
 
-@pytest.mark.parametrize("arch", ["llama_gqa", "mistral_sliding", "qwen2_window_layers", "gemma3", "olmo2"])
+@pytest.mark.parametrize("arch", ["llama_gqa", "mistral_sliding", "qwen2_window_layers", "gemma3", "olmo2",
+                                  "qwen3_moe"])
 def test_chunked_prefill_equals_whole_prefill(arch, tiny_model_dir):
     folder = str(tiny_model_dir(arch))
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0)

@@ -63,6 +63,26 @@ class RopeConfig:
 
 
 @dataclass(slots=True)
+class MoeConfig:
+    """A mixture-of-experts MLP: each token runs the `top_k` experts its router scores highest,
+    weighted by their softmax probabilities (renormalized over the chosen ones when
+    `normalize_top_k`), plus a sigmoid-gated shared expert when `shared_intermediate_size`."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int                # each expert's
+    sparse_layers: tuple[int, ...]        # the layers whose MLP is the mixture (the rest dense)
+    normalize_top_k: bool = True
+    shared_intermediate_size: int = 0     # 0: no shared expert (Qwen2-MoE has one)
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"experts per token ({self.top_k}) must be in [1, num_experts={self.num_experts}]")
+        if self.intermediate_size <= 0:
+            raise ValueError(f"expert intermediate size must be positive, got {self.intermediate_size}")
+
+
+@dataclass(slots=True)
 class ModelConfig:
     """Architecture hyper-parameters shared by every supported model family."""
 
@@ -90,6 +110,7 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None   # attention scale = this ** -0.5 (Gemma); None: head_dim
     local_rope: RopeConfig | None = None         # rope of sliding-window layers where it differs (Gemma 3)
     final_logit_softcapping: float | None = None
+    moe: MoeConfig | None = None                 # mixture-of-experts MLPs (Mixtral, Qwen2/3-MoE)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -142,24 +163,46 @@ class ModelConfig:
         fields = _llama_fields(hf, arch)
         if arch == "Gemma3ForCausalLM":
             fields |= _gemma3_fields(hf)
+        if arch in _MOE_ARCHITECTURES:
+            fields["moe"] = _moe_of(hf, arch)
         return cls(**common, **fields)
 
 
 def _llama_fields(hf: dict[str, Any], arch: str) -> dict[str, Any]:
     """ModelConfig fields of a Llama-shaped config.json (Llama, Mistral, Qwen2/3, OLMo 2, Gemma 3)."""
     heads = hf["num_attention_heads"]
-    is_qwen2 = arch == "Qwen2ForCausalLM"
+    is_qwen2 = arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
     sliding, layer_types = _sliding_of(hf, arch)
     return dict(hidden_size=hf["hidden_size"], num_layers=hf["num_hidden_layers"],
                 num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
                 head_dim=hf.get("head_dim") or hf["hidden_size"] // heads, intermediate_size=hf["intermediate_size"],
                 max_model_len=hf.get("max_position_embeddings", 2048),
                 norm_eps=hf.get("rms_norm_eps", 1e-6), rope=_rope_of(hf),
-                attention_bias=is_qwen2 or hf.get("attention_bias", False),
+                attention_bias=hf.get("qkv_bias", True) if is_qwen2 else hf.get("attention_bias", False),
                 o_proj_bias=(not is_qwen2) and hf.get("attention_bias", False),
                 mlp_bias=hf.get("mlp_bias", False),
-                qk_norm=arch == "Qwen3ForCausalLM", sliding_window=sliding, layer_types=layer_types,
+                qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"), sliding_window=sliding,
+                layer_types=layer_types,
                 hidden_act=hf.get("hidden_act", "silu"))
+
+
+_MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+_QWEN_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+
+
+def _moe_of(hf: dict[str, Any], arch: str) -> MoeConfig:
+    """The mixture as transformers builds it: Mixtral mixes every layer and renormalizes its top-k;
+    Qwen2/3-MoE mix every decoder_sparse_step-th layer outside mlp_only_layers, renormalize per
+    norm_topk_prob, and Qwen2-MoE adds a shared expert."""
+    layers = hf["num_hidden_layers"]
+    experts = hf.get("num_local_experts") or hf.get("num_experts") or 0
+    if arch == "MixtralForCausalLM":
+        return MoeConfig(experts, hf.get("num_experts_per_tok", 2), hf["intermediate_size"], tuple(range(layers)))
+    step, dense = hf.get("decoder_sparse_step", 1), set(hf.get("mlp_only_layers") or ())
+    sparse = tuple(i for i in range(layers) if i not in dense and experts > 0 and (i + 1) % step == 0)
+    shared = hf.get("shared_expert_intermediate_size", 0) if arch == "Qwen2MoeForCausalLM" else 0
+    return MoeConfig(experts, hf.get("num_experts_per_tok", 1), hf["moe_intermediate_size"], sparse,
+                     normalize_top_k=hf.get("norm_topk_prob", False), shared_intermediate_size=shared)
 
 
 def _gemma3_fields(hf: dict[str, Any]) -> dict[str, Any]:
@@ -210,7 +253,7 @@ def _sliding_of(hf: dict[str, Any], arch: str) -> tuple[int | None, tuple[str, .
     lists its layer_types."""
     sliding = hf.get("sliding_window")
     layer_types = hf.get("layer_types")
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+    if arch in _QWEN_ARCHITECTURES:
         sliding = sliding if hf.get("use_sliding_window", False) else None
         if layer_types is None and sliding is not None:
             first = hf.get("max_window_layers", hf["num_hidden_layers"])

@@ -22,16 +22,19 @@ class WeightMismatchError(ValueError):
 
 
 def map_name(model: CausalLM | type[CausalLM], name: str) -> tuple[str, str | None]:
-    """Checkpoint tensor name -> (parameter name, shard id or None)."""
+    """Checkpoint tensor name -> (parameter name, shard id or None). Every mapping whose
+    checkpoint sub-name occurs is applied (Mixtral: block_sparse_moe -> mlp and w1 -> gate_up_proj)."""
+    found = None
     for ckpt_sub, (our_sub, shard) in model.packed_modules_mapping.items():
         if f".{ckpt_sub}." in name:
-            return name.replace(f".{ckpt_sub}.", f".{our_sub}."), shard
-    return name, None
+            name = name.replace(f".{ckpt_sub}.", f".{our_sub}.")
+            found = shard if shard is not None else found
+    return name, found
 
 
 def _expected_shards(model: CausalLM, param_name: str) -> set[str | None]:
     shards = {shard for ckpt_sub, (our_sub, shard) in model.packed_modules_mapping.items()
-              if f".{our_sub}." in param_name}
+              if shard is not None and f".{our_sub}." in param_name}
     return shards or {None}
 
 

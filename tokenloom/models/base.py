@@ -17,14 +17,14 @@ class CausalLM(nn.Module):
     """A decoder-only LM over a flattened, ragged batch of tokens.
 
     Weight loading is declared, not coded per model:
-    - ``packed_modules_mapping``: checkpoint sub-name -> (our sub-name, shard id); a
-      shard's rows in the fused parameter come from ``shard_rows``.
+    - ``packed_modules_mapping``: checkpoint sub-name -> (our sub-name, shard id or None
+      for a plain rename); a shard's rows in the fused parameter come from ``shard_rows``.
     - ``ignored_checkpoint_keys``: regexes of checkpoint tensors that are not weights
       (e.g. cached rotary tables); everything else must map onto a parameter.
     - ``transform_checkpoint_tensor``: layout fix-ups (GPT-2's Conv1D transpose).
     """
 
-    packed_modules_mapping: ClassVar[dict[str, tuple[str, str]]] = {}
+    packed_modules_mapping: ClassVar[dict[str, tuple[str, str | None]]] = {}
     ignored_checkpoint_keys: tuple[str, ...] = ()
     input_embedding_name: str = ""   # the nn.Embedding a tied output projection shares
 

@@ -105,11 +105,14 @@ class LlamaForCausalLM(CausalLM):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def shard_rows(self, param_name: str, shard_id: str) -> slice:
+        """q/k/v rows of qkv_proj; gate/up halves of a gate_up_proj (whose size differs between
+        the dense MLP, each expert and a shared expert, so it is read off the module)."""
         c = self.config
-        q, kv, inter = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
-        rows = {"q": slice(0, q), "k": slice(q, q + kv), "v": slice(q + kv, q + 2 * kv),
-                "gate": slice(0, inter), "up": slice(inter, 2 * inter)}
-        return rows[shard_id]
+        q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        if shard_id in ("gate", "up"):
+            inter = self.get_submodule(param_name.rsplit(".", 1)[0]).out_features // 2
+            return slice(0, inter) if shard_id == "gate" else slice(inter, 2 * inter)
+        return {"q": slice(0, q), "k": slice(q, q + kv), "v": slice(q + kv, q + 2 * kv)}[shard_id]
 
     def forward(self, input_ids, positions, meta, kv_cache: PagedKVCache):
         h = self.model.embed_tokens(input_ids)                        # (T, hidden)

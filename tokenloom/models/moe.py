@@ -1,0 +1,108 @@
+"""Mixture-of-experts decoders: Mixtral, Qwen2-MoE, Qwen3-MoE.
+
+Attention is Llama's (with Qwen2's q/k/v bias or Qwen3's q/k norm, from ModelConfig
+flags); the MLP of each layer in ``MoeConfig.sparse_layers`` is a ``SparseMoeBlock``:
+
+- a router (``gate``, kept float) scores the experts; softmax in float32, top-k,
+  renormalized over the chosen k where the family does (Mixtral; Qwen per norm_topk_prob);
+- each expert is a gated MLP like the dense one, so every weight format (float panels,
+  int8/int4, GGUF blocks) runs experts with the same kernels;
+- the routed (token, expert) pairs are sorted by expert and each expert that has tokens
+  runs once over all of them (a grouped matmul: no per-token loop), then the weighted
+  rows are added back to their tokens in expert order, as transformers adds them;
+- Qwen2-MoE adds a shared expert scaled by sigmoid(shared_expert_gate(x)).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenloom.config import ModelConfig
+from tokenloom.models.layers import GatedMLP
+from tokenloom.models.llama import LlamaForCausalLM
+
+
+class Router(nn.Module):
+    """A bias-free projection that stays in the model's float dtype (never quantized or prepacked:
+    which experts a token picks must not move with the weight format): x (T, in) -> (T, out)."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits (T, E) -> (weights (T, k) float32, experts (T, k) int64), best first."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, experts = torch.topk(probs, top_k, dim=-1)
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, experts
+
+
+class SparseMoeBlock(nn.Module):
+    """x (T, hidden) -> sum over each token's top-k experts of weight * expert(x) [+ shared expert]."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        moe = cfg.moe
+        self.top_k, self.normalize = moe.top_k, moe.normalize_top_k
+        self.gate = Router(cfg.hidden_size, moe.num_experts)
+        self.experts = nn.ModuleList(GatedMLP(cfg.hidden_size, moe.intermediate_size, False, cfg.hidden_act)
+                                     for _ in range(moe.num_experts))
+        self.shared_expert = self.shared_expert_gate = None
+        if moe.shared_intermediate_size:
+            self.shared_expert = GatedMLP(cfg.hidden_size, moe.shared_intermediate_size, False, cfg.hidden_act)
+            self.shared_expert_gate = Router(cfg.hidden_size, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, experts = route(self.gate(x), self.top_k, self.normalize)     # each (T, k)
+        out = self.mix_experts(x, weights, experts)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert.forward(x)
+        return out
+
+    def mix_experts(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """x (T, H), weights/experts (T, k) -> (T, H): each expert runs once over its tokens."""
+        flat = experts.flatten()                                  # (T k,) row t*k + j: token t's j-th expert
+        order = torch.argsort(flat, stable=True)                  # routed rows grouped by expert
+        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
+        token_of = order // self.top_k                            # (T k,) the token of each grouped row
+        rows = x.index_select(0, token_of)                        # (T k, H)
+        scale = weights.flatten().index_select(0, order).to(x.dtype)[:, None]
+        out = torch.zeros_like(x)
+        start = 0
+        for expert, n in zip(self.experts, counts):
+            if n:
+                chunk = slice(start, start + n)
+                out.index_add_(0, token_of[chunk], expert.forward(rows[chunk]) * scale[chunk])
+                start += n
+        return out
+
+
+class MoeForCausalLM(LlamaForCausalLM):
+    """Qwen2-MoE and Qwen3-MoE (checkpoint names ``mlp.gate``, ``mlp.experts.N.{gate,up,down}_proj``,
+    ``mlp.shared_expert*``): Llama's forward with a SparseMoeBlock as the MLP of the sparse layers."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__(cfg)
+        for i in cfg.moe.sparse_layers:
+            self.model.layers[i].mlp = SparseMoeBlock(cfg)
+
+
+class MixtralForCausalLM(MoeForCausalLM):
+    """Mixtral: every layer sparse; its checkpoints name the block ``block_sparse_moe`` and the
+    expert matrices w1 (gate), w3 (up), w2 (down)."""
+
+    packed_modules_mapping: ClassVar[dict[str, tuple[str, str | None]]] = LlamaForCausalLM.packed_modules_mapping | {
+        "block_sparse_moe": ("mlp", None), "w1": ("gate_up_proj", "gate"), "w3": ("gate_up_proj", "up"),
+        "w2": ("down_proj", None),
+    }
