@@ -81,20 +81,21 @@ def test_truncated_and_foreign_files_are_errors(written, tmp_path):
         GGUFReader(other)
 
 
-def test_mixture_of_experts_gguf_is_refused_by_name_before_its_tensors(tmp_path):
-    """A Mixtral GGUF says architecture 'llama': its expert count is what gives it away."""
+def test_mixture_of_experts_in_an_unsupported_family_is_refused_by_name(tmp_path):
+    """Experts are read for llama (Mixtral), qwen2moe and qwen3moe files; elsewhere the expert
+    count is named, before any tensor is read."""
     from tokenloom.config import UnsupportedModelError
     from tokenloom.loader.gguf import GGUFFile
     path = tmp_path / "moe.gguf"
-    w = gguf.GGUFWriter(str(path), "llama")
-    for key, value in {"llama.block_count": 1, "llama.embedding_length": 64, "llama.feed_forward_length": 128,
-                       "llama.attention.head_count": 4, "llama.context_length": 128, "llama.expert_count": 8,
-                       "llama.expert_used_count": 2}.items():
+    w = gguf.GGUFWriter(str(path), "qwen2")
+    for key, value in {"qwen2.block_count": 1, "qwen2.embedding_length": 64, "qwen2.feed_forward_length": 128,
+                       "qwen2.attention.head_count": 4, "qwen2.context_length": 128, "qwen2.expert_count": 8,
+                       "qwen2.expert_used_count": 2}.items():
         w.add_uint32(key, value)
     w.add_tensor("blk.0.ffn_gate_exps.weight", np.zeros((8, 128, 64), dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(UnsupportedModelError, match="mixture-of-experts model \\(8 experts, 2 per token"):
+    with pytest.raises(UnsupportedModelError, match="mixture of experts in a GGUF 'qwen2' file is not supported"):
         GGUFFile(path).hf_config()

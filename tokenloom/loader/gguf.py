@@ -48,8 +48,12 @@ _TOKEN_TYPE_CONTROL, _TOKEN_TYPE_USER_DEFINED = 3, 4
 _FLOAT_TYPES = {0: np.float32, 1: np.float16}
 _BF16 = 30
 
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                  "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM", "gpt2": "GPT2LMHeadModel"}
+# a "llama" file with experts is Mixtral (hf_config)
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                  "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM", "olmo2": "Olmo2ForCausalLM",
+                  "gemma3": "Gemma3ForCausalLM", "gpt2": "GPT2LMHeadModel"}
+# llama.cpp renormalizes the chosen experts' weights for these (build_moe_ffn's norm_w)
+_NORMALIZED_TOP_K = {"llama": True, "qwen2moe": False, "qwen3moe": True}
 
 _LLAMA_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -61,7 +65,17 @@ _LLAMA_BLOCK_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    # mixture of experts (the stacked ffn_*_exps tensors are split per expert in _hf_tensors)
+    "ffn_gate_inp": "mlp.gate", "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
+_EXPERTS = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")      # (experts, rows, cols) stacked
+_ROUTER = re.compile(r"blk\.(\d+)\.ffn_gate_inp\.weight")
+_ONE_EXPERT = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight")  # older Mixtral files: one each
+# OLMo 2's norms come after attention and the MLP
+_OLMO2_BLOCK_NAMES = _LLAMA_BLOCK_NAMES | {"post_attention_norm": "post_attention_layernorm",
+                                           "post_ffw_norm": "post_feedforward_layernorm"}
 # Gemma's four norms a layer (llama.cpp's ffn_norm is the norm before the MLP there)
 _GEMMA_BLOCK_NAMES = _LLAMA_BLOCK_NAMES | {
     "ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
@@ -116,11 +130,6 @@ class GGUFFile:
                           "n_head": heads, "n_positions": self.arch_field("context_length"),
                           "n_inner": self.arch_field("feed_forward_length"),
                           "layer_norm_epsilon": self.arch_field("attention.layer_norm_epsilon", 1e-5)}
-        experts = self.arch_field("expert_count", 0)
-        if experts:
-            raise UnsupportedModelError(f"{self.path.name} is a mixture-of-experts model ({experts} experts, "
-                                        f"{self.arch_field('expert_used_count', '?')} per token; Mixtral-style), "
-                                        "which is not supported yet")
         if "rope_freqs.weight" in self.tensor_names:
             raise UnsupportedModelError(f"{self.path.name} uses per-dimension rope frequency factors "
                                         "(rope_freqs.weight), which are not supported yet")
@@ -137,7 +146,31 @@ class GGUFFile:
             cfg["rope_scaling"] = {"rope_type": scaling, "factor": self.arch_field("rope.scaling.factor", 1.0)}
         if self.arch == "gemma3":
             cfg |= self._gemma3_fields(cfg)
+        if self.arch_field("expert_count", 0):
+            cfg |= self._moe_fields(cfg)
         return cfg
+
+    def _moe_fields(self, cfg: dict) -> dict:
+        """Experts as transformers' configs name them; a "llama" file with experts is Mixtral. The
+        layers without a router tensor are dense (mlp_only_layers)."""
+        if self.arch not in _NORMALIZED_TOP_K:
+            raise UnsupportedModelError(f"{self.path.name}: mixture of experts in a GGUF {self.arch!r} file is not "
+                                        f"supported (supported: {', '.join(_NORMALIZED_TOP_K)})")
+        if self.arch_field("expert_weights_scale", 1.0) != 1.0:
+            raise UnsupportedModelError(f"{self.path.name}: expert_weights_scale "
+                                        f"{self.arch_field('expert_weights_scale')} is not supported")
+        experts = self.arch_field("expert_count")
+        routed = {int(m.group(1)) for t in self.reader.tensors if (m := _ROUTER.fullmatch(t.name))}
+        fields = {"num_local_experts": experts, "num_experts": experts,
+                  "num_experts_per_tok": self.arch_field("expert_used_count"),
+                  "moe_intermediate_size": self.arch_field("expert_feed_forward_length", cfg["intermediate_size"]),
+                  "shared_expert_intermediate_size": self.arch_field("expert_shared_feed_forward_length", 0),
+                  "norm_topk_prob": _NORMALIZED_TOP_K[self.arch],
+                  "mlp_only_layers": [i for i in range(cfg["num_hidden_layers"]) if i not in routed]}
+        if self.arch == "llama":
+            fields |= {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+                       "intermediate_size": fields["moe_intermediate_size"]}
+        return fields
 
     def _gemma3_fields(self, cfg: dict) -> dict:
         """What llama.cpp fixes for gemma3 rather than storing: every 6th layer global, the sliding
@@ -162,32 +195,52 @@ class GGUFFile:
         """
         cfg = self.hf_config()
         for t in self.reader.tensors:
-            yield self._hf_name(t.name), self._to_hf_layout(t.name, self._tensor(t), cfg)
+            names = self._hf_names(t)
+            tensor = self._to_hf_layout(t.name, self._tensor(t), cfg)
+            if len(names) == 1:
+                yield names[0], tensor
+            else:                                            # stacked experts: (experts * rows, cols)
+                rows = tensor.shape[0] // len(names)
+                for i, name in enumerate(names):
+                    yield name, tensor.rows(slice(i * rows, (i + 1) * rows)) if isinstance(tensor, GGMLTensor) \
+                        else tensor[i * rows:(i + 1) * rows]
             self.reader.release_pages(t.offset, t.nbytes)    # the consumer has copied it (or views it)
 
     def tensor_types(self) -> dict[str, int]:
         """HF tensor name -> the GGML type it is stored as."""
-        return {self._hf_name(t.name): t.type for t in self.reader.tensors}
+        return {name: t.type for t in self.reader.tensors for name in self._hf_names(t)}
+
+    def _hf_names(self, t: GGUFTensorInfo) -> list[str]:
+        """The HF names a file tensor holds: one, or one per expert of a stacked ffn_*_exps tensor."""
+        m = _EXPERTS.fullmatch(t.name)
+        if m is None:
+            return [self._hf_name(t.name)]
+        layer, kind = m.groups()
+        return [f"model.layers.{layer}.mlp.experts.{e}.{kind}_proj.weight" for e in range(t.shape[0])]
 
     def _tensor(self, t: GGUFTensorInfo) -> torch.Tensor | GGMLTensor:
         raw = t.raw()
-        if t.type in KERNEL_TYPES and len(t.shape) == 2:
-            return GGMLTensor(t.type, torch.from_numpy(raw).view(t.shape[0], -1), t.shape[1])
+        if t.type in KERNEL_TYPES and len(t.shape) in (2, 3):       # 3: stacked experts, rows joined
+            rows = int(np.prod(t.shape[:-1]))
+            return GGMLTensor(t.type, torch.from_numpy(raw).view(rows, -1), t.shape[-1])
+        shape = (-1, t.shape[-1]) if len(t.shape) == 3 else t.shape
         if t.type in _FLOAT_TYPES:
-            return torch.from_numpy(raw.view(_FLOAT_TYPES[t.type]).astype(np.float32)).view(t.shape)
+            return torch.from_numpy(raw.view(_FLOAT_TYPES[t.type]).astype(np.float32)).view(shape)
         if t.type == _BF16:
-            return (torch.from_numpy(raw.view(np.int16).astype(np.int32) << 16).view(torch.float32)).view(t.shape)
+            return (torch.from_numpy(raw.view(np.int16).astype(np.int32) << 16).view(torch.float32)).view(shape)
         from gguf import GGMLQuantizationType, quants
         log.warning("%s: %s blocks have no tokenloom kernel; dequantized to float32 (%.1f MB instead of %.1f MB)",
                     t.name, type_name(t.type), 4 * np.prod(t.shape) / 1e6, t.nbytes / 1e6)
-        array = quants.dequantize(raw, GGMLQuantizationType(t.type)).reshape(t.shape)
+        array = quants.dequantize(raw, GGMLQuantizationType(t.type)).reshape(shape)
         return torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
 
     def _hf_name(self, name: str) -> str:
-        flat, block = {"gpt2": (_GPT2_NAMES, _GPT2_BLOCK_NAMES), "gemma3": (_LLAMA_NAMES, _GEMMA_BLOCK_NAMES)}.get(
-            self.arch, (_LLAMA_NAMES, _LLAMA_BLOCK_NAMES))
+        flat, block = {"gpt2": (_GPT2_NAMES, _GPT2_BLOCK_NAMES), "gemma3": (_LLAMA_NAMES, _GEMMA_BLOCK_NAMES),
+                       "olmo2": (_LLAMA_NAMES, _OLMO2_BLOCK_NAMES)}.get(self.arch, (_LLAMA_NAMES, _LLAMA_BLOCK_NAMES))
         if name in flat:
             return flat[name]
+        if m := _ONE_EXPERT.fullmatch(name):
+            return f"model.layers.{m.group(1)}.mlp.experts.{m.group(3)}.{m.group(2)}_proj.weight"
         m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
         if m and m.group(2) in block:
             prefix = "transformer.h" if self.arch == "gpt2" else "model.layers"
@@ -206,6 +259,8 @@ class GGUFFile:
             return tensor.t().contiguous()  # back to HF Conv1D's (in, out)
         if self.arch == "gemma3" and name.endswith("norm.weight"):
             return tensor - 1               # llama.cpp stores Gemma's 1 + w; HF's checkpoints hold w
+        if name.endswith("ffn_gate_inp_shexp.weight"):
+            return tensor.view(1, -1)       # llama.cpp stores the shared expert's gate as a vector
         return tensor
 
     def tokenizer(self) -> Tokenizer:

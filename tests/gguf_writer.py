@@ -1,0 +1,129 @@
+"""Write a tiny HF folder as a GGUF file laid out the way llama.cpp's convert_hf_to_gguf.py
+lays one out: its architecture names and metadata keys, its tensor names, Llama's Q/K rows
+permuted for interleaved rope, experts stacked into (experts, rows, cols) tensors, the
+shared-expert gate as a vector, the tokenizer as a byte-level BPE vocabulary with merges.
+
+Written from llama.cpp's conventions (gguf-py's tensor table), not from tokenloom's loader,
+so a test that reads the file back checks the loader against them.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import gguf
+import torch
+from safetensors.torch import load_file
+
+GGUF_ARCH = {"LlamaForCausalLM": "llama", "MixtralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+             "Qwen3ForCausalLM": "qwen3", "Qwen2MoeForCausalLM": "qwen2moe", "Qwen3MoeForCausalLM": "qwen3moe",
+             "Olmo2ForCausalLM": "olmo2"}
+
+# HF layer sub-name -> llama.cpp's blk.N.<name>
+_BLOCK = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
+_OLMO2_BLOCK = _BLOCK | {"post_attention_layernorm": "post_attention_norm"}
+_EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
+_EXPERT_KIND = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
+_QUANTIZED = re.compile(r"blk\.\d+\.(attn_[qkv]|attn_output|ffn_(gate|up|down)(_exps|_shexp)?)\.weight")
+
+
+def llama_cpp_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """convert_hf_to_gguf.py's LlamaModel.permute: rotate-half rows -> interleaved pairs."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(folder: Path, path: Path, quantize: str | None = None, stack_experts: bool = True) -> Path:
+    """`folder` (config.json, model.safetensors, tokenizer.json) -> GGUF at `path`; matrices as
+    `quantize` ("Q8_0", "Q4_0", ...) where their rows fit its blocks, else float32. Experts are
+    stacked (ffn_gate_exps) unless `stack_experts` is False: one tensor each (ffn_gate.E, as
+    the first Mixtral GGUFs were written)."""
+    cfg = json.loads((folder / "config.json").read_text())
+    arch = GGUF_ARCH[cfg["architectures"][0]]
+    w = gguf.GGUFWriter(str(path), arch)
+    _write_metadata(w, arch, cfg)
+    _write_tokenizer(w, folder, cfg["vocab_size"])
+    for name, tensor in _gguf_tensors(load_file(str(folder / "model.safetensors")), arch, cfg, stack_experts):
+        array = tensor.float().numpy()
+        if quantize and _QUANTIZED.fullmatch(name) and array.shape[-1] % 32 == 0:
+            kind = gguf.GGMLQuantizationType[quantize]
+            w.add_tensor(name, gguf.quants.quantize(array, kind), raw_dtype=kind)
+        else:
+            w.add_tensor(name, array)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _write_metadata(w: gguf.GGUFWriter, arch: str, cfg: dict) -> None:
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    rope = cfg.get("rope_parameters") or {}
+    ints = {"block_count": cfg["num_hidden_layers"], "context_length": cfg["max_position_embeddings"],
+            "embedding_length": cfg["hidden_size"], "feed_forward_length": cfg["intermediate_size"],
+            "attention.head_count": heads, "attention.head_count_kv": cfg.get("num_key_value_heads") or heads,
+            "attention.key_length": head_dim, "attention.value_length": head_dim}
+    experts = cfg.get("num_local_experts") or cfg.get("num_experts")
+    if experts:
+        ints |= {"expert_count": experts, "expert_used_count": cfg["num_experts_per_tok"]}
+        if "moe_intermediate_size" in cfg:
+            ints["expert_feed_forward_length"] = cfg["moe_intermediate_size"]
+        if cfg.get("shared_expert_intermediate_size"):
+            ints["expert_shared_feed_forward_length"] = cfg["shared_expert_intermediate_size"]
+    for key, value in ints.items():
+        w.add_uint32(f"{arch}.{key}", value)
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg["rms_norm_eps"])
+    w.add_float32(f"{arch}.rope.freq_base", rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+
+
+def _write_tokenizer(w: gguf.GGUFWriter, folder: Path, vocab_size: int) -> None:
+    """The tokenizer's tokens padded to the model's vocabulary with unused [PADn] (as the converter does)."""
+    tk = json.loads((folder / "tokenizer.json").read_text())
+    vocab = {t: i for t, i in tk["model"]["vocab"].items()} | {a["content"]: a["id"] for a in tk["added_tokens"]}
+    tokens = sorted(vocab, key=vocab.get)
+    tokens += [f"[PAD{i}]" for i in range(len(tokens), vocab_size)]
+    special = {a["content"] for a in tk["added_tokens"] if a.get("special")}
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tk["model"]["merges"]]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t in special else 5 if t.startswith("[PAD") else 1 for t in tokens])
+    w.add_token_merges(merges)
+
+
+def _gguf_tensors(state: dict[str, torch.Tensor], arch: str, cfg: dict, stack_experts: bool):
+    """(llama.cpp name, tensor) pairs; each layer's experts stacked into one tensor per kind."""
+    block = _OLMO2_BLOCK if arch == "olmo2" else _BLOCK
+    heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    stacks: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
+    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+           "lm_head.weight": "output.weight"}
+    for name, tensor in state.items():
+        if name in top:
+            yield top[name], tensor
+        elif m := _EXPERT.fullmatch(name):
+            stacks.setdefault((int(m.group(1)), _EXPERT_KIND[m.group(3)]), {})[int(m.group(2))] = tensor
+        else:
+            layer, sub, kind = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", name).groups()
+            if arch == "llama" and sub in ("self_attn.q_proj", "self_attn.k_proj"):
+                tensor = llama_cpp_permute(tensor, heads if sub.endswith("q_proj") else kv_heads)
+            if sub == "mlp.shared_expert_gate":
+                tensor = tensor.reshape(-1)
+            yield f"blk.{layer}.{block[sub]}.{kind}", tensor
+    for (layer, kind), experts in sorted(stacks.items()):
+        if stack_experts:
+            yield f"blk.{layer}.ffn_{kind}_exps.weight", torch.stack([experts[e] for e in sorted(experts)])
+        else:
+            yield from ((f"blk.{layer}.ffn_{kind}.{e}.weight", experts[e]) for e in sorted(experts))

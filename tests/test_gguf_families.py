@@ -1,0 +1,53 @@
+"""Every GGUF architecture tokenloom reads, from files written the way llama.cpp writes them
+(tests/gguf_writer.py) out of the tiny random HF models: float32 files give greedy tokens
+identical to transformers on the HF folder and logprobs within 1e-4; quantized files keep
+their blocks (experts included) and stay close to the same file dequantized."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from tests.gguf_writer import write_gguf
+from tests.hf_reference import hf_greedy
+from tokenloom import LLM, SamplingParams
+from tokenloom.quant.ggml_modules import GGMLLinear
+from tokenloom.quant.modules import QuantizedLinear
+
+FAMILIES = ["llama_gqa", "qwen2", "qwen3", "olmo2", "mixtral", "qwen2_moe", "qwen3_moe"]
+PROMPTS = [[5, 17, 42, 99, 7, 3, 250, 64, 12, 77, 31], [200, 1, 2, 3], [8] * 20]
+NEW_TOKENS = 32
+
+
+@pytest.mark.parametrize("arch", FAMILIES + ["mixtral-one-tensor-per-expert"])
+def test_float_gguf_matches_transformers_on_the_hf_folder(arch, tiny_model_dir, tmp_path):
+    arch, _, one_each = arch.partition("-")
+    folder = tiny_model_dir(arch)
+    path = write_gguf(folder, tmp_path / f"{arch}.gguf", stack_experts=not one_each)
+    llm = LLM(str(path), kv_cache_memory=16 << 20, max_num_batched_tokens=7)     # chunked prefill on
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
+    ours = llm.generate(PROMPTS, params)
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    for prompt, result in zip(PROMPTS, ours):
+        ref = hf_greedy(hf_model, prompt, NEW_TOKENS)
+        out = result.outputs[0]
+        assert out.token_ids == ref.tokens
+        assert [lp[t] for lp, t in zip(out.logprobs, out.token_ids)] == pytest.approx(ref.logprobs, abs=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+def test_quantized_experts_keep_their_blocks(arch, tiny_model_dir, tmp_path):
+    path = write_gguf(tiny_model_dir(arch), tmp_path / f"{arch}-q8.gguf", quantize="Q8_0")
+    kept = LLM(str(path), kv_cache_memory=16 << 20)
+    block = kept.engine.runner.model.model.layers[0].mlp
+    assert all(isinstance(e.gate_up_proj, QuantizedLinear | GGMLLinear) and
+               isinstance(e.down_proj, QuantizedLinear | GGMLLinear) for e in block.experts)
+    assert not isinstance(block.gate, QuantizedLinear | GGMLLinear)          # the router stays float
+    dequantized = LLM(str(path), kv_cache_memory=16 << 20, dtype="float32").engine.runner.model.model.layers[0].mlp
+    x = torch.randn(5, block.gate.in_features, generator=torch.Generator().manual_seed(0))
+    for expert, reference in zip(block.experts, dequantized.experts):     # each expert's own stored blocks
+        got, want = expert.forward(x), reference.forward(x)
+        assert (got - want).norm() < 0.03 * want.norm()
+    torch.testing.assert_close(block.forward(x), dequantized.forward(x), rtol=0.05, atol=0.05 * x.abs().max().item())
