@@ -48,6 +48,17 @@ TINY_CONFIGS = {
     "qwen3_moe": ("Qwen3MoeConfig", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=6,
                                          num_experts_per_tok=3, moe_intermediate_size=32, norm_topk_prob=True,
                                          mlp_only_layers=[0])),
+    # fused qkv / gate_up checkpoint tensors, half the head rotated, every layer sliding
+    "phi3_partial_rotary": ("Phi3Config", dict(num_attention_heads=4, num_key_value_heads=2, partial_rotary_factor=0.5,
+                                               sliding_window=10)),
+    # longrope past an original length of 2: the long factors and attention factor at every length
+    # (the short ones: tests/test_rope_scaling.py)
+    "phi3_longrope": ("Phi3Config", dict(
+        num_attention_heads=4, num_key_value_heads=4, original_max_position_embeddings=2,
+        rope_scaling={"rope_type": "longrope", "short_factor": [1.0 + i / 8 for i in range(8)],
+                      "long_factor": [1.5 + i / 2 for i in range(8)]})),
+    "llama_dynamic": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=2,
+                                          rope_scaling={"rope_type": "dynamic", "factor": 4.0})),
     "olmo2": ("Olmo2Config", dict(num_attention_heads=4, num_key_value_heads=2)),
     "gpt2": ("GPT2Config", dict(n_embd=64, n_layer=2, n_head=4, n_positions=256, vocab_size=VOCAB,
                                 initializer_range=0.2, bos_token_id=None, eos_token_id=None)),

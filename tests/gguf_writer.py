@@ -10,6 +10,7 @@ so a test that reads the file back checks the loader against them.
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from safetensors.torch import load_file
 
 GGUF_ARCH = {"LlamaForCausalLM": "llama", "MixtralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
              "Qwen3ForCausalLM": "qwen3", "Qwen2MoeForCausalLM": "qwen2moe", "Qwen3MoeForCausalLM": "qwen3moe",
-             "Olmo2ForCausalLM": "olmo2"}
+             "Olmo2ForCausalLM": "olmo2", "Phi3ForCausalLM": "phi3"}
 
 # HF layer sub-name -> llama.cpp's blk.N.<name>
 _BLOCK = {
@@ -31,6 +32,7 @@ _BLOCK = {
     "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
     "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
     "post_feedforward_layernorm": "post_ffw_norm",
+    "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",          # Phi-3's fused tensors
 }
 _OLMO2_BLOCK = _BLOCK | {"post_attention_layernorm": "post_attention_norm"}
 _EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
@@ -84,8 +86,43 @@ def _write_metadata(w: gguf.GGUFWriter, arch: str, cfg: dict) -> None:
             ints["expert_shared_feed_forward_length"] = cfg["shared_expert_intermediate_size"]
     for key, value in ints.items():
         w.add_uint32(f"{arch}.{key}", value)
+    w.add_uint32(f"{arch}.rope.dimension_count", int(head_dim * rope.get("partial_rotary_factor", 1.0)))
     w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg["rms_norm_eps"])
     w.add_float32(f"{arch}.rope.freq_base", rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    if arch == "phi3":
+        w.add_uint32("phi3.attention.sliding_window", cfg.get("sliding_window") or 0)
+    if rope.get("rope_type") == "longrope":            # conversion/phi.py
+        original = rope["original_max_position_embeddings"]
+        scale = cfg["max_position_embeddings"] / original
+        w.add_uint32(f"{arch}.rope.scaling.original_context_length", original)
+        w.add_float32(f"{arch}.rope.scaling.attn_factor",
+                      math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1.0 else 1.0)
+
+
+def rope_tensors(cfg: dict) -> dict[str, torch.Tensor]:
+    """The rope factors llama.cpp's converter writes as tensors: Phi-3's long and short sets, and
+    Llama 3.1's llama3 scaling precomputed per frequency (conversion/llama.py)."""
+    rope = cfg.get("rope_parameters") or {}
+    if rope.get("rope_type") == "longrope":
+        return {"rope_factors_long.weight": torch.tensor(rope["long_factor"], dtype=torch.float32),
+                "rope_factors_short.weight": torch.tensor(rope["short_factor"], dtype=torch.float32)}
+    if rope.get("rope_type") != "llama3":
+        return {}
+    dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    freqs = 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old_len = rope["original_max_position_embeddings"]
+    factors = []
+    for freq in freqs.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < old_len / high:
+            factors.append(1.0)
+        elif wavelen > old_len / low:
+            factors.append(factor)
+        else:
+            smooth = (old_len / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return {"rope_freqs.weight": torch.tensor(factors, dtype=torch.float32)}
 
 
 def _write_tokenizer(w: gguf.GGUFWriter, folder: Path, vocab_size: int) -> None:
@@ -122,6 +159,7 @@ def _gguf_tensors(state: dict[str, torch.Tensor], arch: str, cfg: dict, stack_ex
             if sub == "mlp.shared_expert_gate":
                 tensor = tensor.reshape(-1)
             yield f"blk.{layer}.{block[sub]}.{kind}", tensor
+    yield from rope_tensors(cfg).items()
     for (layer, kind), experts in sorted(stacks.items()):
         if stack_experts:
             yield f"blk.{layer}.ffn_{kind}_exps.weight", torch.stack([experts[e] for e in sorted(experts)])

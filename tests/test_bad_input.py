@@ -38,22 +38,22 @@ def test_unsupported_architecture(tiny_model_dir, tmp_path):
 def test_unsupported_architecture_is_named_before_the_weights_are_looked_for(tmp_path):
     """A config.json alone (weights not downloaded yet): what the model is, not 'no safetensors'."""
     (tmp_path / "config.json").write_text(json.dumps({
-        "architectures": ["Phi3ForCausalLM"], "vocab_size": 10, "hidden_size": 8, "num_hidden_layers": 1,
+        "architectures": ["FalconForCausalLM"], "vocab_size": 10, "hidden_size": 8, "num_hidden_layers": 1,
         "num_attention_heads": 2, "intermediate_size": 16}))
-    with pytest.raises(UnsupportedModelError, match="Phi3ForCausalLM.*not supported"):
+    with pytest.raises(UnsupportedModelError, match="FalconForCausalLM.*not supported"):
         LLM(str(tmp_path))
 
 
 def test_unsupported_rope_type(tiny_model_dir, tmp_path):
     folder = _copy(tiny_model_dir("llama_gqa"), tmp_path)
     cfg = json.loads((folder / "config.json").read_text())
-    cfg["rope_parameters"] = {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0}
+    cfg["rope_parameters"] = {"rope_type": "ntk-by-parts", "factor": 4.0, "rope_theta": 10000.0}
     (folder / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(UnsupportedModelError, match="rope type 'dynamic'"):
+    with pytest.raises(UnsupportedModelError, match="rope type 'ntk-by-parts'"):
         LLM(str(folder))
 
 
-@pytest.mark.parametrize("field, value", [("partial_rotary_factor", 0.5), ("final_logit_softcapping", 30.0)])
+@pytest.mark.parametrize("field, value", [("attn_logit_softcapping", 50.0), ("final_logit_softcapping", 30.0)])
 def test_config_fields_that_change_the_math_are_refused_by_name(tiny_model_dir, tmp_path, field, value):
     folder = _copy(tiny_model_dir("llama_gqa"), tmp_path)
     cfg = json.loads((folder / "config.json").read_text())

@@ -16,7 +16,8 @@ from tokenloom import LLM, SamplingParams
 from tokenloom.quant.ggml_modules import GGMLLinear
 from tokenloom.quant.modules import QuantizedLinear
 
-FAMILIES = ["llama_gqa", "qwen2", "qwen3", "olmo2", "mixtral", "qwen2_moe", "qwen3_moe"]
+FAMILIES = ["llama_gqa", "llama3_rope_scaling", "qwen2", "qwen3", "olmo2", "phi3_partial_rotary", "phi3_longrope",
+            "mixtral", "qwen2_moe", "qwen3_moe"]
 PROMPTS = [[5, 17, 42, 99, 7, 3, 250, 64, 12, 77, 31], [200, 1, 2, 3], [8] * 20]
 NEW_TOKENS = 32
 

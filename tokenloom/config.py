@@ -14,7 +14,7 @@ import torch
 
 from tokenloom.architectures import BY_MODEL_TYPE, SUPPORTED_ARCHITECTURES
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -55,11 +55,16 @@ class RopeConfig:
     mscale: float | None = None
     mscale_all_dim: float | None = None
     truncate: bool = True
+    # longrope (Phi-3): per-frequency divisors, the long set where the context exceeds the original
+    short_factor: tuple[float, ...] | None = None
+    long_factor: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.rope_type not in SUPPORTED_ROPE_TYPES:
             raise UnsupportedModelError(
                 f"rope type {self.rope_type!r} is not supported (supported: {SUPPORTED_ROPE_TYPES})")
+        if self.rope_type == "longrope" and (self.short_factor is None or self.long_factor is None):
+            raise ValueError("longrope scaling needs short_factor and long_factor")
 
 
 @dataclass(slots=True)
@@ -111,6 +116,7 @@ class ModelConfig:
     local_rope: RopeConfig | None = None         # rope of sliding-window layers where it differs (Gemma 3)
     final_logit_softcapping: float | None = None
     moe: MoeConfig | None = None                 # mixture-of-experts MLPs (Mixtral, Qwen2/3-MoE)
+    partial_rotary_factor: float = 1.0           # rope turns the first head_dim * this dims of each head
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -132,6 +138,17 @@ class ModelConfig:
             unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
             if unknown:
                 raise UnsupportedModelError(f"layer type(s) {unknown} are not supported (supported: {LAYER_TYPES})")
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def context_limit(self) -> int:
+        """The longest context this model can be run at: its own, or with dynamic rope scaling
+        its own times the factor (the base stretched for the longer context, as vLLM does)."""
+        if self.rope is not None and self.rope.rope_type == "dynamic":
+            return int(self.max_model_len * self.rope.factor)
+        return self.max_model_len
 
     def layer_windows(self) -> tuple[int | None, ...]:
         """Each layer's attention window in positions (None: the whole context)."""
@@ -182,8 +199,9 @@ def _llama_fields(hf: dict[str, Any], arch: str) -> dict[str, Any]:
                 o_proj_bias=(not is_qwen2) and hf.get("attention_bias", False),
                 mlp_bias=hf.get("mlp_bias", False),
                 qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"), sliding_window=sliding,
-                layer_types=layer_types,
-                hidden_act=hf.get("hidden_act", "silu"))
+                layer_types=layer_types, hidden_act=hf.get("hidden_act", "silu"),
+                partial_rotary_factor=_rope_params(hf).get("partial_rotary_factor",
+                                                           hf.get("partial_rotary_factor") or 1.0))
 
 
 _MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
@@ -221,7 +239,7 @@ _IMPLEMENTED = {"Gemma3ForCausalLM": ("query_pre_attn_scalar", "final_logit_soft
 
 
 # config fields that change a Llama-family forward pass, with the value that leaves it unchanged
-_NEUTRAL_FIELDS = {"partial_rotary_factor": 1.0, "attn_logit_softcapping": None, "final_logit_softcapping": None,
+_NEUTRAL_FIELDS = {"attn_logit_softcapping": None, "final_logit_softcapping": None,
                    "query_pre_attn_scalar": None, "use_qk_norm": False, "logits_scaling": 1.0,
                    "embedding_multiplier": 1.0, "residual_multiplier": 1.0, "attention_multiplier": None}
 
@@ -288,13 +306,25 @@ def _architecture_of(hf: dict[str, Any]) -> str:
         f"architectures={archs!r}, model_type={model_type!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
 
 
+def _rope_params(hf: dict[str, Any]) -> dict[str, Any]:
+    return dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+
+
 def _rope_of(hf: dict[str, Any]) -> RopeConfig:
-    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    params = _rope_params(hf)
     theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default"))
+    rope_type = "longrope" if rope_type == "su" else rope_type          # Phi-3's first configs
     keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings", "attention_factor",
             "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate")
     kwargs = {k: params[k] for k in keys if params.get(k) is not None}
+    max_pos = hf.get("max_position_embeddings", 2048)
+    if rope_type == "longrope":        # transformers' _compute_longrope_parameters
+        kwargs.setdefault("original_max_position_embeddings", hf.get("original_max_position_embeddings", max_pos))
+        kwargs.setdefault("factor", max_pos / kwargs["original_max_position_embeddings"])
+        kwargs |= {k: tuple(params[k]) for k in ("short_factor", "long_factor") if params.get(k) is not None}
+    if rope_type == "dynamic":         # stretches past max_position_embeddings (the original length)
+        kwargs["original_max_position_embeddings"] = max_pos
     if rope_type == "yarn":
         kwargs.setdefault("original_max_position_embeddings", hf.get("max_position_embeddings", 2048))
         if "factor" not in kwargs:     # DeepSeek-style: the factor is the context's growth

@@ -51,7 +51,7 @@ _BF16 = 30
 # a "llama" file with experts is Mixtral (hf_config)
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                   "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM", "olmo2": "Olmo2ForCausalLM",
-                  "gemma3": "Gemma3ForCausalLM", "gpt2": "GPT2LMHeadModel"}
+                  "phi3": "Phi3ForCausalLM", "gemma3": "Gemma3ForCausalLM", "gpt2": "GPT2LMHeadModel"}
 # llama.cpp renormalizes the chosen experts' weights for these (build_moe_ffn's norm_w)
 _NORMALIZED_TOP_K = {"llama": True, "qwen2moe": False, "qwen3moe": True}
 
@@ -73,6 +73,9 @@ _LLAMA_BLOCK_NAMES = {
 _EXPERTS = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")      # (experts, rows, cols) stacked
 _ROUTER = re.compile(r"blk\.(\d+)\.ffn_gate_inp\.weight")
 _ONE_EXPERT = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight")  # older Mixtral files: one each
+_ROPE_FACTOR_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
+# Phi-3 stores q/k/v and gate/up fused, as tokenloom does
+_PHI3_BLOCK_NAMES = _LLAMA_BLOCK_NAMES | {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 # OLMo 2's norms come after attention and the MLP
 _OLMO2_BLOCK_NAMES = _LLAMA_BLOCK_NAMES | {"post_attention_norm": "post_attention_layernorm",
                                            "post_ffw_norm": "post_feedforward_layernorm"}
@@ -90,6 +93,10 @@ _GPT2_BLOCK_NAMES = {
     "attn_norm": "ln_1", "ffn_norm": "ln_2", "attn_qkv": "attn.c_attn", "attn_output": "attn.c_proj",
     "ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj",
 }
+
+# architecture -> (whole-model names, per-block names); Llama's where not listed
+_NAME_TABLES = {"gpt2": (_GPT2_NAMES, _GPT2_BLOCK_NAMES), "gemma3": (_LLAMA_NAMES, _GEMMA_BLOCK_NAMES),
+                "olmo2": (_LLAMA_NAMES, _OLMO2_BLOCK_NAMES), "phi3": (_LLAMA_NAMES, _PHI3_BLOCK_NAMES)}
 
 
 class GGUFFile:
@@ -130,9 +137,6 @@ class GGUFFile:
                           "n_head": heads, "n_positions": self.arch_field("context_length"),
                           "n_inner": self.arch_field("feed_forward_length"),
                           "layer_norm_epsilon": self.arch_field("attention.layer_norm_epsilon", 1e-5)}
-        if "rope_freqs.weight" in self.tensor_names:
-            raise UnsupportedModelError(f"{self.path.name} uses per-dimension rope frequency factors "
-                                        "(rope_freqs.weight), which are not supported yet")
         hidden = self.arch_field("embedding_length")
         cfg |= {"hidden_size": hidden, "intermediate_size": self.arch_field("feed_forward_length"),
                 "num_hidden_layers": self.arch_field("block_count"), "num_attention_heads": heads,
@@ -141,14 +145,44 @@ class GGUFFile:
                 "max_position_embeddings": self.arch_field("context_length"),
                 "rms_norm_eps": self.arch_field("attention.layer_norm_rms_epsilon", 1e-6),
                 "rope_theta": self.arch_field("rope.freq_base", 10000.0)}
-        scaling = self.arch_field("rope.scaling.type")
-        if scaling not in (None, "none"):
-            cfg["rope_scaling"] = {"rope_type": scaling, "factor": self.arch_field("rope.scaling.factor", 1.0)}
+        cfg |= self._rope_fields(cfg)
+        if self.arch == "phi3":
+            cfg["sliding_window"] = self.arch_field("attention.sliding_window") or None    # 0: none (Phi-4)
         if self.arch == "gemma3":
             cfg |= self._gemma3_fields(cfg)
         if self.arch_field("expert_count", 0):
             cfg |= self._moe_fields(cfg)
         return cfg
+
+    def _rope_fields(self, cfg: dict) -> dict:
+        """Rope scaling as transformers' configs say it. llama.cpp stores per-frequency divisors as
+        tensors: Llama 3.1's rope_freqs (its llama3 scaling, precomputed) and Phi-3's long/short
+        sets; both are longrope's arithmetic (inv_freq / factor), a single set where short = long."""
+        fields: dict = {}
+        rotary = self.arch_field("rope.dimension_count")
+        if rotary is not None and rotary != cfg["head_dim"]:
+            fields["partial_rotary_factor"] = rotary / cfg["head_dim"]
+        scaling = self.arch_field("rope.scaling.type")
+        if scaling not in (None, "none"):
+            fields["rope_scaling"] = {"rope_type": scaling, "factor": self.arch_field("rope.scaling.factor", 1.0)}
+        factors = {t.name: t for t in self.reader.tensors if t.name in _ROPE_FACTOR_TENSORS}
+        if "rope_freqs.weight" in factors:
+            one_set = self._floats(factors["rope_freqs.weight"])
+            fields["rope_scaling"] = {"rope_type": "longrope", "short_factor": one_set, "long_factor": one_set,
+                                      "factor": 1.0, "original_max_position_embeddings": cfg["max_position_embeddings"]}
+        elif factors:
+            fields["rope_scaling"] = {
+                "rope_type": "longrope", "short_factor": self._floats(factors["rope_factors_short.weight"]),
+                "long_factor": self._floats(factors["rope_factors_long.weight"]),
+                "original_max_position_embeddings": self.arch_field("rope.scaling.original_context_length"),
+                "attention_factor": self.arch_field("rope.scaling.attn_factor")}
+        return fields
+
+    @staticmethod
+    def _floats(t: GGUFTensorInfo) -> list[float]:
+        if t.type != 0:
+            raise CheckpointError(f"rope factor tensor {t.name} should be F32, is {type_name(t.type)}")
+        return t.raw().view(np.float32).tolist()
 
     def _moe_fields(self, cfg: dict) -> dict:
         """Experts as transformers' configs name them; a "llama" file with experts is Mixtral. The
@@ -195,6 +229,8 @@ class GGUFFile:
         """
         cfg = self.hf_config()
         for t in self.reader.tensors:
+            if t.name in _ROPE_FACTOR_TENSORS:                 # read into the config (rope_scaling)
+                continue
             names = self._hf_names(t)
             tensor = self._to_hf_layout(t.name, self._tensor(t), cfg)
             if len(names) == 1:
@@ -208,7 +244,8 @@ class GGUFFile:
 
     def tensor_types(self) -> dict[str, int]:
         """HF tensor name -> the GGML type it is stored as."""
-        return {name: t.type for t in self.reader.tensors for name in self._hf_names(t)}
+        return {name: t.type for t in self.reader.tensors if t.name not in _ROPE_FACTOR_TENSORS
+                for name in self._hf_names(t)}
 
     def _hf_names(self, t: GGUFTensorInfo) -> list[str]:
         """The HF names a file tensor holds: one, or one per expert of a stacked ffn_*_exps tensor."""
@@ -235,8 +272,7 @@ class GGUFFile:
         return torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
 
     def _hf_name(self, name: str) -> str:
-        flat, block = {"gpt2": (_GPT2_NAMES, _GPT2_BLOCK_NAMES), "gemma3": (_LLAMA_NAMES, _GEMMA_BLOCK_NAMES),
-                       "olmo2": (_LLAMA_NAMES, _OLMO2_BLOCK_NAMES)}.get(self.arch, (_LLAMA_NAMES, _LLAMA_BLOCK_NAMES))
+        flat, block = _NAME_TABLES.get(self.arch, (_LLAMA_NAMES, _LLAMA_BLOCK_NAMES))
         if name in flat:
             return flat[name]
         if m := _ONE_EXPERT.fullmatch(name):

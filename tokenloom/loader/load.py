@@ -140,9 +140,9 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: str 
                          "use int8 or int4")
     config = ckpt.config
     if max_model_len is not None:
-        if max_model_len > config.max_model_len:
+        if max_model_len > config.context_limit():
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's context "
-                             f"length {config.max_model_len}")
+                             f"length {config.context_limit()}")
         config.max_model_len = max_model_len
     config.eos_token_ids = tuple(sorted(set(config.eos_token_ids) | ckpt.eos_token_ids))
     saved = saved_formats(ckpt.hf_config, quantization)

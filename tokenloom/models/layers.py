@@ -61,9 +61,26 @@ def uninitialized_embedding(num_embeddings: int, dim: int) -> nn.Embedding:
     return nn.Embedding(num_embeddings, dim, _weight=torch.empty(num_embeddings, dim))
 
 
-def rope_inv_freq(rope: RopeConfig, rotary_dim: int) -> torch.Tensor:
-    """Inverse frequencies (rotary_dim/2,) float32, with the configured scaling applied."""
+def rope_inv_freq(rope: RopeConfig, rotary_dim: int, context_len: int | None = None) -> torch.Tensor:
+    """Inverse frequencies (rotary_dim/2,) float32, with the configured scaling applied.
+
+    The context-dependent scalings are fixed by the context the engine runs at, so a
+    position's rotation never depends on the batch or the step (llama.cpp and vLLM do the
+    same): longrope takes its long factors where `context_len` exceeds the original length;
+    dynamic stretches the base for `context_len` past max_position_embeddings (unchanged
+    within it, where it equals transformers' at every step)."""
     exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device="cpu").float() / rotary_dim  # not meta
+    if rope.rope_type == "longrope":
+        long = context_len is not None and context_len > rope.original_max_position_embeddings
+        factors = torch.tensor(rope.long_factor if long else rope.short_factor, dtype=torch.float32, device="cpu")
+        if factors.numel() != rotary_dim // 2:
+            raise ValueError(f"longrope has {factors.numel()} factors; rotary dim {rotary_dim} needs {rotary_dim // 2}")
+        return 1.0 / (factors * rope.theta ** exponents)
+    if rope.rope_type == "dynamic":
+        original = rope.original_max_position_embeddings
+        seq_len = max(context_len or original, original)
+        base = rope.theta * ((rope.factor * seq_len / original) - (rope.factor - 1)) ** (rotary_dim / (rotary_dim - 2))
+        return 1.0 / (base ** exponents)
     inv_freq = 1.0 / (rope.theta ** exponents)
     if rope.rope_type == "linear":
         return inv_freq / rope.factor
@@ -75,11 +92,14 @@ def rope_inv_freq(rope: RopeConfig, rotary_dim: int) -> torch.Tensor:
 
 
 def rope_attention_factor(rope: RopeConfig) -> float:
-    """What cos and sin are multiplied by (yarn's attention factor; 1 otherwise)."""
-    if rope.rope_type != "yarn":
+    """What cos and sin are multiplied by (yarn's and longrope's attention factor; 1 otherwise)."""
+    if rope.rope_type not in ("yarn", "longrope"):
         return 1.0
     if rope.attention_factor is not None:
         return rope.attention_factor
+    if rope.rope_type == "longrope":
+        growth = rope.factor
+        return 1.0 if growth <= 1 else math.sqrt(1 + math.log(growth) / math.log(rope.original_max_position_embeddings))
 
     def mscale(scale: float, m: float = 1.0) -> float:
         return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
@@ -140,7 +160,11 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE: x (T, heads, head_dim), cos/sin (T, 1, head_dim)."""
+    """Rotate-half RoPE: x (T, heads, head_dim), cos/sin (T, 1, rotary_dim); dims past
+    rotary_dim (partial rotary, e.g. Phi-4-mini) pass through unturned."""
+    rotary = cos.shape[-1]
+    if rotary < x.shape[-1]:
+        return torch.cat([apply_rope(x[..., :rotary], cos, sin), x[..., rotary:]], dim=-1)
     if x.stride(2) == 1 and x.stride(1) == x.shape[2] and cos.is_contiguous() and sin.is_contiguous() \
             and fused.enabled(x):
         return fused.rope(x, cos, sin)

@@ -90,7 +90,7 @@ class LlamaForCausalLM(CausalLM):
         super().__init__(cfg)
         self.model = LlamaModel(cfg, self.decoder_layer)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.register_buffer("inv_freq", rope_inv_freq(cfg.rope, cfg.head_dim), persistent=False)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg.rope, cfg.rotary_dim, cfg.max_model_len), persistent=False)
         self.rope_scale = rope_attention_factor(cfg.rope)
         scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
         self.attention_shape = AttentionShape(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, scale,
@@ -98,7 +98,7 @@ class LlamaForCausalLM(CausalLM):
         self.tie_weights()
 
     def init_buffers(self, device: torch.device | str) -> None:
-        self.inv_freq = rope_inv_freq(self.config.rope, self.config.head_dim).to(device)
+        self.inv_freq = rope_inv_freq(self.config.rope, self.config.rotary_dim, self.config.max_model_len).to(device)
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings and isinstance(self.lm_head, nn.Linear):  # not when quantized
