@@ -59,6 +59,9 @@ TINY_CONFIGS = {
                       "long_factor": [1.5 + i / 2 for i in range(8)]})),
     "llama_dynamic": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=2,
                                           rope_scaling={"rope_type": "dynamic", "factor": 4.0})),
+    # sliding then full layer, attention scores and logits soft-capped (caps small enough to bite)
+    "gemma2": ("Gemma2Config", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=24,
+                                    sliding_window=6, attn_logit_softcapping=3.0, final_logit_softcapping=8.0)),
     "olmo2": ("Olmo2Config", dict(num_attention_heads=4, num_key_value_heads=2)),
     "gpt2": ("GPT2Config", dict(n_embd=64, n_layer=2, n_head=4, n_positions=256, vocab_size=VOCAB,
                                 initializer_range=0.2, bos_token_id=None, eos_token_id=None)),
@@ -93,11 +96,12 @@ def build_tiny_model(name: str, folder: Path, seed: int = 0) -> Path:
     config = cfg_cls(**kwargs)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    if cls_name in ("Gemma3TextConfig", "Olmo2Config"):   # norms init at 0 (Gemma's 1 + w) or 1: make w count
+    # norms init at 0 (Gemma's 1 + w) or 1: make w count
+    if cls_name in ("Gemma2Config", "Gemma3TextConfig", "Olmo2Config"):
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if name.endswith("norm.weight"):
-                    p.normal_(0.0 if cls_name == "Gemma3TextConfig" else 1.0, 0.3)
+                    p.normal_(1.0 if cls_name == "Olmo2Config" else 0.0, 0.3)
     model.save_pretrained(folder)
     make_tiny_tokenizer(folder)
     return folder

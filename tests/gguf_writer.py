@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 GGUF_ARCH = {"LlamaForCausalLM": "llama", "MixtralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
              "Qwen3ForCausalLM": "qwen3", "Qwen2MoeForCausalLM": "qwen2moe", "Qwen3MoeForCausalLM": "qwen3moe",
-             "Olmo2ForCausalLM": "olmo2", "Phi3ForCausalLM": "phi3"}
+             "Olmo2ForCausalLM": "olmo2", "Phi3ForCausalLM": "phi3", "Gemma2ForCausalLM": "gemma2"}
 
 # HF layer sub-name -> llama.cpp's blk.N.<name>
 _BLOCK = {
@@ -35,6 +35,7 @@ _BLOCK = {
     "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",          # Phi-3's fused tensors
 }
 _OLMO2_BLOCK = _BLOCK | {"post_attention_layernorm": "post_attention_norm"}
+_GEMMA_BLOCK = _BLOCK | {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm"}
 _EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
 _EXPERT_KIND = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
 _QUANTIZED = re.compile(r"blk\.\d+\.(attn_[qkv]|attn_output|ffn_(gate|up|down)(_exps|_shexp)?)\.weight")
@@ -91,6 +92,10 @@ def _write_metadata(w: gguf.GGUFWriter, arch: str, cfg: dict) -> None:
     w.add_float32(f"{arch}.rope.freq_base", rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
     if arch == "phi3":
         w.add_uint32("phi3.attention.sliding_window", cfg.get("sliding_window") or 0)
+    if arch == "gemma2":
+        w.add_uint32("gemma2.attention.sliding_window", cfg["sliding_window"])
+        w.add_float32("gemma2.attn_logit_softcapping", cfg["attn_logit_softcapping"])
+        w.add_float32("gemma2.final_logit_softcapping", cfg["final_logit_softcapping"])
     if rope.get("rope_type") == "longrope":            # conversion/phi.py
         original = rope["original_max_position_embeddings"]
         scale = cfg["max_position_embeddings"] / original
@@ -142,14 +147,14 @@ def _write_tokenizer(w: gguf.GGUFWriter, folder: Path, vocab_size: int) -> None:
 
 def _gguf_tensors(state: dict[str, torch.Tensor], arch: str, cfg: dict, stack_experts: bool):
     """(llama.cpp name, tensor) pairs; each layer's experts stacked into one tensor per kind."""
-    block = _OLMO2_BLOCK if arch == "olmo2" else _BLOCK
+    block = {"olmo2": _OLMO2_BLOCK, "gemma2": _GEMMA_BLOCK}.get(arch, _BLOCK)
     heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
     stacks: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
     top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
            "lm_head.weight": "output.weight"}
     for name, tensor in state.items():
         if name in top:
-            yield top[name], tensor
+            yield top[name], tensor + 1 if arch == "gemma2" and name == "model.norm.weight" else tensor
         elif m := _EXPERT.fullmatch(name):
             stacks.setdefault((int(m.group(1)), _EXPERT_KIND[m.group(3)]), {})[int(m.group(2))] = tensor
         else:
@@ -158,6 +163,8 @@ def _gguf_tensors(state: dict[str, torch.Tensor], arch: str, cfg: dict, stack_ex
                 tensor = llama_cpp_permute(tensor, heads if sub.endswith("q_proj") else kv_heads)
             if sub == "mlp.shared_expert_gate":
                 tensor = tensor.reshape(-1)
+            if arch == "gemma2" and sub.endswith("norm"):
+                tensor = tensor + 1                 # the converter stores Gemma's (1 + w)
             yield f"blk.{layer}.{block[sub]}.{kind}", tensor
     yield from rope_tensors(cfg).items()
     for (layer, kind), experts in sorted(stacks.items()):

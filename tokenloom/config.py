@@ -115,6 +115,7 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None   # attention scale = this ** -0.5 (Gemma); None: head_dim
     local_rope: RopeConfig | None = None         # rope of sliding-window layers where it differs (Gemma 3)
     final_logit_softcapping: float | None = None
+    attn_logit_softcapping: float | None = None  # attention scores soft-capped (Gemma 2)
     moe: MoeConfig | None = None                 # mixture-of-experts MLPs (Mixtral, Qwen2/3-MoE)
     partial_rotary_factor: float = 1.0           # rope turns the first head_dim * this dims of each head
     bos_token_id: int | None = None
@@ -166,8 +167,7 @@ class ModelConfig:
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         common = dict(architecture=arch, vocab_size=hf["vocab_size"], bos_token_id=hf.get("bos_token_id"),
                       eos_token_ids=eos_ids,
-                      tie_word_embeddings=hf.get("tie_word_embeddings",
-                                                  arch in ("GPT2LMHeadModel", "Gemma3ForCausalLM")))
+                      tie_word_embeddings=hf.get("tie_word_embeddings", arch in _TIED_BY_DEFAULT))
         if arch == "GPT2LMHeadModel":
             hidden, heads = hf["n_embd"], hf["n_head"]
             return cls(**common, hidden_size=hidden, num_layers=hf["n_layer"], num_heads=heads,
@@ -180,6 +180,8 @@ class ModelConfig:
         fields = _llama_fields(hf, arch)
         if arch == "Gemma3ForCausalLM":
             fields |= _gemma3_fields(hf)
+        if arch == "Gemma2ForCausalLM":
+            fields |= _gemma2_fields(hf)
         if arch in _MOE_ARCHITECTURES:
             fields["moe"] = _moe_of(hf, arch)
         return cls(**common, **fields)
@@ -204,6 +206,7 @@ def _llama_fields(hf: dict[str, Any], arch: str) -> dict[str, Any]:
                                                            hf.get("partial_rotary_factor") or 1.0))
 
 
+_TIED_BY_DEFAULT = ("GPT2LMHeadModel", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 _MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 _QWEN_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 
@@ -234,8 +237,23 @@ def _gemma3_fields(hf: dict[str, Any]) -> dict[str, Any]:
                 final_logit_softcapping=hf.get("final_logit_softcapping"))
 
 
+def _gemma2_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 2 (transformers' Gemma2Config defaults): Gemma 3's layout without q/k norm or a second
+    rope base, with attention scores soft-capped; every other layer slides, the first one included."""
+    layers = hf["num_hidden_layers"]
+    layer_types = hf.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention"
+                                            for i in range(layers)]
+    return dict(head_dim=hf.get("head_dim", 256), max_model_len=hf.get("max_position_embeddings", 8192),
+                sliding_window=hf.get("sliding_window", 4096), layer_types=tuple(layer_types),
+                hidden_act=hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh",
+                query_pre_attn_scalar=hf.get("query_pre_attn_scalar", 256),
+                final_logit_softcapping=hf.get("final_logit_softcapping", 30.0),
+                attn_logit_softcapping=hf.get("attn_logit_softcapping", 50.0))
+
+
 # fields an architecture implements among those _refuse_unimplemented checks
-_IMPLEMENTED = {"Gemma3ForCausalLM": ("query_pre_attn_scalar", "final_logit_softcapping")}
+_IMPLEMENTED = {"Gemma3ForCausalLM": ("query_pre_attn_scalar", "final_logit_softcapping"),
+                "Gemma2ForCausalLM": ("query_pre_attn_scalar", "final_logit_softcapping", "attn_logit_softcapping")}
 
 
 # config fields that change a Llama-family forward pass, with the value that leaves it unchanged

@@ -39,6 +39,7 @@ class AttentionShape:
     head_dim: int
     scale: float
     windows: tuple[int | None, ...] = ()   # per layer: the positions a query sees (None: all); () for all layers
+    softcap: float | None = None           # scores -> tanh(scores / softcap) * softcap before softmax (Gemma 2)
 
     def window(self, layer: int) -> int | None:
         return self.windows[layer] if self.windows else None
@@ -82,7 +83,8 @@ class TorchAttention(StepAttention):
             qk = apply_rope(qk, *self.rope)
         q, k = qk[:, :sh.num_heads], qk[:, sh.num_heads:]                    # (T, heads|kv_heads, head_dim)
         keys, values = self.kv_cache.layer(layer)
-        out = paged_attention(q, k, v, keys, values, self.meta, sh.scale, sh.window(layer))   # (T, heads, head_dim)
+        out = paged_attention(q, k, v, keys, values, self.meta, sh.scale, sh.window(layer),
+                              sh.softcap)                                                # (T, heads, head_dim)
         return out.reshape(T, q_size)
 
 
@@ -131,7 +133,7 @@ def kernels_take(shape: AttentionShape, meta: AttentionMetadata, kv_cache,
                  rope: tuple[torch.Tensor, torch.Tensor] | None) -> bool:
     """The step's attention can run on the CPU kernels (see the module doc); the rope tables
     have the activations' dtype and device, and usable() requires float32 on the CPU."""
-    if rope is None:
+    if rope is None or shape.softcap is not None:      # the kernels do not soft-cap scores
         return False
     cos = rope[0]
     if not (cpu_decode.usable(cos, kv_cache.keys[0]) and cos.shape[-1] == shape.head_dim and cos.is_contiguous()):

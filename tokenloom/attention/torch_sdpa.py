@@ -72,15 +72,18 @@ def reads_past_context(kv_cache) -> bool:
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
+                    meta: AttentionMetadata, scale: float, window: int | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
     """Causal attention of this step's queries against each sequence's cached context (its
-    last `window` positions; None: all).
+    last `window` positions; None: all), scores soft-capped where `softcap` is given.
 
     q: (T, heads, head_dim); k, v: (T, kv_heads, head_dim); caches:
     (num_blocks, block_size, kv_heads, head_dim). Writes k/v into the caches first,
     then returns (T, heads, head_dim).
     """
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    if softcap is not None:
+        return _softcapped_attention(q, k_cache, v_cache, meta, scale, window, softcap)
     gqa = q.shape[1] != k.shape[1]
     decoding = cpu_decode.decode_rows(meta) if cpu_decode.usable(q, k_cache) else []
     if decoding and len(decoding) == meta.num_seqs:                     # one query per sequence: q rows = sequences
@@ -151,3 +154,24 @@ def _decode_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     out = F.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=allowed,
                                          scale=scale, enable_gqa=gqa)                    # (B, heads, 1, head_dim)
     return out[:, :, 0, :]
+
+
+def _softcapped_attention(q: torch.Tensor, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                          window: int | None, softcap: float) -> torch.Tensor:
+    """Gemma 2's attention, per sequence in transformers' eager order: scores = q k^T * scale,
+    tanh(scores / softcap) * softcap, masked, softmax in float32, times v.
+    q: (T, heads, head_dim) -> (T, heads, head_dim)."""
+    out = torch.empty_like(q)
+    group = q.shape[1] // k_cache.shape[2]
+    for start, q_len, ctx_len, table in zip(meta.query_start, meta.query_lens, meta.context_lens, meta.block_tables):
+        qi = q[start:start + q_len].transpose(0, 1)                                  # (heads, q_len, head_dim)
+        ki = _gather(k_cache, table, ctx_len).repeat_interleave(group, dim=0)        # (heads, ctx_len, head_dim)
+        vi = _gather(v_cache, table, ctx_len).repeat_interleave(group, dim=0)
+        scores = torch.matmul(qi, ki.transpose(1, 2)) * scale                        # (heads, q_len, ctx_len)
+        scores = torch.tanh(scores / softcap) * softcap
+        mask = _mask(q_len, ctx_len, window, q.device)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        out[start:start + q_len] = torch.matmul(weights, vi).transpose(0, 1)
+    return out

@@ -51,7 +51,8 @@ _BF16 = 30
 # a "llama" file with experts is Mixtral (hf_config)
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                   "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM", "olmo2": "Olmo2ForCausalLM",
-                  "phi3": "Phi3ForCausalLM", "gemma3": "Gemma3ForCausalLM", "gpt2": "GPT2LMHeadModel"}
+                  "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+                  "gpt2": "GPT2LMHeadModel"}
 # llama.cpp renormalizes the chosen experts' weights for these (build_moe_ffn's norm_w)
 _NORMALIZED_TOP_K = {"llama": True, "qwen2moe": False, "qwen3moe": True}
 
@@ -96,6 +97,7 @@ _GPT2_BLOCK_NAMES = {
 
 # architecture -> (whole-model names, per-block names); Llama's where not listed
 _NAME_TABLES = {"gpt2": (_GPT2_NAMES, _GPT2_BLOCK_NAMES), "gemma3": (_LLAMA_NAMES, _GEMMA_BLOCK_NAMES),
+                "gemma2": (_LLAMA_NAMES, _GEMMA_BLOCK_NAMES),
                 "olmo2": (_LLAMA_NAMES, _OLMO2_BLOCK_NAMES), "phi3": (_LLAMA_NAMES, _PHI3_BLOCK_NAMES)}
 
 
@@ -150,9 +152,21 @@ class GGUFFile:
             cfg["sliding_window"] = self.arch_field("attention.sliding_window") or None    # 0: none (Phi-4)
         if self.arch == "gemma3":
             cfg |= self._gemma3_fields(cfg)
+        if self.arch == "gemma2":
+            cfg |= self._gemma2_fields(cfg)
         if self.arch_field("expert_count", 0):
             cfg |= self._moe_fields(cfg)
         return cfg
+
+    def _gemma2_fields(self, cfg: dict) -> dict:
+        """Gemma 2 as llama.cpp runs it: even layers slide, scores and logits soft-capped, the
+        attention scale from head_dim (hidden / heads for the 46-layer 27B)."""
+        wide = cfg["num_hidden_layers"] == 46
+        return {"sliding_window": self.arch_field("attention.sliding_window", 4096),
+                "hidden_activation": "gelu_pytorch_tanh",
+                "query_pre_attn_scalar": cfg["hidden_size"] // cfg["num_attention_heads"] if wide else cfg["head_dim"],
+                "attn_logit_softcapping": self.arch_field("attn_logit_softcapping"),
+                "final_logit_softcapping": self.arch_field("final_logit_softcapping")}
 
     def _rope_fields(self, cfg: dict) -> dict:
         """Rope scaling as transformers' configs say it. llama.cpp stores per-frequency divisors as
@@ -293,7 +307,7 @@ class GGUFFile:
             return tensor
         if self.arch == "gpt2" and tensor.dim() == 2 and re.search(r"\.(attn_qkv|attn_output|ffn_up|ffn_down)\.", name):
             return tensor.t().contiguous()  # back to HF Conv1D's (in, out)
-        if self.arch == "gemma3" and name.endswith("norm.weight"):
+        if self.arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
             return tensor - 1               # llama.cpp stores Gemma's 1 + w; HF's checkpoints hold w
         if name.endswith("ffn_gate_inp_shexp.weight"):
             return tensor.view(1, -1)       # llama.cpp stores the shared expert's gate as a vector

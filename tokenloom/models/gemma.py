@@ -1,4 +1,4 @@
-"""Gemma 3 (text): a Llama-shaped decoder with Gemma's own arithmetic.
+"""Gemma 3 (text) and Gemma 2: a Llama-shaped decoder with Gemma's own arithmetic.
 
 What differs from models/llama.py, each as transformers' Gemma3ForCausalLM does it:
 - embeddings scaled by sqrt(hidden) (a float32 constant in the weights' dtype);
@@ -86,3 +86,9 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         logits = super().compute_logits(hidden)
         cap = self.config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
+class Gemma2ForCausalLM(Gemma3ForCausalLM):
+    """Gemma 2: Gemma 3's layers without q/k norm (ModelConfig.qk_norm off) and one rope base for
+    every layer (local_rope None), attention scores soft-capped by the attention backend
+    (AttentionShape.softcap, from attn_logit_softcapping)."""

@@ -94,7 +94,7 @@ class LlamaForCausalLM(CausalLM):
         self.rope_scale = rope_attention_factor(cfg.rope)
         scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
         self.attention_shape = AttentionShape(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, scale,
-                                              cfg.layer_windows())
+                                              cfg.layer_windows(), cfg.attn_logit_softcapping)
         self.tie_weights()
 
     def init_buffers(self, device: torch.device | str) -> None:
