@@ -62,6 +62,9 @@ TINY_CONFIGS = {
     # sliding then full layer, attention scores and logits soft-capped (caps small enough to bite)
     "gemma2": ("Gemma2Config", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=24,
                                     sliding_window=6, attn_logit_softcapping=3.0, final_logit_softcapping=8.0)),
+    # every layer sparse, top-3 of 8 not renormalized, q/k normed over the whole projection
+    "olmoe": ("OlmoeConfig", dict(num_attention_heads=4, num_key_value_heads=2, intermediate_size=32, num_experts=8,
+                                  num_experts_per_tok=3, norm_topk_prob=False)),
     "olmo2": ("Olmo2Config", dict(num_attention_heads=4, num_key_value_heads=2)),
     "gpt2": ("GPT2Config", dict(n_embd=64, n_layer=2, n_head=4, n_positions=256, vocab_size=VOCAB,
                                 initializer_range=0.2, bos_token_id=None, eos_token_id=None)),
@@ -97,11 +100,11 @@ def build_tiny_model(name: str, folder: Path, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # norms init at 0 (Gemma's 1 + w) or 1: make w count
-    if cls_name in ("Gemma2Config", "Gemma3TextConfig", "Olmo2Config"):
+    if cls_name in ("Gemma2Config", "Gemma3TextConfig", "Olmo2Config", "OlmoeConfig"):
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if name.endswith("norm.weight"):
-                    p.normal_(1.0 if cls_name == "Olmo2Config" else 0.0, 0.3)
+                    p.normal_(0.0 if cls_name.startswith("Gemma") else 1.0, 0.3)
     model.save_pretrained(folder)
     make_tiny_tokenizer(folder)
     return folder

@@ -20,7 +20,8 @@ from safetensors.torch import load_file
 
 GGUF_ARCH = {"LlamaForCausalLM": "llama", "MixtralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
              "Qwen3ForCausalLM": "qwen3", "Qwen2MoeForCausalLM": "qwen2moe", "Qwen3MoeForCausalLM": "qwen3moe",
-             "Olmo2ForCausalLM": "olmo2", "Phi3ForCausalLM": "phi3", "Gemma2ForCausalLM": "gemma2"}
+             "Olmo2ForCausalLM": "olmo2", "Phi3ForCausalLM": "phi3", "Gemma2ForCausalLM": "gemma2",
+             "OlmoeForCausalLM": "olmoe"}
 
 # HF layer sub-name -> llama.cpp's blk.N.<name>
 _BLOCK = {

@@ -207,18 +207,22 @@ def _llama_fields(hf: dict[str, Any], arch: str) -> dict[str, Any]:
 
 
 _TIED_BY_DEFAULT = ("GPT2LMHeadModel", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
-_MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+_MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM")
 _QWEN_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 
 
 def _moe_of(hf: dict[str, Any], arch: str) -> MoeConfig:
-    """The mixture as transformers builds it: Mixtral mixes every layer and renormalizes its top-k;
+    """The mixture as transformers builds it: Mixtral mixes every layer and renormalizes its top-k,
+    OLMoE mixes every layer and renormalizes per norm_topk_prob;
     Qwen2/3-MoE mix every decoder_sparse_step-th layer outside mlp_only_layers, renormalize per
     norm_topk_prob, and Qwen2-MoE adds a shared expert."""
     layers = hf["num_hidden_layers"]
     experts = hf.get("num_local_experts") or hf.get("num_experts") or 0
     if arch == "MixtralForCausalLM":
         return MoeConfig(experts, hf.get("num_experts_per_tok", 2), hf["intermediate_size"], tuple(range(layers)))
+    if arch == "OlmoeForCausalLM":
+        return MoeConfig(experts, hf.get("num_experts_per_tok", 8), hf["intermediate_size"], tuple(range(layers)),
+                         normalize_top_k=hf.get("norm_topk_prob", False))
     step, dense = hf.get("decoder_sparse_step", 1), set(hf.get("mlp_only_layers") or ())
     sparse = tuple(i for i in range(layers) if i not in dense and experts > 0 and (i + 1) % step == 0)
     shared = hf.get("shared_expert_intermediate_size", 0) if arch == "Qwen2MoeForCausalLM" else 0
@@ -259,7 +263,8 @@ _IMPLEMENTED = {"Gemma3ForCausalLM": ("query_pre_attn_scalar", "final_logit_soft
 # config fields that change a Llama-family forward pass, with the value that leaves it unchanged
 _NEUTRAL_FIELDS = {"attn_logit_softcapping": None, "final_logit_softcapping": None,
                    "query_pre_attn_scalar": None, "use_qk_norm": False, "logits_scaling": 1.0,
-                   "embedding_multiplier": 1.0, "residual_multiplier": 1.0, "attention_multiplier": None}
+                   "embedding_multiplier": 1.0, "residual_multiplier": 1.0, "attention_multiplier": None,
+                   "clip_qkv": None}
 
 
 def _refuse_unimplemented(hf: dict[str, Any], arch: str, implemented: tuple[str, ...] = ()) -> None:

@@ -50,11 +50,12 @@ _BF16 = 30
 
 # a "llama" file with experts is Mixtral (hf_config)
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                  "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM", "olmo2": "Olmo2ForCausalLM",
+                  "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM",
+                  "olmo2": "Olmo2ForCausalLM",
                   "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
                   "gpt2": "GPT2LMHeadModel"}
 # llama.cpp renormalizes the chosen experts' weights for these (build_moe_ffn's norm_w)
-_NORMALIZED_TOP_K = {"llama": True, "qwen2moe": False, "qwen3moe": True}
+_NORMALIZED_TOP_K = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False}
 
 _LLAMA_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",

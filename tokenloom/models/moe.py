@@ -1,7 +1,8 @@
-"""Mixture-of-experts decoders: Mixtral, Qwen2-MoE, Qwen3-MoE.
+"""Mixture-of-experts decoders: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE.
 
-Attention is Llama's (with Qwen2's q/k/v bias or Qwen3's q/k norm, from ModelConfig
-flags); the MLP of each layer in ``MoeConfig.sparse_layers`` is a ``SparseMoeBlock``:
+Attention is Llama's (with Qwen2's q/k/v bias or Qwen3's q/k norm, from ModelConfig flags;
+OLMoE's is OLMo 2's, q/k normed over the whole projection); the MLP of each layer in
+``MoeConfig.sparse_layers`` is a ``SparseMoeBlock``:
 
 - a router (``gate``, kept float) scores the experts; softmax in float32, top-k,
   renormalized over the chosen k where the family does (Mixtral; Qwen per norm_topk_prob);
@@ -23,7 +24,8 @@ from torch import nn
 
 from tokenloom.config import ModelConfig
 from tokenloom.models.layers import GatedMLP
-from tokenloom.models.llama import LlamaForCausalLM
+from tokenloom.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+from tokenloom.models.olmo2 import Olmo2Attention
 
 
 class Router(nn.Module):
@@ -118,3 +120,17 @@ class MixtralForCausalLM(MoeForCausalLM):
         "block_sparse_moe": ("mlp", None), "w1": ("gate_up_proj", "gate"), "w3": ("gate_up_proj", "up"),
         "w2": ("down_proj", None),
     }
+
+
+class OlmoeDecoderLayer(LlamaDecoderLayer):
+    """Llama's pre-norm layer with OLMo 2's attention (q/k RMS-normed over the whole projection)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__(cfg)
+        self.self_attn = Olmo2Attention(cfg)
+
+
+class OlmoeForCausalLM(MoeForCausalLM):
+    """OLMoE: every layer sparse (64 experts, top-8, not renormalized in the released model)."""
+
+    decoder_layer = OlmoeDecoderLayer
