@@ -140,7 +140,7 @@ def _write_tokenizer(w: gguf.GGUFWriter, folder: Path, vocab_size: int) -> None:
     special = {a["content"] for a in tk["added_tokens"] if a.get("special")}
     merges = [m if isinstance(m, str) else " ".join(m) for m in tk["model"]["merges"]]
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt2")
+    w.add_tokenizer_pre("gpt-2")                 # llama.cpp's name for the GPT-2 split
     w.add_token_list(tokens)
     w.add_token_types([3 if t in special else 5 if t.startswith("[PAD") else 1 for t in tokens])
     w.add_token_merges(merges)
