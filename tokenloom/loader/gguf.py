@@ -102,6 +102,17 @@ _NAME_TABLES = {"gpt2": (_GPT2_NAMES, _GPT2_BLOCK_NAMES), "gemma3": (_LLAMA_NAME
                 "olmo2": (_LLAMA_NAMES, _OLMO2_BLOCK_NAMES), "phi3": (_LLAMA_NAMES, _PHI3_BLOCK_NAMES)}
 
 
+def _gemma_query_scalar(cfg: dict, wide_layers: int) -> int:
+    """llama.cpp's Gemma attention scale: head_dim, but hidden / heads for the 27B (its layer count)."""
+    return cfg["hidden_size"] // cfg["num_attention_heads"] if cfg["num_hidden_layers"] == wide_layers \
+        else cfg["head_dim"]
+
+
+def _expert_name(layer: int | str, expert: int | str, kind: str) -> str:
+    """The HF name of one expert's gate/up/down matrix."""
+    return f"model.layers.{layer}.mlp.experts.{expert}.{kind}_proj.weight"
+
+
 class GGUFFile:
     """An opened GGUF file: metadata fields and tensors (memory-mapped, read on demand)."""
 
@@ -115,6 +126,7 @@ class GGUFFile:
         if self.arch not in _ARCHITECTURES:
             raise UnsupportedModelError(f"GGUF architecture {self.arch!r} is not supported "
                                         f"(supported: {', '.join(_ARCHITECTURES)})")
+        self._hf_config: dict | None = None
 
     def field(self, key: str, default=None):
         return self.reader.fields.get(key, default)
@@ -127,7 +139,13 @@ class GGUFFile:
         return {t.name for t in self.reader.tensors}
 
     def hf_config(self) -> dict:
-        """The equivalent HF config.json."""
+        """The equivalent HF config.json (built once per file: it reads the rope factor tensors and
+        scans the tensor list; each call gets its own copy)."""
+        if self._hf_config is None:
+            self._hf_config = self._build_hf_config()
+        return dict(self._hf_config)
+
+    def _build_hf_config(self) -> dict:
         tokens = self.field("tokenizer.ggml.tokens") or []
         cfg = {"architectures": [_ARCHITECTURES[self.arch]], "model_type": self.arch,
                "vocab_size": self.arch_field("vocab_size", len(tokens)),
@@ -162,10 +180,8 @@ class GGUFFile:
     def _gemma2_fields(self, cfg: dict) -> dict:
         """Gemma 2 as llama.cpp runs it: even layers slide, scores and logits soft-capped, the
         attention scale from head_dim (hidden / heads for the 46-layer 27B)."""
-        wide = cfg["num_hidden_layers"] == 46
         return {"sliding_window": self.arch_field("attention.sliding_window", 4096),
-                "hidden_activation": "gelu_pytorch_tanh",
-                "query_pre_attn_scalar": cfg["hidden_size"] // cfg["num_attention_heads"] if wide else cfg["head_dim"],
+                "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": _gemma_query_scalar(cfg, 46),
                 "attn_logit_softcapping": self.arch_field("attn_logit_softcapping"),
                 "final_logit_softcapping": self.arch_field("final_logit_softcapping")}
 
@@ -224,10 +240,9 @@ class GGUFFile:
     def _gemma3_fields(self, cfg: dict) -> dict:
         """What llama.cpp fixes for gemma3 rather than storing: every 6th layer global, the sliding
         layers' rope base 10000, the attention scale from head_dim (hidden / heads for the 62-layer 27B)."""
-        wide = cfg["num_hidden_layers"] == 62
         return {"sliding_window": self.arch_field("attention.sliding_window", 4096), "sliding_window_pattern": 6,
                 "rope_local_base_freq": 10_000.0, "hidden_activation": "gelu_pytorch_tanh",
-                "query_pre_attn_scalar": cfg["hidden_size"] // cfg["num_attention_heads"] if wide else cfg["head_dim"],
+                "query_pre_attn_scalar": _gemma_query_scalar(cfg, 62),
                 "final_logit_softcapping": self.arch_field("final_logit_softcapping")}
 
     def eos_token_ids(self) -> set[int]:
@@ -268,7 +283,7 @@ class GGUFFile:
         if m is None:
             return [self._hf_name(t.name)]
         layer, kind = m.groups()
-        return [f"model.layers.{layer}.mlp.experts.{e}.{kind}_proj.weight" for e in range(t.shape[0])]
+        return [_expert_name(layer, e, kind) for e in range(t.shape[0])]
 
     def _tensor(self, t: GGUFTensorInfo) -> torch.Tensor | GGMLTensor:
         raw = t.raw()
@@ -291,7 +306,7 @@ class GGUFFile:
         if name in flat:
             return flat[name]
         if m := _ONE_EXPERT.fullmatch(name):
-            return f"model.layers.{m.group(1)}.mlp.experts.{m.group(3)}.{m.group(2)}_proj.weight"
+            return _expert_name(m.group(1), m.group(3), m.group(2))
         m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
         if m and m.group(2) in block:
             prefix = "transformer.h" if self.arch == "gpt2" else "model.layers"

@@ -75,8 +75,8 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         h = h * torch.tensor(self.config.hidden_size ** 0.5).to(h.dtype)
         attend_full = plan_attention(self.attention_shape, meta, kv_cache,
                                      rope_cos_sin(self.inv_freq, positions, h.dtype, self.rope_scale))
-        attend_local = plan_attention(self.attention_shape, meta, kv_cache,
-                                      rope_cos_sin(self.local_inv_freq, positions, h.dtype))
+        attend_local = attend_full if self.config.local_rope is None else plan_attention(   # Gemma 2: one rope
+            self.attention_shape, meta, kv_cache, rope_cos_sin(self.local_inv_freq, positions, h.dtype))
         residual = None
         for i, layer in enumerate(self.model.layers):
             h, residual = layer.forward(h, residual, attend_local if self.sliding[i] else attend_full, i)
