@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import statistics
+import time
 from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results"
@@ -22,3 +24,13 @@ def finish_plot(fig, ax, path: Path) -> bool:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     return True
+
+
+def median_time(fn, repeats: int) -> float:
+    """Median wall time of `repeats` calls of fn(), in seconds."""
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)

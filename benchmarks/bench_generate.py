@@ -16,24 +16,13 @@ Writes benchmarks/results/bench_generate.json and uncached_vs_cached.png.
 from __future__ import annotations
 
 import json
-import statistics
-import time
 from pathlib import Path
 
 import torch
-from _common import RESULTS, finish_plot, parser
+from _common import RESULTS, finish_plot, median_time, parser
 from tqdm import tqdm
 
 from tokenloom import LLM, SamplingParams, hub
-
-
-def median_time(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def read_bandwidth() -> float:

@@ -18,12 +18,11 @@ Writes benchmarks/results/bench_moe.json.
 from __future__ import annotations
 
 import json
-import statistics
 import time
 from pathlib import Path
 
 import torch
-from _common import RESULTS, parser
+from _common import RESULTS, median_time, parser
 from tqdm import tqdm
 
 from tokenloom import LLM, SamplingParams
@@ -46,15 +45,6 @@ def build_model(folder: Path) -> Path:
     vocab = {f"w{i}": i for i in range(CONFIG["vocab_size"])}
     Tokenizer(models.WordLevel(vocab, unk_token="w0")).save(str(folder / "tokenizer.json"))
     return folder
-
-
-def median_time(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def decode_rates(generate, args) -> dict:

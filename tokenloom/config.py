@@ -349,9 +349,9 @@ def _rope_of(hf: dict[str, Any]) -> RopeConfig:
     if rope_type == "dynamic":         # stretches past max_position_embeddings (the original length)
         kwargs["original_max_position_embeddings"] = max_pos
     if rope_type == "yarn":
-        kwargs.setdefault("original_max_position_embeddings", hf.get("max_position_embeddings", 2048))
+        kwargs.setdefault("original_max_position_embeddings", max_pos)
         if "factor" not in kwargs:     # DeepSeek-style: the factor is the context's growth
-            kwargs["factor"] = hf.get("max_position_embeddings", 2048) / kwargs["original_max_position_embeddings"]
+            kwargs["factor"] = max_pos / kwargs["original_max_position_embeddings"]
     return RopeConfig(theta=float(theta), rope_type=rope_type, **kwargs)
 
 

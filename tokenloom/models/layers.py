@@ -98,8 +98,8 @@ def rope_attention_factor(rope: RopeConfig) -> float:
     if rope.attention_factor is not None:
         return rope.attention_factor
     if rope.rope_type == "longrope":
-        growth = rope.factor
-        return 1.0 if growth <= 1 else math.sqrt(1 + math.log(growth) / math.log(rope.original_max_position_embeddings))
+        return 1.0 if rope.factor <= 1 else \
+            math.sqrt(1 + math.log(rope.factor) / math.log(rope.original_max_position_embeddings))
 
     def mscale(scale: float, m: float = 1.0) -> float:
         return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
