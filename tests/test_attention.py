@@ -63,6 +63,33 @@ def test_kernel_handles_head_sizes_and_group_sizes(head_dim, heads, kv_heads):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+def capped_reference(q, k, v, lens, tables, scale, softcap, window=None) -> torch.Tensor:
+    """Float64 soft-capped attention of each sequence's one query over its gathered context."""
+    out = torch.empty(q.shape, dtype=torch.float64)
+    group = q.shape[1] // k.shape[2]
+    for i, (n, table) in enumerate(zip(lens, tables)):
+        first = 0 if window is None else max(0, n - window)
+        keys = k[table].reshape(-1, *k.shape[2:])[first:n].double().repeat_interleave(group, 1)   # (n, heads, d)
+        vals = v[table].reshape(-1, *v.shape[2:])[first:n].double().repeat_interleave(group, 1)
+        scores = torch.tanh(torch.einsum("hd,khd->hk", q[i].double(), keys) * scale / softcap) * softcap
+        out[i] = torch.einsum("hk,khd->hd", scores.softmax(-1), vals)
+    return out
+
+
+@pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 8, 2), (256, 4, 1), (20, 3, 3)])   # AVX-512, wide, scalar
+@pytest.mark.parametrize("window", [None, 20])
+def test_soft_capped_scores_equal_float64_attention(head_dim, heads, kv_heads, window):
+    """Gemma 2's tanh soft-cap: raw scores reach well past the cap, where capping changes the weights."""
+    lens = [1, 17, 150, 45]
+    k, v, tables, q = paged_setup(lens, heads, kv_heads, seed=6, head_dim=head_dim)
+    q = 40 * q / head_dim ** 0.5
+    got = cpu_decode.attend(q, k, v, decode_meta(lens, tables), list(range(len(lens))), 0.5, window, softcap=5.0)
+    want = capped_reference(q, k, v, lens, tables, 0.5, 5.0, window)
+    torch.testing.assert_close(got.double(), want, atol=5e-6, rtol=1e-5)
+    uncapped = torch_sdpa._decode_batch(q, k, v, decode_meta(lens, tables), 0.5, heads != kv_heads, window)
+    assert (got - uncapped).abs().max() > 0.1
+
+
 def test_a_sequence_gets_the_same_bits_alone_or_batched():
     lens = [90, 33, 200]
     k, v, tables, q = paged_setup(lens, 6, 2)
@@ -91,10 +118,12 @@ def test_decoding_rows_beside_a_prefill_chunk_use_the_kernel_and_match_the_refer
     torch.testing.assert_close(with_kernel, run(), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(6, 2, 32), (9, 3, 64), (4, 4, 80)])
-def test_the_fused_decode_block_equals_rope_then_cache_write_then_attention(heads, kv_heads, head_dim):
+@pytest.mark.parametrize("heads,kv_heads,head_dim,rotary_dim", [(6, 2, 32, 32), (9, 3, 64, 64), (4, 4, 80, 80),
+                                                                (6, 2, 64, 48), (4, 2, 32, 8)])
+def test_the_fused_decode_block_equals_rope_then_cache_write_then_attention(heads, kv_heads, head_dim, rotary_dim):
     """rope_write_decode (one call) against the op-by-op path: the fused rope, index_copy into
-    the cache, the decode kernel. Same bits for the cached keys/values and the output."""
+    the cache, the decode kernel. Same bits for the cached keys/values and the output; with
+    partial rotary (rotary_dim < head_dim) the unturned dims pass through."""
     from tokenloom.models import fused
     from tokenloom.models.layers import apply_rope, rope_cos_sin
     lens = [5, 40, 17]
@@ -102,7 +131,7 @@ def test_the_fused_decode_block_equals_rope_then_cache_write_then_attention(head
     gen = torch.Generator().manual_seed(5)
     qkv = torch.randn(len(lens), (heads + 2 * kv_heads) * head_dim, generator=gen)
     positions = torch.tensor(lens) - 1
-    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim))
     cos, sin = rope_cos_sin(inv_freq, positions, torch.float32)
     slots = torch.stack([tables[i][(n - 1) // BS] * BS + (n - 1) % BS for i, n in enumerate(lens)])
     meta = decode_meta(lens, tables)
@@ -115,8 +144,15 @@ def test_the_fused_decode_block_equals_rope_then_cache_write_then_attention(head
                         slots)
     want = cpu_decode.attend(qk[:, :heads], k_ref, v_ref, decode_meta(lens, tables), [0, 1, 2], 0.3)
     tables_padded, ctx = cpu_decode.decode_inputs(meta)
-    got = cpu_decode.ops().rope_write_decode(qkv, cos, sin, k_cache, v_cache, slots, tables_padded, ctx, heads, 0.3, 0)
+    got = cpu_decode.ops().rope_write_decode(qkv, cos, sin, k_cache, v_cache, slots, tables_padded, ctx, heads, 0.3, 0,
+                                             0.0)
     assert got.shape == (len(lens), heads * head_dim)
     assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
     assert torch.equal(got, want.reshape(len(lens), -1))
+    slot_rows = k_cache.view(-1, kv_heads, head_dim)[slots]                # the written keys' unturned dims
+    k_in = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].view(len(lens), kv_heads, head_dim)
+    assert torch.equal(slot_rows[..., rotary_dim:], k_in[..., rotary_dim:])
+    if rotary_dim < head_dim:                                              # against rope on the turned dims alone
+        turned = apply_rope(k_in[..., :rotary_dim].contiguous(), cos, sin)
+        torch.testing.assert_close(slot_rows[..., :rotary_dim], turned)
 

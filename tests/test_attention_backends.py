@@ -32,7 +32,8 @@ def count_runs(monkeypatch) -> list[list[int]]:
     return steps
 
 
-@pytest.mark.parametrize("arch", ["llama_gqa", "mistral_sliding", "llama_linear_rope_bias", "llama_mqa_tied", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama_gqa", "mistral_sliding", "llama_linear_rope_bias", "llama_mqa_tied", "qwen3",
+                                  "gemma2", "phi3_partial_rotary"])     # soft-capped scores; half the head rotated
 @pytest.mark.parametrize("quantization", [None, "int4"])
 def test_decoding_on_the_kernel_backend_gives_the_same_bits(tiny_model_dir, monkeypatch, arch, quantization):
     folder = str(tiny_model_dir(arch))
@@ -67,8 +68,10 @@ def mixed_steps(folder, quantization, chunk):
                     reason="prompt chunks take the kernel backend only with the AVX-512 prefill kernel")
 @pytest.mark.parametrize("quantization", [None, "int4"])
 @pytest.mark.parametrize("chunk", [7, 64])
-def test_steps_mixing_decodes_and_prompt_chunks_give_the_same_bits(tiny_model_dir, monkeypatch, quantization, chunk):
-    folder = str(tiny_model_dir("llama3_rope_scaling"))    # head_dim 32: the prefill kernel takes it
+@pytest.mark.parametrize("arch", ["llama3_rope_scaling", "gemma2"])     # head_dim 32: the prefill kernel takes it
+def test_steps_mixing_decodes_and_prompt_chunks_give_the_same_bits(tiny_model_dir, monkeypatch, arch, quantization,
+                                                                   chunk):
+    folder = str(tiny_model_dir(arch))
     steps = count_runs(monkeypatch)
     fast = mixed_steps(folder, quantization, chunk)
     assert any(1 in lens and max(lens) > 1 for lens in steps)     # mixed steps took it

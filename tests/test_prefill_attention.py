@@ -40,20 +40,23 @@ def meta_for(q_lens, ctx_lens, tables) -> AttentionMetadata:
                              tables, null_block=NUM_BLOCKS)
 
 
-def kernel(q, k, v, meta, scale, window=None) -> torch.Tensor:
+def kernel(q, k, v, meta, scale, window=None, softcap=None) -> torch.Tensor:
     out = torch.full_like(q, float("nan"))
-    cpu_prefill.attend_into(out, q, k, v, meta, list(range(meta.num_seqs)), scale, window)
+    cpu_prefill.attend_into(out, q, k, v, meta, list(range(meta.num_seqs)), scale, window, softcap)
     return out
 
 
-def reference(q, k, v, meta, scale, window=None) -> torch.Tensor:
-    """Float64 causal attention of each sequence's rows over its gathered context."""
+def reference(q, k, v, meta, scale, window=None, softcap=None) -> torch.Tensor:
+    """Float64 causal attention of each sequence's rows over its gathered context (scores
+    soft-capped, tanh(s / softcap) * softcap, where softcap is given)."""
     out = torch.empty(q.shape, dtype=torch.float64)
     group = q.shape[1] // k.shape[2]
     for start, q_len, ctx, table in zip(meta.query_start, meta.query_lens, meta.context_lens, meta.block_tables):
         keys = k[table].reshape(-1, *k.shape[2:])[:ctx].double().repeat_interleave(group, 1)   # (ctx, heads, d)
         vals = v[table].reshape(-1, *v.shape[2:])[:ctx].double().repeat_interleave(group, 1)
         scores = torch.einsum("qhd,khd->hqk", q[start:start + q_len].double(), keys) * scale
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
         q_pos, k_pos = torch.arange(ctx - q_len, ctx)[:, None], torch.arange(ctx)[None, :]
         allowed = k_pos <= q_pos
         if window:
@@ -76,6 +79,20 @@ def test_kernel_equals_float64_attention(heads, kv_heads, head_dim, window):
     q = torch.randn(sum(q_lens), heads, head_dim, generator=torch.Generator().manual_seed(1))
     got = kernel(q, k, v, meta, head_dim ** -0.5, window)
     torch.testing.assert_close(got.double(), reference(q, k, v, meta, head_dim ** -0.5, window), atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window", [None, 20])
+def test_soft_capped_scores_equal_float64_attention(window):
+    """Gemma 2's tanh soft-cap inside the kernel: queries scaled up so raw scores reach well past
+    the cap (where capping changes the weights), against capped float64 attention."""
+    q_lens, ctx_lens = [2, 17, 40, 5], [2, 17, 200, 45]
+    k, v = caches(2, 64, seed=13)
+    meta = meta_for(q_lens, ctx_lens, scattered_tables(ctx_lens))
+    q = 6 * torch.randn(sum(q_lens), 6, 64, generator=torch.Generator().manual_seed(14))
+    got = kernel(q, k, v, meta, 0.125, window, softcap=5.0)
+    torch.testing.assert_close(got.double(), reference(q, k, v, meta, 0.125, window, softcap=5.0), atol=5e-6, rtol=1e-5)
+    uncapped = reference(q, k, v, meta, 0.125, window)
+    assert (got.double() - uncapped).abs().max() > 0.1                # the cap matters at these scores
 
 
 def test_only_the_listed_sequences_rows_are_written():
@@ -142,7 +159,8 @@ def test_bad_inputs_are_refused():
     meta = meta_for([10], [10], scattered_tables([10]))
     tables, starts, lens, ctx = cpu_prefill._inputs(meta, [0])
     with pytest.raises(RuntimeError, match="out of range"):
-        cpu_prefill.ops().paged_prefill(q, k, v, tables, starts, lens, torch.tensor([900]), 0.1, 0, torch.empty_like(q))
+        cpu_prefill.ops().paged_prefill(q, k, v, tables, starts, lens, torch.tensor([900]), 0.1, 0, 0.0,
+                                        torch.empty_like(q))
     with pytest.raises(RuntimeError, match="block id out of range"):
-        cpu_prefill.ops().paged_prefill(q, k, v, torch.full_like(tables, 5000), starts, lens, ctx, 0.1, 0,
+        cpu_prefill.ops().paged_prefill(q, k, v, torch.full_like(tables, 5000), starts, lens, ctx, 0.1, 0, 0.0,
                                         torch.empty_like(q))

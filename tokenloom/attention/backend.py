@@ -5,11 +5,11 @@ A model computes qkv (T, (heads + 2 kv_heads) head_dim) and calls ``attend(layer
 norms)``; which kernels run is decided here, once per step, so every architecture written
 against this op gets the fastest path the step allows:
 
-- ``KernelAttention`` (CPU, float32, kernels built, a plain cache, rope over whole heads,
-  every sequence decoding one token or a prompt chunk the prefill kernel takes, decoding
-  ones first): q/k rotated and k/v written in one kernel pass, decode attention into the
-  first rows, prompt attention into the rest. One kernel call per layer when every
-  sequence decodes.
+- ``KernelAttention`` (CPU, float32, kernels built, a plain cache, rope over whole or
+  partial heads, scores soft-capped or not, every sequence decoding one token or a prompt
+  chunk the prefill kernel takes, decoding ones first): q/k rotated and k/v written in one
+  kernel pass, decode attention into the first rows, prompt attention into the rest. One
+  kernel call per layer when every sequence decodes.
 - ``TorchAttention`` (everything else: bf16/fp16, CUDA, an int8 cache, long prompts, no
   rope): the same arithmetic from separate ops: q/k norm, rope (fused on CPU float32),
   ``paged_attention`` (torch SDPA, with the CPU kernels for the rows they take).
@@ -107,15 +107,15 @@ class KernelAttention(StepAttention):
         slots, window = meta.slot_mapping, sh.window(layer) or 0
         if self.all_decode:
             return self.ops.rope_write_decode(qkv, cos, sin, keys, values, slots, self.tables, self.ctx,
-                                              sh.num_heads, sh.scale, window)
+                                              sh.num_heads, sh.scale, window, sh.softcap or 0.0)
         T, n = qkv.shape[0], len(self.decoding)
         q = self.ops.rope_write(qkv, cos, sin, keys, values, slots, sh.num_heads)   # (T, heads, head_dim)
         out = qkv.new_empty(T, sh.q_size)
         if n:
             self.ops.paged_decode_out(q[:n], keys, values, self.tables, self.ctx, sh.scale, window,
-                                      out[:n].view(n, sh.num_heads, sh.head_dim))
+                                      sh.softcap or 0.0, out[:n].view(n, sh.num_heads, sh.head_dim))
         cpu_prefill.attend_into(out.view(T, sh.num_heads, sh.head_dim), q, keys, values, meta, self.prompts,
-                                sh.scale, sh.window(layer))
+                                sh.scale, sh.window(layer), sh.softcap)
         return out
 
 
@@ -133,10 +133,10 @@ def kernels_take(shape: AttentionShape, meta: AttentionMetadata, kv_cache,
                  rope: tuple[torch.Tensor, torch.Tensor] | None) -> bool:
     """The step's attention can run on the CPU kernels (see the module doc); the rope tables
     have the activations' dtype and device, and usable() requires float32 on the CPU."""
-    if rope is None or shape.softcap is not None:      # the kernels do not soft-cap scores
+    if rope is None:
         return False
     cos = rope[0]
-    if not (cpu_decode.usable(cos, kv_cache.keys[0]) and cos.shape[-1] == shape.head_dim and cos.is_contiguous()):
+    if not (cpu_decode.usable(cos, kv_cache.keys[0]) and cos.shape[-1] <= shape.head_dim and cos.is_contiguous()):
         return False
     decoding = cpu_decode.decode_rows(meta)
     if len(decoding) == meta.num_seqs:

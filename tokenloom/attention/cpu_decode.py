@@ -58,9 +58,9 @@ def _inputs(meta: AttentionMetadata, seqs: list[int]) -> tuple[torch.Tensor, tor
 
 
 def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-           seqs: list[int], scale: float, window: int | None = None) -> torch.Tensor:
+           seqs: list[int], scale: float, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """q (S, heads, head_dim): the query of each sequence in `seqs` -> (S, heads, head_dim), each
-    attending to its last `window` positions (None: all)."""
+    attending to its last `window` positions (None: all), scores soft-capped by `softcap` if given."""
     tables, ctx = _inputs(meta, seqs)
-    return ops().paged_decode(q.contiguous(), k_cache, v_cache, tables, ctx, scale, window or 0)
+    return ops().paged_decode(q.contiguous(), k_cache, v_cache, tables, ctx, scale, window or 0, softcap or 0.0)
 

@@ -59,9 +59,11 @@ def _inputs(meta: AttentionMetadata, seqs: list[int]) -> tuple[torch.Tensor, ...
 
 
 def attend_into(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: AttentionMetadata, seqs: list[int], scale: float, window: int | None = None) -> None:
+                meta: AttentionMetadata, seqs: list[int], scale: float, window: int | None = None,
+                softcap: float | None = None) -> None:
     """Write the attention of `seqs`' query rows of q (T, heads, head_dim) into the same rows of
-    out (T, heads, head_dim), each query over its last `window` positions (None: all); their
-    keys/values must be in the cache already."""
+    out (T, heads, head_dim), each query over its last `window` positions (None: all), scores
+    soft-capped by `softcap` if given; their keys/values must be in the cache already."""
     tables, starts, lens, ctx = _inputs(meta, seqs)
-    ops().paged_prefill(q.contiguous(), k_cache, v_cache, tables, starts, lens, ctx, scale, window or 0, out)
+    ops().paged_prefill(q.contiguous(), k_cache, v_cache, tables, starts, lens, ctx, scale, window or 0,
+                        softcap or 0.0, out)

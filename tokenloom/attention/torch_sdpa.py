@@ -82,42 +82,50 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     then returns (T, heads, head_dim).
     """
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-    if softcap is not None:
-        return _softcapped_attention(q, k_cache, v_cache, meta, scale, window, softcap)
     gqa = q.shape[1] != k.shape[1]
     decoding = cpu_decode.decode_rows(meta) if cpu_decode.usable(q, k_cache) else []
     if decoding and len(decoding) == meta.num_seqs:                     # one query per sequence: q rows = sequences
-        return cpu_decode.attend(q, k_cache, v_cache, meta, decoding, scale, window)
-    if not decoding and meta.num_seqs > 1 and max(meta.query_lens) == 1:
+        return cpu_decode.attend(q, k_cache, v_cache, meta, decoding, scale, window, softcap)
+    if not decoding and meta.num_seqs > 1 and max(meta.query_lens) == 1 and softcap is None:
         return _decode_batch(q, k_cache, v_cache, meta, scale, gqa, window)
     out = torch.empty_like(q)
     if decoding:
         rows = [meta.query_start[i] for i in decoding]
-        out[rows] = cpu_decode.attend(q[rows], k_cache, v_cache, meta, decoding, scale, window)
+        out[rows] = cpu_decode.attend(q[rows], k_cache, v_cache, meta, decoding, scale, window, softcap)
     prompts = cpu_prefill.prefill_rows(meta) if cpu_prefill.usable(q, k_cache) else []
     if prompts:
-        cpu_prefill.attend_into(out, q, k_cache, v_cache, meta, prompts, scale, window)
-    done = set(prompts)
-    # An int8 cache is always read back, so a prompt attends to the same (quantized) keys
-    # whether it is prefilled whole, in chunks, or found in the prefix cache.
-    quantized = isinstance(k_cache, Int8Cache)
+        cpu_prefill.attend_into(out, q, k_cache, v_cache, meta, prompts, scale, window, softcap)
+    done = set(prompts) | set(decoding)
     for i, (start, q_len, ctx_len, table) in enumerate(zip(meta.query_start, meta.query_lens,
                                                            meta.context_lens, meta.block_tables)):
-        if (decoding and q_len == 1) or i in done:
+        if i in done:
             continue                                                     # done by a kernel above
-        qi = q[start:start + q_len].transpose(0, 1)[None]         # (1, heads, q_len, head_dim)
-        if q_len == ctx_len and not quantized:   # whole context is this step's: no need to read the cache
-            ki = k[start:start + q_len].transpose(0, 1)            # (kv_heads, q_len, head_dim)
-            vi = v[start:start + q_len].transpose(0, 1)
+        rows = slice(start, start + q_len)
+        if softcap is not None:
+            out[rows] = _softcapped_sequence(q[rows], k_cache, v_cache, table, ctx_len, scale, window, softcap)
         else:
-            ki = _gather(k_cache, table, ctx_len)                  # (kv_heads, ctx_len, head_dim)
-            vi = _gather(v_cache, table, ctx_len)
-        causal_only = q_len == ctx_len and q_len > 1 and (window is None or ctx_len <= window)
-        mask = None if causal_only else _mask(q_len, ctx_len, window, q.device)
-        oi = F.scaled_dot_product_attention(qi, ki[None], vi[None], attn_mask=mask,
-                                            is_causal=causal_only, scale=scale, enable_gqa=gqa)
-        out[start:start + q_len] = oi[0].transpose(0, 1)           # (q_len, heads, head_dim)
+            out[rows] = _sdpa_sequence(q[rows], k[rows], v[rows], k_cache, v_cache, table, ctx_len, scale, window)
     return out
+
+
+def _sdpa_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache, v_cache, table: torch.Tensor,
+                   ctx_len: int, scale: float, window: int | None) -> torch.Tensor:
+    """One sequence's chunk through torch SDPA: q (q_len, heads, head_dim), k/v its new keys and
+    values (q_len, kv_heads, head_dim), already in the cache -> (q_len, heads, head_dim)."""
+    q_len = q.shape[0]
+    qi = q.transpose(0, 1)[None]                                  # (1, heads, q_len, head_dim)
+    # An int8 cache is always read back, so a prompt attends to the same (quantized) keys
+    # whether it is prefilled whole, in chunks, or found in the prefix cache.
+    if q_len == ctx_len and not isinstance(k_cache, Int8Cache):   # the whole context is this step's
+        ki, vi = k.transpose(0, 1), v.transpose(0, 1)              # (kv_heads, q_len, head_dim)
+    else:
+        ki = _gather(k_cache, table, ctx_len)                      # (kv_heads, ctx_len, head_dim)
+        vi = _gather(v_cache, table, ctx_len)
+    causal_only = q_len == ctx_len and q_len > 1 and (window is None or ctx_len <= window)
+    mask = None if causal_only else _mask(q_len, ctx_len, window, q.device)
+    out = F.scaled_dot_product_attention(qi, ki[None], vi[None], attn_mask=mask, is_causal=causal_only,
+                                         scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    return out[0].transpose(0, 1)                                  # (q_len, heads, head_dim)
 
 
 def _decode_inputs(meta: AttentionMetadata, block_size: int, device: torch.device, window: int | None
@@ -156,22 +164,19 @@ def _decode_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return out[:, :, 0, :]
 
 
-def _softcapped_attention(q: torch.Tensor, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-                          window: int | None, softcap: float) -> torch.Tensor:
-    """Gemma 2's attention, per sequence in transformers' eager order: scores = q k^T * scale,
-    tanh(scores / softcap) * softcap, masked, softmax in float32, times v.
-    q: (T, heads, head_dim) -> (T, heads, head_dim)."""
-    out = torch.empty_like(q)
-    group = q.shape[1] // k_cache.shape[2]
-    for start, q_len, ctx_len, table in zip(meta.query_start, meta.query_lens, meta.context_lens, meta.block_tables):
-        qi = q[start:start + q_len].transpose(0, 1)                                  # (heads, q_len, head_dim)
-        ki = _gather(k_cache, table, ctx_len).repeat_interleave(group, dim=0)        # (heads, ctx_len, head_dim)
-        vi = _gather(v_cache, table, ctx_len).repeat_interleave(group, dim=0)
-        scores = torch.matmul(qi, ki.transpose(1, 2)) * scale                        # (heads, q_len, ctx_len)
-        scores = torch.tanh(scores / softcap) * softcap
-        mask = _mask(q_len, ctx_len, window, q.device)
-        if mask is not None:
-            scores = scores.masked_fill(~mask, float("-inf"))
-        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        out[start:start + q_len] = torch.matmul(weights, vi).transpose(0, 1)
-    return out
+def _softcapped_sequence(q: torch.Tensor, k_cache, v_cache, table: torch.Tensor, ctx_len: int, scale: float,
+                         window: int | None, softcap: float) -> torch.Tensor:
+    """Gemma 2's attention for one sequence's chunk where no kernel runs, in transformers' eager
+    order: scores = q k^T * scale, tanh(scores / softcap) * softcap, masked, softmax in float32,
+    times v. q: (q_len, heads, head_dim) -> (q_len, heads, head_dim)."""
+    q_len, group = q.shape[0], q.shape[1] // k_cache.shape[2]
+    qi = q.transpose(0, 1)                                                       # (heads, q_len, head_dim)
+    ki = _gather(k_cache, table, ctx_len).repeat_interleave(group, dim=0)        # (heads, ctx_len, head_dim)
+    vi = _gather(v_cache, table, ctx_len).repeat_interleave(group, dim=0)
+    scores = torch.matmul(qi, ki.transpose(1, 2)) * scale                        # (heads, q_len, ctx_len)
+    scores = torch.tanh(scores / softcap) * softcap
+    mask = _mask(q_len, ctx_len, window, q.device)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(weights, vi).transpose(0, 1)

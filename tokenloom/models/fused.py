@@ -52,7 +52,8 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (T, heads, head_dim), cos/sin (T, 1, head_dim) -> rotated (T, heads, head_dim)."""
+    """x (T, heads, head_dim), cos/sin (T, 1, rotary_dim <= head_dim) -> (T, heads, head_dim), the
+    first rotary_dim dims of each head rotated, the rest copied."""
     return torch.ops.tokenloom_fused.rope(x, cos, sin)
 
 

@@ -162,12 +162,12 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half RoPE: x (T, heads, head_dim), cos/sin (T, 1, rotary_dim); dims past
     rotary_dim (partial rotary, e.g. Phi-4-mini) pass through unturned."""
+    if x.stride(2) == 1 and x.stride(1) == x.shape[2] and cos.is_contiguous() and sin.is_contiguous() \
+            and fused.enabled(x):
+        return fused.rope(x, cos, sin)                  # partial rotary too: the same arithmetic per dim
     rotary = cos.shape[-1]
     if rotary < x.shape[-1]:
         return torch.cat([apply_rope(x[..., :rotary], cos, sin), x[..., rotary:]], dim=-1)
-    if x.stride(2) == 1 and x.stride(1) == x.shape[2] and cos.is_contiguous() and sin.is_contiguous() \
-            and fused.enabled(x):
-        return fused.rope(x, cos, sin)
     return x * cos + _rotate_half(x) * sin
 
 

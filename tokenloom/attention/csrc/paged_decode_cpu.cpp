@@ -2,7 +2,8 @@
 // blocks where they lie instead of gathering them into a padded copy.
 //
 // q (B, H, D); k_cache, v_cache (num_blocks + 1, block_size, KVH, D); tables (B, W) int64
-// block ids; ctx_lens (B,) int64; window: attend to the last `window` positions (<= 0: all).
+// block ids; ctx_lens (B,) int64; window: attend to the last `window` positions (<= 0: all);
+// softcap > 0: scores -> tanh(scores / softcap) * softcap before the softmax (Gemma 2).
 // Returns (B, H, D). Query head h reads kv head h / (H / KVH). Each sequence is one task
 // (split by kv head when there are fewer sequences than threads): scores (q.k * scale) of
 // its heads for every position, a softmax (exp vectorized through SLEEF, which libtorch
@@ -15,14 +16,14 @@
 #include <immintrin.h>
 #include <torch/library.h>
 #include <algorithm>
-#include <array>
 #include <cmath>
 #include <vector>
 
 #include "../../models/csrc/rope_row.h"
 #include "paged_rows.h"
 
-extern "C" __m256 Sleef_expf8_u10avx2(__m256);  // in libtorch_cpu (1-ulp exp, 8 lanes)
+extern "C" __m256 Sleef_expf8_u10avx2(__m256);   // in libtorch_cpu (1-ulp exp, 8 lanes)
+extern "C" __m256 Sleef_tanhf8_u10avx2(__m256);  // in libtorch_cpu (1-ulp tanh, 8 lanes)
 
 // Built twice: for AVX2, and as tokenloom_attention512 with AVX-512 paths for head sizes 32/64/128.
 #if defined(__AVX512F__)
@@ -75,7 +76,28 @@ float softmax_numerator(float* x, int64_t n) {
 
 struct Shapes {
   int64_t H, KVH, G, D, BS, W;
+  float softcap;  // > 0: scores soft-capped (soft_cap); 0: not
 };
+
+// x[i] = tanh(x[i] / cap) * cap over n scores, 8 lanes at a time (transformers' eager order).
+void soft_cap(float* x, int64_t n, float cap) {
+  const __m256 c = _mm256_set1_ps(cap);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(x + i, _mm256_mul_ps(Sleef_tanhf8_u10avx2(_mm256_div_ps(_mm256_loadu_ps(x + i), c)), c));
+  if (i < n) {
+    alignas(32) float tail[8] = {};
+    std::copy(x + i, x + n, tail);
+    _mm256_store_ps(tail, _mm256_mul_ps(Sleef_tanhf8_u10avx2(_mm256_div_ps(_mm256_load_ps(tail), c)), c));
+    std::copy(tail, tail + (n - i), x + i);
+  }
+}
+
+// Soft-caps the score rows (stride n) of heads [h0, h1) when the model asks for it.
+inline void cap_heads(float* scores, int64_t n, int64_t h0, int64_t h1, const Shapes& s) {
+  if (s.softcap > 0.f)
+    for (int64_t h = h0; h < h1; ++h) soft_cap(scores + h * n, n, s.softcap);
+}
 
 // Ask for slot rows [t0, t1) of `rows` (bytes [first, first + bytes) of each) ahead of use: the
 // slots are scattered in 16-position blocks, where the hardware prefetcher loses the stream,
@@ -314,6 +336,7 @@ void attend512(const float* q, const Rows& rows, int64_t n, int64_t g0, int64_t 
     fv.start(rows.v, t0, t0 + 16, bytes, first);
     scores_tile512<C>(q, rows, n, t0, g0 * G, g1 * G, s, scale, scores.data(), fk, fv);
   }
+  cap_heads(scores.data(), n, g0 * G, g1 * G, s);
   for (int64_t h = g0 * G; h < g1 * G; ++h) {
     const float inv = 1.f / softmax_numerator512(scores.data() + h * n, n);
     for (int64_t t = 0; t < n; ++t) scores[h * n + t] *= inv;
@@ -340,6 +363,7 @@ void attend(const float* q, const Rows& rows, int64_t n, int64_t g0, int64_t g1,
     for (int64_t t = 0; t < n; ++t)
       for (int64_t h = g0 * G; h < g1 * G; ++h) scores[h * n + t] = dot(q + h * D, rows.k[t] + (h / G) * D, D) * scale;
   }
+  cap_heads(scores.data(), n, g0 * G, g1 * G, s);
   std::vector<float> total(s.H);
   for (int64_t h = g0 * G; h < g1 * G; ++h) total[h] = softmax_numerator(scores.data() + h * n, n);
   values_into(scores.data(), rows, n, g0, g1, s, out);
@@ -383,41 +407,50 @@ void decode_all(const float* qp, const at::Tensor& k_cache, const at::Tensor& v_
   });
 }
 
+// The shapes rope_write's arguments give: rows B, heads H, kv heads KVH, head_dim D, rotary dims R.
+struct RopeShape {
+  int64_t B, H, KVH, D, R;
+};
+
 // Rows [b0, b1) of qkv (rows of (H + 2 KVH) D = [q | k | v]): q and k rotated (rope_row, the
-// fused rope's arithmetic) with cos/sin rows b, q into qp (rows of H D), k and v written to
-// cache slot slots[b] (slots checked by the caller).
+// fused rope's arithmetic; the first R dims) with cos/sin rows b, q into qp (rows of H D), k and
+// v written to cache slot slots[b] (slots checked by the caller).
 void rope_write_rows(const float* x, const float* cp, const float* sp, const int64_t* slot, int64_t b0, int64_t b1,
-                     int64_t H, int64_t KVH, int64_t D, float* kc, float* vc, float* qp) {
+                     const RopeShape& r, float* kc, float* vc, float* qp) {
+  const int64_t H = r.H, KVH = r.KVH, D = r.D, R = r.R;
   for (int64_t b = b0; b < b1; ++b) {
-    const float *row = x + b * (H + 2 * KVH) * D, *c = cp + b * D, *sn = sp + b * D;
-    for (int64_t h = 0; h < H; ++h) rope_row(row + h * D, c, sn, qp + (b * H + h) * D, D);
-    for (int64_t g = 0; g < KVH; ++g) rope_row(row + (H + g) * D, c, sn, kc + (slot[b] * KVH + g) * D, D);
+    const float *row = x + b * (H + 2 * KVH) * D, *c = cp + b * R, *sn = sp + b * R;
+    for (int64_t h = 0; h < H; ++h) rope_row(row + h * D, c, sn, qp + (b * H + h) * D, D, R);
+    for (int64_t g = 0; g < KVH; ++g) rope_row(row + (H + g) * D, c, sn, kc + (slot[b] * KVH + g) * D, D, R);
     std::copy(row + (H + KVH) * D, row + (H + 2 * KVH) * D, vc + slot[b] * KVH * D);
   }
 }
 
-// Checks rope_write's arguments; returns (rows, heads H, kv heads KVH, head_dim D).
-std::array<int64_t, 4> check_rope_write(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+// Checks rope_write's arguments; returns their shapes.
+RopeShape check_rope_write(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                                         const at::Tensor& k_cache, const at::Tensor& slots, int64_t num_heads) {
   TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == at::kFloat && qkv.is_contiguous(), "qkv must be contiguous (B, C) float32");
   const int64_t B = qkv.size(0), H = num_heads, KVH = k_cache.size(2), D = k_cache.size(3);
   const int64_t slot_count = k_cache.size(0) * k_cache.size(1);
   TORCH_CHECK(H % KVH == 0 && qkv.size(1) == (H + 2 * KVH) * D, "qkv must hold (heads + 2 kv_heads) x head_dim columns");
-  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == B * D && sin.numel() == B * D &&
-              cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat, "cos/sin must be contiguous (B, 1, D) float32");
+  const int64_t R = B > 0 ? cos.numel() / B : D;
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == B * R && sin.numel() == B * R && R <= D &&
+              R % 2 == 0 && cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
+              "cos/sin must be contiguous (B, 1, R) float32, R even and at most head_dim");
   TORCH_CHECK(slots.dim() == 1 && slots.size(0) == B && slots.scalar_type() == at::kLong && slots.is_contiguous(),
               "slots must be (B,) int64");
   const int64_t* slot = slots.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b) TORCH_CHECK(slot[b] >= 0 && slot[b] < slot_count, "a cache slot is out of range");
-  return {B, H, KVH, D};
+  return {B, H, KVH, D, R};
 }
 
-// qkv (T, (H + 2 KVH) D) = [q | k | v] rows of a step's tokens, cos/sin (T, 1, D): q and k
-// rotated, k and v written to cache slots `slots` (T,). Returns the rotated q (T, H, D). A
+// qkv (T, (H + 2 KVH) D) = [q | k | v] rows of a step's tokens, cos/sin (T, 1, R): q and k
+// rotated (their first R dims), k and v written to cache slots `slots` (T,). Returns the rotated q (T, H, D). A
 // prompt step's rope, cache write and query copy in one pass (rows split over the threads).
 at::Tensor rope_write(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache,
                       const at::Tensor& v_cache, const at::Tensor& slots, int64_t num_heads) {
-  const auto [T, H, KVH, D] = check_rope_write(qkv, cos, sin, k_cache, slots, num_heads);
+  const RopeShape r = check_rope_write(qkv, cos, sin, k_cache, slots, num_heads);
+  const int64_t T = r.B, H = r.H, D = r.D;
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
               k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat,
               "caches must be contiguous (blocks, block_size, kv_heads, head_dim) float32");
@@ -425,14 +458,15 @@ at::Tensor rope_write(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
   const float *x = qkv.data_ptr<float>(), *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
   float *kc = k_cache.data_ptr<float>(), *vc = v_cache.data_ptr<float>(), *qp = q.data_ptr<float>();
   at::parallel_for(0, T, 64, [&](int64_t b0, int64_t b1) {
-    rope_write_rows(x, cp, sp, slots.data_ptr<int64_t>(), b0, b1, H, KVH, D, kc, vc, qp);
+    rope_write_rows(x, cp, sp, slots.data_ptr<int64_t>(), b0, b1, r, kc, vc, qp);
   });
   return q;
 }
 
 // paged_decode into out (B, H, D) contiguous, e.g. the first rows of a mixed step's output.
 void paged_decode_out(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                      const at::Tensor& tables, const at::Tensor& ctx_lens, double scale, int64_t window, at::Tensor& out) {
+                      const at::Tensor& tables, const at::Tensor& ctx_lens, double scale, int64_t window, double softcap,
+                      at::Tensor& out) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q must be contiguous (B, H, D) float32");
   TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == at::kFloat && out.is_contiguous(),
               "out must be contiguous float32 shaped like q");
@@ -440,14 +474,15 @@ void paged_decode_out(const at::Tensor& q, const at::Tensor& k_cache, const at::
   const int64_t H = q.size(1), D = q.size(2), KVH = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == D && H % KVH == 0, "head_dim or head counts disagree");
   decode_all(q.data_ptr<float>(), k_cache, v_cache, tables, ctx_lens,
-             Shapes{H, KVH, H / KVH, D, k_cache.size(1), tables.size(1)}, static_cast<float>(scale), window,
-             out.data_ptr<float>());
+             Shapes{H, KVH, H / KVH, D, k_cache.size(1), tables.size(1), static_cast<float>(softcap)},
+             static_cast<float>(scale), window, out.data_ptr<float>());
 }
 
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                        const at::Tensor& tables, const at::Tensor& ctx_lens, double scale, int64_t window) {
+                        const at::Tensor& tables, const at::Tensor& ctx_lens, double scale, int64_t window,
+                        double softcap) {
   at::Tensor out = at::empty_like(q);
-  paged_decode_out(q, k_cache, v_cache, tables, ctx_lens, scale, window, out);
+  paged_decode_out(q, k_cache, v_cache, tables, ctx_lens, scale, window, softcap, out);
   return out;
 }
 
@@ -457,15 +492,17 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
 at::Tensor rope_write_decode(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                              const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slots,
                              const at::Tensor& tables, const at::Tensor& ctx_lens, int64_t num_heads, double scale,
-                             int64_t window) {
-  const auto [B, H, KVH, D] = check_rope_write(qkv, cos, sin, k_cache, slots, num_heads);
+                             int64_t window, double softcap) {
+  const RopeShape r = check_rope_write(qkv, cos, sin, k_cache, slots, num_heads);
+  const int64_t B = r.B, H = r.H, KVH = r.KVH, D = r.D;
   check_caches(k_cache, v_cache, tables, ctx_lens, B);
   at::Tensor q = at::empty({B, H, D}, qkv.options());
   float* qp = q.data_ptr<float>();
   rope_write_rows(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), slots.data_ptr<int64_t>(), 0, B,
-                  H, KVH, D, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), qp);
+                  r, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), qp);
   at::Tensor out = at::empty({B, H * D}, qkv.options());
-  decode_all(qp, k_cache, v_cache, tables, ctx_lens, Shapes{H, KVH, H / KVH, D, k_cache.size(1), tables.size(1)},
+  decode_all(qp, k_cache, v_cache, tables, ctx_lens,
+             Shapes{H, KVH, H / KVH, D, k_cache.size(1), tables.size(1), static_cast<float>(softcap)},
              static_cast<float>(scale), window, out.data_ptr<float>());
   return out;
 }
@@ -474,13 +511,13 @@ at::Tensor rope_write_decode(const at::Tensor& qkv, const at::Tensor& cos, const
 
 TORCH_LIBRARY(TOKENLOOM_ATTENTION_LIBRARY, m) {
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables, Tensor ctx_lens, float scale, "
-        "int window) -> Tensor");
+        "int window, float softcap) -> Tensor");
   m.def("rope_write_decode(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, "
-        "Tensor tables, Tensor ctx_lens, int num_heads, float scale, int window) -> Tensor");
+        "Tensor tables, Tensor ctx_lens, int num_heads, float scale, int window, float softcap) -> Tensor");
   m.def("rope_write(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, "
         "int num_heads) -> Tensor");
   m.def("paged_decode_out(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables, Tensor ctx_lens, float scale, "
-        "int window, Tensor(a!) out) -> ()");
+        "int window, float softcap, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(TOKENLOOM_ATTENTION_LIBRARY, CPU, m) {

@@ -5,7 +5,7 @@
 // at positions ctx_lens[s] - q_lens[s] ... ctx_lens[s] - 1, and its keys/values (this step's
 // already written) are in blocks tables[s] of k_cache/v_cache (num_blocks + 1, block_size,
 // KVH, D). A query at position p attends to positions t <= p (and t > p - window when
-// window > 0). Only the listed sequences' rows of out (T, H, D) are written.
+// window > 0); softcap > 0 turns each score x into tanh(x / softcap) * softcap (Gemma 2). Only the listed sequences' rows of out (T, H, D) are written.
 //
 // One task = 16 query rows of one sequence and every query head of one kv head, the 16
 // queries side by side in the lanes of a zmm: q is transposed once per task and head (qt[d] =
@@ -30,7 +30,8 @@
 
 #include "paged_rows.h"
 
-extern "C" __m512 Sleef_expf16_u10avx512f(__m512);  // in libtorch_cpu (1-ulp exp, 16 lanes)
+extern "C" __m512 Sleef_expf16_u10avx512f(__m512);   // in libtorch_cpu (1-ulp exp, 16 lanes)
+extern "C" __m512 Sleef_tanhf16_u10avx512f(__m512);  // in libtorch_cpu (1-ulp tanh, 16 lanes)
 
 namespace {
 
@@ -48,10 +49,11 @@ struct Layout {
   int64_t H, KVH, D, BS, W;
   float scale;
   int64_t window;
+  float softcap;  // > 0: scores soft-capped; 0: not
 };
 
 // Scores of the n keys in rows.k for the task's 16 queries of HP heads (qt[h][d * 16 + lane])
-// into st[h][t * 16 + lane]: scale * sum_d q[d] k_t[d] (one chain over d), -inf where a lane
+// into st[h][t * 16 + lane]: scale * sum_d q[d] k_t[d] (one chain over d; soft-capped if asked), -inf where a lane
 // may not attend to position t_lo + t; top[h] gets each head's lane-wise maximum. Each key
 // tile is copied first (contiguous rows give the broadcasts one base register); KP keys at a
 // time, each broadcast key element multiplies all HP heads' queries (the heads share the kv
@@ -60,7 +62,8 @@ template <int D, int HP, int KP>
 void scores(const float* const* qt, const Rows& rows, int64_t t_lo, const int32_t* lane_pos, const Layout& l,
             float* const* st, __m512* top) {
   static_assert(16 % KP == 0 && HP * KP + HP + 1 <= 32, "register budget");
-  const __m512 scale = _mm512_set1_ps(l.scale), ninf = _mm512_set1_ps(-INFINITY);
+  const __m512 scale = _mm512_set1_ps(l.scale), ninf = _mm512_set1_ps(-INFINITY), cap = _mm512_set1_ps(l.softcap);
+  const bool capped = l.softcap > 0.f;
   const int64_t n = static_cast<int64_t>(rows.k.size());
   const __m512i pos = _mm512_loadu_si512(lane_pos);
   const int64_t lowest = lane_pos[0], highest = lane_pos[QT - 1];   // positions ascend over the lanes
@@ -92,7 +95,9 @@ void scores(const float* const* qt, const Rows& rows, int64_t t_lo, const int32_
           if (l.window > 0) ok &= _mm512_cmpgt_epi32_mask(tv, _mm512_sub_epi32(pos, _mm512_set1_epi32(l.window)));
         }
         for (int h = 0; h < HP; ++h) {
-          const __m512 sc = _mm512_mask_mov_ps(ninf, ok, _mm512_mul_ps(acc[h][i], scale));
+          __m512 sc = _mm512_mul_ps(acc[h][i], scale);
+          if (capped) sc = _mm512_mul_ps(Sleef_tanhf16_u10avx512f(_mm512_div_ps(sc, cap)), cap);
+          sc = _mm512_mask_mov_ps(ninf, ok, sc);
           _mm512_storeu_ps(st[h] + t * QT, sc);
           top[h] = _mm512_max_ps(top[h], sc);
         }
@@ -204,7 +209,7 @@ void run_all(const std::vector<Task>& tasks, const Layout& l) {
 // Writes the rows of the listed sequences into out (T, H, D); other rows are left as they are.
 void paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables,
                    const at::Tensor& q_starts, const at::Tensor& q_lens, const at::Tensor& ctx_lens, double scale,
-                   int64_t window, at::Tensor& out) {
+                   int64_t window, double softcap, at::Tensor& out) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q must be contiguous (T, H, D) float32");
   TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == at::kFloat && out.is_contiguous(),
               "out must be contiguous float32 shaped like q");
@@ -237,7 +242,8 @@ void paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
   }
   std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.cost > b.cost; });
   const Layout l{q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), out.data_ptr<float>(),
-                 table, starts, lens, ctxs, H, KVH, D, BS, W, static_cast<float>(scale), window};
+                 table, starts, lens, ctxs, H, KVH, D, BS, W, static_cast<float>(scale), window,
+                 static_cast<float>(softcap)};
   if (D == 64) run_all<64>(tasks, l);
   else if (D == 128) run_all<128>(tasks, l);
   else run_all<32>(tasks, l);
@@ -247,7 +253,7 @@ void paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
 
 TORCH_LIBRARY(tokenloom_prefill512, m) {
   m.def("paged_prefill(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables, Tensor q_starts, Tensor q_lens, "
-        "Tensor ctx_lens, float scale, int window, Tensor(a!) out) -> ()");
+        "Tensor ctx_lens, float scale, int window, float softcap, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(tokenloom_prefill512, CPU, m) {

@@ -72,21 +72,22 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
   return {y, sum};
 }
 
-// Rotate-half RoPE: x (T, heads, D) with unit-stride heads, cos/sin (T, 1, D) contiguous.
-// out[d] = x[d] * cos[d] + rot[d] * sin[d], rot = (-x[half:], x[:half]). Returns a new (T, heads, D).
+// Rotate-half RoPE: x (T, heads, D) with unit-stride heads, cos/sin (T, 1, R) contiguous, R <= D
+// even: the first R dims of each head turned (rope_row.h), the rest copied. Returns a new (T, heads, D).
 at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   check_rows(x, "x");
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2), "rope wants x (T, heads, D) rows");
   const int64_t T = x.size(0), NH = x.size(1), D = x.size(2), ld = x.stride(0);
-  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == T * D && sin.numel() == T * D,
-              "cos/sin must be contiguous (T, 1, D)");
+  const int64_t R = T > 0 ? cos.numel() / T : D;
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == T * R && sin.numel() == T * R &&
+              R <= D && R % 2 == 0, "cos/sin must be contiguous (T, 1, R), R even and at most head_dim");
   at::Tensor y = at::empty({T, NH, D}, x.options());
   const float *xp = x.data_ptr<float>(), *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, T, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
-      const float *c = cp + r * D, *s = sp + r * D;
-      for (int64_t h = 0; h < NH; ++h) rope_row(xp + r * ld + h * D, c, s, yp + (r * NH + h) * D, D);
+      const float *c = cp + r * R, *s = sp + r * R;
+      for (int64_t h = 0; h < NH; ++h) rope_row(xp + r * ld + h * D, c, s, yp + (r * NH + h) * D, D, R);
     }
   });
   return y;
