@@ -53,7 +53,7 @@ def test_kernel_equals_sdpa_over_gathered_blocks(heads, kv_heads, window):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("head_dim", [20, 64, 80, 128])       # 20: the scalar path; 80: a 16-column tail
+@pytest.mark.parametrize("head_dim", [20, 64, 80, 128, 256])       # 20: the scalar path; 80: a 16-column tail
 @pytest.mark.parametrize("heads,kv_heads", [(5, 5), (8, 2), (10, 2), (14, 2)])   # 1, 4, 5, 7 heads per kv head
 def test_kernel_handles_head_sizes_and_group_sizes(head_dim, heads, kv_heads):
     lens = [3, 31, 64, 129]

@@ -67,7 +67,7 @@ def reference(q, k, v, meta, scale, window=None, softcap=None) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 32), (9, 3, 64), (8, 2, 128), (6, 1, 64), (10, 2, 32),
-                                                     (7, 1, 32)])
+                                                     (7, 1, 32), (4, 1, 256)])
 @pytest.mark.parametrize("window", [None, 20, 40])
 def test_kernel_equals_float64_attention(heads, kv_heads, head_dim, window):
     # whole prompts (q_len == ctx), chunks after cached context, lengths around the 16-row tiles;

@@ -3,7 +3,7 @@
 The torch path gathers every sequence's blocks into a padded copy, then runs SDPA on it.
 The kernel (``csrc/paged_decode_cpu.cpp``) walks each sequence's block table instead, one
 task per (sequence, kv head). It is built for AVX2 and, where the CPU has it, AVX-512
-(16-lane dot products reduced 16 at a time, for head sizes 32/64/128). It serves every one-query
+(16-lane dot products reduced 16 at a time, for head sizes 32/64/128/256). It serves every one-query
 sequence of a float32 step, whatever else is in the batch, so a sequence decodes with the
 same arithmetic alone or batched.
 """

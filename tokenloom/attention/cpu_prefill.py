@@ -4,7 +4,7 @@
 16 query rows x one head, pulled by both cores), instead of one torch SDPA call per
 sequence after gathering its context. Each query row's result is the same bits however its
 prompt is split: whole, in chunks, after a prefix-cache hit, or batched with other prompts.
-AVX-512 only (head sizes 32/64/128); elsewhere, and for contexts beyond
+AVX-512 only (head sizes 32/64/128/256); elsewhere, and for contexts beyond
 ``MAX_CONTEXT`` positions, the torch path runs.
 """
 
@@ -36,9 +36,9 @@ def usable(q: torch.Tensor, k_cache) -> bool:
 
 
 def takes(head_dim: int, k_cache) -> bool:
-    """A plain (not int8) float32 CPU cache, head size 32/64/128, and the kernel built."""
+    """A plain (not int8) float32 CPU cache, head size 32/64/128/256, and the kernel built."""
     return (isinstance(k_cache, torch.Tensor) and k_cache.device.type == "cpu" and k_cache.dtype == torch.float32
-            and head_dim in (32, 64, 128) and ops() is not None)
+            and head_dim in (32, 64, 128, 256) and ops() is not None)
 
 
 def prefill_rows(meta: AttentionMetadata) -> list[int]:

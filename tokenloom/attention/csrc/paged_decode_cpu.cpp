@@ -9,7 +9,7 @@
 // its heads for every position, a softmax (exp vectorized through SLEEF, which libtorch
 // exports), then the weighted sum of values. Each head's arithmetic is fixed, so a
 // sequence's result does not depend on what else is in the batch or how it was split.
-// The AVX-512 build computes head sizes 32/64/128 with 16-lane vectors (attend512), other
+// The AVX-512 build computes head sizes 32/64/128/256 with 16-lane vectors (attend512), other
 // head sizes as the AVX2 build does.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -25,7 +25,7 @@
 extern "C" __m256 Sleef_expf8_u10avx2(__m256);   // in libtorch_cpu (1-ulp exp, 8 lanes)
 extern "C" __m256 Sleef_tanhf8_u10avx2(__m256);  // in libtorch_cpu (1-ulp tanh, 8 lanes)
 
-// Built twice: for AVX2, and as tokenloom_attention512 with AVX-512 paths for head sizes 32/64/128.
+// Built twice: for AVX2, and as tokenloom_attention512 with AVX-512 paths for head sizes 32/64/128/256.
 #if defined(__AVX512F__)
 #define TOKENLOOM_ATTENTION_LIBRARY tokenloom_attention512
 #else
@@ -355,6 +355,7 @@ void attend(const float* q, const Rows& rows, int64_t n, int64_t g0, int64_t g1,
   if (D == 64) return attend512<4>(q, rows, n, g0, g1, s, scale, out, scores);
   if (D == 128) return attend512<8>(q, rows, n, g0, g1, s, scale, out, scores);
   if (D == 32) return attend512<2>(q, rows, n, g0, g1, s, scale, out, scores);
+  if (D == 256) return attend512<16>(q, rows, n, g0, g1, s, scale, out, scores);
 #endif
   scores.resize(static_cast<size_t>(n * s.H));
   if (D % 8 == 0) {

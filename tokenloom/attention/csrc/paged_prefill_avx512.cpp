@@ -222,7 +222,7 @@ void paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
     TORCH_CHECK(t->dim() == 1 && t->size(0) == S && t->scalar_type() == at::kLong && t->is_contiguous(),
                 "q_starts, q_lens and ctx_lens must be (S,) int64");
   TORCH_CHECK(k_cache.size(3) == D && H % KVH == 0, "head_dim or head counts disagree");
-  TORCH_CHECK(D == 32 || D == 64 || D == 128, "paged_prefill: head_dim must be 32, 64 or 128");
+  TORCH_CHECK(D == 32 || D == 64 || D == 128 || D == 256, "paged_prefill: head_dim must be 32, 64, 128 or 256");
   const int64_t *starts = q_starts.data_ptr<int64_t>(), *lens = q_lens.data_ptr<int64_t>(),
                 *ctxs = ctx_lens.data_ptr<int64_t>();
   const int64_t BS = k_cache.size(1), W = tables.size(1);
@@ -246,6 +246,7 @@ void paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
                  static_cast<float>(softcap)};
   if (D == 64) run_all<64>(tasks, l);
   else if (D == 128) run_all<128>(tasks, l);
+  else if (D == 256) run_all<256>(tasks, l);
   else run_all<32>(tasks, l);
 }
 
