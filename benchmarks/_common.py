@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import re
 import statistics
 import time
 from pathlib import Path
@@ -24,6 +26,18 @@ def finish_plot(fig, ax, path: Path) -> bool:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     return True
+
+
+def cpu_name() -> str:
+    """The CPU as benchmark tables name it: model, cores, widest vector ISA ("this CPU" if unknown)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        name = re.search(r"model name\s*:\s*(.*)", text).group(1).strip()
+        flags = re.search(r"flags\s*:\s*(.*)", text).group(1).split()
+    except (OSError, AttributeError):
+        return "this CPU"
+    isa = "AVX-512 VNNI" if "avx512_vnni" in flags else "AVX-512" if "avx512f" in flags else "AVX2"
+    return f"{name} ({os.cpu_count()} cores, {isa})"
 
 
 def median_time(fn, repeats: int) -> float:

@@ -22,20 +22,12 @@ import sys
 import time
 from pathlib import Path
 
-from _common import RESULTS, finish_plot, parser
+from _common import RESULTS, cpu_name, finish_plot, parser
 from tqdm import tqdm
 
 from tokenloom import hub
 
 PROMPT, NEW = 128, 64
-
-
-def cpu_name() -> str:
-    text = Path("/proc/cpuinfo").read_text()
-    name = re.search(r"model name\s*:\s*(.*)", text).group(1).strip()
-    flags = re.search(r"flags\s*:\s*(.*)", text).group(1).split()
-    isa = "AVX-512 VNNI" if "avx512_vnni" in flags else "AVX-512" if "avx512f" in flags else "AVX2"
-    return f"{name} ({os.cpu_count()} cores, {isa})"
 
 
 def run_tokenloom(path: Path, runs: int) -> dict:

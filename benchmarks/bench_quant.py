@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from _common import RESULTS, finish_plot, parser
+from _common import RESULTS, cpu_name, finish_plot, parser
 from tqdm import tqdm
 
 CONFIGS = {   # name -> LLM kwargs; "model": "gguf" loads the GGUF file instead of the HF folder
@@ -270,14 +270,6 @@ def plot(results: dict[str, dict], bandwidth: float, path: Path) -> None:
     ax.set_ylabel("tokens/s")
     ax.set_title(f"SmolLM2-135M batch-1 decode by weight format ({cpu_name()})")
     finish_plot(fig, ax, path)
-
-
-def cpu_name() -> str:
-    try:
-        line = next(x for x in Path("/proc/cpuinfo").read_text().splitlines() if x.startswith("model name"))
-        return f"{torch.get_num_threads()}-core {line.split(':', 1)[1].strip()}"
-    except (OSError, StopIteration):
-        return "this CPU"
 
 
 def main() -> None:
