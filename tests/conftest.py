@@ -66,6 +66,12 @@ TINY_CONFIGS = {
     "olmoe": ("OlmoeConfig", dict(num_attention_heads=4, num_key_value_heads=2, intermediate_size=32, num_experts=8,
                                   num_experts_per_tok=3, norm_topk_prob=False)),
     "olmo2": ("Olmo2Config", dict(num_attention_heads=4, num_key_value_heads=2)),
+    # LayerNorm with bias, a quarter of each head rotated, q/k/v bias, per-head q/k LayerNorm
+    "stablelm": ("StableLmConfig", dict(num_attention_heads=4, num_key_value_heads=2, use_qkv_bias=True,
+                                        qk_layernorm=True)),
+    # attention and MLP side by side on one normed input
+    "stablelm_parallel": ("StableLmConfig", dict(num_attention_heads=4, num_key_value_heads=4,
+                                                 use_parallel_residual=True)),
     "gpt2": ("GPT2Config", dict(n_embd=64, n_layer=2, n_head=4, n_positions=256, vocab_size=VOCAB,
                                 initializer_range=0.2, bos_token_id=None, eos_token_id=None)),
 }
@@ -100,11 +106,13 @@ def build_tiny_model(name: str, folder: Path, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # norms init at 0 (Gemma's 1 + w) or 1: make w count
-    if cls_name in ("Gemma2Config", "Gemma3TextConfig", "Olmo2Config", "OlmoeConfig"):
+    if cls_name in ("Gemma2Config", "Gemma3TextConfig", "Olmo2Config", "OlmoeConfig", "StableLmConfig"):
         with torch.no_grad():
             for name, p in model.named_parameters():
-                if name.endswith("norm.weight"):
+                if name.endswith("norm.weight") or ".norms." in name:
                     p.normal_(0.0 if cls_name.startswith("Gemma") else 1.0, 0.3)
+                elif name.endswith("norm.bias"):
+                    p.normal_(0.0, 0.3)
     model.save_pretrained(folder)
     make_tiny_tokenizer(folder)
     return folder

@@ -1,7 +1,8 @@
 """Write a tiny HF folder as a GGUF file laid out the way llama.cpp's convert_hf_to_gguf.py
 lays one out: its architecture names and metadata keys, its tensor names, Llama's Q/K rows
 permuted for interleaved rope, experts stacked into (experts, rows, cols) tensors, the
-shared-expert gate as a vector, the tokenizer as a byte-level BPE vocabulary with merges.
+shared-expert gate as a vector, StableLM's per-head q/k norms stacked into (heads, head_dim),
+the tokenizer as a byte-level BPE vocabulary with merges.
 
 Written from llama.cpp's conventions (gguf-py's tensor table), not from tokenloom's loader,
 so a test that reads the file back checks the loader against them.
@@ -21,7 +22,7 @@ from safetensors.torch import load_file
 GGUF_ARCH = {"LlamaForCausalLM": "llama", "MixtralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
              "Qwen3ForCausalLM": "qwen3", "Qwen2MoeForCausalLM": "qwen2moe", "Qwen3MoeForCausalLM": "qwen3moe",
              "Olmo2ForCausalLM": "olmo2", "Phi3ForCausalLM": "phi3", "Gemma2ForCausalLM": "gemma2",
-             "OlmoeForCausalLM": "olmoe"}
+             "OlmoeForCausalLM": "olmoe", "StableLmForCausalLM": "stablelm"}
 
 # HF layer sub-name -> llama.cpp's blk.N.<name>
 _BLOCK = {
@@ -89,7 +90,11 @@ def _write_metadata(w: gguf.GGUFWriter, arch: str, cfg: dict) -> None:
     for key, value in ints.items():
         w.add_uint32(f"{arch}.{key}", value)
     w.add_uint32(f"{arch}.rope.dimension_count", int(head_dim * rope.get("partial_rotary_factor", 1.0)))
-    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg["rms_norm_eps"])
+    if arch == "stablelm":                             # LayerNorm; conversion's StableLMModel
+        w.add_float32("stablelm.attention.layer_norm_epsilon", cfg["layer_norm_eps"])
+        w.add_bool("stablelm.use_parallel_residual", cfg["use_parallel_residual"])
+    else:
+        w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg["rms_norm_eps"])
     w.add_float32(f"{arch}.rope.freq_base", rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
     if arch == "phi3":
         w.add_uint32("phi3.attention.sliding_window", cfg.get("sliding_window") or 0)
@@ -152,9 +157,12 @@ def _gguf_tensors(state: dict[str, torch.Tensor], arch: str, cfg: dict, stack_ex
     heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
     stacks: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
     top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-           "lm_head.weight": "output.weight"}
+           "model.norm.bias": "output_norm.bias", "lm_head.weight": "output.weight"}
+    head_norms: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
     for name, tensor in state.items():
-        if name in top:
+        if m := re.fullmatch(r"model\.layers\.(\d+)\.self_attn\.([qk])_layernorm\.norms\.(\d+)\.weight", name):
+            head_norms.setdefault((int(m.group(1)), m.group(2)), {})[int(m.group(3))] = tensor
+        elif name in top:
             yield top[name], tensor + 1 if arch == "gemma2" and name == "model.norm.weight" else tensor
         elif m := _EXPERT.fullmatch(name):
             stacks.setdefault((int(m.group(1)), _EXPERT_KIND[m.group(3)]), {})[int(m.group(2))] = tensor
@@ -168,6 +176,8 @@ def _gguf_tensors(state: dict[str, torch.Tensor], arch: str, cfg: dict, stack_ex
                 tensor = tensor + 1                 # the converter stores Gemma's (1 + w)
             yield f"blk.{layer}.{block[sub]}.{kind}", tensor
     yield from rope_tensors(cfg).items()
+    for (layer, kind), norms in sorted(head_norms.items()):     # StableLMModel._stack_qk_norm
+        yield f"blk.{layer}.attn_{kind}_norm.weight", torch.stack([norms[h] for h in sorted(norms)])
     for (layer, kind), experts in sorted(stacks.items()):
         if stack_experts:
             yield f"blk.{layer}.ffn_{kind}_exps.weight", torch.stack([experts[e] for e in sorted(experts)])

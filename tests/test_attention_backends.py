@@ -33,7 +33,7 @@ def count_runs(monkeypatch) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("arch", ["llama_gqa", "mistral_sliding", "llama_linear_rope_bias", "llama_mqa_tied", "qwen3",
-                                  "gemma2", "phi3_partial_rotary"])     # soft-capped scores; half the head rotated
+                                  "gemma2", "phi3_partial_rotary", "stablelm"])   # soft-cap; partial rotary
 @pytest.mark.parametrize("quantization", [None, "int4"])
 def test_decoding_on_the_kernel_backend_gives_the_same_bits(tiny_model_dir, monkeypatch, arch, quantization):
     folder = str(tiny_model_dir(arch))

@@ -20,7 +20,7 @@ from tokenloom.quant.ggml_modules import GGMLLinear
 from tokenloom.quant.modules import QuantizedLinear
 
 FAMILIES = ["llama_gqa", "llama3_rope_scaling", "qwen2", "qwen3", "olmo2", "phi3_partial_rotary", "phi3_longrope",
-            "gemma2", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe"]
+            "gemma2", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "stablelm", "stablelm_parallel"]
 # llama.cpp's GGUF does not store Gemma 2's query_pre_attn_scalar (head_dim is assumed): the
 # folder written out says so too
 GGUF_EXPRESSIBLE = {"gemma2": {"query_pre_attn_scalar": 32}}

@@ -37,7 +37,7 @@ def test_greedy_tokens_and_logprobs_match_hf(arch, tiny_model_dir):
 
 
 @pytest.mark.parametrize("arch", ["llama_gqa", "mistral_sliding", "qwen2_window_layers", "gemma3", "olmo2", "gpt2",
-                                  "mixtral", "qwen2_moe", "gemma2", "phi3_longrope"])
+                                  "mixtral", "qwen2_moe", "gemma2", "phi3_longrope", "stablelm"])
 def test_batched_equals_one_at_a_time(arch, tiny_model_dir):
     llm = LLM(str(tiny_model_dir(arch)), kv_cache_memory=16 << 20)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
@@ -51,7 +51,7 @@ def test_batched_equals_one_at_a_time(arch, tiny_model_dir):
 
 
 @pytest.mark.parametrize("arch", ["llama_gqa", "mistral_sliding", "qwen2_window_layers", "gemma3", "olmo2",
-                                  "qwen3_moe", "gemma2", "phi3_partial_rotary", "olmoe"])
+                                  "qwen3_moe", "gemma2", "phi3_partial_rotary", "olmoe", "stablelm_parallel"])
 def test_chunked_prefill_equals_whole_prefill(arch, tiny_model_dir):
     folder = str(tiny_model_dir(arch))
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0)

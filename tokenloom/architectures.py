@@ -29,6 +29,7 @@ ARCHITECTURES: dict[str, Architecture] = {a.hf_name: a for a in (
     Architecture("Phi3ForCausalLM", "phi3", "tokenloom.models.phi3", "Phi3ForCausalLM"),
     Architecture("OlmoeForCausalLM", "olmoe", "tokenloom.models.moe", "OlmoeForCausalLM"),
     Architecture("Olmo2ForCausalLM", "olmo2", "tokenloom.models.olmo2", "Olmo2ForCausalLM"),
+    Architecture("StableLmForCausalLM", "stablelm", "tokenloom.models.stablelm", "StableLmForCausalLM"),
     Architecture("Gemma2ForCausalLM", "gemma2", "tokenloom.models.gemma", "Gemma2ForCausalLM"),
     Architecture("Gemma3ForCausalLM", "gemma3_text", "tokenloom.models.gemma", "Gemma3ForCausalLM"),
     Architecture("GPT2LMHeadModel", "gpt2", "tokenloom.models.gpt2", "GPT2LMHeadModel"),

@@ -118,6 +118,7 @@ class ModelConfig:
     attn_logit_softcapping: float | None = None  # attention scores soft-capped (Gemma 2)
     moe: MoeConfig | None = None                 # mixture-of-experts MLPs (Mixtral, Qwen2/3-MoE)
     partial_rotary_factor: float = 1.0           # rope turns the first head_dim * this dims of each head
+    parallel_residual: bool = False              # x + attn(ln(x)) + mlp(ln(x)) (StableLM's option)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -182,6 +183,8 @@ class ModelConfig:
             fields |= _gemma3_fields(hf)
         if arch == "Gemma2ForCausalLM":
             fields |= _gemma2_fields(hf)
+        if arch == "StableLmForCausalLM":
+            fields |= _stablelm_fields(hf)
         if arch in _MOE_ARCHITECTURES:
             fields["moe"] = _moe_of(hf, arch)
         return cls(**common, **fields)
@@ -253,6 +256,16 @@ def _gemma2_fields(hf: dict[str, Any]) -> dict[str, Any]:
                 query_pre_attn_scalar=hf.get("query_pre_attn_scalar", 256),
                 final_logit_softcapping=hf.get("final_logit_softcapping", 30.0),
                 attn_logit_softcapping=hf.get("attn_logit_softcapping", 50.0))
+
+
+def _stablelm_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """StableLM (transformers' StableLmConfig defaults): LayerNorm epsilon, q/k/v bias and per-head
+    q/k LayerNorm by their own names, a quarter of each head rotated, optional parallel residual."""
+    return dict(norm_eps=hf.get("layer_norm_eps", 1e-5), attention_bias=hf.get("use_qkv_bias", False),
+                qk_norm=hf.get("qk_layernorm", False), parallel_residual=hf.get("use_parallel_residual", False),
+                max_model_len=hf.get("max_position_embeddings", 4096),
+                partial_rotary_factor=_rope_params(hf).get("partial_rotary_factor",
+                                                           hf.get("partial_rotary_factor") or 0.25))
 
 
 # fields an architecture implements among those _refuse_unimplemented checks

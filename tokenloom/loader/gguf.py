@@ -40,6 +40,7 @@ _PRE_TOKENIZER_SPLITS = {
     "smollm": [r"\p{N}", _GPT2_SPLIT],
     "starcoder": [r"\p{N}", _GPT2_SPLIT],
     "qwen2": [_QWEN2_SPLIT],
+    "stablelm2": [_QWEN2_SPLIT],        # llama.cpp splits StableLM 2's Arcade100k text as Qwen2's
     "llama-bpe": [_LLAMA3_SPLIT],
 }
 _TOKEN_TYPE_CONTROL, _TOKEN_TYPE_USER_DEFINED = 3, 4
@@ -51,7 +52,7 @@ _BF16 = 30
 # a "llama" file with experts is Mixtral (hf_config)
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                   "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM",
-                  "olmo2": "Olmo2ForCausalLM",
+                  "olmo2": "Olmo2ForCausalLM", "stablelm": "StableLmForCausalLM",
                   "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
                   "gpt2": "GPT2LMHeadModel"}
 # llama.cpp renormalizes the chosen experts' weights for these (build_moe_ffn's norm_w)
@@ -75,6 +76,7 @@ _LLAMA_BLOCK_NAMES = {
 _EXPERTS = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")      # (experts, rows, cols) stacked
 _ROUTER = re.compile(r"blk\.(\d+)\.ffn_gate_inp\.weight")
 _ONE_EXPERT = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight")  # older Mixtral files: one each
+_HEAD_NORMS = re.compile(r"blk\.(\d+)\.attn_([qk])_norm\.weight")       # StableLM: (heads, head_dim) stacked
 _ROPE_FACTOR_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 # Phi-3 stores q/k/v and gate/up fused, as tokenloom does
 _PHI3_BLOCK_NAMES = _LLAMA_BLOCK_NAMES | {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
@@ -96,10 +98,14 @@ _GPT2_BLOCK_NAMES = {
     "ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj",
 }
 
+# StableLM's LayerNorms carry a bias
+_STABLELM_NAMES = _LLAMA_NAMES | {"output_norm.bias": "model.norm.bias"}
+
 # architecture -> (whole-model names, per-block names); Llama's where not listed
 _NAME_TABLES = {"gpt2": (_GPT2_NAMES, _GPT2_BLOCK_NAMES), "gemma3": (_LLAMA_NAMES, _GEMMA_BLOCK_NAMES),
                 "gemma2": (_LLAMA_NAMES, _GEMMA_BLOCK_NAMES),
-                "olmo2": (_LLAMA_NAMES, _OLMO2_BLOCK_NAMES), "phi3": (_LLAMA_NAMES, _PHI3_BLOCK_NAMES)}
+                "olmo2": (_LLAMA_NAMES, _OLMO2_BLOCK_NAMES), "phi3": (_LLAMA_NAMES, _PHI3_BLOCK_NAMES),
+                "stablelm": (_STABLELM_NAMES, _LLAMA_BLOCK_NAMES)}
 
 
 def _gemma_query_scalar(cfg: dict, wide_layers: int) -> int:
@@ -173,6 +179,8 @@ class GGUFFile:
             cfg |= self._gemma3_fields(cfg)
         if self.arch == "gemma2":
             cfg |= self._gemma2_fields(cfg)
+        if self.arch == "stablelm":
+            cfg |= self._stablelm_fields(cfg)
         if self.arch_field("expert_count", 0):
             cfg |= self._moe_fields(cfg)
         return cfg
@@ -184,6 +192,15 @@ class GGUFFile:
                 "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": _gemma_query_scalar(cfg, 46),
                 "attn_logit_softcapping": self.arch_field("attn_logit_softcapping"),
                 "final_logit_softcapping": self.arch_field("final_logit_softcapping")}
+
+    def _stablelm_fields(self, cfg: dict) -> dict:
+        """StableLM's options, read where llama.cpp keeps them: q/k/v bias and per-head q/k norms
+        from the tensors present, the rotated share of each head always (its HF default is 0.25)."""
+        names = self.tensor_names
+        return {"layer_norm_eps": self.arch_field("attention.layer_norm_epsilon", 1e-5),
+                "use_parallel_residual": bool(self.arch_field("use_parallel_residual", False)),
+                "use_qkv_bias": "blk.0.attn_q.bias" in names, "qk_layernorm": "blk.0.attn_q_norm.weight" in names,
+                "partial_rotary_factor": self.arch_field("rope.dimension_count", cfg["head_dim"]) / cfg["head_dim"]}
 
     def _rope_fields(self, cfg: dict) -> dict:
         """Rope scaling as transformers' configs say it. llama.cpp stores per-frequency divisors as
@@ -263,7 +280,9 @@ class GGUFFile:
                 continue
             names = self._hf_names(t)
             tensor = self._to_hf_layout(t.name, self._tensor(t), cfg)
-            if len(names) == 1:
+            if self.arch == "stablelm" and _HEAD_NORMS.fullmatch(t.name):    # per-head norms: (heads, head_dim)
+                yield from zip(names, tensor)
+            elif len(names) == 1:
                 yield names[0], tensor
             else:                                            # stacked experts: (experts * rows, cols)
                 rows = tensor.shape[0] // len(names)
@@ -278,7 +297,11 @@ class GGUFFile:
                 for name in self._hf_names(t)}
 
     def _hf_names(self, t: GGUFTensorInfo) -> list[str]:
-        """The HF names a file tensor holds: one, or one per expert of a stacked ffn_*_exps tensor."""
+        """The HF names a file tensor holds: one, or one per expert of a stacked ffn_*_exps tensor,
+        or one per head of StableLM's stacked q/k norms."""
+        if self.arch == "stablelm" and (m := _HEAD_NORMS.fullmatch(t.name)):
+            layer, kind = m.groups()
+            return [f"model.layers.{layer}.self_attn.{kind}_layernorm.norms.{h}.weight" for h in range(t.shape[0])]
         m = _EXPERTS.fullmatch(t.name)
         if m is None:
             return [self._hf_name(t.name)]
