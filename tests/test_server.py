@@ -140,7 +140,17 @@ def test_logprobs_are_distributions_and_greedy_picks_the_top(client):
     ({"logprobs": 50}, "logprobs"),
     ({"extra_body": {"logit_bias": {"abc": 1}}}, "logit_bias"),
     ({"extra_body": {"logit_bias": {"1": 500}}}, "logit_bias"),
-    ({"extra_body": {"stop_token_ids": [10 ** 9]}}, "prompt"),
+    ({"extra_body": {"stop_token_ids": [10 ** 9]}}, "stop_token_ids"),
+    ({"extra_body": {"logit_bias": {str(10 ** 9): 1}}}, "logit_bias"),
+    ({"extra_body": {"stop": ["x"] * 65}}, "stop"),
+    ({"extra_body": {"stop": "x" * 1001}}, "stop"),
+    ({"seed": 2 ** 64}, "seed"),
+    ({"seed": -1}, "seed"),
+    ({"extra_body": {"n": "2"}}, "n"),                    # strict types: no coercion
+    ({"extra_body": {"max_tokens": True}}, "max_tokens"),
+    ({"extra_body": {"temperature": "0.5"}}, "temperature"),
+    ({"extra_body": {"stop": [True]}}, "stop"),
+    ({"extra_body": {"use_beam_search": True, "best_of": 2, "length_penalty": 1e308}}, "length_penalty"),
     ({"prompt": [10 ** 9]}, "prompt"),
     ({"prompt": "word " * (MAX_MODEL_LEN + 10)}, "prompt"),
 ])

@@ -6,12 +6,17 @@ from dataclasses import dataclass, field
 
 from tokenloom.structured.spec import StructuredOutput
 
+# Temperatures below this are greedy (vLLM's _SAMPLING_EPS): dividing logits by 1e-45 overflows
+# them to inf, and the softmax of that is NaN, not the argmax it tends to.
+GREEDY_TEMPERATURE = 1e-5
+SEED_LIMIT = 1 << 64                   # seeds are unsigned 64-bit, as torch.Generator takes them
+
 
 @dataclass(slots=True)
 class SamplingParams:
     """How to pick tokens and when to stop (vLLM's names and meanings).
 
-    temperature 0 is greedy. top_k 0 (or -1) and top_p 1 and min_p 0 disable those
+    temperature 0 (or below GREEDY_TEMPERATURE, 1e-5) is greedy. top_k 0 (or -1) and top_p 1 and min_p 0 disable those
     filters. Penalties follow vLLM/OpenAI: repetition_penalty divides positive
     (multiplies negative) logits of tokens seen in prompt or output;
     frequency_penalty subtracts count x penalty and presence_penalty subtracts the
@@ -49,6 +54,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.temperature, int | float) and 0 < self.temperature < GREEDY_TEMPERATURE:
+            self.temperature = 0.0
         self._validate()
 
     @property
@@ -79,7 +86,8 @@ class SamplingParams:
              "must be None or an integer in [0, 20]"),
             ("explain", self.explain is None or (isinstance(self.explain, int) and 1 <= self.explain <= 100),
              "must be None or an integer in [1, 100] (candidates listed per step)"),
-            ("seed", self.seed is None or isinstance(self.seed, int), "must be None or an integer"),
+            ("seed", self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < SEED_LIMIT),
+             "must be None or an integer in [0, 2**64)"),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
             ("stop_token_ids", all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
              "must be non-negative integers"),
@@ -95,7 +103,7 @@ class SamplingParams:
     def for_sample(self, index: int) -> SamplingParams:
         """The params of the index-th of n samples: n=1, and a distinct seed derived from the user's."""
         import dataclasses
-        seed = None if self.seed is None else self.seed + index
+        seed = None if self.seed is None else (self.seed + index) % SEED_LIMIT
         return dataclasses.replace(self, n=1, seed=seed)
 
     @property
@@ -107,5 +115,6 @@ class SamplingParams:
         for name, ids in (("logit_bias", list(self.logit_bias or {})), ("stop_token_ids", self.stop_token_ids)):
             bad = [t for t in ids if t >= vocab_size]
             if bad:
-                raise ValueError(f"SamplingParams.{name} names token ids {bad} outside the vocabulary "
+                more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
+                raise ValueError(f"SamplingParams.{name} names token ids {bad[:5]}{more} outside the vocabulary "
                                  f"(size {vocab_size})")

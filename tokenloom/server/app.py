@@ -8,6 +8,7 @@ and never stops the engine.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
 from contextlib import asynccontextmanager
@@ -17,6 +18,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tokenloom.async_engine import AsyncLLMEngine
@@ -31,31 +33,59 @@ from tokenloom.server.streams import ClientDisconnected, unless_disconnected
 log = logging.getLogger("tokenloom.server")
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
+DEFAULT_BODY_TIMEOUT_S = 30.0
+_ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 408: "timeout_error",
+                413: "invalid_request_error", 429: "rate_limit_error"}
 
 
-class BodySizeLimit:
-    """ASGI middleware: 413 for a request body over `max_bytes` (declared or streamed)."""
+class BodyReader:
+    """ASGI middleware: reads a request's whole body before the app sees it, so that a body over
+    `max_bytes` (declared or sent in chunks) is a 413 and a body that stops arriving for
+    `timeout_s` (a slow client, a Content-Length longer than what is sent) is a 408, each in
+    OpenAI's error JSON, instead of holding a worker. The app then reads the buffered body; later
+    receive() calls (the disconnect) go to the client as before."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> None:
+        self.app, self.max_bytes, self.timeout_s = app, max_bytes, timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            response = _error_response(APIError(413, f"request body exceeds {self.max_bytes} bytes"))
-            return await response(scope, receive, send)
-        seen = 0
+            return await _send_error(APIError(413, f"request body exceeds {self.max_bytes} bytes"), scope, send)
+        try:
+            messages = await self._read(receive)
+        except APIError as error:
+            return await _send_error(error, scope, send)
+        pending = iter(messages)
 
-        async def limited() -> Message:
-            nonlocal seen
-            message = await receive()
+        async def replay() -> Message:
+            return next(pending, None) or await receive()
+        await self.app(scope, replay, send)
+
+    async def _read(self, receive: Receive) -> list[Message]:
+        messages, seen = [], 0
+        while True:
+            try:
+                message = await asyncio.wait_for(receive(), self.timeout_s)
+            except TimeoutError:
+                raise APIError(408, f"the request body did not arrive within {self.timeout_s:g} s") from None
+            messages.append(message)
+            if message["type"] != "http.request":           # the client left: the app will see it
+                return messages
             seen += len(message.get("body", b""))
             if seen > self.max_bytes:
-                raise APIError(413, f"request body exceeds {self.max_bytes} bytes", None)
-            return message
-        await self.app(scope, limited, send)
+                raise APIError(413, f"request body exceeds {self.max_bytes} bytes")
+            if not message.get("more_body", False):
+                return messages
+
+
+async def _send_error(error: APIError, scope: Scope, send: Send) -> None:
+    """Answer with `error` from an ASGI middleware (no request body is read)."""
+    async def nothing() -> Message:
+        return {"type": "http.disconnect"}
+    await _error_response(error)(scope, nothing, send)
 
 
 class ApiKeyCheck:
@@ -88,12 +118,13 @@ def _validation_error(exc: RequestValidationError) -> APIError:
         return APIError(400, f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}".strip(),
                         None)
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    param = ".".join(loc) or None
-    return APIError(400, f"{param or 'body'}: {first.get('msg', 'invalid value')}", param)
+    param = loc[0] if loc else None          # the top-level parameter (deeper parts name union members)
+    return APIError(400, f"{param or 'body'}: {first.get('msg', 'invalid value')} (got {first.get('input')!r:.80})",
+                    param)
 
 
 def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> FastAPI:
     """An OpenAI-compatible app over `engine`, serving it as `model_name`."""
     metrics = ServerMetrics(engine.stats)
     serving = OpenAIServing(engine, model_name, metrics)
@@ -105,16 +136,30 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
         await engine.shutdown()
         engine.close()
 
-    app = FastAPI(title="tokenloom", version="0.1.0", lifespan=lifespan,
+    # no /docs or /redoc: their pages load scripts from a CDN (the schema is at /openapi.json)
+    app = FastAPI(title="tokenloom", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
                   description="OpenAI-compatible completions and chat over tokenloom's engine")
     app.state.serving, app.state.metrics = serving, metrics
-    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+    app.add_middleware(BodyReader, max_bytes=max_body_bytes, timeout_s=body_timeout_s)
     if api_key is not None:
         app.add_middleware(ApiKeyCheck, api_key=api_key)
 
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
         return _error_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        """Routing and body-parsing errors (404, 405, unparsable bodies) in OpenAI's shape."""
+        message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        if exc.status_code == 404:
+            message = f"no route {request.method} {request.url.path} (the API: /openapi.json)"
+        elif exc.status_code == 405:
+            message = f"{request.method} is not allowed on {request.url.path}"
+        error = APIError(exc.status_code, message, type=_ERROR_TYPES.get(exc.status_code, "invalid_request_error"))
+        response = _error_response(error)
+        response.headers.update(exc.headers or {})
+        return response
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:

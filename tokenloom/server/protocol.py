@@ -3,8 +3,14 @@
 Field names, defaults and ranges follow OpenAI's API reference, plus vLLM's
 extensions (top_k, min_p, repetition_penalty, ignore_eos, min_tokens,
 stop_token_ids). Unknown fields are ignored, as OpenAI's SDKs may send more
-than a server knows. Anything the engine cannot honour is an APIError naming
-the parameter, never a silent default.
+than a server knows. Types are strict: "16", true or 1.5 for an integer and
+"0.5" for a number are refused, not coerced. Anything the engine cannot honour
+is an APIError naming the parameter, never a silent default.
+
+Bounds on what one request may ask for (each a 400 naming the parameter beyond
+it): MAX_STOP_STRINGS stop strings of at most MAX_STOP_CHARS characters,
+MAX_STOP_TOKEN_IDS stop token ids, MAX_LOGIT_BIAS logit_bias entries, seeds in
+[0, 2**64), |length_penalty| <= 10, text free of lone UTF-16 surrogates.
 """
 
 from __future__ import annotations
@@ -13,8 +19,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tokenloom.sampling_params import SamplingParams
+from tokenloom.sampling_params import SEED_LIMIT, SamplingParams
 from tokenloom.structured import StructuredOutput
+
+MAX_STOP_STRINGS = 64          # each is matched against the text after every token
+MAX_STOP_CHARS = 1000
+MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1024
+STRICT = ConfigDict(extra="ignore", strict=True)
 
 
 class APIError(Exception):
@@ -30,18 +42,19 @@ class APIError(Exception):
 
 
 class StreamOptions(BaseModel):
+    model_config = STRICT
     include_usage: bool = False
 
 
 class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     type: str
 
 
 class _Sampling(BaseModel):
     """Parameters shared by completions and chat completions."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
@@ -52,7 +65,7 @@ class _Sampling(BaseModel):
     n: int = Field(default=1, ge=1, le=16)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=0, lt=SEED_LIMIT)
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     repetition_penalty: float | None = Field(default=None, gt=0, le=10)
@@ -68,6 +81,24 @@ class _Sampling(BaseModel):
     guided_regex: str | None = None
     guided_grammar: str | None = None                    # Lark syntax
     explain: int | None = Field(default=None, ge=1, le=100)   # tokenloom: per-token StepRecords, N candidates
+
+    def check_limits(self) -> None:
+        """The request's size bounds (module doc), checked before anything else reads it."""
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        limits = [("stop", len(stops) <= MAX_STOP_STRINGS, f"at most {MAX_STOP_STRINGS} stop strings"),
+                  ("stop", all(len(s) <= MAX_STOP_CHARS for s in stops),
+                   f"stop strings of at most {MAX_STOP_CHARS} characters"),
+                  ("stop_token_ids", len(self.stop_token_ids or ()) <= MAX_STOP_TOKEN_IDS,
+                   f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids"),
+                  ("logit_bias", len(self.logit_bias or ()) <= MAX_LOGIT_BIAS,
+                   f"at most {MAX_LOGIT_BIAS} logit_bias entries")]
+        for param, ok, rule in limits:
+            if not ok:
+                raise APIError(400, f"{param}: this server takes {rule}", param)
+        where = lone_surrogate(self.model_dump(exclude_none=True))
+        if where is not None:
+            raise APIError(400, f"{where} holds a lone UTF-16 surrogate (e.g. \\ud800 without its pair): "
+                                "text must be valid Unicode", where.split(".")[0].split("[")[0])
 
     def structured_output(self) -> tuple[StructuredOutput | None, str]:
         """The constraint asked for (at most one) and the parameter that asked."""
@@ -115,14 +146,32 @@ class _Sampling(BaseModel):
                 prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens, explain=self.explain,
                 structured_output=self.structured_output()[0])
         except ValueError as e:
-            raise APIError(400, str(e), _param_named_in(str(e))) from None
+            raise APIError(400, str(e), param_named_in(str(e))) from None
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
 
-def _param_named_in(message: str) -> str | None:
+def lone_surrogate(value: Any, path: str = "") -> str | None:
+    """The path (``messages[0].content``) of the first string in `value` holding a lone UTF-16
+    surrogate, which JSON can carry but no tokenizer can encode; None if there is none."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")                     # C speed, also for a 4 MB prompt
+            return None
+        except UnicodeEncodeError:
+            return path
+    if isinstance(value, dict):
+        items = ((f"{path}.{k}" if path else str(k), v) for k, v in value.items())
+    elif isinstance(value, list):
+        items = ((f"{path}[{i}]", v) for i, v in enumerate(value))
+    else:
+        return None
+    return next((found for p, v in items if (found := lone_surrogate(v, p)) is not None), None)
+
+
+def param_named_in(message: str) -> str | None:
     """'SamplingParams.top_p must ...' -> 'top_p'."""
     if message.startswith("SamplingParams."):
         return message.split(".", 1)[1].split(" ", 1)[0]
@@ -139,7 +188,7 @@ class CompletionRequest(_Sampling):
     suffix: str | None = None
     best_of: int | None = Field(default=None, ge=1, le=16)
     use_beam_search: bool = False                       # vLLM's extension: beam width = best_of (or n)
-    length_penalty: float = 1.0
+    length_penalty: float = Field(default=1.0, ge=-10, le=10)
     early_stopping: bool | Literal["never"] = False
 
     def check_supported(self) -> None:
@@ -187,12 +236,13 @@ class CompletionRequest(_Sampling):
 
 
 class TextPart(BaseModel):
+    model_config = STRICT
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextPart] | None = None

@@ -21,7 +21,7 @@ from tokenloom.outputs import CompletionOutput, RequestError, StepDelta
 from tokenloom.sampling_params import SamplingParams
 from tokenloom.server import responses as R
 from tokenloom.server.metrics import ServerMetrics
-from tokenloom.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from tokenloom.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, param_named_in
 from tokenloom.server.streams import merge
 from tokenloom.tokenizer import ChatTemplateError
 
@@ -73,7 +73,8 @@ class OpenAIServing:
             raise APIError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
                            "model", type="not_found_error", code="model_not_found")
 
-    def _max_tokens(self, requested: int | None, prompt_len: int, prompt_param: str) -> int:
+    def _max_tokens(self, requested: int | None, prompt_len: int, prompt_param: str,
+                    max_tokens_param: str = "max_tokens") -> int:
         room = self.max_model_len - prompt_len
         if room < 1:
             raise APIError(400, f"the prompt has {prompt_len} tokens but this model's context length is "
@@ -82,7 +83,8 @@ class OpenAIServing:
             return room
         if requested > room:
             raise APIError(400, f"this model's context length is {self.max_model_len} tokens: {prompt_len} in the "
-                                f"prompt leave room for {room}, but max_tokens is {requested}", "max_tokens")
+                                f"prompt leave room for {room}, but {max_tokens_param} is {requested}",
+                           max_tokens_param)
         return requested
 
     def _prompt_ids(self, prompt: str | list[int], param: str) -> list[int]:
@@ -99,7 +101,8 @@ class OpenAIServing:
         return ids
 
     def _prepare(self, req: CompletionRequest | ChatCompletionRequest, prefix: str, prompts: list[str | list[int]],
-                 prompt_param: str, max_tokens: int | None, logprobs: int | None) -> Prepared:
+                 prompt_param: str, max_tokens: int | None, logprobs: int | None,
+                 max_tokens_param: str = "max_tokens") -> Prepared:
         self.check_model(req.model)
         req.check_supported()
         constraint, constraint_param = req.structured_output()
@@ -111,30 +114,34 @@ class OpenAIServing:
         texts, all_ids, choices = [], [], []
         for p_index, prompt in enumerate(prompts):
             ids = self._prompt_ids(prompt, prompt_param)
-            base = req.sampling_params(self._max_tokens(max_tokens, len(ids), prompt_param), logprobs,
-                                       req.logprobs if getattr(req, "scores_prompt", False) else None)
+            base = req.sampling_params(self._max_tokens(max_tokens, len(ids), prompt_param, max_tokens_param),
+                                       logprobs, req.logprobs if getattr(req, "scores_prompt", False) else None)
             for sample in range(req.n):
                 params = base.for_sample(sample)
                 try:
                     self.engine.validate_request(ids, params)
-                except ValueError as e:
-                    raise APIError(400, str(e), prompt_param) from None
+                except ValueError as e:       # the params' own field when it names one (logit_bias ids)
+                    raise APIError(400, str(e), param_named_in(str(e)) or prompt_param) from None
                 choices.append(Choice(len(choices), p_index, ids, params))
             texts.append(prompt if isinstance(prompt, str) else self.tokenizer.decode(ids, skip_special_tokens=False))
             all_ids.append(ids)
         return Prepared(f"{prefix}-{uuid.uuid4().hex}", R.now(), texts, all_ids, choices)
 
     def prepare_completion(self, req: CompletionRequest) -> Prepared:
+        req.check_limits()
         return self._prepare(req, "cmpl", req.prompts(), "prompt", req.max_tokens, req.logprobs)
 
     def prepare_chat(self, req: ChatCompletionRequest) -> Prepared:
+        req.check_limits()
         messages = [m.as_template_input() for m in req.messages]
         try:
             prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         except (ChatTemplateError, jinja2.TemplateError) as e:
             raise APIError(400, f"the chat template rejected the messages: {e}", "messages") from None
         ids = self.tokenizer.encode(prompt, add_special_tokens=False)
-        prepared = self._prepare(req, "chatcmpl", [ids], "messages", req.requested_max_tokens(), req.num_logprobs())
+        max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        prepared = self._prepare(req, "chatcmpl", [ids], "messages", req.requested_max_tokens(), req.num_logprobs(),
+                                 max_param)
         prepared.prompt_texts = [prompt]
         return prepared
 

@@ -1,0 +1,128 @@
+"""The server against hostile or careless clients (issue: server under abuse): every input is a
+4xx in OpenAI's error JSON or works, slow and oversized bodies are cut off, and the server stays
+healthy (/health within 100 ms) and leaks no KV block after each."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import httpx
+import pytest
+
+from tests.server_harness import ThreadedServer, wait_until_idle
+
+
+@pytest.fixture(scope="module")
+def base_url(default_model_dir):
+    from tokenloom import LLM
+    from tokenloom.async_engine import AsyncLLMEngine
+    from tokenloom.server import build_app
+    engine = LLM(str(default_model_dir), max_model_len=256, kv_cache_memory=64 << 20).engine
+    app = build_app(AsyncLLMEngine(engine), "smol", max_body_bytes=64 << 10, body_timeout_s=1.0)
+    with ThreadedServer(app) as url:
+        yield url
+
+
+def assert_healthy(base_url: str) -> None:
+    started = time.perf_counter()
+    assert httpx.get(f"{base_url}/health").status_code == 200
+    assert time.perf_counter() - started < 0.1
+    assert wait_until_idle(base_url) == 0
+
+
+def openai_error(response: httpx.Response, status: int) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    return error
+
+
+def post_raw(base_url: str, path: str, body: bytes) -> httpx.Response:
+    return httpx.post(f"{base_url}{path}", content=body, headers={"content-type": "application/json"})
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", b'{"prompt": "a\\ud800b", "max_tokens": 2}', "prompt"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x\\udfffy"}], "max_tokens": 2}', "messages"),
+    ("/v1/completions", b'{"prompt": "Hi", "max_tokens": 2, "stop": ["\\ud800"]}', "stop"),
+])
+def test_lone_surrogates_are_400_naming_the_parameter(base_url, path, body, param):
+    assert openai_error(post_raw(base_url, path, body), 400)["param"] == param
+    assert_healthy(base_url)
+
+
+@pytest.mark.parametrize("body", [
+    b"\xff\xfe not utf-8",
+    b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}",         # nesting past the parser's depth
+    b'{"prompt": "Hi", "max_tokens": 2',                          # cut short
+])
+def test_unparsable_bodies_are_400_in_openai_json(base_url, body):
+    openai_error(post_raw(base_url, "/v1/completions", body), 400)
+    assert_healthy(base_url)
+
+
+def test_unknown_routes_and_methods_answer_openai_json(base_url):
+    assert httpx.get(f"{base_url}/docs").status_code == 404          # no page that loads a CDN
+    assert httpx.get(f"{base_url}/openapi.json").json()["info"]["title"] == "tokenloom"
+    assert openai_error(httpx.get(f"{base_url}/v1/nothing-here"), 404)["type"] == "not_found_error"
+    openai_error(httpx.get(f"{base_url}/v1/completions"), 405)
+    openai_error(httpx.post(f"{base_url}/v1/completions", json={"max_tokens": 2}), 400)   # no prompt
+
+
+def test_a_chunked_body_over_the_limit_is_413(base_url):
+    def chunks():
+        for _ in range(100):
+            yield b" " * 1024                                       # 100 KiB > the 64 KiB limit, no length
+    response = httpx.post(f"{base_url}/v1/completions", content=chunks(), headers={"content-type": "application/json"})
+    assert openai_error(response, 413)
+    assert_healthy(base_url)
+
+
+def raw_request(base_url: str, head: bytes, body: bytes, wait_s: float) -> bytes:
+    """Send `head` + `body` on a raw socket, then read what the server answers within `wait_s`."""
+    host, port = base_url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=wait_s) as sock:
+        sock.sendall(head + body)
+        answer = b""
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline and b"\r\n\r\n" not in answer:
+            try:
+                part = sock.recv(4096)
+            except TimeoutError:
+                break
+            if not part:
+                break
+            answer += part
+        return answer
+
+
+def test_a_body_shorter_than_its_content_length_times_out_with_408(base_url):
+    body = b'{"prompt": "Hi"'
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 500\r\n\r\n")
+    started = time.monotonic()
+    answer = raw_request(base_url, head, body, wait_s=5)
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+    assert time.monotonic() - started < 3                          # the 1 s body timeout, not forever
+    assert_healthy(base_url)
+
+
+def test_a_tiny_temperature_is_greedy_not_garbage(base_url):
+    def text(temperature: float) -> str:
+        body = {"prompt": "The capital of France is", "max_tokens": 6, "temperature": temperature}
+        response = httpx.post(f"{base_url}/v1/completions", json=body, timeout=60)
+        assert response.status_code == 200, response.text
+        return response.json()["choices"][0]["text"]
+    assert text(1e-45) == text(0) == text(1e-30)
+
+
+def test_the_largest_seed_works_whole_and_streamed(base_url):
+    body = {"prompt": "Once upon a time", "max_tokens": 5, "seed": 2 ** 64 - 1, "n": 2}
+    whole = httpx.post(f"{base_url}/v1/completions", json=body, timeout=60)
+    assert whole.status_code == 200, whole.text
+    with httpx.stream("POST", f"{base_url}/v1/completions", json=body | {"stream": True}, timeout=60) as stream:
+        events = [line[6:] for line in stream.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and not any("error" in json.loads(e) for e in events[:-1])
+    assert_healthy(base_url)
