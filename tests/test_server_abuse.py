@@ -126,3 +126,73 @@ def test_the_largest_seed_works_whole_and_streamed(base_url):
         events = [line[6:] for line in stream.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]" and not any("error" in json.loads(e) for e in events[:-1])
     assert_healthy(base_url)
+
+
+@pytest.fixture(scope="module")
+def small_server(default_model_dir):
+    """A server with small admission bounds: 6 pending sequences, 4 per request, 2 running per
+    request, 5 new tokens by default; its engine runs 2 sequences at a time."""
+    from tokenloom import LLM
+    from tokenloom.async_engine import AsyncLLMEngine
+    from tokenloom.server import build_app
+    from tokenloom.server.admission import AdmissionLimits
+    engine = LLM(str(default_model_dir), max_model_len=256, kv_cache_memory=64 << 20, max_num_seqs=2).engine
+    limits = AdmissionLimits(max_seqs_per_request=4, max_pending_seqs=6, max_running_per_request=2,
+                             default_max_tokens=5)
+    with ThreadedServer(build_app(AsyncLLMEngine(engine), "smol", limits=limits)) as url:
+        yield url
+
+
+def test_a_request_past_the_per_request_bound_is_400_naming_n(small_server):
+    body = {"prompt": ["Hi", "there"], "n": 3, "max_tokens": 2}          # 6 sequences > 4
+    assert openai_error(httpx.post(f"{small_server}/v1/completions", json=body), 400)["param"] == "n"
+    beams = {"prompt": "Hi", "max_tokens": 2, "use_beam_search": True, "best_of": 5}
+    assert openai_error(httpx.post(f"{small_server}/v1/completions", json=beams), 400)["param"] == "best_of"
+    assert_healthy(small_server)
+
+
+def test_a_full_server_answers_429_with_retry_after_then_recovers(small_server):
+    long = {"prompt": "Once upon a time", "n": 4, "max_tokens": 200, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{small_server}/v1/completions", json=long, timeout=60) as stream:
+        lines = stream.iter_lines()            # kept: dropping the iterator would close the connection
+        next(lines)                                                        # 4 of 6 pending, running
+        more = httpx.post(f"{small_server}/v1/completions", json={"prompt": "Hi", "n": 3, "max_tokens": 2})
+        error = openai_error(more, 429)
+        assert error["type"] == "rate_limit_error" and more.headers["retry-after"] == "1"
+        started = time.perf_counter()
+        assert httpx.get(f"{small_server}/health").status_code == 200
+        assert time.perf_counter() - started < 0.1
+    # the stream closed early: its sequences are released, the next request is admitted
+    after = httpx.post(f"{small_server}/v1/completions", json={"prompt": "Hi", "n": 3, "max_tokens": 2}, timeout=60)
+    assert after.status_code == 200, after.text
+    assert_healthy(small_server)
+
+
+def test_requests_without_max_tokens_get_the_server_default(small_server):
+    models = httpx.get(f"{small_server}/v1/models").json()["data"][0]
+    assert models["default_max_tokens"] == 5
+    body = {"messages": [{"role": "user", "content": "Tell me a long story."}], "ignore_eos": True}
+    usage = httpx.post(f"{small_server}/v1/chat/completions", json=body, timeout=60).json()["usage"]
+    assert usage["completion_tokens"] == 5
+
+
+def test_one_large_request_does_not_hold_every_slot(small_server):
+    """4 long sequences of one request take their turns 2 at a time, so a later short request
+    queues behind 2 of them, not all 4, and finishes before the long request (with every long
+    sequence queued ahead of it, the engine's 2 slots would serve it last)."""
+    import threading
+    long = {"prompt": "Once upon a time", "n": 4, "max_tokens": 120, "ignore_eos": True}
+    finished = {}
+
+    def run_long():
+        httpx.post(f"{small_server}/v1/completions", json=long, timeout=120)
+        finished["long"] = time.monotonic()
+    worker = threading.Thread(target=run_long)
+    worker.start()
+    time.sleep(0.5)
+    short = httpx.post(f"{small_server}/v1/completions", json={"prompt": "Hi", "max_tokens": 4}, timeout=120)
+    finished["short"] = time.monotonic()
+    worker.join()
+    assert short.status_code == 200
+    assert finished["short"] < finished["long"]
+    assert_healthy(small_server)

@@ -160,16 +160,41 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from tokenloom.async_engine import AsyncLLMEngine
     from tokenloom.server import build_app, served_model_name
+    from tokenloom.server.admission import AdmissionLimits
     check_engine_flags(args)
     engine = AsyncLLMEngine.build(lambda: make_llm(args).engine)   # built on the thread that steps it
     api_key = args.api_key or os.environ.get("TOKENLOOM_API_KEY")
     name = args.served_model_name or served_model_name(engine.model_path)
-    app = build_app(engine, name, api_key=api_key, max_body_bytes=args.max_body_bytes)
+    limits = AdmissionLimits(args.max_seqs_per_request, args.max_pending_seqs, args.max_pending_tokens,
+                             args.max_running_per_request, args.default_max_tokens)
+    app = build_app(engine, name, api_key=api_key, max_body_bytes=args.max_body_bytes,
+                    body_timeout_s=args.body_timeout, limits=limits)
     print(f"tokenloom: serving {name!r} on http://{args.host}:{args.port}/v1"
           f"{' (API key required)' if api_key else ''}", file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                 timeout_graceful_shutdown=args.shutdown_timeout)
     return 0
+
+
+def _admission_flags(serve: argparse.ArgumentParser) -> None:
+    """serve's bounds on the work it accepts (tokenloom/server/admission.py)."""
+    from tokenloom.server.admission import AdmissionLimits
+    d = AdmissionLimits()
+    group = serve.add_argument_group("admission control", "how much work the server accepts, and turns between "
+                                                          "requests (beyond a bound: 400, or 429 with Retry-After)")
+    group.add_argument("--max-seqs-per-request", type=int, default=d.max_seqs_per_request, metavar="N",
+                       help=f"prompts x n x beams in one request (default: {d.max_seqs_per_request})")
+    group.add_argument("--max-pending-seqs", type=int, default=d.max_pending_seqs, metavar="N",
+                       help=f"sequences accepted and not finished, all requests (default: {d.max_pending_seqs})")
+    group.add_argument("--max-pending-tokens", type=int, default=d.max_pending_tokens, metavar="N",
+                       help=f"prompt tokens of those sequences (default: {d.max_pending_tokens})")
+    group.add_argument("--max-running-per-request", type=int, default=d.max_running_per_request, metavar="N",
+                       help="a request's sequences in the running batch at once, so one request cannot take "
+                            f"every slot (default: {d.max_running_per_request})")
+    group.add_argument("--default-max-tokens", type=int, default=d.default_max_tokens, metavar="N",
+                       help=f"new tokens for requests that give no max_tokens (default: {d.default_max_tokens})")
+    group.add_argument("--body-timeout", type=float, default=30.0, metavar="S",
+                       help="a request body that stops arriving for S seconds is answered 408 (default: 30)")
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
@@ -233,6 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
                        help="on SIGINT/SIGTERM, let requests in flight finish for this long, then abort them")
     serve.add_argument("--max-num-seqs", type=int, default=64, help="requests in the running batch at most")
+    _admission_flags(serve)
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     engine_flags(serve)
     serve.set_defaults(func=cmd_serve)

@@ -11,7 +11,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from contextlib import asynccontextmanager
+import weakref
+from collections.abc import AsyncIterator
+from contextlib import aclosing, asynccontextmanager
 from importlib import resources
 from typing import Any
 
@@ -23,6 +25,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tokenloom.async_engine import AsyncLLMEngine
 from tokenloom.outputs import RequestError
+from tokenloom.server.admission import AdmissionLimits
 from tokenloom.server.chat import ChatCompletions
 from tokenloom.server.completions import Completions
 from tokenloom.server.metrics import ServerMetrics
@@ -108,7 +111,7 @@ class ApiKeyCheck:
 
 
 def _error_response(error: APIError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status)
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
 
 def _validation_error(exc: RequestValidationError) -> APIError:
@@ -123,11 +126,23 @@ def _validation_error(exc: RequestValidationError) -> APIError:
                     param)
 
 
+async def _releasing(events: AsyncIterator[str], ticket) -> AsyncIterator[str]:
+    """`events`, then the admission ticket released (also when the client leaves mid-stream)."""
+    try:
+        async with aclosing(events):
+            async for event in events:
+                yield event
+    finally:
+        ticket.release()
+
+
 def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> FastAPI:
-    """An OpenAI-compatible app over `engine`, serving it as `model_name`."""
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+              limits: AdmissionLimits | None = None) -> FastAPI:
+    """An OpenAI-compatible app over `engine`, serving it as `model_name`, admitting work within
+    `limits` (server/admission.py; its defaults when None)."""
     metrics = ServerMetrics(engine.stats)
-    serving = OpenAIServing(engine, model_name, metrics)
+    serving = OpenAIServing(engine, model_name, metrics, limits)
     completions, chat = Completions(serving), ChatCompletions(serving)
 
     @asynccontextmanager
@@ -192,26 +207,39 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
-                                            "owned_by": "tokenloom", "max_model_len": serving.max_model_len}]}
+                                            "owned_by": "tokenloom", "max_model_len": serving.max_model_len,
+                                            "default_max_tokens": serving.admission.limits.default_max_tokens}]}
 
     async def respond(handler, req, prepared, request: Request):
+        """Run an admitted request; its admission ticket is released however it ends."""
         if req.stream:
-            return StreamingResponse(handler.stream(req, prepared), media_type="text/event-stream")
+            events = _releasing(handler.stream(req, prepared), prepared.ticket)
+            weakref.finalize(events, prepared.ticket.release)     # a stream cut before its first event
+            return StreamingResponse(events, media_type="text/event-stream")
         try:
             outs = await unless_disconnected(serving.run(prepared), request)
         except ClientDisconnected:
             return Response(status_code=499)
+        finally:
+            prepared.ticket.release()
         return JSONResponse(handler.response(req, prepared, outs))
 
     @app.post("/v1/completions")
     async def create_completion(req: CompletionRequest, request: Request):
         prepared = serving.prepare_completion(req)
+        param = "n" if req.n > 1 or len(prepared.prompt_ids) == 1 else "prompt"
         if req.use_beam_search:
-            return JSONResponse(await completions.beam_response(req, prepared))
-        return await respond(completions, req, prepared, request)
+            serving.admit(prepared, req.beam_width * len(prepared.prompt_ids), "best_of")
+            try:
+                return JSONResponse(await unless_disconnected(completions.beam_response(req, prepared), request))
+            except ClientDisconnected:
+                return Response(status_code=499)
+            finally:
+                prepared.ticket.release()
+        return await respond(completions, req, serving.admit(prepared, param=param), request)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(req: ChatCompletionRequest, request: Request):
-        return await respond(chat, req, serving.prepare_chat(req), request)
+        return await respond(chat, req, serving.admit(serving.prepare_chat(req)), request)
 
     return app

@@ -33,9 +33,11 @@ class APIError(Exception):
     """An error the client caused or must see, rendered as OpenAI's error JSON."""
 
     def __init__(self, status: int, message: str, param: str | None = None,
-                 type: str = "invalid_request_error", code: str | None = None) -> None:
+                 type: str = "invalid_request_error", code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
+        self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}

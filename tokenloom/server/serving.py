@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import AsyncIterator, Callable
-from contextlib import aclosing
+from contextlib import aclosing, nullcontext
 from dataclasses import dataclass
 
 import jinja2
@@ -20,6 +20,7 @@ from tokenloom.async_engine import AsyncLLMEngine
 from tokenloom.outputs import CompletionOutput, RequestError, StepDelta
 from tokenloom.sampling_params import SamplingParams
 from tokenloom.server import responses as R
+from tokenloom.server.admission import Admission, AdmissionLimits, Ticket
 from tokenloom.server.metrics import ServerMetrics
 from tokenloom.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, param_named_in
 from tokenloom.server.streams import merge
@@ -45,6 +46,7 @@ class Prepared:
     prompt_texts: list[str]
     prompt_ids: list[list[int]]
     choices: list[Choice]
+    ticket: Ticket | None = None         # its admission (serving.admit); released when it ends
 
     @property
     def prompt_tokens(self) -> int:
@@ -59,8 +61,10 @@ def sse(data: dict | str) -> str:
 class OpenAIServing:
     """Shared by /v1/completions and /v1/chat/completions."""
 
-    def __init__(self, engine: AsyncLLMEngine, model_name: str, metrics: ServerMetrics) -> None:
+    def __init__(self, engine: AsyncLLMEngine, model_name: str, metrics: ServerMetrics,
+                 limits: AdmissionLimits | None = None) -> None:
         self.engine = engine
+        self.admission = Admission(limits or AdmissionLimits())
         self.tokenizer = engine.tokenizer
         self.model_name = model_name
         self.max_model_len = engine.max_model_len
@@ -79,8 +83,8 @@ class OpenAIServing:
         if room < 1:
             raise APIError(400, f"the prompt has {prompt_len} tokens but this model's context length is "
                                 f"{self.max_model_len}; shorten it", prompt_param)
-        if requested is None:
-            return room
+        if requested is None:                                     # the server's default, within the room
+            return min(room, self.admission.limits.default_max_tokens)
         if requested > room:
             raise APIError(400, f"this model's context length is {self.max_model_len} tokens: {prompt_len} in the "
                                 f"prompt leave room for {room}, but {max_tokens_param} is {requested}",
@@ -145,9 +149,24 @@ class OpenAIServing:
         prepared.prompt_texts = [prompt]
         return prepared
 
+    def admit(self, prepared: Prepared, sequences: int | None = None, param: str = "n") -> Prepared:
+        """Count the request's sequences (its choices, or `sequences`) against the admission limits
+        (admission.py): APIError 400/429 if it may not run. The caller releases prepared.ticket."""
+        seqs = sequences or len(prepared.choices)
+        tokens = prepared.prompt_tokens * seqs // max(1, len(prepared.prompt_ids))
+        prepared.ticket = self.admission.admit(seqs, tokens, param)
+        return prepared
+
     # ---- running -----------------------------------------------------------------------------
     async def _tracked(self, prepared: Prepared, choice: Choice) -> AsyncIterator[StepDelta]:
-        """One choice's engine stream; records its metrics when it ends (aborted: 'abort')."""
+        """One choice's engine stream, once one of its request's turns is free (admission.py);
+        records its metrics when it ends (aborted: 'abort')."""
+        async with (prepared.ticket.turns if prepared.ticket is not None else nullcontext(),
+                    aclosing(self._run_choice(prepared, choice)) as stream):     # entered once a turn is free
+            async for delta in stream:
+                yield delta
+
+    async def _run_choice(self, prepared: Prepared, choice: Choice) -> AsyncIterator[StepDelta]:
         finished = False
         try:
             stream = self.engine.generate(choice.prompt_ids, choice.params, validated=True,   # in _prepare

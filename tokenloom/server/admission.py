@@ -1,0 +1,77 @@
+"""Admission control: how much work the server takes on, and turns between requests.
+
+Every request's sequences (prompts x n, or x beam width) are counted from acceptance to their
+end. A request beyond ``max_seqs_per_request`` is a 400 naming the parameter; one that would
+take the pending sequences past ``max_pending_seqs`` or their prompt tokens past
+``max_pending_tokens`` is a 429 with Retry-After (OpenAI's rate-limit error), so a burst is
+refused at the door instead of queueing minutes of work. Inside, a request runs at most
+``max_running_per_request`` of its sequences in the engine at once (the rest wait for one of
+them to end), so one request with n=16 over many prompts cannot hold every batch slot while
+another client's short request waits behind it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from tokenloom.server.protocol import APIError
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionLimits:
+    """The server's bounds (``tokenloom serve --help`` names the flags)."""
+
+    max_seqs_per_request: int = 64       # prompts x n (x beam width) in one request
+    max_pending_seqs: int = 256          # sequences accepted and not yet finished, all requests together
+    max_pending_tokens: int = 1 << 20    # the prompt tokens of those sequences
+    max_running_per_request: int = 8     # a request's sequences in the engine at once
+    default_max_tokens: int = 1024       # new tokens for a request that names no max_tokens
+    retry_after_s: int = 1               # what a 429 tells the client to wait
+
+    def __post_init__(self) -> None:
+        for name in ("max_seqs_per_request", "max_pending_seqs", "max_pending_tokens", "max_running_per_request",
+                     "default_max_tokens", "retry_after_s"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"admission limit {name} must be >= 1, got {getattr(self, name)}")
+
+
+class Ticket:
+    """One admitted request's share of the pending counts; ``release()`` (idempotent) returns it."""
+
+    def __init__(self, admission: Admission, seqs: int, tokens: int) -> None:
+        self.admission, self.seqs, self.tokens = admission, seqs, tokens
+        self.turns = asyncio.Semaphore(admission.limits.max_running_per_request)   # sequences in the engine
+        self.released = False
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.admission.pending_seqs -= self.seqs
+            self.admission.pending_tokens -= self.tokens
+
+
+class Admission:
+    """The pending counts of one server (touched only from its event loop)."""
+
+    def __init__(self, limits: AdmissionLimits) -> None:
+        self.limits = limits
+        self.pending_seqs = self.pending_tokens = 0
+
+    def admit(self, seqs: int, prompt_tokens: int, param: str) -> Ticket:
+        """A ticket for `seqs` sequences holding `prompt_tokens` prompt tokens in all, or an
+        APIError: 400 (naming `param`) past the per-request bound, 429 when the server is full."""
+        limits = self.limits
+        if seqs > limits.max_seqs_per_request:
+            raise APIError(400, f"this request asks for {seqs} sequences (prompts x n x beams); this server takes "
+                                f"at most {limits.max_seqs_per_request} per request", param)
+        if self.pending_seqs + seqs > limits.max_pending_seqs or \
+                self.pending_tokens + prompt_tokens > limits.max_pending_tokens:
+            raise APIError(429, f"the server is busy ({self.pending_seqs} sequences with {self.pending_tokens} "
+                                f"prompt tokens pending; at most {limits.max_pending_seqs} and "
+                                f"{limits.max_pending_tokens}): retry after {limits.retry_after_s} s",
+                           type="rate_limit_error", code="server_busy",
+                           headers={"Retry-After": str(limits.retry_after_s)})
+        self.pending_seqs += seqs
+        self.pending_tokens += prompt_tokens
+        return Ticket(self, seqs, prompt_tokens)
