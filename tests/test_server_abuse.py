@@ -20,7 +20,7 @@ def base_url(default_model_dir):
     from tokenloom.async_engine import AsyncLLMEngine
     from tokenloom.server import build_app
     engine = LLM(str(default_model_dir), max_model_len=256, kv_cache_memory=64 << 20).engine
-    app = build_app(AsyncLLMEngine(engine), "smol", max_body_bytes=64 << 10, body_timeout_s=1.0)
+    app = build_app(AsyncLLMEngine(engine), "smol", max_body_bytes=6 << 20, body_timeout_s=1.0)
     with ThreadedServer(app) as url:
         yield url
 
@@ -40,7 +40,7 @@ def openai_error(response: httpx.Response, status: int) -> dict:
 
 
 def post_raw(base_url: str, path: str, body: bytes) -> httpx.Response:
-    return httpx.post(f"{base_url}{path}", content=body, headers={"content-type": "application/json"})
+    return httpx.post(f"{base_url}{path}", content=body, headers={"content-type": "application/json"}, timeout=120)
 
 
 @pytest.mark.parametrize("path, body, param", [
@@ -73,8 +73,8 @@ def test_unknown_routes_and_methods_answer_openai_json(base_url):
 
 def test_a_chunked_body_over_the_limit_is_413(base_url):
     def chunks():
-        for _ in range(100):
-            yield b" " * 1024                                       # 100 KiB > the 64 KiB limit, no length
+        for _ in range(7):
+            yield b" " * (1 << 20)                                  # 7 MiB > the 6 MiB limit, no length
     response = httpx.post(f"{base_url}/v1/completions", content=chunks(), headers={"content-type": "application/json"})
     assert openai_error(response, 413)
     assert_healthy(base_url)
@@ -196,3 +196,27 @@ def test_one_large_request_does_not_hold_every_slot(small_server):
     assert short.status_code == 200
     assert finished["short"] < finished["long"]
     assert_healthy(small_server)
+
+
+def test_tokenizing_a_huge_prompt_does_not_block_the_server(base_url):
+    """A 4 MB prompt takes seconds to tokenize (then a 400: longer than the context); /health
+    keeps answering within 100 ms meanwhile."""
+    import threading
+    answer = {}
+
+    body = json.dumps({"prompt": "Hello world, this is a test. " * 140_000, "max_tokens": 2}).encode()
+
+    def huge():            # the body encoded beforehand: this process's client threads stay light
+        answer["response"] = post_raw(base_url, "/v1/completions", body)
+    worker = threading.Thread(target=huge)
+    worker.start()
+    latencies = []
+    with httpx.Client() as probe:                            # one kept-alive connection, as a monitor would
+        while worker.is_alive():
+            started = time.perf_counter()
+            assert probe.get(f"{base_url}/health").status_code == 200
+            latencies.append(time.perf_counter() - started)
+            time.sleep(0.05)
+    worker.join()
+    assert openai_error(answer["response"], 400)["param"] == "prompt"
+    assert len(latencies) >= 5 and max(latencies) < 0.1, " ".join(str(round(x * 1000)) for x in latencies)

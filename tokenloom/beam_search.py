@@ -58,11 +58,13 @@ async def beam_search_async(engine, prompt_ids: list[int], beam_width: int, max_
     """The same search over an AsyncLLMEngine (the server): each step's beams run as requests
     among everyone else's."""
     import asyncio
+    from contextlib import aclosing
 
     async def final(prompt: list[int], params: SamplingParams):
-        async for delta in engine.generate(prompt, params):
-            if delta.finished:
-                return delta.completion
+        async with aclosing(engine.generate(prompt, params)) as stream:   # cancelled: aborted at once
+            async for delta in stream:
+                if delta.finished:
+                    return delta.completion
     search = _search(prompt_ids, set(engine.eos_token_ids), beam_width, max_tokens, length_penalty,
                      early_stopping, n)
     try:

@@ -150,6 +150,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
         yield
         await engine.shutdown()
         engine.close()
+        serving.workers.shutdown(wait=False, cancel_futures=True)
 
     # no /docs or /redoc: their pages load scripts from a CDN (the schema is at /openapi.json)
     app = FastAPI(title="tokenloom", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
@@ -226,7 +227,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
 
     @app.post("/v1/completions")
     async def create_completion(req: CompletionRequest, request: Request):
-        prepared = serving.prepare_completion(req)
+        prepared = await serving.off_loop(serving.prepare_completion, req)
         param = "n" if req.n > 1 or len(prepared.prompt_ids) == 1 else "prompt"
         if req.use_beam_search:
             serving.admit(prepared, req.beam_width * len(prepared.prompt_ids), "best_of")
@@ -240,6 +241,6 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(req: ChatCompletionRequest, request: Request):
-        return await respond(chat, req, serving.admit(serving.prepare_chat(req)), request)
+        return await respond(chat, req, serving.admit(await serving.off_loop(serving.prepare_chat, req)), request)
 
     return app

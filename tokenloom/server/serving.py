@@ -3,14 +3,19 @@
 A request with P prompts and n samples becomes P x n engine requests ("choices",
 indexed prompt-major like OpenAI), each with its own request id and seed
 (seed + sample index). All validation happens before anything is queued or any
-byte is streamed, so a bad request is always a clean 4xx.
+byte is streamed, so a bad request is always a clean 4xx. Preparing a request
+(tokenizing, chat templating, compiling a grammar) runs on a small worker pool,
+never on the event loop, bounded in how many wait (then 429) and how long one
+may take (then 408).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing, nullcontext
 from dataclasses import dataclass
 
@@ -53,6 +58,11 @@ class Prepared:
         return sum(len(ids) for ids in self.prompt_ids)
 
 
+PREPARE_WORKERS = 2            # threads that tokenize, template and compile grammars
+MAX_PREPARING = 32             # requests being prepared or waiting for a worker, at most
+PREPARE_TIMEOUT_S = 30.0
+
+
 def sse(data: dict | str) -> str:
     """One server-sent event."""
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
@@ -65,6 +75,8 @@ class OpenAIServing:
                  limits: AdmissionLimits | None = None) -> None:
         self.engine = engine
         self.admission = Admission(limits or AdmissionLimits())
+        self.workers = ThreadPoolExecutor(PREPARE_WORKERS, thread_name_prefix="tokenloom-prepare")
+        self.preparing = 0
         self.tokenizer = engine.tokenizer
         self.model_name = model_name
         self.max_model_len = engine.max_model_len
@@ -148,6 +160,25 @@ class OpenAIServing:
                                  max_param)
         prepared.prompt_texts = [prompt]
         return prepared
+
+    async def off_loop(self, prepare: Callable[[CompletionRequest | ChatCompletionRequest], Prepared],
+                       req: CompletionRequest | ChatCompletionRequest) -> Prepared:
+        """``prepare(req)`` on the worker pool: the event loop keeps serving others meanwhile.
+        429 when MAX_PREPARING requests are already being prepared, 408 past PREPARE_TIMEOUT_S
+        (the worker finishes that one and drops it)."""
+        if self.preparing >= MAX_PREPARING:
+            raise APIError(429, f"{self.preparing} requests are being prepared (tokenized, templated); retry "
+                                "after 1 s", type="rate_limit_error", code="server_busy",
+                           headers={"Retry-After": "1"})
+        self.preparing += 1
+        try:
+            work = asyncio.get_running_loop().run_in_executor(self.workers, prepare, req)
+            return await asyncio.wait_for(work, PREPARE_TIMEOUT_S)
+        except TimeoutError:
+            raise APIError(408, f"preparing the request (tokenizing, chat template, grammar) took over "
+                                f"{PREPARE_TIMEOUT_S:g} s", type="timeout_error") from None
+        finally:
+            self.preparing -= 1
 
     def admit(self, prepared: Prepared, sequences: int | None = None, param: str = "n") -> Prepared:
         """Count the request's sequences (its choices, or `sequences`) against the admission limits

@@ -56,17 +56,24 @@ class ClientDisconnected(Exception):
     """The HTTP client went away before its (non-streamed) response was ready."""
 
 
-async def unless_disconnected(work: Awaitable[T], request: Request, poll_s: float = 0.25) -> T:
+async def _disconnect(request: Request) -> None:
+    """Returns when the client disconnects: the ASGI server's next message after the (already
+    read) body is http.disconnect, so this waits on it instead of polling."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_disconnected(work: Awaitable[T], request: Request) -> T:
     """Await `work`, cancelling it (which aborts its engine requests) if the client disconnects."""
     task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnect(request))
     try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=poll_s)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                raise ClientDisconnected()
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        raise ClientDisconnected()
     finally:
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        for pending in (task, watcher):
+            if not pending.done():
+                pending.cancel()
+        await asyncio.gather(task, watcher, return_exceptions=True)
