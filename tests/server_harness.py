@@ -56,3 +56,37 @@ def wait_until_idle(base_url: str, timeout: float = 15.0) -> float:
             break
         time.sleep(0.1)
     return metric(base_url, "tokenloom_kv_cache_blocks_used")
+
+
+class ServeProcess:
+    """``with ServeProcess(model_dir, *flags) as proc:`` runs `tokenloom serve` as users run it (a
+    subprocess on a free port, model served as 'smol') until it answers /health; ``proc.base``
+    is its URL, ``proc.proc`` the Popen (stdout and stderr merged), killed on exit if still alive."""
+
+    def __init__(self, model_dir, *flags: str) -> None:
+        import subprocess
+        import sys
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen([sys.executable, "-m", "tokenloom.cli", "serve", "-m", str(model_dir),
+                                      "--port", str(self.port), "--max-model-len", "256", "--kv-cache-memory", "0.1",
+                                      "--served-model-name", "smol", *flags],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    def __enter__(self) -> ServeProcess:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(f"{self.base}/health", timeout=1).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.__exit__()
+                raise RuntimeError(f"tokenloom serve did not start: {self.proc.stdout.read()}")
+            time.sleep(0.2)
+
+    def __exit__(self, *exc) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()

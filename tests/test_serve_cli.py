@@ -4,32 +4,16 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import httpx
 
-from tests.server_harness import free_port
+from tests.server_harness import ServeProcess
 
 
 def test_serve_answers_then_finishes_inflight_stream_on_sigterm(default_model_dir):
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "tokenloom.cli", "serve", "-m", str(default_model_dir),
-                             "--port", str(port), "--max-model-len", "256", "--kv-cache-memory", "0.1",
-                             "--served-model-name", "smol"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
-            time.sleep(0.2)
+    with ServeProcess(default_model_dir) as served:
+        proc, base = served.proc, served.base
         body = {"model": "smol", "prompt": "Count:", "max_tokens": 24, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as response:
             lines = response.iter_lines()
@@ -42,7 +26,31 @@ def test_serve_answers_then_finishes_inflight_stream_on_sigterm(default_model_di
         assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
         log = proc.stdout.read()
         assert "Traceback" not in log and "Finished server process" in log
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        assert f"playground: {base}/" in log                              # the start-up line names it
+        assert "method=POST path=/v1/completions status=200" in log       # one line per request
+
+
+def test_tokenizing_a_huge_prompt_does_not_block_the_server(default_model_dir):
+    """A 4 MB prompt takes seconds to tokenize (then a 400: longer than the context); /health keeps
+    answering within 100 ms meanwhile (the server in its own process, as deployed)."""
+    import json
+    import threading
+    with ServeProcess(default_model_dir) as served:
+        body = json.dumps({"prompt": "Hello world, this is a test. " * 140_000, "max_tokens": 2}).encode()
+        answer = {}
+
+        def huge():
+            answer["response"] = httpx.post(f"{served.base}/v1/completions", content=body, timeout=120,
+                                            headers={"content-type": "application/json"})
+        worker = threading.Thread(target=huge)
+        worker.start()
+        latencies = []
+        with httpx.Client() as probe:                        # one kept-alive connection, as a monitor would
+            while worker.is_alive():
+                started = time.perf_counter()
+                assert probe.get(f"{served.base}/health").status_code == 200
+                latencies.append(time.perf_counter() - started)
+                time.sleep(0.05)
+        worker.join()
+        assert answer["response"].status_code == 400 and answer["response"].json()["error"]["param"] == "prompt"
+        assert len(latencies) >= 5 and max(latencies) < 0.1, " ".join(str(round(x * 1000)) for x in latencies)

@@ -168,12 +168,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
     limits = AdmissionLimits(args.max_seqs_per_request, args.max_pending_seqs, args.max_pending_tokens,
                              args.max_running_per_request, args.default_max_tokens)
     app = build_app(engine, name, api_key=api_key, max_body_bytes=args.max_body_bytes,
-                    body_timeout_s=args.body_timeout, limits=limits)
-    print(f"tokenloom: serving {name!r} on http://{args.host}:{args.port}/v1"
+                    body_timeout_s=args.body_timeout, limits=limits, allowed_hosts=_allowed_hosts(args, api_key),
+                    log_json=args.log_format == "json")
+    base = f"http://{args.host}:{args.port}"
+    print(f"tokenloom: serving {name!r} on {base}/v1 (playground: {base}/)"
           f"{' (API key required)' if api_key else ''}", file=sys.stderr)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=args.shutdown_timeout)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,   # ours: a line
+                timeout_graceful_shutdown=args.shutdown_timeout, limit_concurrency=args.max_connections)
     return 0
+
+
+def _allowed_hosts(args: argparse.Namespace, api_key: str | None) -> tuple[str, ...] | None:
+    """--allowed-hosts, else: bound to a loopback address with no API key, only local names (a web page
+    could otherwise reach the server through DNS rebinding); else any."""
+    from tokenloom.server.middleware import LOCAL_HOSTS
+    if args.allowed_hosts:
+        return tuple(h.strip() for h in args.allowed_hosts.split(",") if h.strip())
+    if api_key is None and args.host in ("127.0.0.1", "localhost", "::1"):
+        return LOCAL_HOSTS
+    return None
 
 
 def _admission_flags(serve: argparse.ArgumentParser) -> None:
@@ -260,6 +273,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-num-seqs", type=int, default=64, help="requests in the running batch at most")
     _admission_flags(serve)
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    serve.add_argument("--log-format", default="text", choices=["text", "json"],
+                       help="the per-request log line as key=value text or one JSON object (default: text)")
+    serve.add_argument("--allowed-hosts", default=None, metavar="H1,H2",
+                       help="Host header names answered (default: localhost names when bound to a loopback "
+                            "address without --api-key, else any)")
+    serve.add_argument("--max-connections", type=int, default=1024, metavar="N",
+                       help="open connections and requests at once; more are answered 503 (default: 1024)")
     engine_flags(serve)
     serve.set_defaults(func=cmd_serve)
     from tokenloom.hub import DEFAULT_NAME, MODELS

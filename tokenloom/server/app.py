@@ -1,4 +1,5 @@
-"""The FastAPI application: routes, API-key check, body-size limit, OpenAI-shaped errors.
+"""The FastAPI application: routes and OpenAI-shaped errors (the ASGI middlewares in front of
+it, body limits, API key, Host check, request log: middleware.py).
 
 ``build_app(engine, model_name)`` is all a caller needs; ``tokenloom serve`` runs
 it under uvicorn. Every error a client can cause comes back as OpenAI's error
@@ -8,9 +9,8 @@ and never stops the engine.
 
 from __future__ import annotations
 
-import asyncio
+import gc
 import logging
-import secrets
 import weakref
 from collections.abc import AsyncIterator
 from contextlib import aclosing, asynccontextmanager
@@ -21,7 +21,6 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tokenloom.async_engine import AsyncLLMEngine
 from tokenloom.outputs import RequestError
@@ -29,89 +28,23 @@ from tokenloom.server.admission import AdmissionLimits
 from tokenloom.server.chat import ChatCompletions
 from tokenloom.server.completions import Completions
 from tokenloom.server.metrics import ServerMetrics
+from tokenloom.server.middleware import (
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_MAX_BODY_BYTES,
+    AccessLog,
+    ApiKeyCheck,
+    BodyReader,
+    HostCheck,
+    error_response,
+)
 from tokenloom.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from tokenloom.server.serving import OpenAIServing, request_failed
 from tokenloom.server.streams import ClientDisconnected, unless_disconnected
 
 log = logging.getLogger("tokenloom.server")
 
-DEFAULT_MAX_BODY_BYTES = 4 << 20
-DEFAULT_BODY_TIMEOUT_S = 30.0
 _ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 408: "timeout_error",
                 413: "invalid_request_error", 429: "rate_limit_error"}
-
-
-class BodyReader:
-    """ASGI middleware: reads a request's whole body before the app sees it, so that a body over
-    `max_bytes` (declared or sent in chunks) is a 413 and a body that stops arriving for
-    `timeout_s` (a slow client, a Content-Length longer than what is sent) is a 408, each in
-    OpenAI's error JSON, instead of holding a worker. The app then reads the buffered body; later
-    receive() calls (the disconnect) go to the client as before."""
-
-    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> None:
-        self.app, self.max_bytes, self.timeout_s = app, max_bytes, timeout_s
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        declared = dict(scope.get("headers") or []).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            return await _send_error(APIError(413, f"request body exceeds {self.max_bytes} bytes"), scope, send)
-        try:
-            messages = await self._read(receive)
-        except APIError as error:
-            return await _send_error(error, scope, send)
-        pending = iter(messages)
-
-        async def replay() -> Message:
-            return next(pending, None) or await receive()
-        await self.app(scope, replay, send)
-
-    async def _read(self, receive: Receive) -> list[Message]:
-        messages, seen = [], 0
-        while True:
-            try:
-                message = await asyncio.wait_for(receive(), self.timeout_s)
-            except TimeoutError:
-                raise APIError(408, f"the request body did not arrive within {self.timeout_s:g} s") from None
-            messages.append(message)
-            if message["type"] != "http.request":           # the client left: the app will see it
-                return messages
-            seen += len(message.get("body", b""))
-            if seen > self.max_bytes:
-                raise APIError(413, f"request body exceeds {self.max_bytes} bytes")
-            if not message.get("more_body", False):
-                return messages
-
-
-async def _send_error(error: APIError, scope: Scope, send: Send) -> None:
-    """Answer with `error` from an ASGI middleware (no request body is read)."""
-    async def nothing() -> Message:
-        return {"type": "http.disconnect"}
-    await _error_response(error)(scope, nothing, send)
-
-
-class ApiKeyCheck:
-    """ASGI middleware: 401 on /v1/* unless the request carries 'Authorization: Bearer <api_key>'.
-
-    Pure ASGI (not BaseHTTPMiddleware), so the app still sees the client's disconnect.
-    """
-
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app, self.expected = app, f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
-            given = dict(scope.get("headers") or []).get(b"authorization", b"")
-            if not secrets.compare_digest(given, self.expected):
-                response = _error_response(APIError(401, "missing or wrong API key (Authorization: Bearer <key>)",
-                                                    type="authentication_error", code="invalid_api_key"))
-                return await response(scope, receive, send)
-        await self.app(scope, receive, send)
-
-
-def _error_response(error: APIError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
 
 def _validation_error(exc: RequestValidationError) -> APIError:
@@ -138,15 +71,20 @@ async def _releasing(events: AsyncIterator[str], ticket) -> AsyncIterator[str]:
 
 def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
-              limits: AdmissionLimits | None = None) -> FastAPI:
+              limits: AdmissionLimits | None = None, allowed_hosts: tuple[str, ...] | None = None,
+              log_json: bool = False) -> FastAPI:
     """An OpenAI-compatible app over `engine`, serving it as `model_name`, admitting work within
-    `limits` (server/admission.py; its defaults when None)."""
+    `limits` (server/admission.py; its defaults when None), answering only requests whose Host is
+    in `allowed_hosts` (None: any), logging a line per request (JSON lines if `log_json`)."""
     metrics = ServerMetrics(engine.stats)
     serving = OpenAIServing(engine, model_name, metrics, limits)
     completions, chat = Completions(serving), ChatCompletions(serving)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        # Everything alive at start (model, tokenizer, libraries) out of the cyclic GC's scans: a
+        # full collection over them paused the event loop for 100-300 ms under a large request.
+        gc.freeze()
         yield
         await engine.shutdown()
         engine.close()
@@ -159,10 +97,13 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
     app.add_middleware(BodyReader, max_bytes=max_body_bytes, timeout_s=body_timeout_s)
     if api_key is not None:
         app.add_middleware(ApiKeyCheck, api_key=api_key)
+    if allowed_hosts is not None:
+        app.add_middleware(HostCheck, allowed=allowed_hosts)
+    app.add_middleware(AccessLog, json_lines=log_json)          # added last: outermost, sees every answer
 
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
-        return _error_response(exc)
+        return error_response(exc)
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -173,22 +114,22 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
         elif exc.status_code == 405:
             message = f"{request.method} is not allowed on {request.url.path}"
         error = APIError(exc.status_code, message, type=_ERROR_TYPES.get(exc.status_code, "invalid_request_error"))
-        response = _error_response(error)
+        response = error_response(error)
         response.headers.update(exc.headers or {})
         return response
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return _error_response(_validation_error(exc))
+        return error_response(_validation_error(exc))
 
     @app.exception_handler(RequestError)
     async def on_request_failed(request: Request, exc: RequestError) -> JSONResponse:
-        return _error_response(request_failed(exc))
+        return error_response(request_failed(exc))
 
     @app.exception_handler(Exception)
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unexpected error serving %s", request.url.path)
-        return _error_response(APIError(500, f"internal error: {exc!r}", type="server_error"))
+        return error_response(APIError(500, f"internal error: {exc!r}", type="server_error"))
 
     playground = (resources.files("tokenloom.server") / "static" / "playground.html").read_text(encoding="utf-8")
 
@@ -227,7 +168,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
 
     @app.post("/v1/completions")
     async def create_completion(req: CompletionRequest, request: Request):
-        prepared = await serving.off_loop(serving.prepare_completion, req)
+        prepared = request.state.log = await serving.off_loop(serving.prepare_completion, req)
         param = "n" if req.n > 1 or len(prepared.prompt_ids) == 1 else "prompt"
         if req.use_beam_search:
             serving.admit(prepared, req.beam_width * len(prepared.prompt_ids), "best_of")
@@ -241,6 +182,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(req: ChatCompletionRequest, request: Request):
-        return await respond(chat, req, serving.admit(await serving.off_loop(serving.prepare_chat, req)), request)
+        prepared = request.state.log = await serving.off_loop(serving.prepare_chat, req)
+        return await respond(chat, req, serving.admit(prepared), request)
 
     return app

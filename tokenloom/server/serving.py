@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import jinja2
 
@@ -52,10 +53,24 @@ class Prepared:
     prompt_ids: list[list[int]]
     choices: list[Choice]
     ticket: Ticket | None = None         # its admission (serving.admit); released when it ends
+    started: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None   # for the request log (middleware.AccessLog)
+    completion_tokens: int = 0
 
     @property
     def prompt_tokens(self) -> int:
         return sum(len(ids) for ids in self.prompt_ids)
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_at is None else self.first_token_at - self.started
+
+    def count(self, delta: StepDelta) -> None:
+        """Note a delta's new tokens (and when the first came)."""
+        if delta.new_token_ids:
+            self.completion_tokens += len(delta.new_token_ids)
+            if self.first_token_at is None:
+                self.first_token_at = time.perf_counter()
 
 
 PREPARE_WORKERS = 2            # threads that tokenize, template and compile grammars
@@ -204,6 +219,7 @@ class OpenAIServing:
                                           request_id=f"{prepared.response_id}-{choice.index}")
             async with aclosing(stream):
                 async for delta in stream:
+                    prepared.count(delta)
                     if delta.finished:
                         finished = True
                         self.metrics.record_finished(delta.finish_reason, delta.completion.metrics)
