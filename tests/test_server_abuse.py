@@ -241,3 +241,15 @@ def test_one_log_line_per_request(tiny_engine, caplog, log_json):
         assert f"id={ok.json()['id']}" in lines[0] and "status=200" in lines[0]
         assert "prompt_tokens=3" in lines[0] and "completion_tokens=4" in lines[0] and "ttft_s=" in lines[0]
         assert "status=400" in lines[1] and "path=/v1/completions" in lines[1]
+
+
+def test_long_texts_tokenize_to_the_same_ids_off_the_gil(default_model_dir):
+    """Tokenizer.encode's long-text path (encode_batch_fast, releasing the GIL) against the plain
+    encode, special tokens and non-ASCII included."""
+    from tokenloom.tokenizer import _LONG_TEXT, Tokenizer
+    tokenizer = Tokenizer.from_folder(default_model_dir)
+    text = "Héllo wörld, <|im_start|>user\ttabs and  spaces 123456 ünïcode. " * (_LONG_TEXT // 40)
+    assert len(text) > _LONG_TEXT
+    for special in (True, False):
+        assert tokenizer.encode(text, add_special_tokens=special) == \
+            tokenizer.backend.encode(text, add_special_tokens=special).ids
