@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -30,10 +31,33 @@ def test_serve_answers_then_finishes_inflight_stream_on_sigterm(default_model_di
         assert "method=POST path=/v1/completions status=200" in log       # one line per request
 
 
+def test_requests_cut_at_shutdown_end_with_an_error_not_a_dropped_connection(default_model_dir):
+    import threading
+    with ServeProcess(default_model_dir, "--shutdown-timeout", "1") as served:
+        body = {"model": "smol", "prompt": "Count:", "max_tokens": 200, "ignore_eos": True}
+        whole = {}
+        worker = threading.Thread(target=lambda: whole.setdefault(
+            "response", httpx.post(f"{served.base}/v1/completions", json=body, timeout=60)))
+        worker.start()
+        with httpx.stream("POST", f"{served.base}/v1/completions", json=body | {"stream": True},
+                          timeout=60) as response:
+            lines = response.iter_lines()
+            next(line for line in lines if line.startswith("data:"))
+            os.kill(served.proc.pid, signal.SIGTERM)      # 200 tokens take longer than the 1 s grace
+            rest = [line for line in lines if line.startswith("data:")]
+        worker.join()
+        assert whole["response"].status_code == 503
+        assert whole["response"].json()["error"]["code"] == "server_shutdown"
+        assert rest[-1] == "data: [DONE]"
+        error = json.loads(rest[-2][len("data: "):])["error"]
+        assert error["code"] == "server_shutdown" and "shutting down" in error["message"]
+        assert not any('"finish_reason": "length"' in line for line in rest)   # it was cut, not finished
+        served.proc.wait(timeout=60)
+
+
 def test_tokenizing_a_huge_prompt_does_not_block_the_server(default_model_dir):
     """A 4 MB prompt takes seconds to tokenize (then a 400: longer than the context); /health keeps
     answering within 100 ms meanwhile (the server in its own process, as deployed)."""
-    import json
     import threading
     with ServeProcess(default_model_dir) as served:
         body = json.dumps({"prompt": "Hello world, this is a test. " * 140_000, "max_tokens": 2}).encode()

@@ -156,10 +156,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     import os
 
-    import uvicorn
-
     from tokenloom.async_engine import AsyncLLMEngine
-    from tokenloom.server import build_app, served_model_name
+    from tokenloom.server import build_app, graceful, served_model_name
     from tokenloom.server.admission import AdmissionLimits
     check_engine_flags(args)
     engine = AsyncLLMEngine.build(lambda: make_llm(args).engine)   # built on the thread that steps it
@@ -173,8 +171,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     base = f"http://{args.host}:{args.port}"
     print(f"tokenloom: serving {name!r} on {base}/v1 (playground: {base}/)"
           f"{' (API key required)' if api_key else ''}", file=sys.stderr)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,   # ours: a line
-                timeout_graceful_shutdown=args.shutdown_timeout, limit_concurrency=args.max_connections)
+    graceful.serve(app, app.state.serving, host=args.host, port=args.port, log_level=args.log_level,
+                   access_log=False, timeout_graceful_shutdown=args.shutdown_timeout,      # ours: a line each
+                   limit_concurrency=args.max_connections)
     return 0
 
 

@@ -38,8 +38,8 @@ from tokenloom.server.middleware import (
     error_response,
 )
 from tokenloom.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
-from tokenloom.server.serving import OpenAIServing, request_failed
-from tokenloom.server.streams import ClientDisconnected, unless_disconnected
+from tokenloom.server.serving import OpenAIServing, request_failed, shutting_down
+from tokenloom.server.streams import ClientDisconnected, ShuttingDown, unless_disconnected
 
 log = logging.getLogger("tokenloom.server")
 
@@ -121,6 +121,10 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         return error_response(_validation_error(exc))
+
+    @app.exception_handler(ShuttingDown)
+    async def on_shutting_down(request: Request, exc: ShuttingDown) -> JSONResponse:
+        return error_response(shutting_down(exc))
 
     @app.exception_handler(RequestError)
     async def on_request_failed(request: Request, exc: RequestError) -> JSONResponse:

@@ -29,7 +29,7 @@ from tokenloom.server import responses as R
 from tokenloom.server.admission import Admission, AdmissionLimits, Ticket
 from tokenloom.server.metrics import ServerMetrics
 from tokenloom.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, param_named_in
-from tokenloom.server.streams import merge
+from tokenloom.server.streams import ShuttingDown, merge
 from tokenloom.tokenizer import ChatTemplateError
 
 
@@ -91,6 +91,7 @@ class OpenAIServing:
         self.engine = engine
         self.admission = Admission(limits or AdmissionLimits())
         self.workers = ThreadPoolExecutor(PREPARE_WORKERS, thread_name_prefix="tokenloom-prepare")
+        self.cut = asyncio.Event()           # set when a graceful shutdown's time is up (begin_shutdown)
         self.preparing = 0
         self.tokenizer = engine.tokenizer
         self.model_name = model_name
@@ -233,8 +234,15 @@ class OpenAIServing:
                 self.metrics.record_finished("abort", None)
 
     def deltas(self, prepared: Prepared) -> AsyncIterator[tuple[int, StepDelta]]:
-        """Every choice's deltas as (choice index, delta), interleaved as they come."""
-        return merge([self._tracked(prepared, c) for c in prepared.choices])
+        """Every choice's deltas as (choice index, delta), interleaved as they come; ShuttingDown
+        if the server's shutdown cuts them."""
+        return merge([self._tracked(prepared, c) for c in prepared.choices], self.cut)
+
+    def begin_shutdown(self, grace_s: float) -> None:
+        """The server stops taking connections and gives those in flight `grace_s`: cut the
+        requests still running just before that (they end with an error, streams with an error
+        event and [DONE]) instead of having their connections dropped mid-response."""
+        asyncio.get_running_loop().call_later(max(0.0, grace_s - 0.5), self.cut.set)
 
     async def run(self, prepared: Prepared) -> list[CompletionOutput]:
         """Run every choice to the end; the completions in choice order."""
@@ -249,8 +257,9 @@ class OpenAIServing:
                             choice_of: Callable[[int, StepDelta], dict]) -> AsyncIterator[str]:
         """The SSE stream of one response: a chunk per opening choice dict, then one per delta
         that carries text, logprobs or the finish (``choice_of(index, delta)`` shapes it), a
-        usage chunk if asked, and ``data: [DONE]``. Should the request fail in the engine, an
-        error event (OpenAI's error shape) and ``data: [DONE]`` end the stream instead."""
+        usage chunk if asked, and ``data: [DONE]``. Should the request fail in the engine, or the
+        server cut it at shutdown, an error event (OpenAI's error shape) and ``data: [DONE]`` end
+        the stream instead."""
         def chunk(choices: list[dict], usage: dict | None = None) -> str:
             body = R.envelope(kind, prepared.response_id, prepared.created, self.model_name, choices)
             if include_usage:
@@ -280,9 +289,17 @@ class OpenAIServing:
             yield sse(request_failed(e).body())
             yield sse("[DONE]")
             return
+        except ShuttingDown as e:             # the server's graceful shutdown ran out: say so, then end
+            yield sse(shutting_down(e).body())
+            yield sse("[DONE]")
+            return
         if include_usage:
             yield chunk([], R.usage(prepared.prompt_tokens, completion_tokens, cached))
         yield sse("[DONE]")
+
+
+def shutting_down(error: ShuttingDown) -> APIError:
+    return APIError(503, str(error), type="server_error", code="server_shutdown")
 
 
 def request_failed(error: RequestError) -> APIError:

@@ -18,11 +18,15 @@ T = TypeVar("T")
 _DONE = object()
 
 
-async def merge(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+class ShuttingDown(Exception):
+    """The server's graceful shutdown is ending: requests still running are cut."""
+
+
+async def merge(streams: list[AsyncIterator[T]], cut: asyncio.Event | None = None) -> AsyncIterator[tuple[int, T]]:
     """Interleave several async streams as (stream index, item), in arrival order.
 
-    An exception in any stream is re-raised here; leaving early (or being
-    cancelled) cancels and closes every stream.
+    An exception in any stream is re-raised here, and ShuttingDown once `cut` is set; leaving
+    early (or being cancelled) cancels and closes every stream.
     """
     queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
 
@@ -35,7 +39,12 @@ async def merge(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]
         except Exception as e:   # surfaced to the consumer, which stops everything
             queue.put_nowait((index, e))
 
+    async def watch(event: asyncio.Event) -> None:
+        await event.wait()
+        queue.put_nowait((-1, ShuttingDown("the server is shutting down; this request was cut")))
+
     tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    watcher = asyncio.create_task(watch(cut)) if cut is not None else None
     try:
         remaining = len(tasks)
         while remaining:
@@ -47,9 +56,9 @@ async def merge(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]
             else:
                 yield index, item
     finally:
-        for task in tasks:
+        for task in tasks + ([watcher] if watcher is not None else []):
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, *([watcher] if watcher is not None else []), return_exceptions=True)
 
 
 class ClientDisconnected(Exception):
