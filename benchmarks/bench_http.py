@@ -66,15 +66,17 @@ def _wait_healthy(proc: subprocess.Popen, port: int) -> subprocess.Popen:
     raise RuntimeError("the server did not come up")
 
 
-async def _http_run(base: str, reqs: list[Req], concurrency: int) -> Run:
+async def _http_run(base: str, reqs: list[Req], concurrency: int, users: str | None = None) -> Run:
+    """`reqs` by `concurrency` streaming clients in a closed loop; with `users`, client i names
+    itself f"{users}-{i}" in the requests' `user` field."""
     todo = list(reqs)
     ttft, tpot = [], []
 
-    async def client(http: httpx.AsyncClient) -> None:
+    async def client(http: httpx.AsyncClient, index: int) -> None:
         while todo:
             r = todo.pop(0)
             body = {"model": "bench", "prompt": r.prompt, "max_tokens": r.out_len, "temperature": 0,
-                    "ignore_eos": True, "stream": True}
+                    "ignore_eos": True, "stream": True} | ({"user": f"{users}-{index}"} if users else {})
             t0 = time.perf_counter()
             first = None
             # a fresh connection per request: llama-server drops kept-alive ones after a stream
@@ -91,7 +93,7 @@ async def _http_run(base: str, reqs: list[Req], concurrency: int) -> Run:
 
     start = time.perf_counter()
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=concurrency)) as http:
-        await asyncio.gather(*(client(http) for _ in range(concurrency)))
+        await asyncio.gather(*(client(http, i) for i in range(concurrency)))
     return Run(time.perf_counter() - start, sum(r.out_len for r in reqs), ttft, tpot)
 
 

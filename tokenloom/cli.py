@@ -163,8 +163,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine = AsyncLLMEngine.build(lambda: make_llm(args).engine)   # built on the thread that steps it
     api_key = args.api_key or os.environ.get("TOKENLOOM_API_KEY")
     name = args.served_model_name or served_model_name(engine.model_path)
-    limits = AdmissionLimits(args.max_seqs_per_request, args.max_pending_seqs, args.max_pending_tokens,
-                             args.max_running_per_request, args.default_max_tokens)
+    limits = AdmissionLimits(
+        max_seqs_per_request=args.max_seqs_per_request, max_pending_seqs=args.max_pending_seqs,
+        max_pending_tokens=args.max_pending_tokens, max_running_per_request=args.max_running_per_request,
+        max_running_per_client=args.max_running_per_client, default_max_tokens=args.default_max_tokens)
     app = build_app(engine, name, api_key=api_key, max_body_bytes=args.max_body_bytes,
                     body_timeout_s=args.body_timeout, limits=limits, allowed_hosts=_allowed_hosts(args, api_key),
                     log_json=args.log_format == "json")
@@ -203,6 +205,10 @@ def _admission_flags(serve: argparse.ArgumentParser) -> None:
     group.add_argument("--max-running-per-request", type=int, default=d.max_running_per_request, metavar="N",
                        help="a request's sequences in the running batch at once, so one request cannot take "
                             f"every slot (default: {d.max_running_per_request})")
+    group.add_argument("--max-running-per-client", type=int, default=d.max_running_per_client, metavar="N",
+                       help="a client's sequences in the running batch at once over all its requests; a "
+                            "client is its requests' 'user' field, else its address "
+                            f"(default: {d.max_running_per_client})")
     group.add_argument("--default-max-tokens", type=int, default=d.default_max_tokens, metavar="N",
                        help=f"new tokens for requests that give no max_tokens (default: {d.default_max_tokens})")
     group.add_argument("--body-timeout", type=float, default=30.0, metavar="S",

@@ -7,7 +7,9 @@ take the pending sequences past ``max_pending_seqs`` or their prompt tokens past
 refused at the door instead of queueing minutes of work. Inside, a request runs at most
 ``max_running_per_request`` of its sequences in the engine at once (the rest wait for one of
 them to end), so one request with n=16 over many prompts cannot hold every batch slot while
-another client's short request waits behind it.
+another client's short request waits behind it; and a client (its ``user`` field if it gives
+one, else its address) runs at most ``max_running_per_client`` sequences over all its requests,
+so a client sending hundreds of requests at once takes its share of the batch, not all of it.
 """
 
 from __future__ import annotations
@@ -26,12 +28,13 @@ class AdmissionLimits:
     max_pending_seqs: int = 256          # sequences accepted and not yet finished, all requests together
     max_pending_tokens: int = 1 << 20    # the prompt tokens of those sequences
     max_running_per_request: int = 8     # a request's sequences in the engine at once
+    max_running_per_client: int = 16     # a client's sequences in the engine at once, all its requests
     default_max_tokens: int = 1024       # new tokens for a request that names no max_tokens
     retry_after_s: int = 1               # what a 429 tells the client to wait
 
     def __post_init__(self) -> None:
         for name in ("max_seqs_per_request", "max_pending_seqs", "max_pending_tokens", "max_running_per_request",
-                     "default_max_tokens", "retry_after_s"):
+                     "max_running_per_client", "default_max_tokens", "retry_after_s"):
             if getattr(self, name) < 1:
                 raise ValueError(f"admission limit {name} must be >= 1, got {getattr(self, name)}")
 
@@ -39,9 +42,10 @@ class AdmissionLimits:
 class Ticket:
     """One admitted request's share of the pending counts; ``release()`` (idempotent) returns it."""
 
-    def __init__(self, admission: Admission, seqs: int, tokens: int) -> None:
-        self.admission, self.seqs, self.tokens = admission, seqs, tokens
+    def __init__(self, admission: Admission, seqs: int, tokens: int, client: str) -> None:
+        self.admission, self.seqs, self.tokens, self.client = admission, seqs, tokens, client
         self.turns = asyncio.Semaphore(admission.limits.max_running_per_request)   # sequences in the engine
+        self.client_turns = admission.client_turns(client)                          # shared by its requests
         self.released = False
 
     def release(self) -> None:
@@ -49,6 +53,7 @@ class Ticket:
             self.released = True
             self.admission.pending_seqs -= self.seqs
             self.admission.pending_tokens -= self.tokens
+            self.admission.leave(self.client)
 
 
 class Admission:
@@ -57,8 +62,22 @@ class Admission:
     def __init__(self, limits: AdmissionLimits) -> None:
         self.limits = limits
         self.pending_seqs = self.pending_tokens = 0
+        self._clients: dict[str, tuple[asyncio.Semaphore, int]] = {}   # client -> (its turns, its tickets)
 
-    def admit(self, seqs: int, prompt_tokens: int, param: str) -> Ticket:
+    def client_turns(self, client: str) -> asyncio.Semaphore:
+        """The client's running-sequence turns, shared by its admitted requests (kept while it has any)."""
+        turns, tickets = self._clients.get(client) or (asyncio.Semaphore(self.limits.max_running_per_client), 0)
+        self._clients[client] = (turns, tickets + 1)
+        return turns
+
+    def leave(self, client: str) -> None:
+        turns, tickets = self._clients[client]
+        if tickets > 1:
+            self._clients[client] = (turns, tickets - 1)
+        else:
+            del self._clients[client]
+
+    def admit(self, seqs: int, prompt_tokens: int, param: str, client: str = "") -> Ticket:
         """A ticket for `seqs` sequences holding `prompt_tokens` prompt tokens in all, or an
         APIError: 400 (naming `param`) past the per-request bound, 429 when the server is full."""
         limits = self.limits
@@ -74,4 +93,4 @@ class Admission:
                            headers={"Retry-After": str(limits.retry_after_s)})
         self.pending_seqs += seqs
         self.pending_tokens += prompt_tokens
-        return Ticket(self, seqs, prompt_tokens)
+        return Ticket(self, seqs, prompt_tokens, client)

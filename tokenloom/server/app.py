@@ -59,6 +59,13 @@ def _validation_error(exc: RequestValidationError) -> APIError:
                     param)
 
 
+def _client(req, request: Request) -> str:
+    """Who a request is from, for turns between clients: its ``user`` field, else its address."""
+    if req.user:
+        return f"user:{req.user}"
+    return f"addr:{request.client.host if request.client else ''}"
+
+
 async def _releasing(events: AsyncIterator[str], ticket) -> AsyncIterator[str]:
     """`events`, then the admission ticket released (also when the client leaves mid-stream)."""
     try:
@@ -175,18 +182,18 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
         prepared = request.state.log = await serving.off_loop(serving.prepare_completion, req)
         param = "n" if req.n > 1 or len(prepared.prompt_ids) == 1 else "prompt"
         if req.use_beam_search:
-            serving.admit(prepared, req.beam_width * len(prepared.prompt_ids), "best_of")
+            serving.admit(prepared, _client(req, request), req.beam_width * len(prepared.prompt_ids), "best_of")
             try:
                 return JSONResponse(await unless_disconnected(completions.beam_response(req, prepared), request))
             except ClientDisconnected:
                 return Response(status_code=499)
             finally:
                 prepared.ticket.release()
-        return await respond(completions, req, serving.admit(prepared, param=param), request)
+        return await respond(completions, req, serving.admit(prepared, _client(req, request), param=param), request)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(req: ChatCompletionRequest, request: Request):
         prepared = request.state.log = await serving.off_loop(serving.prepare_chat, req)
-        return await respond(chat, req, serving.admit(prepared), request)
+        return await respond(chat, req, serving.admit(prepared, _client(req, request)), request)
 
     return app

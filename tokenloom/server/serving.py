@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -78,6 +80,16 @@ MAX_PREPARING = 32             # requests being prepared or waiting for a worker
 PREPARE_TIMEOUT_S = 30.0
 
 
+def _lower_priority() -> None:
+    """Run this worker thread at nice 10 (Linux: a thread is a task with its own nice value): a
+    client's 4 MB prompt then tokenizes on the cores the engine leaves, instead of taking one
+    from the running batch (measured: decode time per token 4x with it at normal priority)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except (AttributeError, OSError):       # not Linux, or not permitted: normal priority
+        pass
+
+
 def sse(data: dict | str) -> str:
     """One server-sent event."""
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
@@ -90,7 +102,8 @@ class OpenAIServing:
                  limits: AdmissionLimits | None = None) -> None:
         self.engine = engine
         self.admission = Admission(limits or AdmissionLimits())
-        self.workers = ThreadPoolExecutor(PREPARE_WORKERS, thread_name_prefix="tokenloom-prepare")
+        self.workers = ThreadPoolExecutor(PREPARE_WORKERS, thread_name_prefix="tokenloom-prepare",
+                                          initializer=_lower_priority)
         self.cut = asyncio.Event()           # set when a graceful shutdown's time is up (begin_shutdown)
         self.preparing = 0
         self.tokenizer = engine.tokenizer
@@ -196,20 +209,23 @@ class OpenAIServing:
         finally:
             self.preparing -= 1
 
-    def admit(self, prepared: Prepared, sequences: int | None = None, param: str = "n") -> Prepared:
+    def admit(self, prepared: Prepared, client: str, sequences: int | None = None, param: str = "n") -> Prepared:
         """Count the request's sequences (its choices, or `sequences`) against the admission limits
-        (admission.py): APIError 400/429 if it may not run. The caller releases prepared.ticket."""
+        (admission.py), as `client`'s: APIError 400/429 if it may not run. The caller releases
+        prepared.ticket."""
         seqs = sequences or len(prepared.choices)
         tokens = prepared.prompt_tokens * seqs // max(1, len(prepared.prompt_ids))
-        prepared.ticket = self.admission.admit(seqs, tokens, param)
+        prepared.ticket = self.admission.admit(seqs, tokens, param, client)
         return prepared
 
     # ---- running -----------------------------------------------------------------------------
     async def _tracked(self, prepared: Prepared, choice: Choice) -> AsyncIterator[StepDelta]:
         """One choice's engine stream, once one of its request's turns is free (admission.py);
         records its metrics when it ends (aborted: 'abort')."""
-        async with (prepared.ticket.turns if prepared.ticket is not None else nullcontext(),
-                    aclosing(self._run_choice(prepared, choice)) as stream):     # entered once a turn is free
+        ticket = prepared.ticket
+        async with (ticket.turns if ticket is not None else nullcontext(),       # the request's turn, then
+                    ticket.client_turns if ticket is not None else nullcontext(),   # the client's,
+                    aclosing(self._run_choice(prepared, choice)) as stream):     # then it runs
             async for delta in stream:
                 yield delta
 

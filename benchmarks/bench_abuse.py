@@ -1,0 +1,206 @@
+#!/usr/bin/env python
+"""Well-behaved clients beside an abusive one: what the abuse costs them.
+
+Starts `tokenloom serve` (default admission limits) as a subprocess, then runs the same
+workload of 16 streaming clients (bench_http's closed loop over /v1/completions, greedy, EOS
+ignored; each names itself in `user`, the abuser does not, so it is known by its address)
+twice: alone, and while one abusive client sends, in a loop until the workload ends, every
+abuse of the server-under-abuse issue: a 2,000-prompt x n=16 burst, a 4 x n=16 request of
+4,096 tokens each (kept streaming), a 4 MB prompt, an anyOf x 5,000 JSON schema, a lone
+surrogate, a 2**64 seed, 10^5 stop strings, a body that never arrives, temperature 1e-45, beam
+search left by its client, and 300 requests at once. A probe times /health every 100 ms.
+
+Reported: the well-behaved clients' TTFT and TPOT (median, p99) alone and beside the abuser and
+their ratio (target: within 2x), their errors (target: 0), what the abuser was answered, /health's
+worst latency, and the KV blocks in use once all is done (target: 0).
+Writes benchmarks/results/bench_abuse.json.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import httpx
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _common import RESULTS, cpu_name, parser
+from bench_http import _http_run, start_server
+from bench_serving import make_workload
+
+from tokenloom import hub
+
+SCHEMA = {"anyOf": [{"type": "object", "properties": {f"k{i}": {"type": "integer"}}, "required": [f"k{i}"]}
+                    for i in range(5000)]}
+
+
+def abuses(base: str) -> dict[str, dict]:
+    """name -> request body (posted to /v1/completions)."""
+    return {
+        "burst 2000 prompts x n=16": {"prompt": ["Hi there"] * 2000, "n": 16, "max_tokens": 1},
+        "4 MB prompt": {"prompt": "Hello world, this is a test. " * 140_000, "max_tokens": 2},
+        "anyOf x 5000 schema": {"prompt": "Hi", "max_tokens": 1, "guided_json": SCHEMA},
+        "lone surrogate": "LONE",
+        "seed 2**64": {"prompt": "Hi", "max_tokens": 1, "seed": 2 ** 64},
+        "10^5 stop strings": {"prompt": "Hi", "max_tokens": 1, "stop": [f"s{i}" for i in range(100_000)]},
+        "temperature 1e-45": {"prompt": "Hi", "max_tokens": 4, "temperature": 1e-45},
+    }
+
+
+async def _post(http: httpx.AsyncClient, base: str, body) -> int:
+    if body == "LONE":
+        content = b'{"model": "bench", "prompt": "a\\ud800b", "max_tokens": 2}'
+        r = await http.post(f"{base}/v1/completions", content=content, headers={"content-type": "application/json"})
+    else:
+        r = await http.post(f"{base}/v1/completions", json={"model": "bench"} | body)
+    return r.status_code
+
+
+async def _hog(http: httpx.AsyncClient, base: str, done: asyncio.Event, answers: Counter) -> None:
+    """4 prompts x n=16 x 4096 tokens, streamed until the workload ends."""
+    body = {"model": "bench", "prompt": ["Tell me a story"] * 4, "n": 16, "max_tokens": 4096, "ignore_eos": True,
+            "stream": True}
+    async with http.stream("POST", f"{base}/v1/completions", json=body) as response:
+        answers[f"hog 4 x n=16 x 4096 tokens: {response.status_code}"] += 1
+        async for _ in response.aiter_lines():
+            if done.is_set():
+                return
+
+
+async def _slow_body(base: str, answers: Counter) -> None:
+    """Content-Length 1000, 10 bytes sent, then nothing: answered 408 after the body timeout."""
+    host, port = base.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: 1000\r\n\r\n{\"prompt\":")
+    await writer.drain()
+    try:
+        status = (await asyncio.wait_for(reader.readline(), 60)).decode().split(" ")[1]
+    except (TimeoutError, IndexError):
+        status = "none"
+    answers[f"body that never arrives: {status}"] += 1
+    writer.close()
+
+
+async def _left_beam_search(http: httpx.AsyncClient, base: str, answers: Counter) -> None:
+    body = {"model": "bench", "prompt": "Hi", "max_tokens": 200, "use_beam_search": True, "best_of": 4}
+    try:
+        await asyncio.wait_for(http.post(f"{base}/v1/completions", json=body), 1.0)
+    except TimeoutError:
+        answers["beam search, client gone after 1 s"] += 1
+
+
+async def _crowd(http: httpx.AsyncClient, base: str, answers: Counter) -> None:
+    codes = await asyncio.gather(*(_post(http, base, {"prompt": "Hi", "max_tokens": 64}) for _ in range(300)),
+                                 return_exceptions=True)
+    for code in codes:
+        answers[f"300 requests at once: {code if isinstance(code, int) else type(code).__name__}"] += 1
+
+
+SIDE_ABUSES = ("hog", "slow", "beam", "crowd", "requests")
+
+
+async def abuser(base: str, done: asyncio.Event, answers: Counter, skip: set[str]) -> None:
+    async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=400)) as http:
+        side = [asyncio.create_task(_hog(http, base, done, answers))] if "hog" not in skip else []
+        side += [asyncio.create_task(_slow_body(base, answers))] if "slow" not in skip else []
+        while not done.is_set():
+            for name, body in abuses(base).items() if "requests" not in skip else ():
+                answers[f"{name}: {await _post(http, base, body)}"] += 1
+                if done.is_set():
+                    break
+            if "beam" not in skip:
+                await _left_beam_search(http, base, answers)
+            if "crowd" not in skip:
+                await _crowd(http, base, answers)
+            await asyncio.sleep(0.1)
+        await asyncio.gather(*side, return_exceptions=True)
+
+
+async def probe(base: str, done: asyncio.Event, worst: list[float]) -> None:
+    async with httpx.AsyncClient(timeout=30) as http:
+        while not done.is_set():
+            started = time.perf_counter()
+            await http.get(f"{base}/health")
+            worst[0] = max(worst[0], time.perf_counter() - started)
+            await asyncio.sleep(0.1)
+
+
+async def phase(base: str, reqs, abusive: bool, skip: set[str]) -> tuple[dict, Counter, float, int]:
+    done, answers, worst = asyncio.Event(), Counter(), [0.0]
+    side = [asyncio.create_task(probe(base, done, worst))]
+    if abusive:
+        side.append(asyncio.create_task(abuser(base, done, answers, skip)))
+        await asyncio.sleep(2)                                   # the abuse under way first
+    errors = 0
+    try:
+        run = await _http_run(base, reqs, 16, users="good")      # 16 clients, each its own user
+    except httpx.HTTPError:
+        errors, run = 1, None
+    done.set()
+    await asyncio.gather(*side, return_exceptions=True)
+    return (run.summary() if run else {}), answers, worst[0], errors
+
+
+def blocks_in_use(base: str) -> float:
+    for _ in range(100):
+        text = httpx.get(f"{base}/metrics").text
+        values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+                  if line.startswith("tokenloom_") and " " in line and "{" not in line.split(" ")[0]}
+        if values.get("tokenloom_num_requests_running", 0) + values.get("tokenloom_num_requests_waiting", 0) == 0:
+            return values.get("tokenloom_kv_cache_blocks_used", float("nan"))
+        time.sleep(0.5)
+    return float("nan")
+
+
+def main() -> None:
+    p = parser(__doc__)
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--port", type=int, default=8123)
+    p.add_argument("--skip", nargs="*", default=[], choices=SIDE_ABUSES,
+                   help="leave these abuses out (to see what each costs): hog, slow (body), beam, crowd (300 "
+                        "requests at once), requests (the single bad requests)")
+    args = p.parse_args()
+    model = args.model or str(hub.default_model_path())
+    server = start_server(model, args.port, 64)
+    base = f"http://127.0.0.1:{args.port}"
+    reqs = make_workload(args.requests, 0, (16, 64), (32, 32))
+    results = {}
+    try:
+        asyncio.run(_http_run(base, reqs[:4], 4))                 # warm-up
+        for label, abusive in tqdm([("alone", False), ("beside the abuser", True)], desc="phases"):
+            summary, answers, worst, errors = asyncio.run(phase(base, reqs, abusive, set(args.skip)))
+            results[label] = {"clients": summary, "client_errors": errors, "abuser_answers": dict(answers),
+                              "health_worst_s": worst}
+        results["kv_blocks_after"] = blocks_in_use(base)
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    print_report(results, cpu_name())
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "bench_abuse.json").write_text(json.dumps(results | {"cpu": cpu_name(), "skipped": args.skip},
+                                                         indent=2))
+
+
+def print_report(res: dict, cpu: str) -> None:
+    alone, abused = res["alone"], res["beside the abuser"]
+    print(f"\n16 well-behaved streaming clients, {cpu}")
+    print("| metric | alone | beside the abuser | ratio |\n|---|---:|---:|---:|")
+    for key in ("ttft_median_s", "ttft_p99_s", "tpot_median_ms", "tpot_p99_ms", "output_tok_s"):
+        a, b = alone["clients"].get(key, float("nan")), abused["clients"].get(key, float("nan"))
+        print(f"| {key} | {a:.3f} | {b:.3f} | {b / a:.2f}x |")
+    print(f"| client errors | {alone['client_errors']} | {abused['client_errors']} | |")
+    print(f"| /health worst (s) | {alone['health_worst_s']:.3f} | {abused['health_worst_s']:.3f} | |")
+    print(f"KV blocks in use after: {res['kv_blocks_after']:g}")
+    print("\nwhat the abuser was answered (status: count)")
+    for answer, count in sorted(abused["abuser_answers"].items()):
+        print(f"  {answer} x {count}")
+
+
+if __name__ == "__main__":
+    main()
