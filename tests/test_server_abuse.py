@@ -253,3 +253,21 @@ def test_long_texts_tokenize_to_the_same_ids_off_the_gil(default_model_dir):
     for special in (True, False):
         assert tokenizer.encode(text, add_special_tokens=special) == \
             tokenizer.backend.encode(text, add_special_tokens=special).ids
+
+
+def test_beam_search_stops_when_its_client_leaves(base_url):
+    """A 200-step beam search whose client gives up after 1 s: the search stops (no step requests
+    keep coming) and its blocks are freed."""
+    from tests.server_harness import metric
+    body = {"prompt": "Once upon a time", "max_tokens": 200, "use_beam_search": True, "best_of": 4,
+            "ignore_eos": True}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{base_url}/v1/completions", json=body, timeout=1.0)
+    time.sleep(1.0)
+    seen = []
+    for _ in range(5):                                     # 1 s more of quiet: no new steps were queued
+        seen.append(metric(base_url, "tokenloom_num_requests_running") +
+                     metric(base_url, "tokenloom_num_requests_waiting"))
+        time.sleep(0.2)
+    assert seen == [0] * 5, seen
+    assert_healthy(base_url)
