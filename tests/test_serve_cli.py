@@ -88,3 +88,49 @@ def test_tokenizing_a_huge_prompt_does_not_block_the_server(default_model_dir):
         # this process one ~240 ms sample was seen now and then (2 cores shared with the test process).
         shown = " ".join(str(round(x * 1000)) for x in latencies)
         assert len(latencies) >= 5 and sorted(latencies)[-2] < 0.1 and max(latencies) < 0.5, shown
+
+
+def _raw(base: str, data: bytes, wait_s: float) -> tuple[bytes, float]:
+    """Send `data` on a new connection, then read until the server closes it or `wait_s` passes:
+    (what came back, seconds until then)."""
+    import socket
+    host, port = base.removeprefix("http://").split(":")
+    started = time.monotonic()
+    with socket.create_connection((host, int(port)), timeout=wait_s) as sock:
+        sock.sendall(data)
+        answer = b""
+        try:
+            while part := sock.recv(4096):
+                answer += part
+        except TimeoutError:
+            pass
+    return answer, time.monotonic() - started
+
+
+def test_slow_headers_are_cut_with_408_and_connections_are_capped(default_model_dir):
+    with ServeProcess(default_model_dir, "--body-timeout", "1", "--max-connections", "3") as served:
+        answer, seconds = _raw(served.base, b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n", wait_s=10)
+        assert answer.startswith(b"HTTP/1.1 408") and b"headers did not arrive" in answer and seconds < 5
+        # a kept-alive connection's second request gets the same deadline
+        import socket
+        host, port = served.base.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            first = b""
+            while not first.endswith(b'{"status":"ok"}'):
+                first += sock.recv(4096)
+            assert first.startswith(b"HTTP/1.1 200")
+            started = time.monotonic()
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: 1")
+            assert sock.recv(4096).startswith(b"HTTP/1.1 408") and time.monotonic() - started < 5
+        # three connections open (idle, within their header deadline): a request on a fourth is
+        # answered 503 at once, not queued
+        held = [socket.create_connection((host, int(port))) for _ in range(3)]
+        try:
+            time.sleep(0.3)
+            assert httpx.get(f"{served.base}/health", timeout=5).status_code == 503
+        finally:
+            for sock in held:
+                sock.close()
+        time.sleep(0.3)
+        assert httpx.get(f"{served.base}/health", timeout=5).status_code == 200

@@ -173,9 +173,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     base = f"http://{args.host}:{args.port}"
     print(f"tokenloom: serving {name!r} on {base}/v1 (playground: {base}/)"
           f"{' (API key required)' if api_key else ''}", file=sys.stderr)
-    graceful.serve(app, app.state.serving, host=args.host, port=args.port, log_level=args.log_level,
-                   access_log=False, timeout_graceful_shutdown=args.shutdown_timeout,      # ours: a line each
-                   limit_concurrency=args.max_connections)
+    graceful.serve(app, app.state.serving, header_timeout_s=args.body_timeout, host=args.host, port=args.port,
+                   log_level=args.log_level, access_log=False,                    # ours: a line per request
+                   timeout_graceful_shutdown=args.shutdown_timeout, limit_concurrency=args.max_connections)
     return 0
 
 
@@ -212,7 +212,8 @@ def _admission_flags(serve: argparse.ArgumentParser) -> None:
     group.add_argument("--default-max-tokens", type=int, default=d.default_max_tokens, metavar="N",
                        help=f"new tokens for requests that give no max_tokens (default: {d.default_max_tokens})")
     group.add_argument("--body-timeout", type=float, default=30.0, metavar="S",
-                       help="a request body that stops arriving for S seconds is answered 408 (default: 30)")
+                       help="request headers not all in S seconds after the request began, or a body that "
+                            "stops arriving for S seconds, are answered 408 (default: 30)")
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
