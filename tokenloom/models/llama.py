@@ -114,10 +114,15 @@ class LlamaForCausalLM(CausalLM):
             return slice(0, inter) if shard_id == "gate" else slice(inter, 2 * inter)
         return {"q": slice(0, q), "k": slice(q, q + kv), "v": slice(q + kv, q + 2 * kv)}[shard_id]
 
+    def embed_and_plan(self, input_ids, positions, meta, kv_cache: PagedKVCache
+                       ) -> tuple[torch.Tensor, StepAttention]:
+        """The step's embeddings (T, hidden) and its attention op (rope (T, 1, rotary_dim) planned in)."""
+        h = self.model.embed_tokens(input_ids)
+        rope = rope_cos_sin(self.inv_freq, positions, h.dtype, self.rope_scale)
+        return h, plan_attention(self.attention_shape, meta, kv_cache, rope)
+
     def forward(self, input_ids, positions, meta, kv_cache: PagedKVCache):
-        h = self.model.embed_tokens(input_ids)                        # (T, hidden)
-        rope = rope_cos_sin(self.inv_freq, positions, h.dtype, self.rope_scale)   # each (T, 1, head_dim)
-        attend = plan_attention(self.attention_shape, meta, kv_cache, rope)
+        h, attend = self.embed_and_plan(input_ids, positions, meta, kv_cache)
         residual = None
         for i, layer in enumerate(self.model.layers):
             h, residual = layer.forward(h, residual, attend, i)

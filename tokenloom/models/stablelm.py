@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenloom.attention.backend import StepAttention, plan_attention
+from tokenloom.attention.backend import StepAttention
 from tokenloom.config import ModelConfig
 from tokenloom.kv_cache.paged import PagedKVCache
-from tokenloom.models.layers import GatedMLP, rope_cos_sin
+from tokenloom.models.layers import GatedMLP
 from tokenloom.models.llama import LlamaAttention, LlamaForCausalLM
 
 
@@ -76,9 +76,7 @@ class StableLmForCausalLM(LlamaForCausalLM):
         self.model.norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
 
     def forward(self, input_ids, positions, meta, kv_cache: PagedKVCache):
-        h = self.model.embed_tokens(input_ids)                        # (T, hidden)
-        rope = rope_cos_sin(self.inv_freq, positions, h.dtype, self.rope_scale)   # each (T, 1, rotary_dim)
-        attend = plan_attention(self.attention_shape, meta, kv_cache, rope)
+        h, attend = self.embed_and_plan(input_ids, positions, meta, kv_cache)
         for i, layer in enumerate(self.model.layers):
             h = layer.forward(h, attend, i)
         return self.model.norm(h)
