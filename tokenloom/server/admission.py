@@ -20,6 +20,12 @@ from dataclasses import dataclass
 from tokenloom.server.protocol import APIError
 
 
+def server_busy(why: str, retry_after_s: int) -> APIError:
+    """The 429 of a server that has no room for the request now (OpenAI's rate-limit error)."""
+    return APIError(429, f"the server is busy ({why}): retry after {retry_after_s} s", type="rate_limit_error",
+                    code="server_busy", headers={"Retry-After": str(retry_after_s)})
+
+
 @dataclass(frozen=True, slots=True)
 class AdmissionLimits:
     """The server's bounds (``tokenloom serve --help`` names the flags)."""
@@ -86,11 +92,8 @@ class Admission:
                                 f"at most {limits.max_seqs_per_request} per request", param)
         if self.pending_seqs + seqs > limits.max_pending_seqs or \
                 self.pending_tokens + prompt_tokens > limits.max_pending_tokens:
-            raise APIError(429, f"the server is busy ({self.pending_seqs} sequences with {self.pending_tokens} "
-                                f"prompt tokens pending; at most {limits.max_pending_seqs} and "
-                                f"{limits.max_pending_tokens}): retry after {limits.retry_after_s} s",
-                           type="rate_limit_error", code="server_busy",
-                           headers={"Retry-After": str(limits.retry_after_s)})
+            raise server_busy(f"{self.pending_seqs} sequences with {self.pending_tokens} prompt tokens pending; at "
+                              f"most {limits.max_pending_seqs} and {limits.max_pending_tokens}", limits.retry_after_s)
         self.pending_seqs += seqs
         self.pending_tokens += prompt_tokens
         return Ticket(self, seqs, prompt_tokens, client)

@@ -163,33 +163,33 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
                                             "owned_by": "tokenloom", "max_model_len": serving.max_model_len,
                                             "default_max_tokens": serving.admission.limits.default_max_tokens}]}
 
-    async def respond(handler, req, prepared, request: Request):
-        """Run an admitted request; its admission ticket is released however it ends."""
-        if req.stream:
-            events = _releasing(handler.stream(req, prepared), prepared.ticket)
-            weakref.finalize(events, prepared.ticket.release)     # a stream cut before its first event
-            return StreamingResponse(events, media_type="text/event-stream")
+    async def whole(work, prepared, request: Request, shape) -> Response:
+        """Await an admitted request's `work` unless its client leaves (499); ``shape(result)`` is the
+        body. Its admission ticket is released however it ends."""
         try:
-            outs = await unless_disconnected(serving.run(prepared), request)
+            return JSONResponse(shape(await unless_disconnected(work, request)))
         except ClientDisconnected:
             return Response(status_code=499)
         finally:
             prepared.ticket.release()
-        return JSONResponse(handler.response(req, prepared, outs))
+
+    async def respond(handler, req, prepared, request: Request):
+        """Run an admitted request, streamed or whole."""
+        if req.stream:
+            events = _releasing(handler.stream(req, prepared), prepared.ticket)
+            weakref.finalize(events, prepared.ticket.release)     # a stream cut before its first event
+            return StreamingResponse(events, media_type="text/event-stream")
+        return await whole(serving.run(prepared), prepared, request, lambda outs: handler.response(req, prepared, outs))
 
     @app.post("/v1/completions")
     async def create_completion(req: CompletionRequest, request: Request):
         prepared = request.state.log = await serving.off_loop(serving.prepare_completion, req)
-        param = "n" if req.n > 1 or len(prepared.prompt_ids) == 1 else "prompt"
+        client = _client(req, request)
         if req.use_beam_search:
-            serving.admit(prepared, _client(req, request), req.beam_width * len(prepared.prompt_ids), "best_of")
-            try:
-                return JSONResponse(await unless_disconnected(completions.beam_response(req, prepared), request))
-            except ClientDisconnected:
-                return Response(status_code=499)
-            finally:
-                prepared.ticket.release()
-        return await respond(completions, req, serving.admit(prepared, _client(req, request), param=param), request)
+            serving.admit(prepared, client, req.beam_width * len(prepared.prompt_ids), "best_of")
+            return await whole(completions.beam_response(req, prepared), prepared, request, lambda body: body)
+        param = "n" if req.n > 1 or len(prepared.prompt_ids) == 1 else "prompt"
+        return await respond(completions, req, serving.admit(prepared, client, param=param), request)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(req: ChatCompletionRequest, request: Request):

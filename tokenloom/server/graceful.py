@@ -21,6 +21,8 @@ import socket
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from tokenloom.server.protocol import APIError
+
 
 class HeaderDeadline(H11Protocol):
     """uvicorn's h11 protocol with a deadline on each request's headers."""
@@ -49,9 +51,9 @@ class HeaderDeadline(H11Protocol):
         self._deadline = self.loop.call_later(self.header_timeout_s, self._too_slow)
 
     def _too_slow(self) -> None:
-        body = json.dumps({"error": {"message": f"the request headers did not arrive within "
-                                                f"{self.header_timeout_s:g} s", "type": "timeout_error",
-                                     "param": None, "code": None}}).encode()
+        error = APIError(408, f"the request headers did not arrive within {self.header_timeout_s:g} s",
+                         type="timeout_error")
+        body = json.dumps(error.body()).encode()
         self.transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
                              b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
         self.transport.close()

@@ -83,13 +83,6 @@ class BodyReader:
                 return messages
 
 
-async def _send_error(error: APIError, scope: Scope, send: Send) -> None:
-    """Answer with `error` from an ASGI middleware (no request body is read)."""
-    async def nothing() -> Message:
-        return {"type": "http.disconnect"}
-    await error_response(error)(scope, nothing, send)
-
-
 class ApiKeyCheck:
     """ASGI middleware: 401 on /v1/* unless the request carries 'Authorization: Bearer <api_key>'.
 
@@ -103,9 +96,8 @@ class ApiKeyCheck:
         if scope["type"] == "http" and scope["path"].startswith("/v1/"):
             given = dict(scope.get("headers") or []).get(b"authorization", b"")
             if not secrets.compare_digest(given, self.expected):
-                response = error_response(APIError(401, "missing or wrong API key (Authorization: Bearer <key>)",
-                                                    type="authentication_error", code="invalid_api_key"))
-                return await response(scope, receive, send)
+                return await _send_error(APIError(401, "missing or wrong API key (Authorization: Bearer <key>)",
+                                                  type="authentication_error", code="invalid_api_key"), scope, send)
         await self.app(scope, receive, send)
 
 
@@ -129,7 +121,7 @@ class HostCheck:
 
 class AccessLog:
     """One line per HTTP request once its response has ended: the handlers leave the response id,
-    tokens and time to first token in ``scope["state"]["log"]`` (serving.RequestLog)."""
+    tokens and time to first token in ``scope["state"]["log"]`` (a serving.Prepared)."""
 
     def __init__(self, app: ASGIApp, json_lines: bool = False) -> None:
         self.app, self.json_lines = app, json_lines

@@ -28,7 +28,7 @@ from tokenloom.async_engine import AsyncLLMEngine
 from tokenloom.outputs import CompletionOutput, RequestError, StepDelta
 from tokenloom.sampling_params import SamplingParams
 from tokenloom.server import responses as R
-from tokenloom.server.admission import Admission, AdmissionLimits, Ticket
+from tokenloom.server.admission import Admission, AdmissionLimits, Ticket, server_busy
 from tokenloom.server.metrics import ServerMetrics
 from tokenloom.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, param_named_in
 from tokenloom.server.streams import ShuttingDown, merge
@@ -196,9 +196,8 @@ class OpenAIServing:
         429 when MAX_PREPARING requests are already being prepared, 408 past PREPARE_TIMEOUT_S
         (the worker finishes that one and drops it)."""
         if self.preparing >= MAX_PREPARING:
-            raise APIError(429, f"{self.preparing} requests are being prepared (tokenized, templated); retry "
-                                "after 1 s", type="rate_limit_error", code="server_busy",
-                           headers={"Retry-After": "1"})
+            raise server_busy(f"{self.preparing} requests are being prepared (tokenized, templated)",
+                              self.admission.limits.retry_after_s)
         self.preparing += 1
         try:
             work = asyncio.get_running_loop().run_in_executor(self.workers, prepare, req)
@@ -301,12 +300,8 @@ class OpenAIServing:
                             R.with_explanation(choice, delta.explanation,
                                                prepared.choices[index].prompt_ids if first else None)
                         yield chunk([choice])
-        except RequestError as e:
-            yield sse(request_failed(e).body())
-            yield sse("[DONE]")
-            return
-        except ShuttingDown as e:             # the server's graceful shutdown ran out: say so, then end
-            yield sse(shutting_down(e).body())
+        except (RequestError, ShuttingDown) as e:    # failed in the engine, or cut at shutdown: say so, then end
+            yield sse((shutting_down(e) if isinstance(e, ShuttingDown) else request_failed(e)).body())
             yield sse("[DONE]")
             return
         if include_usage:

@@ -44,9 +44,10 @@ async def merge(streams: list[AsyncIterator[T]], cut: asyncio.Event | None = Non
         queue.put_nowait((-1, ShuttingDown("the server is shutting down; this request was cut")))
 
     tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    watcher = asyncio.create_task(watch(cut)) if cut is not None else None
+    if cut is not None:
+        tasks.append(asyncio.create_task(watch(cut)))
     try:
-        remaining = len(tasks)
+        remaining = len(streams)
         while remaining:
             index, item = await queue.get()
             if item is _DONE:
@@ -56,9 +57,9 @@ async def merge(streams: list[AsyncIterator[T]], cut: asyncio.Event | None = Non
             else:
                 yield index, item
     finally:
-        for task in tasks + ([watcher] if watcher is not None else []):
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*tasks, *([watcher] if watcher is not None else []), return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 class ClientDisconnected(Exception):
