@@ -64,3 +64,10 @@ def test_chat_keeps_the_conversation(default_model_dir, monkeypatch, capsys):
 def test_help(args):
     out = subprocess.run([sys.executable, "-m", "tokenloom.cli", *args], capture_output=True, text=True)
     assert out.returncode == 0 and "usage: tokenloom" in out.stdout
+
+
+def test_serve_refuses_a_bad_admission_bound_before_loading_the_model(capsys, monkeypatch):
+    from tokenloom import cli
+    monkeypatch.setattr(cli, "make_llm", lambda args: pytest.fail("the model was loaded before the flags were checked"))
+    assert cli.main(["serve", "--max-pending-seqs", "0"]) == 2
+    assert "admission limit max_pending_seqs must be >= 1, got 0" in capsys.readouterr().err

@@ -160,13 +160,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from tokenloom.server import build_app, graceful, served_model_name
     from tokenloom.server.admission import AdmissionLimits
     check_engine_flags(args)
-    engine = AsyncLLMEngine.build(lambda: make_llm(args).engine)   # built on the thread that steps it
-    api_key = args.api_key or os.environ.get("TOKENLOOM_API_KEY")
-    name = args.served_model_name or served_model_name(engine.model_path)
-    limits = AdmissionLimits(
+    limits = AdmissionLimits(      # checked before the model loads: a bad bound fails at once
         max_seqs_per_request=args.max_seqs_per_request, max_pending_seqs=args.max_pending_seqs,
         max_pending_tokens=args.max_pending_tokens, max_running_per_request=args.max_running_per_request,
         max_running_per_client=args.max_running_per_client, default_max_tokens=args.default_max_tokens)
+    engine = AsyncLLMEngine.build(lambda: make_llm(args).engine)   # built on the thread that steps it
+    api_key = args.api_key or os.environ.get("TOKENLOOM_API_KEY")
+    name = args.served_model_name or served_model_name(engine.model_path)
     app = build_app(engine, name, api_key=api_key, max_body_bytes=args.max_body_bytes,
                     body_timeout_s=args.body_timeout, limits=limits, allowed_hosts=_allowed_hosts(args, api_key),
                     log_json=args.log_format == "json")
