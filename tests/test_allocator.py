@@ -52,8 +52,9 @@ def test_freed_large_tensors_are_reused_without_page_faults(where):
     touched = 4 * 20 * 6000 * 4 // resource.getpagesize()
     off, on = _faults("off", where), _faults("on", where)
     assert off > touched // 4, f"default glibc should fault fresh pages in ({off} faults, ~{touched} pages written)"
-    # heap fragmentation costs the odd fresh block (measured 2-9k faults main, 18-30k thread)
-    assert on < off // 5, f"kept memory should be reused without faults ({on} faults vs {off} without)"
+    # heap fragmentation costs the odd fresh block (measured 2-17k faults main, 0-72k thread, against
+    # ~300k without: the bound is a third, not a fifth, since one CI run saw 72k on the thread)
+    assert on < off // 3, f"kept memory should be reused without faults ({on} faults vs {off} without)"
 
 
 # The first step of a new size: page faults of one layer-shaped step in a fresh process, with
