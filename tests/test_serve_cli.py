@@ -74,9 +74,9 @@ print(json.dumps(latencies))
 def test_tokenizing_a_huge_prompt_does_not_block_the_server(default_model_dir, tmp_path):
     """A 4 MB prompt takes seconds to tokenize (then a 400: longer than the context); /health keeps
     answering meanwhile: never a pause of 0.5 s, and at most three samples over 100 ms (a shared
-    2-core CI machine showed 91, 174 and 289 ms among 38, with the tokenizer thread niced). The server and the /health monitor each
-    run in their own process, as deployed: the test process's own threads and collections are not
-    the server's."""
+    2-core CI machine showed 91, 174 and 289 ms among 38, with the tokenizer thread niced). The
+    server and the /health monitor each run in their own process, as deployed: the test
+    process's own threads and collections are not the server's."""
     import subprocess
     with ServeProcess(default_model_dir) as served:
         body = json.dumps({"prompt": "Hello world, this is a test. " * 140_000, "max_tokens": 2}).encode()
