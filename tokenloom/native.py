@@ -79,7 +79,20 @@ def _text_with_headers(source: Path) -> bytes:
     return text + b"".join((source.parent / h.decode()).read_bytes() for h in headers)
 
 
-def _build(source: Path, what: str, isa: str) -> bool:
+_modules: dict[Path, object] = {}
+
+
+def load_module(source: Path, what: str):
+    """Compile `source` as a Python extension module (pybind11, AVX2 flags) once per process and
+    return it; None, with one warning where a build fails, if it cannot be (as ``load``)."""
+    if source not in _modules:
+        _modules[source] = _build(source, what, "avx2", python_module=True) or None
+    return _modules[source]
+
+
+def _build(source: Path, what: str, isa: str, python_module: bool = False):
+    """Compile `source` for `isa` into torch's extension cache: True (or the module, where
+    `python_module`), False where it cannot be."""
     if os.environ.get("TOKENLOOM_NO_KERNELS") == "1" or not _HAS_ISA[isa]():
         return False
     from torch.utils.cpp_extension import get_default_build_root
@@ -89,9 +102,9 @@ def _build(source: Path, what: str, isa: str) -> bool:
     try:
         if not os.path.exists(os.path.join(get_default_build_root(), name, f"{name}.so")):
             log.info("compiling tokenloom's %s for %s (once, ~15 s)", what, isa)
-        build(name=name, sources=[str(source)], is_python_module=False,
-              extra_cflags=["-O3", *_ISA_FLAGS[isa], "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+        module = build(name=name, sources=[str(source)], is_python_module=python_module,
+                       extra_cflags=["-O3", *_ISA_FLAGS[isa], "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # no compiler, no ninja, a toolchain error: fall back, say why once
         log.warning("tokenloom's %s (%s) could not be built (%s); using the slower torch fallback", what, isa, e)
         return False
-    return True
+    return module if python_module else True

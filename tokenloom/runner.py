@@ -11,6 +11,7 @@ from tokenloom.attention import AttentionMetadata, reads_past_context
 from tokenloom.batch import SeqChunk, build_batch
 from tokenloom.kv_cache.paged import PagedKVCache
 from tokenloom.models.base import CausalLM
+from tokenloom.models.op_tape import StepTapes
 from tokenloom.outputs import RunnerOutput, SchedulerOutput, TokenLogprobs, describe_error
 from tokenloom.prompt_logprobs import chunk_targets, prompt_logprobs
 from tokenloom.sampling import Sampler, SamplingMetadata
@@ -31,6 +32,7 @@ class ModelRunner:
         # Blocks are cleared on their first write only where a reader looks past a sequence's
         # end (60 index_fill calls, ~1 ms, in most steps of a float32 SmolLM2 batch otherwise).
         self.zero_fresh_blocks = reads_past_context(kv_cache)
+        self.tapes = StepTapes(model, kv_cache) if self.device.type == "cpu" and StepTapes.usable(model) else None
 
     def reserve_activation_memory(self, max_tokens: int, dtype: torch.dtype) -> bool:
         """On the CPU, grow the heap once for the activations of a `max_tokens`-token step, so
@@ -60,6 +62,8 @@ class ModelRunner:
         batch = build_batch(chunks, self.kv_cache.block_size, self.device, self.kv_cache.null_block)
         if batch.fresh_blocks and self.zero_fresh_blocks:
             self.kv_cache.zero_blocks(torch.tensor(batch.fresh_blocks, dtype=torch.int64, device=self.device))
+        if self.tapes is not None:
+            return self.tapes.forward(batch.input_ids, batch.positions, batch.meta), batch.meta
         return self.model(batch.input_ids, batch.positions, batch.meta, self.kv_cache), batch.meta
 
     @torch.inference_mode()

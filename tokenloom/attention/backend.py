@@ -70,6 +70,12 @@ class StepAttention:
     def __call__(self, layer: int, qkv: torch.Tensor, norms: QKNorms | None = None) -> torch.Tensor:
         raise NotImplementedError
 
+    def step_tensors(self) -> list[torch.Tensor] | None:
+        """Every per-step tensor the layers' calls read, for a step whose layers may replay from a
+        tape (models/op_tape.py): the same calls for every step of these tensors' shapes, the
+        Python of __call__ deciding nothing from their values. None: this step runs eagerly."""
+        return None
+
 
 class TorchAttention(StepAttention):
     def __call__(self, layer: int, qkv: torch.Tensor, norms: QKNorms | None = None) -> torch.Tensor:
@@ -97,6 +103,10 @@ class KernelAttention(StepAttention):
         self.tables, self.ctx = cpu_decode.decode_inputs(meta) if self.decoding else (None, None)
         self.all_decode = len(self.decoding) == meta.num_seqs
         self.prompts = [] if self.all_decode else cpu_prefill.prefill_rows(meta)
+
+    def step_tensors(self) -> list[torch.Tensor] | None:
+        """All-decode steps: rope tables, cache slots, block tables, context lengths."""
+        return [*self.rope, self.meta.slot_mapping, self.tables, self.ctx] if self.all_decode else None
 
     def __call__(self, layer: int, qkv: torch.Tensor, norms: QKNorms | None = None) -> torch.Tensor:
         sh, meta = self.shape, self.meta

@@ -50,9 +50,11 @@ def decode_inputs(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _inputs(meta: AttentionMetadata, seqs: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Padded block tables (S, W) int64 and context lengths (S,) of `seqs`; same for every layer."""
+    """Padded block tables (S, W) int64 and context lengths (S,) of `seqs`; same for every layer.
+    W is a power of two: a growing context changes the step's shapes (and re-records its
+    tape, models/op_tape.py) log2 times, not every block."""
     if meta.decode_kernel_inputs is None:
-        meta.decode_kernel_inputs = (meta.padded_block_tables(seqs),
+        meta.decode_kernel_inputs = (meta.padded_block_tables(seqs, power_of_two=True),
                                      torch.tensor([meta.context_lens[i] for i in seqs], dtype=torch.int64))
     return meta.decode_kernel_inputs
 

@@ -35,9 +35,12 @@ class AttentionMetadata:
     def num_seqs(self) -> int:
         return len(self.query_lens)
 
-    def padded_block_tables(self, seqs: list[int]) -> torch.Tensor:
-        """Block tables of sequences `seqs`, (len(seqs), longest) int64 on the CPU, padded with the null block."""
+    def padded_block_tables(self, seqs: list[int], power_of_two: bool = False) -> torch.Tensor:
+        """Block tables of sequences `seqs`, (len(seqs), longest) int64 on the CPU, padded with the
+        null block (to a power-of-two width if asked)."""
         width = max(len(self.block_tables[i]) for i in seqs)
+        if power_of_two:
+            width = 1 << (width - 1).bit_length()
         tables = torch.full((len(seqs), width), self.null_block, dtype=torch.int64)
         for row, i in enumerate(seqs):
             tables[row, :len(self.block_tables[i])] = self.block_tables[i]

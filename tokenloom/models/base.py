@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from tokenloom.attention import AttentionMetadata
+from tokenloom.attention.backend import StepAttention
 from tokenloom.config import ModelConfig
 from tokenloom.kv_cache.paged import PagedKVCache
 
@@ -27,6 +28,10 @@ class CausalLM(nn.Module):
     packed_modules_mapping: ClassVar[dict[str, tuple[str, str | None]]] = {}
     ignored_checkpoint_keys: tuple[str, ...] = ()
     input_embedding_name: str = ""   # the nn.Embedding a tied output projection shares
+    # The layers run the same ops for every step of a given shape, with no data-dependent
+    # Python (a MoE router's .tolist() is): decode steps may replay from a tape (op_tape.py).
+    # Only for models whose forward is this class's: embed_and_plan, then run_layers.
+    replayable_layers: ClassVar[bool] = False
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -34,8 +39,23 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata, kv_cache: PagedKVCache) -> torch.Tensor:
-        """input_ids, positions: (T,) -> final hidden states (T, hidden). Writes the KV cache."""
+        """input_ids, positions: (T,) -> final hidden states (T, hidden). Writes the KV cache.
+        A model either overrides this or defines its two halves below."""
+        return self.run_layers(*self.embed_and_plan(input_ids, positions, meta, kv_cache))
+
+    def embed_and_plan(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                       kv_cache: PagedKVCache) -> tuple[torch.Tensor, StepAttention]:
+        """The step's embeddings (T, hidden) and its attention op, rope tables planned in."""
         raise NotImplementedError
+
+    def run_layers(self, h: torch.Tensor, attend: StepAttention) -> torch.Tensor:
+        """Embeddings (T, hidden) -> final hidden states (T, hidden), through every layer."""
+        raise NotImplementedError
+
+    @classmethod
+    def replays_decode_steps(cls) -> bool:
+        """Decode steps of this class may replay from a tape (see replayable_layers)."""
+        return cls.replayable_layers and cls.forward is CausalLM.forward
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, hidden) -> float32 logits (N, vocab)."""

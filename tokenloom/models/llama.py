@@ -85,6 +85,7 @@ class LlamaForCausalLM(CausalLM):
     ignored_checkpoint_keys = (r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",)
     # a family that differs only inside its layers (Gemma 3, OLMo 2) names its own
     decoder_layer: ClassVar[type[nn.Module]] = LlamaDecoderLayer
+    replayable_layers = True
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg)
@@ -121,8 +122,7 @@ class LlamaForCausalLM(CausalLM):
         rope = rope_cos_sin(self.inv_freq, positions, h.dtype, self.rope_scale)
         return h, plan_attention(self.attention_shape, meta, kv_cache, rope)
 
-    def forward(self, input_ids, positions, meta, kv_cache: PagedKVCache):
-        h, attend = self.embed_and_plan(input_ids, positions, meta, kv_cache)
+    def run_layers(self, h: torch.Tensor, attend: StepAttention) -> torch.Tensor:
         residual = None
         for i, layer in enumerate(self.model.layers):
             h, residual = layer.forward(h, residual, attend, i)

@@ -106,6 +106,8 @@ class MoeForCausalLM(LlamaForCausalLM):
     """Qwen2-MoE and Qwen3-MoE (checkpoint names ``mlp.gate``, ``mlp.experts.N.{gate,up,down}_proj``,
     ``mlp.shared_expert*``): Llama's forward with a SparseMoeBlock as the MLP of the sparse layers."""
 
+    replayable_layers = False       # a one-token step picks its experts in Python (.tolist())
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg)
         for i in cfg.moe.sparse_layers:

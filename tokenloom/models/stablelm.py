@@ -16,7 +16,6 @@ from torch import nn
 
 from tokenloom.attention.backend import StepAttention
 from tokenloom.config import ModelConfig
-from tokenloom.kv_cache.paged import PagedKVCache
 from tokenloom.models.layers import GatedMLP
 from tokenloom.models.llama import LlamaAttention, LlamaForCausalLM
 
@@ -75,8 +74,7 @@ class StableLmForCausalLM(LlamaForCausalLM):
         super().__init__(cfg)
         self.model.norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
 
-    def forward(self, input_ids, positions, meta, kv_cache: PagedKVCache):
-        h, attend = self.embed_and_plan(input_ids, positions, meta, kv_cache)
+    def run_layers(self, h: torch.Tensor, attend: StepAttention) -> torch.Tensor:
         for i, layer in enumerate(self.model.layers):
             h = layer.forward(h, attend, i)
         return self.model.norm(h)

@@ -71,6 +71,9 @@ class GGMLTensor:
     def nbytes(self) -> int:
         return self.data.numel()
 
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.data]
+
     def matmul_into(self, out: torch.Tensor, col0: int, xq: torch.Tensor) -> None:
         """out[:, col0 : col0 + N] = x @ self.T for xq = ops().quantize_activations(x)."""
         ops().matmul_into(out, col0, xq, self.in_features, self.data, self.kind)

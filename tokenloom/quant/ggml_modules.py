@@ -34,6 +34,9 @@ class QuantizedSegment:
     def nbytes(self) -> int:
         return self.q.nbytes
 
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.q.data, self.q.scales, self.q.offsets) if t is not None]
+
     def matmul_into(self, out: torch.Tensor, col0: int, x: torch.Tensor) -> None:
         out[:, col0:col0 + self.shape[0]] = self._run(x)
 
@@ -131,6 +134,10 @@ class GGMLLinear(nn.Module):
         x2 = _float_rows(x, self.in_features)
         y = self.segments[0][1].linear(x2, self.bias, silu_mul=True)
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features // 2)
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        """The weight's tensors, which are not registered buffers (models/op_tape.py asks)."""
+        return [t for _, s in self.segments for t in s.tensors()]
 
     @property
     def types(self) -> list[str]:

@@ -47,6 +47,9 @@ class GGUFPanels:
     def type_name(self) -> str:
         return KERNEL_TYPES[self.kind][0]
 
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.lo, self.hi, self.scale, self.offset) if t is not None]
+
     def matmul_into(self, out: torch.Tensor, col0: int, xq: torch.Tensor) -> None:
         ops().panel_matmul_into(out, col0, xq, self.in_features, self.kind, self.lo, self.hi, self.scale, self.offset)
 
