@@ -124,6 +124,19 @@ def test_loading_builds_the_cpu_kernels_before_the_first_forward(tiny_model_dir,
     assert "quant_cpu.cpp" in requested
 
 
+def test_a_kernel_already_built_is_not_announced_as_compiling(caplog):
+    """The "compiling ... (once, ~15 s)" line comes only when a build will run: it looked for the
+    .so outside torch's py311_cpu/ folder and printed on every start."""
+    import logging
+
+    from tokenloom import native
+    from tokenloom.models import fused
+    assert fused.build()                               # built (or loaded from the cache) once here
+    with caplog.at_level(logging.INFO, logger="tokenloom.native"):
+        assert native._build(fused._SOURCE, "fused decoder ops", "avx2")
+    assert not [r for r in caplog.records if "compiling" in r.getMessage()]
+
+
 def test_a_kernel_is_rebuilt_when_a_header_it_includes_changes(tmp_path):
     """The build cache is named by a hash of the source and its quoted includes."""
     from tokenloom import native

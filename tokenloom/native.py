@@ -95,12 +95,13 @@ def _build(source: Path, what: str, isa: str, python_module: bool = False):
     `python_module`), False where it cannot be."""
     if os.environ.get("TOKENLOOM_NO_KERNELS") == "1" or not _HAS_ISA[isa]():
         return False
-    from torch.utils.cpp_extension import get_default_build_root
+    from torch.utils.cpp_extension import _get_build_directory
     from torch.utils.cpp_extension import load as build
     digest = hashlib.sha1(_text_with_headers(source)).hexdigest()[:10]
     name = f"tokenloom_{source.stem}_{isa}_{digest}"
     try:
-        if not os.path.exists(os.path.join(get_default_build_root(), name, f"{name}.so")):
+        # torch builds under <root>/py311_cpu/<name>/ (its private helper names the folder)
+        if not os.path.exists(os.path.join(_get_build_directory(name, verbose=False), f"{name}.so")):
             log.info("compiling tokenloom's %s for %s (once, ~15 s)", what, isa)
         module = build(name=name, sources=[str(source)], is_python_module=python_module,
                        extra_cflags=["-O3", *_ISA_FLAGS[isa], "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
