@@ -76,3 +76,15 @@ def test_a_value_read_by_python_refuses_the_tape():
         return x * 2 if (x.sum() > 0).item() else x * 3      # the branch would be baked in
     with pytest.raises(NotReplayable, match="returns"):
         record(body, [torch.ones(3)], owned=set())
+
+
+def test_recording_does_not_import_dynamo():
+    """TorchDispatchMode wraps __torch_dispatch__ in a dynamo guard unless told not to, importing
+    torch._dynamo (~1 s) inside the first decode step."""
+    import subprocess
+    import sys
+    code = ("import sys, torch\nfrom tokenloom.models.op_tape import record\n"
+            "w = torch.ones(3)\nrecord(lambda x: x * w, [torch.ones(3)], {w.untyped_storage().data_ptr()})\n"
+            "print('torch._dynamo' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True).stdout.strip() == "False"

@@ -55,6 +55,12 @@ class _Recorder(TorchDispatchMode):
         super().__init__()
         self.calls: list[tuple[Any, tuple, dict, Any]] = []
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        """No dynamo guard around __torch_dispatch__: its wrapper imports torch._dynamo on the first
+        recording (~1 s inside the first decode step; tokenloom never compiles here)."""
+        return False
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         self.calls.append((func, args, kwargs or {}, out))
