@@ -28,7 +28,8 @@ def _generate(model: str, monkeypatch, tapes: bool, **kwargs):
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], llm.engine.runner.tapes
 
 
-@pytest.mark.parametrize("arch", ["llama_gqa", "qwen2", "qwen3", "phi3_partial_rotary", "olmo2", "stablelm"])
+@pytest.mark.parametrize("arch", ["llama_gqa", "qwen2", "qwen3", "phi3_partial_rotary", "olmo2", "stablelm", "gemma2",
+                                  "gemma3"])
 def test_taped_decode_is_bit_identical_to_eager(arch, tiny_model_dir, monkeypatch):
     folder = str(tiny_model_dir(arch))
     taped, tapes = _generate(folder, monkeypatch, tapes=True)
@@ -49,7 +50,8 @@ def test_taped_decode_on_gguf_blocks(quantize, tiny_model_dir, tmp_path, monkeyp
 
 
 def test_models_with_python_decisions_in_their_layers_are_not_taped(tiny_model_dir):
-    for arch, taped in [("llama_gqa", True), ("mixtral", False), ("gemma2", False), ("gpt2", False)]:
+    for arch, taped in [("llama_gqa", True), ("gemma2", True), ("mixtral", False), ("qwen2_moe", False),
+                        ("gpt2", False)]:
         llm = LLM(str(tiny_model_dir(arch)), kv_cache_memory=16 << 20)
         assert (llm.engine.runner.tapes is not None) is taped, arch
 

@@ -129,6 +129,26 @@ class KernelAttention(StepAttention):
         return out
 
 
+class LayerwiseAttention(StepAttention):
+    """One of several planned attention ops per layer: Gemma's sliding-window layers rotate with
+    their own rope base, so they get an op planned with those tables."""
+
+    def __init__(self, ops: list[StepAttention], op_of_layer: list[int]) -> None:
+        first = ops[0]
+        super().__init__(first.shape, first.meta, first.kv_cache, first.rope)
+        self.ops, self.op_of_layer = ops, op_of_layer
+
+    def __call__(self, layer: int, qkv: torch.Tensor, norms: QKNorms | None = None) -> torch.Tensor:
+        return self.ops[self.op_of_layer[layer]](layer, qkv, norms)
+
+    def step_tensors(self) -> list[torch.Tensor] | None:
+        """Every op's step tensors, each once (the ops share the step's slots and tables)."""
+        parts = [op.step_tensors() for op in self.ops]
+        if any(p is None for p in parts):
+            return None
+        return list({id(t): t for part in parts for t in part}.values())
+
+
 def _norm_in_place(qkv: torch.Tensor, norms: QKNorms, sh: AttentionShape) -> None:
     """Per-head RMSNorm of qkv's q and k columns, written back (T, (heads + 2 kv_heads) head_dim);
     each head row is one row of a 2-D norm, so both backends normalize with the same op."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tokenloom.attention.backend import StepAttention, plan_attention
+from tokenloom.attention.backend import LayerwiseAttention, StepAttention, plan_attention
 from tokenloom.config import ModelConfig
 from tokenloom.kv_cache.paged import PagedKVCache
 from tokenloom.models.layers import GatedMLP, RMSNorm, rope_cos_sin, rope_inv_freq
@@ -70,17 +70,18 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         super().init_buffers(device)
         self.local_inv_freq = rope_inv_freq(self.config.local_rope or self.config.rope, self.config.head_dim).to(device)
 
-    def forward(self, input_ids, positions, meta, kv_cache: PagedKVCache):
+    def embed_and_plan(self, input_ids, positions, meta, kv_cache: PagedKVCache
+                       ) -> tuple[torch.Tensor, StepAttention]:
+        """Scaled embeddings (T, hidden); sliding layers attend with the local rope base (Gemma 3)."""
         h = self.model.embed_tokens(input_ids)                                    # (T, hidden)
         h = h * torch.tensor(self.config.hidden_size ** 0.5).to(h.dtype)
         attend_full = plan_attention(self.attention_shape, meta, kv_cache,
                                      rope_cos_sin(self.inv_freq, positions, h.dtype, self.rope_scale))
-        attend_local = attend_full if self.config.local_rope is None else plan_attention(   # Gemma 2: one rope
-            self.attention_shape, meta, kv_cache, rope_cos_sin(self.local_inv_freq, positions, h.dtype))
-        residual = None
-        for i, layer in enumerate(self.model.layers):
-            h, residual = layer.forward(h, residual, attend_local if self.sliding[i] else attend_full, i)
-        return self.model.norm.add_forward(h, residual)[0]
+        if self.config.local_rope is None:                                        # Gemma 2: one rope
+            return h, attend_full
+        attend_local = plan_attention(self.attention_shape, meta, kv_cache,
+                                      rope_cos_sin(self.local_inv_freq, positions, h.dtype))
+        return h, LayerwiseAttention([attend_full, attend_local], [int(s) for s in self.sliding])
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = super().compute_logits(hidden)

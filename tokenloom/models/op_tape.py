@@ -129,21 +129,24 @@ class _TapeBuilder:
     def add(self, func, args: tuple, kwargs: dict, out) -> None:
         index = len(self.calls)
         returns = func._schema.returns
-        if not all(str(r.type) == "Tensor" for r in returns):
+        if not all(str(r.type) in ("Tensor", "List[Tensor]") for r in returns):
             raise NotReplayable(f"{func} returns {[str(r.type) for r in returns]}: the step's Python reads it")
         lists: dict[int, list[int]] = {}
         values = _schema_values(func, args, kwargs)
         constants, slots = zip(*(self._argument(func, v, index, lists, j) for j, v in enumerate(values))) \
             if values else ((), ())
-        outs = () if not returns else out if isinstance(out, tuple | list) else (out,)
-        out_slots = []
-        for o in outs:
-            if id(o) not in self.slot_of:
-                self.slot_of[id(o)] = len(self.slot_of)
-            out_slots.append(self.slot_of[id(o)])
+        outs = () if not returns else (out,) if len(returns) == 1 else out
+        out_slots = [[self._slot(t) for t in o] if str(r.type) == "List[Tensor]" else self._slot(o)
+                     for r, o in zip(returns, outs)]
         name, overload = func._schema.name, func._overloadname
         self.calls.append([name, "" if overload == "default" else overload, list(constants), list(slots),
                            out_slots, [], {j: list(s) for j, s in lists.items()}])
+
+    def _slot(self, tensor: torch.Tensor) -> int:
+        """The slot of a result (a new one, or its own where an op returns a tensor it was given)."""
+        if id(tensor) not in self.slot_of:
+            self.slot_of[id(tensor)] = len(self.slot_of)
+        return self.slot_of[id(tensor)]
 
     def build(self, output: torch.Tensor, num_inputs: int):
         """The compiled tape; each slot released after its last read, outputs nobody reads dropped."""
@@ -154,8 +157,9 @@ class _TapeBuilder:
             if slot >= num_inputs and slot != out_slot:
                 self.calls[index][5].append(slot)
         read = set(self.last_read) | {out_slot}
+        kept = lambda s: s if s in read else -1            # noqa: E731
         for call in self.calls:
-            call[4] = [s if s in read else -1 for s in call[4]]
+            call[4] = [[kept(e) for e in s] if isinstance(s, list) else kept(s) for s in call[4]]
         calls = [tuple(c) for c in self.calls]
         return tape_module().OpTape(calls, list(range(num_inputs)), out_slot, len(self.slot_of))
 

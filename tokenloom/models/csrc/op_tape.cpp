@@ -34,7 +34,8 @@ struct Call {
   std::vector<c10::IValue> constants;   // one per schema argument (None where a slot goes)
   std::vector<int64_t> arg_slots;       // one per schema argument, CONSTANT, or TENSOR_LIST
   std::vector<ListArg> lists;           // the TENSOR_LIST arguments, in argument order
-  std::vector<int64_t> out_slots;       // one per return, -1: dropped
+  std::vector<std::vector<int64_t>> out_slots;   // per return: {its slot}, or its elements' (Tensor[]); -1: dropped
+  std::vector<bool> returns_list;       // per return: a Tensor[] (split's)
   std::vector<int64_t> release;         // slots read for the last time by this call
 };
 
@@ -82,10 +83,16 @@ class OpTape {
         }
         constants.push_back(arg_slots[j] != CONSTANT ? c10::IValue() : constant(args[j], schema.arguments()[j]));
       }
-      auto out_slots = spec[4].cast<std::vector<int64_t>>();
+      std::vector<std::vector<int64_t>> out_slots;
+      std::vector<bool> returns_list;
+      for (const auto& slot : spec[4].cast<py::list>()) {
+        returns_list.push_back(py::isinstance<py::list>(slot));
+        out_slots.push_back(returns_list.back() ? slot.cast<std::vector<int64_t>>()
+                                                : std::vector<int64_t>{slot.cast<int64_t>()});
+      }
       TORCH_CHECK(out_slots.size() == schema.returns().size(), name, ": returns do not match the schema");
       calls_.push_back(Call{op, std::move(constants), std::move(arg_slots), std::move(lists), std::move(out_slots),
-                            spec[5].cast<std::vector<int64_t>>()});
+                            std::move(returns_list), spec[5].cast<std::vector<int64_t>>()});
     }
   }
 
@@ -113,8 +120,18 @@ class OpTape {
         }
       }
       call.op.callBoxed(stack);
-      for (size_t r = 0; r < call.out_slots.size(); ++r)
-        if (call.out_slots[r] >= 0) slots[call.out_slots[r]] = stack[r].toTensor();
+      for (size_t r = 0; r < call.out_slots.size(); ++r) {
+        const auto& to = call.out_slots[r];
+        if (!call.returns_list[r]) {
+          if (to[0] >= 0) slots[to[0]] = stack[r].toTensor();
+          continue;
+        }
+        const auto tensors = stack[r].toTensorList();
+        TORCH_CHECK(tensors.size() == to.size(), "a replayed call returned ", tensors.size(), " tensors, ",
+                    to.size(), " when recorded");
+        for (size_t e = 0; e < to.size(); ++e)
+          if (to[e] >= 0) slots[to[e]] = tensors[e];
+      }
       for (int64_t s : call.release) slots[s] = at::Tensor();
     }
     return slots[output_slot_];
