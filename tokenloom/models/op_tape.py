@@ -161,7 +161,7 @@ class _TapeBuilder:
         for call in self.calls:
             call[4] = [[kept(e) for e in s] if isinstance(s, list) else kept(s) for s in call[4]]
         calls = [tuple(c) for c in self.calls]
-        return tape_module().OpTape(calls, list(range(num_inputs)), out_slot, len(self.slot_of))
+        return tape_module().OpTape(calls, num_inputs, out_slot, len(self.slot_of))
 
 
 def record(body, inputs: list[torch.Tensor], owned: set[int]):
@@ -225,8 +225,10 @@ class StepTapes:
         if tape is not None:
             self.tapes.move_to_end(key)
             return tape.run(inputs)
+        if key in self.refused:
+            return self.model.run_layers(h, attend)
         self.seen[key] = self.seen.get(key, 0) + 1
-        if key in self.refused or self.seen[key] < RECORD_AT:
+        if self.seen[key] < RECORD_AT:
             if len(self.seen) > 64 * MAX_TAPES:       # shapes seen once or twice, long ago
                 self.seen.clear()
             return self.model.run_layers(h, attend)

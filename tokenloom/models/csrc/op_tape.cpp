@@ -8,7 +8,7 @@
 // calls the boxed kernel (~0.3-1 us), so the same kernels run on the same arguments in the
 // same order: the same bits as the eager forward.
 //
-// Values: slot i holds a tensor the step produces or takes as input. Argument j of call c is
+// Values: slot i holds a tensor the step produces or takes as input (the inputs: slots 0..n-1). Argument j of call c is
 // either a constant IValue (weights, the KV cache, shapes, scalars), slot `arg_slots[c][j]`, or
 // (arg_slots -2) a tensor list whose elements are slots or constant tensors (torch.cat's).
 // A slot is released after its last reader so that activations are freed as eagerly as in
@@ -17,6 +17,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -59,8 +60,8 @@ class OpTape {
   // calls: [(qualified name "lib::op", overload, args, arg_slots, out_slots, release, list_slots)]:
   // args one Python value per schema argument (ignored where arg_slots is >= 0; for a
   // TENSOR_LIST, the list with None where list_slots[j] names a slot).
-  OpTape(const py::list& calls, std::vector<int64_t> input_slots, int64_t output_slot, int64_t num_slots)
-      : input_slots_(std::move(input_slots)), output_slot_(output_slot), num_slots_(num_slots) {
+  OpTape(const py::list& calls, int64_t num_inputs, int64_t output_slot, int64_t num_slots)
+      : num_inputs_(num_inputs), output_slot_(output_slot), num_slots_(num_slots) {
     for (const auto& item : calls) {
       const auto spec = item.cast<py::tuple>();
       const auto name = spec[0].cast<std::string>(), overload = spec[1].cast<std::string>();
@@ -96,13 +97,13 @@ class OpTape {
     }
   }
 
-  // inputs in the order of input_slots -> the output slot's tensor after every call ran.
+  // inputs (slots 0..n-1) -> the output slot's tensor after every call ran.
   at::Tensor run(const std::vector<at::Tensor>& inputs) const {
-    TORCH_CHECK(inputs.size() == input_slots_.size(), "the tape takes ", input_slots_.size(), " inputs, got ",
+    TORCH_CHECK(static_cast<int64_t>(inputs.size()) == num_inputs_, "the tape takes ", num_inputs_, " inputs, got ",
                 inputs.size());
     py::gil_scoped_release no_gil;
     std::vector<at::Tensor> slots(num_slots_);
-    for (size_t i = 0; i < inputs.size(); ++i) slots[input_slots_[i]] = inputs[i];
+    std::copy(inputs.begin(), inputs.end(), slots.begin());
     torch::jit::Stack stack;
     for (const Call& call : calls_) {
       stack.clear();
@@ -141,15 +142,14 @@ class OpTape {
 
  private:
   std::vector<Call> calls_;
-  std::vector<int64_t> input_slots_;
-  int64_t output_slot_, num_slots_;
+  int64_t num_inputs_, output_slot_, num_slots_;
 };
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<OpTape>(m, "OpTape")
-      .def(py::init<const py::list&, std::vector<int64_t>, int64_t, int64_t>())
+      .def(py::init<const py::list&, int64_t, int64_t, int64_t>())
       .def("run", &OpTape::run)
       .def("__len__", &OpTape::size);
 }
