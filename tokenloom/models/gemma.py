@@ -58,7 +58,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         super().__init__(cfg)
         self.register_buffer("local_inv_freq", rope_inv_freq(cfg.local_rope or cfg.rope, cfg.head_dim),
                              persistent=False)
-        self.sliding = [w is not None for w in cfg.layer_windows()]
+        self.attend_of_layer = [int(w is not None) for w in cfg.layer_windows()]   # 1: local (sliding)
 
     def transform_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """Gemma's norms scale by (1 + w): keep 1 + w, computed in float32 as HF does per call."""
@@ -81,7 +81,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             return h, attend_full
         attend_local = plan_attention(self.attention_shape, meta, kv_cache,
                                       rope_cos_sin(self.local_inv_freq, positions, h.dtype))
-        return h, LayerwiseAttention([attend_full, attend_local], [int(s) for s in self.sliding])
+        return h, LayerwiseAttention([attend_full, attend_local], self.attend_of_layer)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = super().compute_logits(hidden)

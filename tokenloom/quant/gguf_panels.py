@@ -41,7 +41,7 @@ class GGUFPanels:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.lo, self.hi, self.scale, self.offset) if t is not None)
+        return sum(t.numel() * t.element_size() for t in self.tensors())
 
     @property
     def type_name(self) -> str:
