@@ -4,8 +4,8 @@
 Starts `tokenloom serve` (default admission limits) as a subprocess, then runs the same
 workload of 16 streaming clients (bench_http's closed loop over /v1/completions, greedy, EOS
 ignored; each names itself in `user`, the abuser does not, so it is known by its address)
-twice: alone, and while one abusive client sends, in a loop until the workload ends, every
-abuse of the server-under-abuse issue: a 2,000-prompt x n=16 burst, a 4 x n=16 request of
+twice: alone, and while one abusive client sends, in rounds (each abuse of a round at once)
+until the workload ends, every abuse of the server-under-abuse issue: a 2,000-prompt x n=16 burst, a 4 x n=16 request of
 4,096 tokens each (kept streaming), a 4 MB prompt, an anyOf x 5,000 JSON schema, a lone
 surrogate, a 2**64 seed, 10^5 stop strings, a body that never arrives, temperature 1e-45, beam
 search left by its client, and 300 requests at once. A probe times /health every 100 ms.
@@ -106,18 +106,19 @@ SIDE_ABUSES = ("hog", "slow", "beam", "crowd", "requests")
 
 
 async def abuser(base: str, done: asyncio.Event, answers: Counter, skip: set[str]) -> None:
+    """Until `done`: every single bad request, the left beam search and the crowd of 300, all at once,
+    in rounds; the hog and the slow body beside them from the start."""
     async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=400)) as http:
         side = [asyncio.create_task(_hog(http, base, done, answers))] if "hog" not in skip else []
         side += [asyncio.create_task(_slow_body(base, answers))] if "slow" not in skip else []
+
+        async def one(name: str, body) -> None:
+            answers[f"{name}: {await _post(http, base, body)}"] += 1
         while not done.is_set():
-            for name, body in abuses(base).items() if "requests" not in skip else ():
-                answers[f"{name}: {await _post(http, base, body)}"] += 1
-                if done.is_set():
-                    break
-            if "beam" not in skip:
-                await _left_beam_search(http, base, answers)
-            if "crowd" not in skip:
-                await _crowd(http, base, answers)
+            round_ = [one(name, body) for name, body in abuses(base).items()] if "requests" not in skip else []
+            round_ += [_left_beam_search(http, base, answers)] if "beam" not in skip else []
+            round_ += [_crowd(http, base, answers)] if "crowd" not in skip else []
+            await asyncio.gather(*round_)
             await asyncio.sleep(0.1)
         await asyncio.gather(*side, return_exceptions=True)
 

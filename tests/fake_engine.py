@@ -14,15 +14,18 @@ class FakeEngine:
     """Every sampled token is `1000 + number of tokens the request had`, so outputs are predictable."""
 
     def __init__(self, num_blocks: int, block_size: int = 4, max_num_batched_tokens: int = 64,
-                 max_num_seqs: int = 16, max_model_len: int = 1024, prefix_caching: bool = True) -> None:
+                 max_num_seqs: int = 16, max_model_len: int = 1024, prefix_caching: bool = True,
+                 fair_share_seqs: int | None = None) -> None:
         self.blocks = BlockManager(num_blocks, block_size, prefix_caching)
-        self.scheduler = Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens), self.blocks, max_model_len)
+        self.scheduler = Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens, fair_share_seqs), self.blocks,
+                                   max_model_len)
         self.requests: dict[str, Request] = {}
         self.arrivals = 0
         self.log: list[list[tuple[str, int]]] = []   # per step: (request id, tokens computed)
 
-    def add(self, rid: str, prompt: list[int], max_tokens: int) -> Request:
-        req = Request(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0), arrival=self.arrivals)
+    def add(self, rid: str, prompt: list[int], max_tokens: int, owner: str | None = None) -> Request:
+        req = Request(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0), arrival=self.arrivals,
+                      owner=owner)
         self.arrivals += 1
         self.scheduler.check_fits(len(prompt), max_tokens)      # as EngineCore.validate does
         self.scheduler.add(req)

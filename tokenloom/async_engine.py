@@ -99,10 +99,12 @@ class AsyncLLMEngine:
         self._thread.shutdown(wait=True)
 
     async def generate(self, prompt: str | list[int], params: SamplingParams,
-                       request_id: str | None = None, validated: bool = False) -> AsyncIterator[StepDelta]:
+                       request_id: str | None = None, validated: bool = False,
+                       owner: str | None = None) -> AsyncIterator[StepDelta]:
         """Stream one request's deltas. Raises ValueError at once for input the model cannot take
         (unless the caller has already run ``validate_request`` on it: `validated`), and
-        RequestError where the request failed in the engine (the others go on)."""
+        RequestError where the request failed in the engine (the others go on). `owner`: the
+        client it runs for (LLMEngine.enqueue)."""
         self._ensure_loop()
         rid = request_id if request_id is not None else f"async-{next(self._ids)}"
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -114,7 +116,7 @@ class AsyncLLMEngine:
             self.validate_request(ids, params)
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = queue
-        self._submit(lambda: self.engine.enqueue(rid, ids, params), rid)
+        self._submit(lambda: self.engine.enqueue(rid, ids, params, owner), rid)
         finished = False
         try:
             while not finished:

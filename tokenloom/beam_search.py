@@ -54,14 +54,14 @@ def beam_search(llm, prompt_ids: list[int], beam_width: int, max_tokens: int, le
 
 async def beam_search_async(engine, prompt_ids: list[int], beam_width: int, max_tokens: int,
                             length_penalty: float = 1.0, early_stopping: bool | str = False,
-                            n: int | None = None) -> list[BeamHypothesis]:
+                            n: int | None = None, owner: str | None = None) -> list[BeamHypothesis]:
     """The same search over an AsyncLLMEngine (the server): each step's beams run as requests
-    among everyone else's."""
+    among everyone else's (as `owner`'s, the client it runs for)."""
     import asyncio
     from contextlib import aclosing
 
     async def final(prompt: list[int], params: SamplingParams):
-        async with aclosing(engine.generate(prompt, params)) as stream:   # cancelled: aborted at once
+        async with aclosing(engine.generate(prompt, params, owner=owner)) as stream:   # cancelled: aborted at once
             async for delta in stream:
                 if delta.finished:
                     return delta.completion

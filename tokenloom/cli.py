@@ -277,6 +277,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
                        help="on SIGINT/SIGTERM, let requests in flight finish for this long, then abort them")
     serve.add_argument("--max-num-seqs", type=int, default=64, help="requests in the running batch at most")
+    serve.add_argument("--fair-share-seqs", type=int, default=32, metavar="N",
+                       help="while several clients run sequences, a step computes at most ceil(N / clients) of "
+                            "each client's (the others wait their turn), so one client's many sequences cannot "
+                            "slow every other client's tokens (default: 32)")
     _admission_flags(serve)
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     serve.add_argument("--log-format", default="text", choices=["text", "json"],

@@ -41,7 +41,8 @@ def make_llm(args: argparse.Namespace):
     memory = None if args.kv_cache_memory is None else int(args.kv_cache_memory * (1 << 30))
     return LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, kv_cache_memory=memory,
                kv_cache_fraction=args.kv_cache_fraction, enable_prefix_caching=args.enable_prefix_caching,
-               max_num_seqs=getattr(args, "max_num_seqs", 64), speculative=args.speculative,
+               max_num_seqs=getattr(args, "max_num_seqs", 64), fair_share_seqs=getattr(args, "fair_share_seqs", None),
+               speculative=args.speculative,
                quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, progress=True)
 
 

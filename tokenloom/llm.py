@@ -33,19 +33,20 @@ class LLM:
     """Batch generation over the engine. ``model`` is a folder or .gguf path (None: the default model);
     ``speculative`` turns on speculative decoding, e.g. "ngram,k=4" or "draft=PATH,k=4" (SpeculativeConfig);
     ``quantization`` stores weights as int8 / int4[-gN] / the GGUF file's own blocks ("gguf");
-    ``kv_cache_dtype="int8"`` stores keys and values as int8 with per-token scales."""
+    ``kv_cache_dtype="int8"`` stores keys and values as int8 with per-token scales;
+    ``fair_share_seqs`` divides each step's sequences between request owners (fair_share.py; a server's clients)."""
 
     def __init__(self, model: str | None = None, dtype: str = "auto", device: str = "cpu",
                  max_model_len: int | None = None, kv_cache_memory: int | None = None,
                  kv_cache_fraction: float | None = None, block_size: int = 16, enable_prefix_caching: bool = True,
-                 max_num_seqs: int = 64, max_num_batched_tokens: int = 8192,
+                 max_num_seqs: int = 64, max_num_batched_tokens: int = 8192, fair_share_seqs: int | None = None,
                  speculative: str | SpeculativeConfig | None = None, quantization: str | None = None,
                  kv_cache_dtype: str = "auto", progress: bool = False) -> None:
         cache = CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
                             kv_cache_fraction=kv_cache_fraction, enable_prefix_caching=enable_prefix_caching)
         config = EngineConfig(model=resolve_model(model), dtype=dtype, device=device, max_model_len=max_model_len,
-                              cache=cache, scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
-                                                                     max_num_batched_tokens=max_num_batched_tokens),
+                              cache=cache, scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens,
+                                                                     fair_share_seqs),
                               speculative=SpeculativeConfig.parse(speculative) if isinstance(speculative, str)
                               else speculative, quantization=quantization, kv_cache_dtype=kv_cache_dtype)
         self.engine = LLMEngine(config, progress=progress)

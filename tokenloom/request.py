@@ -33,6 +33,8 @@ class Request:
     params: SamplingParams
     eos_token_ids: frozenset[int] = frozenset()
     arrival: int = 0                                   # FCFS order
+    owner: str | None = None                           # the client it runs for (fair_share.py)
+    last_step: int = -1                                # the last scheduler step that computed it
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_preemptions: int = 0

@@ -17,6 +17,10 @@ after preemption are all that one rule:
    one that a running request has yet to compute (this step or a later chunk): requests
    that arrive together with a shared system prompt compute it once, then hit it,
    instead of each computing it side by side in the same step.
+3. with ``fair_share_seqs`` set, requests of several owners (a server's clients) take turns:
+   a step computes at most an owner's share of its sequences (fair_share.py); the others sit
+   the step out, and a waiting request whose owner has used its turns (and admitted one past
+   them) lets later ones pass.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from tokenloom.config import SchedulerConfig
+from tokenloom.fair_share import FairShare
 from tokenloom.kv_cache.block_manager import BlockManager
 from tokenloom.outputs import CoreOutput, RunnerOutput, ScheduledRequest, SchedulerOutput, describe_error
 from tokenloom.request import Request, RequestStatus
@@ -45,6 +50,8 @@ class Scheduler:
         self.waiting: list[Request] = []       # sorted by arrival
         self.running: list[Request] = []       # sorted by arrival
         self.num_preemptions = 0
+        self.num_steps = 0
+        self.turns = FairShare(config.fair_share_seqs) if config.fair_share_seqs is not None else None
         self.num_prompt_tokens_computed = 0      # prompt positions run through the model (prefill, recompute)
         self.num_generated_tokens = 0
         self.spec_steps = self.spec_draft_tokens = self.spec_accepted_tokens = 0   # summed over requests
@@ -70,9 +77,14 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         preemptions_before = self.num_preemptions
+        self.num_steps += 1
+        sitting_out = self.turns.begin(self.running) if self.turns is not None else set()
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if id(req) in sitting_out:
+                i += 1
+                continue
             spec = self._take_drafts(req, budget)
             n = min(req.num_tokens - req.num_computed_tokens, budget) + len(spec)
             if not spec and not self._allocate_or_preempt(req, n):
@@ -112,8 +124,12 @@ class Scheduler:
         if not self.waiting:
             return
         uncomputed = self._blocks_in_flight()
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[0]
+        j = 0
+        while j < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[j]
+            if self.turns is not None and not self.turns.may_admit(req):
+                j += 1                                 # its owner has had its turns this step
+                continue
             hits, partial = self._cached_prefix(req)
             if uncomputed and self._next_block_in_flight(req, len(hits), uncomputed):
                 break                                  # hit it next step instead of computing it twice
@@ -124,7 +140,7 @@ class Scheduler:
             self.blocks.record_lookup(req.num_tokens, computed)
             if req.num_preemptions == 0:
                 req.metrics.num_cached_prompt_tokens = computed
-            self.waiting.pop(0)
+            self.waiting.pop(j)
             req.num_computed_tokens = computed
             req.status = RequestStatus.RUNNING
             bisect.insort(self.running, req, key=_by_arrival)
@@ -161,6 +177,8 @@ class Scheduler:
         return hits, self.blocks.find_cached_partial(req.all_token_ids, hits)
 
     def _emit(self, out: SchedulerOutput, req: Request, n: int, spec: list[int] = ()) -> int:
+        if self.turns is not None:
+            self.turns.take(req, self.num_steps)
         samples = req.num_computed_tokens + n - len(spec) == req.num_tokens and req.params.max_tokens > 0
         out.scheduled.append(ScheduledRequest(req, n, samples, self.blocks.block_ids(req.request_id), list(spec)))
         return n

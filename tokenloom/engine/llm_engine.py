@@ -95,10 +95,13 @@ class LLMEngine:
         self.core.validate(prompt_token_ids, params)
         return self.enqueue(request_id, prompt_token_ids, params)
 
-    def enqueue(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
+    def enqueue(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                owner: str | None = None) -> Request:
         """Queue a request whose input ``validate_request`` has accepted (it is not checked again);
-        ValueError if the id is in use."""
-        req = Request(request_id, list(prompt_token_ids), params, self.core.eos_token_ids, next(self._arrivals))
+        ValueError if the id is in use. `owner` (a server's client) takes turns with other owners
+        where the scheduler divides steps between them (fair_share.py)."""
+        req = Request(request_id, list(prompt_token_ids), params, self.core.eos_token_ids, next(self._arrivals),
+                      owner=owner)
         self.core.add(req)
         self.output_processor.add(req)
         return req

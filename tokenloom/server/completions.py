@@ -43,7 +43,7 @@ class Completions:
         choices, completion_tokens = [], 0
         for p_index, ids in enumerate(prepared.prompt_ids):
             beams = await beam_search_async(engine, ids, req.beam_width, max_tokens, req.length_penalty,
-                                            req.early_stopping, req.n)
+                                            req.early_stopping, req.n, prepared.owner)
             prefix = prepared.prompt_texts[p_index] if req.echo else ""
             for beam in beams:
                 ended = beam.token_ids[-1] in engine.eos_token_ids

@@ -64,6 +64,11 @@ class Prepared:
         return sum(len(ids) for ids in self.prompt_ids)
 
     @property
+    def owner(self) -> str | None:
+        """The client it runs for (its turns in the engine's steps: fair_share.py)."""
+        return None if self.ticket is None else self.ticket.client
+
+    @property
     def ttft_s(self) -> float | None:
         return None if self.first_token_at is None else self.first_token_at - self.started
 
@@ -232,7 +237,8 @@ class OpenAIServing:
         finished = False
         try:
             stream = self.engine.generate(choice.prompt_ids, choice.params, validated=True,   # in _prepare
-                                          request_id=f"{prepared.response_id}-{choice.index}")
+                                          request_id=f"{prepared.response_id}-{choice.index}",
+                                          owner=prepared.owner)
             async with aclosing(stream):
                 async for delta in stream:
                     prepared.count(delta)

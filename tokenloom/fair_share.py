@@ -1,0 +1,56 @@
+"""Turns between owners: how many of one owner's sequences a step computes.
+
+A server labels each request with its client (its ``owner``). On a CPU a step's cost grows with
+the number of sequences in it, so a client running many sequences slows every other client's
+tokens, even with batch slots to spare. When requests of two or more owners run, a step computes
+at most ``share = ceil(seqs / owners)`` (at least 1) of each owner's sequences: an owner with
+more waits its turn, the ones stepped least recently first, so each of them still progresses.
+An owner whose turns are spent still admits one waiting request a step (its prompt's first
+chunk): new requests join the rotation instead of waiting behind the owner's running ones.
+With one owner (every offline run) nothing is held back, and skipping a step changes no token:
+a sequence computes the same tokens whenever it is stepped.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+
+from tokenloom.request import Request
+
+
+class FairShare:
+    """Per-step turns for ``seqs`` sequences divided between the owners of running requests."""
+
+    def __init__(self, seqs: int) -> None:
+        if seqs < 1:
+            raise ValueError(f"fair_share_seqs must be >= 1, got {seqs}")
+        self.seqs = seqs
+        self.share: int | None = None                # this step's turns per owner; None: unbounded
+        self.used: Counter = Counter()               # owner -> sequences this step computes
+        self.admitted_past_share: set[str | None] = set()
+
+    def begin(self, running: Iterable[Request]) -> set[int]:
+        """Start a step over `running`; the ids (``id(request)``) of the requests that sit it out."""
+        by_owner: dict[str | None, list[Request]] = {}
+        for req in running:
+            by_owner.setdefault(req.owner, []).append(req)
+        self.used.clear()
+        self.admitted_past_share.clear()
+        self.share = max(1, -(-self.seqs // len(by_owner))) if len(by_owner) > 1 else None
+        if self.share is None:
+            return set()
+        return {id(req) for reqs in by_owner.values() if len(reqs) > self.share
+                for req in sorted(reqs, key=lambda r: (r.last_step, r.arrival))[self.share:]}
+
+    def may_admit(self, req: Request) -> bool:
+        """Whether waiting req may join this step: its owner has a turn left, or has not yet
+        admitted one past its share this step."""
+        return self.share is None or self.used[req.owner] < self.share or req.owner not in self.admitted_past_share
+
+    def take(self, req: Request, step: int) -> None:
+        """req is computed in step `step`."""
+        if self.share is not None and self.used[req.owner] >= self.share:
+            self.admitted_past_share.add(req.owner)
+        self.used[req.owner] += 1
+        req.last_step = step
