@@ -67,6 +67,36 @@ def test_compiled_grammars_are_cached_and_bad_ones_are_clear_errors(smol_llm):
     assert smol_llm.engine.block_manager.num_used_blocks == 0
 
 
+def test_each_request_gets_its_own_matcher_copied_from_the_cached_one(smol_llm):
+    """Matchers handed out for one cached grammar are independent: tokens one consumes do not
+    move another, nor the next one handed out (they start at the constraint's beginning)."""
+    grammars = smol_llm.engine.grammars
+    spec = StructuredOutput.regex(r"(yes|no)")
+    tok = smol_llm.tokenizer
+    yes = tok.encode("yes")
+    first, second = grammars.matcher(spec), grammars.matcher(spec)
+    assert first.consume_tokens(yes) and first.is_accepting()
+    assert not second.is_accepting() and not second.is_error()
+    third = grammars.matcher(spec)
+    assert not third.is_accepting() and third.consume_tokens(tok.encode("no")) and third.is_accepting()
+
+
+def test_json_whitespace_between_tokens_is_bounded(smol_llm):
+    """Between JSON tokens: a space, or up to two newlines and 20 indentation characters; a model
+    cannot spend its tokens on whitespace forever. A schema's own x-guidance whitespace_pattern wins."""
+    grammars, tok = smol_llm.engine.grammars, smol_llm.tokenizer
+
+    def accepts(spec: StructuredOutput, text: str) -> bool:
+        ids = tok.encode(text)
+        return grammars.matcher(spec).validate_tokens(ids) == len(ids)
+    obj = StructuredOutput.json()
+    assert accepts(obj, '{\n' + ' ' * 20 + '"a": 1,\n\n  "b": [1, 2]\n}')
+    assert not accepts(obj, '{' + ' ' * 30)
+    assert not accepts(obj, '{"a": 1\n\n\n')
+    free = StructuredOutput.json({"type": "object", "x-guidance": {"whitespace_pattern": "[ ]*"}})
+    assert accepts(free, '{' + ' ' * 30)
+
+
 def test_server_response_format_and_guided_extensions(smol_llm):
     from tokenloom.async_engine import AsyncLLMEngine
     from tokenloom.server import build_app
