@@ -146,7 +146,7 @@ def test_sampler_leaves_the_callers_logits_untouched():
 
 
 def test_row_argmax_is_argmax_including_ties_and_nan():
-    from tokenloom.sampling.sampler import row_argmax
+    from tokenloom.sampling.filters import row_argmax
     x = torch.randn(5, 1000, generator=torch.Generator().manual_seed(0))
     x[1, 10] = x[1, 20] = x[1, 30] = 50.0          # ties: the first index wins
     x[2] = 0.0                                        # a whole row tied
@@ -161,7 +161,7 @@ def test_row_argmax_kernel_is_argmax_across_its_column_ranges(width):
     """The fused kernel splits wide rows into one column range per thread: ties across the
     ranges, NaN in a later range, all -inf rows, -0.0 vs 0.0, short rows and tails."""
     from tokenloom.models import fused
-    from tokenloom.sampling.sampler import row_argmax
+    from tokenloom.sampling.filters import row_argmax
     if not fused.build():
         pytest.skip("fused ops not built")
     g = torch.Generator().manual_seed(width)
@@ -177,3 +177,22 @@ def test_row_argmax_kernel_is_argmax_across_its_column_ranges(width):
     assert torch.equal(fused.row_argmax(x), x.argmax(dim=-1))
     narrower = x[:, 1:]                               # rows apart by more than their width
     assert torch.equal(row_argmax(narrower), narrower.argmax(dim=-1))
+
+
+def test_inverse_cdf_draw_follows_the_distribution_and_never_draws_a_zero():
+    """Zeros first, between and last; a probability of 1e-6 among them; seeded and unseeded rows."""
+    from tokenloom.sampling.sampler import inverse_cdf_draw
+    p = torch.tensor([0.0, 0.3, 0.0, 1e-6, 0.2, 0.5 - 1e-6, 0.0, 0.0])
+    n = DRAWS
+    gens = [torch.Generator().manual_seed(i) if i % 2 else None for i in range(n)]
+    counts = np.bincount(inverse_cdf_draw(p.repeat(n, 1), gens).numpy(), minlength=len(p))
+    _assert_follows(counts, p.double().numpy())
+
+
+def test_inverse_cdf_draw_at_the_top_of_u_takes_the_last_possible_token(monkeypatch):
+    """u just below 1 (times a total that rounds) must not run past the last nonzero token."""
+    from tokenloom.sampling import sampler
+    p = torch.tensor([[0.25, 0.75, 0.0, 0.0], [0.1, 0.2, 0.3, 0.4]])
+    monkeypatch.setattr(sampler.torch, "rand", lambda *a, **k: torch.full((a[0], 1), 1 - 2 ** -53,
+                                                                             dtype=torch.float64))
+    assert sampler.inverse_cdf_draw(p, [None, None]).tolist() == [1, 3]

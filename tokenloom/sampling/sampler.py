@@ -6,10 +6,13 @@ Steps, in order:
 2. processors: logit bias, min_tokens, repetition/frequency/presence penalties;
 3. greedy rows (temperature 0): argmax of the processed logits;
 4. other rows: divide by temperature, then keep the top-k, then the top-p
-   nucleus, then tokens with prob >= min_p x max prob; renormalize and draw
-   with the exponential race argmax(p / E), E ~ Exp(1), which samples exactly
-   from p without a device sync. Seeded rows draw E from their own generator, so
-   a seed reproduces its output whatever else is in the batch.
+   nucleus, then tokens with prob >= min_p x max prob; renormalize and draw by
+   inverting the cumulative distribution: one uniform u per row, the first token
+   whose float64 running sum of p exceeds u x the total (exact up to float64
+   rounding, without a device sync; one random number per row where the exponential
+   race argmax(p / E) draws one per vocabulary entry: 1 ms a row on a 49k vocabulary
+   on a CPU, 60 ms a step at batch 64). Seeded rows draw u from their own generator,
+   so a seed reproduces its output whatever else is in the batch.
 """
 
 from __future__ import annotations
@@ -22,23 +25,27 @@ import torch
 from tokenloom.explain.compute import explain_row
 from tokenloom.explain.records import StepRecord
 from tokenloom.outputs import TokenLogprobs
-from tokenloom.sampling.filters import greedy_and_distribution, row_argmax
+from tokenloom.sampling.filters import greedy_and_distribution
 from tokenloom.sampling.logprobs import logprob_entries
 from tokenloom.sampling.metadata import SamplingMetadata
 from tokenloom.sampling.processors import apply_processors
 
 
-def exponential_race(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
-    """One draw per row from `probs` (B, V): argmax(p / E), E ~ Exp(1)."""
-    noise = torch.empty_like(probs)
+def inverse_cdf_draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One draw per row from `probs` (B, V), rows summing to ~1: the first token whose running sum
+    exceeds u x the row's total, u ~ U[0, 1) from the row's generator (its own stream if seeded).
+    Tokens of probability 0 are never drawn (their running sum does not rise past the one before)."""
+    u = torch.empty(probs.shape[0], 1, dtype=torch.float64)
     unseeded = [i for i, g in enumerate(generators) if g is None]
     if unseeded:
-        noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_()
+        u[unseeded] = torch.rand(len(unseeded), 1, dtype=torch.float64)
     for i, g in enumerate(generators):
         if g is not None:
-            noise[i] = torch.empty(probs.shape[1]).exponential_(generator=g).to(probs.device)
-    return row_argmax(probs / noise)
-
+            u[i] = torch.rand(1, generator=g, dtype=torch.float64)
+    cdf = probs.to(torch.float64).cumsum(-1)                                # (B, V)
+    total = cdf[:, -1:]                                                     # (B, 1)
+    target = torch.minimum(u.to(cdf.device) * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True).squeeze(1)           # (B,): below total, so < V
 
 
 @dataclass(slots=True)
@@ -66,7 +73,7 @@ class Sampler:
             constrain(logits)
         chosen, rows, probs = greedy_and_distribution(logits, meta)
         if rows:
-            chosen[rows] = exponential_race(probs, [meta.generators[i] for i in rows])
+            chosen[rows] = inverse_cdf_draw(probs, [meta.generators[i] for i in rows])
         logprobs = ([None] * meta.num_rows if raw_logprobs is None
                     else logprob_entries(raw_logprobs, chosen, [p.logprobs for p in meta.params]))
         explanations: list[StepRecord | None] = [None] * meta.num_rows
