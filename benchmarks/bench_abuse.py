@@ -5,10 +5,11 @@ Starts `tokenloom serve` (default admission limits) as a subprocess, then runs t
 workload of 16 streaming clients (bench_http's closed loop over /v1/completions, greedy, EOS
 ignored; each names itself in `user`, the abuser does not, so it is known by its address)
 twice: alone, and while one abusive client sends, in rounds (each abuse of a round at once)
-until the workload ends, every abuse of the server-under-abuse issue: a 2,000-prompt x n=16 burst, a 4 x n=16 request of
-4,096 tokens each (kept streaming), a 4 MB prompt, an anyOf x 5,000 JSON schema, a lone
+until the workload ends, every abuse of the server-under-abuse issue: a 2,000-prompt x n=16
+burst, a 4 x n=16 request of 4,096 tokens each (kept streaming), a 4 MB prompt, an anyOf x 5,000 JSON schema, a lone
 surrogate, a 2**64 seed, 10^5 stop strings, a body that never arrives, temperature 1e-45, beam
-search left by its client, and 300 requests at once. A probe times /health every 100 ms.
+search left by its client, and 300 requests at once. A probe times /health every 100 ms. The
+abuser and the probe each run in a process of their own, as other clients would.
 
 Reported: the well-behaved clients' TTFT and TPOT (median, p99) alone and beside the abuser and
 their ratio (target: within 2x), their errors (target: 0), what the abuser was answered, /health's
@@ -18,8 +19,10 @@ Writes benchmarks/results/bench_abuse.json.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
+import os
 import sys
 import time
 from collections import Counter
@@ -123,29 +126,67 @@ async def abuser(base: str, done: asyncio.Event, answers: Counter, skip: set[str
         await asyncio.gather(*side, return_exceptions=True)
 
 
-async def probe(base: str, done: asyncio.Event, worst: list[float]) -> None:
+async def probe(base: str, done: asyncio.Event) -> float:
+    """/health every 100 ms until `done`; the worst latency seen."""
+    worst = 0.0
     async with httpx.AsyncClient(timeout=30) as http:
         while not done.is_set():
             started = time.perf_counter()
             await http.get(f"{base}/health")
-            worst[0] = max(worst[0], time.perf_counter() - started)
+            worst = max(worst, time.perf_counter() - started)
             await asyncio.sleep(0.1)
+    return worst
 
 
-async def phase(base: str, reqs, abusive: bool, skip: set[str]) -> tuple[dict, Counter, float, int]:
-    done, answers, worst = asyncio.Event(), Counter(), [0.0]
-    side = [asyncio.create_task(probe(base, done, worst))]
+async def side_role(role: str, base: str, skip: set[str]) -> None:
+    """This process is the probe or the abuser until its stdin closes; then it prints what it saw
+    as JSON. Each has a process of its own, as it would be another client: in the clients'
+    process, 300 requests at once delay that process's own event loop, and the probe would time
+    it instead of the server (seen: /health 2.6 s from inside, 8 ms from another process)."""
+    done, loop, stdin = asyncio.Event(), asyncio.get_running_loop(), sys.stdin.fileno()
+
+    def on_stdin() -> None:
+        if not os.read(stdin, 4096):                             # closed: time to stop
+            loop.remove_reader(stdin)
+            done.set()
+    loop.add_reader(stdin, on_stdin)
+    print("ready", flush=True)
+    if role == "probe":
+        print(json.dumps({"health_worst_s": await probe(base, done)}))
+    else:
+        answers: Counter = Counter()
+        await abuser(base, done, answers, skip)
+        print(json.dumps({"abuser_answers": dict(answers)}))
+
+
+async def _start_side(role: str, base: str, skip: set[str]) -> asyncio.subprocess.Process:
+    """The role's process, once it has started (its imports would otherwise share the first
+    second of the workload's CPU)."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, __file__, "--role", role, "--base", base, "--skip", *skip,
+        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
+    await proc.stdout.readline()
+    return proc
+
+
+async def _stop_side(proc: asyncio.subprocess.Process) -> dict:
+    out, _ = await proc.communicate(b"")          # stdin closed: the role ends and reports
+    return json.loads(out.decode().strip().splitlines()[-1])
+
+
+async def phase(base: str, reqs, abusive: bool, skip: set[str]) -> tuple[dict, dict, float, int]:
+    sides = [await _start_side("probe", base, skip)]
     if abusive:
-        side.append(asyncio.create_task(abuser(base, done, answers, skip)))
+        sides.append(await _start_side("abuser", base, skip))
         await asyncio.sleep(2)                                   # the abuse under way first
     errors = 0
     try:
         run = await _http_run(base, reqs, 16, users="good")      # 16 clients, each its own user
     except httpx.HTTPError:
         errors, run = 1, None
-    done.set()
-    await asyncio.gather(*side, return_exceptions=True)
-    return (run.summary() if run else {}), answers, worst[0], errors
+    reports = [await _stop_side(proc) for proc in sides]
+    answers = reports[1]["abuser_answers"] if abusive else {}
+    return (run.summary() if run else {}), answers, reports[0]["health_worst_s"], errors
 
 
 def blocks_in_use(base: str) -> float:
@@ -166,7 +207,12 @@ def main() -> None:
     p.add_argument("--skip", nargs="*", default=[], choices=SIDE_ABUSES,
                    help="leave these abuses out (to see what each costs): hog, slow (body), beam, crowd (300 "
                         "requests at once), requests (the single bad requests)")
+    p.add_argument("--role", choices=["probe", "abuser"], help=argparse.SUPPRESS)
+    p.add_argument("--base", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.role:
+        asyncio.run(side_role(args.role, args.base, set(args.skip)))
+        return
     model = args.model or str(hub.default_model_path())
     server = start_server(model, args.port, 64)
     base = f"http://127.0.0.1:{args.port}"

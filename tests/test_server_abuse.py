@@ -271,3 +271,69 @@ def test_beam_search_stops_when_its_client_leaves(base_url):
         time.sleep(0.2)
     assert seen == [0] * 5, seen
     assert_healthy(base_url)
+
+
+def test_per_client_turns_bound_each_client_alone_and_are_forgotten_after():
+    import asyncio
+
+    from tokenloom.server.admission import PerClientTurns
+
+    async def scenario():
+        turns, order = PerClientTurns(1), []
+
+        async def hold(client: str, name: str, seconds: float):
+            async with turns.turn(client):
+                order.append(f"{name} in")
+                await asyncio.sleep(seconds)
+                order.append(f"{name} out")
+        await asyncio.gather(hold("a", "a1", 0.2), hold("a", "a2", 0.01), hold("b", "b1", 0.01))
+        return order, len(turns)
+    order, left = asyncio.run(scenario())
+    assert order.index("b1 in") < order.index("a1 out")        # another client does not wait for a
+    assert order.index("a2 in") > order.index("a1 out")        # a's second waits for its first
+    assert left == 0
+
+
+def test_one_clients_slow_preparation_does_not_hold_every_worker(tiny_engine, monkeypatch):
+    """Requests of a client whose preparation takes 1.5 s each (a 4 MB prompt, a huge schema) use
+    one worker between them, so another client's request is prepared and answered at once, not
+    after them; past its bound of requests in preparation (2 here) the client gets 429, not the
+    others; each request runs as its client's (the engine's fair-share owner)."""
+    import threading
+
+    from tokenloom.async_engine import AsyncLLMEngine
+    from tokenloom.server import build_app
+    from tokenloom.server import serving as serving_module
+    monkeypatch.setattr(serving_module, "MAX_PREPARING_PER_CLIENT", 2)
+    app = build_app(AsyncLLMEngine(tiny_engine), "tiny")
+    serving = app.state.serving
+    prepare = serving.prepare_completion
+
+    def slow_for_some(req):
+        if req.user == "slow":
+            time.sleep(1.5)
+        return prepare(req)
+    serving.prepare_completion = slow_for_some
+    owners, enqueue = [], tiny_engine.enqueue
+    tiny_engine.enqueue = lambda rid, ids, params, owner=None: owners.append(owner) or enqueue(rid, ids, params, owner)
+    codes = []
+    try:
+        with ThreadedServer(app) as url:
+            body = {"prompt": [5, 6, 7], "max_tokens": 2, "ignore_eos": True}
+
+            def post_slow():
+                codes.append(httpx.post(f"{url}/v1/completions", json=body | {"user": "slow"}, timeout=60).status_code)
+            slow = [threading.Thread(target=post_slow) for _ in range(3)]
+            for t in slow:
+                t.start()
+                time.sleep(0.1)
+            started = time.perf_counter()
+            fast = httpx.post(f"{url}/v1/completions", json=body | {"user": "fast"}, timeout=60)
+            took = time.perf_counter() - started
+            for t in slow:
+                t.join()
+    finally:
+        del tiny_engine.enqueue
+    assert fast.status_code == 200 and took < 1.0, took
+    assert sorted(codes) == [200, 200, 429]
+    assert sorted(owners) == ["user:fast", "user:slow", "user:slow"]

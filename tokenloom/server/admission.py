@@ -15,6 +15,8 @@ so a client sending hundreds of requests at once takes its share of the batch, n
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from tokenloom.server.protocol import APIError
@@ -45,21 +47,54 @@ class AdmissionLimits:
                 raise ValueError(f"admission limit {name} must be >= 1, got {getattr(self, name)}")
 
 
+class PerClientTurns:
+    """At most `turns` holders at once per client (an asyncio semaphore each, kept while the
+    client has holders or waiters). Event-loop only."""
+
+    def __init__(self, turns: int) -> None:
+        self.turns = turns
+        self._clients: dict[str, tuple[asyncio.Semaphore, int]] = {}   # client -> (its turns, holders + waiters)
+
+    @asynccontextmanager
+    async def turn(self, client: str) -> AsyncIterator[None]:
+        """Wait for one of `client`'s turns, hold it for the block."""
+        turns, users = self._clients.get(client) or (asyncio.Semaphore(self.turns), 0)
+        self._clients[client] = (turns, users + 1)
+        try:
+            async with turns:
+                yield
+        finally:
+            turns, users = self._clients[client]
+            if users > 1:
+                self._clients[client] = (turns, users - 1)
+            else:
+                del self._clients[client]
+
+    def __len__(self) -> int:
+        return len(self._clients)
+
+    def users(self, client: str) -> int:
+        """The client's holders and waiters."""
+        return self._clients[client][1] if client in self._clients else 0
+
+
 class Ticket:
     """One admitted request's share of the pending counts; ``release()`` (idempotent) returns it."""
 
     def __init__(self, admission: Admission, seqs: int, tokens: int, client: str) -> None:
         self.admission, self.seqs, self.tokens, self.client = admission, seqs, tokens, client
         self.turns = asyncio.Semaphore(admission.limits.max_running_per_request)   # sequences in the engine
-        self.client_turns = admission.client_turns(client)                          # shared by its requests
         self.released = False
+
+    def client_turn(self):
+        """One of the client's running-sequence turns, shared by all its requests (async with)."""
+        return self.admission.running.turn(self.client)
 
     def release(self) -> None:
         if not self.released:
             self.released = True
             self.admission.pending_seqs -= self.seqs
             self.admission.pending_tokens -= self.tokens
-            self.admission.leave(self.client)
 
 
 class Admission:
@@ -68,20 +103,7 @@ class Admission:
     def __init__(self, limits: AdmissionLimits) -> None:
         self.limits = limits
         self.pending_seqs = self.pending_tokens = 0
-        self._clients: dict[str, tuple[asyncio.Semaphore, int]] = {}   # client -> (its turns, its tickets)
-
-    def client_turns(self, client: str) -> asyncio.Semaphore:
-        """The client's running-sequence turns, shared by its admitted requests (kept while it has any)."""
-        turns, tickets = self._clients.get(client) or (asyncio.Semaphore(self.limits.max_running_per_client), 0)
-        self._clients[client] = (turns, tickets + 1)
-        return turns
-
-    def leave(self, client: str) -> None:
-        turns, tickets = self._clients[client]
-        if tickets > 1:
-            self._clients[client] = (turns, tickets - 1)
-        else:
-            del self._clients[client]
+        self.running = PerClientTurns(limits.max_running_per_client)   # each client's sequences in the engine
 
     def admit(self, seqs: int, prompt_tokens: int, param: str, client: str = "") -> Ticket:
         """A ticket for `seqs` sequences holding `prompt_tokens` prompt tokens in all, or an

@@ -183,8 +183,8 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
 
     @app.post("/v1/completions")
     async def create_completion(req: CompletionRequest, request: Request):
-        prepared = request.state.log = await serving.off_loop(serving.prepare_completion, req)
         client = _client(req, request)
+        prepared = request.state.log = await serving.off_loop(serving.prepare_completion, req, client)
         if req.use_beam_search:
             serving.admit(prepared, client, req.beam_width * len(prepared.prompt_ids), "best_of")
             return await whole(completions.beam_response(req, prepared), prepared, request, lambda body: body)
@@ -193,7 +193,8 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(req: ChatCompletionRequest, request: Request):
-        prepared = request.state.log = await serving.off_loop(serving.prepare_chat, req)
-        return await respond(chat, req, serving.admit(prepared, _client(req, request)), request)
+        client = _client(req, request)
+        prepared = request.state.log = await serving.off_loop(serving.prepare_chat, req, client)
+        return await respond(chat, req, serving.admit(prepared, client), request)
 
     return app

@@ -28,7 +28,7 @@ from tokenloom.async_engine import AsyncLLMEngine
 from tokenloom.outputs import CompletionOutput, RequestError, StepDelta
 from tokenloom.sampling_params import SamplingParams
 from tokenloom.server import responses as R
-from tokenloom.server.admission import Admission, AdmissionLimits, Ticket, server_busy
+from tokenloom.server.admission import Admission, AdmissionLimits, PerClientTurns, Ticket, server_busy
 from tokenloom.server.metrics import ServerMetrics
 from tokenloom.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, param_named_in
 from tokenloom.server.streams import ShuttingDown, merge
@@ -81,7 +81,9 @@ class Prepared:
 
 
 PREPARE_WORKERS = 2            # threads that tokenize, template and compile grammars
+PREPARE_WORKERS_PER_CLIENT = 1  # of those, what one client's requests use at once (the rest wait)
 MAX_PREPARING = 32             # requests being prepared or waiting for a worker, at most
+MAX_PREPARING_PER_CLIENT = 8   # of those, one client's (its burst cannot fill the queue for the others)
 PREPARE_TIMEOUT_S = 30.0
 
 
@@ -111,6 +113,7 @@ class OpenAIServing:
                                           initializer=_lower_priority)
         self.cut = asyncio.Event()           # set when a graceful shutdown's time is up (begin_shutdown)
         self.preparing = 0
+        self.preparing_turns = PerClientTurns(PREPARE_WORKERS_PER_CLIENT)
         self.tokenizer = engine.tokenizer
         self.model_name = model_name
         self.max_model_len = engine.max_model_len
@@ -196,17 +199,23 @@ class OpenAIServing:
         return prepared
 
     async def off_loop(self, prepare: Callable[[CompletionRequest | ChatCompletionRequest], Prepared],
-                       req: CompletionRequest | ChatCompletionRequest) -> Prepared:
+                       req: CompletionRequest | ChatCompletionRequest, client: str = "") -> Prepared:
         """``prepare(req)`` on the worker pool: the event loop keeps serving others meanwhile.
-        429 when MAX_PREPARING requests are already being prepared, 408 past PREPARE_TIMEOUT_S
-        (the worker finishes that one and drops it)."""
+        A client's requests take PREPARE_WORKERS_PER_CLIENT workers at most (one client's 4 MB
+        prompts or huge schemas wait for each other, not every other client behind them). 429
+        when MAX_PREPARING requests are already being prepared or waiting, 408 past
+        PREPARE_TIMEOUT_S, waiting included (a worker finishes that one and drops it).
+        429 also when the client has MAX_PREPARING_PER_CLIENT requests there already."""
         if self.preparing >= MAX_PREPARING:
             raise server_busy(f"{self.preparing} requests are being prepared (tokenized, templated)",
                               self.admission.limits.retry_after_s)
+        if self.preparing_turns.users(client) >= MAX_PREPARING_PER_CLIENT:
+            raise server_busy(f"this client has {MAX_PREPARING_PER_CLIENT} requests being prepared already",
+                              self.admission.limits.retry_after_s)
         self.preparing += 1
         try:
-            work = asyncio.get_running_loop().run_in_executor(self.workers, prepare, req)
-            return await asyncio.wait_for(work, PREPARE_TIMEOUT_S)
+            async with asyncio.timeout(PREPARE_TIMEOUT_S), self.preparing_turns.turn(client):
+                return await asyncio.get_running_loop().run_in_executor(self.workers, prepare, req)
         except TimeoutError:
             raise APIError(408, f"preparing the request (tokenizing, chat template, grammar) took over "
                                 f"{PREPARE_TIMEOUT_S:g} s", type="timeout_error") from None
@@ -228,7 +237,7 @@ class OpenAIServing:
         records its metrics when it ends (aborted: 'abort')."""
         ticket = prepared.ticket
         async with (ticket.turns if ticket is not None else nullcontext(),       # the request's turn, then
-                    ticket.client_turns if ticket is not None else nullcontext(),   # the client's,
+                    ticket.client_turn() if ticket is not None else nullcontext(),  # the client's,
                     aclosing(self._run_choice(prepared, choice)) as stream):     # then it runs
             async for delta in stream:
                 yield delta
