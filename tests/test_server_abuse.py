@@ -151,6 +151,25 @@ def test_a_request_past_the_per_request_bound_is_400_naming_n(small_server):
     assert_healthy(small_server)
 
 
+def test_a_burst_past_the_per_request_bound_is_refused_before_any_tokenizing(tiny_engine):
+    """2,000 prompts x n=16 is a 400 naming n before one prompt is tokenized or one of its 32,000
+    sequences' parameters is built (that work held the GIL ~0.5 s beside the engine's steps)."""
+    from fastapi.testclient import TestClient
+
+    from tokenloom.async_engine import AsyncLLMEngine
+    from tokenloom.server import build_app
+    app = build_app(AsyncLLMEngine(tiny_engine), "tiny")
+    tokenized = []
+    prompt_ids = app.state.serving._prompt_ids
+    app.state.serving._prompt_ids = lambda *a: tokenized.append(a) or prompt_ids(*a)
+    with TestClient(app) as tc:
+        burst = tc.post("/v1/completions", json={"prompt": ["Hi there"] * 2000, "n": 16, "max_tokens": 1})
+        many = tc.post("/v1/completions", json={"prompt": ["Hi there"] * 65, "max_tokens": 1})
+    assert openai_error(burst, 400)["param"] == "n" and "32000 sequences" in burst.json()["error"]["message"]
+    assert openai_error(many, 400)["param"] == "prompt"
+    assert tokenized == []
+
+
 def test_a_full_server_answers_429_with_retry_after_then_recovers(small_server):
     long = {"prompt": "Once upon a time", "n": 4, "max_tokens": 200, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{small_server}/v1/completions", json=long, timeout=60) as stream:

@@ -105,13 +105,18 @@ class Admission:
         self.pending_seqs = self.pending_tokens = 0
         self.running = PerClientTurns(limits.max_running_per_client)   # each client's sequences in the engine
 
+    def check_size(self, seqs: int, param: str) -> None:
+        """APIError 400 (naming `param`) for a request of more sequences than one may have; checked
+        before its prompts are tokenized and its sequences' parameters built (2,000 prompts x n=16)."""
+        if seqs > self.limits.max_seqs_per_request:
+            raise APIError(400, f"this request asks for {seqs} sequences (prompts x n x beams); this server takes "
+                                f"at most {self.limits.max_seqs_per_request} per request", param)
+
     def admit(self, seqs: int, prompt_tokens: int, param: str, client: str = "") -> Ticket:
         """A ticket for `seqs` sequences holding `prompt_tokens` prompt tokens in all, or an
         APIError: 400 (naming `param`) past the per-request bound, 429 when the server is full."""
         limits = self.limits
-        if seqs > limits.max_seqs_per_request:
-            raise APIError(400, f"this request asks for {seqs} sequences (prompts x n x beams); this server takes "
-                                f"at most {limits.max_seqs_per_request} per request", param)
+        self.check_size(seqs, param)
         if self.pending_seqs + seqs > limits.max_pending_seqs or \
                 self.pending_tokens + prompt_tokens > limits.max_pending_tokens:
             raise server_busy(f"{self.pending_seqs} sequences with {self.pending_tokens} prompt tokens pending; at "

@@ -38,7 +38,7 @@ from tokenloom.server.middleware import (
     error_response,
 )
 from tokenloom.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
-from tokenloom.server.serving import OpenAIServing, request_failed, shutting_down
+from tokenloom.server.serving import OpenAIServing, request_failed, shutting_down, size_param
 from tokenloom.server.streams import ClientDisconnected, ShuttingDown, unless_disconnected
 
 log = logging.getLogger("tokenloom.server")
@@ -188,7 +188,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
         if req.use_beam_search:
             serving.admit(prepared, client, req.beam_width * len(prepared.prompt_ids), "best_of")
             return await whole(completions.beam_response(req, prepared), prepared, request, lambda body: body)
-        param = "n" if req.n > 1 or len(prepared.prompt_ids) == 1 else "prompt"
+        param = size_param(req.n, len(prepared.prompt_ids))
         return await respond(completions, req, serving.admit(prepared, client, param=param), request)
 
     @app.post("/v1/chat/completions")

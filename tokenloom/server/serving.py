@@ -82,8 +82,8 @@ class Prepared:
 
 PREPARE_WORKERS = 2            # threads that tokenize, template and compile grammars
 PREPARE_WORKERS_PER_CLIENT = 1  # of those, what one client's requests use at once (the rest wait)
-MAX_PREPARING = 32             # requests being prepared or waiting for a worker, at most
-MAX_PREPARING_PER_CLIENT = 8   # of those, one client's (its burst cannot fill the queue for the others)
+MAX_PREPARING = 64             # requests being prepared or waiting for a worker, at most
+MAX_PREPARING_PER_CLIENT = 32  # of those, one client's: its burst leaves the others room
 PREPARE_TIMEOUT_S = 30.0
 
 
@@ -95,6 +95,11 @@ def _lower_priority() -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
     except (AttributeError, OSError):       # not Linux, or not permitted: normal priority
         pass
+
+
+def size_param(n: int, num_prompts: int, prompt_param: str = "prompt") -> str:
+    """The parameter a too-large request is named by: n, unless it is 1 and there are many prompts."""
+    return "n" if n > 1 or num_prompts == 1 else prompt_param
 
 
 def sse(data: dict | str) -> str:
@@ -158,6 +163,7 @@ class OpenAIServing:
                  max_tokens_param: str = "max_tokens") -> Prepared:
         self.check_model(req.model)
         req.check_supported()
+        self.admission.check_size(len(prompts) * req.n, size_param(req.n, len(prompts), prompt_param))
         constraint, constraint_param = req.structured_output()
         if constraint is not None:
             try:
