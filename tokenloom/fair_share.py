@@ -23,9 +23,7 @@ class FairShare:
     """Per-step turns for ``seqs`` sequences divided between the owners of running requests."""
 
     def __init__(self, seqs: int) -> None:
-        if seqs < 1:
-            raise ValueError(f"fair_share_seqs must be >= 1, got {seqs}")
-        self.seqs = seqs
+        self.seqs = seqs                             # >= 1 (SchedulerConfig checks it)
         self.share: int | None = None                # this step's turns per owner; None: unbounded
         self.used: Counter = Counter()               # owner -> sequences this step computes
         self.admitted_past_share: set[str | None] = set()

@@ -58,14 +58,10 @@ class GrammarCompiler:
             if spec in self._cache:
                 self._cache.move_to_end(spec)
                 return self._cache[spec]
-        limits = llguidance.LLParserLimits(**LIMITS)
-        grammar = _to_grammar(spec)
-        error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer, limits=limits)
-        if error and not error.startswith("WARNING"):
-            raise ValueError(f"invalid {spec.kind.replace('_', ' ')}: {error.strip()}")
-        matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=limits)
-        if matcher.is_error():
-            raise ValueError(f"invalid {spec.kind.replace('_', ' ')}: {matcher.get_error()}")
+        matcher = llguidance.LLMatcher(self.tokenizer, _to_grammar(spec), log_level=0,    # compiles it
+                                       limits=llguidance.LLParserLimits(**LIMITS))
+        if matcher.is_error():         # the error validate_grammar would give, without compiling twice
+            raise ValueError(f"invalid {spec.kind.replace('_', ' ')}: {matcher.get_error().strip()}")
         with self._lock:
             self.compiled += 1
             self._cache[spec] = matcher
