@@ -81,6 +81,10 @@ class AsyncLLMEngine:
         """ValueError if a structured-output constraint does not compile (compiled once, cached)."""
         self.engine.check_constraint(constraint)
 
+    def grammar_special_tokens(self, texts: tuple[str, ...]) -> frozenset[str]:
+        """LLMEngine.grammar_special_tokens (read-only; the first call builds the grammar tokenizer)."""
+        return self.engine.grammar_special_tokens(texts)
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix; only while no request is in flight."""
         self.engine.reset_prefix_cache()

@@ -81,6 +81,11 @@ class LLMEngine:
         """ValueError if a structured-output constraint does not compile (compiled once, cached)."""
         self.core.grammars.grammar(constraint)
 
+    def grammar_special_tokens(self, texts: tuple[str, ...]) -> frozenset[str]:
+        """Those of `texts` that are one special token to the grammar engine (a grammar names them as
+        <token>, not as text)."""
+        return self.core.grammars.special_tokens(texts, lambda t: self.tokenizer.encode(t, add_special_tokens=False))
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (the next prompts compute from scratch)."""
         self.core.block_manager.reset_prefix_cache()

@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator
 
 from tokenloom.outputs import CompletionOutput, StepDelta
 from tokenloom.server import responses as R
+from tokenloom.server.chat_tools import ReplyStream, finish_reason, read_reply
 from tokenloom.server.protocol import ChatCompletionRequest
 from tokenloom.server.serving import OpenAIServing, Prepared
 
@@ -20,23 +21,33 @@ class ChatCompletions:
         return self.serving.fmt.chat(token_ids, logprobs or [], req.top_logprobs or 0)
 
     def response(self, req: ChatCompletionRequest, prepared: Prepared, outs: list[CompletionOutput]) -> dict:
+        """The whole chat.completion: each reply read into content, reasoning_content and tool_calls."""
         choices = []
+        features = self.serving.chat_features
         for c, out in zip(prepared.choices, outs):
-            body = {"index": c.index, "message": {"role": "assistant", "content": out.text},
+            reply = read_reply(out.text, prepared.prompt_texts[0], prepared.tool_mode, features,
+                               out.finish_reason == "length")
+            body = {"index": c.index, "message": reply.message(),
                     "logprobs": self._logprobs(req, out.token_ids, out.logprobs),
-                    "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}
+                    "finish_reason": finish_reason(out.finish_reason, bool(reply.tool_calls)),
+                    "stop_reason": out.stop_reason}
             choices.append(R.with_explanation(body, out.explanation, c.prompt_ids) if req.explain else body)
         completion_tokens = sum(len(o.token_ids) for o in outs)
         return R.envelope("chat.completion", prepared.response_id, prepared.created, self.serving.model_name,
                           choices, R.usage(prepared.prompt_tokens, completion_tokens, R.cached_tokens(outs)))
 
     def stream(self, req: ChatCompletionRequest, prepared: Prepared) -> AsyncIterator[str]:
-        """SSE events: a role chunk per choice, one chunk per delta, usage if asked, [DONE]."""
+        """SSE events: a role chunk per choice, one chunk per delta (content, reasoning_content and
+        tool_calls deltas as OpenAI streams them), usage if asked, [DONE]."""
         opening = [{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                     "finish_reason": None} for c in prepared.choices]
+        readers = [ReplyStream(prepared.prompt_texts[0], prepared.tool_mode, self.serving.chat_features)
+                   for _ in prepared.choices]
 
         def choice_of(index: int, delta: StepDelta) -> dict:
-            return {"index": index, "delta": {"content": delta.text_delta} if delta.text_delta else {},
+            reader = readers[index]
+            cut = delta.finished and delta.finish_reason == "length"
+            return {"index": index, "delta": reader.feed(delta.text_delta, delta.finished, cut),
                     "logprobs": self._logprobs(req, delta.new_token_ids, delta.logprobs),
-                    "finish_reason": delta.finish_reason if delta.finished else None}
+                    "finish_reason": finish_reason(delta.finish_reason, reader.has_calls) if delta.finished else None}
         return self.serving.stream_events(prepared, "chat.completion.chunk", req.include_usage, opening, choice_of)

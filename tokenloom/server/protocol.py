@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from tokenloom.sampling_params import SEED_LIMIT, SamplingParams
 from tokenloom.structured import StructuredOutput
+from tokenloom.tool_calling.messages import function_of
 
 MAX_STOP_STRINGS = 64          # each is matched against the text after every token
 MAX_STOP_CHARS = 1000
@@ -132,9 +133,10 @@ class _Sampling(BaseModel):
         except ValueError:
             raise APIError(400, "logit_bias keys must be token ids (integers as strings)", "logit_bias") from None
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
-                        ) -> SamplingParams:
-        """SamplingParams for one choice; ValueError from SamplingParams becomes a 400 naming the field."""
+    def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None,
+                        structured_output: StructuredOutput | None = None) -> SamplingParams:
+        """SamplingParams for one choice, constrained by `structured_output` (what structured_output()
+        gave, or the tools' grammar); ValueError from SamplingParams becomes a 400 naming the field."""
         if isinstance(self.stop, list) and any(not s for s in self.stop):
             raise APIError(400, "stop strings must be non-empty", "stop")
         set_fields = {name: getattr(self, name) for name in
@@ -146,7 +148,7 @@ class _Sampling(BaseModel):
                 stop=self.stop, stop_token_ids=self.stop_token_ids or [], seed=self.seed,
                 logit_bias=self._logit_bias(), ignore_eos=self.ignore_eos, logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens, explain=self.explain,
-                structured_output=self.structured_output()[0])
+                structured_output=structured_output)
         except ValueError as e:
             raise APIError(400, str(e), param_named_in(str(e))) from None
 
@@ -243,19 +245,72 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    model_config = STRICT
+    name: str
+    arguments: str                       # JSON text, as OpenAI sends it
+
+
+class ToolCallMessage(BaseModel):
+    """A call in an assistant message sent back in the history."""
+
+    model_config = STRICT
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = STRICT
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallMessage] | None = None       # assistant: the calls it made
+    tool_call_id: str | None = None                      # tool: the call this is the result of
 
-    def as_template_input(self) -> dict[str, str]:
+    def as_template_input(self) -> dict[str, Any]:
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": content or ""}
+        message: dict[str, Any] = {"role": role, "content": content or ""}
+        if self.tool_calls:
+            message["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+class FunctionDefinition(BaseModel):
+    model_config = STRICT
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None           # arguments always follow the schema here
+
+
+class ToolDefinition(BaseModel):
+    model_config = STRICT
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = STRICT
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = STRICT
+    type: Literal["function"]
+    function: NamedFunction
+
+
+MAX_TOOLS = 128                          # OpenAI's own bound
+RESERVED_TEMPLATE_KWARGS = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token")
 
 
 class ChatCompletionRequest(_Sampling):
@@ -266,13 +321,45 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     response_format: ResponseFormat | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    metadata: dict[str, str] | None = None                 # accepted, stored nowhere
+    chat_template_kwargs: dict[str, Any] | None = None     # vLLM's extension (e.g. enable_thinking)
 
     def check_supported(self) -> None:
-        if self.tools:
-            raise APIError(400, "tool calling is not supported", "tools")
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
+        reserved = sorted(set(self.chat_template_kwargs or ()) & set(RESERVED_TEMPLATE_KWARGS))
+        if reserved:
+            raise APIError(400, f"chat_template_kwargs may not set {', '.join(reserved)}", "chat_template_kwargs")
+
+    @property
+    def parallel_calls(self) -> bool:
+        """Several calls in one reply: parallel_tool_calls, except under a named tool_choice (one call)."""
+        return self.parallel_tool_calls and not isinstance(self.tool_choice, NamedToolChoice)
+
+    def tool_mode(self) -> tuple[str, list[dict[str, Any]]]:
+        """("none" | "auto" | "required", the functions the reply may call: all tools, or the one
+        named by tool_choice); APIError for tools or a tool_choice that cannot be honoured."""
+        choice = self.tool_choice
+        if not self.tools:
+            if choice not in (None, "none"):
+                raise APIError(400, "tool_choice needs tools", "tool_choice")
+            return "none", []
+        if len(self.tools) > MAX_TOOLS:
+            raise APIError(400, f"at most {MAX_TOOLS} tools", "tools")
+        try:
+            functions = [function_of(t.model_dump(exclude_none=True), i) for i, t in enumerate(self.tools)]
+        except ValueError as e:
+            raise APIError(400, str(e), "tools") from None
+        if isinstance(choice, NamedToolChoice):
+            named = [f for f in functions if f["name"] == choice.function.name]
+            if not named:
+                raise APIError(400, f"tool_choice names {choice.function.name!r}, which is not among the tools",
+                               "tool_choice")
+            return "required", named
+        return choice or "auto", functions
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

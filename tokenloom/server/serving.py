@@ -29,9 +29,11 @@ from tokenloom.outputs import CompletionOutput, RequestError, StepDelta
 from tokenloom.sampling_params import SamplingParams
 from tokenloom.server import responses as R
 from tokenloom.server.admission import Admission, AdmissionLimits, PerClientTurns, Ticket, server_busy
+from tokenloom.server.chat_tools import ChatFeatures, chat_turn, tool_constraint
 from tokenloom.server.metrics import ServerMetrics
 from tokenloom.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, param_named_in
 from tokenloom.server.streams import ShuttingDown, merge
+from tokenloom.structured import StructuredOutput
 from tokenloom.tokenizer import ChatTemplateError
 
 
@@ -58,6 +60,7 @@ class Prepared:
     started: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None   # for the request log (middleware.AccessLog)
     completion_tokens: int = 0
+    tool_mode: str = "none"               # chat: none | auto | required (server/chat_tools.py)
 
     @property
     def prompt_tokens(self) -> int:
@@ -111,8 +114,9 @@ class OpenAIServing:
     """Shared by /v1/completions and /v1/chat/completions."""
 
     def __init__(self, engine: AsyncLLMEngine, model_name: str, metrics: ServerMetrics,
-                 limits: AdmissionLimits | None = None) -> None:
+                 limits: AdmissionLimits | None = None, chat_features: ChatFeatures | None = None) -> None:
         self.engine = engine
+        self.chat_features = chat_features or ChatFeatures.for_template(engine.tokenizer.chat_template)
         self.admission = Admission(limits or AdmissionLimits())
         self.workers = ThreadPoolExecutor(PREPARE_WORKERS, thread_name_prefix="tokenloom-prepare",
                                           initializer=_lower_priority)
@@ -160,11 +164,11 @@ class OpenAIServing:
 
     def _prepare(self, req: CompletionRequest | ChatCompletionRequest, prefix: str, prompts: list[str | list[int]],
                  prompt_param: str, max_tokens: int | None, logprobs: int | None,
-                 max_tokens_param: str = "max_tokens") -> Prepared:
-        self.check_model(req.model)
-        req.check_supported()
-        self.admission.check_size(len(prompts) * req.n, size_param(req.n, len(prompts), prompt_param))
-        constraint, constraint_param = req.structured_output()
+                 max_tokens_param: str = "max_tokens",
+                 constraint: tuple[StructuredOutput | None, str] | None = None) -> Prepared:
+        """Validate `req` and make its choices; `constraint`: (structured output, the parameter it
+        comes from) in place of the request's own (the tools' grammar)."""
+        constraint, constraint_param = constraint or req.structured_output()
         if constraint is not None:
             try:
                 self.engine.check_constraint(constraint)
@@ -174,7 +178,8 @@ class OpenAIServing:
         for p_index, prompt in enumerate(prompts):
             ids = self._prompt_ids(prompt, prompt_param)
             base = req.sampling_params(self._max_tokens(max_tokens, len(ids), prompt_param, max_tokens_param),
-                                       logprobs, req.logprobs if getattr(req, "scores_prompt", False) else None)
+                                       logprobs, req.logprobs if getattr(req, "scores_prompt", False) else None,
+                                       constraint)
             for sample in range(req.n):
                 params = base.for_sample(sample)
                 try:
@@ -188,20 +193,40 @@ class OpenAIServing:
 
     def prepare_completion(self, req: CompletionRequest) -> Prepared:
         req.check_limits()
+        self._check_request(req, len(req.prompts()), "prompt")
         return self._prepare(req, "cmpl", req.prompts(), "prompt", req.max_tokens, req.logprobs)
+
+    def _check_request(self, req: CompletionRequest | ChatCompletionRequest, num_prompts: int,
+                       prompt_param: str) -> None:
+        """What can be refused before any tokenizing or templating."""
+        self.check_model(req.model)
+        req.check_supported()
+        self.admission.check_size(num_prompts * req.n, size_param(req.n, num_prompts, prompt_param))
 
     def prepare_chat(self, req: ChatCompletionRequest) -> Prepared:
         req.check_limits()
-        messages = [m.as_template_input() for m in req.messages]
+        self._check_request(req, 1, "messages")
+        turn = chat_turn(req, self.chat_features)
+        constraint = None
+        if req.structured_output()[0] is None:
+            tools_grammar = tool_constraint(turn, self.chat_features, self.engine, req.parallel_calls)
+            constraint = (tools_grammar, "tools") if tools_grammar is not None else None
+        elif turn.mode != "none":
+            raise APIError(400, "tools with response_format or guided_* are not supported together: the "
+                                "tools' grammar already constrains the reply (or set tool_choice none)", "tools")
+        if (turn.mode != "none" or self.chat_features.reasoning) and self.chat_features.markers_dropped(self.tokenizer):
+            req = req.model_copy(update={"skip_special_tokens": False})
         try:
-            prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        except (ChatTemplateError, jinja2.TemplateError) as e:
+            prompt = self.tokenizer.apply_chat_template(turn.messages, add_generation_prompt=True,
+                                                        tools=turn.template_tools, **(req.chat_template_kwargs or {}))
+        except (ChatTemplateError, jinja2.TemplateError, TypeError) as e:
             raise APIError(400, f"the chat template rejected the messages: {e}", "messages") from None
         ids = self.tokenizer.encode(prompt, add_special_tokens=False)
         max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         prepared = self._prepare(req, "chatcmpl", [ids], "messages", req.requested_max_tokens(), req.num_logprobs(),
-                                 max_param)
+                                 max_param, constraint)
         prepared.prompt_texts = [prompt]
+        prepared.tool_mode = turn.mode
         return prepared
 
     async def off_loop(self, prepare: Callable[[CompletionRequest | ChatCompletionRequest], Prepared],

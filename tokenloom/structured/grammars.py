@@ -45,6 +45,16 @@ class GrammarCompiler:
                                                      eos_token=self._eos or None)   # None: its own guess
         return self._tokenizer
 
+    def special_tokens(self, texts: tuple[str, ...], encode) -> frozenset[str]:
+        """Those of `texts` that are a single special token to llguidance (a grammar must name
+        them as <token>: their bytes never match a string); `encode(text)` gives a text's ids."""
+        found = set()
+        for text in texts:
+            ids = encode(text)
+            if len(ids) == 1 and self.tokenizer.is_special_token(ids[0]):
+                found.add(text)
+        return frozenset(found)
+
     def grammar(self, spec: StructuredOutput) -> None:
         """Compile `spec` (once: cached); ValueError naming what is wrong."""
         self._pristine(spec)

@@ -1,0 +1,158 @@
+"""What a chat request's tools and the model's reasoning change: the prompt, the grammar, and how
+the reply is read back (whole or streamed) into content, reasoning_content and tool_calls."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokenloom.structured import StructuredOutput
+from tokenloom.tool_calling import (
+    ReasoningStream,
+    ToolCallStream,
+    ToolFormat,
+    parse_tool_calls,
+    reasoning_enabled,
+    split_reasoning,
+    starts_thinking,
+    tool_format,
+    tool_grammar,
+)
+from tokenloom.tool_calling.grammar import no_call_grammar
+from tokenloom.tool_calling.messages import template_messages
+from tokenloom.tool_calling.reasoning import CLOSE, OPEN
+
+
+@dataclass
+class ChatFeatures:
+    """Server-wide: the model's tool-call format and whether replies carry think tags."""
+
+    tool_format: ToolFormat
+    reasoning: bool
+    _special: frozenset[str] | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @classmethod
+    def for_template(cls, chat_template: str | None, tool_parser: str | None = None,
+                     reasoning_parser: str | None = None) -> ChatFeatures:
+        """From the --tool-call-parser / --reasoning-parser values (None or "auto": from the
+        template); ValueError for an unknown name."""
+        return cls(tool_format(tool_parser, chat_template), reasoning_enabled(reasoning_parser, chat_template))
+
+    def markers_dropped(self, tokenizer) -> bool:
+        """Whether decoding with skip_special_tokens would drop the format's markers or the think
+        tags from the text (then the reply is decoded with them, or it could not be read back)."""
+        texts = self.tool_format.markers + ((OPEN, CLOSE) if self.reasoning else ())
+        return any(tokenizer.decode(tokenizer.encode(t, add_special_tokens=False)) != t for t in texts)
+
+    def special_markers(self, engine) -> frozenset[str]:
+        """The format's markers that are special tokens of the model (asked once)."""
+        with self._lock:
+            if self._special is None:
+                self._special = engine.grammar_special_tokens(self.tool_format.markers)
+            return self._special
+
+
+@dataclass
+class ChatTurn:
+    """One request's tools as the serving side needs them."""
+
+    mode: str                                  # none | auto | required
+    functions: list[dict[str, Any]]            # the tools the reply may call
+    template_tools: list[dict[str, Any]] | None  # what the template receives as `tools`
+    messages: list[dict[str, Any]]             # the template's input
+
+
+def chat_turn(req, features: ChatFeatures) -> ChatTurn:
+    """The request's messages and tools as the template takes them (tool_choice none: the tools are
+    not offered; calls and results already in the history are rendered all the same)."""
+    mode, functions = req.tool_mode()
+    offered = functions if mode != "none" else None
+    messages = template_messages([m.as_template_input() for m in req.messages], offered, features.tool_format)
+    template_tools = None
+    if offered and features.tool_format.renders_tools:
+        template_tools = [{"type": "function", "function": f} for f in offered]
+    return ChatTurn(mode, functions, template_tools, messages)
+
+
+def tool_constraint(turn: ChatTurn, features: ChatFeatures, engine, parallel: bool) -> StructuredOutput | None:
+    """The grammar that keeps the reply's calls valid (tool_calling/grammar.py), or under tool_choice
+    none one that keeps it from calling; None without tools."""
+    if not turn.functions:
+        return None
+    if turn.mode == "none":
+        return StructuredOutput.grammar(no_call_grammar(features.tool_format))
+    special = features.special_markers(engine)
+    return StructuredOutput.grammar(tool_grammar(turn.functions, features.tool_format, turn.mode, parallel, special))
+
+
+@dataclass
+class Reply:
+    """A finished reply read back: the message fields and the finish reason."""
+
+    content: str | None
+    reasoning: str | None
+    tool_calls: list[dict]
+
+    def message(self) -> dict[str, Any]:
+        body: dict[str, Any] = {"role": "assistant", "content": self.content}
+        if self.reasoning is not None:
+            body["reasoning_content"] = self.reasoning
+        if self.tool_calls:
+            body["tool_calls"] = self.tool_calls
+        return body
+
+
+def read_reply(text: str, prompt: str, turn_mode: str, features: ChatFeatures, cut: bool = False) -> Reply:
+    """Split a whole reply into reasoning, content and tool calls (`cut`: it ran out of max_tokens)."""
+    reasoning = None
+    if features.reasoning:
+        reasoning, text = split_reasoning(text, starts_thinking(prompt))
+    calls = []
+    if turn_mode != "none":
+        text, found = parse_tool_calls(text, features.tool_format, cut)
+        calls = [c.to_openai() for c in found]
+    return Reply(text if text or not calls else None, reasoning, calls)
+
+
+def finish_reason(reason: str | None, has_calls: bool) -> str | None:
+    """OpenAI's: a reply that ended by itself with calls finished for "tool_calls"."""
+    return "tool_calls" if has_calls and reason == "stop" else reason
+
+
+class ReplyStream:
+    """read_reply over a stream: feed(text_delta, finished) -> the OpenAI delta fields to send."""
+
+    def __init__(self, prompt: str, turn_mode: str, features: ChatFeatures) -> None:
+        self.reasoning = ReasoningStream(starts_thinking(prompt)) if features.reasoning else None
+        self.tools = ToolCallStream(features.tool_format) if turn_mode != "none" else None
+        self.has_calls = False
+
+    def feed(self, text_delta: str, finished: bool, cut: bool = False) -> dict[str, Any]:
+        """The delta fields for `text_delta`; `finished`: the last one (`cut`: by max_tokens)."""
+        delta: dict[str, Any] = {}
+        thought, text = "", text_delta
+        if self.reasoning is not None:
+            thought, text = self.reasoning.feed(text_delta)
+            if finished:
+                thought, text = _joined((thought, text), self.reasoning.finish())
+        if thought:
+            delta["reasoning_content"] = thought
+        if self.tools is not None:
+            said = self.tools.feed(text)
+            if finished:
+                rest = self.tools.finish(cut)
+                said.content += rest.content
+                said.tool_calls += rest.tool_calls
+                self.has_calls = bool(self.tools.calls)
+            text = said.content
+            if said.tool_calls:
+                delta["tool_calls"] = said.tool_calls
+        if text:
+            delta["content"] = text
+        return delta
+
+
+def _joined(first: tuple[str, str], second: tuple[str, str]) -> tuple[str, str]:
+    return first[0] + second[0], first[1] + second[1]

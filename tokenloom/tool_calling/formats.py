@@ -1,0 +1,82 @@
+"""How each model family writes tool calls, and which one a chat template uses.
+
+A format is text around JSON call objects ``{"name": ..., "<args_key>": {...}}``:
+
+    <section_open> <call_open> OBJECT <call_close> [<separator>] <call_open> OBJECT <call_close> ... <section_close>
+
+- ``hermes`` (Qwen2.5/Qwen3, SmolLM3, Hermes): ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``
+  per call. Small models trained on it (Qwen2.5-Coder-0.5B) often answer a call as the bare object,
+  without the tags; a reply that is nothing but call objects counts as calls (``bare``).
+- ``llama3_json`` (Llama 3.1/3.2/3.3): ``{"name": ..., "parameters": {...}}``, calls separated by ``;``.
+- ``mistral`` (Mistral v0.3 and later templates): ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]``.
+- ``generic``: the hermes syntax for a template that does not render tools itself: the tools and the
+  syntax go into a system message tokenloom writes (tool_calling/prompt.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+CALL_HEAD = '{"name": "'      # how every format's call object starts (what the grammars write)
+
+
+@dataclass(frozen=True)
+class ToolFormat:
+    """One family's tool-call syntax (module doc)."""
+
+    name: str
+    trigger: str                # text whose appearance opens the calls in free text
+    section_open: str = ""
+    section_close: str = ""
+    call_open: str = ""
+    call_close: str = ""
+    separator: str = ""         # between calls, besides whitespace
+    args_key: str = "arguments"
+    bare: bool = False          # a reply made only of call objects (no markers) is calls too
+    renders_tools: bool = True  # False: tokenloom writes the tool prompt (the template does not)
+
+    @property
+    def markers(self) -> tuple[str, ...]:
+        """The format's fixed texts that a vocabulary may hold as special tokens."""
+        texts = (self.trigger, self.section_open, self.section_close, self.call_open, self.call_close)
+        return tuple(sorted({t.strip() for t in texts if t.strip() and t.strip() != CALL_HEAD.strip()}))
+
+    def __post_init__(self) -> None:
+        opening = self.section_open + self.call_open + CALL_HEAD
+        if not opening.startswith(self.trigger):
+            raise ValueError(f"{self.name}: the trigger {self.trigger!r} must begin the calls {opening!r}")
+
+
+HERMES = ToolFormat("hermes", trigger="<tool_call>", call_open="<tool_call>\n", call_close="\n</tool_call>",
+                    separator="\n", bare=True)
+LLAMA3_JSON = ToolFormat("llama3_json", trigger=CALL_HEAD, separator="; ", args_key="parameters")
+MISTRAL = ToolFormat("mistral", trigger="[TOOL_CALLS]", section_open="[TOOL_CALLS][", section_close="]",
+                     separator=", ")
+GENERIC = ToolFormat("generic", trigger="<tool_call>", call_open="<tool_call>\n", call_close="\n</tool_call>",
+                     separator="\n", bare=True, renders_tools=False)
+
+FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, GENERIC)}
+
+
+def detect_format(chat_template: str | None) -> ToolFormat:
+    """The format a chat template teaches its model, from the markers it writes; GENERIC when the
+    template does not render tools at all (or there is no template)."""
+    source = chat_template or ""
+    if "tools" not in source:
+        return GENERIC
+    if "<tool_call>" in source:
+        return HERMES
+    if "[TOOL_CALLS]" in source:
+        return MISTRAL
+    if '"parameters"' in source or "<|python_tag|>" in source:
+        return LLAMA3_JSON
+    return GENERIC
+
+
+def tool_format(name: str | None, chat_template: str | None) -> ToolFormat:
+    """`name` (a --tool-call-parser value; "auto" or None: from the template). ValueError if unknown."""
+    if name in (None, "auto"):
+        return detect_format(chat_template)
+    if name not in FORMATS:
+        raise ValueError(f"unknown tool-call parser {name!r}; choose auto or one of {', '.join(FORMATS)}")
+    return FORMATS[name]

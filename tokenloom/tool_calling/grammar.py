@@ -1,0 +1,114 @@
+"""Grammars (llguidance's Lark) that make tool calls valid by construction.
+
+- ``required`` / a named function: the reply is calls only, in the format, each to a given tool
+  with arguments valid against that tool's JSON schema (one call, or several when parallel).
+- ``auto``: the reply is free text, or, once it opens a call (the format's trigger, or for a
+  ``bare`` format a reply that starts as a call object), schema-valid calls only. The free text
+  may not contain the trigger anywhere, so no branch of the grammar lets an invalid call through.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from tokenloom.structured.grammars import JSON_DEFAULTS
+from tokenloom.tool_calling.formats import CALL_HEAD, ToolFormat
+
+
+def _lit(text: str, special: frozenset[str] = frozenset()) -> str:
+    """`text` in Lark: string literals, and the `special` markers in it (texts that are one special
+    token of the vocabulary, which llguidance matches by token, not by bytes) as <token>.
+    "" for no text (_rule leaves it out)."""
+    parts, rest = [], text
+    while rest:
+        at = min(((rest.find(m), m) for m in special if m in rest), default=(len(rest), ""))
+        if at[0]:
+            parts.append(json.dumps(rest[:at[0]]))
+        if at[1]:
+            parts.append(at[1])
+        rest = rest[at[0] + len(at[1]):]
+    return " ".join(parts)
+
+
+def _rule(name: str, *parts: str) -> str:
+    """`name: part part ...`, without the empty parts."""
+    return f"{name}: {' '.join(p for p in parts if p)}"
+
+
+def _regex_escape(text: str) -> str:
+    """`text` as a literal inside a /regex/ (Rust regex syntax; / closes the Lark literal)."""
+    return re.sub(r"([\\^$.|?*+()\[\]{}/])", r"\\\1", text)
+
+
+def _schema(parameters: dict[str, Any]) -> str:
+    """A tool's parameters as the %json argument, with the server's whitespace rule unless set."""
+    schema = dict(parameters)
+    schema.setdefault("x-guidance", JSON_DEFAULTS)
+    return json.dumps(schema)
+
+
+def _not_containing(text: str) -> str:
+    """A regex (llguidance's syntax) for any text that does not contain `text`."""
+    return f"~/(?s:.*{_regex_escape(text)}.*)/"
+
+
+def tool_grammar(tools: list[dict[str, Any]], fmt: ToolFormat, mode: str, parallel: bool,
+                 special: frozenset[str] = frozenset()) -> str:
+    """The Lark grammar for `tools` ([{"name", "parameters"}] with parameters a JSON schema)
+    written in `fmt`; `mode`: "auto" or "required" (a named choice: pass only that tool);
+    `special`: the format's markers that are special tokens of the model (formats.markers)."""
+    if mode not in ("auto", "required"):
+        raise ValueError(f"tool grammar mode must be auto or required, got {mode!r}")
+    rules = ["%llguidance {}", *_call_rules(tools, fmt, parallel, special)]
+    if mode == "required":
+        rules.append("start: calls")
+    else:
+        rules += _auto_rules(fmt, parallel, special)
+    return "\n".join(rules) + "\n"
+
+
+def _call_rules(tools: list[dict[str, Any]], fmt: ToolFormat, parallel: bool, special: frozenset[str]) -> list[str]:
+    """named: what follows CALL_HEAD in a call to one of the tools; call, one (with its markers),
+    more (the calls after the first), calls (the whole section)."""
+    rules = []
+    for i, tool in enumerate(tools):      # {"name": "NAME", "<args_key>": <schema>}
+        rest = f'{tool["name"]}", "{fmt.args_key}": '
+        rules.append(_rule(f"named_{i}", _lit(rest), "%json", _schema(tool["parameters"]), _lit("}")))
+    rules.append(_rule("named", " | ".join(f"named_{i}" for i in range(len(tools)))))
+    rules.append(_rule("call", _lit(CALL_HEAD), "named"))
+    rules.append(_rule("one", _lit(fmt.call_open, special), "call", _lit(fmt.call_close, special)))
+    rules.append(_rule("more", f"({_rule('', _lit(fmt.separator), 'one')[2:]})*") if parallel else 'more: ""')
+    rules.append(_rule("calls", _lit(fmt.section_open, special), "one more", _lit(fmt.section_close, special)))
+    return rules
+
+
+def _free_text(fmt: ToolFormat) -> str:
+    """TEXT: what a reply may say outside calls: anything without the trigger, and for a bare
+    format nothing that begins as a call object."""
+    text = f"/(?s:.*)/ & {_not_containing(fmt.trigger)}"
+    if fmt.bare:
+        text += f" & ~/(?s:[ \\t\\n]*{_regex_escape(CALL_HEAD)}.*)/"
+    return f"TEXT: {text}"
+
+
+def no_call_grammar(fmt: ToolFormat) -> str:
+    """tool_choice none with tools offered before: a reply that cannot be (or begin) a call."""
+    return f"%llguidance {{}}\nstart: TEXT\n{_free_text(fmt)}\n"
+
+
+def _auto_rules(fmt: ToolFormat, parallel: bool, special: frozenset[str]) -> list[str]:
+    """auto: free text that never contains the trigger, or such text, the trigger (matched lazily:
+    the first occurrence opens the calls) and the calls; for a bare format also bare call objects."""
+    rules = []
+    if fmt.bare:
+        rules.append(_rule("bare", "call", f"({_lit(fmt.separator or chr(10))} call)*" if parallel else ""))
+    rest = (fmt.section_open + fmt.call_open + CALL_HEAD)[len(fmt.trigger):]
+    opened = ("opened" if fmt.trigger in special else "opened[lazy]")    # a special token ends TEXT by itself
+    rules += [_free_text(fmt),
+              _rule(opened, "TEXT", _lit(fmt.trigger, special)),
+              _rule("after_trigger", _lit(rest, special), "named", _lit(fmt.call_close, special), "more",
+                    _lit(fmt.section_close, special)),
+              "start: TEXT | opened after_trigger" + (" | bare" if fmt.bare else "")]
+    return rules

@@ -1,0 +1,103 @@
+"""Tools and tool turns on their way into a chat template.
+
+OpenAI clients send tools as ``{"type": "function", "function": {name, description, parameters}}``,
+an assistant's calls with ``arguments`` as JSON text, and results as ``role: "tool"`` messages.
+Templates that render tools (Qwen's, Llama's, Mistral's) take the tools as they are and a call's
+arguments as an object (they apply ``tojson`` themselves). For a template that does not (the
+``generic`` format), the tools and the call syntax go into the system message, calls become the
+assistant's text and results a user turn, in the hermes syntax the parser reads back.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from tokenloom.tool_calling.formats import ToolFormat
+
+_NAME = re.compile(r"^[a-zA-Z0-9_.-]{1,64}$")
+EMPTY_PARAMETERS = {"type": "object", "properties": {}}
+
+
+def function_of(tool: dict[str, Any], index: int) -> dict[str, Any]:
+    """{"name", "description", "parameters"} of an OpenAI tool; ValueError naming what is wrong."""
+    if tool.get("type", "function") != "function" or not isinstance(tool.get("function"), dict):
+        raise ValueError(f"tools[{index}] must be {{'type': 'function', 'function': {{...}}}}")
+    function = tool["function"]
+    name = function.get("name")
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise ValueError(f"tools[{index}].function.name must be 1-64 letters, digits, '_', '.' or '-', got {name!r}")
+    parameters = function.get("parameters") or EMPTY_PARAMETERS
+    if not isinstance(parameters, dict):
+        raise ValueError(f"tools[{index}].function.parameters must be a JSON schema object")
+    return {"name": name, "description": function.get("description") or "", "parameters": parameters}
+
+
+def _arguments_object(arguments: Any) -> Any:
+    """A call's arguments as the templates expect them: an object (JSON text is parsed)."""
+    if isinstance(arguments, str):
+        try:
+            return json.loads(arguments)
+        except ValueError:
+            return arguments
+    return arguments
+
+
+def template_messages(messages: list[dict[str, Any]], functions: list[dict[str, Any]] | None,
+                      fmt: ToolFormat) -> list[dict[str, Any]]:
+    """OpenAI-shaped messages (content as text) as the template takes them (module doc);
+    `functions`: the tools offered this turn (function_of), or None."""
+    if not fmt.renders_tools:
+        return _generic_messages(messages, functions)
+    out = []
+    for m in messages:
+        m = dict(m)
+        if m.get("tool_calls"):
+            m["tool_calls"] = [{**c, "function": {**c["function"],
+                                                  "arguments": _arguments_object(c["function"]["arguments"])}}
+                               for c in m["tool_calls"]]
+        out.append(m)
+    return out
+
+
+def _call_text(call: dict[str, Any]) -> str:
+    function = call["function"]
+    body = json.dumps({"name": function["name"], "arguments": _arguments_object(function["arguments"])})
+    return f"<tool_call>\n{body}\n</tool_call>"
+
+
+def _generic_messages(messages: list[dict[str, Any]], functions: list[dict[str, Any]] | None
+                      ) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        if m["role"] == "tool":          # results: a user turn the model reads them in
+            text = f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"
+            if out and out[-1].get("tool_results"):
+                out[-1]["content"] += "\n" + text
+            else:
+                out.append({"role": "user", "content": text, "tool_results": True})
+        elif m["role"] == "assistant" and m.get("tool_calls"):
+            parts = [m.get("content") or ""] + [_call_text(c) for c in m["tool_calls"]]
+            out.append({"role": "assistant", "content": "\n".join(p for p in parts if p)})
+        else:
+            out.append({"role": m["role"], "content": m.get("content") or ""})
+    for m in out:
+        m.pop("tool_results", None)
+    if functions:
+        prompt = generic_tool_prompt(functions)
+        if out and out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": f"{out[0]['content']}\n\n{prompt}"}
+        else:
+            out.insert(0, {"role": "system", "content": prompt})
+    return out
+
+
+def generic_tool_prompt(functions: list[dict[str, Any]]) -> str:
+    """The system text that offers `functions` to a model whose template has no tool support."""
+    listed = "\n".join(json.dumps({"type": "function", "function": f}) for f in functions)
+    return ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+            f"You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{listed}\n"
+            "</tools>\n\nFor each function call, return a json object with function name and arguments within "
+            "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+            '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')

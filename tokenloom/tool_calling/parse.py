@@ -1,0 +1,258 @@
+"""Reading tool calls out of a model's text, whole or as it grows.
+
+``scan(text, fmt)`` reads as far as `text` goes: the content before the calls, and each call
+seen so far with its name (once complete) and its arguments' JSON text (as much as there is).
+It never raises: text that stops following the format marks the scan ``malformed`` there.
+``parse_tool_calls`` is the final reading: the calls if every one is complete and well-formed,
+otherwise the whole text as content (a malformed call comes back as text, never an error).
+A call's ``arguments`` is the model's own JSON text of the object, so a stream's argument
+deltas concatenate to exactly what a whole response carries.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+
+from tokenloom.tool_calling.formats import CALL_HEAD, ToolFormat
+
+_WS = re.compile(r"\s*")
+_ARGS_KEYS = ("arguments", "parameters")
+
+
+@dataclass
+class PartialCall:
+    """A call as far as the text goes."""
+
+    name: str | None = None          # once its string is complete
+    arguments: str = ""              # the arguments object's JSON text so far
+    complete: bool = False           # the whole call (object and closing marker) has been read
+
+
+@dataclass
+class Scan:
+    content: str                     # text before the calls (all of it when there are none)
+    calls: list[PartialCall] = field(default_factory=list)
+    calls_start: int | None = None   # where the calls begin in the text
+    malformed: bool = False          # the text stopped following the format
+    trailing: str = ""               # non-space text after the last complete call (kept as content)
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A finished call in OpenAI's terms."""
+
+    name: str
+    arguments: str                   # JSON text of an object
+    id: str = field(default_factory=lambda: new_call_id())
+
+    def to_openai(self) -> dict:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+# ---- JSON pieces at a position: end index, or None while the text ends inside them ---------------
+def _string_end(text: str, pos: int) -> int | None:
+    """text[pos] is '"': the index after the closing quote (None: not closed yet)."""
+    i = pos + 1
+    while i < len(text):
+        c = text[i]
+        if c == "\\":
+            i += 2
+            continue
+        if c == '"':
+            return i + 1
+        i += 1
+    return None
+
+
+def _value_end(text: str, pos: int) -> int | None:
+    """The index after the JSON value starting at `pos` (None: it has not ended yet). Brackets are
+    only counted, not checked: json.loads of the slice decides whether it is valid."""
+    if text[pos] == '"':
+        return _string_end(text, pos)
+    if text[pos] not in "[{":
+        m = re.compile(r"[^\s,}\]]*").match(text, pos)
+        return m.end() if m.end() < len(text) else None      # a number may still be growing
+    depth, i = 0, pos
+    while i < len(text):
+        c = text[i]
+        if c == '"':
+            end = _string_end(text, i)
+            if end is None:
+                return None
+            i = end
+            continue
+        if c in "[{":
+            depth += 1
+        elif c in "]}":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+        i += 1
+    return None
+
+
+def _skip_ws(text: str, pos: int) -> int:
+    return _WS.match(text, pos).end()
+
+
+def _expect(text: str, pos: int, literal: str) -> tuple[int, bool | None]:
+    """Match `literal` at `pos` (whitespace around it is free): (position after it, True);
+    (pos, None) when the text ends partway through it; (pos, False) when something else is there."""
+    if not literal.strip():
+        return _skip_ws(text, pos), True
+    start = _skip_ws(text, pos)
+    want = literal.strip()
+    got = text[start:start + len(want)]
+    if got == want:
+        return start + len(want), True
+    return pos, None if want.startswith(got) and start + len(got) == len(text) else False
+
+
+def _scan_object(text: str, pos: int, call: PartialCall) -> tuple[int, bool | None]:
+    """Read a call object at `pos` into `call` (name, arguments so far). Returns (end, True) when
+    it closed as a valid call, (pos, None) while it is incomplete, (pos, False) when it is not one."""
+    i = _skip_ws(text, pos)
+    if i == len(text):
+        return pos, None
+    if text[i] != "{":
+        return pos, False
+    i += 1
+    while True:
+        i = _skip_ws(text, i)
+        if i == len(text):
+            return pos, None
+        if text[i] == "}":
+            call.arguments = call.arguments or "{}"          # a call without arguments takes none
+            if call.name is None or not _valid_arguments(call.arguments):
+                return pos, False
+            return i + 1, True
+        key_end = _string_end(text, i) if text[i] == '"' else -1
+        if key_end == -1:
+            return pos, False
+        if key_end is None:
+            return pos, None
+        key = json.loads(text[i:key_end])
+        i, ok = _expect(text, key_end, ":")
+        if not ok:
+            return pos, ok
+        i = _skip_ws(text, i)
+        if i == len(text):
+            return pos, None
+        end = _value_end(text, i)
+        if key in _ARGS_KEYS and text[i] == "{":
+            call.arguments = text[i:len(text) if end is None else end]     # grows while it streams
+        if end is None:
+            return pos, None
+        if key == "name":
+            name = json.loads(text[i:end]) if text[i] == '"' else None
+            if not isinstance(name, str) or not name:
+                return pos, False
+            call.name = name
+        elif key in _ARGS_KEYS and text[i] != "{":
+            return pos, False
+        i = _skip_ws(text, end)
+        if i < len(text) and text[i] == ",":
+            i += 1
+
+
+def _valid_arguments(arguments: str) -> bool:
+    try:
+        return isinstance(json.loads(arguments), dict)
+    except ValueError:
+        return False
+
+
+def _calls_start(text: str, fmt: ToolFormat) -> tuple[int | None, bool]:
+    """Where the calls begin: (index, bare?). (None, False) if they have not begun; the content
+    then is the text less a tail that could still turn into the opening."""
+    found = text.find(fmt.trigger)
+    if found >= 0:
+        return found, False
+    if fmt.bare:
+        first = _skip_ws(text, 0)
+        if text.startswith(CALL_HEAD, first):
+            return first, True
+    return None, False
+
+
+def _held_back(text: str, fmt: ToolFormat) -> int:
+    """How many characters at the end of `text` could be the start of the calls' opening."""
+    if fmt.bare:
+        rest = text.lstrip()
+        if CALL_HEAD.startswith(rest):
+            return len(text)
+    for n in range(min(len(fmt.trigger) - 1, len(text)), 0, -1):
+        if fmt.trigger.startswith(text[-n:]):
+            return n
+    return 0
+
+
+def scan(text: str, fmt: ToolFormat) -> Scan:
+    """Read `text` as far as it goes (module doc)."""
+    start, bare = _calls_start(text, fmt)
+    if start is None:
+        return Scan(text[:len(text) - _held_back(text, fmt)])
+    result = Scan(text[:start], calls_start=start)
+    i = start
+    if not bare:
+        i, ok = _expect(text, i, fmt.section_open)
+        if not ok:
+            result.malformed = ok is False
+            return result
+    opening, closing = ("", "") if bare else (fmt.call_open, fmt.call_close)
+    separator = "" if bare else fmt.separator
+    while True:
+        if result.calls:                 # after a call: another, or the end of the section
+            after_sep, sep_ok = _expect(text, i, separator)
+            _, open_ok = _expect(text, after_sep if sep_ok else i, opening or "{")
+            if not (sep_ok and open_ok):
+                return _section_end(text, i, fmt, bare, result)
+            i = after_sep
+        call = PartialCall()
+        result.calls.append(call)
+        i, ok = _expect(text, i, opening)
+        if ok:
+            i, ok = _scan_object(text, i, call)
+        if ok:
+            i, ok = _expect(text, i, closing)
+        if not ok:
+            result.malformed = ok is False
+            return result
+        call.complete = True
+
+
+def _section_end(text: str, i: int, fmt: ToolFormat, bare: bool, result: Scan) -> Scan:
+    """After the last call: the section's closing (which the text may not have reached yet), then
+    anything left is trailing text."""
+    if not bare and fmt.section_close:
+        after, ok = _expect(text, i, fmt.section_close)
+        if ok is False:
+            result.malformed = True
+            return result
+        i = after
+    result.trailing = text[i:].strip()
+    return result
+
+
+def parse_tool_calls(text: str, fmt: ToolFormat, cut: bool = False) -> tuple[str, list[ToolCall]]:
+    """The final reading of a reply: (content, calls). No calls unless every call is complete and
+    well-formed; otherwise the whole text is content. Before calls, content loses its trailing
+    whitespace; text after them is kept as content, on a line of its own. `cut`: the reply was cut
+    short (max_tokens): a call it ended inside is dropped and the complete ones before it kept."""
+    result = scan(text, fmt)
+    if cut and not result.malformed and result.calls and not result.calls[-1].complete:
+        result.calls.pop()
+    if result.calls_start is None or result.malformed or not result.calls \
+            or not all(c.complete for c in result.calls):
+        return text, []
+    content = result.content.rstrip()
+    if result.trailing:
+        content = f"{content}\n{result.trailing}" if content else result.trailing
+    return content, [ToolCall(c.name, c.arguments) for c in result.calls]

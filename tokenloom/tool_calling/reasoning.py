@@ -1,0 +1,89 @@
+"""Separating a reasoning model's thinking (``<think>...</think>``) from its answer.
+
+Qwen3, DeepSeek-R1 and others write their reasoning between think tags before the answer; some
+templates open the tag in the prompt, so the reply starts inside it and only closes it. The
+reasoning goes to ``reasoning_content``, the rest to ``content``, whole or streamed.
+"""
+
+from __future__ import annotations
+
+OPEN, CLOSE = "<think>", "</think>"
+PARSERS = ("auto", "none", "think", "qwen3", "deepseek_r1")   # the last three: the same think tags
+
+
+def reasoning_enabled(name: str | None, chat_template: str | None) -> bool:
+    """Whether replies are split (--reasoning-parser `name`; auto: the template knows think tags)."""
+    if name not in (None, *PARSERS):
+        raise ValueError(f"unknown reasoning parser {name!r}; choose one of {', '.join(PARSERS)}")
+    if name in (None, "auto"):
+        return CLOSE in (chat_template or "")
+    return name != "none"
+
+
+def starts_thinking(prompt: str) -> bool:
+    """The prompt opened a think tag the reply is to close (the template's generation prompt)."""
+    tail = prompt.rstrip()
+    return tail.endswith(OPEN)
+
+
+def split_reasoning(text: str, thinking: bool = False) -> tuple[str | None, str]:
+    """(reasoning, content) of a whole reply; `thinking`: the reply starts inside the tag.
+    No tag: (None, text). An unclosed tag: everything after it is reasoning."""
+    if not thinking:
+        stripped = text.lstrip()
+        if not stripped.startswith(OPEN):
+            return None, text
+        text, thinking = stripped[len(OPEN):], True
+    end = text.find(CLOSE)
+    if end < 0:
+        return text.strip(), ""
+    return text[:end].strip(), text[end + len(CLOSE):].lstrip()
+
+
+class ReasoningStream:
+    """split_reasoning over a stream: feed() returns (reasoning delta, content delta), holding
+    back a tail that could be part of a tag."""
+
+    def __init__(self, thinking: bool = False) -> None:
+        self.text = ""
+        self.thinking = thinking
+        self.sent = (0, 0)                    # characters of (reasoning, content) said
+
+    def feed(self, text_delta: str) -> tuple[str, str]:
+        self.text += text_delta
+        reasoning, content = split_reasoning(self.text, self.thinking)
+        undecided = self._undecided(reasoning)
+        if undecided:
+            return "", ""
+        if reasoning is not None and CLOSE not in self.text:    # still thinking: hold a partial </think>
+            reasoning = reasoning[:len(reasoning) - _partial_tail(reasoning, CLOSE)]
+        return self._diff(reasoning or "", content if reasoning is None or CLOSE in self.text else "")
+
+    def finish(self) -> tuple[str, str]:
+        reasoning, content = split_reasoning(self.text, self.thinking)
+        return self._diff(reasoning or "", content)
+
+    @property
+    def reasoning(self) -> str | None:
+        return split_reasoning(self.text, self.thinking)[0]
+
+    def _undecided(self, reasoning: str | None) -> bool:
+        """The reply so far could still be opening a think tag (or whitespace before one)."""
+        return reasoning is None and not self.thinking and OPEN.startswith(self.text.lstrip()[:len(OPEN)]) \
+            and len(self.text.lstrip()) < len(OPEN)
+
+    def _diff(self, reasoning: str, content: str) -> tuple[str, str]:
+        r_sent, c_sent = self.sent
+        # reasoning is stripped at both ends when whole: hold trailing whitespace until more comes
+        r_new = reasoning[r_sent:] if len(reasoning) > r_sent else ""
+        c_new = content[c_sent:] if len(content) > c_sent else ""
+        self.sent = (max(r_sent, len(reasoning)), max(c_sent, len(content)))
+        return r_new, c_new
+
+
+def _partial_tail(text: str, tag: str) -> int:
+    """Length of the longest tail of `text` that begins `tag`."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0

@@ -1,0 +1,87 @@
+"""Splitting a streamed reply into content deltas and OpenAI tool-call deltas as the text grows.
+
+``ToolCallStream.feed(text_delta)`` returns what can be said for sure so far: content that
+cannot be the start of a call (a tail that might open one, and trailing whitespace, wait), a
+call's header (index, id, name) once its name is complete, and its arguments' JSON text as it
+is written. ``finish()`` says the rest: what the final reading (parse_tool_calls) says, so the
+deltas concatenate to the whole response's content and calls. Only a reply cut short inside a
+call (max_tokens) can have streamed the start of a call that the final reading leaves out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokenloom.tool_calling.formats import ToolFormat
+from tokenloom.tool_calling.parse import ToolCall, new_call_id, parse_tool_calls, scan
+
+
+@dataclass
+class Delta:
+    """What one feed() adds: content text and tool-call deltas in OpenAI's streaming shape."""
+
+    content: str = ""
+    tool_calls: list[dict] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.content or self.tool_calls)
+
+
+class ToolCallStream:
+    """One choice's reply, fed delta by delta (module doc)."""
+
+    def __init__(self, fmt: ToolFormat) -> None:
+        self.fmt = fmt
+        self.text = ""
+        self.content_sent = 0                 # characters of content said
+        self.ids: list[str] = []              # the id of each call whose header was said
+        self.arguments_sent: list[int] = []   # characters of each call's arguments said
+        self.calls: list[ToolCall] = []       # the final calls (after finish)
+
+    def feed(self, text_delta: str) -> Delta:
+        self.text += text_delta
+        result = scan(self.text, self.fmt)
+        if result.malformed:                 # not a call after all: it is all content
+            return self._content_upto(len(self.text))
+        delta = self._content_upto(len(result.content.rstrip()))
+        for index, call in enumerate(result.calls):
+            if call.name is None:
+                break
+            delta.tool_calls += self._call_deltas(index, call.name, call.arguments)
+        return delta
+
+    def finish(self, cut: bool = False) -> Delta:
+        """The rest of the reply, as the final reading has it (`cut`: parse_tool_calls); self.calls
+        holds the calls."""
+        content, calls = parse_tool_calls(self.text, self.fmt, cut)
+        if not calls:
+            return self._content_upto(len(self.text))
+        delta = Delta()
+        if content[self.content_sent:]:
+            delta.content = content[self.content_sent:]
+            self.content_sent = len(content)
+        self.calls = []
+        for index, call in enumerate(calls):
+            delta.tool_calls += self._call_deltas(index, call.name, call.arguments)
+            self.calls.append(ToolCall(call.name, call.arguments, self.ids[index]))
+        return delta
+
+    def _content_upto(self, end: int) -> Delta:
+        """Content up to text[:end] that has not been said yet."""
+        delta = Delta(self.text[self.content_sent:end] if end > self.content_sent else "")
+        self.content_sent = max(self.content_sent, end)
+        return delta
+
+    def _call_deltas(self, index: int, name: str, arguments: str) -> list[dict]:
+        """The header of call `index` if not said yet, and its arguments' new text."""
+        deltas = []
+        if index == len(self.ids):
+            self.ids.append(new_call_id())
+            self.arguments_sent.append(0)
+            deltas.append({"index": index, "id": self.ids[index], "type": "function",
+                           "function": {"name": name, "arguments": ""}})
+        new = arguments[self.arguments_sent[index]:]
+        if new:
+            self.arguments_sent[index] = len(arguments)
+            deltas.append({"index": index, "function": {"arguments": new}})
+        return deltas
