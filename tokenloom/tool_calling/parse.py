@@ -212,6 +212,8 @@ def scan(text: str, fmt: ToolFormat) -> Scan:
         if result.calls:                 # after a call: another, or the end of the section
             after_sep, sep_ok = _expect(text, i, separator)
             _, open_ok = _expect(text, after_sep if sep_ok else i, opening or "{")
+            if sep_ok is None or (sep_ok and open_ok is None):    # the text ends inside what comes next
+                return result
             if not (sep_ok and open_ok):
                 return _section_end(text, i, fmt, bare, result)
             i = after_sep

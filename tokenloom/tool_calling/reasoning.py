@@ -56,7 +56,7 @@ class ReasoningStream:
         if undecided:
             return "", ""
         if reasoning is not None and CLOSE not in self.text:    # still thinking: hold a partial </think>
-            reasoning = reasoning[:len(reasoning) - _partial_tail(reasoning, CLOSE)]
+            reasoning = reasoning[:len(reasoning) - _partial_tail(reasoning, CLOSE)].rstrip()
         return self._diff(reasoning or "", content if reasoning is None or CLOSE in self.text else "")
 
     def finish(self) -> tuple[str, str]:

@@ -1,11 +1,11 @@
 """Splitting a streamed reply into content deltas and OpenAI tool-call deltas as the text grows.
 
 ``ToolCallStream.feed(text_delta)`` returns what can be said for sure so far: content that
-cannot be the start of a call (a tail that might open one, and trailing whitespace, wait), a
-call's header (index, id, name) once its name is complete, and its arguments' JSON text as it
-is written. ``finish()`` says the rest: what the final reading (parse_tool_calls) says, so the
-deltas concatenate to the whole response's content and calls. Only a reply cut short inside a
-call (max_tokens) can have streamed the start of a call that the final reading leaves out.
+cannot be the start of a call (a tail that might open one, and trailing whitespace, wait), and
+each call once it is complete: its header (index, id, name) and its arguments. A call is not
+streamed while it is being written, so a reply cut short inside one (max_tokens) never streams
+half a call, and every streamed call is valid. ``finish()`` says the rest: what the final reading
+(parse_tool_calls) says, so the deltas concatenate to the whole response's content and calls.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ class ToolCallStream:
             return self._content_upto(len(self.text))
         delta = self._content_upto(len(result.content.rstrip()))
         for index, call in enumerate(result.calls):
-            if call.name is None:
+            if not call.complete:
                 break
             delta.tool_calls += self._call_deltas(index, call.name, call.arguments)
         return delta

@@ -1,0 +1,162 @@
+"""Tool calling through the real server with the real openai client, on Qwen2.5-Coder-0.5B-Instruct
+(its chat template speaks the hermes format): calls come back valid against their schemas."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pytest
+
+from tests.server_harness import ThreadedServer
+from tokenloom import hub
+
+QWEN = "qwen2.5-coder-0.5b"
+pytestmark = pytest.mark.skipif(not hub.is_pulled(QWEN), reason=f"`tokenloom pull {QWEN}` has not run")
+
+WEATHER_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"},
+                                                   "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+                  "required": ["city"]}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Get the current weather in a city",
+                                            "parameters": WEATHER_SCHEMA}}
+TIME_SCHEMA = {"type": "object", "properties": {"timezone": {"type": "string", "pattern": "^[A-Z][a-z]+/[A-Za-z_]+$"}},
+               "required": ["timezone"], "additionalProperties": False}
+CLOCK = {"type": "function", "function": {"name": "get_time", "description": "The local time in an IANA time zone",
+                                          "parameters": TIME_SCHEMA}}
+SCHEMAS = {"get_weather": WEATHER_SCHEMA, "get_time": TIME_SCHEMA}
+ASK = [{"role": "user", "content": "What's the weather like in Paris today?"}]
+
+
+@pytest.fixture(scope="module")
+def base_url():
+    from tokenloom import LLM
+    from tokenloom.async_engine import AsyncLLMEngine
+    from tokenloom.server import build_app
+    engine = LLM(str(hub.gguf_path(QWEN)), max_model_len=2048, kv_cache_memory=256 << 20).engine
+    with ThreadedServer(build_app(AsyncLLMEngine(engine), "qwen")) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(base_url):
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+
+
+def chat(client, **kwargs):
+    return client.chat.completions.create(model="qwen", **{"messages": ASK, "max_tokens": 64, **kwargs})
+
+
+def valid_calls(message) -> list[tuple[str, dict]]:
+    """The message's calls as (name, arguments), each checked against its tool's schema."""
+    calls = []
+    for call in message.tool_calls or []:
+        assert call.type == "function" and call.id.startswith("call_")
+        arguments = json.loads(call.function.arguments)
+        jsonschema.validate(arguments, SCHEMAS[call.function.name])
+        calls.append((call.function.name, arguments))
+    return calls
+
+
+def test_weather_round_trip(client):
+    first = chat(client, tools=[WEATHER], temperature=0)
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [(name, arguments)] = valid_calls(choice.message)
+    assert name == "get_weather" and arguments["city"] == "Paris"
+    call = choice.message.tool_calls[0]
+    history = ASK + [choice.message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": call.id, "content": "18 degrees Celsius and sunny"}]
+    final = chat(client, messages=history, tools=[WEATHER], tool_choice="none", temperature=0).choices[0]
+    assert final.finish_reason == "stop" and not final.message.tool_calls
+    assert "18" in final.message.content          # the answer carries the tool's result
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
+def test_required_and_named_choice_always_give_schema_valid_arguments(client, tool_choice):
+    runs = []
+    for seed in (1, 2):                           # 20 sampled replies at temperature 1
+        runs += chat(client, tools=[WEATHER, CLOCK], tool_choice=tool_choice, temperature=1.0, n=10,
+                     seed=seed).choices
+    for choice in runs:
+        calls = valid_calls(choice.message)
+        assert calls, choice.message
+        if isinstance(tool_choice, dict):
+            assert [name for name, _ in calls] == ["get_time"]          # a named choice: exactly that one call
+
+
+def test_parallel_calls_and_parallel_off(client):
+    ask = [{"role": "user", "content": "What is the weather in Paris and in Tokyo?"}]
+    many = chat(client, messages=ask, tools=[WEATHER], tool_choice="required", temperature=0, max_tokens=120)
+    assert len(valid_calls(many.choices[0].message)) >= 2
+    one = chat(client, messages=ask, tools=[WEATHER], tool_choice="required", temperature=0,
+               parallel_tool_calls=False)
+    assert len(valid_calls(one.choices[0].message)) == 1 and one.choices[0].finish_reason == "tool_calls"
+
+
+@pytest.mark.parametrize("tool_choice", ["auto", "required"])
+def test_streamed_deltas_reassemble_to_the_same_calls(client, tool_choice):
+    kwargs = dict(tools=[WEATHER, CLOCK], tool_choice=tool_choice, temperature=0, max_tokens=120)
+    whole = chat(client, **kwargs).choices[0]
+    calls: dict[int, dict] = {}
+    content, finish = "", None
+    for chunk in chat(client, stream=True, **kwargs):
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        finish = chunk.choices[0].finish_reason or finish
+        for tc in delta.tool_calls or []:
+            call = calls.setdefault(tc.index, {"id": tc.id, "name": "", "arguments": ""})
+            call["name"] += (tc.function.name or "") if tc.function else ""
+            call["arguments"] += (tc.function.arguments or "") if tc.function else ""
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == \
+        [(c.function.name, c.function.arguments) for c in whole.message.tool_calls or []]
+    assert all(c["id"].startswith("call_") for c in calls.values())
+    assert content == (whole.message.content or "") and finish == whole.finish_reason
+
+
+def test_tool_choice_none_never_calls(client):
+    replies = chat(client, tools=[WEATHER], tool_choice="none", temperature=1.0, n=8, seed=3).choices
+    for choice in replies:
+        assert not choice.message.tool_calls and choice.finish_reason != "tool_calls"
+        assert "<tool_call>" not in choice.message.content
+        assert not choice.message.content.lstrip().startswith('{"name": "')
+
+
+@pytest.mark.parametrize("kwargs,param", [
+    (dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice"),
+    (dict(tool_choice="required"), "tool_choice"),
+    (dict(tools=[{"type": "function", "function": {"name": "bad name!"}}]), "tools"),
+    (dict(tools=[{"type": "retrieval"}]), "tools"),
+    (dict(tools=[WEATHER], response_format={"type": "json_object"}), "tools"),
+    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}]), "tools"),
+])
+def test_bad_tool_requests_are_400_naming_the_parameter(client, kwargs, param):
+    with pytest.raises(openai.BadRequestError) as info:
+        chat(client, **kwargs)
+    assert info.value.body["param"] == param
+
+
+def test_langchain_bind_tools(base_url):
+    langchain_openai = pytest.importorskip("langchain_openai")
+    from langchain_core.tools import tool
+
+    @tool
+    def get_weather(city: str) -> str:
+        """Get the current weather in a city."""
+        return "18 degrees Celsius and sunny"
+
+    model = langchain_openai.ChatOpenAI(base_url=f"{base_url}/v1", api_key="unused", model="qwen", temperature=0,
+                                        max_tokens=64, max_retries=0)
+    reply = model.bind_tools([get_weather], tool_choice="any").invoke("What's the weather like in Paris today?")
+    assert reply.tool_calls and {c["name"] for c in reply.tool_calls} == {"get_weather"}
+    assert not reply.invalid_tool_calls and all(isinstance(c["args"]["city"], str) for c in reply.tool_calls)
+
+
+def test_litellm_tool_call(base_url, monkeypatch):
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")       # no download at import
+    litellm = pytest.importorskip("litellm")
+    reply = litellm.completion(model="openai/qwen", api_base=f"{base_url}/v1", api_key="unused", messages=ASK,
+                               tools=[WEATHER], tool_choice="required", temperature=0, max_tokens=64)
+    call = reply.choices[0].message.tool_calls[0]
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER_SCHEMA)

@@ -1,0 +1,227 @@
+"""Tool-call and reasoning parsers on recorded replies of each family, whole and streamed, and
+the grammars that make calls valid (checked with llguidance on a real tokenizer)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+
+from tokenloom.tool_calling import (
+    FORMATS,
+    ReasoningStream,
+    ToolCallStream,
+    detect_format,
+    parse_tool_calls,
+    split_reasoning,
+    tool_grammar,
+)
+from tokenloom.tool_calling.formats import GENERIC, HERMES, LLAMA3_JSON, MISTRAL
+from tokenloom.tool_calling.grammar import no_call_grammar
+from tokenloom.tool_calling.messages import function_of, template_messages
+
+WEATHER_ARGS = '{"city": "Paris", "unit": "celsius"}'
+
+# (format, reply as a model wrote it, expected content, expected [(name, arguments)])
+RECORDED = [
+    # Qwen2.5-Coder-0.5B under the tools grammar (tool_choice required), and its own bare answer
+    (HERMES, f'<tool_call>\n{{"name": "get_weather", "arguments": {WEATHER_ARGS}}}\n</tool_call>', None,
+     [("get_weather", WEATHER_ARGS)]),
+    (HERMES, f'{{"name": "get_weather", "arguments": {WEATHER_ARGS}}}', None, [("get_weather", WEATHER_ARGS)]),
+    (HERMES, 'I will check both.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+             '<tool_call>\n{"name": "get_time", "arguments": {"tz": "Europe/Paris", "fmt": "a } in \\" a string"}}\n'
+             '</tool_call>', "I will check both.",
+     [("get_weather", '{"city": "Paris"}'), ("get_time", '{"tz": "Europe/Paris", "fmt": "a } in \\" a string"}')]),
+    (HERMES, "The capital of France is Paris.", "The capital of France is Paris.", []),
+    (HERMES, '{"answer": 42}', '{"answer": 42}', []),                     # JSON that is not a call
+    # Llama 3.1/3.2 (JSON tool calling, "parameters", calls joined by ;)
+    (LLAMA3_JSON, '{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "get_time", "parameters": {}}',
+     None, [("get_weather", '{"city": "Paris"}'), ("get_time", "{}")]),
+    # Mistral v0.3
+    (MISTRAL, '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+              '{"name": "get_weather", "arguments": {"city": "Lyon"}}]',
+     None, [("get_weather", '{"city": "Paris"}'), ("get_weather", '{"city": "Lyon"}')]),
+    # a call with no arguments at all takes none
+    (HERMES, '<tool_call>\n{"name": "now"}\n</tool_call>', None, [("now", "{}")]),
+]
+
+MALFORMED = [
+    (HERMES, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par'),           # cut inside a call
+    (HERMES, '<tool_call>\n{"name": 5, "arguments": {}}\n</tool_call>'),                   # name not a string
+    (HERMES, '<tool_call>\n{"name": "f", "arguments": [1, 2]}\n</tool_call>'),            # arguments not an object
+    (HERMES, '<tool_call>\nnot json at all\n</tool_call>'),
+    (HERMES, '<tool_call>\n{"name": "f", "arguments": {"a": 1,}}\n</tool_call>'),         # invalid JSON
+    (MISTRAL, '[TOOL_CALLS] sorry'),
+    (LLAMA3_JSON, '{"name": "f", "parameters": {"a": tru}}'),
+]
+
+
+@pytest.mark.parametrize("fmt,text,content,calls", RECORDED)
+def test_recorded_replies_parse_to_their_calls(fmt, text, content, calls):
+    got_content, got = parse_tool_calls(text, fmt)
+    assert [(c.name, c.arguments) for c in got] == calls
+    assert (got_content or None) == (content or None)
+    for c in got:
+        assert isinstance(json.loads(c.arguments), dict)
+        assert c.id.startswith("call_") and len({x.id for x in got}) == len(got)
+
+
+@pytest.mark.parametrize("fmt,text", MALFORMED)
+def test_malformed_calls_come_back_as_text(fmt, text):
+    assert parse_tool_calls(text, fmt) == (text, [])
+
+
+def test_a_reply_cut_inside_a_call_keeps_the_complete_ones():
+    text = ('<tool_call>\n{"name": "a", "arguments": {"x": 1}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "b", "arguments": {"y": ')
+    assert parse_tool_calls(text, HERMES) == (text, [])
+    content, calls = parse_tool_calls(text, HERMES, cut=True)
+    assert [(c.name, c.arguments) for c in calls] == [("a", '{"x": 1}')] and content == ""
+
+
+def _streamed(text: str, fmt, pieces: list[int], cut: bool = False):
+    """Feed `text` cut at `pieces`; reassemble content and calls from the deltas as a client does."""
+    stream = ToolCallStream(fmt)
+    content, calls = "", {}
+    bounds = [0, *pieces, len(text)]
+    deltas = [stream.feed(text[a:b]) for a, b in itertools.pairwise(bounds)] + [stream.finish(cut)]
+    for d in deltas:
+        content += d.content
+        for tc in d.tool_calls:
+            call = calls.setdefault(tc["index"], {"id": None, "name": None, "arguments": ""})
+            call["id"] = tc.get("id", call["id"])
+            call["name"] = tc.get("function", {}).get("name", call["name"])
+            call["arguments"] += tc["function"].get("arguments", "")
+    return content, [calls[i] for i in sorted(calls)], stream
+
+
+@pytest.mark.parametrize("fmt,text,content,calls", RECORDED)
+def test_streamed_deltas_reassemble_to_the_whole_reading(fmt, text, content, calls):
+    whole_content, whole = parse_tool_calls(text, fmt)
+    for step in (1, 2, 3, 7):                      # every character boundary, and coarser pieces
+        got_content, got, stream = _streamed(text, fmt, list(range(step, len(text), step)))
+        assert [(c["name"], c["arguments"]) for c in got] == [(c.name, c.arguments) for c in whole]
+        assert got_content == (whole_content if whole else text)
+        assert [c["id"] for c in got] == [c.id for c in stream.calls]
+
+
+def test_streaming_never_shows_a_half_written_trigger_as_content():
+    text = 'Sure.<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
+    stream = ToolCallStream(HERMES)
+    said = "".join(stream.feed(ch).content for ch in text)
+    assert said == "Sure."          # never "Sure.<tool" and the like
+
+
+@pytest.mark.parametrize("fmt,text", MALFORMED)
+def test_streamed_malformed_replies_end_as_the_same_text(fmt, text):
+    content, _, _ = _streamed(text, fmt, list(range(1, len(text))))
+    assert content == text
+
+
+@pytest.mark.parametrize("template,expected", [
+    ("{% for tool in tools %}{{ tool | tojson }}{% endfor %}<tool_call>", HERMES),
+    ("{% if tools %}[AVAILABLE_TOOLS]{{ tools }}[/AVAILABLE_TOOLS]{% endif %}[TOOL_CALLS]", MISTRAL),
+    ('{% if tools %}{"name": function name, "parameters": dictionary of argument name and its value}{% endif %}',
+     LLAMA3_JSON),
+    ("{% for m in messages %}{{ m.content }}{% endfor %}", GENERIC),
+    (None, GENERIC),
+])
+def test_the_format_is_read_from_the_template(template, expected):
+    assert detect_format(template) is expected
+
+
+@pytest.mark.parametrize("text,thinking,reasoning,content", [
+    ("<think>\nThe user greets me.\n</think>\n\nHello!", False, "The user greets me.", "Hello!"),
+    ("The user greets me.\n</think>\n\nHello!", True, "The user greets me.", "Hello!"),   # the prompt opened it
+    ("Hello!", False, None, "Hello!"),
+    ("<think>\nStill thinking when max_tokens", False, "Still thinking when max_tokens", ""),
+    ("a < b, and <thinking> is not a tag", False, None, "a < b, and <thinking> is not a tag"),
+])
+def test_reasoning_split_whole_and_streamed(text, thinking, reasoning, content):
+    assert split_reasoning(text, thinking) == (reasoning, content)
+    for step in (1, 3):
+        stream = ReasoningStream(thinking)
+        said = [stream.feed(text[i:i + step]) for i in range(0, len(text), step)] + [stream.finish()]
+        assert "".join(r for r, _ in said) == (reasoning or "")
+        assert "".join(c for _, c in said) == content
+
+
+def test_tools_and_turns_reach_the_template_as_it_expects():
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    history = [{"role": "user", "content": "Weather in Paris?"},
+               {"role": "assistant", "content": "", "tool_calls": [
+                   {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                                     "arguments": '{"city": "Paris"}'}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "18 C"}]
+    templated = template_messages(history, [function_of(tool, 0)], HERMES)
+    assert templated[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}   # templates apply tojson
+    generic = template_messages(history, [function_of(tool, 0)], GENERIC)
+    assert generic[0]["role"] == "system" and "get_weather" in generic[0]["content"]
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in generic[2]["content"]
+    assert generic[3] == {"role": "user", "content": "<tool_response>\n18 C\n</tool_response>"}
+    with pytest.raises(ValueError, match="name"):
+        function_of({"type": "function", "function": {"name": "bad name!"}}, 0)
+
+
+# ---- grammars, on the default model's real tokenizer ----------------------------------------------
+TOOLS = [{"name": "get_weather", "parameters": {"type": "object", "properties": {
+             "city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+             "required": ["city"], "additionalProperties": False}},
+         {"name": "get_time", "parameters": {"type": "object", "properties": {}}}]
+
+
+@pytest.fixture(scope="module")
+def compiler(default_model_dir):
+    from tokenloom.structured.grammars import GrammarCompiler
+    from tokenloom.tokenizer import Tokenizer
+    tok = Tokenizer.from_folder(default_model_dir)
+    return GrammarCompiler(tok.backend.to_str(), tok.vocab_size, [tok.token_to_id(tok.eos_token)]), tok
+
+
+def _accepts(compiler, grammar: str, text: str) -> bool:
+    from tokenloom.structured import StructuredOutput
+    grammars, tok = compiler
+    matcher = grammars.matcher(StructuredOutput.grammar(grammar))
+    ids = tok.encode(text, add_special_tokens=False)
+    return matcher.try_consume_tokens(ids) == len(ids) and matcher.is_accepting()
+
+
+CALL = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+
+
+@pytest.mark.parametrize("mode,parallel,text,ok", [
+    ("required", True, f"<tool_call>\n{CALL}\n</tool_call>", True),
+    ("required", True, f"<tool_call>\n{CALL}\n</tool_call>\n<tool_call>\n{CALL}\n</tool_call>", True),
+    ("required", False, f"<tool_call>\n{CALL}\n</tool_call>\n<tool_call>\n{CALL}\n</tool_call>", False),
+    ("required", True, "Paris is sunny.", False),
+    ("required", True, '<tool_call>\n{"name": "get_weather", "arguments": {"town": "Paris"}}\n</tool_call>', False),
+    ("required", True, '<tool_call>\n{"name": "get_wether", "arguments": {"city": "Paris"}}\n</tool_call>', False),
+    ("auto", True, "Paris is sunny.", True),
+    ("auto", True, f"Let me look.\n<tool_call>\n{CALL}\n</tool_call>", True),
+    ("auto", True, CALL, True),                                          # the bare form
+    ("auto", True, '{"answer": 42}', True),                              # JSON content is still content
+    ("auto", True, "Let me look.\n<tool_call>\nthe weather please", False),   # once opened, only a valid call
+    ("auto", True, '{"name": "get_weather", "arguments": {"unit": "kelvin"}}', False),
+])
+def test_tool_grammars_admit_valid_calls_only(compiler, mode, parallel, text, ok):
+    assert _accepts(compiler, tool_grammar(TOOLS, HERMES, mode, parallel), text) == ok
+
+
+@pytest.mark.parametrize("fmt", [LLAMA3_JSON, MISTRAL])
+def test_other_formats_grammars_write_what_their_parsers_read(compiler, fmt):
+    call = f'{{"name": "get_weather", "{fmt.args_key}": {{"city": "Paris"}}}}'
+    text = f"{fmt.section_open}{call}{fmt.separator}{call}{fmt.section_close}"
+    assert _accepts(compiler, tool_grammar(TOOLS, fmt, "required", True), text)
+    assert [c.name for c in parse_tool_calls(text, fmt)[1]] == ["get_weather", "get_weather"]
+
+
+def test_tool_choice_none_grammar_cannot_call(compiler):
+    grammar = no_call_grammar(HERMES)
+    assert _accepts(compiler, grammar, "It is 18 degrees in Paris.")
+    assert not _accepts(compiler, grammar, CALL)
+    assert not _accepts(compiler, grammar, f"Sure: <tool_call>\n{CALL}\n</tool_call>")
+
+
+def test_every_format_is_registered_and_self_consistent():
+    assert set(FORMATS) == {"hermes", "llama3_json", "mistral", "generic"}
