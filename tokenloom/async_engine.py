@@ -42,6 +42,7 @@ class AsyncLLMEngine:
         self._queues: dict[str, asyncio.Queue] = {}
         self._pending: list[Callable[[], None]] = []
         self._stepping = False
+        self._engine_turn = asyncio.Lock()      # a step, or another job on the engine (embed)
         self._wake: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
         self._ids = itertools.count()
@@ -179,17 +180,11 @@ class AsyncLLMEngine:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            self._stepping = True
             try:
-                deltas = await asyncio.get_running_loop().run_in_executor(self._thread, self.engine.step)
+                deltas = await self._on_engine(self.engine.step)
             except Exception as e:   # a failed step fails the requests in flight, not the engine
                 deltas = []
                 self._fail_all(e)
-            finally:
-                self._stepping = False
-                pending, self._pending = self._pending, []
-                for op in pending:
-                    op()
             for delta in deltas:
                 queue = self._queues.get(delta.request_id)
                 if queue is not None:
@@ -198,6 +193,23 @@ class AsyncLLMEngine:
             # its next request on seeing the last one finish (a chat client, a closed-loop
             # benchmark) joins that step instead of waiting one more step as pending.
             await asyncio.sleep(0)
+
+    async def _on_engine(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """fn(*args) on the engine's thread, alone: no step runs meanwhile, and mutations that
+        arrive are applied right after it."""
+        async with self._engine_turn:
+            self._stepping = True
+            try:
+                return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
+            finally:
+                self._stepping = False
+                pending, self._pending = self._pending, []
+                for op in pending:
+                    op()
+
+    async def embed(self, token_ids: list[int], pooling: str = "mean") -> list[float]:
+        """LLMEngine.embed between two steps (ValueError as there)."""
+        return await self._on_engine(self.engine.embed, token_ids, pooling)
 
     def _fail_all(self, error: Exception) -> None:
         for rid, queue in list(self._queues.items()):

@@ -7,8 +7,12 @@ Requests in (``add_request``), one ``step()`` at a time, StepDeltas out. The syn
 from __future__ import annotations
 
 import itertools
+import uuid
+
+import torch
 
 from tokenloom.allocator import keep_freed_memory
+from tokenloom.batch import SeqChunk
 from tokenloom.config import EngineConfig
 from tokenloom.engine.core import EngineCore
 from tokenloom.engine.output_processor import OutputProcessor
@@ -85,6 +89,28 @@ class LLMEngine:
         """Those of `texts` that are one special token to the grammar engine (a grammar names them as
         <token>, not as text)."""
         return self.core.grammars.special_tokens(texts, lambda t: self.tokenizer.encode(t, add_special_tokens=False))
+
+    @torch.inference_mode()
+    def embed(self, token_ids: list[int], pooling: str = "mean") -> list[float]:
+        """An embedding of `token_ids`: the final hidden states (after the last norm, before the
+        output projection) pooled over the tokens ("mean") or taken at the last one ("last"),
+        L2-normalized. Runs the prompt once through the model in KV blocks borrowed for the call
+        (never cached); call between steps. ValueError for an empty or too long input,
+        RuntimeError when the KV cache has no room for it now."""
+        if pooling not in ("mean", "last"):
+            raise ValueError(f"pooling must be mean or last, got {pooling!r}")
+        if not token_ids or len(token_ids) > self.max_model_len:
+            raise ValueError(f"the input has {len(token_ids)} tokens; this model takes 1 to {self.max_model_len}")
+        blocks, owner = self.core.block_manager, f"embed-{uuid.uuid4().hex}"
+        if not blocks.can_allocate(owner, len(token_ids)):
+            raise RuntimeError("the KV cache has no room for this input now; retry when fewer requests run")
+        blocks.allocate(owner, len(token_ids))
+        try:
+            hidden, _ = self.core.runner.forward([SeqChunk(list(token_ids), 0, blocks.block_ids(owner))])  # (T, hidden)
+        finally:
+            blocks.free(owner)
+        pooled = hidden.float().mean(0) if pooling == "mean" else hidden[-1].float()            # (hidden,)
+        return torch.nn.functional.normalize(pooled, dim=0).tolist()
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (the next prompts compute from scratch)."""

@@ -40,6 +40,7 @@ from tokenloom.server.middleware import (
 from tokenloom.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from tokenloom.server.serving import OpenAIServing, request_failed, shutting_down, size_param
 from tokenloom.server.streams import ClientDisconnected, ShuttingDown, unless_disconnected
+from tokenloom.server.utility_routes import add_utility_routes
 
 log = logging.getLogger("tokenloom.server")
 
@@ -159,9 +160,9 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
-                                            "owned_by": "tokenloom", "max_model_len": serving.max_model_len,
-                                            "default_max_tokens": serving.admission.limits.default_max_tokens}]}
+        return {"object": "list", "data": [serving.model_card()]}
+
+    add_utility_routes(app, serving)
 
     async def whole(work, prepared, request: Request, shape) -> Response:
         """Await an admitted request's `work` unless its client leaves (499); ``shape(result)`` is the

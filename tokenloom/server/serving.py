@@ -29,7 +29,7 @@ from tokenloom.outputs import CompletionOutput, RequestError, StepDelta
 from tokenloom.sampling_params import SamplingParams
 from tokenloom.server import responses as R
 from tokenloom.server.admission import Admission, AdmissionLimits, PerClientTurns, Ticket, server_busy
-from tokenloom.server.chat_tools import ChatFeatures, chat_turn, tool_constraint
+from tokenloom.server.chat_tools import ChatFeatures, ChatTurn, chat_turn, tool_constraint
 from tokenloom.server.metrics import ServerMetrics
 from tokenloom.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, param_named_in
 from tokenloom.server.streams import ShuttingDown, merge
@@ -149,14 +149,23 @@ class OpenAIServing:
                            max_tokens_param)
         return requested
 
-    def _prompt_ids(self, prompt: str | list[int], param: str) -> list[int]:
+    def model_card(self) -> dict:
+        """The model as /v1/models lists it."""
+        return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "tokenloom",
+                "max_model_len": self.max_model_len, "default_max_tokens": self.admission.limits.default_max_tokens}
+
+    def check_token_ids(self, ids: list[int], param: str) -> None:
+        vocab = self.engine.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"token ids {bad[:5]} are outside the vocabulary (size {vocab})", param)
+
+    def input_ids(self, prompt: str | list[int], param: str) -> list[int]:
+        """A prompt's token ids (text is tokenized, ids checked); APIError if it is empty."""
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
         else:
-            vocab = self.engine.vocab_size
-            bad = [t for t in prompt if not 0 <= t < vocab]
-            if bad:
-                raise APIError(400, f"prompt token ids {bad[:5]} are outside the vocabulary (size {vocab})", param)
+            self.check_token_ids(prompt, param)
             ids = list(prompt)
         if not ids:
             raise APIError(400, "the prompt is empty", param)
@@ -176,7 +185,7 @@ class OpenAIServing:
                 raise APIError(400, str(e), constraint_param) from None
         texts, all_ids, choices = [], [], []
         for p_index, prompt in enumerate(prompts):
-            ids = self._prompt_ids(prompt, prompt_param)
+            ids = self.input_ids(prompt, prompt_param)
             base = req.sampling_params(self._max_tokens(max_tokens, len(ids), prompt_param, max_tokens_param),
                                        logprobs, req.logprobs if getattr(req, "scores_prompt", False) else None,
                                        constraint)
@@ -216,11 +225,7 @@ class OpenAIServing:
                                 "tools' grammar already constrains the reply (or set tool_choice none)", "tools")
         if (turn.mode != "none" or self.chat_features.reasoning) and self.chat_features.markers_dropped(self.tokenizer):
             req = req.model_copy(update={"skip_special_tokens": False})
-        try:
-            prompt = self.tokenizer.apply_chat_template(turn.messages, add_generation_prompt=True,
-                                                        tools=turn.template_tools, **(req.chat_template_kwargs or {}))
-        except (ChatTemplateError, jinja2.TemplateError, TypeError) as e:
-            raise APIError(400, f"the chat template rejected the messages: {e}", "messages") from None
+        prompt = self.chat_prompt(req, turn=turn)
         ids = self.tokenizer.encode(prompt, add_special_tokens=False)
         max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         prepared = self._prepare(req, "chatcmpl", [ids], "messages", req.requested_max_tokens(), req.num_logprobs(),
@@ -228,6 +233,16 @@ class OpenAIServing:
         prepared.prompt_texts = [prompt]
         prepared.tool_mode = turn.mode
         return prepared
+
+    def chat_prompt(self, req: ChatCompletionRequest, add_generation_prompt: bool = True,
+                    turn: ChatTurn | None = None) -> str:
+        """The request's conversation (and tools) rendered by the model's chat template."""
+        turn = turn or chat_turn(req, self.chat_features)
+        try:
+            return self.tokenizer.apply_chat_template(turn.messages, add_generation_prompt=add_generation_prompt,
+                                                      tools=turn.template_tools, **(req.chat_template_kwargs or {}))
+        except (ChatTemplateError, jinja2.TemplateError, TypeError) as e:
+            raise APIError(400, f"the chat template rejected the messages: {e}", "messages") from None
 
     async def off_loop(self, prepare: Callable[[CompletionRequest | ChatCompletionRequest], Prepared],
                        req: CompletionRequest | ChatCompletionRequest, client: str = "") -> Prepared:
