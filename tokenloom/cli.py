@@ -11,6 +11,8 @@ from typing import Any
 
 from tokenloom.cli_common import check_engine_flags, engine_flags, make_llm
 from tokenloom.cli_tools import add_commands
+from tokenloom.tool_calling.formats import FORMATS
+from tokenloom.tool_calling.reasoning import PARSERS as REASONING_PARSERS
 
 _EXAMPLES = """examples:
   tokenloom pull                                   fetch and prepare the default model
@@ -126,31 +128,11 @@ def _generate_explained(llm, target, params, mode: str, prompt_text: str) -> int
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
+    from tokenloom.cli_chat import ChatSession, chat_loop, load_tools
     params = _sampling_params(args)
     check_engine_flags(args)
-    llm = make_llm(args)
-    history: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []
-    print("tokenloom chat: type a message; /reset clears the conversation, /exit or Ctrl-D quits.", file=sys.stderr)
-    while True:
-        try:
-            line = input("> ")
-        except (EOFError, KeyboardInterrupt):
-            print(file=sys.stderr)
-            return 0
-        if line.strip() in ("/exit", "/quit"):
-            return 0
-        if line.strip() == "/reset":
-            history = history[:1] if args.system else []
-            continue
-        if not line.strip():
-            continue
-        history.append({"role": "user", "content": line})
-        reply = []
-        for delta in llm.stream(history, params):
-            reply.append(delta)
-            print(delta, end="", flush=True)
-        print()
-        history.append({"role": "assistant", "content": "".join(reply)})
+    functions = load_tools(args.tools) if args.tools else None     # a bad file fails before the model loads
+    return chat_loop(ChatSession(make_llm(args), params, args.system, functions))
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -169,7 +151,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     name = args.served_model_name or served_model_name(engine.model_path)
     app = build_app(engine, name, api_key=api_key, max_body_bytes=args.max_body_bytes,
                     body_timeout_s=args.body_timeout, limits=limits, allowed_hosts=_allowed_hosts(args, api_key),
-                    log_json=args.log_format == "json")
+                    log_json=args.log_format == "json", tool_call_parser=args.tool_call_parser,
+                    reasoning_parser=args.reasoning_parser)
     base = f"http://{args.host}:{args.port}"
     print(f"tokenloom: serving {name!r} on {base}/v1 (playground: {base}/)"
           f"{' (API key required)' if api_key else ''}", file=sys.stderr)
@@ -262,6 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
     chat = sub.add_parser("chat", help="interactive chat that keeps the conversation",
                           description="Chat with the model; the conversation is kept between turns.")
     chat.add_argument("--system", default=None, help="system prompt")
+    chat.add_argument("--tools", default=None, metavar="FILE.json",
+                      help="offer these tools (an OpenAI-style JSON list); you type each call's result")
     engine_flags(chat)
     _sampling_flags(chat)
     chat.set_defaults(func=cmd_chat)
@@ -282,6 +267,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "each client's (the others wait their turn), so one client's many sequences cannot "
                             "slow every other client's tokens (default: 32)")
     _admission_flags(serve)
+    serve.add_argument("--tool-call-parser", default="auto", choices=["auto", *FORMATS],
+                       help="how replies write tool calls (default: read from the chat template; generic: "
+                            "tokenloom offers the tools in a system message of its own)")
+    serve.add_argument("--reasoning-parser", default="auto", choices=list(REASONING_PARSERS),
+                       help="<think> reasoning as reasoning_content (default: when the template knows think tags)")
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     serve.add_argument("--log-format", default="text", choices=["text", "json"],
                        help="the per-request log line as key=value text or one JSON object (default: text)")

@@ -26,6 +26,7 @@ from tokenloom.async_engine import AsyncLLMEngine
 from tokenloom.outputs import RequestError
 from tokenloom.server.admission import AdmissionLimits
 from tokenloom.server.chat import ChatCompletions
+from tokenloom.server.chat_tools import ChatFeatures
 from tokenloom.server.completions import Completions
 from tokenloom.server.metrics import ServerMetrics
 from tokenloom.server.middleware import (
@@ -80,12 +81,16 @@ async def _releasing(events: AsyncIterator[str], ticket) -> AsyncIterator[str]:
 def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
               limits: AdmissionLimits | None = None, allowed_hosts: tuple[str, ...] | None = None,
-              log_json: bool = False) -> FastAPI:
+              log_json: bool = False, tool_call_parser: str | None = None,
+              reasoning_parser: str | None = None) -> FastAPI:
     """An OpenAI-compatible app over `engine`, serving it as `model_name`, admitting work within
     `limits` (server/admission.py; its defaults when None), answering only requests whose Host is
-    in `allowed_hosts` (None: any), logging a line per request (JSON lines if `log_json`)."""
+    in `allowed_hosts` (None: any), logging a line per request (JSON lines if `log_json`), reading
+    tool calls and reasoning from replies as `tool_call_parser` and `reasoning_parser` say (None or
+    "auto": from the chat template; tool_calling/formats.py and reasoning.py)."""
     metrics = ServerMetrics(engine.stats)
-    serving = OpenAIServing(engine, model_name, metrics, limits)
+    features = ChatFeatures.for_template(engine.tokenizer.chat_template, tool_call_parser, reasoning_parser)
+    serving = OpenAIServing(engine, model_name, metrics, limits, features)
     completions, chat = Completions(serving), ChatCompletions(serving)
 
     @asynccontextmanager

@@ -1,0 +1,101 @@
+"""``tokenloom chat``: an interactive conversation, with tool calls when given --tools FILE.json.
+
+With tools, the model may answer with calls (kept valid by the same grammar the server uses);
+each is shown, and what you type back is the tool's result, after which the model goes on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from tokenloom.server.chat_tools import ChatFeatures, ReplyStream, read_reply
+from tokenloom.structured import StructuredOutput
+from tokenloom.tool_calling import tool_grammar
+from tokenloom.tool_calling.messages import function_of, template_messages
+
+HELP = "tokenloom chat: type a message; /reset clears the conversation, /exit or Ctrl-D quits."
+
+
+def load_tools(path: str) -> list[dict[str, Any]]:
+    """The functions of an OpenAI-style tools file (a JSON list); ValueError naming what is wrong."""
+    try:
+        tools = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--tools {path}: {e}") from None
+    if not isinstance(tools, list) or not tools:
+        raise ValueError(f"--tools {path}: expected a non-empty JSON list of tools")
+    return [function_of(t, i) for i, t in enumerate(tools)]
+
+
+class ChatSession:
+    """The conversation and how one turn is generated (with the tools' grammar, if any)."""
+
+    def __init__(self, llm, params, system: str | None, functions: list[dict[str, Any]] | None) -> None:
+        self.llm, self.functions = llm, functions
+        self.features = ChatFeatures.for_template(llm.tokenizer.chat_template)
+        self.start = [{"role": "system", "content": system}] if system else []
+        self.history = list(self.start)
+        self.params = params
+        if functions:
+            special = llm.engine.grammar_special_tokens(self.features.tool_format.markers)
+            grammar = tool_grammar(functions, self.features.tool_format, "auto", True, special)
+            self.params = dataclasses.replace(params, structured_output=StructuredOutput.grammar(grammar),
+                                              skip_special_tokens=False)
+
+    def reply(self, out=None) -> list[dict]:
+        """Generate the assistant's turn, printing it (to `out`, default stdout) as it streams; its
+        tool calls (OpenAI shape)."""
+        out = out or sys.stdout
+        messages = template_messages(self.history, self.functions, self.features.tool_format)
+        tools = [{"type": "function", "function": f} for f in self.functions or ()] or None
+        if not self.features.tool_format.renders_tools:
+            tools = None
+        prompt = self.llm.tokenizer.apply_chat_template(messages, tools=tools)
+        mode = "auto" if self.functions else "none"
+        reader, text = ReplyStream(prompt, mode, self.features), []
+        for delta in self.llm.stream_deltas(self.llm.tokenizer.encode(prompt, add_special_tokens=False),
+                                            self.params):
+            text.append(delta.text_delta)
+            said = reader.feed(delta.text_delta, delta.finished, delta.finish_reason == "length")
+            print(said.get("reasoning_content", "") + said.get("content", ""), end="", file=out, flush=True)
+        reply = read_reply("".join(text), prompt, mode, self.features)
+        self.history.append({"role": "assistant", "content": reply.content or "", "tool_calls": reply.tool_calls})
+        for call in reply.tool_calls:
+            print(f"\n-> {call['function']['name']}({call['function']['arguments']})", file=out)
+        print(file=out)
+        return reply.tool_calls
+
+    def add_result(self, call: dict, result: str) -> None:
+        self.history.append({"role": "tool", "tool_call_id": call["id"], "name": call["function"]["name"],
+                             "content": result})
+
+
+def chat_loop(session: ChatSession, read=input) -> int:
+    """Read lines until /exit or end of input; after tool calls, read each call's result."""
+    print(HELP, file=sys.stderr)
+    while True:
+        try:
+            line = read("> ")
+        except (EOFError, KeyboardInterrupt):
+            print(file=sys.stderr)
+            return 0
+        if line.strip() in ("/exit", "/quit"):
+            return 0
+        if line.strip() == "/reset":
+            session.history = list(session.start)
+            continue
+        if not line.strip():
+            continue
+        session.history.append({"role": "user", "content": line})
+        calls = session.reply()
+        while calls:
+            for call in calls:
+                try:
+                    session.add_result(call, read(f"result of {call['function']['name']}> "))
+                except (EOFError, KeyboardInterrupt):
+                    return 0
+            calls = session.reply()
