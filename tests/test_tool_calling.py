@@ -33,6 +33,10 @@ RECORDED = [
              '<tool_call>\n{"name": "get_time", "arguments": {"tz": "Europe/Paris", "fmt": "a } in \\" a string"}}\n'
              '</tool_call>', "I will check both.",
      [("get_weather", '{"city": "Paris"}'), ("get_time", '{"tz": "Europe/Paris", "fmt": "a } in \\" a string"}')]),
+    # ... and, asked in other words, the same call fenced as a ```json block (recorded)
+    (HERMES, '```json\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n```', None,
+     [("get_weather", '{"city": "Paris"}')]),
+    (HERMES, "```python\nprint(1)\n```", "```python\nprint(1)\n```", []),
     (HERMES, "The capital of France is Paris.", "The capital of France is Paris.", []),
     (HERMES, '{"answer": 42}', '{"answer": 42}', []),                     # JSON that is not a call
     # Llama 3.1/3.2 (JSON tool calling, "parameters", calls joined by ;)
@@ -201,6 +205,9 @@ CALL = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
     ("auto", True, f"Let me look.\n<tool_call>\n{CALL}\n</tool_call>", True),
     ("auto", True, CALL, True),                                          # the bare form
     ("auto", True, '{"answer": 42}', True),                              # JSON content is still content
+    ("auto", True, f"```json\n{CALL}\n```", True),                      # a fenced bare call
+    ("auto", True, '```json\n{"name": "get_weather", "arguments": {}}\n```', False),   # ... still checked
+    ("auto", True, "```python\nprint(1)\n```", True),
     ("auto", True, "Let me look.\n<tool_call>\nthe weather please", False),   # once opened, only a valid call
     ("auto", True, '{"name": "get_weather", "arguments": {"unit": "kelvin"}}', False),
 ])

@@ -6,7 +6,8 @@ A format is text around JSON call objects ``{"name": ..., "<args_key>": {...}}``
 
 - ``hermes`` (Qwen2.5/Qwen3, SmolLM3, Hermes): ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``
   per call. Small models trained on it (Qwen2.5-Coder-0.5B) often answer a call as the bare object,
-  without the tags; a reply that is nothing but call objects counts as calls (``bare``).
+  without the tags, or fence them as a ```json block; a reply that is nothing but call objects
+  (fenced or not) counts as calls (``bare``).
 - ``llama3_json`` (Llama 3.1/3.2/3.3): ``{"name": ..., "parameters": {...}}``, calls separated by ``;``.
 - ``mistral`` (Mistral v0.3 and later templates): ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]``.
 - ``generic``: the hermes syntax for a template that does not render tools itself: the tools and the
@@ -18,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 CALL_HEAD = '{"name": "'      # how every format's call object starts (what the grammars write)
+FENCE_OPEN, FENCE_CLOSE = "```json\n", "\n```"   # around bare calls, as small models often write them
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ import re
 from typing import Any
 
 from tokenloom.structured.grammars import JSON_DEFAULTS
-from tokenloom.tool_calling.formats import CALL_HEAD, ToolFormat
+from tokenloom.tool_calling.formats import CALL_HEAD, FENCE_CLOSE, FENCE_OPEN, ToolFormat
 
 
 def _lit(text: str, special: frozenset[str] = frozenset()) -> str:
@@ -89,7 +89,7 @@ def _free_text(fmt: ToolFormat) -> str:
     format nothing that begins as a call object."""
     text = f"/(?s:.*)/ & {_not_containing(fmt.trigger)}"
     if fmt.bare:
-        text += f" & ~/(?s:[ \\t\\n]*{_regex_escape(CALL_HEAD)}.*)/"
+        text += f" & ~/(?s:[ \\t\\n]*({_regex_escape(FENCE_OPEN.strip())}\\n)?{_regex_escape(CALL_HEAD)}.*)/"
     return f"TEXT: {text}"
 
 
@@ -102,8 +102,12 @@ def _auto_rules(fmt: ToolFormat, parallel: bool, special: frozenset[str]) -> lis
     """auto: free text that never contains the trigger, or such text, the trigger (matched lazily:
     the first occurrence opens the calls) and the calls; for a bare format also bare call objects."""
     rules = []
-    if fmt.bare:
-        rules.append(_rule("bare", "call", f"({_lit(fmt.separator or chr(10))} call)*" if parallel else ""))
+    if fmt.bare:       # call objects, or the same in a ```json fence
+        # The fence and the call's head are one literal: TEXT (which may not begin with them) must die on
+        # the very character that completes it, as the lexer does not go back to an earlier, shorter match.
+        others = f"({_lit(fmt.separator or chr(10))} call)*" if parallel else ""
+        fenced = _rule("", _lit(FENCE_OPEN + CALL_HEAD), "named", others, _lit(FENCE_CLOSE))[2:]
+        rules.append(_rule("bare", "call", others, "|", fenced))
     rest = (fmt.section_open + fmt.call_open + CALL_HEAD)[len(fmt.trigger):]
     opened = ("opened" if fmt.trigger in special else "opened[lazy]")    # a special token ends TEXT by itself
     rules += [_free_text(fmt),

@@ -16,7 +16,7 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
-from tokenloom.tool_calling.formats import CALL_HEAD, ToolFormat
+from tokenloom.tool_calling.formats import CALL_HEAD, FENCE_CLOSE, FENCE_OPEN, ToolFormat
 
 _WS = re.compile(r"\s*")
 _ARGS_KEYS = ("arguments", "parameters")
@@ -169,24 +169,30 @@ def _valid_arguments(arguments: str) -> bool:
         return False
 
 
-def _calls_start(text: str, fmt: ToolFormat) -> tuple[int | None, bool]:
-    """Where the calls begin: (index, bare?). (None, False) if they have not begun; the content
-    then is the text less a tail that could still turn into the opening."""
+def _bare_openings() -> tuple[str, ...]:
+    return (CALL_HEAD, FENCE_OPEN + CALL_HEAD)
+
+
+def _calls_start(text: str, fmt: ToolFormat) -> tuple[int | None, tuple[str, str, str, str, str]]:
+    """Where the calls begin, and the texts around them there: (section open, section close, call
+    open, call close, separator). None if they have not begun."""
     found = text.find(fmt.trigger)
     if found >= 0:
-        return found, False
-    if fmt.bare:
+        return found, (fmt.section_open, fmt.section_close, fmt.call_open, fmt.call_close, fmt.separator)
+    if fmt.bare:                    # a reply that is call objects, or one fenced as ```json
         first = _skip_ws(text, 0)
         if text.startswith(CALL_HEAD, first):
-            return first, True
-    return None, False
+            return first, ("", "", "", "", "")
+        if text.startswith(FENCE_OPEN + CALL_HEAD, first):
+            return first, (FENCE_OPEN, FENCE_CLOSE, "", "", "")
+    return None, ("", "", "", "", "")
 
 
 def _held_back(text: str, fmt: ToolFormat) -> int:
     """How many characters at the end of `text` could be the start of the calls' opening."""
     if fmt.bare:
         rest = text.lstrip()
-        if CALL_HEAD.startswith(rest):
+        if any(opening.startswith(rest) for opening in _bare_openings()):
             return len(text)
     for n in range(min(len(fmt.trigger) - 1, len(text)), 0, -1):
         if fmt.trigger.startswith(text[-n:]):
@@ -196,18 +202,14 @@ def _held_back(text: str, fmt: ToolFormat) -> int:
 
 def scan(text: str, fmt: ToolFormat) -> Scan:
     """Read `text` as far as it goes (module doc)."""
-    start, bare = _calls_start(text, fmt)
+    start, (section_open, section_close, opening, closing, separator) = _calls_start(text, fmt)
     if start is None:
         return Scan(text[:len(text) - _held_back(text, fmt)])
     result = Scan(text[:start], calls_start=start)
-    i = start
-    if not bare:
-        i, ok = _expect(text, i, fmt.section_open)
-        if not ok:
-            result.malformed = ok is False
-            return result
-    opening, closing = ("", "") if bare else (fmt.call_open, fmt.call_close)
-    separator = "" if bare else fmt.separator
+    i, ok = _expect(text, start, section_open)
+    if not ok:
+        result.malformed = ok is False
+        return result
     while True:
         if result.calls:                 # after a call: another, or the end of the section
             after_sep, sep_ok = _expect(text, i, separator)
@@ -215,7 +217,7 @@ def scan(text: str, fmt: ToolFormat) -> Scan:
             if sep_ok is None or (sep_ok and open_ok is None):    # the text ends inside what comes next
                 return result
             if not (sep_ok and open_ok):
-                return _section_end(text, i, fmt, bare, result)
+                return _section_end(text, i, section_close, result)
             i = after_sep
         call = PartialCall()
         result.calls.append(call)
@@ -230,11 +232,11 @@ def scan(text: str, fmt: ToolFormat) -> Scan:
         call.complete = True
 
 
-def _section_end(text: str, i: int, fmt: ToolFormat, bare: bool, result: Scan) -> Scan:
+def _section_end(text: str, i: int, section_close: str, result: Scan) -> Scan:
     """After the last call: the section's closing (which the text may not have reached yet), then
     anything left is trailing text."""
-    if not bare and fmt.section_close:
-        after, ok = _expect(text, i, fmt.section_close)
+    if section_close:
+        after, ok = _expect(text, i, section_close)
         if ok is False:
             result.malformed = True
             return result
