@@ -44,14 +44,14 @@ def test_generate_explain_full_tabulates_20_candidates(default_model_dir, capsys
 
 
 def test_chat_keeps_the_conversation(default_model_dir, monkeypatch, capsys):
-    from tokenloom.llm import LLM
+    from tokenloom.cli_chat import ChatSession
     seen = []
-    original = LLM.stream
+    original = ChatSession.reply
 
-    def spy(self, prompt, params=None):
-        seen.append([dict(m) for m in prompt])
-        return original(self, prompt, params)
-    monkeypatch.setattr(LLM, "stream", spy)
+    def spy(self, out=None):
+        seen.append([dict(m) for m in self.history])     # the conversation each turn is generated from
+        return original(self, out)
+    monkeypatch.setattr(ChatSession, "reply", spy)
     monkeypatch.setattr(sys, "stdin", io.StringIO("What is the capital of France?\nAnd of Italy?\n/exit\n"))
     assert cli_main(["chat", "-m", str(default_model_dir), "-n", "20"]) == 0
     out = capsys.readouterr().out

@@ -160,8 +160,8 @@ def test_a_burst_past_the_per_request_bound_is_refused_before_any_tokenizing(tin
     from tokenloom.server import build_app
     app = build_app(AsyncLLMEngine(tiny_engine), "tiny")
     tokenized = []
-    prompt_ids = app.state.serving._prompt_ids
-    app.state.serving._prompt_ids = lambda *a: tokenized.append(a) or prompt_ids(*a)
+    input_ids = app.state.serving.input_ids
+    app.state.serving.input_ids = lambda *a: tokenized.append(a) or input_ids(*a)
     with TestClient(app) as tc:
         burst = tc.post("/v1/completions", json={"prompt": ["Hi there"] * 2000, "n": 16, "max_tokens": 1})
         many = tc.post("/v1/completions", json={"prompt": ["Hi there"] * 65, "max_tokens": 1})
