@@ -12,10 +12,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tokenloom.server.chat_tools import ChatFeatures, ReplyStream, read_reply
-from tokenloom.structured import StructuredOutput
-from tokenloom.tool_calling import tool_grammar
-from tokenloom.tool_calling.messages import function_of, template_messages
+from tokenloom.server.chat_tools import ChatFeatures, ReplyStream, make_turn, read_reply, tool_constraint
+from tokenloom.tool_calling.messages import function_of
 
 HELP = "tokenloom chat: type a message; /reset clears the conversation, /exit or Ctrl-D quits."
 
@@ -35,34 +33,32 @@ class ChatSession:
     """The conversation and how one turn is generated (with the tools' grammar, if any)."""
 
     def __init__(self, llm, params, system: str | None, functions: list[dict[str, Any]] | None) -> None:
-        self.llm, self.functions = llm, functions
+        self.llm, self.functions = llm, functions or []
+        self.mode = "auto" if functions else "none"
         self.features = ChatFeatures.for_template(llm.tokenizer.chat_template)
         self.start = [{"role": "system", "content": system}] if system else []
         self.history = list(self.start)
         self.params = params
-        if functions:
-            special = llm.engine.grammar_special_tokens(self.features.tool_format.markers)
-            grammar = tool_grammar(functions, self.features.tool_format, "auto", True, special)
-            self.params = dataclasses.replace(params, structured_output=StructuredOutput.grammar(grammar),
-                                              skip_special_tokens=False)
+        if functions:          # the server's grammar for tool_choice auto, and its decoding of markers
+            grammar = tool_constraint(self.mode, self.functions, self.features, llm.engine, parallel=True)
+            self.params = dataclasses.replace(params, structured_output=grammar)
+        if (functions or self.features.reasoning) and self.features.markers_dropped(llm.tokenizer):
+            self.params = dataclasses.replace(self.params, skip_special_tokens=False)
 
     def reply(self, out=None) -> list[dict]:
         """Generate the assistant's turn, printing it (to `out`, default stdout) as it streams; its
         tool calls (OpenAI shape)."""
         out = out or sys.stdout
-        messages = template_messages(self.history, self.functions, self.features.tool_format)
-        tools = [{"type": "function", "function": f} for f in self.functions or ()] or None
-        if not self.features.tool_format.renders_tools:
-            tools = None
-        prompt = self.llm.tokenizer.apply_chat_template(messages, tools=tools)
-        mode = "auto" if self.functions else "none"
-        reader, text = ReplyStream(prompt, mode, self.features), []
+        turn = make_turn(self.history, self.mode, self.functions, self.features)
+        prompt = self.llm.tokenizer.apply_chat_template(turn.messages, tools=turn.template_tools)
+        reader, text, cut = ReplyStream(prompt, self.mode, self.features), [], False
         for delta in self.llm.stream_deltas(self.llm.tokenizer.encode(prompt, add_special_tokens=False),
                                             self.params):
             text.append(delta.text_delta)
-            said = reader.feed(delta.text_delta, delta.finished, delta.finish_reason == "length")
+            cut = delta.finish_reason == "length"
+            said = reader.feed(delta.text_delta, delta.finished, cut)
             print(said.get("reasoning_content", "") + said.get("content", ""), end="", file=out, flush=True)
-        reply = read_reply("".join(text), prompt, mode, self.features)
+        reply = read_reply("".join(text), prompt, self.mode, self.features, cut)
         self.history.append({"role": "assistant", "content": reply.content or "", "tool_calls": reply.tool_calls})
         for call in reply.tool_calls:
             print(f"\n-> {call['function']['name']}({call['function']['arguments']})", file=out)

@@ -65,26 +65,34 @@ class ChatTurn:
 
 
 def chat_turn(req, features: ChatFeatures) -> ChatTurn:
-    """The request's messages and tools as the template takes them (tool_choice none: the tools are
-    not offered; calls and results already in the history are rendered all the same)."""
+    """A chat request's turn (make_turn)."""
     mode, functions = req.tool_mode()
+    return make_turn([m.as_template_input() for m in req.messages], mode, functions, features)
+
+
+def make_turn(messages: list[dict[str, Any]], mode: str, functions: list[dict[str, Any]],
+              features: ChatFeatures) -> ChatTurn:
+    """OpenAI-shaped `messages` and the `functions` offered under `mode`, as the template takes them
+    (tool_choice none: the tools are not offered; calls and results already in the history are
+    rendered all the same)."""
     offered = functions if mode != "none" else None
-    messages = template_messages([m.as_template_input() for m in req.messages], offered, features.tool_format)
+    messages = template_messages(messages, offered, features.tool_format)
     template_tools = None
     if offered and features.tool_format.renders_tools:
         template_tools = [{"type": "function", "function": f} for f in offered]
     return ChatTurn(mode, functions, template_tools, messages)
 
 
-def tool_constraint(turn: ChatTurn, features: ChatFeatures, engine, parallel: bool) -> StructuredOutput | None:
-    """The grammar that keeps the reply's calls valid (tool_calling/grammar.py), or under tool_choice
-    none one that keeps it from calling; None without tools."""
-    if not turn.functions:
+def tool_constraint(mode: str, functions: list[dict[str, Any]], features: ChatFeatures, engine,
+                    parallel: bool) -> StructuredOutput | None:
+    """The grammar that keeps the reply's calls to `functions` valid (tool_calling/grammar.py), or
+    under tool_choice none one that keeps it from calling; None without tools."""
+    if not functions:
         return None
-    if turn.mode == "none":
+    if mode == "none":
         return StructuredOutput.grammar(no_call_grammar(features.tool_format))
     special = features.special_markers(engine)
-    return StructuredOutput.grammar(tool_grammar(turn.functions, features.tool_format, turn.mode, parallel, special))
+    return StructuredOutput.grammar(tool_grammar(functions, features.tool_format, mode, parallel, special))
 
 
 @dataclass

@@ -229,14 +229,19 @@ class CompletionRequest(_Sampling):
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: text or token ids."""
-        p = self.prompt
-        if isinstance(p, str):
-            return [p]
-        if not p:
-            raise APIError(400, "prompt is empty", "prompt")
-        if all(isinstance(x, int) for x in p):
-            return [list(p)]
-        return list(p)
+        return prompt_list(self.prompt, "prompt")
+
+
+def prompt_list(value: str | list[str] | list[int] | list[list[int]], param: str) -> list[str | list[int]]:
+    """OpenAI's one-or-many input (a text, texts, token ids, lists of token ids) as one entry per
+    input; APIError naming `param` if there is none."""
+    if isinstance(value, str):
+        return [value]
+    if not value:
+        raise APIError(400, f"{param} is empty", param)
+    if all(isinstance(x, int) for x in value):
+        return [list(value)]
+    return list(value)
 
 
 class TextPart(BaseModel):

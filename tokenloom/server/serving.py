@@ -202,8 +202,9 @@ class OpenAIServing:
 
     def prepare_completion(self, req: CompletionRequest) -> Prepared:
         req.check_limits()
-        self._check_request(req, len(req.prompts()), "prompt")
-        return self._prepare(req, "cmpl", req.prompts(), "prompt", req.max_tokens, req.logprobs)
+        prompts = req.prompts()
+        self._check_request(req, len(prompts), "prompt")
+        return self._prepare(req, "cmpl", prompts, "prompt", req.max_tokens, req.logprobs)
 
     def _check_request(self, req: CompletionRequest | ChatCompletionRequest, num_prompts: int,
                        prompt_param: str) -> None:
@@ -216,10 +217,11 @@ class OpenAIServing:
         req.check_limits()
         self._check_request(req, 1, "messages")
         turn = chat_turn(req, self.chat_features)
-        constraint = None
-        if req.structured_output()[0] is None:
-            tools_grammar = tool_constraint(turn, self.chat_features, self.engine, req.parallel_calls)
-            constraint = (tools_grammar, "tools") if tools_grammar is not None else None
+        constraint = req.structured_output()
+        if constraint[0] is None:
+            tools_grammar = tool_constraint(turn.mode, turn.functions, self.chat_features, self.engine,
+                                            req.parallel_calls)
+            constraint = (tools_grammar, "tools") if tools_grammar is not None else constraint
         elif turn.mode != "none":
             raise APIError(400, "tools with response_format or guided_* are not supported together: the "
                                 "tools' grammar already constrains the reply (or set tool_choice none)", "tools")

@@ -17,7 +17,7 @@ from fastapi import FastAPI
 from pydantic import BaseModel, Field, ValidationError
 
 from tokenloom.server.admission import server_busy
-from tokenloom.server.protocol import STRICT, APIError, ChatCompletionRequest
+from tokenloom.server.protocol import STRICT, APIError, ChatCompletionRequest, prompt_list
 from tokenloom.server.serving import OpenAIServing
 
 MAX_EMBEDDING_INPUTS = 256
@@ -49,16 +49,10 @@ class EmbeddingRequest(BaseModel):
 
 
 def _inputs(req: EmbeddingRequest) -> list[str | list[int]]:
-    value = req.input
-    if isinstance(value, str):
-        return [value]
-    if not value:
-        raise APIError(400, "input is empty", "input")
-    if all(isinstance(x, int) for x in value):
-        return [list(value)]
-    if len(value) > MAX_EMBEDDING_INPUTS:
+    inputs = prompt_list(req.input, "input")
+    if len(inputs) > MAX_EMBEDDING_INPUTS:
         raise APIError(400, f"at most {MAX_EMBEDDING_INPUTS} inputs per request", "input")
-    return list(value)
+    return inputs
 
 
 def _encoded(vector: list[float], encoding_format: str) -> list[float] | str:

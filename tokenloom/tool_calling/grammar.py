@@ -32,9 +32,13 @@ def _lit(text: str, special: frozenset[str] = frozenset()) -> str:
     return " ".join(parts)
 
 
+def _seq(*parts: str) -> str:
+    """`part part ...`, without the empty parts."""
+    return " ".join(p for p in parts if p)
+
+
 def _rule(name: str, *parts: str) -> str:
-    """`name: part part ...`, without the empty parts."""
-    return f"{name}: {' '.join(p for p in parts if p)}"
+    return f"{name}: {_seq(*parts)}"
 
 
 def _regex_escape(text: str) -> str:
@@ -79,7 +83,7 @@ def _call_rules(tools: list[dict[str, Any]], fmt: ToolFormat, parallel: bool, sp
     rules.append(_rule("named", " | ".join(f"named_{i}" for i in range(len(tools)))))
     rules.append(_rule("call", _lit(CALL_HEAD), "named"))
     rules.append(_rule("one", _lit(fmt.call_open, special), "call", _lit(fmt.call_close, special)))
-    rules.append(_rule("more", f"({_rule('', _lit(fmt.separator), 'one')[2:]})*") if parallel else 'more: ""')
+    rules.append(_rule("more", f"({_seq(_lit(fmt.separator), 'one')})*") if parallel else 'more: ""')
     rules.append(_rule("calls", _lit(fmt.section_open, special), "one more", _lit(fmt.section_close, special)))
     return rules
 
@@ -106,8 +110,8 @@ def _auto_rules(fmt: ToolFormat, parallel: bool, special: frozenset[str]) -> lis
         # The fence and the call's head are one literal: TEXT (which may not begin with them) must die on
         # the very character that completes it, as the lexer does not go back to an earlier, shorter match.
         others = f"({_lit(fmt.separator or chr(10))} call)*" if parallel else ""
-        fenced = _rule("", _lit(FENCE_OPEN + CALL_HEAD), "named", others, _lit(FENCE_CLOSE))[2:]
-        rules.append(_rule("bare", "call", others, "|", fenced))
+        rules.append(_rule("bare", "call", others, "|", _lit(FENCE_OPEN + CALL_HEAD), "named", others,
+                           _lit(FENCE_CLOSE)))
     rest = (fmt.section_open + fmt.call_open + CALL_HEAD)[len(fmt.trigger):]
     opened = ("opened" if fmt.trigger in special else "opened[lazy]")    # a special token ends TEXT by itself
     rules += [_free_text(fmt),

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from tokenloom.tool_calling.formats import CALL_HEAD, FENCE_CLOSE, FENCE_OPEN, ToolFormat
 
 _WS = re.compile(r"\s*")
+_SCALAR = re.compile(r"[^\s,}\]]*")          # a number, true, false or null
+_BARE_OPENINGS = (CALL_HEAD, FENCE_OPEN + CALL_HEAD)
 _ARGS_KEYS = ("arguments", "parameters")
 
 
@@ -77,7 +79,7 @@ def _value_end(text: str, pos: int) -> int | None:
     if text[pos] == '"':
         return _string_end(text, pos)
     if text[pos] not in "[{":
-        m = re.compile(r"[^\s,}\]]*").match(text, pos)
+        m = _SCALAR.match(text, pos)
         return m.end() if m.end() < len(text) else None      # a number may still be growing
     depth, i = 0, pos
     while i < len(text):
@@ -169,10 +171,6 @@ def _valid_arguments(arguments: str) -> bool:
         return False
 
 
-def _bare_openings() -> tuple[str, ...]:
-    return (CALL_HEAD, FENCE_OPEN + CALL_HEAD)
-
-
 def _calls_start(text: str, fmt: ToolFormat) -> tuple[int | None, tuple[str, str, str, str, str]]:
     """Where the calls begin, and the texts around them there: (section open, section close, call
     open, call close, separator). None if they have not begun."""
@@ -192,7 +190,7 @@ def _held_back(text: str, fmt: ToolFormat) -> int:
     """How many characters at the end of `text` could be the start of the calls' opening."""
     if fmt.bare:
         rest = text.lstrip()
-        if any(opening.startswith(rest) for opening in _bare_openings()):
+        if any(opening.startswith(rest) for opening in _BARE_OPENINGS):
             return len(text)
     for n in range(min(len(fmt.trigger) - 1, len(text)), 0, -1):
         if fmt.trigger.startswith(text[-n:]):
