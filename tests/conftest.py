@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.browser_harness import browser  # noqa: F401 (a fixture: the playground's tests share one Chromium)
+
 VOCAB = 320
 
 # name -> (transformers config class, kwargs). Small enough to run in milliseconds,

@@ -7,8 +7,9 @@ import json
 import pytest
 
 from tokenloom import hub
-from tokenloom.cli_chat import ChatSession, chat_loop, load_tools
+from tokenloom.cli_chat import ChatSession, chat_loop
 from tokenloom.sampling_params import SamplingParams
+from tokenloom.tool_calling.messages import load_tools
 
 QWEN = "qwen2.5-coder-0.5b"
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Get the current weather in a city",

@@ -5,17 +5,14 @@ test-artifacts/playground/ (or $TOKENLOOM_ARTIFACTS/playground/)."""
 from __future__ import annotations
 
 import json
-import os
-from pathlib import Path
 
 import httpx
 import pytest
 
+from tests.browser_harness import offline_page, run_and_wait, set_controls, shot, token_texts
 from tests.server_harness import ThreadedServer
 
 PROMPT = "The three primary colors are"
-CHROMIUM = Path("/usr/bin/chromium")
-ARTIFACTS = Path(os.environ.get("TOKENLOOM_ARTIFACTS", "test-artifacts")) / "playground"
 
 
 @pytest.fixture(scope="module")
@@ -87,57 +84,8 @@ def test_playground_page_is_self_contained(base_url):
 
 
 # ---- the page in a browser -----------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def browser():
-    sync_api = pytest.importorskip("playwright.sync_api")
-    if not CHROMIUM.exists():
-        pytest.skip("Debian's chromium is not installed (make setup installs it)")
-    with sync_api.sync_playwright() as p:
-        b = p.chromium.launch(executable_path=str(CHROMIUM), args=[
-            "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-            "--disable-sync", "--no-first-run", "--disable-quic"])
-        yield b
-        b.close()
-
-
-def offline_page(browser, base_url: str, width: int, height: int):
-    """A page that may only talk to the server: any other request is recorded and refused."""
-    page = browser.new_page(viewport={"width": width, "height": height})
-    page.outside = []
-
-    def only_local(route):
-        if route.request.url.startswith(base_url) or route.request.url.startswith("data:"):
-            return route.continue_()
-        page.outside.append(route.request.url)
-        return route.abort()
-    page.route("**/*", only_local)
-    page.goto(f"{base_url}/")
-    page.wait_for_function("document.getElementById('model').textContent.includes('smol')")
-    return page
-
-
-def shot(page, name: str) -> None:
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
-
-
-def set_controls(page, **values) -> None:
-    for name, value in values.items():
-        page.fill(f"#{name}", str(value))
-
-
-def run_and_wait(page, button: str = "#generate") -> None:
-    page.click(button)
-    page.wait_for_function("/^(done|error|stopped)/.test(document.getElementById('status').textContent)",
-                           timeout=60_000)
-
-
-def token_texts(page) -> list[str]:
-    return page.eval_on_selector_all("#output .tok", "els => els.map(e => e.textContent)")
-
-
 def test_playground_streams_explains_branches_and_reports_errors(browser, base_url, engine):
-    page = offline_page(browser, base_url, 1200, 900)
+    page = offline_page(browser, base_url, "smol", 1200, 900)
     shot(page, "1-loaded")
 
     # a prompt streams in, token by token, as the API would return it
@@ -193,7 +141,7 @@ def test_playground_streams_explains_branches_and_reports_errors(browser, base_u
 
 
 def test_playground_chat_on_a_phone_width_screen(browser, base_url):
-    page = offline_page(browser, base_url, 390, 844)
+    page = offline_page(browser, base_url, "smol", 390, 844)
     page.click("#mode-chat")
     set_controls(page, temperature=0, max_tokens=8)
     page.fill("#prompt", "What is the capital of France?")

@@ -13,9 +13,13 @@ import httpx
 from tests.server_harness import ServeProcess
 
 
-def test_serve_answers_then_finishes_inflight_stream_on_sigterm(default_model_dir):
-    with ServeProcess(default_model_dir) as served:
+def test_serve_answers_then_finishes_inflight_stream_on_sigterm(default_model_dir, tmp_path):
+    tools = [{"type": "function", "function": {"name": "get_time", "description": "The time",
+                                               "parameters": {"type": "object", "properties": {}}}}]
+    (tmp_path / "tools.json").write_text(json.dumps(tools))
+    with ServeProcess(default_model_dir, "--tools", str(tmp_path / "tools.json")) as served:
         proc, base = served.proc, served.base
+        assert httpx.get(f"{base}/playground/tools").json() == {"tools": tools}     # the playground offers them
         body = {"model": "smol", "prompt": "Count:", "max_tokens": 24, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as response:
             lines = response.iter_lines()

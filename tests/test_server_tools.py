@@ -9,6 +9,7 @@ import jsonschema
 import openai
 import pytest
 
+from tests.browser_harness import offline_page, run_and_wait, set_controls, shot
 from tests.server_harness import ThreadedServer
 from tokenloom import hub
 
@@ -34,7 +35,8 @@ def base_url():
     from tokenloom.async_engine import AsyncLLMEngine
     from tokenloom.server import build_app
     engine = LLM(str(hub.gguf_path(QWEN)), max_model_len=2048, kv_cache_memory=256 << 20).engine
-    with ThreadedServer(build_app(AsyncLLMEngine(engine), "qwen")) as url:
+    offered = [WEATHER["function"]]                     # as `serve --tools FILE.json` offers them in the playground
+    with ThreadedServer(build_app(AsyncLLMEngine(engine), "qwen", playground_tools=offered)) as url:
         yield url
 
 
@@ -160,3 +162,28 @@ def test_litellm_tool_call(base_url, monkeypatch):
     call = reply.choices[0].message.tool_calls[0]
     assert call.function.name == "get_weather"
     jsonschema.validate(json.loads(call.function.arguments), WEATHER_SCHEMA)
+
+
+def test_playground_shows_the_call_and_sends_the_typed_result_back(browser, base_url):
+    page = offline_page(browser, base_url, "qwen", 1200, 900)
+    page.wait_for_function("document.getElementById('tools').value.includes('get_weather')")
+    assert "active" in page.get_attribute("#mode-chat", "class")       # tools given: the chat opens first
+    set_controls(page, temperature=0, max_tokens=64)
+    page.fill("#prompt", ASK[0]["content"])
+    run_and_wait(page)
+    assert page.text_content("#status").endswith("waiting for tool results")
+    [call] = page.eval_on_selector_all("#call-list .call .sig", "els => els.map(e => e.textContent)")
+    name, arguments = call.removeprefix("→ ").split("(", 1)
+    assert name == "get_weather" and json.loads(arguments.removesuffix(")"))["city"] == "Paris"
+    assert page.text_content("#call-list .call .id").startswith("call_")
+    shot(page, "8-tool-call")
+
+    page.fill("#call-list .call input", "18 degrees Celsius and sunny")
+    page.select_option("#tool_choice", "none")
+    run_and_wait(page, "#send-results")
+    assert not page.is_visible("#error") and not page.is_visible("#calls")
+    assert "18" in "".join(page.eval_on_selector_all("#output .tok", "els => els.map(e => e.textContent)"))
+    transcript = page.text_content("#transcript")
+    assert "get_weather(" in transcript and "get_weather returned: 18 degrees Celsius and sunny" in transcript
+    shot(page, "9-tool-result")
+    assert page.outside == []

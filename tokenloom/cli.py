@@ -128,7 +128,8 @@ def _generate_explained(llm, target, params, mode: str, prompt_text: str) -> int
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    from tokenloom.cli_chat import ChatSession, chat_loop, load_tools
+    from tokenloom.cli_chat import ChatSession, chat_loop
+    from tokenloom.tool_calling.messages import load_tools
     params = _sampling_params(args)
     check_engine_flags(args)
     functions = load_tools(args.tools) if args.tools else None     # a bad file fails before the model loads
@@ -141,7 +142,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from tokenloom.async_engine import AsyncLLMEngine
     from tokenloom.server import build_app, graceful, served_model_name
     from tokenloom.server.admission import AdmissionLimits
+    from tokenloom.tool_calling.messages import load_tools
     check_engine_flags(args)
+    playground_tools = load_tools(args.tools) if args.tools else None   # a bad file fails before the model loads
     limits = AdmissionLimits(      # checked before the model loads: a bad bound fails at once
         max_seqs_per_request=args.max_seqs_per_request, max_pending_seqs=args.max_pending_seqs,
         max_pending_tokens=args.max_pending_tokens, max_running_per_request=args.max_running_per_request,
@@ -152,7 +155,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     app = build_app(engine, name, api_key=api_key, max_body_bytes=args.max_body_bytes,
                     body_timeout_s=args.body_timeout, limits=limits, allowed_hosts=_allowed_hosts(args, api_key),
                     log_json=args.log_format == "json", tool_call_parser=args.tool_call_parser,
-                    reasoning_parser=args.reasoning_parser)
+                    reasoning_parser=args.reasoning_parser, playground_tools=playground_tools)
     base = f"http://{args.host}:{args.port}"
     print(f"tokenloom: serving {name!r} on {base}/v1 (playground: {base}/)"
           f"{' (API key required)' if api_key else ''}", file=sys.stderr)
@@ -272,6 +275,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "tokenloom offers the tools in a system message of its own)")
     serve.add_argument("--reasoning-parser", default="auto", choices=list(REASONING_PARSERS),
                        help="<think> reasoning as reasoning_content (default: when the template knows think tags)")
+    serve.add_argument("--tools", default=None, metavar="FILE.json",
+                       help="tools the playground's chat offers (an OpenAI-style JSON list; API clients send "
+                            "their own)")
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     serve.add_argument("--log-format", default="text", choices=["text", "json"],
                        help="the per-request log line as key=value text or one JSON object (default: text)")

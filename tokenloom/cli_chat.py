@@ -7,26 +7,12 @@ each is shown, and what you type back is the tool's result, after which the mode
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
-from pathlib import Path
 from typing import Any
 
 from tokenloom.server.chat_tools import ChatFeatures, ReplyStream, make_turn, read_reply, tool_constraint
-from tokenloom.tool_calling.messages import function_of
 
 HELP = "tokenloom chat: type a message; /reset clears the conversation, /exit or Ctrl-D quits."
-
-
-def load_tools(path: str) -> list[dict[str, Any]]:
-    """The functions of an OpenAI-style tools file (a JSON list); ValueError naming what is wrong."""
-    try:
-        tools = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as e:
-        raise ValueError(f"--tools {path}: {e}") from None
-    if not isinstance(tools, list) or not tools:
-        raise ValueError(f"--tools {path}: expected a non-empty JSON list of tools")
-    return [function_of(t, i) for i, t in enumerate(tools)]
 
 
 class ChatSession:

@@ -82,12 +82,13 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
               limits: AdmissionLimits | None = None, allowed_hosts: tuple[str, ...] | None = None,
               log_json: bool = False, tool_call_parser: str | None = None,
-              reasoning_parser: str | None = None) -> FastAPI:
+              reasoning_parser: str | None = None, playground_tools: list[dict] | None = None) -> FastAPI:
     """An OpenAI-compatible app over `engine`, serving it as `model_name`, admitting work within
     `limits` (server/admission.py; its defaults when None), answering only requests whose Host is
     in `allowed_hosts` (None: any), logging a line per request (JSON lines if `log_json`), reading
     tool calls and reasoning from replies as `tool_call_parser` and `reasoning_parser` say (None or
-    "auto": from the chat template; tool_calling/formats.py and reasoning.py)."""
+    "auto": from the chat template; tool_calling/formats.py and reasoning.py), and offering
+    `playground_tools` (functions, as tool_calling.messages.function_of gives) in the playground."""
     metrics = ServerMetrics(engine.stats)
     features = ChatFeatures.for_template(engine.tokenizer.chat_template, tool_call_parser, reasoning_parser)
     serving = OpenAIServing(engine, model_name, metrics, limits, features)
@@ -154,6 +155,13 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
     async def playground_page() -> HTMLResponse:
         """The web playground: one static page (no outside resources) over the API below."""
         return HTMLResponse(playground)
+
+    offered = [{"type": "function", "function": f} for f in playground_tools or []]
+
+    @app.get("/playground/tools", include_in_schema=False)
+    async def playground_tool_list() -> dict[str, Any]:
+        """The tools `serve --tools FILE.json` gave, which the playground's chat offers ([] if none)."""
+        return {"tools": offered}
 
     @app.get("/health")
     async def health() -> dict[str, str]:

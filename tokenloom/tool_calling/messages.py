@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 from typing import Any
 
 from tokenloom.tool_calling.formats import ToolFormat
@@ -32,6 +33,18 @@ def function_of(tool: dict[str, Any], index: int) -> dict[str, Any]:
     if not isinstance(parameters, dict):
         raise ValueError(f"tools[{index}].function.parameters must be a JSON schema object")
     return {"name": name, "description": function.get("description") or "", "parameters": parameters}
+
+
+def load_tools(path: str) -> list[dict[str, Any]]:
+    """The functions (function_of) of an OpenAI-style tools file, a JSON list, as given with --tools;
+    ValueError naming what is wrong."""
+    try:
+        tools = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--tools {path}: {e}") from None
+    if not isinstance(tools, list) or not tools:
+        raise ValueError(f"--tools {path}: expected a non-empty JSON list of tools")
+    return [function_of(t, i) for i, t in enumerate(tools)]
 
 
 def _arguments_object(arguments: Any) -> Any:
