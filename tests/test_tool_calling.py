@@ -23,6 +23,9 @@ from tokenloom.tool_calling.messages import function_of, template_messages
 
 WEATHER_ARGS = '{"city": "Paris", "unit": "celsius"}'
 
+PRETTY_ARGS = '{\n    "city": "Tokyo",\n    "unit": "celsius"\n  }'
+PRETTY = f'{{\n  "name": "get_weather",\n  "arguments": {PRETTY_ARGS}\n}}'
+
 # (format, reply as a model wrote it, expected content, expected [(name, arguments)])
 RECORDED = [
     # Qwen2.5-Coder-0.5B under the tools grammar (tool_choice required), and its own bare answer
@@ -48,6 +51,11 @@ RECORDED = [
      None, [("get_weather", '{"city": "Paris"}'), ("get_weather", '{"city": "Lyon"}')]),
     # a call with no arguments at all takes none
     (HERMES, '<tool_call>\n{"name": "now"}\n</tool_call>', None, [("now", "{}")]),
+    # pretty-printed calls, bare and fenced, as Qwen2.5-Coder-0.5B writes them at temperature 1 (recorded)
+    (HERMES, PRETTY, None, [("get_weather", PRETTY_ARGS)]),
+    (HERMES, f"```json\n{PRETTY}\n```", None, [("get_weather", PRETTY_ARGS)]),
+    (HERMES, f"<tool_call>\n{PRETTY}\n</tool_call>", None, [("get_weather", PRETTY_ARGS)]),
+    (LLAMA3_JSON, 'Calling it.\n{\n  "name": "get_time",\n  "parameters": {}\n}', "Calling it.", [("get_time", "{}")]),
 ]
 
 MALFORMED = [
@@ -115,6 +123,16 @@ def test_streaming_never_shows_a_half_written_trigger_as_content():
     stream = ToolCallStream(HERMES)
     said = "".join(stream.feed(ch).content for ch in text)
     assert said == "Sure."          # never "Sure.<tool" and the like
+
+
+@pytest.mark.parametrize("fmt,text,said", [
+    (HERMES, PRETTY, ""), (HERMES, f"```json\n{PRETTY}\n```", ""),
+    (LLAMA3_JSON, 'Sure. {\n "name": "get_time", "parameters": {}}', "Sure."),   # content before calls: rstripped
+    (LLAMA3_JSON, 'A set: { "a": 1 }', 'A set: { "a": 1 }'),       # a brace that does not become a call
+])
+def test_streaming_holds_back_a_pretty_printed_head_until_it_is_known(fmt, text, said):
+    stream = ToolCallStream(fmt)
+    assert "".join(stream.feed(ch).content for ch in text) + stream.finish().content == said
 
 
 @pytest.mark.parametrize("fmt,text", MALFORMED)
@@ -210,6 +228,13 @@ CALL = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
     ("auto", True, "```python\nprint(1)\n```", True),
     ("auto", True, "Let me look.\n<tool_call>\nthe weather please", False),   # once opened, only a valid call
     ("auto", True, '{"name": "get_weather", "arguments": {"unit": "kelvin"}}', False),
+    # pretty-printed calls are calls too, held to their schemas; free text cannot be one
+    ("auto", True, '{\n  "name": "get_weather",\n  "arguments": {\n    "city": "Paris"\n  }\n}', True),
+    ("auto", True, '\n```json\n{\n  "name": "get_weather",\n  "arguments": {"city": "Paris"}\n}\n```', True),
+    ("auto", True, 'Look:\n<tool_call>\n{\n  "name" : "get_weather", "arguments": {"city": "Paris"}\n}\n</tool_call>',
+     True),
+    ("auto", True, '{\n  "name": "get_weather",\n  "arguments": {\n    "town": "Paris"\n  }\n}', False),
+    ("required", True, '<tool_call>\n{ "name": "get_time", "arguments": {} }\n</tool_call>', True),
 ])
 def test_tool_grammars_admit_valid_calls_only(compiler, mode, parallel, text, ok):
     assert _accepts(compiler, tool_grammar(TOOLS, HERMES, mode, parallel), text) == ok

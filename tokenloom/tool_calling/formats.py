@@ -18,7 +18,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-CALL_HEAD = '{"name": "'      # how every format's call object starts (what the grammars write)
+CALL_HEAD = '{"name": "'      # how every format's call object starts, written compactly
+CALL_WS = r"[ \t\n]{0,24}"    # whitespace a call object may hold between its parts (bounded for the grammar)
+# The head as a regex (Python's and llguidance's syntax alike): models pretty-print calls too, as
+# '{\n  "name": "', and the grammars and the parser both take any such head.
+CALL_HEAD_PATTERN = rf'\{{{CALL_WS}"name"{CALL_WS}:{CALL_WS}"'
 FENCE_OPEN, FENCE_CLOSE = "```json\n", "\n```"   # around bare calls, as small models often write them
 
 

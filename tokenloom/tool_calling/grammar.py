@@ -14,7 +14,7 @@ import re
 from typing import Any
 
 from tokenloom.structured.grammars import JSON_DEFAULTS
-from tokenloom.tool_calling.formats import CALL_HEAD, FENCE_CLOSE, FENCE_OPEN, ToolFormat
+from tokenloom.tool_calling.formats import CALL_HEAD, CALL_HEAD_PATTERN, CALL_WS, FENCE_CLOSE, FENCE_OPEN, ToolFormat
 
 
 def _lit(text: str, special: frozenset[str] = frozenset()) -> str:
@@ -43,7 +43,7 @@ def _rule(name: str, *parts: str) -> str:
 
 def _regex_escape(text: str) -> str:
     """`text` as a literal inside a /regex/ (Rust regex syntax; / closes the Lark literal)."""
-    return re.sub(r"([\\^$.|?*+()\[\]{}/])", r"\\\1", text)
+    return re.sub(r"([\\^$.|?*+()\[\]{}/])", r"\\\1", text).replace("\n", "\\n").replace("\t", "\\t")
 
 
 def _schema(parameters: dict[str, Any]) -> str:
@@ -53,9 +53,14 @@ def _schema(parameters: dict[str, Any]) -> str:
     return json.dumps(schema)
 
 
-def _not_containing(text: str) -> str:
-    """A regex (llguidance's syntax) for any text that does not contain `text`."""
-    return f"~/(?s:.*{_regex_escape(text)}.*)/"
+def _not_containing(pattern: str) -> str:
+    """A regex (llguidance's syntax) for any text that contains no match of `pattern`."""
+    return f"~/(?s:.*{pattern}.*)/"
+
+
+def _trigger_pattern(fmt: ToolFormat) -> str:
+    """The trigger as a regex: a call's head in any spacing when the head is the trigger (llama3_json)."""
+    return CALL_HEAD_PATTERN if fmt.trigger == CALL_HEAD else _regex_escape(fmt.trigger)
 
 
 def tool_grammar(tools: list[dict[str, Any]], fmt: ToolFormat, mode: str, parallel: bool,
@@ -74,14 +79,15 @@ def tool_grammar(tools: list[dict[str, Any]], fmt: ToolFormat, mode: str, parall
 
 
 def _call_rules(tools: list[dict[str, Any]], fmt: ToolFormat, parallel: bool, special: frozenset[str]) -> list[str]:
-    """named: what follows CALL_HEAD in a call to one of the tools; call, one (with its markers),
-    more (the calls after the first), calls (the whole section)."""
-    rules = []
+    """HEAD, ARGS, CLOSE: a call object's fixed parts, in any spacing (models pretty-print calls);
+    named: what follows HEAD in a call to one of the tools; call, one (with its markers), more (the
+    calls after the first), calls (the whole section)."""
+    rules = [f"HEAD: /{CALL_HEAD_PATTERN}/", f'ARGS: /"{CALL_WS},{CALL_WS}"{fmt.args_key}"{CALL_WS}:{CALL_WS}/',
+             f"CLOSE: /{CALL_WS}\\}}/"]
     for i, tool in enumerate(tools):      # {"name": "NAME", "<args_key>": <schema>}
-        rest = f'{tool["name"]}", "{fmt.args_key}": '
-        rules.append(_rule(f"named_{i}", _lit(rest), "%json", _schema(tool["parameters"]), _lit("}")))
+        rules.append(_rule(f"named_{i}", _lit(tool["name"]), "ARGS", "%json", _schema(tool["parameters"]), "CLOSE"))
     rules.append(_rule("named", " | ".join(f"named_{i}" for i in range(len(tools)))))
-    rules.append(_rule("call", _lit(CALL_HEAD), "named"))
+    rules.append(_rule("call", "HEAD", "named"))
     rules.append(_rule("one", _lit(fmt.call_open, special), "call", _lit(fmt.call_close, special)))
     rules.append(_rule("more", f"({_seq(_lit(fmt.separator), 'one')})*") if parallel else 'more: ""')
     rules.append(_rule("calls", _lit(fmt.section_open, special), "one more", _lit(fmt.section_close, special)))
@@ -91,9 +97,9 @@ def _call_rules(tools: list[dict[str, Any]], fmt: ToolFormat, parallel: bool, sp
 def _free_text(fmt: ToolFormat) -> str:
     """TEXT: what a reply may say outside calls: anything without the trigger, and for a bare
     format nothing that begins as a call object."""
-    text = f"/(?s:.*)/ & {_not_containing(fmt.trigger)}"
+    text = f"/(?s:.*)/ & {_not_containing(_trigger_pattern(fmt))}"
     if fmt.bare:
-        text += f" & ~/(?s:[ \\t\\n]*({_regex_escape(FENCE_OPEN.strip())}\\n)?{_regex_escape(CALL_HEAD)}.*)/"
+        text += f" & ~/(?s:[ \\t\\n]*({_regex_escape(FENCE_OPEN)})?{CALL_HEAD_PATTERN}.*)/"
     return f"TEXT: {text}"
 
 
@@ -107,16 +113,22 @@ def _auto_rules(fmt: ToolFormat, parallel: bool, special: frozenset[str]) -> lis
     the first occurrence opens the calls) and the calls; for a bare format also bare call objects."""
     rules = []
     if fmt.bare:       # call objects, or the same in a ```json fence
-        # The fence and the call's head are one literal: TEXT (which may not begin with them) must die on
-        # the very character that completes it, as the lexer does not go back to an earlier, shorter match.
+        # Leading space, the fence and the call's head are one lexeme: TEXT (which may not begin with them)
+        # must die on the very character that completes it, as the lexer does not go back to an earlier,
+        # shorter match.
+        rules += [f"BARE_HEAD: /[ \\t\\n]{{0,24}}{CALL_HEAD_PATTERN}/",
+                  f"FENCED_HEAD: /[ \\t\\n]{{0,24}}{_regex_escape(FENCE_OPEN)}{CALL_HEAD_PATTERN}/"]
         others = f"({_lit(fmt.separator or chr(10))} call)*" if parallel else ""
-        rules.append(_rule("bare", "call", others, "|", _lit(FENCE_OPEN + CALL_HEAD), "named", others,
-                           _lit(FENCE_CLOSE)))
-    rest = (fmt.section_open + fmt.call_open + CALL_HEAD)[len(fmt.trigger):]
+        rules.append(_rule("bare", "BARE_HEAD named", others, "| FENCED_HEAD named", others, _lit(FENCE_CLOSE)))
+    if fmt.trigger == CALL_HEAD:            # the head itself opens the calls
+        trigger, rest = "HEAD", ""
+    else:
+        trigger, rest = _lit(fmt.trigger, special), _seq(_lit((fmt.section_open + fmt.call_open)[len(fmt.trigger):],
+                                                              special), "HEAD")
     opened = ("opened" if fmt.trigger in special else "opened[lazy]")    # a special token ends TEXT by itself
     rules += [_free_text(fmt),
-              _rule(opened, "TEXT", _lit(fmt.trigger, special)),
-              _rule("after_trigger", _lit(rest, special), "named", _lit(fmt.call_close, special), "more",
+              _rule(opened, "TEXT", trigger),
+              _rule("after_trigger", rest, "named", _lit(fmt.call_close, special), "more",
                     _lit(fmt.section_close, special)),
               "start: TEXT | opened after_trigger" + (" | bare" if fmt.bare else "")]
     return rules

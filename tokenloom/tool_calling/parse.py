@@ -16,11 +16,13 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
-from tokenloom.tool_calling.formats import CALL_HEAD, FENCE_CLOSE, FENCE_OPEN, ToolFormat
+from tokenloom.tool_calling.formats import CALL_HEAD, CALL_HEAD_PATTERN, FENCE_CLOSE, FENCE_OPEN, ToolFormat
 
 _WS = re.compile(r"\s*")
 _SCALAR = re.compile(r"[^\s,}\]]*")          # a number, true, false or null
-_BARE_OPENINGS = (CALL_HEAD, FENCE_OPEN + CALL_HEAD)
+_HEAD = re.compile(CALL_HEAD_PATTERN)         # a call object's head, in any spacing
+_BARE_HEAD = re.compile(f"({re.escape(FENCE_OPEN)})?{CALL_HEAD_PATTERN}")
+_SQUEEZED_HEAD = CALL_HEAD.replace(" ", "")
 _ARGS_KEYS = ("arguments", "parameters")
 
 
@@ -174,24 +176,36 @@ def _valid_arguments(arguments: str) -> bool:
 def _calls_start(text: str, fmt: ToolFormat) -> tuple[int | None, tuple[str, str, str, str, str]]:
     """Where the calls begin, and the texts around them there: (section open, section close, call
     open, call close, separator). None if they have not begun."""
-    found = text.find(fmt.trigger)
+    if fmt.trigger == CALL_HEAD:    # the head itself opens the calls (llama3_json), in any spacing
+        head = _HEAD.search(text)
+        found = head.start() if head else -1
+    else:
+        found = text.find(fmt.trigger)
     if found >= 0:
         return found, (fmt.section_open, fmt.section_close, fmt.call_open, fmt.call_close, fmt.separator)
     if fmt.bare:                    # a reply that is call objects, or one fenced as ```json
         first = _skip_ws(text, 0)
-        if text.startswith(CALL_HEAD, first):
-            return first, ("", "", "", "", "")
-        if text.startswith(FENCE_OPEN + CALL_HEAD, first):
-            return first, (FENCE_OPEN, FENCE_CLOSE, "", "", "")
+        bare = _BARE_HEAD.match(text, first)
+        if bare:
+            return first, (FENCE_OPEN, FENCE_CLOSE, "", "", "") if bare.group(1) else ("", "", "", "", "")
     return None, ("", "", "", "", "")
+
+
+def _may_grow_into_head(text: str) -> bool:
+    """`text` could still become a call's head (in any spacing) as more text comes."""
+    return _SQUEEZED_HEAD.startswith(re.sub(r"[ \t\n]", "", text))
 
 
 def _held_back(text: str, fmt: ToolFormat) -> int:
     """How many characters at the end of `text` could be the start of the calls' opening."""
     if fmt.bare:
         rest = text.lstrip()
-        if any(opening.startswith(rest) for opening in _BARE_OPENINGS):
+        if FENCE_OPEN.startswith(rest) or _may_grow_into_head(rest) or \
+                (rest.startswith(FENCE_OPEN) and _may_grow_into_head(rest[len(FENCE_OPEN):])):
             return len(text)
+    if fmt.trigger == CALL_HEAD:
+        brace = text.rfind("{")
+        return len(text) - brace if brace >= 0 and _may_grow_into_head(text[brace:]) else 0
     for n in range(min(len(fmt.trigger) - 1, len(text)), 0, -1):
         if fmt.trigger.startswith(text[-n:]):
             return n
