@@ -48,15 +48,19 @@ def llama_cpp_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(folder: Path, path: Path, quantize: str | None = None, stack_experts: bool = True) -> Path:
+def write_gguf(folder: Path, path: Path, quantize: str | None = None, stack_experts: bool = True,
+               extra: dict[str, int | float] | None = None) -> Path:
     """`folder` (config.json, model.safetensors, tokenizer.json) -> GGUF at `path`; matrices as
     `quantize` ("Q8_0", "Q4_0", ...) where their rows fit its blocks, else float32. Experts are
     stacked (ffn_gate_exps) unless `stack_experts` is False: one tensor each (ffn_gate.E, as
-    the first Mixtral GGUFs were written)."""
+    the first Mixtral GGUFs were written). `extra`: more metadata keys (ints as uint32, floats
+    as float32), e.g. general.sampling.*."""
     cfg = json.loads((folder / "config.json").read_text())
     arch = GGUF_ARCH[cfg["architectures"][0]]
     w = gguf.GGUFWriter(str(path), arch)
     _write_metadata(w, arch, cfg)
+    for key, value in (extra or {}).items():
+        (w.add_uint32 if isinstance(value, int) else w.add_float32)(key, value)
     _write_tokenizer(w, folder, cfg["vocab_size"])
     for name, tensor in _gguf_tensors(load_file(str(folder / "model.safetensors")), arch, cfg, stack_experts):
         array = tensor.float().numpy()

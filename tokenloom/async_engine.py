@@ -71,6 +71,11 @@ class AsyncLLMEngine:
         return self.engine.eos_token_ids
 
     @property
+    def sampling_defaults(self):
+        """What a request gets for the sampling settings it leaves out (sampling/defaults.py)."""
+        return self.engine.sampling_defaults
+
+    @property
     def model_path(self) -> str:
         return self.engine.config.model
 

@@ -53,6 +53,11 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 
+    def default_sampling_params(self, **given: Any) -> SamplingParams:
+        """SamplingParams of `given`, the settings left out as the model recommends (else llama.cpp's
+        defaults; tokenloom/sampling/defaults.py): what generate() and stream() use without params."""
+        return self.engine.sampling_defaults.params(**given)
+
     def _prompt_ids(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt)
@@ -84,7 +89,7 @@ class LLM:
         that failed in the engine ends alone: finish_reason "error", the message in ``error``."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        per_prompt = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        per_prompt = params if isinstance(params, list) else [params or self.default_sampling_params()] * len(prompts)
         if len(per_prompt) != len(prompts):
             raise ValueError(f"got {len(per_prompt)} SamplingParams for {len(prompts)} prompts")
         added = []
@@ -143,7 +148,7 @@ class LLM:
                       ) -> Iterator[StepDelta]:
         """One sequence's StepDeltas as they come: tokens, text, logprobs and (with
         ``explain=N``) each token's StepRecord; the last one carries the CompletionOutput."""
-        params = params or SamplingParams()
+        params = params or self.default_sampling_params()
         if params.n != 1:
             raise ValueError("stream() produces one sequence; use n=1")
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):

@@ -49,6 +49,7 @@ class EngineCore:
         self.model_config = loaded.config
         self.max_model_len = loaded.config.max_model_len
         self.eos_token_ids = loaded.eos_token_ids
+        logger.info("sampling settings a request leaves out: %s", loaded.sampling_defaults.describe())
         dtype = parse_dtype(config.dtype)
         kv = PagedKVCache.from_memory_budget(loaded.config, config.cache.resolve_memory(),
                                              config.cache.block_size, dtype, config.device, config.kv_cache_dtype)

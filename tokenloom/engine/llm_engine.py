@@ -32,6 +32,7 @@ class LLMEngine:
         loaded = load_model(config.model, config.dtype, config.device, config.max_model_len, progress,
                             quantization=config.quantization)
         self.tokenizer = loaded.tokenizer
+        self.sampling_defaults = loaded.sampling_defaults    # what a request that leaves settings out gets
         self.core = EngineCore(config, loaded, progress)
         self.output_processor = OutputProcessor(self.tokenizer, self.core.finish, self.core.kv_bytes_per_token)
         self._arrivals = itertools.count()

@@ -19,6 +19,7 @@ from tokenloom.models.base import CausalLM
 from tokenloom.models.registry import model_class
 from tokenloom.quant import WeightFormat, parse_quantization, quantize_structure
 from tokenloom.quant.checkpoint import describe_weights, formats_for, gguf_formats, load_saved_state, saved_formats
+from tokenloom.sampling.defaults import FALLBACK, SamplingDefaults, from_generation_config, from_gguf_metadata
 from tokenloom.tokenizer import Tokenizer
 
 __all__ = ["CheckpointError", "LoadedModel", "build_model", "load_checkpoint", "load_model"]
@@ -39,6 +40,7 @@ class Checkpoint:
     tokenizer: Tokenizer
     eos_token_ids: set[int]
     tensor_types: dict[str, int] | None = None   # GGUF only: HF tensor name -> its GGML type
+    sampling_defaults: SamplingDefaults = FALLBACK   # the model's recommended sampling settings, if any
 
 
 @dataclass
@@ -48,6 +50,7 @@ class LoadedModel:
     tokenizer: Tokenizer
     eos_token_ids: frozenset[int]
     hf_config: dict
+    sampling_defaults: SamplingDefaults = FALLBACK
 
 
 def _is_gguf(path: Path) -> bool:
@@ -70,9 +73,12 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
             raise CheckpointError(f"{path} is neither a GGUF file nor a folder (no GGUF magic bytes)")
         from tokenloom.loader.gguf import GGUFFile
         g = GGUFFile(path)
+        if not g.reader.tensors:
+            raise CheckpointError(f"{path} holds a vocabulary only, no weights (llama.cpp ships such files to "
+                                  "test tokenizers): give a GGUF file with the model's weights")
         hf_config = g.hf_config()
         return Checkpoint(hf_config, ModelConfig.from_hf(hf_config), g.iter_tensors(), len(g.reader.tensors),
-                          g.tokenizer(), g.eos_token_ids(), g.tensor_types())
+                          g.tokenizer(), g.eos_token_ids(), g.tensor_types(), from_gguf_metadata(g.field))
     config_path = path / "config.json"
     if not config_path.is_file():
         raise CheckpointError(f"{path} has no config.json; not an HF model folder")
@@ -82,7 +88,10 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
     tokenizer = Tokenizer.from_folder(path)
     eos = hf_eos_ids(path, hf_config)
     eos.update(t for t in [tokenizer.token_to_id(tokenizer.eos_token)] if t is not None)
-    return Checkpoint(hf_config, config, iter_safetensors(files), _count_tensors(files), tokenizer, eos)
+    generation = path / "generation_config.json"
+    defaults = from_generation_config(read_json(generation) if generation.is_file() else None)
+    return Checkpoint(hf_config, config, iter_safetensors(files), _count_tensors(files), tokenizer, eos,
+                      sampling_defaults=defaults)
 
 
 def _count_tensors(files: list[Path]) -> int:
@@ -166,7 +175,8 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: str 
     if ckpt.tokenizer.vocab_size > config.vocab_size:
         raise CheckpointError(f"tokenizer has {ckpt.tokenizer.vocab_size} tokens but the model only "
                               f"{config.vocab_size} embeddings")
-    return LoadedModel(model, config, ckpt.tokenizer, frozenset(config.eos_token_ids), ckpt.hf_config)
+    return LoadedModel(model, config, ckpt.tokenizer, frozenset(config.eos_token_ids), ckpt.hf_config,
+                       ckpt.sampling_defaults)
 
 
 def save_hf_folder(path: str | Path, folder: str | Path, progress: bool = True) -> None:
@@ -178,12 +188,16 @@ def save_hf_folder(path: str | Path, folder: str | Path, progress: bool = True) 
     tensors = {name: t.contiguous() for name, t in
                _progress(ckpt.tensors, ckpt.num_tensors, f"preparing {Path(path).name}", progress)}
     save_file(tensors, str(folder / "model.safetensors"))
-    write_folder_metadata(folder, ckpt.hf_config, ckpt.eos_token_ids, ckpt.tokenizer)
+    write_folder_metadata(folder, ckpt.hf_config, ckpt.eos_token_ids, ckpt.tokenizer, ckpt.sampling_defaults)
 
 
-def write_folder_metadata(folder: Path, hf_config: dict, eos_token_ids: set[int], tokenizer: Tokenizer) -> None:
-    """config.json, generation_config.json and the tokenizer files of an HF folder."""
+def write_folder_metadata(folder: Path, hf_config: dict, eos_token_ids: set[int], tokenizer: Tokenizer,
+                          sampling: SamplingDefaults = FALLBACK) -> None:
+    """config.json, generation_config.json (with the model's own sampling settings, if it has
+    any) and the tokenizer files of an HF folder."""
     (folder / "config.json").write_text(json.dumps(hf_config, indent=2))
-    (folder / "generation_config.json").write_text(json.dumps(
-        {"bos_token_id": hf_config.get("bos_token_id"), "eos_token_id": sorted(eos_token_ids)}, indent=2))
+    generation = {"bos_token_id": hf_config.get("bos_token_id"), "eos_token_id": sorted(eos_token_ids)}
+    if sampling is not FALLBACK:
+        generation |= {"do_sample": sampling.values["temperature"] > 0, **sampling.values}
+    (folder / "generation_config.json").write_text(json.dumps(generation, indent=2))
     tokenizer.save(folder)

@@ -26,5 +26,6 @@ def save_quantized(model_path: str | Path, folder: str | Path, quantization: str
     save_file(state, str(folder / "model.safetensors"))
     hf_config = dict(loaded.hf_config)
     hf_config["quantization_config"] = {"quant_method": QUANT_METHOD, "scheme": quantization, "modules": modules}
-    write_folder_metadata(folder, hf_config, set(loaded.eos_token_ids), loaded.tokenizer)
+    write_folder_metadata(folder, hf_config, set(loaded.eos_token_ids), loaded.tokenizer,
+                          loaded.sampling_defaults)
     return modules

@@ -83,7 +83,8 @@ def load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor | Qu
     missing += [n for n, mod in quantized.items() if not _is_tied_embedding(mod)
                 and _expected_shards(model, n) - filled_quantized.get(id(mod), set())]
     if missing:
-        raise WeightMismatchError(f"checkpoint is missing tensors for: {', '.join(missing)}")
+        listed = ", ".join(missing[:6]) + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
+        raise WeightMismatchError(f"checkpoint is missing {len(missing)} of the model's tensors: {listed}")
 
 
 def _load_quantized(model: CausalLM, target, name: str, param_name: str, shard: str | None, tensor):

@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from tokenloom.sampling.defaults import FALLBACK, SamplingDefaults
 from tokenloom.sampling_params import SEED_LIMIT, SamplingParams
 from tokenloom.structured import StructuredOutput
 from tokenloom.tool_calling.messages import function_of
@@ -134,14 +135,16 @@ class _Sampling(BaseModel):
             raise APIError(400, "logit_bias keys must be token ids (integers as strings)", "logit_bias") from None
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None,
-                        structured_output: StructuredOutput | None = None) -> SamplingParams:
+                        structured_output: StructuredOutput | None = None,
+                        defaults: SamplingDefaults = FALLBACK) -> SamplingParams:
         """SamplingParams for one choice, constrained by `structured_output` (what structured_output()
-        gave, or the tools' grammar); ValueError from SamplingParams becomes a 400 naming the field."""
+        gave, or the tools' grammar), settings left out taken from `defaults` (the model's, else
+        llama.cpp's); ValueError from SamplingParams becomes a 400 naming the field."""
         if isinstance(self.stop, list) and any(not s for s in self.stop):
             raise APIError(400, "stop strings must be non-empty", "stop")
-        set_fields = {name: getattr(self, name) for name in
-                      ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
-                       "frequency_penalty", "repetition_penalty") if getattr(self, name) is not None}
+        set_fields = defaults.fill({name: getattr(self, name) for name in
+                                    ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                                     "frequency_penalty", "repetition_penalty")})
         try:
             return SamplingParams(
                 **set_fields, max_tokens=max_tokens, min_tokens=min(self.min_tokens, max_tokens),

@@ -188,7 +188,7 @@ class OpenAIServing:
             ids = self.input_ids(prompt, prompt_param)
             base = req.sampling_params(self._max_tokens(max_tokens, len(ids), prompt_param, max_tokens_param),
                                        logprobs, req.logprobs if getattr(req, "scores_prompt", False) else None,
-                                       constraint)
+                                       constraint, self.engine.sampling_defaults)
             for sample in range(req.n):
                 params = base.for_sample(sample)
                 try:
