@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml
 	rm -f $(VENV)/.installed-* && touch $@
 
 demo: setup
-	$(VENV)/bin/tokenloom generate "Once upon a time"
+	$(VENV)/bin/tokenloom generate --chat "Write a short story about a lighthouse keeper."
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -99,7 +99,7 @@ def test_file_that_is_not_a_model(tmp_path):
 
 
 @pytest.mark.parametrize("edit,message", [
-    ("drop", "missing tensors for: model.layers.1.self_attn.qkv_proj.weight \\(\\['k'\\]\\)"),
+    ("drop", "missing 1 of the model.s tensors: model.layers.1.self_attn.qkv_proj.weight \\(\\['k'\\]\\)"),
     ("extra", "'model.layers.0.mystery.weight' matches no parameter"),
     ("shape", "'model.norm.weight' has shape \\(63,\\), expected \\(64,\\)"),
 ])

@@ -12,18 +12,20 @@ from tokenloom.cli import main as cli_main
 
 
 def test_generate_streams_the_continuation(default_model_dir, capsys):
-    rc = cli_main(["generate", "--model", str(default_model_dir), "-n", "6", "Once upon a time, there was a little"])
+    rc = cli_main(["generate", "--model", str(default_model_dir), "--temp", "0", "-n", "6",
+                   "Once upon a time, there was a little"])
     assert rc == 0
     assert capsys.readouterr().out.startswith("Once upon a time, there was a little girl named Emma")
 
 
 def test_generate_with_chat_template(default_model_dir, capsys):
-    assert cli_main(["generate", "-m", str(default_model_dir), "--chat", "What is the capital of France?"]) == 0
+    assert cli_main(["generate", "-m", str(default_model_dir), "--temp", "0", "--chat",
+                     "What is the capital of France?"]) == 0
     assert capsys.readouterr().out.strip() == "The capital of France is Paris."
 
 
 def test_generate_explain_prints_a_readable_record_per_token(default_model_dir, capsys):
-    assert cli_main(["generate", "-m", str(default_model_dir), "-n", "6", "--explain",
+    assert cli_main(["generate", "-m", str(default_model_dir), "-n", "6", "--explain", "--temp", "0",
                      "Once upon a time, there was a little"]) == 0
     out = capsys.readouterr().out
     lines = out.splitlines()
@@ -36,7 +38,7 @@ def test_generate_explain_prints_a_readable_record_per_token(default_model_dir, 
 
 
 def test_generate_explain_full_tabulates_20_candidates(default_model_dir, capsys):
-    assert cli_main(["generate", "-m", str(default_model_dir), "-n", "2", "--explain=full", "-t", "0.7",
+    assert cli_main(["generate", "-m", str(default_model_dir), "-n", "2", "--explain=full", "--temp", "0.7",
                      "--top-p", "0.5", "--seed", "1", "Paris is"]) == 0
     out = capsys.readouterr().out
     assert out.count("     > ") == 2 and out.count("top_p") >= 2 and "KV blocks in use" in out
@@ -53,7 +55,7 @@ def test_chat_keeps_the_conversation(default_model_dir, monkeypatch, capsys):
         return original(self, out)
     monkeypatch.setattr(ChatSession, "reply", spy)
     monkeypatch.setattr(sys, "stdin", io.StringIO("What is the capital of France?\nAnd of Italy?\n/exit\n"))
-    assert cli_main(["chat", "-m", str(default_model_dir), "-n", "20"]) == 0
+    assert cli_main(["chat", "-m", str(default_model_dir), "--temp", "0", "-n", "20"]) == 0
     out = capsys.readouterr().out
     assert "The capital of France is Paris." in out
     assert [m["role"] for m in seen[1]] == ["user", "assistant", "user"]
@@ -71,3 +73,60 @@ def test_serve_refuses_a_bad_admission_bound_before_loading_the_model(capsys, mo
     monkeypatch.setattr(cli, "make_llm", lambda args: pytest.fail("the model was loaded before the flags were checked"))
     assert cli.main(["serve", "--max-pending-seqs", "0"]) == 2
     assert "admission limit max_pending_seqs must be >= 1, got 0" in capsys.readouterr().err
+
+
+# ---- defaults, flags and early errors -------------------------------------------------------------
+def test_left_out_sampling_flags_take_llama_cpps_defaults(default_model_dir, capsys):
+    from tokenloom import LLM
+    from tokenloom.sampling_params import SamplingParams
+    assert cli_main(["generate", "-m", str(default_model_dir), "--seed", "3", "-n", "12", "--no-display-prompt",
+                     "The ocean"]) == 0
+    captured = capsys.readouterr()
+    llm = LLM(str(default_model_dir), max_model_len=256, kv_cache_memory=32 << 20)
+    want = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, seed=3, max_tokens=12)
+    assert captured.out.rstrip("\n") == llm.generate("The ocean", want)[0].outputs[0].text     # no prompt echoed
+    assert "tokens, " in captured.err and "tok/s" in captured.err          # the summary line, on stderr
+
+
+def test_version_and_threads(capsys, default_model_dir):
+    import torch
+    with pytest.raises(SystemExit) as exit_:
+        cli_main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.startswith("tokenloom 0.")
+    threads = torch.get_num_threads()
+    try:
+        assert cli_main(["generate", "-m", str(default_model_dir), "-t", "1", "-n", "2", "--temp", "0", "Hi"]) == 0
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Any model load fails the test: the error must come before it."""
+    from tokenloom import cli
+    monkeypatch.setattr(cli, "make_llm", lambda args: pytest.fail("the model was loaded before the error"))
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["generate", "   "], "the prompt is empty"),
+    (["generate", "--max-model-len", "256", "word " * 700], "the prompt is 70"),
+    (["generate", "--json-schema", "no-such-schema.json", "Hi"], "--json-schema: no file 'no-such-schema.json'"),
+    (["generate", "--json-schema", "{not json", "Hi"], "--json-schema: invalid JSON"),
+    (["generate", "--grammar", "no-such.lark", "Hi"], "--grammar: cannot read 'no-such.lark'"),
+    (["generate", "-t", "0", "Hi"], "--threads must be >= 1"),
+    (["generate", "--explain=foo", "Hi"], "--explain=foo: use --explain (compact) or --explain=compact|full"),
+])
+def test_bad_input_fails_before_the_model_loads(no_model_load, default_model_dir, capsys, argv, message):
+    try:
+        code = cli_main([argv[0], "-m", str(default_model_dir), *argv[1:]])
+    except SystemExit as e:            # what argparse-level errors end in
+        code = e.code
+    assert code == 2 and message in capsys.readouterr().err
+
+
+def test_generate_into_a_closed_pipe_ends_quietly(default_model_dir):
+    cmd = (f"{sys.executable} -m tokenloom.cli generate -m {default_model_dir} --temp 0 -n 200 --ignore-eos "
+           "'Once upon a time' | head -c 20")
+    run = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], capture_output=True, text=True, timeout=300)
+    assert run.stdout == "Once upon a time, th"[:20] and "Traceback" not in run.stderr and run.returncode == 0

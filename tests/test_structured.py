@@ -127,11 +127,12 @@ def test_server_response_format_and_guided_extensions(smol_llm):
 
 
 def test_cli_flags_build_the_constraint(tmp_path):
-    from tokenloom.cli import _sampling_params, build_parser
+    from tokenloom.cli import build_parser
+    from tokenloom.cli_sampling import sampling_params
     schema_file = tmp_path / "person.json"
     schema_file.write_text(json.dumps(PERSON))
     def parse(*flags):
-        return _sampling_params(build_parser().parse_args(["generate", *flags, "hi"])).structured_output
+        return sampling_params(build_parser().parse_args(["generate", *flags, "hi"])).structured_output
     assert parse("--json-schema", str(schema_file)) == StructuredOutput.json(PERSON)
     assert parse("--json-schema", '{"type": "object"}') == StructuredOutput.json({"type": "object"})
     assert parse("--json") == StructuredOutput.json()

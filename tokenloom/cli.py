@@ -7,21 +7,23 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
 
-from tokenloom.cli_common import check_engine_flags, engine_flags, make_llm
+from tokenloom.cli_common import GenerationSummary, check_engine_flags, check_prompt_early, engine_flags, make_llm
+from tokenloom.cli_sampling import sampling_flags, sampling_params, structured_output
 from tokenloom.cli_tools import add_commands
 from tokenloom.tool_calling.formats import FORMATS
 from tokenloom.tool_calling.reasoning import PARSERS as REASONING_PARSERS
 
+LOG_LEVELS = ["critical", "error", "warning", "info", "debug"]
 _EXAMPLES = """examples:
   tokenloom pull                                   fetch and prepare the default model
   tokenloom pull qwen2.5-coder-0.5b                fetch a model by name (`tokenloom list` shows them)
   tokenloom generate -m qwen2.5-coder-0.5b --chat "Write a haiku"   its GGUF blocks, kept as stored
-  tokenloom generate "Once upon a time"            stream a continuation (greedy)
+  tokenloom generate "Once upon a time"            stream a continuation (sampled as the model recommends)
+  tokenloom generate --temp 0 "Once upon a time"   greedy
   tokenloom generate --chat "What is the capital of France?"
-  tokenloom generate -t 0.8 --top-p 0.95 --seed 1 --max-tokens 64 "The ocean"
-  tokenloom generate --explain -t 0.8 --top-k 40 -n 8 "The capital of France is"   watch each step
+  tokenloom generate --temp 0.7 --top-p 0.9 --seed 1 --max-tokens 64 --stop $'\n\n' "The ocean"
+  tokenloom generate --explain --temp 0.8 --top-k 40 -n 8 "The capital of France is"   watch each step
   tokenloom chat --system "You are terse."         interactive conversation
   tokenloom serve --port 8000                      OpenAI-compatible server on 127.0.0.1:8000
   tokenloom generate --speculative ngram,k=4 "Repeat: a b c a b c"   speculative decoding
@@ -33,72 +35,31 @@ _EXAMPLES = """examples:
 """
 
 
-def _sampling_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("sampling (see SamplingParams)")
-    g.add_argument("-t", "--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: off)")
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: off)")
-    g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x top prob (0: off)")
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
-    g.add_argument("--frequency-penalty", type=float, default=0.0)
-    g.add_argument("--presence-penalty", type=float, default=0.0)
-    g.add_argument("--seed", type=int, default=None, help="same seed, same output")
-    g.add_argument("-n", "--max-tokens", type=int, default=256, help="new tokens at most (default: 256)")
-    g.add_argument("--min-tokens", type=int, default=0, help="no EOS/stop ids before this many tokens")
-    g.add_argument("--stop", action="append", default=[], metavar="TEXT",
-                   help="stop when this text appears (repeatable; cut from the output)")
-    g.add_argument("--stop-token-id", action="append", type=int, default=[], dest="stop_token_ids", metavar="ID")
-    g.add_argument("--ignore-eos", action="store_true", help="keep going past EOS")
-    s = p.add_argument_group("structured output (one of)").add_mutually_exclusive_group()
-    s.add_argument("--json", action="store_true", dest="json_object", help="the output is a JSON object")
-    s.add_argument("--json-schema", default=None, metavar="SCHEMA",
-                   help="the output is JSON valid against this schema (JSON text or a .json file)")
-    s.add_argument("--regex", default=None, help="the whole output matches this regular expression")
-    s.add_argument("--grammar", default=None, metavar="FILE", help="the output follows this Lark grammar file")
-
-
-def _structured_output(args: argparse.Namespace):
-    """--json / --json-schema / --regex / --grammar -> StructuredOutput or None."""
-    from pathlib import Path
-
-    from tokenloom.structured import StructuredOutput
-    if getattr(args, "json_object", False):
-        return StructuredOutput.json()
-    if getattr(args, "json_schema", None):
-        text = args.json_schema
-        return StructuredOutput.json(Path(text).read_text() if Path(text).is_file() else text)
-    if getattr(args, "regex", None):
-        return StructuredOutput.regex(args.regex)
-    if getattr(args, "grammar", None):
-        return StructuredOutput.grammar(Path(args.grammar).read_text())
-    return None
-
-
-def _sampling_params(args: argparse.Namespace):
-    from tokenloom.sampling_params import SamplingParams
-    return SamplingParams(structured_output=_structured_output(args), temperature=args.temperature,
-                          top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                          repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
-                          presence_penalty=args.presence_penalty, seed=args.seed, max_tokens=args.max_tokens,
-                          min_tokens=args.min_tokens, stop=args.stop, stop_token_ids=args.stop_token_ids,
-                          ignore_eos=args.ignore_eos)
-
-
 def cmd_generate(args: argparse.Namespace) -> int:
-    params = _sampling_params(args)   # validate flags before the (slow) model load
+    constraint = structured_output(args)
+    sampling_params(args, constraint=constraint)      # bad flags fail before the (slow) model load
     check_engine_flags(args)
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+    if not prompt.strip():
+        raise ValueError("the prompt is empty (give it as an argument, or on stdin)")
+    check_prompt_early(args, prompt)                   # a long prompt: against the context, before the weights
     llm = make_llm(args)
+    params = sampling_params(args, llm.engine.sampling_defaults, constraint)
     if params.structured_output is not None:
         llm.engine.grammars.grammar(params.structured_output)   # a bad constraint fails before any output
-    target: Any = [{"role": "user", "content": prompt}] if args.chat else prompt
+    chat = [{"role": "user", "content": prompt}]
+    ids = llm.tokenizer.encode_chat(chat) if args.chat else llm.tokenizer.encode(prompt)
+    llm.engine.validate_request(ids, params)           # e.g. too long for the context: before any output
     if args.explain:
-        return _generate_explained(llm, target, params, args.explain, "" if args.chat else prompt)
-    if not args.chat:
+        return _generate_explained(llm, ids, params, args.explain, "" if args.chat else prompt)
+    if not args.chat and args.display_prompt:
         print(prompt, end="", flush=True)
-    for delta in llm.stream(target, params):
-        print(delta, end="", flush=True)
+    summary = GenerationSummary(len(ids))
+    for delta in llm.stream_deltas(ids, params):
+        print(delta.text_delta, end="", flush=True)
+        summary.add(len(delta.new_token_ids))
     print()
+    print(f"tokenloom: {summary}", file=sys.stderr)
     return 0
 
 
@@ -128,12 +89,17 @@ def _generate_explained(llm, target, params, mode: str, prompt_text: str) -> int
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    from tokenloom.cli_chat import ChatSession, chat_loop
+    from tokenloom.cli_chat import ChatSession, chat_loop, line_editing
+    from tokenloom.hub import cache_dir
     from tokenloom.tool_calling.messages import load_tools
-    params = _sampling_params(args)
+    constraint = structured_output(args)
+    sampling_params(args, constraint=constraint)                    # bad flags fail before the model loads
     check_engine_flags(args)
-    functions = load_tools(args.tools) if args.tools else None     # a bad file fails before the model loads
-    return chat_loop(ChatSession(make_llm(args), params, args.system, functions))
+    functions = load_tools(args.tools) if args.tools else None     # a bad file too
+    llm = make_llm(args)
+    params = sampling_params(args, llm.engine.sampling_defaults, constraint)
+    line_editing(cache_dir() / "chat_history")
+    return chat_loop(ChatSession(llm, params, args.system, functions))
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -229,8 +195,10 @@ def cmd_rm(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from tokenloom import __version__
     parser = argparse.ArgumentParser(prog="tokenloom", description="Fast, hackable LLM inference.",
                                      epilog=_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"tokenloom {__version__}")
     sub = parser.add_subparsers(dest="command", required=True,
                                 metavar="{generate,chat,serve,pull,list,rm,eval-ppl,bench,quantize}")
     gen = sub.add_parser("generate", help="stream a completion of one prompt",
@@ -243,7 +211,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "of 20 candidates with logits, penalties and timings)")
     gen.add_argument("--explain-mode", dest="explain", choices=list(EXPLAIN_CANDIDATES), help=argparse.SUPPRESS)
     engine_flags(gen)
-    _sampling_flags(gen)
+    sampling_flags(gen)
+    gen.add_argument("--no-display-prompt", action="store_false", dest="display_prompt",
+                     help="print only the generated text, not the prompt before it")
     gen.set_defaults(func=cmd_generate)
     chat = sub.add_parser("chat", help="interactive chat that keeps the conversation",
                           description="Chat with the model; the conversation is kept between turns.")
@@ -251,7 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--tools", default=None, metavar="FILE.json",
                       help="offer these tools (an OpenAI-style JSON list); you type each call's result")
     engine_flags(chat)
-    _sampling_flags(chat)
+    sampling_flags(chat)
     chat.set_defaults(func=cmd_chat)
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, metrics)",
                            description="Serve /v1/models, /v1/completions, /v1/chat/completions, /health and "
@@ -278,7 +248,6 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--tools", default=None, metavar="FILE.json",
                        help="tools the playground's chat offers (an OpenAI-style JSON list; API clients send "
                             "their own)")
-    serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     serve.add_argument("--log-format", default="text", choices=["text", "json"],
                        help="the per-request log line as key=value text or one JSON object (default: text)")
     serve.add_argument("--allowed-hosts", default=None, metavar="H1,H2",
@@ -304,6 +273,9 @@ def build_parser() -> argparse.ArgumentParser:
     rm.add_argument("name", choices=list(MODELS), metavar="NAME", help=f"one of {', '.join(MODELS)}")
     rm.set_defaults(func=cmd_rm)
     add_commands(sub)
+    for command in sub.choices.values():
+        command.add_argument("--log-level", default="info", choices=LOG_LEVELS,
+                             help="messages on stderr at this level and above (default: info)")
     return parser
 
 
@@ -311,14 +283,22 @@ def _explain_mode(argv: list[str]) -> list[str]:
     """`--explain=MODE` -> `--explain-mode MODE`: a bare `--explain` then cannot swallow the prompt."""
     out = []
     for arg in argv:
-        out += ["--explain-mode", arg.split("=", 1)[1]] if arg.startswith("--explain=") else [arg]
+        if arg.startswith("--explain="):
+            mode = arg.split("=", 1)[1]
+            if mode not in EXPLAIN_CANDIDATES:
+                print(f"tokenloom: error: --explain={mode}: use --explain (compact) or "
+                      f"--explain={'|'.join(EXPLAIN_CANDIDATES)}", file=sys.stderr)
+                raise SystemExit(2)
+            out += ["--explain-mode", mode]
+        else:
+            out.append(arg)
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(_explain_mode(sys.argv[1:] if argv is None else argv))
     import logging
-    logging.basicConfig(level=logging.INFO, format="tokenloom: %(message)s", stream=sys.stderr)
+    logging.basicConfig(level=args.log_level.upper(), format="tokenloom: %(message)s", stream=sys.stderr)
     from tokenloom.config import UnsupportedModelError
     from tokenloom.loader import CheckpointError
     try:
@@ -328,6 +308,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:            # `tokenloom generate ... | head`: the reader left; so do we, quietly
+        import os
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

@@ -1,18 +1,32 @@
 """``tokenloom chat``: an interactive conversation, with tool calls when given --tools FILE.json.
 
+Lines are read with line editing and a history kept across sessions (readline, on a terminal).
+Ctrl-C stops the reply being written and keeps the conversation (what was said stays in it);
+Ctrl-D or /exit quits. Slash commands are the REPL's own, never sent to the model (/help).
 With tools, the model may answer with calls (kept valid by the same grammar the server uses);
 each is shown, and what you type back is the tool's result, after which the model goes on.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import json
+import signal
 import sys
+from pathlib import Path
 from typing import Any
 
+from tokenloom.cli_common import GenerationSummary
 from tokenloom.server.chat_tools import ChatFeatures, ReplyStream, make_turn, read_reply, tool_constraint
 
-HELP = "tokenloom chat: type a message; /reset clears the conversation, /exit or Ctrl-D quits."
+HELP = """tokenloom chat: type a message and press Enter. Ctrl-C stops a reply; Ctrl-D or /exit quits.
+  /help           this list
+  /reset          clear the conversation (the system prompt stays)
+  /system TEXT    set the system prompt (/system alone removes it)
+  /save FILE      save the conversation as JSON
+  /load FILE      continue a conversation saved with /save
+  /exit           quit"""
 
 
 class ChatSession:
@@ -22,8 +36,8 @@ class ChatSession:
         self.llm, self.functions = llm, functions or []
         self.mode = "auto" if functions else "none"
         self.features = ChatFeatures.for_template(llm.tokenizer.chat_template)
-        self.start = [{"role": "system", "content": system}] if system else []
-        self.history = list(self.start)
+        self.system = system
+        self.history: list[dict] = self._start()
         self.params = params
         if functions:          # the server's grammar for tool_choice auto, and its decoding of markers
             grammar = tool_constraint(self.mode, self.functions, self.features, llm.engine, parallel=True)
@@ -31,24 +45,61 @@ class ChatSession:
         if (functions or self.features.reasoning) and self.features.markers_dropped(llm.tokenizer):
             self.params = dataclasses.replace(self.params, skip_special_tokens=False)
 
-    def reply(self, out=None) -> list[dict]:
-        """Generate the assistant's turn, printing it (to `out`, default stdout) as it streams; its
-        tool calls (OpenAI shape)."""
+    def _start(self) -> list[dict]:
+        return [{"role": "system", "content": self.system}] if self.system else []
+
+    def reset(self) -> None:
+        self.history = self._start()
+
+    def set_system(self, text: str | None) -> None:
+        """Replace the system prompt; the rest of the conversation stays."""
+        rest = [m for m in self.history if m["role"] != "system"]
+        self.system = text or None
+        self.history = self._start() + rest
+
+    def save(self, path: str) -> int:
+        """Write the conversation as JSON; how many messages."""
+        Path(path).write_text(json.dumps({"messages": self.history}, indent=1, ensure_ascii=False))
+        return len(self.history)
+
+    def load(self, path: str) -> int:
+        """Continue a conversation /save wrote; ValueError naming what is wrong."""
+        try:
+            messages = json.loads(Path(path).read_text())["messages"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"cannot load {path!r}: {e}") from None
+        if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
+            raise ValueError(f"cannot load {path!r}: 'messages' is not a list of messages")
+        self.history = messages
+        system = next((m for m in messages if m["role"] == "system"), None)
+        self.system = system["content"] if system else None
+        return len(messages)
+
+    def reply(self, out=None, stopped=lambda: False) -> list[dict]:
+        """Generate the assistant's turn, printing it (to `out`, default stdout) as it streams,
+        then its speed on stderr; the turn stays in the conversation, cut short where `stopped()`
+        became true. Its tool calls (OpenAI shape)."""
         out = out or sys.stdout
         turn = make_turn(self.history, self.mode, self.functions, self.features)
         prompt = self.llm.tokenizer.apply_chat_template(turn.messages, tools=turn.template_tools)
-        reader, text, cut = ReplyStream(prompt, self.mode, self.features), [], False
-        for delta in self.llm.stream_deltas(self.llm.tokenizer.encode(prompt, add_special_tokens=False),
-                                            self.params):
-            text.append(delta.text_delta)
-            cut = delta.finish_reason == "length"
-            said = reader.feed(delta.text_delta, delta.finished, cut)
-            print(said.get("reasoning_content", "") + said.get("content", ""), end="", file=out, flush=True)
+        ids = self.llm.tokenizer.encode(prompt, add_special_tokens=False)
+        reader, summary = ReplyStream(prompt, self.mode, self.features), GenerationSummary(len(ids))
+        text, cut = [], False
+        with contextlib.closing(self.llm.stream_deltas(ids, self.params)) as deltas:
+            for delta in deltas:
+                text.append(delta.text_delta)
+                summary.add(len(delta.new_token_ids))
+                cut = delta.finish_reason == "length" or stopped()
+                said = reader.feed(delta.text_delta, delta.finished or cut, cut)
+                print(said.get("reasoning_content", "") + said.get("content", ""), end="", file=out, flush=True)
+                if stopped():
+                    break
         reply = read_reply("".join(text), prompt, self.mode, self.features, cut)
         self.history.append({"role": "assistant", "content": reply.content or "", "tool_calls": reply.tool_calls})
         for call in reply.tool_calls:
             print(f"\n-> {call['function']['name']}({call['function']['arguments']})", file=out)
         print(file=out)
+        print(f"[{'stopped; ' if stopped() else ''}{summary}]", file=sys.stderr)
         return reply.tool_calls
 
     def add_result(self, call: dict, result: str) -> None:
@@ -56,28 +107,115 @@ class ChatSession:
                              "content": result})
 
 
+class StopOnCtrlC:
+    """``with StopOnCtrlC() as stop:`` Ctrl-C sets ``stop()`` instead of raising, so a reply ends
+    at its next token and the engine is never interrupted mid-step."""
+
+    def __init__(self) -> None:
+        self.hit = False
+
+    def __call__(self) -> bool:
+        return self.hit
+
+    def __enter__(self) -> StopOnCtrlC:
+        try:
+            self.previous = signal.signal(signal.SIGINT, self._on_sigint)
+        except ValueError:           # not the main thread: Ctrl-C cannot reach us here anyway
+            self.previous = None
+        return self
+
+    def _on_sigint(self, signum, frame) -> None:
+        self.hit = True
+
+    def __exit__(self, *exc) -> None:
+        if self.previous is not None:
+            signal.signal(signal.SIGINT, self.previous)
+
+
+def _command(session: ChatSession, line: str) -> bool:
+    """Carry out a slash command; False for /exit."""
+    name, _, arg = line.strip().partition(" ")
+    arg = arg.strip()
+    if name in ("/exit", "/quit", "/bye"):
+        return False
+    try:
+        if name == "/help":
+            print(HELP, file=sys.stderr)
+        elif name == "/reset":
+            session.reset()
+            print("conversation cleared" + (" (the system prompt stays)" if session.system else ""), file=sys.stderr)
+        elif name == "/system":
+            session.set_system(arg)
+            print(f"system prompt {'set' if arg else 'removed'}", file=sys.stderr)
+        elif name in ("/save", "/load") and not arg:
+            print(f"{name} needs a file name, e.g. {name} chat.json", file=sys.stderr)
+        elif name == "/save":
+            print(f"saved {session.save(arg)} messages to {arg}", file=sys.stderr)
+        elif name == "/load":
+            print(f"loaded {session.load(arg)} messages from {arg}", file=sys.stderr)
+        else:
+            print(f"unknown command {name}; /help lists them", file=sys.stderr)
+    except (OSError, ValueError) as e:
+        print(f"{name}: {e}", file=sys.stderr)
+    return True
+
+
+def _turn(session: ChatSession, read) -> bool:
+    """Generate replies, reading each tool call's result, until the model answers; False on Ctrl-D."""
+    with StopOnCtrlC() as stop:
+        calls = session.reply(stopped=stop)
+    while calls and not stop():
+        for call in calls:
+            try:
+                session.add_result(call, read(f"result of {call['function']['name']}> "))
+            except EOFError:
+                return False
+            except KeyboardInterrupt:
+                print(file=sys.stderr)
+                return True
+        with StopOnCtrlC() as stop:
+            calls = session.reply(stopped=stop)
+    return True
+
+
 def chat_loop(session: ChatSession, read=input) -> int:
-    """Read lines until /exit or end of input; after tool calls, read each call's result."""
-    print(HELP, file=sys.stderr)
+    """Read lines until /exit or end of input (Ctrl-D); after tool calls, read each call's result."""
+    print(HELP.splitlines()[0], "/help lists the commands.", file=sys.stderr)
     while True:
         try:
             line = read("> ")
-        except (EOFError, KeyboardInterrupt):
+        except EOFError:
             print(file=sys.stderr)
             return 0
-        if line.strip() in ("/exit", "/quit"):
-            return 0
-        if line.strip() == "/reset":
-            session.history = list(session.start)
+        except KeyboardInterrupt:
+            print("\n(Ctrl-D or /exit quits)", file=sys.stderr)
+            continue
+        if line.strip().startswith("/"):
+            if not _command(session, line):
+                return 0
             continue
         if not line.strip():
             continue
         session.history.append({"role": "user", "content": line})
-        calls = session.reply()
-        while calls:
-            for call in calls:
-                try:
-                    session.add_result(call, read(f"result of {call['function']['name']}> "))
-                except (EOFError, KeyboardInterrupt):
-                    return 0
-            calls = session.reply()
+        if not _turn(session, read):
+            return 0
+
+
+def line_editing(history_file: Path) -> None:
+    """Arrow keys, editing and a history kept in `history_file` for input(), where stdin is a terminal."""
+    if not sys.stdin.isatty():
+        return
+    try:
+        import atexit
+        import readline
+    except ImportError:              # a Python without readline: plain input()
+        return
+    with contextlib.suppress(OSError):
+        readline.read_history_file(history_file)
+    readline.set_history_length(1000)
+
+    def save() -> None:
+        with contextlib.suppress(OSError):
+            history_file.parent.mkdir(parents=True, exist_ok=True)
+            readline.write_history_file(history_file)
+    atexit.register(save)

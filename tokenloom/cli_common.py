@@ -13,6 +13,8 @@ def engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("-m", "--model", default=None,
                    help="HF folder (config.json + safetensors + tokenizer.json) or .gguf file; "
                         "default: SmolLM2-135M-Instruct, pulled on first use")
+    g.add_argument("-t", "--threads", type=int, default=None, metavar="N",
+                   help="CPU threads (default: torch's choice, one per physical core)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weight and activation dtype. auto (default): float32, and a GGUF file's quantized "
                         "blocks kept as stored; float32/bfloat16/float16 dequantize a GGUF file to that dtype "
@@ -38,6 +40,9 @@ def engine_flags(p: argparse.ArgumentParser) -> None:
 
 def make_llm(args: argparse.Namespace):
     from tokenloom.llm import LLM
+    if getattr(args, "threads", None):
+        import torch
+        torch.set_num_threads(args.threads)         # torch's and the kernels' OpenMP pool
     memory = None if args.kv_cache_memory is None else int(args.kv_cache_memory * (1 << 30))
     return LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, kv_cache_memory=memory,
                kv_cache_fraction=args.kv_cache_fraction, enable_prefix_caching=args.enable_prefix_caching,
@@ -48,6 +53,50 @@ def make_llm(args: argparse.Namespace):
 
 def check_engine_flags(args: argparse.Namespace) -> None:
     """Fail on bad engine flags before the (slow) model load."""
+    if getattr(args, "threads", None) is not None and args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads}")
     if args.speculative:
         from tokenloom.config import SpeculativeConfig
         SpeculativeConfig.parse(args.speculative)
+
+
+# A token is at least one byte of text (plus a chat template's few), so a prompt this short fits any
+# context worth running; longer ones are counted before the weights load.
+_SURELY_FITS_BYTES = 2048
+
+
+def check_prompt_early(args: argparse.Namespace, prompt: str) -> None:
+    """ValueError, before any weights are read, when `prompt` is longer than the context the model
+    will run at (only the config and tokenizer are read, and only for a long prompt)."""
+    if len(prompt.encode("utf-8", "surrogatepass")) <= _SURELY_FITS_BYTES:
+        return
+    from tokenloom.hub import resolve_model
+    from tokenloom.loader.load import load_checkpoint
+    ckpt = load_checkpoint(resolve_model(args.model))
+    context = args.max_model_len or ckpt.config.max_model_len
+    tokens = len(ckpt.tokenizer.encode(prompt))
+    if tokens >= context:
+        raise ValueError(f"the prompt is {tokens} tokens, but the context is {context} (--max-model-len): "
+                         "shorten the prompt")
+
+
+class GenerationSummary:
+    """The line `generate` prints on stderr when it is done: tokens, speed, time to first token."""
+
+    def __init__(self, prompt_tokens: int) -> None:
+        import time
+        self.clock = time.perf_counter
+        self.prompt_tokens, self.tokens = prompt_tokens, 0
+        self.start, self.first = self.clock(), None
+
+    def add(self, new_tokens: int) -> None:
+        if new_tokens and self.first is None:
+            self.first = self.clock()
+        self.tokens += new_tokens
+
+    def __str__(self) -> str:
+        end = self.clock()
+        first = self.first if self.first is not None else end
+        rate = (self.tokens - 1) / (end - first) if self.tokens > 1 and end > first else 0.0
+        return (f"{self.tokens} tokens, {rate:.1f} tok/s (prompt {self.prompt_tokens} tokens, first token "
+                f"after {first - self.start:.2f} s)")
