@@ -152,3 +152,50 @@ def test_playground_chat_on_a_phone_width_screen(browser, base_url):
     assert page.is_visible("#dist")
     shot(page, "7-phone-chat")
     assert page.outside == []
+
+
+def _send_with_enter(page, text: str) -> None:
+    page.fill("#prompt", text)
+    page.press("#prompt", "Enter")
+    page.wait_for_function("state.pending === null && !document.getElementById('generate').disabled",
+                           timeout=60_000)
+
+
+def test_playground_chat_is_a_conversation_kept_across_a_reload(browser, base_url):
+    system = "You are a helpful assistant."
+    page = offline_page(browser, base_url, "smol", 1000, 800)
+    page.click("#mode-chat")
+    set_controls(page, temperature=0, max_tokens=12, system=system)
+    _send_with_enter(page, "What is the capital of France?")
+    assert page.input_value("#prompt") == ""                                   # Enter sent it
+    asked = [{"role": "system", "content": system}, {"role": "user", "content": "What is the capital of France?"}]
+    want = httpx.post(f"{base_url}/v1/chat/completions", timeout=60, json={
+        "messages": asked, "temperature": 0, "max_tokens": 12}).json()["choices"][0]["message"]["content"]
+    assert page.eval_on_selector_all("#transcript .msg.user", "els => els.map(e => e.lastChild.textContent)") == [
+        "What is the capital of France?"]
+    kept = page.eval_on_selector_all("#output .tok:not(.stopped)", "els => els.map(e => e.textContent)")
+    assert "".join(kept) == want                                               # the reply, in the conversation
+    assert page.evaluate("document.querySelector('#conversation #output').getBoundingClientRect().top") > \
+        page.evaluate("document.querySelector('#transcript .msg.user').getBoundingClientRect().top")
+
+    page.fill("#prompt", "And of Italy?")
+    page.press("#prompt", "Shift+Enter")                                       # a new line, not a send
+    assert page.input_value("#prompt") == "And of Italy?\n" and not page.is_disabled("#generate")
+    _send_with_enter(page, "And of Italy?")
+    roles = page.eval_on_selector_all("#transcript .msg", "els => els.map(e => e.classList[1])")
+    assert roles == ["user", "assistant", "user"]
+    shot(page, "10-chat-bubbles")
+
+    page.reload()                                                              # the conversation is kept
+    page.wait_for_function("document.querySelectorAll('#transcript .msg').length === 4")
+    assert "active" in page.get_attribute("#mode-chat", "class") and page.input_value("#system") == system
+    texts = page.eval_on_selector_all("#transcript .msg", "els => els.map(e => e.lastChild.textContent)")
+    assert texts[:3] == ["What is the capital of France?", want, "And of Italy?"] and texts[3]
+    assert page.text_content("#shade-legend").startswith("shading")
+    shot(page, "11-chat-after-reload")
+    page.click("#clear")                                                       # Clear empties it for good
+    page.reload()
+    page.wait_for_function("document.getElementById('model').textContent.includes('smol')")
+    page.wait_for_timeout(300)
+    assert page.locator("#transcript .msg").count() == 0
+    assert page.outside == []

@@ -19,7 +19,9 @@ def test_serve_answers_then_finishes_inflight_stream_on_sigterm(default_model_di
     (tmp_path / "tools.json").write_text(json.dumps(tools))
     with ServeProcess(default_model_dir, "--tools", str(tmp_path / "tools.json")) as served:
         proc, base = served.proc, served.base
-        assert httpx.get(f"{base}/playground/tools").json() == {"tools": tools}     # the playground offers them
+        settings = httpx.get(f"{base}/playground/settings").json()
+        assert settings["tools"] == tools                                        # the playground offers them
+        assert settings["sampling"]["temperature"] == 0.8 and settings["sampling_source"] == "llama.cpp's defaults"
         body = {"model": "smol", "prompt": "Count:", "max_tokens": 24, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as response:
             lines = response.iter_lines()

@@ -158,10 +158,12 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
 
     offered = [{"type": "function", "function": f} for f in playground_tools or []]
 
-    @app.get("/playground/tools", include_in_schema=False)
-    async def playground_tool_list() -> dict[str, Any]:
-        """The tools `serve --tools FILE.json` gave, which the playground's chat offers ([] if none)."""
-        return {"tools": offered}
+    @app.get("/playground/settings", include_in_schema=False)
+    async def playground_settings() -> dict[str, Any]:
+        """What the playground starts from: the sampling settings a request that leaves them out
+        gets (sampling/defaults.py), and the tools `serve --tools FILE.json` gave ([] if none)."""
+        defaults = engine.sampling_defaults
+        return {"sampling": defaults.values, "sampling_source": defaults.source, "tools": offered}
 
     @app.get("/health")
     async def health() -> dict[str, str]:
