@@ -7,6 +7,7 @@ STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
 setup: $(STAMP) browser
 	$(VENV)/bin/tokenloom pull
+	$(PY) -m tokenloom.kernels_setup
 
 # Debian's Chromium for the playground's browser tests (Playwright drives it; it downloads no browser).
 browser:

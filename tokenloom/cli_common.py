@@ -21,7 +21,8 @@ def engine_flags(p: argparse.ArgumentParser) -> None:
                         "(bf16/fp16 are slow on most CPUs)")
     g.add_argument("--max-model-len", type=int, default=None, help="context window (default: the model's)")
     g.add_argument("--kv-cache-memory", type=float, default=None, metavar="GIB",
-                   help="memory for the KV cache in GiB (default: 1, or see --kv-cache-fraction)")
+                   help="memory for the KV cache in GiB (default: what one full context needs, at most 1; "
+                        "serve: 1; or see --kv-cache-fraction)")
     g.add_argument("--kv-cache-fraction", type=float, default=None, metavar="F",
                    help="size the KV cache as this fraction of the memory available now")
     g.add_argument("--no-prefix-caching", action="store_false", dest="enable_prefix_caching",
@@ -47,8 +48,8 @@ def make_llm(args: argparse.Namespace):
     return LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, kv_cache_memory=memory,
                kv_cache_fraction=args.kv_cache_fraction, enable_prefix_caching=args.enable_prefix_caching,
                max_num_seqs=getattr(args, "max_num_seqs", 64), fair_share_seqs=getattr(args, "fair_share_seqs", None),
-               speculative=args.speculative,
-               quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, progress=True)
+               speculative=args.speculative, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+               kv_cache_contexts=getattr(args, "kv_cache_contexts", 1), progress=True)
 
 
 def check_engine_flags(args: argparse.Namespace) -> None:

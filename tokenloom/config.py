@@ -373,13 +373,15 @@ class CacheConfig:
     """Paged KV cache geometry and budget.
 
     The budget is ``kv_cache_memory`` bytes if given, else ``kv_cache_fraction`` of
-    the memory available now, else 1 GiB.
+    the memory available now, else 1 GiB, or less where ``kv_cache_contexts`` full contexts
+    need less (a CLI session runs one conversation: its context is all the cache it can use).
     """
 
     block_size: int = 16
     kv_cache_memory: int | None = None
     kv_cache_fraction: float | None = None
     enable_prefix_caching: bool = True
+    kv_cache_contexts: int | None = None
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
@@ -388,13 +390,19 @@ class CacheConfig:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
         if self.kv_cache_fraction is not None and not 0 < self.kv_cache_fraction <= 0.9:
             raise ValueError(f"kv_cache_fraction must be in (0, 0.9], got {self.kv_cache_fraction}")
+        if self.kv_cache_contexts is not None and self.kv_cache_contexts < 1:
+            raise ValueError(f"kv_cache_contexts must be >= 1, got {self.kv_cache_contexts}")
 
-    def resolve_memory(self) -> int:
-        """The KV cache budget in bytes."""
+    def resolve_memory(self, bytes_per_token: int, max_model_len: int) -> int:
+        """The KV cache budget in bytes, for a model whose token takes `bytes_per_token` in the
+        cache and whose context is `max_model_len` tokens."""
         if self.kv_cache_memory is not None:
             return self.kv_cache_memory
         if self.kv_cache_fraction is not None:
             return int(self.kv_cache_fraction * available_memory())
+        if self.kv_cache_contexts is not None:
+            blocks = -(-max_model_len // self.block_size) * self.kv_cache_contexts + 1     # + the null block
+            return min(1 << 30, blocks * self.block_size * bytes_per_token)
         return 1 << 30
 
 

@@ -51,9 +51,10 @@ class EngineCore:
         self.eos_token_ids = loaded.eos_token_ids
         logger.info("sampling settings a request leaves out: %s", loaded.sampling_defaults.describe())
         dtype = parse_dtype(config.dtype)
-        kv = PagedKVCache.from_memory_budget(loaded.config, config.cache.resolve_memory(),
-                                             config.cache.block_size, dtype, config.device, config.kv_cache_dtype)
         self.kv_bytes_per_token = kv_bytes_per_token(loaded.config, dtype, config.kv_cache_dtype)
+        budget = config.cache.resolve_memory(self.kv_bytes_per_token, self.max_model_len)
+        kv = PagedKVCache.from_memory_budget(loaded.config, budget, config.cache.block_size, dtype, config.device,
+                                             config.kv_cache_dtype)
         self._report_cache(kv)
         self.block_manager = BlockManager(kv.num_blocks, kv.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)

@@ -19,6 +19,11 @@ from tokenloom import native
 _PANEL_SOURCE = Path(__file__).parent / "csrc" / "panel_linear_avx512.cpp"
 
 
+def build() -> bool:
+    """Build (once) and load the AVX-512 panel kernel; False where this CPU or toolchain cannot."""
+    return native.load(_PANEL_SOURCE, "AVX-512 linear kernel", "avx512")
+
+
 def _float32_cpu(linear: nn.Linear) -> bool:
     return linear.weight.device.type == "cpu" and linear.weight.dtype == torch.float32
 
@@ -54,7 +59,7 @@ class PanelLinear(_PrepackedLinear):
     @staticmethod
     def supports(linear: nn.Linear) -> bool:
         """True for float32 CPU weights where the AVX-512 kernel is built."""
-        return _float32_cpu(linear) and native.load(_PANEL_SOURCE, "AVX-512 linear kernel", "avx512")
+        return _float32_cpu(linear) and build()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.tokenloom_panel.linear(x, self.panels, self.out_features, self.bias)
