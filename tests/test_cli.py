@@ -50,9 +50,9 @@ def test_chat_keeps_the_conversation(default_model_dir, monkeypatch, capsys):
     seen = []
     original = ChatSession.reply
 
-    def spy(self, out=None):
+    def spy(self, out=None, **kwargs):
         seen.append([dict(m) for m in self.history])     # the conversation each turn is generated from
-        return original(self, out)
+        return original(self, out, **kwargs)
     monkeypatch.setattr(ChatSession, "reply", spy)
     monkeypatch.setattr(sys, "stdin", io.StringIO("What is the capital of France?\nAnd of Italy?\n/exit\n"))
     assert cli_main(["chat", "-m", str(default_model_dir), "--temp", "0", "-n", "20"]) == 0
