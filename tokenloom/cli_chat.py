@@ -87,12 +87,13 @@ class ChatSession:
         text, cut = [], False
         with contextlib.closing(self.llm.stream_deltas(ids, self.params)) as deltas:
             for delta in deltas:
+                stop = stopped()
                 text.append(delta.text_delta)
                 summary.add(len(delta.new_token_ids))
-                cut = delta.finish_reason == "length" or stopped()
+                cut = delta.finish_reason == "length" or stop
                 said = reader.feed(delta.text_delta, delta.finished or cut, cut)
                 print(said.get("reasoning_content", "") + said.get("content", ""), end="", file=out, flush=True)
-                if stopped():
+                if stop:
                     break
         reply = read_reply("".join(text), prompt, self.mode, self.features, cut)
         self.history.append({"role": "assistant", "content": reply.content or "", "tool_calls": reply.tool_calls})
@@ -112,7 +113,7 @@ class StopOnCtrlC:
     at its next token and the engine is never interrupted mid-step."""
 
     def __init__(self) -> None:
-        self.hit = False
+        self.hit, self.installed = False, False
 
     def __call__(self) -> bool:
         return self.hit
@@ -120,16 +121,17 @@ class StopOnCtrlC:
     def __enter__(self) -> StopOnCtrlC:
         try:
             self.previous = signal.signal(signal.SIGINT, self._on_sigint)
+            self.installed = True
         except ValueError:           # not the main thread: Ctrl-C cannot reach us here anyway
-            self.previous = None
+            pass
         return self
 
     def _on_sigint(self, signum, frame) -> None:
         self.hit = True
 
     def __exit__(self, *exc) -> None:
-        if self.previous is not None:
-            signal.signal(signal.SIGINT, self.previous)
+        if self.installed:           # previous is None where it was not set from Python: the default then
+            signal.signal(signal.SIGINT, self.previous if self.previous is not None else signal.SIG_DFL)
 
 
 def _command(session: ChatSession, line: str) -> bool:
