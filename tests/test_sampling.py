@@ -146,7 +146,7 @@ def test_sampler_leaves_the_callers_logits_untouched():
 
 
 def test_row_argmax_is_argmax_including_ties_and_nan():
-    from tokenloom.sampling.filters import row_argmax
+    from tokenloom.sampling.chain import row_argmax
     x = torch.randn(5, 1000, generator=torch.Generator().manual_seed(0))
     x[1, 10] = x[1, 20] = x[1, 30] = 50.0          # ties: the first index wins
     x[2] = 0.0                                        # a whole row tied
@@ -161,7 +161,7 @@ def test_row_argmax_kernel_is_argmax_across_its_column_ranges(width):
     """The fused kernel splits wide rows into one column range per thread: ties across the
     ranges, NaN in a later range, all -inf rows, -0.0 vs 0.0, short rows and tails."""
     from tokenloom.models import fused
-    from tokenloom.sampling.filters import row_argmax
+    from tokenloom.sampling.chain import row_argmax
     if not fused.build():
         pytest.skip("fused ops not built")
     g = torch.Generator().manual_seed(width)

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from tokenloom.metrics import RequestMetrics
+from tokenloom.sampling.state import SamplingState
 from tokenloom.sampling_params import SamplingParams
 
 
@@ -43,6 +44,7 @@ class Request:
     stop_reason: str | int | None = None
     generator: torch.Generator | None = None           # set when params.seed is given
     matcher: Any = None                                # llguidance matcher when structured output is asked
+    sampling_state: SamplingState | None = None        # bad words / DRY in token form, mirostat's mu
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
     # speculative decoding: drafts to verify at the next step, and the proposer's state
     spec_token_ids: list[int] = field(default_factory=list)
@@ -53,6 +55,8 @@ class Request:
     def __post_init__(self) -> None:
         if self.params.seed is not None and self.generator is None:
             self.generator = torch.Generator().manual_seed(self.params.seed)
+        if self.sampling_state is None:
+            self.sampling_state = SamplingState.initial(self.params)
 
     @property
     def num_tokens(self) -> int:

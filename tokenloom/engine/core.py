@@ -19,6 +19,7 @@ from tokenloom.loader.load import LoadedModel
 from tokenloom.outputs import CoreOutput
 from tokenloom.request import Request
 from tokenloom.runner import ModelRunner
+from tokenloom.sampling.vocab import SamplingVocab
 from tokenloom.sampling_params import SamplingParams
 from tokenloom.scheduler import Scheduler
 from tokenloom.spec_decode.proposer import SpecProposer
@@ -62,6 +63,7 @@ class EngineCore:
         self.reserve_activation_memory()
         self.grammars = GrammarCompiler(loaded.tokenizer.backend.to_str(), loaded.config.vocab_size,
                                         sorted(self.eos_token_ids))
+        self.sampling_vocab = SamplingVocab(loaded.tokenizer, loaded.config.vocab_size)
         self.proposer = None if config.speculative is None else SpecProposer.create(
             config.speculative, self.runner, loaded.tokenizer, self.max_model_len, config.dtype, progress)
         self.requests: dict[str, Request] = {}
@@ -104,6 +106,7 @@ class EngineCore:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         if request.params.structured_output is not None:
             request.matcher = self.grammars.matcher(request.params.structured_output)
+        request.sampling_state = self.sampling_vocab.resolve(request.params)
         self.scheduler.add(request)
         self.requests[request.request_id] = request
 

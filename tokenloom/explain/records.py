@@ -7,8 +7,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-# Why a candidate got probability 0, in the order the sampler applies the filters.
-CUT_REASONS = ("banned", "grammar", "top_k", "top_p", "min_p")
+# Why a candidate got probability 0: a processor's ban (logit bias / min_tokens / penalties: "banned"),
+# the grammar, or a filter of the chain (tokenloom/sampling/chain.py; XTC: in the draws where it fires).
+CUT_REASONS = ("banned", "bad_words", "no_repeat_ngram", "grammar", "top_n_sigma", "top_k", "typical_p",
+               "top_p", "min_p", "xtc", "epsilon_cutoff", "eta_cutoff", "mirostat")
 
 
 @dataclass(slots=True)
@@ -41,6 +43,7 @@ class StepRecord:
     num_kept: int                    # tokens left with probability > 0 after the cuts (greedy: all)
     num_cut: dict[str, int]          # reason -> how many tokens it removed (reasons that removed none omitted)
     num_penalized: int               # tokens whose logit the processors moved
+    num_moved: dict[str, int] = field(default_factory=dict)   # processor (penalties, dry, ...) -> tokens it moved
     text: str = ""                   # the text this token added to the output
     kv_tokens: int = 0               # tokens whose keys and values this request attended over
     kv_bytes: int = 0                # kv_tokens x 2 x layers x kv_heads x head_dim x bytes per element

@@ -48,7 +48,8 @@ def _line(segments: list[Segment], width: int, color: bool) -> str:
 def _cuts(record: StepRecord) -> str:
     parts = [f"{reason.replace('_', '-')} {n:,}" for reason, n in record.num_cut.items()]
     if record.num_penalized:
-        parts.append(f"penalized {record.num_penalized:,}")
+        by = ", ".join(f"{name.replace('_', '-')} {n:,}" for name, n in record.num_moved.items())
+        parts.append(f"penalized {record.num_penalized:,}" + (f" ({by})" if by else ""))
     return " · ".join(parts)
 
 

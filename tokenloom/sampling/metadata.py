@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenloom.sampling.state import SamplingState
 from tokenloom.sampling_params import SamplingParams
 
 
@@ -18,6 +19,13 @@ class SamplingMetadata:
     output_token_ids: list[list[int]]
     generators: list[torch.Generator | None]   # per-request RNG when a seed was given
     eos_token_ids: list[frozenset[int]]
+    states: list[SamplingState] | None = None   # per-request sampler state; None: each row's initial state
+
+    def __post_init__(self) -> None:
+        if self.states is None:
+            self.states = [SamplingState.initial(p) for p in self.params]
+        for p, s in zip(self.params, self.states):
+            s.check_resolved(p)
 
     @classmethod
     def for_requests(cls, requests: list, output_token_ids: list[list[int]] | None = None) -> SamplingMetadata:
@@ -25,13 +33,18 @@ class SamplingMetadata:
         output history (speculation: outputs plus the drafts before that row)."""
         outputs = output_token_ids if output_token_ids is not None else [r.output_token_ids for r in requests]
         return cls([r.params for r in requests], [r.prompt_token_ids for r in requests], outputs,
-                   [r.generator for r in requests], [r.eos_token_ids for r in requests])
+                   [r.generator for r in requests], [r.eos_token_ids for r in requests],
+                   [r.sampling_state for r in requests])
 
     def rows(self, index: list[int]) -> SamplingMetadata:
         """The metadata of a subset of rows, in the order given."""
         return SamplingMetadata([self.params[i] for i in index], [self.prompt_token_ids[i] for i in index],
                                 [self.output_token_ids[i] for i in index], [self.generators[i] for i in index],
-                                [self.eos_token_ids[i] for i in index])
+                                [self.eos_token_ids[i] for i in index], [self.states[i] for i in index])
+
+    def histories(self) -> list[list[int]]:
+        """Per row: prompt + output token ids (what n-gram blocking, bad words and DRY look at)."""
+        return [prompt + output for prompt, output in zip(self.prompt_token_ids, self.output_token_ids)]
 
     @property
     def num_rows(self) -> int:

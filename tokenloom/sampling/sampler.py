@@ -3,16 +3,18 @@
 Steps, in order:
 1. raw logprobs = log_softmax(model logits), if any row asked for logprobs
    (reported values are the model's own distribution, before any processing);
-2. processors: logit bias, min_tokens, repetition/frequency/presence penalties;
+2. processors (processors.py): logit bias, min_tokens, bad words, n-gram blocking,
+   repetition/frequency/presence penalties, DRY; then the grammar mask (structured output);
 3. greedy rows (temperature 0): argmax of the processed logits;
-4. other rows: divide by temperature, then keep the top-k, then the top-p
-   nucleus, then tokens with prob >= min_p x max prob; renormalize and draw by
-   inverting the cumulative distribution: one uniform u per row, the first token
+4. other rows: the filter chain (chain.py: temperature, top-n-sigma, top-k, typical-p,
+   top-p, min-p, XTC, epsilon, eta, or the request's own order; mirostat instead where
+   asked); renormalize and draw by inverting the cumulative distribution: one uniform u per row, the first token
    whose float64 running sum of p exceeds u x the total (exact up to float64
    rounding, without a device sync; one random number per row where the exponential
    race argmax(p / E) draws one per vocabulary entry: 1 ms a row on a 49k vocabulary
    on a CPU, 60 ms a step at batch 64). Seeded rows draw u from their own generator,
-   so a seed reproduces its output whatever else is in the batch.
+   so a seed reproduces its output whatever else is in the batch;
+5. mirostat rows move their mu by the chosen token's surprise.
 """
 
 from __future__ import annotations
@@ -25,9 +27,10 @@ import torch
 from tokenloom.explain.compute import explain_row
 from tokenloom.explain.records import StepRecord
 from tokenloom.outputs import TokenLogprobs
-from tokenloom.sampling.filters import greedy_and_distribution
+from tokenloom.sampling.chain import greedy_and_distribution
 from tokenloom.sampling.logprobs import logprob_entries
 from tokenloom.sampling.metadata import SamplingMetadata
+from tokenloom.sampling.mirostat import next_mu
 from tokenloom.sampling.processors import apply_processors
 
 
@@ -77,7 +80,22 @@ class Sampler:
         logprobs = ([None] * meta.num_rows if raw_logprobs is None
                     else logprob_entries(raw_logprobs, chosen, [p.logprobs for p in meta.params]))
         explanations: list[StepRecord | None] = [None] * meta.num_rows
+        drawn_from = dict(zip(rows, probs)) if rows else {}
         for j, i in enumerate(explained):
-            p = meta.params[i]
-            explanations[i] = explain_row(raw[j], processed[j], logits[i], int(chosen[i]), p, p.explain)
+            explanations[i] = explain_row(raw[j], processed[j], logits[i], int(chosen[i]), meta.rows([i]),
+                                          drawn_from.get(i))
+        if rows:
+            update_mirostat(meta.rows(rows), probs, chosen[rows])
         return SamplerOutput(chosen, logprobs, explanations)
+
+
+def update_mirostat(meta: SamplingMetadata, probs: torch.Tensor, chosen: torch.Tensor) -> None:
+    """Move each mirostat row's mu by the surprise of its chosen token (`chosen` (R,)) in the
+    distribution it was drawn from (`probs` (R, V))."""
+    rows = [i for i, p in enumerate(meta.params) if p.mirostat]
+    if not rows:
+        return
+    drawn = probs[rows].gather(1, chosen[rows][:, None].to(probs.device))[:, 0].tolist()
+    for i, p_chosen in zip(rows, drawn):
+        p, state = meta.params[i], meta.states[i]
+        state.mirostat_mu = next_mu(state.mirostat_mu, p_chosen, p.mirostat_tau, p.mirostat_eta)

@@ -18,7 +18,7 @@ from tokenloom.kv_cache.paged import PagedKVCache
 from tokenloom.loader import load_model
 from tokenloom.request import Request
 from tokenloom.runner import ModelRunner
-from tokenloom.sampling.filters import greedy_and_distribution
+from tokenloom.sampling.chain import greedy_and_distribution
 from tokenloom.sampling.metadata import SamplingMetadata
 from tokenloom.sampling.processors import apply_processors
 from tokenloom.spec_decode.ngram import propose_ngram

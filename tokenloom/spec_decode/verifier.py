@@ -14,7 +14,7 @@ import torch
 
 from tokenloom.outputs import TokenLogprobs
 from tokenloom.request import Request
-from tokenloom.sampling.filters import greedy_and_distribution
+from tokenloom.sampling.chain import greedy_and_distribution
 from tokenloom.sampling.logprobs import logprob_entries
 from tokenloom.sampling.metadata import SamplingMetadata
 from tokenloom.sampling.processors import apply_processors

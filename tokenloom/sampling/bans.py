@@ -1,0 +1,72 @@
+"""Processors that ban tokens outright, from the request's own history (prompt + output):
+`no_repeat_ngram_size` (HF's NoRepeatNGramLogitsProcessor) and `bad_words` (vLLM's words, HF's
+NoBadWordsLogitsProcessor's rule)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+NEG_INF = float("-inf")
+
+
+def bad_words_token_ids(words: list[str], encode: Callable[[str], list[int]]) -> list[list[int]]:
+    """Each word's token sequences, as vLLM forms them: the word as given (stripped of leading
+    space), and with one leading space where that is a different first token of the same length
+    (so the word is banned at the start of the text and in the middle of it)."""
+    sequences: list[list[int]] = []
+    for word in words:
+        plain = encode(word.lstrip())
+        sequences.append(plain)
+        spaced = encode(" " + word.lstrip())
+        if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+            sequences.append(spaced)
+    return [s for s in sequences if s]
+
+
+def bad_word_bans(histories: list[list[int]], sequences: list[list[list[int]]]) -> list[tuple[int, int]]:
+    """(row, token) pairs to ban: the last token of every sequence whose other tokens end the row's
+    history (a one-token sequence: always)."""
+    bans = []
+    for row, (history, seqs) in enumerate(zip(histories, sequences)):
+        for seq in seqs:
+            prefix = seq[:-1]
+            if not prefix or (len(history) >= len(prefix) and history[-len(prefix):] == prefix):
+                bans.append((row, seq[-1]))
+    return bans
+
+
+def apply_bans(logits: torch.Tensor, bans: list[tuple[int, int]]) -> torch.Tensor:
+    """logits with -inf at each (row, token) of `bans` (a new tensor)."""
+    if not bans:
+        return logits
+    rows, tokens = zip(*bans)
+    out = logits.clone()
+    out[list(rows), list(tokens)] = NEG_INF
+    return out
+
+
+def ngram_bans(histories: list[list[int]], n: int, vocab: int, device) -> torch.Tensor:
+    """(R, V) bool: the tokens that would complete an n-gram already in the row's history (the
+    last n - 1 tokens, followed by the token, occurred before). Rows shorter than n - 1: none."""
+    R = len(histories)
+    L = max(len(h) for h in histories)
+    banned = torch.zeros(R, vocab + 1, dtype=torch.bool, device=device)     # column `vocab`: a sink
+    if max(n - 1, 1) > L:
+        return banned[:, :vocab]
+    ids = torch.full((R, L), -1, dtype=torch.int64)
+    for r, h in enumerate(histories):
+        if h:
+            ids[r, L - len(h):] = torch.tensor(h, dtype=torch.int64)
+    ids = ids.to(device)
+    followers = ids[:, n - 1:]                                              # (R, L - n + 1) each n-gram's last
+    if n == 1:
+        match = followers >= 0
+    else:
+        prefixes = ids.unfold(1, n - 1, 1)[:, :L - n + 1]                   # (R, L - n + 1, n - 1)
+        tail = ids[:, L - n + 1:]                                           # (R, n - 1) the last n - 1 tokens
+        long_enough = torch.tensor([len(h) >= n - 1 for h in histories], device=device)[:, None]
+        match = (prefixes == tail[:, None, :]).all(-1) & long_enough
+    banned.scatter_(1, torch.where(match, followers, vocab), True)
+    return banned[:, :vocab]

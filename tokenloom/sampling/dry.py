@@ -1,0 +1,134 @@
+"""DRY, "don't repeat yourself" (llama.cpp's restatement of p-e-w's sampler), batched over rows.
+
+A token that would extend a repeat, a run of the last tokens that already occurred earlier in
+the last `dry_penalty_last_n` tokens of prompt + output, of at least `dry_allowed_length` tokens,
+loses multiplier x base^(length - allowed_length) from its logit (the longest repeat it extends
+counts; the exponent is clamped so the penalty stays finite in float32). A repeat never reaches
+back across a sequence breaker (a token whose text holds one of the breaker strings, or a token
+whose text ends with the start of one followed by tokens spelling the rest), and a one-token
+breaker is never penalized.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+FLOAT_MAX_LOG = 88.7228391          # log of float32's largest value: the exponent clamp
+MAX_TAIL_TOKENS = 20                # llama.cpp's MAX_SEQ_LEN for a breaker's tail
+
+
+@dataclass(frozen=True)
+class DryBreakers:
+    """A set of sequence breakers in token form (llama.cpp's processed breakers)."""
+
+    single: torch.Tensor                          # (V,) bool: tokens that break on their own
+    heads: torch.Tensor                           # (V,) bool: single, or the head of a longer breaker
+    tails: dict[int, tuple[tuple[int, ...], ...]]   # head token -> the token tails that complete it
+
+    @classmethod
+    def build(cls, breakers: Sequence[str], token_texts: Sequence[str],
+              encode: Callable[[str], list[int]]) -> DryBreakers:
+        """`token_texts[i]`: token i's text on its own; `encode`: text -> ids without special tokens."""
+        V = len(token_texts)
+        tails: dict[int, set[tuple[int, ...]]] = {}
+        for breaker in breakers:
+            for token, tail in _overlaps(breaker, token_texts, encode):
+                tails.setdefault(token, set()).add(tail)
+        single, heads = torch.zeros(V, dtype=torch.bool), torch.zeros(V, dtype=torch.bool)
+        for token, found in tails.items():
+            heads[token] = True
+            single[token] = () in found
+        return cls(single, heads, {t: tuple(sorted(f, key=len)) for t, f in tails.items()})
+
+    def repeat_limit(self, context: list[int]) -> int:
+        """How far back from the end a repeat may reach: up to the most recent breaker (llama.cpp's
+        rep_limit), else the whole `context`."""
+        if not context:
+            return 0
+        hits = torch.nonzero(self.heads[torch.tensor(context)]).flatten().tolist()
+        n = len(context)
+        for position in reversed(hits):
+            back = n - 1 - position                            # tokens after the head
+            longest = -1
+            for tail in self.tails[context[position]]:
+                if longest < len(tail) <= back and tuple(context[position + 1:position + 1 + len(tail)]) == tail:
+                    longest = len(tail)
+            if longest >= 0:
+                return back - longest
+        return n
+
+
+def _overlaps(breaker: str, token_texts: Sequence[str], encode: Callable[[str], list[int]]):
+    """(token, tail) pairs: tokens holding `breaker` (tail ()), and tokens ending with a prefix of it
+    followed by the tokens of the rest (llama.cpp's get_overlapping_token_sequences)."""
+    for token, text in enumerate(token_texts):
+        if breaker in text:
+            yield token, ()
+            continue
+        position = text.find(breaker[0])
+        while position != -1:
+            matched = 1
+            while matched < len(breaker) and position + matched < len(text):
+                if text[position + matched] != breaker[matched]:
+                    break
+                matched += 1
+            else:
+                yield token, tuple(encode(breaker[matched:])[:MAX_TAIL_TOKENS])
+            position = text.find(breaker[0], position + 1)
+
+
+def repeat_lengths(context: torch.Tensor, lengths: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
+    """context (R, N) int64, each row's tokens right-aligned after -1 padding; lengths (R,) real
+    tokens per row; limit (R,) caps -> (R, N - 1): at column j, how many tokens ending at j equal
+    the tokens ending at the row's last one (its longest common suffix with the row), at most limit."""
+    R, N = context.shape
+    out = torch.zeros(R, N - 1, dtype=torch.int64, device=context.device)
+    alive = torch.ones(R, N - 1, dtype=torch.bool, device=context.device)
+    for t in range(min(int(limit.max()), N - 1)):
+        reference = context[:, N - 1 - t]                                  # (R,) t tokens before the last
+        usable = (t < lengths) & (t < limit)                                # (R,)
+        alive[:, :t] = False                                                # j - t would leave the row
+        alive[:, t:] &= (context[:, :N - 1 - t] == reference[:, None]) & usable[:, None]
+        if not alive.any():
+            break
+        out += alive
+    return out
+
+
+def dry_penalties(rows: list[list[int]], params: list, breakers: list[DryBreakers], vocab: int,
+                  device) -> torch.Tensor:
+    """The DRY penalty (R, V) float32 of each row: `rows[i]` its context (prompt + output), `params[i]`
+    its SamplingParams, `breakers[i]` its breakers in token form."""
+    penalty = torch.zeros(len(rows), vocab, device=device)
+    windows, lengths, limits, live = [], [], [], []
+    for i, (ids, p, b) in enumerate(zip(rows, params, breakers)):
+        window = ids if p.dry_penalty_last_n < 0 else ids[-p.dry_penalty_last_n:]
+        limit = b.repeat_limit(window) if len(window) > p.dry_allowed_length else 0
+        if limit >= p.dry_allowed_length:
+            max_exponent = int(FLOAT_MAX_LOG / math.log(p.dry_base)) if p.dry_base > 1.000001 else 0
+            windows.append(window)
+            lengths.append(len(window))
+            limits.append(min(limit, p.dry_allowed_length + max_exponent))   # longer: the same penalty
+            live.append(i)
+    if not live:
+        return penalty
+    N = max(lengths)
+    context = torch.full((len(live), N), -1, dtype=torch.int64)
+    for r, window in enumerate(windows):
+        context[r, N - len(window):] = torch.tensor(window, dtype=torch.int64)
+    context = context.to(device)
+    found = repeat_lengths(context, torch.tensor(lengths, device=device), torch.tensor(limits, device=device))
+    ps = [params[i] for i in live]
+    allowed = torch.tensor([p.dry_allowed_length for p in ps], device=device)[:, None]
+    base = torch.tensor([p.dry_base for p in ps], device=device)[:, None]
+    multiplier = torch.tensor([p.dry_multiplier for p in ps], device=device)[:, None]
+    per_position = torch.where(found >= allowed, multiplier * base ** (found - allowed).clamp(min=0).float(), 0.0)
+    follower = context[:, 1:].clamp(min=0)                                  # (R', N - 1) the token after j
+    per_token = torch.zeros(len(live), vocab, device=device).scatter_reduce(1, follower, per_position, "amax")
+    singles = torch.stack([breakers[i].single for i in live]).to(device)   # (R', V)
+    penalty[live] = per_token.masked_fill(singles, 0.0)
+    return penalty
