@@ -12,15 +12,17 @@ NEG_INF = float("-inf")
 
 
 def bad_words_token_ids(words: list[str], encode: Callable[[str], list[int]]) -> list[list[int]]:
-    """Each word's token sequences, as vLLM forms them: the word as given (stripped of leading
-    space), and with one leading space where that is a different first token of the same length
-    (so the word is banned at the start of the text and in the middle of it)."""
+    """Each word's token sequences: the word as given (stripped of leading space), and with one
+    leading space where that tokenizes differently, so the word is banned at the start of the
+    text and after a space. (vLLM keeps the spaced form only when it has as many tokens, which
+    lets " favorite", one token where "favorite" is two, through.) A word spelled by other
+    tokens still gets through: the ban is on these token sequences, as in HF and vLLM."""
     sequences: list[list[int]] = []
     for word in words:
         plain = encode(word.lstrip())
         sequences.append(plain)
         spaced = encode(" " + word.lstrip())
-        if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+        if spaced and spaced != plain:
             sequences.append(spaced)
     return [s for s in sequences if s]
 

@@ -7,9 +7,17 @@ than a server knows. Types are strict: "16", true or 1.5 for an integer and
 "0.5" for a number are refused, not coerced. Anything the engine cannot honour
 is an APIError naming the parameter, never a silent default.
 
+The rest of the sampler chain takes vLLM's and llama-server's names: typical_p, top_n_sigma,
+epsilon_cutoff, eta_cutoff, xtc_probability, xtc_threshold, mirostat (+ _tau, _eta),
+no_repeat_ngram_size, bad_words, repetition_penalty_range (llama-server's repeat_last_n /
+penalty_last_n: -1 all, 0 no penalties), dry_multiplier, dry_base, dry_allowed_length,
+dry_penalty_last_n, dry_sequence_breakers, and samplers (the filters' order, a list or
+"a;b;c").
+
 Bounds on what one request may ask for (each a 400 naming the parameter beyond
 it): MAX_STOP_STRINGS stop strings of at most MAX_STOP_CHARS characters,
-MAX_STOP_TOKEN_IDS stop token ids, MAX_LOGIT_BIAS logit_bias entries, seeds in
+MAX_STOP_TOKEN_IDS stop token ids, MAX_LOGIT_BIAS logit_bias entries, MAX_WORDS
+bad_words / dry_sequence_breakers of at most MAX_STOP_CHARS characters, seeds in
 [0, 2**64), |length_penalty| <= 10, text free of lone UTF-16 surrogates.
 """
 
@@ -28,6 +36,10 @@ MAX_STOP_STRINGS = 64          # each is matched against the text after every to
 MAX_STOP_CHARS = 1000
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 1024
+MAX_WORDS = 64                 # bad_words and dry_sequence_breakers, each
+CHAIN_FIELDS = ("typical_p", "top_n_sigma", "epsilon_cutoff", "eta_cutoff", "xtc_probability", "xtc_threshold",
+                "mirostat", "mirostat_tau", "mirostat_eta", "no_repeat_ngram_size", "bad_words", "dry_multiplier",
+                "dry_base", "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers", "samplers")
 STRICT = ConfigDict(extra="ignore", strict=True)
 
 
@@ -85,6 +97,27 @@ class _Sampling(BaseModel):
     guided_regex: str | None = None
     guided_grammar: str | None = None                    # Lark syntax
     explain: int | None = Field(default=None, ge=1, le=100)   # tokenloom: per-token StepRecords, N candidates
+    # the rest of the sampler chain (SamplingParams checks the ranges and names the field)
+    typical_p: float | None = None
+    top_n_sigma: float | None = None
+    epsilon_cutoff: float | None = None
+    eta_cutoff: float | None = None
+    xtc_probability: float | None = None
+    xtc_threshold: float | None = None
+    mirostat: int | None = None
+    mirostat_tau: float | None = None
+    mirostat_eta: float | None = None
+    no_repeat_ngram_size: int | None = None
+    bad_words: list[str] | None = None
+    repetition_penalty_range: int | None = None
+    repeat_last_n: int | None = None                     # llama-server's name (and penalty_last_n)
+    penalty_last_n: int | None = None
+    dry_multiplier: float | None = None
+    dry_base: float | None = None
+    dry_allowed_length: int | None = None
+    dry_penalty_last_n: int | None = None
+    dry_sequence_breakers: list[str] | None = None
+    samplers: list[str] | str | None = None
 
     def check_limits(self) -> None:
         """The request's size bounds (module doc), checked before anything else reads it."""
@@ -96,6 +129,10 @@ class _Sampling(BaseModel):
                    f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids"),
                   ("logit_bias", len(self.logit_bias or ()) <= MAX_LOGIT_BIAS,
                    f"at most {MAX_LOGIT_BIAS} logit_bias entries")]
+        for name in ("bad_words", "dry_sequence_breakers"):
+            words = getattr(self, name) or []
+            limits.append((name, len(words) <= MAX_WORDS and all(len(w) <= MAX_STOP_CHARS for w in words),
+                           f"at most {MAX_WORDS} {name} of at most {MAX_STOP_CHARS} characters"))
         for param, ok, rule in limits:
             if not ok:
                 raise APIError(400, f"{param}: this server takes {rule}", param)
@@ -134,6 +171,25 @@ class _Sampling(BaseModel):
         except ValueError:
             raise APIError(400, "logit_bias keys must be token ids (integers as strings)", "logit_bias") from None
 
+    def _chain_settings(self) -> dict[str, Any]:
+        """The chain's fields that were given, the penalty window under any of its three names."""
+        given = {name: getattr(self, name) for name in CHAIN_FIELDS if getattr(self, name) is not None}
+        windows = {name: value for name in ("repetition_penalty_range", "repeat_last_n", "penalty_last_n")
+                   if (value := getattr(self, name)) is not None}
+        if len(windows) > 1:
+            raise APIError(400, f"give one of {', '.join(windows)}, not several", list(windows)[1])
+        for name, window in windows.items():
+            if name != "repetition_penalty_range" and window < -1:
+                raise APIError(400, f"{name} must be -1 (the whole context), 0 (no penalties) or a token count",
+                               name)
+            if name == "repetition_penalty_range":
+                given[name] = window
+            elif window == 0:                                # llama.cpp: 0 turns the penalties off
+                given.update(repetition_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0)
+            else:
+                given["repetition_penalty_range"] = 0 if window == -1 else window
+        return given
+
     def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None,
                         structured_output: StructuredOutput | None = None,
                         defaults: SamplingDefaults = FALLBACK) -> SamplingParams:
@@ -145,6 +201,7 @@ class _Sampling(BaseModel):
         set_fields = defaults.fill({name: getattr(self, name) for name in
                                     ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                                      "frequency_penalty", "repetition_penalty")})
+        set_fields.update(self._chain_settings())
         try:
             return SamplingParams(
                 **set_fields, max_tokens=max_tokens, min_tokens=min(self.min_tokens, max_tokens),
