@@ -95,7 +95,9 @@ def test_greedy_speculation_is_token_identical(plain_llm, default_model_dir, tin
     stop = base.text[len(base.text) // 2:len(base.text) // 2 + 4]           # lands inside an accepted run
     params = [SamplingParams(temperature=0, max_tokens=23),
               SamplingParams(temperature=0, max_tokens=30, stop=[stop]),
-              SamplingParams(temperature=0, max_tokens=17, logprobs=2, repetition_penalty=1.2)]
+              SamplingParams(temperature=0, max_tokens=17, logprobs=2, repetition_penalty=1.2),
+              SamplingParams(temperature=0, max_tokens=30, no_repeat_ngram_size=3, dry_multiplier=0.8,
+                             bad_words=["fox"], repetition_penalty_range=16, repetition_penalty=1.1)]
     for p in params:
         expected = [o.outputs[0] for o in plain_llm.generate(PROMPTS, p)]
         batched = [o.outputs[0] for o in llm.generate(PROMPTS, p)]
@@ -150,20 +152,30 @@ def tiny_pair(tmp_path_factory):
     return target, draft
 
 
-@pytest.mark.parametrize("method, min_accepted", [("draft_self", 500), ("draft_other", 0), ("ngram", 0)])
-def test_sampled_outputs_distributed_as_without_speculation(tiny_pair, method, min_accepted):
+CHAIN = dict(temperature=0.9, top_n_sigma=2.5, typical_p=0.95, xtc_probability=0.5, xtc_threshold=0.02,
+             epsilon_cutoff=1e-4, eta_cutoff=1e-3, no_repeat_ngram_size=3, dry_multiplier=0.5, dry_allowed_length=1,
+             repetition_penalty=1.1)
+
+
+@pytest.mark.parametrize("method, min_accepted, chain", [
+    ("draft_self", 500, "top_k"), ("draft_other", 0, "top_k"), ("ngram", 0, "top_k"),
+    ("draft_self", 300, "every"), ("ngram", 0, "every"), ("draft_self", 300, "mirostat")])
+def test_sampled_outputs_distributed_as_without_speculation(tiny_pair, method, min_accepted, chain):
     """draft_self accepts nearly everything (p == q); draft_other and n-gram drafts (a random tiny model
     does not copy) are nearly all rejected, so the residual draw runs. The deterministic-draft accept
-    branch is checked against its distribution in test_accept_sampled_output_is_target_distributed."""
+    branch is checked against its distribution in test_accept_sampled_output_is_target_distributed.
+    "every": every processor and filter at once; "mirostat": mu moves with each accepted draft."""
     target, other = tiny_pair
     draft = {"draft_self": str(target), "draft_other": str(other), "ngram": None}[method]
     spec = SpeculativeConfig("ngram" if draft is None else "draft", k=2, draft_model=draft,
                              max_batch=10_000, min_acceptance=0.0)
+    settings = {"top_k": dict(temperature=0.5, top_k=8), "every": CHAIN,
+                "mirostat": dict(mirostat=2, mirostat_tau=2.0, mirostat_eta=0.5)}[chain]
     plain = LLM(str(target), kv_cache_memory=64 << 20)
     specd = LLM(str(target), kv_cache_memory=64 << 20, speculative=spec)
     prompt = list(range(100, 240))        # most sampled tokens occur in it, so the n-gram proposer drafts
     n = 1500
-    params = [SamplingParams(temperature=0.5, top_k=8, max_tokens=3, seed=s, ignore_eos=True) for s in range(n)]
+    params = [SamplingParams(**settings, max_tokens=3, seed=s, ignore_eos=True) for s in range(n)]
     a = [o.outputs[0].token_ids for o in plain.generate([prompt] * n, params)]
     b = [o.outputs[0].token_ids for o in specd.generate([prompt] * n, params)]
     s_ = specd.engine.stats()
