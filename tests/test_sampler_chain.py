@@ -431,3 +431,18 @@ def test_samplers_take_llama_cpp_names_and_leading_processors():
     p = SamplingParams(samplers="penalties;dry;top_n_sigma;top_k;typ_p;top_p;min_p;xtc;temp")
     assert p.sampler_order == ("top_n_sigma", "top_k", "typical_p", "top_p", "min_p", "xtc", "temperature")
     assert SamplingParams(top_n_sigma=-1).top_n_sigma == 0
+
+
+def test_a_seeded_row_draws_the_same_token_whether_its_batch_narrows_or_not():
+    """Alone, a peaked row's nucleus lies in its top 256 tokens and the chain narrows to those; beside a
+    flat row (nucleus of thousands) it runs over the whole vocabulary. The seeded draws must agree."""
+    g = torch.Generator().manual_seed(11)
+    peaked, flat = torch.randn(1, 5000, generator=g) * 4, torch.randn(1, 5000, generator=g) * 0.01
+    params = SamplingParams(top_p=0.9, seed=0)
+    for seed in range(40):
+        def draw(logits, seed=seed):
+            n = logits.shape[0]
+            meta = SamplingMetadata([params] * n, [[]] * n, [[]] * n,
+                                    [torch.Generator().manual_seed(seed) for _ in range(n)], [frozenset()] * n)
+            return Sampler().sample(logits, meta).tokens[0].item()
+        assert draw(peaked) == draw(torch.cat([peaked, flat]))

@@ -40,7 +40,8 @@ def _replay_processors(raw: torch.Tensor, meta: SamplingMetadata, cuts: _Cuts) -
     for name, used, processor in PROCESSORS:
         if not used(meta):
             continue
-        after = processor(logits, meta)
+        after = logits.clone()
+        processor(after, meta)
         cuts.mark(logits[0], after[0], name if name in _OWN_REASON else "banned")
         shifted = int((torch.isfinite(after) & (after != logits)).sum())
         if shifted:

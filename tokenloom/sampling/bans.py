@@ -1,14 +1,12 @@
 """Processors that ban tokens outright, from the request's own history (prompt + output):
 `no_repeat_ngram_size` (HF's NoRepeatNGramLogitsProcessor) and `bad_words` (vLLM's words, HF's
-NoBadWordsLogitsProcessor's rule)."""
+NoBadWordsLogitsProcessor's rule). Each finds (row, token) pairs; the processors ban them in place."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
 import torch
-
-NEG_INF = float("-inf")
 
 
 def bad_words_token_ids(words: list[str], encode: Callable[[str], list[int]]) -> list[list[int]]:
@@ -27,36 +25,26 @@ def bad_words_token_ids(words: list[str], encode: Callable[[str], list[int]]) ->
     return [s for s in sequences if s]
 
 
-def bad_word_bans(histories: list[list[int]], sequences: list[list[list[int]]]) -> list[tuple[int, int]]:
-    """(row, token) pairs to ban: the last token of every sequence whose other tokens end the row's
+def bad_word_bans(histories: list[list[int]], sequences: list[list[list[int]]]) -> tuple[list[int], list[int]]:
+    """(rows, tokens) to ban: the last token of every sequence whose other tokens end the row's
     history (a one-token sequence: always)."""
-    bans = []
+    rows, tokens = [], []
     for row, (history, seqs) in enumerate(zip(histories, sequences)):
         for seq in seqs:
             prefix = seq[:-1]
             if not prefix or (len(history) >= len(prefix) and history[-len(prefix):] == prefix):
-                bans.append((row, seq[-1]))
-    return bans
+                rows.append(row)
+                tokens.append(seq[-1])
+    return rows, tokens
 
 
-def apply_bans(logits: torch.Tensor, bans: list[tuple[int, int]]) -> torch.Tensor:
-    """logits with -inf at each (row, token) of `bans` (a new tensor)."""
-    if not bans:
-        return logits
-    rows, tokens = zip(*bans)
-    out = logits.clone()
-    out[list(rows), list(tokens)] = NEG_INF
-    return out
-
-
-def ngram_bans(histories: list[list[int]], n: int, vocab: int, device) -> torch.Tensor:
-    """(R, V) bool: the tokens that would complete an n-gram already in the row's history (the
-    last n - 1 tokens, followed by the token, occurred before). Rows shorter than n - 1: none."""
+def ngram_bans(histories: list[list[int]], n: int, device) -> tuple[list[int], list[int]]:
+    """(rows, tokens) to ban: the tokens that would complete an n-gram already in the row's history
+    (the last n - 1 tokens, followed by the token, occurred before). Rows shorter than n - 1: none."""
     R = len(histories)
     L = max(len(h) for h in histories)
-    banned = torch.zeros(R, vocab + 1, dtype=torch.bool, device=device)     # column `vocab`: a sink
     if max(n - 1, 1) > L:
-        return banned[:, :vocab]
+        return [], []
     ids = torch.full((R, L), -1, dtype=torch.int64)
     for r, h in enumerate(histories):
         if h:
@@ -70,5 +58,5 @@ def ngram_bans(histories: list[list[int]], n: int, vocab: int, device) -> torch.
         tail = ids[:, L - n + 1:]                                           # (R, n - 1) the last n - 1 tokens
         long_enough = torch.tensor([len(h) >= n - 1 for h in histories], device=device)[:, None]
         match = (prefixes == tail[:, None, :]).all(-1) & long_enough
-    banned.scatter_(1, torch.where(match, followers, vocab), True)
-    return banned[:, :vocab]
+    rows, at = match.nonzero(as_tuple=True)
+    return rows.tolist(), followers[rows, at].tolist()

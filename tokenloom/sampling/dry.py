@@ -28,6 +28,14 @@ class DryBreakers:
     single: torch.Tensor                          # (V,) bool: tokens that break on their own
     heads: torch.Tensor                           # (V,) bool: single, or the head of a longer breaker
     tails: dict[int, tuple[tuple[int, ...], ...]]   # head token -> the token tails that complete it
+    only_single: torch.Tensor | None = None       # (V,) bool: single and the head of nothing longer
+
+    def __post_init__(self) -> None:
+        if self.only_single is None:
+            only = self.single.clone()
+            for token, tails in self.tails.items():
+                only[token] = tails == ((),)
+            object.__setattr__(self, "only_single", only)
 
     @classmethod
     def build(cls, breakers: Sequence[str], token_texts: Sequence[str],
@@ -99,36 +107,66 @@ def repeat_lengths(context: torch.Tensor, lengths: torch.Tensor, limit: torch.Te
     return out
 
 
+def _max_exponent(base: float) -> int:
+    """The exponent past which base^exponent would overflow float32 (0: no clamp, base ~1)."""
+    return int(FLOAT_MAX_LOG / math.log(base)) if base > 1.000001 else 0
+
+
+def _repeat_limits(windows: list[list[int]], breakers: list[DryBreakers]) -> list[int]:
+    """DryBreakers.repeat_limit of each window, the common case at once: where the most recent
+    breaker head is a one-token breaker and nothing longer, the limit is the tokens after it."""
+    if not windows:
+        return []
+    N = max(len(w) for w in windows)
+    context = torch.tensor([[-1] * (N - len(w)) + w for w in windows], dtype=torch.int64)       # (R, N)
+    limits = [len(w) for w in windows]
+    for b in {id(b): b for b in breakers}.values():
+        mine = [r for r, other in enumerate(breakers) if other is b]
+        ids = context[mine]
+        hit = (ids >= 0) & b.heads[ids.clamp(min=0)]                                       # (R', N)
+        last = torch.where(hit.any(-1), N - 1 - hit.flip(-1).int().argmax(-1), -1)         # column of the last head
+        simple = b.only_single[ids.gather(1, last.clamp(min=0)[:, None])[:, 0]]
+        for r, column, is_simple in zip(mine, last.tolist(), simple.tolist()):
+            if column >= 0:
+                limits[r] = N - 1 - column if is_simple else b.repeat_limit(windows[r])
+    return limits
+
+
 def dry_penalties(rows: list[list[int]], params: list, breakers: list[DryBreakers], vocab: int,
-                  device) -> torch.Tensor:
-    """The DRY penalty (R, V) float32 of each row: `rows[i]` its context (prompt + output), `params[i]`
-    its SamplingParams, `breakers[i]` its breakers in token form."""
-    penalty = torch.zeros(len(rows), vocab, device=device)
-    windows, lengths, limits, live = [], [], [], []
-    for i, (ids, p, b) in enumerate(zip(rows, params, breakers)):
+                  device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The DRY penalties of a batch, sparse: (positions (U,) row * vocab + token in the flattened
+    (B, V) logits, penalties (U,) float32 to subtract there). `rows[i]`: row i's context (prompt +
+    output), `params[i]` its SamplingParams, `breakers[i]` its breakers in token form."""
+    windows, live = [], []
+    for i, (ids, p) in enumerate(zip(rows, params)):
         window = ids if p.dry_penalty_last_n < 0 else ids[-p.dry_penalty_last_n:]
-        limit = b.repeat_limit(window) if len(window) > p.dry_allowed_length else 0
-        if limit >= p.dry_allowed_length:
-            max_exponent = int(FLOAT_MAX_LOG / math.log(p.dry_base)) if p.dry_base > 1.000001 else 0
+        if len(window) > p.dry_allowed_length:
             windows.append(window)
-            lengths.append(len(window))
-            limits.append(min(limit, p.dry_allowed_length + max_exponent))   # longer: the same penalty
             live.append(i)
-    if not live:
-        return penalty
+    limits = _repeat_limits(windows, [breakers[i] for i in live])
+    keep = [r for r, i in enumerate(live) if limits[r] >= params[i].dry_allowed_length]
+    if not keep:
+        return torch.zeros(0, dtype=torch.int64, device=device), torch.zeros(0, device=device)
+    windows, live = [windows[r] for r in keep], [live[r] for r in keep]
+    lengths = [len(w) for w in windows]
+    limits = [min(limits[r], params[i].dry_allowed_length + _max_exponent(params[i].dry_base))   # longer: same
+              for r, i in zip(keep, live)]
     N = max(lengths)
-    context = torch.full((len(live), N), -1, dtype=torch.int64)
-    for r, window in enumerate(windows):
-        context[r, N - len(window):] = torch.tensor(window, dtype=torch.int64)
-    context = context.to(device)
+    context = torch.tensor([[-1] * (N - len(w)) + w for w in windows], dtype=torch.int64, device=device)
     found = repeat_lengths(context, torch.tensor(lengths, device=device), torch.tensor(limits, device=device))
     ps = [params[i] for i in live]
     allowed = torch.tensor([p.dry_allowed_length for p in ps], device=device)[:, None]
     base = torch.tensor([p.dry_base for p in ps], device=device)[:, None]
     multiplier = torch.tensor([p.dry_multiplier for p in ps], device=device)[:, None]
-    per_position = torch.where(found >= allowed, multiplier * base ** (found - allowed).clamp(min=0).float(), 0.0)
-    follower = context[:, 1:].clamp(min=0)                                  # (R', N - 1) the token after j
-    per_token = torch.zeros(len(live), vocab, device=device).scatter_reduce(1, follower, per_position, "amax")
-    singles = torch.stack([breakers[i].single for i in live]).to(device)   # (R', V)
-    penalty[live] = per_token.masked_fill(singles, 0.0)
-    return penalty
+    r, j = (found >= allowed).nonzero(as_tuple=True)                        # positions j extending a repeat
+    tokens = context[r, j + 1]                                              # the token after each
+    values = multiplier[r, 0] * base[r, 0] ** (found[r, j] - allowed[r, 0]).float()
+    breaking = torch.zeros_like(tokens, dtype=torch.bool)
+    for b in {id(breakers[i]): breakers[i] for i in live}.values():
+        mine = torch.tensor([breakers[i] is b for i in live], device=device)[r]
+        breaking |= mine & b.single.to(device)[tokens]
+    penalized = ~breaking                                                   # one-token breakers: never penalized
+    flat = torch.tensor(live, device=device)[r[penalized]] * vocab + tokens[penalized]
+    positions, inverse = torch.unique(flat, return_inverse=True)
+    penalties = torch.zeros(len(positions), device=device).scatter_reduce(0, inverse, values[penalized], "amax")
+    return positions, penalties

@@ -20,6 +20,7 @@ class SamplingMetadata:
     generators: list[torch.Generator | None]   # per-request RNG when a seed was given
     eos_token_ids: list[frozenset[int]]
     states: list[SamplingState] | None = None   # per-request sampler state; None: each row's initial state
+    _histories: list[list[int]] | None = None   # prompt + output per row, made on first use
 
     def __post_init__(self) -> None:
         if self.states is None:
@@ -44,7 +45,9 @@ class SamplingMetadata:
 
     def histories(self) -> list[list[int]]:
         """Per row: prompt + output token ids (what n-gram blocking, bad words and DRY look at)."""
-        return [prompt + output for prompt, output in zip(self.prompt_token_ids, self.output_token_ids)]
+        if self._histories is None:
+            self._histories = [prompt + output for prompt, output in zip(self.prompt_token_ids, self.output_token_ids)]
+        return self._histories
 
     @property
     def num_rows(self) -> int:

@@ -11,6 +11,8 @@ under that renormalized distribution.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from tokenloom.sampling.filters import NEG_INF
@@ -23,9 +25,10 @@ def _column(values, logits: torch.Tensor) -> torch.Tensor:
 
 
 def mirostat_v2(logits: torch.Tensor, mu: list[float]) -> torch.Tensor:
-    """logits (R, V) after temperature -> the logits of the tokens with -log2 p <= mu, -inf elsewhere."""
-    probs = logits.softmax(-1).double()
-    remove = -torch.log2(probs) > _column(mu, logits)
+    """logits (R, V) after temperature -> the logits of the tokens with -log2 p <= mu, -inf elsewhere
+    (compared in logit space: -log2 p > mu where x < logsumexp(x) - mu ln 2)."""
+    threshold = torch.logsumexp(logits, -1, keepdim=True).double() - _column(mu, logits) * math.log(2)
+    remove = logits < threshold.to(logits.dtype)
     remove.scatter_(1, logits.argmax(-1, keepdim=True), False)
     return logits.masked_fill(remove, NEG_INF)
 
@@ -53,5 +56,5 @@ MIROSTAT = {1: mirostat_v1, 2: mirostat_v2}
 
 def next_mu(mu: float, chosen_prob: float, tau: float, eta: float) -> float:
     """mu after sampling a token of probability `chosen_prob` in the truncated distribution."""
-    surprise = -torch.log2(torch.tensor(chosen_prob, dtype=torch.float64)).item()
+    surprise = -math.log2(chosen_prob) if chosen_prob > 0 else math.inf
     return mu - eta * (surprise - tau)

@@ -1,6 +1,8 @@
-"""Logit processors: each takes float32 logits (B, V) and the rows' metadata and returns adjusted
-logits. They run for greedy rows too (each can change the argmax), in the order of PROCESSORS:
-logit bias, min_tokens, bad words, n-gram blocking, repetition/frequency/presence penalties, DRY.
+"""Logit processors: each takes float32 logits (B, V) and the rows' metadata and adjusts the
+logits. Each edits, in place, a copy apply_processors made, and only the entries it changes
+(the tokens of a row's history or ban list: sparse.py). They run for greedy rows too (each can
+change the argmax), in the order of PROCESSORS: logit bias, min_tokens, bad words, n-gram
+blocking, repetition/frequency/presence penalties, DRY.
 """
 
 from __future__ import annotations
@@ -9,62 +11,44 @@ from collections.abc import Callable
 
 import torch
 
-from tokenloom.sampling.bans import apply_bans, bad_word_bans, ngram_bans
+from tokenloom.sampling.bans import bad_word_bans, ngram_bans
 from tokenloom.sampling.dry import dry_penalties
 from tokenloom.sampling.metadata import SamplingMetadata
+from tokenloom.sampling.sparse import ban, distinct_with_counts, flat_positions
 from tokenloom.sampling.state import dry_enabled
 
 
-def _id_matrix(rows: list[list[int]], vocab: int, device) -> torch.Tensor:
-    """Ragged id lists -> (B, max_len) int64 padded with `vocab` (an out-of-vocab sink column)."""
-    width = max((len(r) for r in rows), default=0)
-    out = torch.full((len(rows), max(width, 1)), vocab, dtype=torch.int64)
-    for i, r in enumerate(rows):
-        if r:
-            out[i, :len(r)] = torch.tensor(r, dtype=torch.int64)
-    return out.to(device)
+def apply_logit_bias(logits: torch.Tensor, meta: SamplingMetadata) -> None:
+    rows = [i for i, p in enumerate(meta.params) for _ in (p.logit_bias or {})]
+    tokens = [t for p in meta.params for t in (p.logit_bias or {})]
+    biases = [b for p in meta.params for b in (p.logit_bias or {}).values()]
+    logits.index_put_((torch.tensor(rows), torch.tensor(tokens)), torch.tensor(biases, dtype=logits.dtype,
+                                                                                device=logits.device), accumulate=True)
 
 
-def token_counts(rows: list[list[int]], vocab: int, device) -> torch.Tensor:
-    """(B, V) float32: how often each token occurs in each row's id list."""
-    ids = _id_matrix(rows, vocab, device)
-    counts = torch.zeros(len(rows), vocab + 1, device=device)
-    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=counts.dtype))
-    return counts[:, :vocab]
-
-
-def apply_logit_bias(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    logits = logits.clone()
-    for i, p in enumerate(meta.params):
-        for token, bias in (p.logit_bias or {}).items():
-            logits[i, token] += bias
-    return logits
-
-
-def apply_min_tokens(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+def apply_min_tokens(logits: torch.Tensor, meta: SamplingMetadata) -> None:
     """Forbid EOS and stop token ids until a row has min_tokens outputs."""
-    bans = []
+    rows, tokens = [], []
     for i, p in enumerate(meta.params):
         if len(meta.output_token_ids[i]) < p.min_tokens:
             banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(meta.eos_token_ids[i]))
-            bans += [(i, t) for t in sorted(banned)]
-    return apply_bans(logits, bans)
+            rows += [i] * len(banned)
+            tokens += sorted(banned)
+    ban(logits, rows, tokens)
 
 
-def apply_bad_words(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    return apply_bans(logits, bad_word_bans(meta.histories(), [s.bad_words_ids for s in meta.states]))
+def apply_bad_words(logits: torch.Tensor, meta: SamplingMetadata) -> None:
+    ban(logits, *bad_word_bans(meta.histories(), [s.bad_words_ids for s in meta.states]))
 
 
-def apply_no_repeat_ngram(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+def apply_no_repeat_ngram(logits: torch.Tensor, meta: SamplingMetadata) -> None:
     """Ban tokens completing an n-gram already in the row's prompt + output (one pass per distinct n)."""
     sizes = [p.no_repeat_ngram_size for p in meta.params]
     histories = meta.histories()
-    logits = logits.clone()
     for n in sorted(set(sizes) - {0}):
         rows = [i for i, s in enumerate(sizes) if s == n]
-        banned = ngram_bans([histories[i] for i in rows], n, logits.shape[1], logits.device)   # (R, V)
-        logits[rows] = logits[rows].masked_fill(banned, float("-inf"))
-    return logits
+        local, tokens = ngram_bans([histories[i] for i in rows], n, logits.device)
+        ban(logits, [rows[r] for r in local], tokens)
 
 
 def _windows(meta: SamplingMetadata) -> tuple[list[list[int]], list[list[int]]]:
@@ -78,36 +62,35 @@ def _windows(meta: SamplingMetadata) -> tuple[list[list[int]], list[list[int]]]:
     return seen, outputs
 
 
-def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> None:
     """Repetition (prompt + output), frequency and presence (output only) penalties, over each row's
-    last repetition_penalty_range tokens (0: all)."""
-    params = meta.params
-    V = logits.shape[1]
-    rep = torch.tensor([p.repetition_penalty for p in params], device=logits.device)[:, None]
-    freq = torch.tensor([p.frequency_penalty for p in params], device=logits.device)[:, None]
-    pres = torch.tensor([p.presence_penalty for p in params], device=logits.device)[:, None]
+    last repetition_penalty_range tokens (0: all). Touches only the tokens seen, via their
+    positions in the flattened logits."""
+    params, V, flat = meta.params, logits.shape[1], logits.view(-1)
+    column = lambda values: torch.tensor(values, dtype=logits.dtype, device=logits.device)   # noqa: E731
+    rep, freq = column([p.repetition_penalty for p in params]), column([p.frequency_penalty for p in params])
+    pres = column([p.presence_penalty for p in params])
     seen_ids, output_ids = _windows(meta)
-    out_counts = token_counts(output_ids, V, logits.device)              # (B, V)
     if (rep != 1).any():
-        seen = token_counts(seen_ids, V, logits.device) > 0
-        penalized = torch.where(logits > 0, logits / rep, logits * rep)
-        logits = torch.where(seen, penalized, logits)
+        seen = torch.unique(flat_positions(seen_ids, V, logits.device))                   # (U,)
+        values, r = flat[seen], rep[seen // V]
+        flat[seen] = torch.where(values > 0, values / r, values * r)
     if (freq != 0).any() or (pres != 0).any():
-        logits = logits - freq * out_counts - pres * (out_counts > 0).float()
-    return logits
+        counted, counts = distinct_with_counts(flat_positions(output_ids, V, logits.device))
+        row = counted // V
+        flat[counted] -= freq[row] * counts.to(logits.dtype) + pres[row]
 
 
-def apply_dry(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+def apply_dry(logits: torch.Tensor, meta: SamplingMetadata) -> None:
     on = [i for i, p in enumerate(meta.params) if dry_enabled(p)]
     histories = meta.histories()
-    penalty = dry_penalties([histories[i] for i in on], [meta.params[i] for i in on],
-                            [meta.states[i].dry_breakers for i in on], logits.shape[1], logits.device)
-    out = logits.clone()
-    out[on] -= penalty
-    return out
+    positions, penalties = dry_penalties([histories[i] for i in on], [meta.params[i] for i in on],
+                                         [meta.states[i].dry_breakers for i in on], logits.shape[1], logits.device)
+    rows = torch.tensor(on, device=logits.device)[positions // logits.shape[1]]           # local row -> batch row
+    logits.view(-1)[rows * logits.shape[1] + positions % logits.shape[1]] -= penalties
 
 
-Processor = Callable[[torch.Tensor, SamplingMetadata], torch.Tensor]
+Processor = Callable[[torch.Tensor, SamplingMetadata], None]          # edits its own copy, in place
 # (name, does any row use it, the processor), in the order they run
 PROCESSORS: tuple[tuple[str, Callable[[SamplingMetadata], bool], Processor], ...] = (
     ("logit_bias", lambda m: any(p.logit_bias for p in m.params), apply_logit_bias),
@@ -121,8 +104,12 @@ PROCESSORS: tuple[tuple[str, Callable[[SamplingMetadata], bool], Processor], ...
 
 
 def apply_processors(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """All processors any row uses, in PROCESSORS' order. Never writes into `logits`."""
-    for _, used, processor in PROCESSORS:
-        if used(meta):
-            logits = processor(logits, meta)
-    return logits
+    """All processors any row uses, in PROCESSORS' order, on one copy of `logits` (returned; `logits`
+    itself when no row uses any). Never writes into `logits`."""
+    used = [processor for _, in_use, processor in PROCESSORS if in_use(meta)]
+    if not used:
+        return logits
+    out = logits.clone()
+    for processor in used:
+        processor(out, meta)
+    return out

@@ -27,7 +27,7 @@ import torch
 from tokenloom.explain.compute import explain_row
 from tokenloom.explain.records import StepRecord
 from tokenloom.outputs import TokenLogprobs
-from tokenloom.sampling.chain import greedy_and_distribution
+from tokenloom.sampling.chain import distribution_columns, expand, row_argmax
 from tokenloom.sampling.logprobs import logprob_entries
 from tokenloom.sampling.metadata import SamplingMetadata
 from tokenloom.sampling.mirostat import next_mu
@@ -74,28 +74,47 @@ class Sampler:
         processed = logits[explained]                                     # (E, V) before the grammar mask
         if constrain is not None:
             constrain(logits)
-        chosen, rows, probs = greedy_and_distribution(logits, meta)
+        chosen = row_argmax(logits)
+        rows = [i for i, p in enumerate(meta.params) if not p.greedy]
+        drawn_from: dict[int, torch.Tensor] = {}
         if rows:
-            chosen[rows] = inverse_cdf_draw(probs, [meta.generators[i] for i in rows])
+            drawn, drawn_probs, drawn_from = self._draw(logits, meta, rows, explained)
+            chosen[rows] = drawn
+            update_mirostat(meta.rows(rows), drawn_probs)
         logprobs = ([None] * meta.num_rows if raw_logprobs is None
                     else logprob_entries(raw_logprobs, chosen, [p.logprobs for p in meta.params]))
         explanations: list[StepRecord | None] = [None] * meta.num_rows
-        drawn_from = dict(zip(rows, probs)) if rows else {}
         for j, i in enumerate(explained):
             explanations[i] = explain_row(raw[j], processed[j], logits[i], int(chosen[i]), meta.rows([i]),
                                           drawn_from.get(i))
-        if rows:
-            update_mirostat(meta.rows(rows), probs, chosen[rows])
         return SamplerOutput(chosen, logprobs, explanations)
 
 
-def update_mirostat(meta: SamplingMetadata, probs: torch.Tensor, chosen: torch.Tensor) -> None:
-    """Move each mirostat row's mu by the surprise of its chosen token (`chosen` (R,)) in the
-    distribution it was drawn from (`probs` (R, V))."""
+    @staticmethod
+    def _draw(logits: torch.Tensor, meta: SamplingMetadata, rows: list[int], explained: list[int]):
+        """Draw the sampled `rows` of processed logits (B, V) -> (their tokens (S,), each token's
+        probability (S,), {row: its distribution (V,)} for the explained ones). The draw runs over the
+        columns the chain kept, put in vocabulary order first, so a seeded row draws the same token
+        however wide its batch's columns are (the running sums match the full row's)."""
+        probs, columns = distribution_columns(logits[rows], meta.rows(rows))      # (S, W), (S, W) | None
+        if columns is not None:
+            columns, order = columns.sort(dim=1)
+            probs = probs.gather(1, order)
+        local = inverse_cdf_draw(probs, [meta.generators[i] for i in rows])       # (S,)
+        tokens = local if columns is None else columns.gather(1, local[:, None])[:, 0]
+        chosen_probs = probs.gather(1, local[:, None])[:, 0]
+        wanted = [j for j, i in enumerate(rows) if i in set(explained)]
+        full = expand(probs[wanted], None if columns is None else columns[wanted], logits.shape[1])
+        return tokens, chosen_probs, {rows[j]: full[k] for k, j in enumerate(wanted)}
+
+
+def update_mirostat(meta: SamplingMetadata, chosen_probs: torch.Tensor) -> None:
+    """Move each mirostat row's mu by the surprise of its chosen token, whose probability in the
+    distribution it was drawn from is `chosen_probs` (R,)."""
     rows = [i for i, p in enumerate(meta.params) if p.mirostat]
     if not rows:
         return
-    drawn = probs[rows].gather(1, chosen[rows][:, None].to(probs.device))[:, 0].tolist()
+    drawn = chosen_probs[rows].tolist()
     for i, p_chosen in zip(rows, drawn):
         p, state = meta.params[i], meta.states[i]
         state.mirostat_mu = next_mu(state.mirostat_mu, p_chosen, p.mirostat_tau, p.mirostat_eta)

@@ -73,7 +73,7 @@ def verify(logits: torch.Tensor, drafts: list[Draft]) -> list[tuple[list[int], l
     moves past the tokens returned.
     """
     meta = _expanded_metadata(drafts)
-    processed = apply_processors(logits.clone(), meta)
+    processed = apply_processors(logits, meta)
     argmax, sampled_rows, sampled_probs = greedy_and_distribution(processed, meta)
     argmax = argmax.tolist()
     probs = torch.zeros(0)
