@@ -199,3 +199,27 @@ def test_playground_chat_is_a_conversation_kept_across_a_reload(browser, base_ur
     page.wait_for_timeout(300)
     assert page.locator("#transcript .msg").count() == 0
     assert page.outside == []
+
+
+def test_playground_loop_breakers_reach_the_server_and_show_their_cuts(browser, base_url):
+    """The loop-breakers panel: DRY, n-gram blocking and a bad word, greedy; the text equals the API's
+    with the same settings, and a step's distribution says what the processors banned and moved."""
+    page = offline_page(browser, base_url, "smol", 1200, 1000)
+    page.click("#more-samplers summary")
+    set_controls(page, temperature=0, max_tokens=40, top_k=0, top_p=1, min_p=0, no_repeat_ngram_size=3,
+                 dry_multiplier=0.8, bad_words="hobby")
+    page.fill("#prompt", "My favorite things are")
+    run_and_wait(page)
+    want = completion(base_url, prompt="My favorite things are", max_tokens=40, top_k=0, top_p=1, min_p=0,
+                      no_repeat_ngram_size=3, dry_multiplier=0.8, bad_words=["hobby"], explain=2)["choices"][0]
+    assert "".join(token_texts(page)) == want["text"] and "hobby" not in want["text"]
+    step = next(i for i, r in enumerate(want["explain"]) if r["num_cut"].get("no_repeat_ngram"))
+    page.click(f'#output .tok[data-index="{step}"]')
+    assert "no_repeat_ngram" in page.text_content("#dist-head")
+    shot(page, "12-loop-breakers")
+    set_controls(page, mirostat_tau=0)                   # a bad setting: the server's 400 names it
+    page.select_option("#mirostat", "2")
+    set_controls(page, temperature=0.8)
+    run_and_wait(page)
+    assert page.is_visible("#error") and "mirostat_tau" in page.text_content("#error")
+    assert page.outside == []
