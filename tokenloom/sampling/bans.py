@@ -8,6 +8,8 @@ from collections.abc import Callable
 
 import torch
 
+from tokenloom.sampling.sparse import right_aligned
+
 
 def bad_words_token_ids(words: list[str], encode: Callable[[str], list[int]]) -> list[list[int]]:
     """Each word's token sequences: the word as given (stripped of leading space), and with one
@@ -41,15 +43,10 @@ def bad_word_bans(histories: list[list[int]], sequences: list[list[list[int]]]) 
 def ngram_bans(histories: list[list[int]], n: int, device) -> tuple[list[int], list[int]]:
     """(rows, tokens) to ban: the tokens that would complete an n-gram already in the row's history
     (the last n - 1 tokens, followed by the token, occurred before). Rows shorter than n - 1: none."""
-    R = len(histories)
     L = max(len(h) for h in histories)
     if max(n - 1, 1) > L:
         return [], []
-    ids = torch.full((R, L), -1, dtype=torch.int64)
-    for r, h in enumerate(histories):
-        if h:
-            ids[r, L - len(h):] = torch.tensor(h, dtype=torch.int64)
-    ids = ids.to(device)
+    ids = right_aligned(histories, device)                                  # (R, L), -1 before each row
     followers = ids[:, n - 1:]                                              # (R, L - n + 1) each n-gram's last
     if n == 1:
         match = followers >= 0

@@ -14,8 +14,11 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
+
+from tokenloom.sampling.sparse import right_aligned
 
 FLOAT_MAX_LOG = 88.7228391          # log of float32's largest value: the exponent clamp
 MAX_TAIL_TOKENS = 20                # llama.cpp's MAX_SEQ_LEN for a breaker's tail
@@ -28,14 +31,14 @@ class DryBreakers:
     single: torch.Tensor                          # (V,) bool: tokens that break on their own
     heads: torch.Tensor                           # (V,) bool: single, or the head of a longer breaker
     tails: dict[int, tuple[tuple[int, ...], ...]]   # head token -> the token tails that complete it
-    only_single: torch.Tensor | None = None       # (V,) bool: single and the head of nothing longer
 
-    def __post_init__(self) -> None:
-        if self.only_single is None:
-            only = self.single.clone()
-            for token, tails in self.tails.items():
-                only[token] = tails == ((),)
-            object.__setattr__(self, "only_single", only)
+    @cached_property
+    def only_single(self) -> torch.Tensor:
+        """(V,) bool: tokens that break on their own and head nothing longer."""
+        only = self.single.clone()
+        for token, tails in self.tails.items():
+            only[token] = tails == ((),)
+        return only
 
     @classmethod
     def build(cls, breakers: Sequence[str], token_texts: Sequence[str],
@@ -112,17 +115,15 @@ def _max_exponent(base: float) -> int:
     return int(FLOAT_MAX_LOG / math.log(base)) if base > 1.000001 else 0
 
 
-def _repeat_limits(windows: list[list[int]], breakers: list[DryBreakers]) -> list[int]:
-    """DryBreakers.repeat_limit of each window, the common case at once: where the most recent
-    breaker head is a one-token breaker and nothing longer, the limit is the tokens after it."""
-    if not windows:
-        return []
-    N = max(len(w) for w in windows)
-    context = torch.tensor([[-1] * (N - len(w)) + w for w in windows], dtype=torch.int64)       # (R, N)
+def _repeat_limits(context: torch.Tensor, windows: list[list[int]], breakers: list[DryBreakers]) -> list[int]:
+    """DryBreakers.repeat_limit of each window (`context`: the windows right-aligned), the common
+    case at once: where the most recent breaker head is a one-token breaker and nothing longer,
+    the limit is the tokens after it."""
+    N = context.shape[1]
     limits = [len(w) for w in windows]
     for b in {id(b): b for b in breakers}.values():
         mine = [r for r, other in enumerate(breakers) if other is b]
-        ids = context[mine]
+        ids = context[mine].cpu()
         hit = (ids >= 0) & b.heads[ids.clamp(min=0)]                                       # (R', N)
         last = torch.where(hit.any(-1), N - 1 - hit.flip(-1).int().argmax(-1), -1)         # column of the last head
         simple = b.only_single[ids.gather(1, last.clamp(min=0)[:, None])[:, 0]]
@@ -143,16 +144,18 @@ def dry_penalties(rows: list[list[int]], params: list, breakers: list[DryBreaker
         if len(window) > p.dry_allowed_length:
             windows.append(window)
             live.append(i)
-    limits = _repeat_limits(windows, [breakers[i] for i in live])
+    nothing = torch.zeros(0, dtype=torch.int64, device=device), torch.zeros(0, device=device)
+    if not live:
+        return nothing
+    context = right_aligned(windows, device)                                # (R, N) built once
+    limits = _repeat_limits(context, windows, [breakers[i] for i in live])
     keep = [r for r, i in enumerate(live) if limits[r] >= params[i].dry_allowed_length]
     if not keep:
-        return torch.zeros(0, dtype=torch.int64, device=device), torch.zeros(0, device=device)
-    windows, live = [windows[r] for r in keep], [live[r] for r in keep]
-    lengths = [len(w) for w in windows]
-    limits = [min(limits[r], params[i].dry_allowed_length + _max_exponent(params[i].dry_base))   # longer: same
-              for r, i in zip(keep, live)]
-    N = max(lengths)
-    context = torch.tensor([[-1] * (N - len(w)) + w for w in windows], dtype=torch.int64, device=device)
+        return nothing
+    lengths = [len(windows[r]) for r in keep]
+    limits = [min(limits[r], params[live[r]].dry_allowed_length + _max_exponent(params[live[r]].dry_base))
+              for r in keep]                                                # longer repeats: the same penalty
+    live, context = [live[r] for r in keep], context[keep][:, context.shape[1] - max(lengths):]
     found = repeat_lengths(context, torch.tensor(lengths, device=device), torch.tensor(limits, device=device))
     ps = [params[i] for i in live]
     allowed = torch.tensor([p.dry_allowed_length for p in ps], device=device)[:, None]

@@ -14,7 +14,7 @@ import torch
 from tokenloom.sampling.bans import bad_word_bans, ngram_bans
 from tokenloom.sampling.dry import dry_penalties
 from tokenloom.sampling.metadata import SamplingMetadata
-from tokenloom.sampling.sparse import ban, distinct_with_counts, flat_positions
+from tokenloom.sampling.sparse import ban, flat_positions
 from tokenloom.sampling.state import dry_enabled
 
 
@@ -76,7 +76,7 @@ def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> None:
         values, r = flat[seen], rep[seen // V]
         flat[seen] = torch.where(values > 0, values / r, values * r)
     if (freq != 0).any() or (pres != 0).any():
-        counted, counts = distinct_with_counts(flat_positions(output_ids, V, logits.device))
+        counted, counts = torch.unique(flat_positions(output_ids, V, logits.device), return_counts=True)
         row = counted // V
         flat[counted] -= freq[row] * counts.to(logits.dtype) + pres[row]
 

@@ -103,7 +103,8 @@ class Sampler:
         local = inverse_cdf_draw(probs, [meta.generators[i] for i in rows])       # (S,)
         tokens = local if columns is None else columns.gather(1, local[:, None])[:, 0]
         chosen_probs = probs.gather(1, local[:, None])[:, 0]
-        wanted = [j for j, i in enumerate(rows) if i in set(explained)]
+        asked = set(explained)
+        wanted = [j for j, i in enumerate(rows) if i in asked]
         full = expand(probs[wanted], None if columns is None else columns[wanted], logits.shape[1])
         return tokens, chosen_probs, {rows[j]: full[k] for k, j in enumerate(wanted)}
 

@@ -1,5 +1,6 @@
 """Edits of a few (row, token) entries of a (B, V) logits tensor, in place: the processors touch
-only the tokens in a row's history or ban list, so they never pass over the whole vocabulary."""
+only the tokens in a row's history or ban list, so they never pass over the whole vocabulary;
+and the history layouts they read."""
 
 from __future__ import annotations
 
@@ -14,9 +15,11 @@ def flat_positions(rows: list[list[int]], vocab: int, device) -> torch.Tensor:
     return (row_of * vocab + tokens).to(device)
 
 
-def distinct_with_counts(positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(N,) flat positions -> (distinct positions (U,), how often each occurs (U,))."""
-    return torch.unique(positions, return_counts=True)
+def right_aligned(rows: list[list[int]], device=None) -> torch.Tensor:
+    """Ragged token lists -> (R, longest) int64, each row's tokens at its end after -1 padding (so
+    the last tokens of every row share columns)."""
+    width = max((len(r) for r in rows), default=0)
+    return torch.tensor([[-1] * (width - len(r)) + r for r in rows], dtype=torch.int64, device=device)
 
 
 def ban(logits: torch.Tensor, rows: list[int], tokens: list[int]) -> None:
