@@ -74,15 +74,15 @@ def model_logits(llm: LLM, ids: list[int], rows: int) -> torch.Tensor:
         blocks.free("bench-logits")
 
 
-def metadata(llm: LLM, settings: dict, history: list[int], batch: int) -> SamplingMetadata:
+def requests(llm: LLM, settings: dict, history: list[int], batch: int) -> list:
     """`batch` requests with `history` (half prompt, half output), their states resolved by the engine."""
     from tokenloom.request import Request
     params = SamplingParams(**settings, seed=None)
-    requests = [Request(str(i), history[:128], params) for i in range(batch)]
-    for r in requests:
+    made = [Request(str(i), history[:128], params) for i in range(batch)]
+    for r in made:
         r.output_token_ids = list(history[128:])
         r.sampling_state = llm.engine.core.sampling_vocab.resolve(params)
-    return SamplingMetadata.for_requests(requests)
+    return made
 
 
 def hf_chain(names: list[str], settings: dict):
@@ -110,9 +110,11 @@ def measure(llm: LLM, logits: torch.Tensor, history: list[int], repeats: int) ->
         for name, settings in CHAINS.items():
             row = {"chain": name}
             for batch in (1, 64):
-                meta = metadata(llm, settings, history, batch)
+                rows_of = requests(llm, settings, history, batch)
                 x = logits[:batch].contiguous()
-                row[f"ours_{batch}_s"] = median_time(lambda: sampler.sample(x, meta), repeats)
+                # the metadata (and the history matrix the processors share) is built every step, as in the engine
+                row[f"ours_{batch}_s"] = median_time(lambda: sampler.sample(x, SamplingMetadata.for_requests(rows_of)),
+                                                     repeats)
                 if name in HF_EQUIVALENT:
                     step, ids = hf_chain(HF_EQUIVALENT[name], settings), torch.tensor([history] * batch)
                     row[f"hf_{batch}_s"] = median_time(lambda: step(ids, x), repeats)

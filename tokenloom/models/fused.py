@@ -1,7 +1,6 @@
 """Fused float32 CPU versions of the decoder's glue (``csrc/fused_cpu.cpp``): RMSNorm (alone
 or with the residual add before it), rotate-half RoPE and silu(gate) * up, each one op
-instead of two to six; the greedy pick (row argmax) over the logits, and the finite logits'
-statistics top-n-sigma cuts by.
+instead of two to six; and the greedy pick (row argmax) over the logits.
 
 At batch 1 a decode step is ~30 layers x ~35 small torch ops, and their dispatch
 costs a measurable share of the step once the matmuls are fast (quantized). Used
@@ -62,12 +61,6 @@ def row_argmax(x: torch.Tensor) -> torch.Tensor:
     """x (B, V) with unit-stride rows -> (B,) int64: the first index of each row's maximum,
     NaN counting as the maximum (torch.argmax's result)."""
     return torch.ops.tokenloom_fused.row_argmax(x)
-
-
-def row_finite_stats(x: torch.Tensor) -> torch.Tensor:
-    """x (B, V) with unit-stride rows -> (B, 4): count, mean, population std and max of each row's
-    finite entries (-inf skipped), one pass."""
-    return torch.ops.tokenloom_fused.row_finite_stats(x)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

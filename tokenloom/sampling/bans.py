@@ -8,8 +8,6 @@ from collections.abc import Callable
 
 import torch
 
-from tokenloom.sampling.sparse import right_aligned
-
 
 def bad_words_token_ids(words: list[str], encode: Callable[[str], list[int]]) -> list[list[int]]:
     """Each word's token sequences: the word as given (stripped of leading space), and with one
@@ -40,20 +38,20 @@ def bad_word_bans(histories: list[list[int]], sequences: list[list[list[int]]]) 
     return rows, tokens
 
 
-def ngram_bans(histories: list[list[int]], n: int, device) -> tuple[list[int], list[int]]:
-    """(rows, tokens) to ban: the tokens that would complete an n-gram already in the row's history
-    (the last n - 1 tokens, followed by the token, occurred before). Rows shorter than n - 1: none."""
-    L = max(len(h) for h in histories)
+def ngram_bans(ids: torch.Tensor, lengths: list[int], n: int) -> tuple[list[int], list[int]]:
+    """ids (R, L): each row's history right-aligned after -1 padding, `lengths` its tokens -> (rows,
+    tokens) to ban: the tokens that would complete an n-gram already in the row's history (the
+    last n - 1 tokens, followed by the token, occurred before). Rows shorter than n - 1: none."""
+    L = ids.shape[1]
     if max(n - 1, 1) > L:
         return [], []
-    ids = right_aligned(histories, device)                                  # (R, L), -1 before each row
     followers = ids[:, n - 1:]                                              # (R, L - n + 1) each n-gram's last
     if n == 1:
         match = followers >= 0
     else:
         prefixes = ids.unfold(1, n - 1, 1)[:, :L - n + 1]                   # (R, L - n + 1, n - 1)
         tail = ids[:, L - n + 1:]                                           # (R, n - 1) the last n - 1 tokens
-        long_enough = torch.tensor([len(h) >= n - 1 for h in histories], device=device)[:, None]
+        long_enough = torch.tensor([length >= n - 1 for length in lengths], device=ids.device)[:, None]
         match = (prefixes == tail[:, None, :]).all(-1) & long_enough
     rows, at = match.nonzero(as_tuple=True)
     return rows.tolist(), followers[rows, at].tolist()

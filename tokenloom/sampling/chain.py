@@ -12,8 +12,9 @@ speculative verifier needs.
 
 Greedy rows (temperature 0) take the argmax of the processed logits; no filter applies to them.
 
-Speed: top-k, and top-p when every row's nucleus lies in its 256 most likely tokens, narrow the
-rows to the columns that survive (40 of 49,152 for top-k 40), so the filters after them and the
+Speed: top-k (moved ahead of temperature and top-n-sigma, which keep a row's order), and top-p
+when every row's nucleus lies in its 256 most likely tokens, narrow the rows to the columns that
+survive (40 of 49,152 for top-k 40), so the filters after them and the
 final softmax work on those only; a full sort of the vocabulary (110 ms for 64 rows of 49,152 on
 two cores) runs only for a row whose nucleus is wider.
 """
@@ -24,10 +25,11 @@ from collections.abc import Callable
 
 import torch
 
-from tokenloom.models import fused
 from tokenloom.sampling import filters, ranked
+from tokenloom.sampling.kernels import argmax as row_argmax
 from tokenloom.sampling.metadata import SamplingMetadata
-from tokenloom.sampling.mirostat import MIROSTAT
+from tokenloom.sampling.mirostat import MIROSTAT, mirostat_v2_columns
+from tokenloom.sampling.sparse import take_rows
 from tokenloom.sampling.state import SamplingState
 from tokenloom.sampling_params import SamplingParams
 
@@ -58,9 +60,43 @@ def _mirostat(logits: torch.Tensor, params: list[SamplingParams], states: list[S
     return out
 
 
-# stages that can narrow the rows to the columns that survive them: name -> (logits, params) -> (logits, columns) | None
-NARROWING = {"top_k": lambda x, ps: ranked.top_k_columns(x, [p.top_k for p in ps]),
-             "top_p": lambda x, ps: ranked.top_p_columns(x, [p.top_p for p in ps])}
+def _mirostat_columns(logits: torch.Tensor, params: list[SamplingParams], states: list[SamplingState]):
+    if all(p.mirostat == 2 for p in params):
+        return mirostat_v2_columns(logits, [s.mirostat_mu for s in states])
+    return None
+
+
+# stages that can narrow the rows to the columns that survive them:
+# name -> (logits, params, states) -> (logits, columns) | None
+NARROWING = {"top_k": lambda x, ps, _: ranked.top_k_columns(x, [p.top_k for p in ps]),
+             "top_p": lambda x, ps, _: ranked.top_p_columns(x, [p.top_p for p in ps]),
+             "mirostat": _mirostat_columns}
+
+
+ORDER_KEEPING = frozenset({"temperature", "top_n_sigma"})   # they scale a row, or cut it below a threshold
+
+
+def _top_k_first(logits: torch.Tensor, stages: tuple[str, ...], params: list[SamplingParams],
+                 states: list[SamplingState]) -> tuple[torch.Tensor, Columns] | None:
+    """`_run` with top-k moved ahead of the temperature and top-n-sigma stages before it, which
+    keep a row's order (so top-k keeps the same tokens; with top-n-sigma's cut first or last,
+    the survivors are those above both thresholds): narrow the full rows to top-k's columns,
+    then cut by top-n-sigma's threshold (the full row's statistics) and divide by the
+    temperature there only. None where that does not apply (then `_run` as written)."""
+    at = stages.index("top_k") if "top_k" in stages else 0
+    if at == 0 or not ORDER_KEEPING.issuperset(stages[:at]):
+        return None
+    narrowed = ranked.top_k_columns(logits, [p.top_k for p in params])
+    if narrowed is None:
+        return None
+    kept, columns = narrowed                                                    # (R, W) each
+    if "top_n_sigma" in stages[:at] and any(p.top_n_sigma > 0 for p in params):
+        kept = kept.masked_fill(kept < filters.top_n_sigma_threshold(logits, [p.top_n_sigma for p in params]),
+                                filters.NEG_INF)
+    if "temperature" in stages[:at]:
+        kept = FILTERS["temperature"](kept, params, states)
+    probs, inner = _run(kept, stages[at + 1:], params, states)
+    return probs, (columns if inner is None else columns.gather(1, inner))
 
 
 def row_stages(params: SamplingParams) -> tuple[str, ...]:
@@ -82,8 +118,10 @@ def _run(logits: torch.Tensor, stages: tuple[str, ...], params: list[SamplingPar
          states: list[SamplingState]) -> tuple[torch.Tensor, Columns]:
     """logits (R, C) through `stages` -> (probabilities (R, W), their columns of `logits`), XTC as
     the mixture of its branches."""
+    if (early := _top_k_first(logits, stages, params, states)) is not None:
+        return early
     for at, name in enumerate(stages):
-        if name in NARROWING and (narrowed := NARROWING[name](logits, params)) is not None:
+        if name in NARROWING and (narrowed := NARROWING[name](logits, params, states)) is not None:
             kept, columns = narrowed                                       # (R, W) each
             probs, inner = _run(kept, stages[at + 1:], params, states)
             return probs, (columns if inner is None else columns.gather(1, inner))
@@ -94,7 +132,7 @@ def _run(logits: torch.Tensor, stages: tuple[str, ...], params: list[SamplingPar
             rest, width = stages[at + 1:], logits.shape[1]
             uncut = expand(*_run(logits, rest, params, states), width)
             cut = uncut.clone()
-            cut[firing] = expand(*_run(FILTERS["xtc"](logits[firing], [params[i] for i in firing], []), rest,
+            cut[firing] = expand(*_run(FILTERS["xtc"](take_rows(logits, firing), [params[i] for i in firing], []), rest,
                                        [params[i] for i in firing], [states[i] for i in firing]), width)
             chance = torch.tensor([p.xtc_probability for p in params], dtype=logits.dtype,
                                   device=logits.device)[:, None]
@@ -113,7 +151,7 @@ def distribution_columns(logits: torch.Tensor, meta: SamplingMetadata) -> tuple[
         return _run(logits, next(iter(groups)), meta.params, meta.states)
     probs = torch.empty_like(logits)
     for stages, rows in groups.items():
-        probs[rows] = expand(*_run(logits[rows], stages, [meta.params[i] for i in rows],
+        probs[rows] = expand(*_run(take_rows(logits, rows), stages, [meta.params[i] for i in rows],
                                    [meta.states[i] for i in rows]), logits.shape[1])
     return probs, None
 
@@ -123,20 +161,10 @@ def sampling_distribution(logits: torch.Tensor, meta: SamplingMetadata) -> torch
     return expand(*distribution_columns(logits, meta), logits.shape[1])
 
 
-def row_argmax(x: torch.Tensor) -> torch.Tensor:
-    """argmax over the last dim (the first index among equal maxima, NaN the maximum, like
-    argmax). Float32 CPU rows: a fused kernel in which each core scans the columns its half
-    of the LM head just wrote (16 x 49152: 35 us, ~0.45 ms for max() in a serving step);
-    else max(), on the CPU 3x faster than argmax (16 x 49152: 173 vs 524 us)."""
-    if x.dim() == 2 and x.shape[1] > 0 and x.stride(1) == 1 and fused.enabled(x):
-        return fused.row_argmax(x)
-    return x.max(dim=-1).indices
-
-
 def greedy_and_distribution(logits: torch.Tensor, meta: SamplingMetadata
                             ) -> tuple[torch.Tensor, list[int], torch.Tensor | None]:
     """Processed logits (B, V) -> (argmax (B,), the non-greedy rows, their distributions
     (len(rows), V) or None when every row is greedy)."""
     argmax = row_argmax(logits)
     rows = [i for i, p in enumerate(meta.params) if not p.greedy]
-    return argmax, rows, (sampling_distribution(logits[rows], meta.rows(rows)) if rows else None)
+    return argmax, rows, (sampling_distribution(take_rows(logits, rows), meta.rows(rows)) if rows else None)

@@ -18,7 +18,7 @@ from functools import cached_property
 
 import torch
 
-from tokenloom.sampling.sparse import right_aligned
+from tokenloom.sampling.sparse import last_columns
 
 FLOAT_MAX_LOG = 88.7228391          # log of float32's largest value: the exponent clamp
 MAX_TAIL_TOKENS = 20                # llama.cpp's MAX_SEQ_LEN for a breaker's tail
@@ -133,11 +133,13 @@ def _repeat_limits(context: torch.Tensor, windows: list[list[int]], breakers: li
     return limits
 
 
-def dry_penalties(rows: list[list[int]], params: list, breakers: list[DryBreakers], vocab: int,
-                  device) -> tuple[torch.Tensor, torch.Tensor]:
+def dry_penalties(history: torch.Tensor, rows: list[list[int]], params: list, breakers: list[DryBreakers],
+                  vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The DRY penalties of a batch, sparse: (positions (U,) row * vocab + token in the flattened
     (B, V) logits, penalties (U,) float32 to subtract there). `rows[i]`: row i's context (prompt +
-    output), `params[i]` its SamplingParams, `breakers[i]` its breakers in token form."""
+    output), `history[i]` the same right-aligned after -1 padding (R, L), `params[i]` its
+    SamplingParams, `breakers[i]` its breakers in token form."""
+    device = history.device
     windows, live = [], []
     for i, (ids, p) in enumerate(zip(rows, params)):
         window = ids if p.dry_penalty_last_n < 0 else ids[-p.dry_penalty_last_n:]
@@ -147,7 +149,9 @@ def dry_penalties(rows: list[list[int]], params: list, breakers: list[DryBreaker
     nothing = torch.zeros(0, dtype=torch.int64, device=device), torch.zeros(0, device=device)
     if not live:
         return nothing
-    context = right_aligned(windows, device)                                # (R, N) built once
+    N = max(len(w) for w in windows)
+    context = history[live, history.shape[1] - N:]                           # (R, N) the windows' columns
+    context = context.masked_fill(~last_columns(context, torch.tensor([len(w) for w in windows], device=device)), -1)
     limits = _repeat_limits(context, windows, [breakers[i] for i in live])
     keep = [r for r, i in enumerate(live) if limits[r] >= params[i].dry_allowed_length]
     if not keep:

@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from tokenloom.models import fused
+from tokenloom.sampling import kernels
 
 NEG_INF = float("-inf")
 
@@ -62,24 +62,29 @@ def apply_typical_p(logits: torch.Tensor, mass: list[float]) -> torch.Tensor:
     return logits.masked_fill(remove, NEG_INF)
 
 
-def apply_top_n_sigma(logits: torch.Tensor, n: list[float]) -> torch.Tensor:
-    """Keep logits within n population standard deviations of the row's largest, the mean and
-    deviation taken over its finite logits (llama.cpp's top-n-sigma; 0: off). Scaling a row by a
-    temperature scales both sides alike, so its place before or after temperature does not matter."""
-    if not any(v > 0 for v in n):
-        return logits
-    if logits.dim() == 2 and logits.stride(1) == 1 and fused.enabled(logits):
-        stats = fused.row_finite_stats(logits)                                      # (R, 4) one pass
+def top_n_sigma_threshold(logits: torch.Tensor, n: list[float]) -> torch.Tensor:
+    """(R, 1): each row's largest logit less n population standard deviations of its finite logits
+    (-inf where n is 0: keep all)."""
+    if kernels.enabled(logits):
+        stats = kernels.row_finite_stats(logits)                                    # (R, 4)
         std, top = stats[:, 2:3], stats[:, 3:4]
     else:
         finite = logits > NEG_INF
         count = finite.sum(-1, keepdim=True).clamp(min=1)
         values = torch.where(finite, logits, 0.0)
         mean = values.sum(-1, keepdim=True) / count
-        std = ((values * values).sum(-1, keepdim=True) / count - mean * mean).clamp(min=0).sqrt()
+        std = ((values - mean).where(finite, 0.0).square().sum(-1, keepdim=True) / count).sqrt()
         top = logits.max(-1, keepdim=True).values
-    threshold = (top - rows_of(n, logits) * std).masked_fill(rows_of(n, logits) <= 0, NEG_INF)   # off: keep all
-    return logits.masked_fill(logits < threshold, NEG_INF)
+    return (top - rows_of(n, logits) * std).masked_fill(rows_of(n, logits) <= 0, NEG_INF)
+
+
+def apply_top_n_sigma(logits: torch.Tensor, n: list[float]) -> torch.Tensor:
+    """Keep logits within n population standard deviations of the row's largest, the mean and
+    deviation taken over its finite logits (llama.cpp's top-n-sigma; 0: off). Scaling a row by a
+    temperature scales both sides alike, so its place before or after temperature does not matter."""
+    if not any(v > 0 for v in n):
+        return logits
+    return logits.masked_fill(logits < top_n_sigma_threshold(logits, n), NEG_INF)
 
 
 def apply_epsilon_cutoff(logits: torch.Tensor, epsilon: list[float]) -> torch.Tensor:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenloom.sampling.sparse import right_aligned
 from tokenloom.sampling.state import SamplingState
 from tokenloom.sampling_params import SamplingParams
 
@@ -21,6 +22,7 @@ class SamplingMetadata:
     eos_token_ids: list[frozenset[int]]
     states: list[SamplingState] | None = None   # per-request sampler state; None: each row's initial state
     _histories: list[list[int]] | None = None   # prompt + output per row, made on first use
+    _history_matrix: torch.Tensor | None = None    # the same right-aligned (R, L), made on first use
 
     def __post_init__(self) -> None:
         if self.states is None:
@@ -48,6 +50,13 @@ class SamplingMetadata:
         if self._histories is None:
             self._histories = [prompt + output for prompt, output in zip(self.prompt_token_ids, self.output_token_ids)]
         return self._histories
+
+    def history_matrix(self) -> torch.Tensor:
+        """(R, L) int64 CPU: each row's prompt + output at the end of its row after -1 padding (the
+        last tokens of every row share columns); what the processors index."""
+        if self._history_matrix is None:
+            self._history_matrix = right_aligned(self.histories())
+        return self._history_matrix
 
     @property
     def num_rows(self) -> int:

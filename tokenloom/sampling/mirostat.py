@@ -15,6 +15,7 @@ import math
 
 import torch
 
+from tokenloom.sampling import kernels
 from tokenloom.sampling.filters import NEG_INF
 
 V1_TOP = 100                    # llama.cpp's m: probabilities used to estimate the Zipf exponent
@@ -24,13 +25,34 @@ def _column(values, logits: torch.Tensor) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float64, device=logits.device)[:, None]
 
 
+def _v2_floor(logits: torch.Tensor, mu: list[float]) -> torch.Tensor:
+    """(R, 1): the smallest logit v2 keeps (-log2 p > mu where x < logsumexp(x) - mu ln 2)."""
+    threshold = kernels.logsumexp(logits).double() - _column(mu, logits) * math.log(2)
+    return threshold.to(logits.dtype)
+
+
 def mirostat_v2(logits: torch.Tensor, mu: list[float]) -> torch.Tensor:
-    """logits (R, V) after temperature -> the logits of the tokens with -log2 p <= mu, -inf elsewhere
-    (compared in logit space: -log2 p > mu where x < logsumexp(x) - mu ln 2)."""
-    threshold = torch.logsumexp(logits, -1, keepdim=True).double() - _column(mu, logits) * math.log(2)
-    remove = logits < threshold.to(logits.dtype)
+    """logits (R, V) after temperature -> the logits of the tokens with -log2 p <= mu (at least the
+    most likely one), -inf elsewhere."""
+    remove = logits < _v2_floor(logits, mu)
     remove.scatter_(1, logits.argmax(-1, keepdim=True), False)
     return logits.masked_fill(remove, NEG_INF)
+
+
+def mirostat_v2_columns(logits: torch.Tensor, mu: list[float]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """mirostat_v2 narrowed to the most kept tokens of any row (R, W): (logits, their columns); None
+    where that is a large share of the vocabulary. Tokens of probability at least 2^-mu number
+    at most 2^mu, so W is small where mu is (it starts at 2 tau = 10)."""
+    floor = _v2_floor(logits, mu)
+    top = logits.gather(1, kernels.argmax(logits)[:, None])                      # (R, 1)
+    alone = floor > top                                                          # only the most likely left
+    floor = torch.where(alone, top, floor)
+    width = max(int(kernels.count_at_least(logits, floor).max()), 1)
+    if width * kernels.TOP_K_SHARE > logits.shape[-1]:
+        return None
+    values, columns = kernels.at_least(logits, floor, width)                     # in column order: the
+    values[:, 1:] = values[:, 1:].masked_fill(alone, NEG_INF)                    # first max is the argmax
+    return values, columns
 
 
 def mirostat_v1(logits: torch.Tensor, mu: list[float]) -> torch.Tensor:

@@ -14,7 +14,7 @@ import torch
 from tokenloom.sampling.bans import bad_word_bans, ngram_bans
 from tokenloom.sampling.dry import dry_penalties
 from tokenloom.sampling.metadata import SamplingMetadata
-from tokenloom.sampling.sparse import ban, flat_positions
+from tokenloom.sampling.sparse import ban, last_columns
 from tokenloom.sampling.state import dry_enabled
 
 
@@ -44,39 +44,36 @@ def apply_bad_words(logits: torch.Tensor, meta: SamplingMetadata) -> None:
 def apply_no_repeat_ngram(logits: torch.Tensor, meta: SamplingMetadata) -> None:
     """Ban tokens completing an n-gram already in the row's prompt + output (one pass per distinct n)."""
     sizes = [p.no_repeat_ngram_size for p in meta.params]
-    histories = meta.histories()
+    ids, lengths = meta.history_matrix().to(logits.device), [len(h) for h in meta.histories()]
     for n in sorted(set(sizes) - {0}):
         rows = [i for i, s in enumerate(sizes) if s == n]
-        local, tokens = ngram_bans([histories[i] for i in rows], n, logits.device)
+        local, tokens = ngram_bans(ids[rows], [lengths[i] for i in rows], n)
         ban(logits, [rows[r] for r in local], tokens)
 
 
-def _windows(meta: SamplingMetadata) -> tuple[list[list[int]], list[list[int]]]:
-    """Per row: the tokens the penalties see (the last repetition_penalty_range of prompt + output,
-    0: all) and the output tokens among them."""
-    seen, outputs = [], []
-    for p, history, output in zip(meta.params, meta.histories(), meta.output_token_ids):
-        n = p.repetition_penalty_range
-        seen.append(history[-n:] if n else history)
-        outputs.append(output[-n:] if n else output)
-    return seen, outputs
+def _row_values(values: list, logits: torch.Tensor, dtype=None) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype or logits.dtype, device=logits.device)
 
 
 def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> None:
     """Repetition (prompt + output), frequency and presence (output only) penalties, over each row's
     last repetition_penalty_range tokens (0: all). Touches only the tokens seen, via their
     positions in the flattened logits."""
-    params, V, flat = meta.params, logits.shape[1], logits.view(-1)
-    column = lambda values: torch.tensor(values, dtype=logits.dtype, device=logits.device)   # noqa: E731
-    rep, freq = column([p.repetition_penalty for p in params]), column([p.frequency_penalty for p in params])
-    pres = column([p.presence_penalty for p in params])
-    seen_ids, output_ids = _windows(meta)
+    params, (B, V), flat = meta.params, logits.shape, logits.view(-1)
+    rep = _row_values([p.repetition_penalty for p in params], logits)
+    freq, pres = _row_values([p.frequency_penalty for p in params], logits), \
+        _row_values([p.presence_penalty for p in params], logits)
+    ids = meta.history_matrix().to(logits.device)                                        # (B, L)
+    window = _row_values([p.repetition_penalty_range or ids.shape[1] for p in params], logits, torch.int64)
+    seen = last_columns(ids, window)                                                     # (B, L)
+    positions = torch.arange(B, device=logits.device)[:, None] * V + ids                 # (B, L)
     if (rep != 1).any():
-        seen = torch.unique(flat_positions(seen_ids, V, logits.device))                   # (U,)
-        values, r = flat[seen], rep[seen // V]
-        flat[seen] = torch.where(values > 0, values / r, values * r)
+        unique = torch.unique(positions[seen])                                           # (U,)
+        values, r = flat[unique], rep[unique // V]
+        flat[unique] = torch.where(values > 0, values / r, values * r)
     if (freq != 0).any() or (pres != 0).any():
-        counted, counts = torch.unique(flat_positions(output_ids, V, logits.device), return_counts=True)
+        outputs = seen & last_columns(ids, _row_values([len(o) for o in meta.output_token_ids], logits, torch.int64))
+        counted, counts = torch.unique(positions[outputs], return_counts=True)
         row = counted // V
         flat[counted] -= freq[row] * counts.to(logits.dtype) + pres[row]
 
@@ -84,8 +81,9 @@ def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> None:
 def apply_dry(logits: torch.Tensor, meta: SamplingMetadata) -> None:
     on = [i for i, p in enumerate(meta.params) if dry_enabled(p)]
     histories = meta.histories()
-    positions, penalties = dry_penalties([histories[i] for i in on], [meta.params[i] for i in on],
-                                         [meta.states[i].dry_breakers for i in on], logits.shape[1], logits.device)
+    positions, penalties = dry_penalties(meta.history_matrix()[on].to(logits.device), [histories[i] for i in on],
+                                         [meta.params[i] for i in on], [meta.states[i].dry_breakers for i in on],
+                                         logits.shape[1])
     rows = torch.tensor(on, device=logits.device)[positions // logits.shape[1]]           # local row -> batch row
     logits.view(-1)[rows * logits.shape[1] + positions % logits.shape[1]] -= penalties
 

@@ -32,6 +32,7 @@ from tokenloom.sampling.logprobs import logprob_entries
 from tokenloom.sampling.metadata import SamplingMetadata
 from tokenloom.sampling.mirostat import next_mu
 from tokenloom.sampling.processors import apply_processors
+from tokenloom.sampling.sparse import take_rows
 
 
 def inverse_cdf_draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
@@ -96,7 +97,7 @@ class Sampler:
         probability (S,), {row: its distribution (V,)} for the explained ones). The draw runs over the
         columns the chain kept, put in vocabulary order first, so a seeded row draws the same token
         however wide its batch's columns are (the running sums match the full row's)."""
-        probs, columns = distribution_columns(logits[rows], meta.rows(rows))      # (S, W), (S, W) | None
+        probs, columns = distribution_columns(take_rows(logits, rows), meta.rows(rows))      # (S, W), (S, W) | None
         if columns is not None:
             columns, order = columns.sort(dim=1)
             probs = probs.gather(1, order)

@@ -4,22 +4,35 @@ and the history layouts they read."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
-
-
-def flat_positions(rows: list[list[int]], vocab: int, device) -> torch.Tensor:
-    """Ragged token lists -> (N,) int64 positions row * vocab + token in a flattened (B, V) tensor."""
-    lengths = torch.tensor([len(r) for r in rows], dtype=torch.int64)
-    tokens = torch.tensor([t for r in rows for t in r], dtype=torch.int64)
-    row_of = torch.repeat_interleave(torch.arange(len(rows), dtype=torch.int64), lengths)
-    return (row_of * vocab + tokens).to(device)
 
 
 def right_aligned(rows: list[list[int]], device=None) -> torch.Tensor:
     """Ragged token lists -> (R, longest) int64, each row's tokens at its end after -1 padding (so
-    the last tokens of every row share columns)."""
+    the last tokens of every row share columns). Built in numpy: a list per row converts 7x faster
+    than one nested list through torch.tensor."""
     width = max((len(r) for r in rows), default=0)
-    return torch.tensor([[-1] * (width - len(r)) + r for r in rows], dtype=torch.int64, device=device)
+    out = np.full((len(rows), width), -1, dtype=np.int64)
+    for i, r in enumerate(rows):
+        if r:
+            out[i, width - len(r):] = r
+    return torch.from_numpy(out).to(device)
+
+
+def last_columns(ids: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """ids (R, L) right-aligned, counts (R,) -> (R, L) bool: each row's last counts[r] columns that
+    hold a token (not padding)."""
+    from_end = torch.arange(ids.shape[1] - 1, -1, -1, device=ids.device)          # (L,) 0 at the last
+    return (from_end[None, :] < counts[:, None]) & (ids >= 0)
+
+
+def take_rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """x[rows] along dim 0: x itself where rows are all of them in order, else one index_select
+    (x[list] takes torch's general gather: 4 ms for 64 rows of 49,152 floats, index_select 0.4)."""
+    if rows == list(range(x.shape[0])):
+        return x
+    return x.index_select(0, torch.tensor(rows, dtype=torch.int64, device=x.device))
 
 
 def ban(logits: torch.Tensor, rows: list[int], tokens: list[int]) -> None:

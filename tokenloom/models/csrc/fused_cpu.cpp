@@ -180,41 +180,6 @@ at::Tensor row_argmax(const at::Tensor& x) {
   return out;
 }
 
-// Per row of x (B, V): the count, mean, population standard deviation and maximum of its finite
-// entries (-inf skipped), in one pass (double accumulators) -> (B, 4) float32; the statistics
-// top-n-sigma cuts by. A row with no finite entry gives count 0, mean 0, std 0, max -inf.
-at::Tensor row_finite_stats(const at::Tensor& x) {
-  check_rows(x, "x");
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "row_finite_stats wants x (B, V) with unit-stride rows");
-  const int64_t B = x.size(0), V = x.size(1), ld = x.stride(0);
-  at::Tensor out = at::empty({B, 4}, x.options());
-  const float* xp = x.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const float* row = xp + b * ld;
-      double sum = 0, sumsq = 0;
-      int64_t count = 0;
-      float best = -std::numeric_limits<float>::infinity();
-      for (int64_t v = 0; v < V; ++v) {
-        const float value = row[v];
-        if (value == -std::numeric_limits<float>::infinity()) continue;
-        sum += value;
-        sumsq += static_cast<double>(value) * value;
-        ++count;
-        best = std::max(best, value);
-      }
-      const double mean = count ? sum / count : 0.0;
-      const double variance = count ? std::max(0.0, sumsq / count - mean * mean) : 0.0;
-      op[b * 4 + 0] = static_cast<float>(count);
-      op[b * 4 + 1] = static_cast<float>(mean);
-      op[b * 4 + 2] = static_cast<float>(std::sqrt(variance));
-      op[b * 4 + 3] = best;
-    }
-  });
-  return out;
-}
-
 }  // namespace
 
 TORCH_LIBRARY(tokenloom_fused, m) {
@@ -223,7 +188,6 @@ TORCH_LIBRARY(tokenloom_fused, m) {
   m.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("row_argmax(Tensor x) -> Tensor");
-  m.def("row_finite_stats(Tensor x) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tokenloom_fused, CPU, m) {
@@ -232,5 +196,4 @@ TORCH_LIBRARY_IMPL(tokenloom_fused, CPU, m) {
   m.impl("rope", &rope);
   m.impl("silu_mul", &silu_mul);
   m.impl("row_argmax", &row_argmax);
-  m.impl("row_finite_stats", &row_finite_stats);
 }
