@@ -60,6 +60,8 @@ def at_least(x: torch.Tensor, floor: torch.Tensor, width: int) -> tuple[torch.Te
     if enabled(x) and floor.dtype == x.dtype:
         return torch.ops.tokenloom_select.row_at_least(x, floor, width)
     keep = x >= floor
+    if x.shape[0] and int(keep.sum(-1).max()) > width:
+        raise ValueError(f"at_least: a row has more than width={width} entries at its floor or above")
     columns = keep.to(torch.int8).sort(dim=-1, descending=True, stable=True).indices[:, :width]   # kept first
     values = x.gather(1, columns)
     return values.masked_fill(~keep.gather(1, columns), float("-inf")), columns
