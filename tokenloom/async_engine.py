@@ -19,16 +19,22 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
+import os
+import signal
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from tokenloom.allocator import keep_freed_memory
 from tokenloom.config import EngineConfig
+from tokenloom.distributed.group import ParallelRankError
 from tokenloom.engine import LLMEngine
 from tokenloom.metrics import EngineStats
 from tokenloom.outputs import RequestError, StepDelta
 from tokenloom.sampling_params import SamplingParams
+
+log = logging.getLogger("tokenloom")
 
 
 class AsyncLLMEngine:
@@ -187,6 +193,10 @@ class AsyncLLMEngine:
                 continue
             try:
                 deltas = await self._on_engine(self.engine.step)
+            except ParallelRankError as e:      # a rank of a split model is gone: so is the engine
+                self._fail_all(e)
+                self._end_process(e)
+                return
             except Exception as e:   # a failed step fails the requests in flight, not the engine
                 deltas = []
                 self._fail_all(e)
@@ -215,6 +225,12 @@ class AsyncLLMEngine:
     async def embed(self, token_ids: list[int], pooling: str = "mean") -> list[float]:
         """LLMEngine.embed between two steps (ValueError as there)."""
         return await self._on_engine(self.engine.embed, token_ids, pooling)
+
+    @staticmethod
+    def _end_process(error: Exception) -> None:
+        """Stop the process serving this engine (a server shuts down on SIGTERM) with the reason logged."""
+        log.critical("%s; shutting down", error)
+        os.kill(os.getpid(), signal.SIGTERM)
 
     def _fail_all(self, error: Exception) -> None:
         for rid, queue in list(self._queues.items()):

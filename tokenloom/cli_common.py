@@ -37,25 +37,44 @@ def engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
                    help="int8: store keys/values as int8 with a scale per token and head (half of bf16, "
                         "a quarter of float32)")
+    g.add_argument("-tp", "--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="split the model over N processes (torch.distributed, gloo on CPU): started on this machine, "
+                        "or under torchrun (--nnodes, --master-addr) the same command on every node, rank 0 "
+                        "serving (Llama, Mistral, Qwen2/3 and their MoE models)")
+
+
+def _engine_settings(args: argparse.Namespace) -> dict:
+    memory = None if args.kv_cache_memory is None else int(args.kv_cache_memory * (1 << 30))
+    return dict(dtype=args.dtype, max_model_len=args.max_model_len, kv_cache_memory=memory,
+                kv_cache_fraction=args.kv_cache_fraction, enable_prefix_caching=args.enable_prefix_caching,
+                max_num_seqs=getattr(args, "max_num_seqs", 64), fair_share_seqs=getattr(args, "fair_share_seqs", None),
+                speculative=args.speculative, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+                kv_cache_contexts=getattr(args, "kv_cache_contexts", 1),
+                tensor_parallel_size=getattr(args, "tensor_parallel_size", 1))
 
 
 def make_llm(args: argparse.Namespace):
-    from tokenloom.llm import LLM
+    """The LLM the flags describe. Under torchrun, a rank other than 0 does not return: it loads its
+    share of the model and serves rank 0 until rank 0 leaves (then the process exits)."""
+    from tokenloom.distributed.launch import torchrun_rank
+    from tokenloom.llm import LLM, engine_config
     if getattr(args, "threads", None):
         import torch
         torch.set_num_threads(args.threads)         # torch's and the kernels' OpenMP pool
-    memory = None if args.kv_cache_memory is None else int(args.kv_cache_memory * (1 << 30))
-    return LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, kv_cache_memory=memory,
-               kv_cache_fraction=args.kv_cache_fraction, enable_prefix_caching=args.enable_prefix_caching,
-               max_num_seqs=getattr(args, "max_num_seqs", 64), fair_share_seqs=getattr(args, "fair_share_seqs", None),
-               speculative=args.speculative, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
-               kv_cache_contexts=getattr(args, "kv_cache_contexts", 1), progress=True)
+    joined = torchrun_rank() if getattr(args, "tensor_parallel_size", 1) > 1 else None
+    if joined is not None and joined[0] > 0:
+        from tokenloom.distributed.worker import worker_main
+        worker_main(*joined, "env://", engine_config(args.model, **_engine_settings(args)), args.threads)
+        raise SystemExit(0)
+    return LLM(args.model, progress=True, **_engine_settings(args))
 
 
 def check_engine_flags(args: argparse.Namespace) -> None:
     """Fail on bad engine flags before the (slow) model load."""
     if getattr(args, "threads", None) is not None and args.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    if getattr(args, "tensor_parallel_size", 1) < 1:
+        raise ValueError(f"--tensor-parallel-size must be >= 1, got {args.tensor_parallel_size}")
     if args.speculative:
         from tokenloom.config import SpeculativeConfig
         SpeculativeConfig.parse(args.speculative)

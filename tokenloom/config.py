@@ -506,9 +506,12 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     quantization: str | None = None      # int8 | int4[-g32|-g64|-g128] | gguf (weights); None: float
     kv_cache_dtype: str = "auto"         # auto (the model's dtype) | int8
+    tensor_parallel_size: int = 1        # ranks the model is split over (distributed/); 1: this process alone
 
     def __post_init__(self) -> None:
         from tokenloom.quant.scheme import parse_quantization
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
         parse_dtype(self.dtype)
         self.quantization = parse_quantization(self.quantization)
         if self.kv_cache_dtype not in ("auto", "int8"):

@@ -29,28 +29,43 @@ class ScoreResult:
     total: float               # log p(continuation | prompt)
 
 
+def engine_config(model: str | None = None, dtype: str = "auto", device: str = "cpu",
+                  max_model_len: int | None = None, kv_cache_memory: int | None = None,
+                  kv_cache_fraction: float | None = None, block_size: int = 16, enable_prefix_caching: bool = True,
+                  max_num_seqs: int = 64, max_num_batched_tokens: int = 8192, fair_share_seqs: int | None = None,
+                  speculative: str | SpeculativeConfig | None = None, quantization: str | None = None,
+                  kv_cache_dtype: str = "auto", kv_cache_contexts: int | None = None,
+                  tensor_parallel_size: int = 1) -> EngineConfig:
+    """The EngineConfig that LLM(...) with these arguments runs (a torchrun worker rank builds the
+    same one to load its share)."""
+    cache = CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory, kv_cache_fraction=kv_cache_fraction,
+                        enable_prefix_caching=enable_prefix_caching, kv_cache_contexts=kv_cache_contexts)
+    return EngineConfig(model=resolve_model(model), dtype=dtype, device=device, max_model_len=max_model_len,
+                        cache=cache, scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, fair_share_seqs),
+                        speculative=SpeculativeConfig.parse(speculative) if isinstance(speculative, str)
+                        else speculative, quantization=quantization, kv_cache_dtype=kv_cache_dtype,
+                        tensor_parallel_size=tensor_parallel_size)
+
+
 class LLM:
     """Batch generation over the engine. ``model`` is a folder or .gguf path (None: the default model);
     ``speculative`` turns on speculative decoding, e.g. "ngram,k=4" or "draft=PATH,k=4" (SpeculativeConfig);
     ``quantization`` stores weights as int8 / int4[-gN] / the GGUF file's own blocks ("gguf");
     ``kv_cache_dtype="int8"`` stores keys and values as int8 with per-token scales; without a KV cache
     budget, ``kv_cache_contexts=N`` sizes it for N full contexts (at most 1 GiB, the default);
-    ``fair_share_seqs`` divides each step's sequences between request owners (fair_share.py; a server's clients)."""
+    ``fair_share_seqs`` divides each step's sequences between request owners (fair_share.py; a server's clients);
+    ``tensor_parallel_size=N`` splits the model over N processes on this machine (tokenloom/distributed/)."""
 
     def __init__(self, model: str | None = None, dtype: str = "auto", device: str = "cpu",
                  max_model_len: int | None = None, kv_cache_memory: int | None = None,
                  kv_cache_fraction: float | None = None, block_size: int = 16, enable_prefix_caching: bool = True,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 8192, fair_share_seqs: int | None = None,
                  speculative: str | SpeculativeConfig | None = None, quantization: str | None = None,
-                 kv_cache_dtype: str = "auto", kv_cache_contexts: int | None = None, progress: bool = False) -> None:
-        cache = CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
-                            kv_cache_fraction=kv_cache_fraction, enable_prefix_caching=enable_prefix_caching,
-                            kv_cache_contexts=kv_cache_contexts)
-        config = EngineConfig(model=resolve_model(model), dtype=dtype, device=device, max_model_len=max_model_len,
-                              cache=cache, scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens,
-                                                                     fair_share_seqs),
-                              speculative=SpeculativeConfig.parse(speculative) if isinstance(speculative, str)
-                              else speculative, quantization=quantization, kv_cache_dtype=kv_cache_dtype)
+                 kv_cache_dtype: str = "auto", kv_cache_contexts: int | None = None, progress: bool = False,
+                 tensor_parallel_size: int = 1) -> None:
+        config = engine_config(model, dtype, device, max_model_len, kv_cache_memory, kv_cache_fraction, block_size,
+                               enable_prefix_caching, max_num_seqs, max_num_batched_tokens, fair_share_seqs,
+                               speculative, quantization, kv_cache_dtype, kv_cache_contexts, tensor_parallel_size)
         self.engine = LLMEngine(config, progress=progress)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()

@@ -9,6 +9,7 @@ import torch
 from tokenloom.allocator import KEEP_BELOW, reserve_heap
 from tokenloom.attention import AttentionMetadata, reads_past_context
 from tokenloom.batch import SeqChunk, build_batch
+from tokenloom.distributed.group import ParallelRankError
 from tokenloom.kv_cache.paged import PagedKVCache
 from tokenloom.models.base import CausalLM
 from tokenloom.models.op_tape import StepTapes
@@ -32,7 +33,10 @@ class ModelRunner:
         # Blocks are cleared on their first write only where a reader looks past a sequence's
         # end (60 index_fill calls, ~1 ms, in most steps of a float32 SmolLM2 batch otherwise).
         self.zero_fresh_blocks = reads_past_context(kv_cache)
-        self.tapes = StepTapes(model, kv_cache) if self.device.type == "cpu" and StepTapes.usable(model) else None
+        parallel = getattr(model, "tensor_shard", None) is not None
+        self.tapes = (StepTapes(model, kv_cache) if self.device.type == "cpu" and StepTapes.usable(model)
+                      and not parallel else None)
+        self.peers = None      # rank 0 of a tensor-parallel model: the group its calls are broadcast on
 
     def reserve_activation_memory(self, max_tokens: int, dtype: torch.dtype) -> bool:
         """On the CPU, grow the heap once for the activations of a `max_tokens`-token step, so
@@ -59,6 +63,8 @@ class ModelRunner:
 
     def forward(self, chunks: list[SeqChunk]) -> tuple[torch.Tensor, AttentionMetadata]:
         """Run the model over `chunks` (writing their KV): hidden states (T, hidden) and the batch layout."""
+        if self.peers is not None:
+            self.peers.send("forward", chunks)
         batch = build_batch(chunks, self.kv_cache.block_size, self.device, self.kv_cache.null_block)
         if batch.fresh_blocks and self.zero_fresh_blocks:
             self.kv_cache.zero_blocks(torch.tensor(batch.fresh_blocks, dtype=torch.int64, device=self.device))
@@ -75,6 +81,8 @@ class ModelRunner:
                        if s.samples and not s.spec_token_ids and s.request.matcher is not None]
         masks = MaskStep(constrained, self.model.config.vocab_size) if constrained else None  # runs meanwhile
         if sched.block_copies:
+            if self.peers is not None:
+                self.peers.send("copy", sched.block_copies)
             self.kv_cache.copy_blocks(sched.block_copies)
         hidden = self._forward_isolated(sched, errors)                       # (T, hidden)
         plain, spec, rows_plain, rows_spec = [], [], [], []
@@ -107,6 +115,8 @@ class ModelRunner:
         chunks = self._chunks(sched)
         try:
             return self.forward(chunks)[0]
+        except ParallelRankError:
+            raise                                  # not one request's fault: the engine cannot go on
         except Exception as batch_error:
             if len(chunks) == 1:
                 errors[sched.scheduled[0].request.request_id] = describe_error(batch_error)
@@ -115,6 +125,8 @@ class ModelRunner:
         for s, chunk in zip(sched.scheduled, chunks):
             try:
                 parts.append(self.forward([chunk])[0])
+            except ParallelRankError:
+                raise
             except Exception as e:
                 errors[s.request.request_id] = describe_error(e)
                 parts.append(torch.zeros(len(chunk.token_ids), self.model.config.hidden_size, device=self.device))
@@ -193,6 +205,8 @@ def isolated(requests: list, run: Callable[[list[int]], list], errors: dict[str,
     states = [g.get_state() for g in generators]
     try:
         return run(everyone)
+    except ParallelRankError:
+        raise
     except Exception as batch_error:
         if len(requests) == 1:
             errors[requests[0].request_id] = describe_error(batch_error)
@@ -203,6 +217,8 @@ def isolated(requests: list, run: Callable[[list[int]], list], errors: dict[str,
     for i, req in enumerate(requests):
         try:
             results.append(run([i])[0])
+        except ParallelRankError:
+            raise
         except Exception as e:
             errors[req.request_id] = describe_error(e)
             results.append(None)

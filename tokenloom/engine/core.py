@@ -52,9 +52,10 @@ class EngineCore:
         self.eos_token_ids = loaded.eos_token_ids
         logger.info("sampling settings a request leaves out: %s", loaded.sampling_defaults.describe())
         dtype = parse_dtype(config.dtype)
-        self.kv_bytes_per_token = kv_bytes_per_token(loaded.config, dtype, config.kv_cache_dtype)
+        self.cache_config = loaded.local_config          # a tensor-parallel rank caches its own KV heads only
+        self.kv_bytes_per_token = kv_bytes_per_token(self.cache_config, dtype, config.kv_cache_dtype)
         budget = config.cache.resolve_memory(self.kv_bytes_per_token, self.max_model_len)
-        kv = PagedKVCache.from_memory_budget(loaded.config, budget, config.cache.block_size, dtype, config.device,
+        kv = PagedKVCache.from_memory_budget(self.cache_config, budget, config.cache.block_size, dtype, config.device,
                                              config.kv_cache_dtype)
         self._report_cache(kv)
         self.block_manager = BlockManager(kv.num_blocks, kv.block_size, config.cache.enable_prefix_caching)
@@ -69,7 +70,7 @@ class EngineCore:
         self.requests: dict[str, Request] = {}
 
     def _report_cache(self, kv: PagedKVCache) -> None:
-        c, per_token = self.model_config, self.kv_bytes_per_token
+        c, per_token = self.cache_config, self.kv_bytes_per_token
         element_bytes = per_token // (2 * c.num_layers * c.num_kv_heads * c.head_dim)
         element = (f"({c.head_dim} head_dim x 1 B int8 + 4 B scale)" if kv.kv_cache_dtype == "int8"
                    else f"{c.head_dim} head_dim x {element_bytes} B")

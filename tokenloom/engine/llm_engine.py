@@ -29,13 +29,37 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, progress: bool = False) -> None:
         self.config = config
         keep_freed_memory()                # large activations reuse mapped pages (allocator.py)
-        loaded = load_model(config.model, config.dtype, config.device, config.max_model_len, progress,
-                            quantization=config.quantization)
+        self.ranks = None
+        if config.tensor_parallel_size > 1:
+            loaded = self._load_parallel(config, progress)
+        else:
+            loaded = load_model(config.model, config.dtype, config.device, config.max_model_len, progress,
+                                quantization=config.quantization)
         self.tokenizer = loaded.tokenizer
         self.sampling_defaults = loaded.sampling_defaults    # what a request that leaves settings out gets
         self.core = EngineCore(config, loaded, progress)
+        if self.ranks is not None:
+            kv = self.core.runner.kv_cache
+            self.ranks.group.send("cache", (kv.num_blocks, kv.block_size, config.dtype, config.kv_cache_dtype))
+            self.core.runner.peers = self.ranks.group
         self.output_processor = OutputProcessor(self.tokenizer, self.core.finish, self.core.kv_bytes_per_token)
         self._arrivals = itertools.count()
+
+    def _load_parallel(self, config: EngineConfig, progress: bool):
+        """Rank 0's share of a tensor-parallel model, ranks 1 .. N-1 started on this machine (each
+        loads its own share meanwhile). The plan is checked before any process starts."""
+        from tokenloom.distributed.launch import start_ranks
+        from tokenloom.distributed.shard import TensorParallelError, TensorShard
+        from tokenloom.distributed.worker import load_share
+        from tokenloom.loader.load import load_checkpoint
+        from tokenloom.models.registry import model_class
+        if config.speculative is not None:
+            raise TensorParallelError("speculative decoding with tensor parallelism is not implemented")
+        shard = TensorShard(0, config.tensor_parallel_size)
+        checked = load_checkpoint(config.model).config
+        shard.check(checked, model_class(checked))
+        self.ranks = start_ranks(config)
+        return load_share(config, shard, self.ranks.group)
 
     # ---- what callers read -------------------------------------------------------------------
     @property

@@ -13,6 +13,7 @@ from tqdm import tqdm
 
 from tokenloom.allocator import release_free_memory
 from tokenloom.config import ModelConfig, parse_dtype
+from tokenloom.distributed.shard import TensorParallelError, TensorShard
 from tokenloom.loader.safetensors import CheckpointError, hf_eos_ids, iter_safetensors, read_json, safetensors_files
 from tokenloom.loader.weights import load_weights
 from tokenloom.models.base import CausalLM
@@ -51,6 +52,11 @@ class LoadedModel:
     eos_token_ids: frozenset[int]
     hf_config: dict
     sampling_defaults: SamplingDefaults = FALLBACK
+    local_config: ModelConfig | None = None     # a tensor-parallel rank's share (its heads, KV heads); None: config
+
+    def __post_init__(self) -> None:
+        if self.local_config is None:
+            self.local_config = self.config
 
 
 def _is_gguf(path: Path) -> bool:
@@ -131,14 +137,16 @@ def _progress(tensors: Iterable, total: int, desc: str, show: bool) -> Iterator:
 
 def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: str = "cpu",
                max_model_len: int | None = None, progress: bool = False, quantization: str | None = None,
-               prepare: bool = True) -> LoadedModel:
+               prepare: bool = True, shard: TensorShard | None = None) -> LoadedModel:
     """Load weights and tokenizer; every checkpoint tensor must fill exactly one parameter.
 
     A GGUF file keeps its blocks as stored unless a `dtype` other than "auto" (dequantize
     to it) or a `quantization` other than "gguf" is asked for. `quantization` (int8,
     int4[-gN]) quantizes every Linear while loading, tensor by tensor; a folder saved by
     ``save_quantized`` loads in its own format. `prepare=False` skips the CPU layout
-    changes (for saving the model again).
+    changes (for saving the model again). With a tensor-parallel `shard`, the model is that rank's
+    share (built from shard.local_config, each tensor cut by shard.narrow as it is read), to be
+    wrapped by distributed.layers.parallelize; ``LoadedModel.config`` is the whole model's.
     """
     quantization = parse_quantization(quantization)
     ckpt = load_checkpoint(path)
@@ -161,8 +169,17 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: str 
         format_of = gguf_formats(ckpt.tensor_types, config.tie_word_embeddings, model_class(config))
     else:
         format_of = formats_for(quantization, model_class(config))
-    model = build_model(config, parse_dtype(dtype), device, format_of)
+    local = config
+    if shard is not None:
+        shard.check(config, model_class(config))
+        if keep_blocks or saved is not None:
+            raise TensorParallelError("tensor parallelism over GGUF blocks kept as stored or a saved quantized folder "
+                                      "is not implemented: load the GGUF file with --dtype float32 (or bfloat16)")
+        local = shard.local_config(config)
+    model = build_model(local, parse_dtype(dtype), device, format_of)
     tensors = _progress(ckpt.tensors, ckpt.num_tensors, "loading weights", progress)
+    if shard is not None:
+        tensors = ((name, shard.narrow(name, _dense(t), config)) for name, t in tensors)
     if saved is not None:
         load_saved_state(model, tensors)
     else:
@@ -176,7 +193,13 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: str 
         raise CheckpointError(f"tokenizer has {ckpt.tokenizer.vocab_size} tokens but the model only "
                               f"{config.vocab_size} embeddings")
     return LoadedModel(model, config, ckpt.tokenizer, frozenset(config.eos_token_ids), ckpt.hf_config,
-                       ckpt.sampling_defaults)
+                       ckpt.sampling_defaults, local)
+
+
+def _dense(tensor):
+    """A checkpoint tensor as a torch.Tensor (GGUF blocks dequantized: only a dense tensor is cut)."""
+    from tokenloom.quant.ggml import GGMLTensor
+    return tensor.dequantize() if isinstance(tensor, GGMLTensor) else tensor
 
 
 def save_hf_folder(path: str | Path, folder: str | Path, progress: bool = True) -> None:

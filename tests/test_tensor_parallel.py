@@ -1,0 +1,216 @@
+"""Tensor parallelism over torch.distributed (gloo): a model split over 2 ranks gives the tokens
+of one process, through the batched engine, the server and torchrun's rendezvous between two
+network namespaces; each rank holds about half the weights; a dead rank is an error, not a hang."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from tokenloom import LLM, SamplingParams
+from tokenloom.distributed.shard import TensorParallelError, TensorShard
+from tokenloom.loader.load import load_checkpoint
+
+PROMPTS = ["The quick brown fox", "Once upon a time there was", "lazy dog", "a cat"]
+GREEDY = SamplingParams(temperature=0, max_tokens=10, logprobs=1, ignore_eos=True)
+
+
+def _tokens_and_logprobs(outputs) -> tuple[list[list[int]], list[list[float]]]:
+    tokens = [o.outputs[0].token_ids for o in outputs]
+    logprobs = [[lp[t] for lp, t in zip(o.outputs[0].logprobs, ts)] for o, ts in zip(outputs, tokens)]
+    return tokens, logprobs
+
+
+def _assert_same(one, two) -> None:
+    (t1, l1), (t2, l2) = _tokens_and_logprobs(one), _tokens_and_logprobs(two)
+    assert t1 == t2
+    for a, b in zip(l1, l2):
+        assert max(abs(x - y) for x, y in zip(a, b)) < 1e-4
+
+
+@pytest.mark.parametrize("name", ["llama_gqa", "llama_mqa_tied", "qwen2", "mixtral", "qwen2_moe", "qwen3_moe"])
+def test_two_ranks_give_one_process_tokens_and_logprobs(tiny_model_dir, name):
+    """GQA split (2 of 4 KV heads each), MQA (the one KV head replicated), q/k/v bias and tied
+    embeddings (Qwen2), experts (Mixtral), a shared expert (Qwen2-MoE), a dense layer beside a
+    sparse one (Qwen3-MoE); four prompts batched, with chunked prefill."""
+    folder = str(tiny_model_dir(name))
+    one = LLM(folder, kv_cache_memory=8 << 20, max_num_batched_tokens=16)
+    expected = one.generate(PROMPTS, GREEDY)
+    two = LLM(folder, kv_cache_memory=8 << 20, max_num_batched_tokens=16, tensor_parallel_size=2)
+    try:
+        _assert_same(expected, two.generate(PROMPTS, GREEDY))
+        model = two.engine.runner.model
+        ours = sum(p.numel() for p in model.parameters())
+        whole = sum(p.numel() for p in one.engine.runner.model.parameters())
+        assert ours <= 0.56 * whole                     # norms and routers are replicated: a little over half
+    finally:
+        two.engine.ranks.stop()
+
+
+def test_a_rank_that_dies_is_an_error_naming_it(tiny_model_dir):
+    two = LLM(str(tiny_model_dir("llama_gqa")), kv_cache_memory=8 << 20, tensor_parallel_size=2)
+    try:
+        assert two.generate(["hello"], SamplingParams(temperature=0, max_tokens=3))[0].outputs[0].token_ids
+        worker = two.engine.ranks.processes[0]
+        worker.kill()
+        worker.join(5)
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match="tensor-parallel rank stopped answering"):
+            two.generate(["hello there"], SamplingParams(temperature=0, max_tokens=3))
+        assert time.monotonic() - start < 30
+    finally:
+        two.engine.ranks.stop()
+
+
+def test_the_plan_refuses_what_does_not_split(tiny_model_dir):
+    from tokenloom.models.registry import model_class
+    config = load_checkpoint(tiny_model_dir("llama_gqa")).config
+    with pytest.raises(TensorParallelError, match="must divide num_attention_heads 4"):
+        TensorShard(0, 3).check(config, model_class(config))
+    gemma = load_checkpoint(tiny_model_dir("gemma3")).config
+    with pytest.raises(TensorParallelError, match="not Gemma3ForCausalLM"):
+        TensorShard(0, 2).check(gemma, model_class(gemma))
+    with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
+        LLM(str(tiny_model_dir("llama_gqa")), tensor_parallel_size=0)
+
+
+def test_each_rank_cuts_its_share_of_each_tensor(tiny_model_dir):
+    config = load_checkpoint(tiny_model_dir("llama_mqa_tied")).config          # 4 heads, 1 KV head, 320 tokens
+    config.vocab_size = 321                                                     # a vocabulary that does not split
+    w = torch.arange(321 * 4, dtype=torch.float32).reshape(321, 4)
+    first, second = TensorShard(0, 2), TensorShard(1, 2)
+    assert torch.equal(first.narrow("model.embed_tokens.weight", w, config), w[:161])
+    tail = second.narrow("lm_head.weight", w, config)
+    assert tail.shape == (161, 4) and torch.equal(tail[:160], w[161:]) and not tail[160].any()   # padded
+    k = torch.randn(config.head_dim, 64)                                        # the only KV head
+    assert torch.equal(second.narrow("model.layers.0.self_attn.k_proj.weight", k, config), k)    # replicated
+    o = torch.randn(64, 64)
+    assert torch.equal(second.narrow("model.layers.1.self_attn.o_proj.weight", o, config), o[:, 32:])
+    bias = torch.randn(64)
+    assert torch.equal(first.narrow("model.layers.1.mlp.down_proj.bias", bias, config), bias)
+    assert not second.narrow("model.layers.1.mlp.down_proj.bias", bias, config).any()          # added once
+    norm = torch.randn(64)
+    assert second.narrow("model.layers.0.input_layernorm.weight", norm, config) is norm
+
+
+def _netns_available() -> bool:
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        return False
+    probe = subprocess.run(["ip", "netns", "add", "tokenloom-probe"], capture_output=True)
+    subprocess.run(["ip", "netns", "del", "tokenloom-probe"], capture_output=True)
+    return probe.returncode == 0
+
+
+class TwoHosts:
+    """Two network namespaces joined by a veth pair, 10.77.0.1 and 10.77.0.2 (loopback-only
+    addresses), made and removed by the test; where they cannot be (not root), both "hosts" are
+    this machine's loopback."""
+
+    def __init__(self) -> None:
+        self.netns = _netns_available()
+        self.names = (f"tl-a-{os.getpid()}", f"tl-b-{os.getpid()}")
+        self.addresses = ("10.77.0.1", "10.77.0.2") if self.netns else ("127.0.0.1", "127.0.0.1")
+
+    def __enter__(self) -> TwoHosts:
+        if self.netns:
+            a, b = self.names
+            commands = [["netns", "add", a], ["netns", "add", b],
+                        ["link", "add", "veth-tl-a", "type", "veth", "peer", "name", "veth-tl-b"],
+                        ["link", "set", "veth-tl-a", "netns", a], ["link", "set", "veth-tl-b", "netns", b]]
+            for ns, dev, ip in ((a, "veth-tl-a", self.addresses[0]), (b, "veth-tl-b", self.addresses[1])):
+                commands += [["-n", ns, "addr", "add", f"{ip}/24", "dev", dev], ["-n", ns, "link", "set", dev, "up"],
+                             ["-n", ns, "link", "set", "lo", "up"]]
+            for command in commands:
+                subprocess.run(["ip", *command], check=True, capture_output=True)
+        return self
+
+    def run(self, host: int, argv: list[str], env: dict) -> subprocess.Popen:
+        prefix = ["ip", "netns", "exec", self.names[host]] if self.netns else []
+        if self.netns:
+            env = env | {"GLOO_SOCKET_IFNAME": f"veth-tl-{'ab'[host]}"}
+        return subprocess.Popen(prefix + argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def __exit__(self, *exc) -> None:
+        if self.netns:
+            for ns in self.names:
+                subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+RANK0 = """
+import json, sys
+from tokenloom import LLM, SamplingParams
+llm = LLM(sys.argv[1], kv_cache_memory=8 << 20, tensor_parallel_size=2)
+out = llm.generate(["The quick brown fox", "a cat"], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+print(json.dumps([o.outputs[0].token_ids for o in out]))
+"""
+
+
+def test_torchrun_rendezvous_between_two_hosts(tiny_model_dir, tmp_path):
+    """Rank 0 as a Python program on one host, rank 1 as `tokenloom generate -tp 2` on the other,
+    joined by torchrun's variables (MASTER_ADDR: rank 0's host): rank 0's tokens are one process's."""
+    import json
+    folder = str(tiny_model_dir("qwen2"))
+    expected = [o.outputs[0].token_ids for o in LLM(folder, kv_cache_memory=8 << 20).generate(
+        ["The quick brown fox", "a cat"], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))]
+    script = tmp_path / "rank0.py"
+    script.write_text(RANK0)
+    tokenloom = [sys.executable, "-m", "tokenloom.cli"]
+    with TwoHosts() as hosts:
+        base = os.environ | {"MASTER_ADDR": hosts.addresses[0], "MASTER_PORT": "29517", "WORLD_SIZE": "2",
+                             "OMP_NUM_THREADS": "1"}
+        rank0 = hosts.run(0, [sys.executable, str(script), folder], base | {"RANK": "0"})
+        rank1 = hosts.run(1, [*tokenloom, "generate", "-m", folder, "-tp", "2", "--threads", "1", "-n", "4", "x"],
+                          base | {"RANK": "1"})
+        out0, err0 = rank0.communicate(timeout=240)
+        _, err1 = rank1.communicate(timeout=60)
+    assert rank0.returncode == 0, err0[-2000:]
+    assert rank1.returncode == 0, err1[-2000:]
+    assert json.loads(out0.strip().splitlines()[-1]) == expected
+
+
+def _spawned_children(pid: int) -> list[int]:
+    """The multiprocessing-spawned children of `pid` (its tensor-parallel ranks)."""
+    children = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            children += [int(c) for c in f.read().split()]
+    spawned = []
+    for child in children:
+        with open(f"/proc/{child}/cmdline", "rb") as f:
+            if b"spawn_main" in f.read():
+                spawned.append(child)
+    return spawned
+
+
+def test_the_server_splits_the_model_and_ends_when_a_rank_dies(tiny_model_dir):
+    """`tokenloom serve -tp 2` answers with one process's tokens and logprobs; when its rank 1 is
+    killed, the next request fails and the server exits, saying why."""
+    import signal
+
+    import httpx
+
+    from tests.server_harness import ServeProcess
+    folder = tiny_model_dir("qwen2")
+    one = LLM(str(folder), kv_cache_memory=8 << 20)
+    expected = one.generate(["The quick brown fox"], GREEDY)[0].outputs[0]
+    body = {"model": "smol", "prompt": "The quick brown fox", "max_tokens": 10, "temperature": 0, "logprobs": 1,
+            "ignore_eos": True}
+    with ServeProcess(folder, "-tp", "2") as served:
+        answer = httpx.post(f"{served.base}/v1/completions", json=body, timeout=60).json()["choices"][0]
+        assert answer["text"] == expected.text
+        got = answer["logprobs"]["token_logprobs"]
+        want = [lp[t] for lp, t in zip(expected.logprobs, expected.token_ids)]
+        assert max(abs(a - b) for a, b in zip(got, want)) < 1e-4
+        (rank1,) = _spawned_children(served.proc.pid)
+        os.kill(rank1, signal.SIGKILL)
+        failed = httpx.post(f"{served.base}/v1/completions", json=body, timeout=60)
+        assert failed.status_code >= 500
+        assert served.proc.wait(timeout=60) is not None
+        log = served.proc.stdout.read()
+    assert "tensor-parallel rank stopped answering" in log
