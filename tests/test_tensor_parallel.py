@@ -34,34 +34,43 @@ def _assert_same(one, two) -> None:
         assert max(abs(x - y) for x, y in zip(a, b)) < 1e-4
 
 
+def _parameters(module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
 @pytest.mark.parametrize("name", ["llama_gqa", "llama_mqa_tied", "qwen2", "mixtral", "qwen2_moe", "qwen3_moe"])
-def test_two_ranks_give_one_process_tokens_and_logprobs(tiny_model_dir, name):
+@pytest.mark.parametrize("split", ["tensor_parallel_size", "pipeline_parallel_size"])
+def test_two_ranks_give_one_process_tokens_and_logprobs(tiny_model_dir, name, split):
     """GQA split (2 of 4 KV heads each), MQA (the one KV head replicated), q/k/v bias and tied
     embeddings (Qwen2), experts (Mixtral), a shared expert (Qwen2-MoE), a dense layer beside a
-    sparse one (Qwen3-MoE); four prompts batched, with chunked prefill."""
+    sparse one (Qwen3-MoE); or the two layers as two pipeline stages. Four prompts batched, with
+    chunked prefill (the pipeline's micro-batches: two groups of sequences)."""
     folder = str(tiny_model_dir(name))
     one = LLM(folder, kv_cache_memory=8 << 20, max_num_batched_tokens=16)
     expected = one.generate(PROMPTS, GREEDY)
-    two = LLM(folder, kv_cache_memory=8 << 20, max_num_batched_tokens=16, tensor_parallel_size=2)
+    two = LLM(folder, kv_cache_memory=8 << 20, max_num_batched_tokens=16, **{split: 2})
     try:
         _assert_same(expected, two.generate(PROMPTS, GREEDY))
-        model = two.engine.runner.model
-        ours = sum(p.numel() for p in model.parameters())
-        whole = sum(p.numel() for p in one.engine.runner.model.parameters())
-        assert ours <= 0.56 * whole                     # norms and routers are replicated: a little over half
+        ours, whole = two.engine.runner.model, one.engine.runner.model
+        if split == "tensor_parallel_size":
+            assert _parameters(ours) <= 0.56 * _parameters(whole)   # norms and routers replicated: a little over half
+        else:
+            assert _parameters(ours.model.layers) == _parameters(whole.model.layers[0])       # rank 0: layer 0 only
+            assert two.engine.runner.kv_cache.keys[1].numel() == 0                          # and its KV only
     finally:
         two.engine.ranks.stop()
 
 
-def test_a_rank_that_dies_is_an_error_naming_it(tiny_model_dir):
-    two = LLM(str(tiny_model_dir("llama_gqa")), kv_cache_memory=8 << 20, tensor_parallel_size=2)
+@pytest.mark.parametrize("split", ["tensor_parallel_size", "pipeline_parallel_size"])
+def test_a_rank_that_dies_is_an_error_naming_it(tiny_model_dir, split):
+    two = LLM(str(tiny_model_dir("llama_gqa")), kv_cache_memory=8 << 20, **{split: 2})
     try:
         assert two.generate(["hello"], SamplingParams(temperature=0, max_tokens=3))[0].outputs[0].token_ids
         worker = two.engine.ranks.processes[0]
         worker.kill()
         worker.join(5)
         start = time.monotonic()
-        with pytest.raises(RuntimeError, match="tensor-parallel rank stopped answering"):
+        with pytest.raises(RuntimeError, match="rank of the split model .* stopped answering"):
             two.generate(["hello there"], SamplingParams(temperature=0, max_tokens=3))
         assert time.monotonic() - start < 30
     finally:
@@ -78,6 +87,8 @@ def test_the_plan_refuses_what_does_not_split(tiny_model_dir):
         TensorShard(0, 2).check(gemma, model_class(gemma))
     with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
         LLM(str(tiny_model_dir("llama_gqa")), tensor_parallel_size=0)
+    with pytest.raises(TensorParallelError, match="exceeds the model's 2 layers"):
+        LLM(str(tiny_model_dir("llama_gqa")), pipeline_parallel_size=3)
 
 
 def test_each_rank_cuts_its_share_of_each_tensor(tiny_model_dir):
@@ -213,4 +224,19 @@ def test_the_server_splits_the_model_and_ends_when_a_rank_dies(tiny_model_dir):
         assert failed.status_code >= 500
         assert served.proc.wait(timeout=60) is not None
         log = served.proc.stdout.read()
-    assert "tensor-parallel rank stopped answering" in log
+    assert "rank of the split model (tensor or pipeline parallel) stopped answering" in log
+
+
+def test_pipeline_stages_and_micro_batches_cover_everything_once():
+    from tokenloom.batch import SeqChunk
+    from tokenloom.distributed.pipeline import PipelineStage, micro_batches
+    stages = [PipelineStage(r, 3, 8).layers for r in range(3)]
+    assert stages == [range(3), range(3, 6), range(6, 8)]            # the first stages take the extra layer
+    assert PipelineStage(1, 2, 30).owns("model.layers.15.mlp.down_proj.weight")
+    assert not PipelineStage(1, 2, 30).owns("model.layers.14.mlp.down_proj.weight")
+    assert not PipelineStage(1, 2, 30).owns("lm_head.weight") and PipelineStage(0, 2, 30).owns("model.norm.weight")
+    chunks = [SeqChunk([1] * n, 0, []) for n in (5, 1, 1, 1, 6, 2)]
+    groups = micro_batches(chunks, 2)
+    assert [c for g in groups for c in g] == chunks and len(groups) == 2
+    assert [sum(len(c.token_ids) for c in g) for g in groups] == [8, 8]
+    assert micro_batches(chunks[:1], 2) == [chunks[:1]]                 # one sequence: one micro-batch

@@ -41,6 +41,10 @@ def engine_flags(p: argparse.ArgumentParser) -> None:
                    help="split the model over N processes (torch.distributed, gloo on CPU): started on this machine, "
                         "or under torchrun (--nnodes, --master-addr) the same command on every node, rank 0 "
                         "serving (Llama, Mistral, Qwen2/3 and their MoE models)")
+    g.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1, metavar="N",
+                   help="split the model's layers into N stages, one process each, micro-batches in flight (for "
+                        "slow links between machines, where it beats tensor parallelism); launched as "
+                        "--tensor-parallel-size")
 
 
 def _engine_settings(args: argparse.Namespace) -> dict:
@@ -50,7 +54,8 @@ def _engine_settings(args: argparse.Namespace) -> dict:
                 max_num_seqs=getattr(args, "max_num_seqs", 64), fair_share_seqs=getattr(args, "fair_share_seqs", None),
                 speculative=args.speculative, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
                 kv_cache_contexts=getattr(args, "kv_cache_contexts", 1),
-                tensor_parallel_size=getattr(args, "tensor_parallel_size", 1))
+                tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
+                pipeline_parallel_size=getattr(args, "pipeline_parallel_size", 1))
 
 
 def make_llm(args: argparse.Namespace):
@@ -61,7 +66,8 @@ def make_llm(args: argparse.Namespace):
     if getattr(args, "threads", None):
         import torch
         torch.set_num_threads(args.threads)         # torch's and the kernels' OpenMP pool
-    joined = torchrun_rank() if getattr(args, "tensor_parallel_size", 1) > 1 else None
+    split = getattr(args, "tensor_parallel_size", 1) * getattr(args, "pipeline_parallel_size", 1) > 1
+    joined = torchrun_rank() if split else None
     if joined is not None and joined[0] > 0:
         from tokenloom.distributed.worker import worker_main
         worker_main(*joined, "env://", engine_config(args.model, **_engine_settings(args)), args.threads)
@@ -73,8 +79,9 @@ def check_engine_flags(args: argparse.Namespace) -> None:
     """Fail on bad engine flags before the (slow) model load."""
     if getattr(args, "threads", None) is not None and args.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
-    if getattr(args, "tensor_parallel_size", 1) < 1:
-        raise ValueError(f"--tensor-parallel-size must be >= 1, got {args.tensor_parallel_size}")
+    for flag in ("tensor_parallel_size", "pipeline_parallel_size"):
+        if getattr(args, flag, 1) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.speculative:
         from tokenloom.config import SpeculativeConfig
         SpeculativeConfig.parse(args.speculative)

@@ -507,14 +507,24 @@ class EngineConfig:
     quantization: str | None = None      # int8 | int4[-g32|-g64|-g128] | gguf (weights); None: float
     kv_cache_dtype: str = "auto"         # auto (the model's dtype) | int8
     tensor_parallel_size: int = 1        # ranks the model is split over (distributed/); 1: this process alone
+    pipeline_parallel_size: int = 1      # stages its layers are split into, one rank each (distributed/pipeline.py)
 
     def __post_init__(self) -> None:
         from tokenloom.quant.scheme import parse_quantization
-        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.tensor_parallel_size > 1 and self.pipeline_parallel_size > 1:
+            raise ValueError("tensor and pipeline parallelism together are not implemented: give one of them")
         parse_dtype(self.dtype)
         self.quantization = parse_quantization(self.quantization)
         if self.kv_cache_dtype not in ("auto", "int8"):
             raise ValueError(f"kv_cache_dtype must be 'auto' or 'int8', got {self.kv_cache_dtype!r}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+
+    @property
+    def world_size(self) -> int:
+        """Processes the model runs on (tensor x pipeline parallel ranks)."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size

@@ -35,7 +35,7 @@ def engine_config(model: str | None = None, dtype: str = "auto", device: str = "
                   max_num_seqs: int = 64, max_num_batched_tokens: int = 8192, fair_share_seqs: int | None = None,
                   speculative: str | SpeculativeConfig | None = None, quantization: str | None = None,
                   kv_cache_dtype: str = "auto", kv_cache_contexts: int | None = None,
-                  tensor_parallel_size: int = 1) -> EngineConfig:
+                  tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1) -> EngineConfig:
     """The EngineConfig that LLM(...) with these arguments runs (a torchrun worker rank builds the
     same one to load its share)."""
     cache = CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory, kv_cache_fraction=kv_cache_fraction,
@@ -44,7 +44,7 @@ def engine_config(model: str | None = None, dtype: str = "auto", device: str = "
                         cache=cache, scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, fair_share_seqs),
                         speculative=SpeculativeConfig.parse(speculative) if isinstance(speculative, str)
                         else speculative, quantization=quantization, kv_cache_dtype=kv_cache_dtype,
-                        tensor_parallel_size=tensor_parallel_size)
+                        tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size)
 
 
 class LLM:
@@ -54,7 +54,8 @@ class LLM:
     ``kv_cache_dtype="int8"`` stores keys and values as int8 with per-token scales; without a KV cache
     budget, ``kv_cache_contexts=N`` sizes it for N full contexts (at most 1 GiB, the default);
     ``fair_share_seqs`` divides each step's sequences between request owners (fair_share.py; a server's clients);
-    ``tensor_parallel_size=N`` splits the model over N processes on this machine (tokenloom/distributed/)."""
+    ``tensor_parallel_size=N`` splits each layer over N processes on this machine, ``pipeline_parallel_size=N``
+    the layers into N stages (tokenloom/distributed/; under torchrun, over its nodes)."""
 
     def __init__(self, model: str | None = None, dtype: str = "auto", device: str = "cpu",
                  max_model_len: int | None = None, kv_cache_memory: int | None = None,
@@ -62,10 +63,11 @@ class LLM:
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 8192, fair_share_seqs: int | None = None,
                  speculative: str | SpeculativeConfig | None = None, quantization: str | None = None,
                  kv_cache_dtype: str = "auto", kv_cache_contexts: int | None = None, progress: bool = False,
-                 tensor_parallel_size: int = 1) -> None:
+                 tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1) -> None:
         config = engine_config(model, dtype, device, max_model_len, kv_cache_memory, kv_cache_fraction, block_size,
                                enable_prefix_caching, max_num_seqs, max_num_batched_tokens, fair_share_seqs,
-                               speculative, quantization, kv_cache_dtype, kv_cache_contexts, tensor_parallel_size)
+                               speculative, quantization, kv_cache_dtype, kv_cache_contexts, tensor_parallel_size,
+                               pipeline_parallel_size)
         self.engine = LLMEngine(config, progress=progress)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()

@@ -33,10 +33,11 @@ class ModelRunner:
         # Blocks are cleared on their first write only where a reader looks past a sequence's
         # end (60 index_fill calls, ~1 ms, in most steps of a float32 SmolLM2 batch otherwise).
         self.zero_fresh_blocks = reads_past_context(kv_cache)
-        parallel = getattr(model, "tensor_shard", None) is not None
+        self.peers = None      # rank 0 of a split model: the group its calls are broadcast on
+        self.pipeline = getattr(model, "pipeline", None)   # a pipeline stage's part of each call (distributed/)
+        parallel = getattr(model, "tensor_shard", None) is not None or self.pipeline is not None
         self.tapes = (StepTapes(model, kv_cache) if self.device.type == "cpu" and StepTapes.usable(model)
                       and not parallel else None)
-        self.peers = None      # rank 0 of a tensor-parallel model: the group its calls are broadcast on
 
     def reserve_activation_memory(self, max_tokens: int, dtype: torch.dtype) -> bool:
         """On the CPU, grow the heap once for the activations of a `max_tokens`-token step, so
@@ -65,12 +66,20 @@ class ModelRunner:
         """Run the model over `chunks` (writing their KV): hidden states (T, hidden) and the batch layout."""
         if self.peers is not None:
             self.peers.send("forward", chunks)
-        batch = build_batch(chunks, self.kv_cache.block_size, self.device, self.kv_cache.null_block)
-        if batch.fresh_blocks and self.zero_fresh_blocks:
-            self.kv_cache.zero_blocks(torch.tensor(batch.fresh_blocks, dtype=torch.int64, device=self.device))
+        if self.pipeline is not None:
+            return self.pipeline.forward(self, chunks), None
+        batch = self.batch(chunks)
         if self.tapes is not None:
             return self.tapes.forward(batch.input_ids, batch.positions, batch.meta), batch.meta
         return self.model(batch.input_ids, batch.positions, batch.meta, self.kv_cache), batch.meta
+
+    def batch(self, chunks: list[SeqChunk]):
+        """The model inputs of `chunks` (build_batch), their fresh KV blocks cleared where a reader
+        looks past a sequence's end."""
+        batch = build_batch(chunks, self.kv_cache.block_size, self.device, self.kv_cache.null_block)
+        if batch.fresh_blocks and self.zero_fresh_blocks:
+            self.kv_cache.zero_blocks(torch.tensor(batch.fresh_blocks, dtype=torch.int64, device=self.device))
+        return batch
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:

@@ -166,12 +166,13 @@ def kernels_take(shape: AttentionShape, meta: AttentionMetadata, kv_cache,
     if rope is None:
         return False
     cos = rope[0]
-    if not (cpu_decode.usable(cos, kv_cache.keys[0]) and cos.shape[-1] <= shape.head_dim and cos.is_contiguous()):
+    keys = kv_cache.keys[kv_cache.layers[0]]
+    if not (cpu_decode.usable(cos, keys) and cos.shape[-1] <= shape.head_dim and cos.is_contiguous()):
         return False
     decoding = cpu_decode.decode_rows(meta)
     if len(decoding) == meta.num_seqs:
         return True
-    return (cpu_prefill.takes(shape.head_dim, kv_cache.keys[0])
+    return (cpu_prefill.takes(shape.head_dim, kv_cache.keys[kv_cache.layers[0]])
             and (not decoding or decoding[-1] == len(decoding) - 1)
             and len(cpu_prefill.prefill_rows(meta)) == meta.num_seqs - len(decoding))
 

@@ -67,7 +67,7 @@ def reads_past_context(kv_cache) -> bool:
     the CPU decode kernel takes every decoding sequence, no reader does (the kernels and the
     per-sequence SDPA calls read exactly each context), and fresh blocks need no clearing."""
     probe = torch.empty(0, dtype=kv_cache.dtype, device=kv_cache.device)
-    return not cpu_decode.usable(probe, kv_cache.keys[0])
+    return not cpu_decode.usable(probe, kv_cache.keys[kv_cache.layers[0]])
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

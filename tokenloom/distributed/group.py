@@ -44,6 +44,18 @@ class ParallelGroup:
         _guarded(dist.broadcast, x, src=0, group=self.step)
         return x
 
+    def isend(self, x: torch.Tensor, dst: int, tag: int):
+        """Send x to rank `dst` without waiting (the returned work's ``wait()`` does); x must live till then."""
+        try:
+            return dist.isend(x.contiguous(), dst, group=self.step, tag=tag)
+        except (RuntimeError, dist.DistError) as e:
+            raise _rank_error(e) from e
+
+    def recv(self, into: torch.Tensor, src: int, tag: int) -> torch.Tensor:
+        """Rank `src`'s matching isend into `into`; returns it."""
+        _guarded(dist.recv, into, src, group=self.step, tag=tag)
+        return into
+
     def send(self, kind: str, payload: Any = None) -> None:
         """Rank 0: tell the other ranks what to do next (worker.py's commands)."""
         _guarded(dist.broadcast_object_list, [(kind, payload)], src=0)
@@ -59,9 +71,13 @@ def _guarded(collective, *args, **kwargs) -> None:
     try:
         collective(*args, **kwargs)
     except (RuntimeError, dist.DistError) as e:
-        raise ParallelRankError(f"a tensor-parallel rank stopped answering ({type(e).__name__}: "
-                                f"{str(e).splitlines()[0] if str(e) else 'no message'}); the engine cannot go on "
-                                "without it") from e
+        raise _rank_error(e) from e
+
+
+def _rank_error(e: Exception) -> ParallelRankError:
+    first_line = str(e).splitlines()[0] if str(e) else "no message"
+    return ParallelRankError(f"a rank of the split model (tensor or pipeline parallel) stopped answering "
+                             f"({type(e).__name__}: {first_line}); the engine cannot go on without it")
 
 
 def free_port() -> int:

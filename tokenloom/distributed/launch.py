@@ -52,13 +52,14 @@ class Ranks:
 def start_ranks(config: EngineConfig) -> Ranks:
     """Joined through torchrun's rendezvous where this process is torchrun's rank 0, else ranks
     1 .. N-1 spawned on this machine (each with cores / N threads, as rank 0 then)."""
-    size = config.tensor_parallel_size
+    size = config.world_size
     joined = torchrun_rank()
     if joined is not None:
         rank, world = joined
         if world != size or rank != 0:
-            raise ValueError(f"torchrun started {world} processes (this one rank {rank}) but --tensor-parallel-size "
-                             f"is {size}: give torchrun --nnodes x --nproc-per-node = the tensor parallel size")
+            raise ValueError(f"torchrun started {world} processes (this one rank {rank}) but the model is split over "
+                             f"{size}: give torchrun --nnodes x --nproc-per-node = the tensor (or pipeline) parallel "
+                             "size")
         return Ranks(init_group(0, world, "env://"))
     init_method = f"tcp://127.0.0.1:{free_port()}"
     threads = threads_per_rank(size)

@@ -19,6 +19,7 @@ import torch
 from tokenloom.config import EngineConfig, parse_dtype
 from tokenloom.distributed.group import ParallelRankError, init_group
 from tokenloom.distributed.layers import parallelize
+from tokenloom.distributed.pipeline import Pipeline, PipelineStage
 from tokenloom.distributed.shard import TensorShard
 
 log = logging.getLogger("tokenloom")
@@ -29,21 +30,35 @@ def threads_per_rank(size: int) -> int:
     return max(1, (os.cpu_count() or 1) // size)
 
 
-def load_share(config: EngineConfig, shard: TensorShard, group):
-    """This rank's share of the model, wrapped to compute the whole model's results (a LoadedModel)."""
+def parallel_plan(config: EngineConfig, rank: int, model_config) -> TensorShard | PipelineStage:
+    """What rank `rank` holds of the model `model_config` describes."""
+    if config.tensor_parallel_size > 1:
+        return TensorShard(rank, config.tensor_parallel_size)
+    return PipelineStage(rank, config.pipeline_parallel_size, model_config.num_layers)
+
+
+def load_share(config: EngineConfig, plan: TensorShard | PipelineStage, group):
+    """This rank's share of the model, made to compute its part of the whole model's results (a
+    LoadedModel): tensor parallel, wrapped by layers.parallelize; a pipeline stage, given the
+    Pipeline its runner hands each model call to."""
     from tokenloom.loader import load_model
     loaded = load_model(config.model, config.dtype, config.device, config.max_model_len,
-                        quantization=config.quantization, shard=shard)
-    parallelize(loaded.model, shard, group, loaded.config)
+                        quantization=config.quantization, shard=plan)
+    if isinstance(plan, TensorShard):
+        parallelize(loaded.model, plan, group, loaded.config)
+    else:
+        loaded.model.pipeline = Pipeline(loaded.model, plan, group)
     return loaded
 
 
 def worker_main(rank: int, size: int, init_method: str, config: EngineConfig, threads: int | None = None) -> None:
     """The process of rank `rank` of `size` (started by launch.py, or by torchrun)."""
     torch.set_num_threads(threads or threads_per_rank(size))
+    from tokenloom.loader.load import load_checkpoint
     group = init_group(rank, size, init_method)
     try:
-        serve(load_share(config, TensorShard(rank, size), group), group, config)
+        serve(load_share(config, parallel_plan(config, rank, load_checkpoint(config.model).config), group), group,
+              config)
     except ParallelRankError:
         sys.exit(0)                               # rank 0 is gone: so is the engine this rank served
 
@@ -58,7 +73,8 @@ def serve(loaded, group, config: EngineConfig) -> None:
         kind, payload = group.receive()
         if kind == "cache":
             num_blocks, block_size, dtype, kv_dtype = payload
-            kv = PagedKVCache(loaded.local_config, num_blocks, block_size, parse_dtype(dtype), config.device, kv_dtype)
+            kv = PagedKVCache(loaded.local_config, num_blocks, block_size, parse_dtype(dtype), config.device, kv_dtype,
+                              loaded.kv_layers)
             runner = ModelRunner(loaded.model, kv, config.device)
         elif kind == "copy":
             runner.kv_cache.copy_blocks(payload)

@@ -53,10 +53,10 @@ class EngineCore:
         logger.info("sampling settings a request leaves out: %s", loaded.sampling_defaults.describe())
         dtype = parse_dtype(config.dtype)
         self.cache_config = loaded.local_config          # a tensor-parallel rank caches its own KV heads only
-        self.kv_bytes_per_token = kv_bytes_per_token(self.cache_config, dtype, config.kv_cache_dtype)
+        self.kv_bytes_per_token = kv_bytes_per_token(self.cache_config, dtype, config.kv_cache_dtype, loaded.kv_layers)
         budget = config.cache.resolve_memory(self.kv_bytes_per_token, self.max_model_len)
         kv = PagedKVCache.from_memory_budget(self.cache_config, budget, config.cache.block_size, dtype, config.device,
-                                             config.kv_cache_dtype)
+                                             config.kv_cache_dtype, loaded.kv_layers)
         self._report_cache(kv)
         self.block_manager = BlockManager(kv.num_blocks, kv.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
@@ -71,12 +71,13 @@ class EngineCore:
 
     def _report_cache(self, kv: PagedKVCache) -> None:
         c, per_token = self.cache_config, self.kv_bytes_per_token
-        element_bytes = per_token // (2 * c.num_layers * c.num_kv_heads * c.head_dim)
+        layers = len(kv.layers)
+        element_bytes = per_token // (2 * layers * c.num_kv_heads * c.head_dim)
         element = (f"({c.head_dim} head_dim x 1 B int8 + 4 B scale)" if kv.kv_cache_dtype == "int8"
                    else f"{c.head_dim} head_dim x {element_bytes} B")
         logger.info("KV cache: %d tokens (%d blocks x %d) in %.2f GiB; per token 2 x %d layers x %d kv_heads x "
                     "%s = %d B", kv.num_tokens, kv.num_blocks, kv.block_size,
-                    kv.num_tokens * per_token / 2**30, c.num_layers, c.num_kv_heads, element, per_token)
+                    kv.num_tokens * per_token / 2**30, layers, c.num_kv_heads, element, per_token)
 
     def reserve_activation_memory(self) -> bool:
         """Grow the heap for one full step's activations now (ModelRunner.reserve_activation_memory):

@@ -30,7 +30,7 @@ class LLMEngine:
         self.config = config
         keep_freed_memory()                # large activations reuse mapped pages (allocator.py)
         self.ranks = None
-        if config.tensor_parallel_size > 1:
+        if config.world_size > 1:
             loaded = self._load_parallel(config, progress)
         else:
             loaded = load_model(config.model, config.dtype, config.device, config.max_model_len, progress,
@@ -46,20 +46,20 @@ class LLMEngine:
         self._arrivals = itertools.count()
 
     def _load_parallel(self, config: EngineConfig, progress: bool):
-        """Rank 0's share of a tensor-parallel model, ranks 1 .. N-1 started on this machine (each
-        loads its own share meanwhile). The plan is checked before any process starts."""
+        """Rank 0's share of a model split over ranks (tensor or pipeline parallel), the other ranks
+        started (each loads its own share meanwhile). The plan is checked before any process starts."""
         from tokenloom.distributed.launch import start_ranks
-        from tokenloom.distributed.shard import TensorParallelError, TensorShard
-        from tokenloom.distributed.worker import load_share
+        from tokenloom.distributed.shard import TensorParallelError
+        from tokenloom.distributed.worker import load_share, parallel_plan
         from tokenloom.loader.load import load_checkpoint
         from tokenloom.models.registry import model_class
         if config.speculative is not None:
-            raise TensorParallelError("speculative decoding with tensor parallelism is not implemented")
-        shard = TensorShard(0, config.tensor_parallel_size)
+            raise TensorParallelError("speculative decoding with a model split over ranks is not implemented")
         checked = load_checkpoint(config.model).config
-        shard.check(checked, model_class(checked))
+        plan = parallel_plan(config, 0, checked)
+        plan.check(checked, model_class(checked))
         self.ranks = start_ranks(config)
-        return load_share(config, shard, self.ranks.group)
+        return load_share(config, plan, self.ranks.group)
 
     # ---- what callers read -------------------------------------------------------------------
     @property

@@ -11,16 +11,19 @@ from tokenloom.config import ModelConfig
 KV_SCALE_BYTES = 4    # one float32 scale per (token, kv head) in an int8 cache
 
 
-def kv_bytes_per_token(model: ModelConfig, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
-    """2 (K and V) x layers x kv_heads x head_dim x bytes per element.
+def kv_bytes_per_token(model: ModelConfig, dtype: torch.dtype, kv_cache_dtype: str = "auto",
+                       layers: range | None = None) -> int:
+    """2 (K and V) x layers x kv_heads x head_dim x bytes per element (`layers`: those cached here,
+    a pipeline stage's; None: all).
 
     For an int8 cache: 1 byte per element plus a float32 scale per token and head,
     i.e. 2 x layers x kv_heads x (head_dim + 4).
     """
+    count = model.num_layers if layers is None else len(layers)
     if kv_cache_dtype == "int8":
-        return 2 * model.num_layers * model.num_kv_heads * (model.head_dim + KV_SCALE_BYTES)
+        return 2 * count * model.num_kv_heads * (model.head_dim + KV_SCALE_BYTES)
     elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * model.num_layers * model.num_kv_heads * model.head_dim * elem
+    return 2 * count * model.num_kv_heads * model.head_dim * elem
 
 
 @dataclass
@@ -76,8 +79,12 @@ class PagedKVCache:
     """
 
     def __init__(self, model: ModelConfig, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device | str, kv_cache_dtype: str = "auto") -> None:
+                 dtype: torch.dtype, device: torch.device | str, kv_cache_dtype: str = "auto",
+                 layers: range | None = None) -> None:
+        """`layers`: the layers whose KV this cache holds (a pipeline stage's; None: all); the
+        others get empty tensors of the same dtype and never see a block."""
         shape = (num_blocks + 1, block_size, model.num_kv_heads, model.head_dim)
+        self.layers = range(model.num_layers) if layers is None else layers
         self.num_blocks = num_blocks
         self.null_block = num_blocks
         self.block_size = block_size
@@ -85,24 +92,25 @@ class PagedKVCache:
         self.kv_cache_dtype = kv_cache_dtype
         self.device = torch.device(device)
 
-        def layer_cache():
+        def layer_cache(i: int):
+            size = shape if i in self.layers else (0, *shape[1:])
             if kv_cache_dtype == "int8":
-                return Int8Cache(torch.zeros(shape, dtype=torch.int8, device=device),
-                                 torch.zeros(shape[:3], dtype=torch.float32, device=device), dtype)
-            return torch.zeros(shape, dtype=dtype, device=device)
-        self.keys = [layer_cache() for _ in range(model.num_layers)]
-        self.values = [layer_cache() for _ in range(model.num_layers)]
+                return Int8Cache(torch.zeros(size, dtype=torch.int8, device=device),
+                                 torch.zeros(size[:3], dtype=torch.float32, device=device), dtype)
+            return torch.zeros(size, dtype=dtype, device=device)
+        self.keys = [layer_cache(i) for i in range(model.num_layers)]
+        self.values = [layer_cache(i) for i in range(model.num_layers)]
 
     @classmethod
     def from_memory_budget(cls, model: ModelConfig, memory_bytes: int, block_size: int,
                            dtype: torch.dtype, device: torch.device | str,
-                           kv_cache_dtype: str = "auto") -> PagedKVCache:
-        per_block = kv_bytes_per_token(model, dtype, kv_cache_dtype) * block_size
+                           kv_cache_dtype: str = "auto", layers: range | None = None) -> PagedKVCache:
+        per_block = kv_bytes_per_token(model, dtype, kv_cache_dtype, layers) * block_size
         num_blocks = memory_bytes // per_block - 1        # one block is the null block
         if num_blocks < 1:
             raise ValueError(f"kv cache memory {memory_bytes} B holds no block of {block_size} tokens "
                              f"({per_block} B per block)")
-        return cls(model, num_blocks, block_size, dtype, device, kv_cache_dtype)
+        return cls(model, num_blocks, block_size, dtype, device, kv_cache_dtype, layers)
 
     @property
     def num_tokens(self) -> int:
@@ -113,15 +121,15 @@ class PagedKVCache:
 
     def zero_blocks(self, block_ids: torch.Tensor) -> None:
         """Clear blocks (in place, every layer) before their first slot is written."""
-        for k, v in zip(self.keys, self.values):
-            k.index_fill_(0, block_ids, 0)
-            v.index_fill_(0, block_ids, 0)
+        for i in self.layers:
+            self.keys[i].index_fill_(0, block_ids, 0)
+            self.values[i].index_fill_(0, block_ids, 0)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole blocks src -> dst in every layer (copy-on-write of a shared partial block)."""
         src = torch.tensor([p[0] for p in pairs], dtype=torch.int64, device=self.device)
         dst = torch.tensor([p[1] for p in pairs], dtype=torch.int64, device=self.device)
-        for cache in self.keys + self.values:
+        for cache in [self.keys[i] for i in self.layers] + [self.values[i] for i in self.layers]:
             if isinstance(cache, Int8Cache):
                 cache.copy_blocks_(src, dst)
             else:

@@ -13,6 +13,7 @@ from tqdm import tqdm
 
 from tokenloom.allocator import release_free_memory
 from tokenloom.config import ModelConfig, parse_dtype
+from tokenloom.distributed.pipeline import PipelineStage
 from tokenloom.distributed.shard import TensorParallelError, TensorShard
 from tokenloom.loader.safetensors import CheckpointError, hf_eos_ids, iter_safetensors, read_json, safetensors_files
 from tokenloom.loader.weights import load_weights
@@ -53,6 +54,7 @@ class LoadedModel:
     hf_config: dict
     sampling_defaults: SamplingDefaults = FALLBACK
     local_config: ModelConfig | None = None     # a tensor-parallel rank's share (its heads, KV heads); None: config
+    kv_layers: range | None = None              # a pipeline stage's layers (whose KV it caches); None: all
 
     def __post_init__(self) -> None:
         if self.local_config is None:
@@ -113,10 +115,12 @@ def _count_tensors(files: list[Path]) -> int:
 
 
 def build_model(config: ModelConfig, dtype: torch.dtype, device: str | torch.device,
-                format_of: Callable[[str], WeightFormat | None] | None = None) -> CausalLM:
+                format_of: Callable[[str], WeightFormat | None] | None = None,
+                trim: Callable[[CausalLM], None] | None = None) -> CausalLM:
     """An uninitialized model (parameters allocated, not filled) on `device`.
 
-    `format_of(module name)` picks a quantized format per nn.Linear (None: float).
+    `format_of(module name)` picks a quantized format per nn.Linear (None: float); `trim` drops
+    modules before anything is allocated (a pipeline stage's model holds its layers only).
     """
     cls = model_class(config)
     with torch.device("meta"):
@@ -124,6 +128,8 @@ def build_model(config: ModelConfig, dtype: torch.dtype, device: str | torch.dev
     model = model.to(dtype=dtype)
     if format_of is not None:
         quantize_structure(model, format_of, cls.input_embedding_name, config.tie_word_embeddings, dtype)
+    if trim is not None:
+        trim(model)
     # Module.to_empty's empty_like on meta tensors runs through torch._refs (~0.4 s a load): plain empty instead
     model = model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     model.tie_weights()
@@ -137,7 +143,7 @@ def _progress(tensors: Iterable, total: int, desc: str, show: bool) -> Iterator:
 
 def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: str = "cpu",
                max_model_len: int | None = None, progress: bool = False, quantization: str | None = None,
-               prepare: bool = True, shard: TensorShard | None = None) -> LoadedModel:
+               prepare: bool = True, shard: TensorShard | PipelineStage | None = None) -> LoadedModel:
     """Load weights and tokenizer; every checkpoint tensor must fill exactly one parameter.
 
     A GGUF file keeps its blocks as stored unless a `dtype` other than "auto" (dequantize
@@ -146,7 +152,9 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: str 
     ``save_quantized`` loads in its own format. `prepare=False` skips the CPU layout
     changes (for saving the model again). With a tensor-parallel `shard`, the model is that rank's
     share (built from shard.local_config, each tensor cut by shard.narrow as it is read), to be
-    wrapped by distributed.layers.parallelize; ``LoadedModel.config`` is the whole model's.
+    wrapped by distributed.layers.parallelize; with a PipelineStage, that stage's layers (rank 0:
+    and the embedding, final norm and LM head), the other tensors never read.
+    ``LoadedModel.config`` is the whole model's.
     """
     quantization = parse_quantization(quantization)
     ckpt = load_checkpoint(path)
@@ -169,17 +177,21 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: str 
         format_of = gguf_formats(ckpt.tensor_types, config.tie_word_embeddings, model_class(config))
     else:
         format_of = formats_for(quantization, model_class(config))
-    local = config
-    if shard is not None:
+    local, stage = config, shard if isinstance(shard, PipelineStage) else None
+    if isinstance(shard, TensorShard):
         shard.check(config, model_class(config))
         if keep_blocks or saved is not None:
             raise TensorParallelError("tensor parallelism over GGUF blocks kept as stored or a saved quantized folder "
                                       "is not implemented: load the GGUF file with --dtype float32 (or bfloat16)")
         local = shard.local_config(config)
-    model = build_model(local, parse_dtype(dtype), device, format_of)
+    elif stage is not None:
+        stage.check(config, model_class(config))
+    model = build_model(local, parse_dtype(dtype), device, format_of, None if stage is None else stage.trim)
     tensors = _progress(ckpt.tensors, ckpt.num_tensors, "loading weights", progress)
-    if shard is not None:
+    if isinstance(shard, TensorShard):
         tensors = ((name, shard.narrow(name, _dense(t), config)) for name, t in tensors)
+    elif stage is not None:
+        tensors = ((name, t) for name, t in tensors if stage.owns(name))
     if saved is not None:
         load_saved_state(model, tensors)
     else:
@@ -193,7 +205,7 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: str 
         raise CheckpointError(f"tokenizer has {ckpt.tokenizer.vocab_size} tokens but the model only "
                               f"{config.vocab_size} embeddings")
     return LoadedModel(model, config, ckpt.tokenizer, frozenset(config.eos_token_ids), ckpt.hf_config,
-                       ckpt.sampling_defaults, local)
+                       ckpt.sampling_defaults, local, None if stage is None else stage.layers)
 
 
 def _dense(tensor):

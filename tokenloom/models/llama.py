@@ -119,11 +119,21 @@ class LlamaForCausalLM(CausalLM):
                        ) -> tuple[torch.Tensor, StepAttention]:
         """The step's embeddings (T, hidden) and its attention op (rope (T, 1, rotary_dim) planned in)."""
         h = self.model.embed_tokens(input_ids)
-        rope = rope_cos_sin(self.inv_freq, positions, h.dtype, self.rope_scale)
-        return h, plan_attention(self.attention_shape, meta, kv_cache, rope)
+        return h, self.plan(positions, meta, kv_cache, h.dtype)
+
+    def plan(self, positions, meta, kv_cache: PagedKVCache, dtype: torch.dtype) -> StepAttention:
+        """The step's attention op for activations of `dtype`, rope planned in."""
+        rope = rope_cos_sin(self.inv_freq, positions, dtype, self.rope_scale)
+        return plan_attention(self.attention_shape, meta, kv_cache, rope)
 
     def run_layers(self, h: torch.Tensor, attend: StepAttention) -> torch.Tensor:
-        residual = None
-        for i, layer in enumerate(self.model.layers):
-            h, residual = layer.forward(h, residual, attend, i)
+        h, residual = self.run_layer_range(h, None, attend, range(len(self.model.layers)))
         return self.model.norm.add_forward(h, residual)[0]
+
+    def run_layer_range(self, h: torch.Tensor, residual: torch.Tensor | None, attend: StepAttention,
+                        layers: range) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layers `layers` only (a pipeline stage's): (h, residual) in, (h, residual) out, the
+        residual add deferred as in LlamaDecoderLayer.forward (None before the first layer)."""
+        for i in layers:
+            h, residual = self.model.layers[i].forward(h, residual, attend, i)
+        return h, residual
