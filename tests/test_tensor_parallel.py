@@ -199,9 +199,10 @@ def _spawned_children(pid: int) -> list[int]:
     return spawned
 
 
-def test_the_server_splits_the_model_and_ends_when_a_rank_dies(tiny_model_dir):
-    """`tokenloom serve -tp 2` answers with one process's tokens and logprobs; when its rank 1 is
-    killed, the next request fails and the server exits, saying why."""
+@pytest.mark.parametrize("flag", ["-tp", "-pp"])
+def test_the_server_splits_the_model_and_ends_when_a_rank_dies(tiny_model_dir, flag):
+    """`tokenloom serve -tp 2` (and -pp 2) answers with one process's tokens and logprobs; when its
+    rank 1 is killed, the next request fails and the server exits, saying why."""
     import signal
 
     import httpx
@@ -212,7 +213,7 @@ def test_the_server_splits_the_model_and_ends_when_a_rank_dies(tiny_model_dir):
     expected = one.generate(["The quick brown fox"], GREEDY)[0].outputs[0]
     body = {"model": "smol", "prompt": "The quick brown fox", "max_tokens": 10, "temperature": 0, "logprobs": 1,
             "ignore_eos": True}
-    with ServeProcess(folder, "-tp", "2") as served:
+    with ServeProcess(folder, flag, "2") as served:
         answer = httpx.post(f"{served.base}/v1/completions", json=body, timeout=60).json()["choices"][0]
         assert answer["text"] == expected.text
         got = answer["logprobs"]["token_logprobs"]

@@ -4,7 +4,9 @@ call, whose timeout turns a rank that died mid-step into an error instead of a h
 
 from __future__ import annotations
 
+import os
 import socket
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -22,56 +24,62 @@ class ParallelRankError(RuntimeError):
 
 @dataclass
 class ParallelGroup:
-    """This process's place among the tensor-parallel ranks."""
+    """This process's place among the ranks of a split model. ``comm_seconds``: the time this rank
+    has spent in communication (waiting for the other ranks included), for benchmarks."""
 
     rank: int
     size: int
     step: Any                     # the ProcessGroup of the collectives inside a model call
+    comm_seconds: float = 0.0
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum x over the ranks, in place (x contiguous); returns x."""
-        _guarded(dist.all_reduce, x, group=self.step)
+        self._run(dist.all_reduce, x, group=self.step)
         return x
 
     def gather_columns(self, x: torch.Tensor) -> torch.Tensor | None:
         """x (T, C) from every rank -> on rank 0 (T, size x C), rank r's at columns r C ..; None elsewhere."""
         parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else None
-        _guarded(dist.gather, x, parts, dst=0, group=self.step)
+        self._run(dist.gather, x, parts, dst=0, group=self.step)
         return torch.cat(parts, dim=-1) if parts is not None else None
 
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
         """Rank 0's x into every rank's x (same shape and dtype), in place; returns x."""
-        _guarded(dist.broadcast, x, src=0, group=self.step)
+        self._run(dist.broadcast, x, src=0, group=self.step)
         return x
 
     def isend(self, x: torch.Tensor, dst: int, tag: int):
         """Send x to rank `dst` without waiting (the returned work's ``wait()`` does); x must live till then."""
-        try:
-            return dist.isend(x.contiguous(), dst, group=self.step, tag=tag)
-        except (RuntimeError, dist.DistError) as e:
-            raise _rank_error(e) from e
+        return self._run(dist.isend, x.contiguous(), dst, group=self.step, tag=tag)
+
+    def wait(self, work) -> None:
+        """Until an isend's work is done."""
+        self._run(work.wait)
 
     def recv(self, into: torch.Tensor, src: int, tag: int) -> torch.Tensor:
         """Rank `src`'s matching isend into `into`; returns it."""
-        _guarded(dist.recv, into, src, group=self.step, tag=tag)
+        self._run(dist.recv, into, src, group=self.step, tag=tag)
         return into
 
     def send(self, kind: str, payload: Any = None) -> None:
         """Rank 0: tell the other ranks what to do next (worker.py's commands)."""
-        _guarded(dist.broadcast_object_list, [(kind, payload)], src=0)
+        self._run(dist.broadcast_object_list, [(kind, payload)], src=0)
 
     def receive(self) -> tuple[str, Any]:
         """A rank other than 0: rank 0's next command, (kind, payload)."""
         box: list[Any] = [None]
-        _guarded(dist.broadcast_object_list, box, src=0)
+        self._run(dist.broadcast_object_list, box, src=0)
         return box[0]
 
-
-def _guarded(collective, *args, **kwargs) -> None:
-    try:
-        collective(*args, **kwargs)
-    except (RuntimeError, dist.DistError) as e:
-        raise _rank_error(e) from e
+    def _run(self, collective, *args, **kwargs):
+        """collective(*args, **kwargs), timed; a failure that a lost rank causes as ParallelRankError."""
+        start = time.perf_counter()
+        try:
+            return collective(*args, **kwargs)
+        except (RuntimeError, dist.DistError) as e:
+            raise _rank_error(e) from e
+        finally:
+            self.comm_seconds += time.perf_counter() - start
 
 
 def _rank_error(e: Exception) -> ParallelRankError:
@@ -87,9 +95,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_group(rank: int, size: int, init_method: str, backend: str = "gloo",
+def init_group(rank: int, size: int, init_method: str, device: str = "cpu",
                step_timeout_s: float = STEP_TIMEOUT_S) -> ParallelGroup:
-    """Join the `size` ranks at `init_method` (tcp://host:port, or env:// under torchrun) as `rank`."""
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size, timeout=IDLE_TIMEOUT)
+    """Join the `size` ranks at `init_method` (tcp://host:port, or env:// under torchrun) as `rank`.
+    Commands always travel over gloo (CPU objects); a step's collectives over gloo on the CPU and
+    NCCL on CUDA (written for several GPUs, not run here: the machines at hand have one)."""
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size, timeout=IDLE_TIMEOUT)
+    backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
     step = dist.new_group(list(range(size)), timeout=timedelta(seconds=step_timeout_s), backend=backend)
     return ParallelGroup(rank, size, step)
+
+
+def rank_device(device: str, rank: int) -> str:
+    """The device rank `rank` runs on: its own GPU (by its rank on this node) for CUDA, else `device`."""
+    if torch.device(device).type != "cuda":
+        return device
+    local = int(os.environ.get("LOCAL_RANK", rank)) % max(1, torch.cuda.device_count())
+    torch.cuda.set_device(local)
+    return f"cuda:{local}"

@@ -60,7 +60,7 @@ def start_ranks(config: EngineConfig) -> Ranks:
             raise ValueError(f"torchrun started {world} processes (this one rank {rank}) but the model is split over "
                              f"{size}: give torchrun --nnodes x --nproc-per-node = the tensor (or pipeline) parallel "
                              "size")
-        return Ranks(init_group(0, world, "env://"))
+        return Ranks(init_group(0, world, "env://", config.device))
     init_method = f"tcp://127.0.0.1:{free_port()}"
     threads = threads_per_rank(size)
     context = mp.get_context("spawn")
@@ -69,4 +69,4 @@ def start_ranks(config: EngineConfig) -> Ranks:
     for p in processes:
         p.start()
     torch.set_num_threads(threads)
-    return Ranks(init_group(0, size, init_method), processes)
+    return Ranks(init_group(0, size, init_method, config.device), processes)

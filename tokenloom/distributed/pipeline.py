@@ -108,7 +108,7 @@ class Pipeline:
             finished = [self.model.model.norm.add_forward(*group.recv(self._carrier(b), stage.size - 1, m))[0]
                         for m, b in enumerate(batches)]
         for work in sending:
-            work.wait()
+            group.wait(work)
         return None if finished is None else torch.cat(finished)
 
     def _carrier(self, batch) -> torch.Tensor:

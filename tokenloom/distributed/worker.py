@@ -10,6 +10,7 @@ Commands (rank 0 sends them from ModelRunner and the LM head, group.py's ``send`
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
@@ -17,7 +18,7 @@ import sys
 import torch
 
 from tokenloom.config import EngineConfig, parse_dtype
-from tokenloom.distributed.group import ParallelRankError, init_group
+from tokenloom.distributed.group import ParallelRankError, init_group, rank_device
 from tokenloom.distributed.layers import parallelize
 from tokenloom.distributed.pipeline import Pipeline, PipelineStage
 from tokenloom.distributed.shard import TensorShard
@@ -55,7 +56,8 @@ def worker_main(rank: int, size: int, init_method: str, config: EngineConfig, th
     """The process of rank `rank` of `size` (started by launch.py, or by torchrun)."""
     torch.set_num_threads(threads or threads_per_rank(size))
     from tokenloom.loader.load import load_checkpoint
-    group = init_group(rank, size, init_method)
+    config = dataclasses.replace(config, device=rank_device(config.device, rank))
+    group = init_group(rank, size, init_method, config.device)
     try:
         serve(load_share(config, parallel_plan(config, rank, load_checkpoint(config.model).config), group), group,
               config)

@@ -48,6 +48,7 @@ class LLMEngine:
     def _load_parallel(self, config: EngineConfig, progress: bool):
         """Rank 0's share of a model split over ranks (tensor or pipeline parallel), the other ranks
         started (each loads its own share meanwhile). The plan is checked before any process starts."""
+        from tokenloom.distributed.group import rank_device
         from tokenloom.distributed.launch import start_ranks
         from tokenloom.distributed.shard import TensorParallelError
         from tokenloom.distributed.worker import load_share, parallel_plan
@@ -58,6 +59,7 @@ class LLMEngine:
         checked = load_checkpoint(config.model).config
         plan = parallel_plan(config, 0, checked)
         plan.check(checked, model_class(checked))
+        rank_device(config.device, 0)                         # CUDA: rank 0 on this node's first GPU
         self.ranks = start_ranks(config)
         return load_share(config, plan, self.ranks.group)
 
