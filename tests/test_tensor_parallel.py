@@ -241,3 +241,33 @@ def test_pipeline_stages_and_micro_batches_cover_everything_once():
     assert [c for g in groups for c in g] == chunks and len(groups) == 2
     assert [sum(len(c.token_ids) for c in g) for g in groups] == [8, 8]
     assert micro_batches(chunks[:1], 2) == [chunks[:1]]                 # one sequence: one micro-batch
+
+
+@pytest.mark.parametrize("name", ["qwen2", "mixtral"])
+def test_gguf_blocks_are_split_as_stored(tiny_model_dir, tmp_path, name):
+    """A Q8_0 GGUF file under tensor parallelism keeps its blocks (rows cut anywhere, o_proj and
+    down_proj's input columns at block boundaries) and gives one process's tokens."""
+    from tests.gguf_writer import write_gguf
+    from tokenloom.quant import QuantizedLinear
+    from tokenloom.quant.ggml_modules import GGMLLinear
+    path = write_gguf(tiny_model_dir(name), tmp_path / f"{name}.gguf", quantize="Q8_0")
+    expected = LLM(str(path), kv_cache_memory=8 << 20).generate(PROMPTS, GREEDY)
+    two = LLM(str(path), kv_cache_memory=8 << 20, tensor_parallel_size=2)
+    try:
+        _assert_same(expected, two.generate(PROMPTS, GREEDY))
+        o_proj = two.engine.runner.model.model.layers[0].self_attn.o_proj.module
+        assert isinstance(o_proj, (GGMLLinear, QuantizedLinear)) and o_proj.in_features == 32   # half of 64, blocks
+    finally:
+        two.engine.ranks.stop()
+
+
+def test_gguf_blocks_that_a_split_would_cut_are_an_error_naming_the_tensor():
+    from tokenloom.config import ModelConfig
+    from tokenloom.quant.ggml import GGMLTensor
+    config = ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 64,
+                                  "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4,
+                                  "num_key_value_heads": 4, "max_position_embeddings": 64})
+    q8 = GGMLTensor(8, torch.zeros(64, 2 * 34, dtype=torch.uint8), 64)             # Q8_0: 32 values in 34 bytes
+    assert TensorShard(1, 2).narrow("model.layers.0.self_attn.o_proj.weight", q8, config).in_features == 32
+    with pytest.raises(TensorParallelError, match="o_proj.weight.*block boundaries.*--dtype float32"):
+        TensorShard(1, 4).narrow("model.layers.0.self_attn.o_proj.weight", q8, config)

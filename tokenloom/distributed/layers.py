@@ -4,7 +4,6 @@ after each row-parallel block, the vocabulary-parallel embedding and the gathere
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tokenloom.distributed.group import ParallelGroup
@@ -38,7 +37,7 @@ class VocabParallelEmbedding(nn.Module):
         """(T,) -> (T, hidden)."""
         local = input_ids - self.first
         outside = (local < 0) | (local >= self.embedding.weight.shape[0])
-        rows = F.embedding(local.masked_fill(outside, 0), self.embedding.weight)
+        rows = self.embedding(local.masked_fill(outside, 0))
         return self.group.all_reduce(rows.masked_fill(outside[:, None], 0.0).contiguous())
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenloom.config import ModelConfig
+from tokenloom.quant.ggml import GGMLTensor
 
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "w1", "w3")
 ROW_PARALLEL = ("o_proj", "down_proj", "w2")
@@ -84,14 +85,15 @@ class TensorShard:
                                    intermediate_size=config.intermediate_size // self.size,
                                    vocab_size=self.vocab_rows(config)[1], moe=moe)
 
-    def narrow(self, name: str, tensor: torch.Tensor, config: ModelConfig) -> torch.Tensor:
-        """Checkpoint tensor `name` (HF naming) -> this rank's share of it (a view where it can be)."""
+    def narrow(self, name: str, tensor: torch.Tensor | GGMLTensor, config: ModelConfig) -> torch.Tensor | GGMLTensor:
+        """Checkpoint tensor `name` (HF naming) -> this rank's share of it (a view where it can be).
+        GGUF blocks stay blocks: rows are cut anywhere, input columns at block boundaries only."""
         module, kind = _module_and_kind(name)
         if module in VOCAB_PARALLEL:
             return self._vocab_share(tensor, config)
         if module in ("k_proj", "v_proj"):
             first, count = self.kv_heads(config)
-            return tensor.narrow(0, first * config.head_dim, count * config.head_dim)
+            return _cut(tensor, 0, first * config.head_dim, count * config.head_dim, name)
         if module in COLUMN_PARALLEL:
             return self._even_share(tensor, 0, name)
         if module in ROW_PARALLEL:
@@ -100,21 +102,36 @@ class TensorShard:
             return self._even_share(tensor, 1, name)
         return tensor
 
-    def _even_share(self, tensor: torch.Tensor, dim: int, name: str) -> torch.Tensor:
+    def _even_share(self, tensor, dim: int, name: str):
         size = tensor.shape[dim]
         if size % self.size:
             raise TensorParallelError(f"checkpoint tensor {name!r}: dimension {dim} ({size}) does not split "
                                       f"over {self.size} ranks")
-        return tensor.narrow(dim, self.rank * (size // self.size), size // self.size)
+        return _cut(tensor, dim, self.rank * (size // self.size), size // self.size, name)
 
-    def _vocab_share(self, tensor: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    def _vocab_share(self, tensor, config: ModelConfig):
         first, share = self.vocab_rows(config)
-        rows = tensor[first:first + share]
+        rows = _cut(tensor, 0, first, max(0, min(share, tensor.shape[0] - first)), "vocabulary rows")
         if rows.shape[0] == share:
             return rows
+        if isinstance(rows, GGMLTensor):
+            return rows.padded_rows(share)
         padded = torch.zeros((share, *tensor.shape[1:]), dtype=tensor.dtype)
         padded[:rows.shape[0]] = rows
         return padded
+
+
+def _cut(tensor, dim: int, start: int, count: int, name: str):
+    """tensor's [start, start + count) along `dim`; GGUF blocks cut as blocks."""
+    if not isinstance(tensor, GGMLTensor):
+        return tensor.narrow(dim, start, count)
+    if dim == 0:
+        return tensor.rows(slice(start, start + count))
+    try:
+        return tensor.columns(start, count)
+    except ValueError as e:
+        raise TensorParallelError(f"checkpoint tensor {name!r}: {e}, so its {tensor.type_name} blocks cannot be "
+                                  "split between ranks as stored; load the GGUF file with --dtype float32") from e
 
 
 def _module_and_kind(name: str) -> tuple[str, str]:

@@ -180,16 +180,16 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: str 
     local, stage = config, shard if isinstance(shard, PipelineStage) else None
     if isinstance(shard, TensorShard):
         shard.check(config, model_class(config))
-        if keep_blocks or saved is not None:
-            raise TensorParallelError("tensor parallelism over GGUF blocks kept as stored or a saved quantized folder "
-                                      "is not implemented: load the GGUF file with --dtype float32 (or bfloat16)")
+        if saved is not None:
+            raise TensorParallelError("tensor parallelism over a folder saved quantized is not implemented: load "
+                                      "the original checkpoint with --quantization")
         local = shard.local_config(config)
     elif stage is not None:
         stage.check(config, model_class(config))
     model = build_model(local, parse_dtype(dtype), device, format_of, None if stage is None else stage.trim)
     tensors = _progress(ckpt.tensors, ckpt.num_tensors, "loading weights", progress)
     if isinstance(shard, TensorShard):
-        tensors = ((name, shard.narrow(name, _dense(t), config)) for name, t in tensors)
+        tensors = ((name, shard.narrow(name, t, config)) for name, t in tensors)
     elif stage is not None:
         tensors = ((name, t) for name, t in tensors if stage.owns(name))
     if saved is not None:
@@ -206,12 +206,6 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: str 
                               f"{config.vocab_size} embeddings")
     return LoadedModel(model, config, ckpt.tokenizer, frozenset(config.eos_token_ids), ckpt.hf_config,
                        ckpt.sampling_defaults, local, None if stage is None else stage.layers)
-
-
-def _dense(tensor):
-    """A checkpoint tensor as a torch.Tensor (GGUF blocks dequantized: only a dense tensor is cut)."""
-    from tokenloom.quant.ggml import GGMLTensor
-    return tensor.dequantize() if isinstance(tensor, GGMLTensor) else tensor
 
 
 def save_hf_folder(path: str | Path, folder: str | Path, progress: bool = True) -> None:

@@ -83,6 +83,20 @@ class GGMLTensor:
         data = self.data[index] if isinstance(index, slice) else self.data.index_select(0, index)
         return GGMLTensor(self.kind, data, self.in_features)
 
+    def columns(self, start: int, count: int) -> GGMLTensor:
+        """Input columns [start, start + count) of every row: whole blocks only (ValueError else)."""
+        _, values, nbytes = KERNEL_TYPES[self.kind]
+        if start % values or count % values:
+            raise ValueError(f"{self.type_name} blocks hold {values} values: columns {start}..{start + count} "
+                             "do not fall on block boundaries")
+        data = self.data[:, start // values * nbytes:(start + count) // values * nbytes]
+        return GGMLTensor(self.kind, data, count)
+
+    def padded_rows(self, rows: int) -> GGMLTensor:
+        """The matrix with zero rows appended up to `rows` (all-zero blocks hold zeros: a zero scale)."""
+        pad = self.data.new_zeros(rows - self.data.shape[0], self.data.shape[1])
+        return GGMLTensor(self.kind, torch.cat([self.data, pad]), self.in_features)
+
     def dequantize(self) -> torch.Tensor:
         """float32 (N, K), exactly the values llama.cpp reads."""
         kernels = ops()
