@@ -53,6 +53,9 @@ def start_ranks(config: EngineConfig) -> Ranks:
     """Joined through torchrun's rendezvous where this process is torchrun's rank 0, else ranks
     1 .. N-1 spawned on this machine (each with cores / N threads, as rank 0 then)."""
     size = config.world_size
+    if dist.is_initialized():
+        raise RuntimeError("this process already runs a model split over ranks: stop it first "
+                           "(llm.engine.ranks.stop()) or split one model at a time")
     joined = torchrun_rank()
     if joined is not None:
         rank, world = joined
