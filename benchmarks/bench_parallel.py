@@ -2,9 +2,9 @@
 two processes (tp 2: each layer split, two all-reduces per layer; pp 2: the layers in two
 stages, one send per micro-batch and stage), decode steps at batch 1 and 8, each step's time
 split into compute and communication (rank 0's time inside torch.distributed calls, waiting for
-the other rank included). Then the cost of one gloo all-reduce as a function of hidden size and
-tokens, from which tensor parallelism's cost per token on a real link can be read off (two
-all-reduces per layer and token row).
+the other rank included; ranks on one machine all-reduce through shared memory). Then the cost
+of one all-reduce as a function of hidden size and rows, through gloo (what ranks on separate
+machines use; its cost on a real link can be read off from this) and through shared memory.
 
 All on one machine: the two ranks share its cores (each gets half; tp 1 gets all), so this
 measures what splitting costs, not what a second machine would add.
@@ -68,33 +68,44 @@ def measure_modes(model: str, steps: int) -> list[dict]:
     return rows
 
 
-def _all_reduce_rank(rank: int, port: int, results) -> None:
+def _median_seconds(all_reduce, x: torch.Tensor) -> float:
+    for _ in range(20):
+        all_reduce(x)
+    times = []
+    for _ in range(200):
+        start = time.perf_counter()
+        all_reduce(x)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _all_reduce_rank(rank: int, port: int, shm_path: str, results) -> None:
     import torch.distributed as dist
+
+    from tokenloom.distributed.shm import SharedMemoryAllReduce
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    shm = SharedMemoryAllReduce(shm_path, rank, 2, 60.0)
     out = {}
     for hidden in HIDDEN:
         for rows in ROWS:
             x = torch.randn(rows, hidden)
-            for _ in range(20):
-                dist.all_reduce(x)
-            times = []
-            for _ in range(200):
-                start = time.perf_counter()
-                dist.all_reduce(x)
-                times.append(time.perf_counter() - start)
-            out[(hidden, rows)] = statistics.median(times)
+            out[(hidden, rows)] = (_median_seconds(dist.all_reduce, x),
+                                   _median_seconds(shm.all_reduce, x) if shm.fits(x) else None)
     if rank == 0:
         results.put(out)
+        shm.remove()
     dist.destroy_process_group()
 
 
 def measure_all_reduce() -> dict:
-    """Median seconds of one gloo all-reduce of a float32 (rows, hidden) tensor between two processes."""
+    """(hidden, rows) -> median seconds of one all-reduce of a float32 (rows, hidden) tensor between
+    two processes: (gloo, shared memory or None where it does not fit a slot)."""
     from tokenloom.distributed.group import free_port
+    from tokenloom.distributed.shm import SharedMemoryAllReduce
     context = mp.get_context("spawn")
-    results, port = context.Queue(), free_port()
-    ranks = [context.Process(target=_all_reduce_rank, args=(r, port, results)) for r in range(2)]
+    results, port, path = context.Queue(), free_port(), SharedMemoryAllReduce.create(2)
+    ranks = [context.Process(target=_all_reduce_rank, args=(r, port, path, results)) for r in range(2)]
     for p in ranks:
         p.start()
     out = results.get(timeout=600)
@@ -118,15 +129,18 @@ def main() -> int:
         print(f"| {r['mode']} | {r['batch']} | {r['step_s'] * 1e3:.1f} | {r['comm_s'] * 1e3:.1f} | "
               f"{(r['step_s'] - r['comm_s']) * 1e3:.1f} | {r['tok_s']:.1f} | {base[r['batch']] / r['step_s']:.2f}x |")
     reduce = measure_all_reduce()
-    print(f"\nOne gloo all-reduce between two processes on {cpu_name()} (loopback; medians of 200)\n")
-    print("| hidden | rows | all-reduce (us) | per layer and step, tp (2 all-reduces, us) | 32 layers (ms) |")
-    print("|---:|---:|---:|---:|---:|")
-    for (hidden, n), seconds in reduce.items():
-        print(f"| {hidden} | {n} | {seconds * 1e6:.0f} | {2 * seconds * 1e6:.0f} | {64 * seconds * 1e3:.2f} |")
+    print(f"\nOne all-reduce between two processes on {cpu_name()}: gloo over loopback (what ranks on two "
+          "machines use, there over their link) and shared memory (ranks on one machine); medians of 200\n")
+    print("| hidden | rows | gloo (us) | gloo, 32 layers x 2 (ms) | shared memory (us) | shared memory, 32 x 2 (ms) |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for (hidden, n), (gloo, shm) in reduce.items():
+        local = ("-", "-") if shm is None else (f"{shm * 1e6:.0f}", f"{64 * shm * 1e3:.2f}")
+        print(f"| {hidden} | {n} | {gloo * 1e6:.0f} | {64 * gloo * 1e3:.2f} | {local[0]} | {local[1]} |")
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "parallel.json").write_text(json.dumps(
         {"cpu": cpu_name(), "model": model, "modes": rows,
-         "all_reduce_s": [{"hidden": h, "rows": n, "seconds": s} for (h, n), s in reduce.items()]}, indent=1))
+         "all_reduce_s": [{"hidden": h, "rows": n, "gloo": g, "shared_memory": m}
+                          for (h, n), (g, m) in reduce.items()]}, indent=1))
     return 0
 
 

@@ -271,3 +271,37 @@ def test_gguf_blocks_that_a_split_would_cut_are_an_error_naming_the_tensor():
     assert TensorShard(1, 2).narrow("model.layers.0.self_attn.o_proj.weight", q8, config).in_features == 32
     with pytest.raises(TensorParallelError, match="o_proj.weight.*block boundaries.*--dtype float32"):
         TensorShard(1, 4).narrow("model.layers.0.self_attn.o_proj.weight", q8, config)
+
+
+def test_shared_memory_all_reduce_sums_bit_for_bit_and_notices_a_dead_peer(tmp_path):
+    """Two ranks (threads here, processes in the engine) on one file: each gets the same sum, in
+    rank order, for tensors of several shapes and dtypes in a row (the two buffers alternate);
+    a rank whose peer is gone is told so within the liveness interval, not the step timeout."""
+    import threading
+
+    from tokenloom.distributed.group import ParallelRankError
+    from tokenloom.distributed.shm import SharedMemoryAllReduce
+    path = SharedMemoryAllReduce.create(2)
+    g = torch.Generator().manual_seed(0)
+    shapes = (((1, 64), torch.float32), ((7, 896), torch.float32), ((3, 5), torch.bfloat16), ((1, 64), torch.float32))
+    inputs = [[torch.randn(shape, generator=g).to(dtype) for shape, dtype in shapes] for _ in range(2)]
+    outputs: list[list[torch.Tensor]] = [[], []]
+
+    def rank(r: int) -> None:
+        shm = SharedMemoryAllReduce(path, r, 2, timeout_s=30)
+        outputs[r] = [shm.all_reduce(x.clone()) for x in inputs[r]]
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for a, b, x0, x1 in zip(outputs[0], outputs[1], inputs[0], inputs[1]):
+        assert torch.equal(a, b) and torch.equal(a, x0 + x1)
+    lonely = SharedMemoryAllReduce(path, 0, 2, timeout_s=30, peers_alive=lambda: False)
+    lonely.seq = 100                                                   # past anything the peer wrote
+    start = time.monotonic()
+    with pytest.raises(ParallelRankError, match="its process ended"):
+        lonely.all_reduce(torch.ones(4))
+    assert time.monotonic() - start < 5
+    lonely.remove()

@@ -31,10 +31,14 @@ class ParallelGroup:
     size: int
     step: Any                     # the ProcessGroup of the collectives inside a model call
     comm_seconds: float = 0.0
+    shm: Any = None               # SharedMemoryAllReduce where every rank is on this machine (shm.py)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum x over the ranks, in place (x contiguous); returns x."""
-        self._run(dist.all_reduce, x, group=self.step)
+        if self.shm is not None and self.shm.fits(x):
+            self._run(self.shm.all_reduce, x)
+        else:
+            self._run(dist.all_reduce, x, group=self.step)
         return x
 
     def gather_columns(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -95,15 +99,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_group(rank: int, size: int, init_method: str, device: str = "cpu",
-               step_timeout_s: float = STEP_TIMEOUT_S) -> ParallelGroup:
+def init_group(rank: int, size: int, init_method: str, device: str = "cpu", shm_path: str | None = None,
+               peers_alive=None, step_timeout_s: float = STEP_TIMEOUT_S) -> ParallelGroup:
     """Join the `size` ranks at `init_method` (tcp://host:port, or env:// under torchrun) as `rank`.
     Commands always travel over gloo (CPU objects); a step's collectives over gloo on the CPU and
-    NCCL on CUDA (written for several GPUs, not run here: the machines at hand have one)."""
+    NCCL on CUDA (written for several GPUs, not run here: the machines at hand have one). With
+    `shm_path` (ranks on one machine, CPU), all-reduces go through that shared memory file."""
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size, timeout=IDLE_TIMEOUT)
     backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
     step = dist.new_group(list(range(size)), timeout=timedelta(seconds=step_timeout_s), backend=backend)
-    return ParallelGroup(rank, size, step)
+    shm = None
+    if shm_path is not None and backend == "gloo":
+        from tokenloom.distributed.shm import SharedMemoryAllReduce
+        shm = SharedMemoryAllReduce(shm_path, rank, size, step_timeout_s, peers_alive)
+        dist.barrier()                         # every rank has it mapped: the file's name is no longer needed
+        if rank == 0:
+            shm.remove()
+    return ParallelGroup(rank, size, step, shm=shm)
 
 
 def rank_device(device: str, rank: int) -> str:

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from tokenloom.config import EngineConfig
 from tokenloom.distributed.group import ParallelGroup, free_port, init_group
+from tokenloom.distributed.shm import SharedMemoryAllReduce
 from tokenloom.distributed.worker import threads_per_rank, worker_main
 
 
@@ -27,6 +28,7 @@ class Ranks:
     """Rank 0's handle on the other ranks: their group, and the processes it started (if any)."""
 
     def __init__(self, group: ParallelGroup, processes: list | None = None) -> None:
+        """`processes`: the ranks started here."""
         self.group, self.processes = group, processes or []
         self._stopped = False
         atexit.register(self.stop)
@@ -66,10 +68,12 @@ def start_ranks(config: EngineConfig) -> Ranks:
         return Ranks(init_group(0, world, "env://", config.device))
     init_method = f"tcp://127.0.0.1:{free_port()}"
     threads = threads_per_rank(size)
+    shm_path = SharedMemoryAllReduce.create(size) if SharedMemoryAllReduce.usable() else None
     context = mp.get_context("spawn")
-    processes = [context.Process(target=worker_main, args=(rank, size, init_method, config, threads),
+    processes = [context.Process(target=worker_main, args=(rank, size, init_method, config, threads, shm_path),
                                  name=f"tokenloom-rank-{rank}", daemon=True) for rank in range(1, size)]
     for p in processes:
         p.start()
     torch.set_num_threads(threads)
-    return Ranks(init_group(0, size, init_method, config.device), processes)
+    group = init_group(0, size, init_method, config.device, shm_path, lambda: all(p.is_alive() for p in processes))
+    return Ranks(group, processes)

@@ -52,12 +52,15 @@ def load_share(config: EngineConfig, plan: TensorShard | PipelineStage, group):
     return loaded
 
 
-def worker_main(rank: int, size: int, init_method: str, config: EngineConfig, threads: int | None = None) -> None:
-    """The process of rank `rank` of `size` (started by launch.py, or by torchrun)."""
+def worker_main(rank: int, size: int, init_method: str, config: EngineConfig, threads: int | None = None,
+                shm_path: str | None = None) -> None:
+    """The process of rank `rank` of `size` (started by launch.py, with the shared-memory file of
+    its all-reduces; or by torchrun)."""
     torch.set_num_threads(threads or threads_per_rank(size))
     from tokenloom.loader.load import load_checkpoint
     config = dataclasses.replace(config, device=rank_device(config.device, rank))
-    group = init_group(rank, size, init_method, config.device)
+    parent = os.getppid()
+    group = init_group(rank, size, init_method, config.device, shm_path, lambda: os.getppid() == parent)
     try:
         serve(load_share(config, parallel_plan(config, rank, load_checkpoint(config.model).config), group), group,
               config)

@@ -189,7 +189,8 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: str 
     model = build_model(local, parse_dtype(dtype), device, format_of, None if stage is None else stage.trim)
     tensors = _progress(ckpt.tensors, ckpt.num_tensors, "loading weights", progress)
     if isinstance(shard, TensorShard):
-        tensors = ((name, shard.narrow(name, t, config)) for name, t in tensors)
+        dense = not keep_blocks                     # blocks that become float anyway are cut as float
+        tensors = ((name, shard.narrow(name, _dense(t) if dense else t, config)) for name, t in tensors)
     elif stage is not None:
         tensors = ((name, t) for name, t in tensors if stage.owns(name))
     if saved is not None:
@@ -230,3 +231,9 @@ def write_folder_metadata(folder: Path, hf_config: dict, eos_token_ids: set[int]
         generation |= {"do_sample": sampling.values["temperature"] > 0, **sampling.values}
     (folder / "generation_config.json").write_text(json.dumps(generation, indent=2))
     tokenizer.save(folder)
+
+
+def _dense(tensor):
+    """A checkpoint tensor as float (GGUF blocks dequantized), for a model that keeps none."""
+    from tokenloom.quant.ggml import GGMLTensor
+    return tensor.dequantize() if isinstance(tensor, GGMLTensor) else tensor
