@@ -58,7 +58,7 @@ class TensorShard:
         bad = [f"{name} {value}" for name, value in sizes.items() if value % self.size]
         kv = config.num_kv_heads
         if kv % self.size and self.size % kv:
-            bad.append(f"num_key_value_heads {kv} (nor divides it)")
+            bad.append(f"num_key_value_heads {kv} (or be a multiple of it)")
         if bad:
             raise TensorParallelError(f"--tensor-parallel-size {self.size} must divide {', '.join(bad)}")
 

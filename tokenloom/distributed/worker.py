@@ -11,7 +11,6 @@ Commands (rank 0 sends them from ModelRunner and the LM head, group.py's ``send`
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 import sys
 
@@ -22,8 +21,6 @@ from tokenloom.distributed.group import ParallelRankError, init_group, rank_devi
 from tokenloom.distributed.layers import parallelize
 from tokenloom.distributed.pipeline import Pipeline, PipelineStage
 from tokenloom.distributed.shard import TensorShard
-
-log = logging.getLogger("tokenloom")
 
 
 def threads_per_rank(size: int) -> int:
