@@ -279,7 +279,7 @@ def test_shared_memory_all_reduce_sums_bit_for_bit_and_notices_a_dead_peer(tmp_p
     a rank whose peer is gone is told so within the liveness interval, not the step timeout."""
     import threading
 
-    from tokenloom.distributed.group import ParallelRankError
+    from tokenloom.distributed.errors import ParallelRankError
     from tokenloom.distributed.shm import SharedMemoryAllReduce
     path = SharedMemoryAllReduce.create(2)
     g = torch.Generator().manual_seed(0)

@@ -28,7 +28,7 @@ from typing import Any
 
 from tokenloom.allocator import keep_freed_memory
 from tokenloom.config import EngineConfig
-from tokenloom.distributed.group import ParallelRankError
+from tokenloom.distributed.errors import ParallelRankError
 from tokenloom.engine import LLMEngine
 from tokenloom.metrics import EngineStats
 from tokenloom.outputs import RequestError, StepDelta

@@ -9,7 +9,7 @@ import torch
 from tokenloom.allocator import KEEP_BELOW, reserve_heap
 from tokenloom.attention import AttentionMetadata, reads_past_context
 from tokenloom.batch import SeqChunk, build_batch
-from tokenloom.distributed.group import ParallelRankError
+from tokenloom.distributed.errors import ParallelRankError
 from tokenloom.kv_cache.paged import PagedKVCache
 from tokenloom.models.base import CausalLM
 from tokenloom.models.op_tape import StepTapes

@@ -14,12 +14,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tokenloom.distributed.errors import ParallelRankError
+
 STEP_TIMEOUT_S = 120.0            # a collective inside a step waits this long for the other ranks
 IDLE_TIMEOUT = timedelta(days=7)  # a worker waits this long for rank 0's next command
-
-
-class ParallelRankError(RuntimeError):
-    """Another rank stopped answering (it died, or its link did)."""
 
 
 @dataclass

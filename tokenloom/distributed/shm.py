@@ -25,6 +25,8 @@ from collections.abc import Callable
 
 import torch
 
+from tokenloom.distributed.errors import ParallelRankError
+
 LIVENESS_EVERY_S = 0.01          # a waiting rank asks whether its peers live this often
 FLAG_STRIDE = 8                   # int64s between ranks' sequence numbers (64 bytes: no false sharing)
 SLOT_BYTES = 1 << 20              # per rank and buffer: a (T, hidden) float32 tensor up to 1 MiB
@@ -75,7 +77,6 @@ class SharedMemoryAllReduce:
         return x.copy_(total)
 
     def _wait_for(self, seq: int) -> None:
-        from tokenloom.distributed.group import ParallelRankError
         numbers = self.flags[::FLAG_STRIDE]
         spins, deadline, next_check = 0, None, 0.0
         while int(numbers.min()) < seq:

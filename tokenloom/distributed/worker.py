@@ -17,7 +17,8 @@ import sys
 import torch
 
 from tokenloom.config import EngineConfig, parse_dtype
-from tokenloom.distributed.group import ParallelRankError, init_group, rank_device
+from tokenloom.distributed.errors import ParallelRankError
+from tokenloom.distributed.group import init_group, rank_device
 from tokenloom.distributed.layers import parallelize
 from tokenloom.distributed.pipeline import Pipeline, PipelineStage
 from tokenloom.distributed.shard import TensorShard
