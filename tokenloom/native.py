@@ -12,6 +12,7 @@ import hashlib
 import logging
 import os
 import re
+import time
 from pathlib import Path
 
 import torch
@@ -90,22 +91,65 @@ def load_module(source: Path, what: str):
     return _modules[source]
 
 
+def library_name(source: Path, isa: str) -> str:
+    """The name `source` builds under for `isa`: it carries a hash of the source and its headers,
+    so an edit builds anew and a built library is never stale."""
+    return f"tokenloom_{source.stem}_{isa}_{hashlib.sha1(_text_with_headers(source)).hexdigest()[:10]}"
+
+
+STALE_LOCK_S = 300      # a build holds its folder's lock for ~15-30 s; one this old was left by a killed process
+
+
 def _build(source: Path, what: str, isa: str, python_module: bool = False):
     """Compile `source` for `isa` into torch's extension cache: True (or the module, where
-    `python_module`), False where it cannot be."""
+    `python_module`), False where it cannot be. A library already built (its name carries the
+    source's hash) is loaded straight from its .so, without torch's build lock."""
     if os.environ.get("TOKENLOOM_NO_KERNELS") == "1" or not _HAS_ISA[isa]():
         return False
     from torch.utils.cpp_extension import _get_build_directory
     from torch.utils.cpp_extension import load as build
-    digest = hashlib.sha1(_text_with_headers(source)).hexdigest()[:10]
-    name = f"tokenloom_{source.stem}_{isa}_{digest}"
+    name = library_name(source, isa)
     try:
         # torch builds under <root>/py311_cpu/<name>/ (its private helper names the folder)
-        if not os.path.exists(os.path.join(_get_build_directory(name, verbose=False), f"{name}.so")):
-            log.info("compiling tokenloom's %s for %s (once, ~15 s)", what, isa)
+        folder = _get_build_directory(name, verbose=False)
+        built = os.path.join(folder, f"{name}.so")
+        if os.path.exists(built) and (module := _load_built(built, name, python_module)) is not None:
+            return module
+        log.info("compiling tokenloom's %s for %s (once, ~15 s)", what, isa)
+        clear_stale_lock(folder)
         module = build(name=name, sources=[str(source)], is_python_module=python_module,
                        extra_cflags=["-O3", *_ISA_FLAGS[isa], "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # no compiler, no ninja, a toolchain error: fall back, say why once
         log.warning("tokenloom's %s (%s) could not be built (%s); using the slower torch fallback", what, isa, e)
         return False
     return module if python_module else True
+
+
+def _load_built(path: str, name: str, python_module: bool):
+    """The library at `path` loaded (its module, or True for an ops library); None if it does not load."""
+    try:
+        if not python_module:
+            torch.ops.load_library(path)
+            return True
+        import importlib.util
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    except (OSError, ImportError, RuntimeError) as e:
+        log.info("rebuilding %s: the built library does not load (%s)", name, e)
+        return None
+
+
+def clear_stale_lock(folder: str) -> bool:
+    """Remove torch's build lock in `folder` if older than STALE_LOCK_S (a build killed while it held
+    the lock leaves it, and every later build would wait on it forever); True if removed."""
+    lock = os.path.join(folder, "lock")
+    try:
+        if time.time() - os.path.getmtime(lock) > STALE_LOCK_S:
+            os.remove(lock)
+            log.warning("removed a stale build lock left by an interrupted build: %s", lock)
+            return True
+    except FileNotFoundError:
+        pass
+    return False
