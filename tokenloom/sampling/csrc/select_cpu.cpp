@@ -40,39 +40,12 @@ inline float lanes_max(__m256 v) {
   return m;
 }
 
-// Over the entries of row[0, V) that are not -inf: their count, sum (float lanes flushed into a
-// double every kFlush columns) and maximum.
-void finite_sum_max(const float* row, int64_t V, int64_t& count, double& sum, float& top) {
+// Over row[0, V): a sum accumulated 8 columns at a time by `add8(s, x, finite)` -> s (x the
+// columns, finite their mask of entries that are not -inf) in float lanes flushed into a double
+// every kFlush columns, plus `add1(x)` for each finite entry of the columns past the last 8.
+template <typename Add8, typename Add1>
+double flushed_sum(const float* row, int64_t V, Add8 add8, Add1 add1) {
   const __m256 neg_inf = _mm256_set1_ps(kNegInf);
-  __m256 m = neg_inf;
-  int64_t v = 0;
-  count = 0;
-  sum = 0;
-  while (v + 8 <= V) {
-    __m256 s = _mm256_setzero_ps();
-    const int64_t end = std::min(V, v + kFlush);
-    for (; v + 8 <= end; v += 8) {
-      const __m256 x = _mm256_loadu_ps(row + v);
-      const __m256 finite = _mm256_cmp_ps(x, neg_inf, _CMP_NEQ_UQ);
-      s = _mm256_add_ps(s, _mm256_and_ps(x, finite));
-      m = _mm256_max_ps(m, x);
-      count += __builtin_popcount(_mm256_movemask_ps(finite));
-    }
-    sum += lanes_sum(s);
-  }
-  top = lanes_max(m);
-  for (; v < V; ++v)
-    if (row[v] != kNegInf) {
-      sum += row[v];
-      ++count;
-      top = std::max(top, row[v]);
-    }
-}
-
-// The sum of (x - mean)^2 over the entries of row[0, V) that are not -inf (float lanes flushed
-// into a double every kFlush columns).
-double finite_square_deviation(const float* row, int64_t V, float mean) {
-  const __m256 neg_inf = _mm256_set1_ps(kNegInf), mu = _mm256_set1_ps(mean);
   double total = 0;
   int64_t v = 0;
   while (v + 8 <= V) {
@@ -80,14 +53,45 @@ double finite_square_deviation(const float* row, int64_t V, float mean) {
     const int64_t end = std::min(V, v + kFlush);
     for (; v + 8 <= end; v += 8) {
       const __m256 x = _mm256_loadu_ps(row + v);
-      const __m256 d = _mm256_and_ps(_mm256_sub_ps(x, mu), _mm256_cmp_ps(x, neg_inf, _CMP_NEQ_UQ));
-      s = _mm256_fmadd_ps(d, d, s);
+      s = add8(s, x, _mm256_cmp_ps(x, neg_inf, _CMP_NEQ_UQ));
     }
     total += lanes_sum(s);
   }
   for (; v < V; ++v)
-    if (row[v] != kNegInf) total += static_cast<double>(row[v] - mean) * (row[v] - mean);
+    if (row[v] != kNegInf) total += add1(row[v]);
   return total;
+}
+
+// Over the entries of row[0, V) that are not -inf: their count, sum and maximum, in one pass.
+void finite_sum_max(const float* row, int64_t V, int64_t& count, double& sum, float& top) {
+  __m256 m = _mm256_set1_ps(kNegInf);
+  float tail_top = kNegInf;
+  count = 0;
+  sum = flushed_sum(
+      row, V,
+      [&](__m256 s, __m256 x, __m256 finite) {
+        m = _mm256_max_ps(m, x);
+        count += __builtin_popcount(_mm256_movemask_ps(finite));
+        return _mm256_add_ps(s, _mm256_and_ps(x, finite));
+      },
+      [&](float x) {
+        ++count;
+        tail_top = std::max(tail_top, x);
+        return static_cast<double>(x);
+      });
+  top = std::max(lanes_max(m), tail_top);
+}
+
+// The sum of (x - mean)^2 over the entries of row[0, V) that are not -inf.
+double finite_square_deviation(const float* row, int64_t V, float mean) {
+  const __m256 mu = _mm256_set1_ps(mean);
+  return flushed_sum(
+      row, V,
+      [&](__m256 s, __m256 x, __m256 finite) {
+        const __m256 d = _mm256_and_ps(_mm256_sub_ps(x, mu), finite);
+        return _mm256_fmadd_ps(d, d, s);
+      },
+      [&](float x) { return static_cast<double>(x - mean) * (x - mean); });
 }
 
 // Per row of x (B, V): the count, mean, population standard deviation and maximum of the
@@ -152,25 +156,17 @@ at::Tensor row_logsumexp(const at::Tensor& x) {
       double unused;
       float top;
       finite_sum_max(row, V, count, unused, top);
-      if (top == kNegInf || std::isinf(top)) {
+      if (std::isinf(top)) {                  // nothing finite (-inf), or +inf dominates
         op[b] = top;
         continue;
       }
-      const __m256 neg_inf = _mm256_set1_ps(kNegInf), shift = _mm256_set1_ps(top);
-      double total = 0;
-      int64_t v = 0;
-      while (v + 8 <= V) {
-        __m256 s = _mm256_setzero_ps();
-        const int64_t end = std::min(V, v + kFlush);
-        for (; v + 8 <= end; v += 8) {
-          const __m256 xv = _mm256_loadu_ps(row + v);
-          const __m256 e = exp8(_mm256_sub_ps(xv, shift));
-          s = _mm256_add_ps(s, _mm256_and_ps(e, _mm256_cmp_ps(xv, neg_inf, _CMP_NEQ_UQ)));
-        }
-        total += lanes_sum(s);
-      }
-      for (; v < V; ++v)
-        if (row[v] != kNegInf) total += std::exp(static_cast<double>(row[v]) - top);
+      const __m256 shift = _mm256_set1_ps(top);
+      const double total = flushed_sum(
+          row, V,
+          [&](__m256 s, __m256 x, __m256 finite) {
+            return _mm256_add_ps(s, _mm256_and_ps(exp8(_mm256_sub_ps(x, shift)), finite));
+          },
+          [&](float x) { return std::exp(static_cast<double>(x) - top); });
       op[b] = top + static_cast<float>(std::log(total));
     }
   });
