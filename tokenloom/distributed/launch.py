@@ -51,9 +51,10 @@ class Ranks:
             dist.destroy_process_group()
 
 
-def start_ranks(config: EngineConfig) -> Ranks:
+def start_ranks(config: EngineConfig, model_config) -> Ranks:
     """Joined through torchrun's rendezvous where this process is torchrun's rank 0, else ranks
-    1 .. N-1 spawned on this machine (each with cores / N threads, as rank 0 then)."""
+    1 .. N-1 spawned on this machine (each with cores / N threads, as rank 0 then), handed the
+    model's config rank 0 has read so that they do not read it again to plan their share."""
     size = config.world_size
     if dist.is_initialized():
         raise RuntimeError("this process already runs a model split over ranks: stop it first "
@@ -70,8 +71,9 @@ def start_ranks(config: EngineConfig) -> Ranks:
     threads = threads_per_rank(size)
     shm_path = SharedMemoryAllReduce.create(size) if SharedMemoryAllReduce.usable() else None
     context = mp.get_context("spawn")
-    processes = [context.Process(target=worker_main, args=(rank, size, init_method, config, threads, shm_path),
-                                 name=f"tokenloom-rank-{rank}", daemon=True) for rank in range(1, size)]
+    processes = [context.Process(target=worker_main, name=f"tokenloom-rank-{rank}", daemon=True,
+                                 args=(rank, size, init_method, config, threads, shm_path, model_config))
+                 for rank in range(1, size)]
     for p in processes:
         p.start()
     torch.set_num_threads(threads)

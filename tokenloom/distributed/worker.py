@@ -51,17 +51,18 @@ def load_share(config: EngineConfig, plan: TensorShard | PipelineStage, group):
 
 
 def worker_main(rank: int, size: int, init_method: str, config: EngineConfig, threads: int | None = None,
-                shm_path: str | None = None) -> None:
-    """The process of rank `rank` of `size` (started by launch.py, with the shared-memory file of
-    its all-reduces; or by torchrun)."""
+                shm_path: str | None = None, model_config=None) -> None:
+    """The process of rank `rank` of `size`: started by launch.py (with the shared-memory file of its
+    all-reduces and the model's config rank 0 read), or by torchrun (which reads the config here)."""
     torch.set_num_threads(threads or threads_per_rank(size))
-    from tokenloom.loader.load import load_checkpoint
+    if model_config is None:
+        from tokenloom.loader.load import load_checkpoint
+        model_config = load_checkpoint(config.model).config
     config = dataclasses.replace(config, device=rank_device(config.device, rank))
     parent = os.getppid()
     group = init_group(rank, size, init_method, config.device, shm_path, lambda: os.getppid() == parent)
     try:
-        serve(load_share(config, parallel_plan(config, rank, load_checkpoint(config.model).config), group), group,
-              config)
+        serve(load_share(config, parallel_plan(config, rank, model_config), group), group, config)
     except ParallelRankError:
         sys.exit(0)                               # rank 0 is gone: so is the engine this rank served
 

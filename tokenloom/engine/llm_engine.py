@@ -60,7 +60,7 @@ class LLMEngine:
         plan = parallel_plan(config, 0, checked)
         plan.check(checked, model_class(checked))
         rank_device(config.device, 0)                         # CUDA: rank 0 on this node's first GPU
-        self.ranks = start_ranks(config)
+        self.ranks = start_ranks(config, checked)
         return load_share(config, plan, self.ranks.group)
 
     # ---- what callers read -------------------------------------------------------------------

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from tokenloom import native
+from tokenloom.models import fused
 
 _SOURCE = Path(__file__).parent / "csrc" / "select_cpu.cpp"
 TOP_K_SHARE = 16           # row_top_k only for k <= V / TOP_K_SHARE; past that torch.topk's selection wins
@@ -73,7 +74,6 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     each core scans the columns its half of the LM head just wrote (16 x 49152: 35 us, ~0.45 ms
     for max() in a serving step); else max(), on the CPU 3x faster than argmax (16 x 49152: 173
     vs 524 us)."""
-    from tokenloom.models import fused
     if x.dim() == 2 and x.shape[1] > 0 and x.stride(1) == 1 and fused.enabled(x):
         return fused.row_argmax(x)
     return x.max(dim=-1).indices
