@@ -3,7 +3,8 @@
 
 For each file, in one run on this machine, each configuration in its own process:
   - tokenloom: `tokenloom bench --json` (batch 1, 128-token prompt, 64 new tokens, median
-    of --runs after a warm-up) with a 64 MiB KV cache, and the process's peak RSS;
+    of --runs after a warm-up) with a context of 192 tokens, as llama-bench gives itself
+    (its n_ctx is n_prompt + n_gen), and the process's peak RSS;
   - llama.cpp: `llama-bench -p 128 -n 64 -t <threads>` (its own medians), peak RSS by
     /usr/bin/time; skipped where no llama-bench binary is found (--llama-bench or
     $LLAMA_BENCH; ../shared/MODELS.md says how to build it).
@@ -32,7 +33,7 @@ PROMPT, NEW = 128, 64
 
 def run_tokenloom(path: Path, runs: int) -> dict:
     cmd = [sys.executable, "-m", "tokenloom.cli", "bench", "-m", str(path), "--json", "--runs", str(runs),
-           "--prompt-tokens", str(PROMPT), "--new-tokens", str(NEW), "--kv-cache-memory", "0.0625"]
+           "--prompt-tokens", str(PROMPT), "--new-tokens", str(NEW), "--max-model-len", str(PROMPT + NEW)]
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode != 0:
         raise RuntimeError(f"tokenloom bench failed on {path.name}: {out.stderr[-2000:]}")
@@ -48,7 +49,7 @@ def run_llama_cpp(binary: str, path: Path, runs: int, threads: int) -> dict:
         raise RuntimeError(f"llama-bench failed on {path.name}: {out.stderr[-2000:]}")
     rows = json.loads(out.stdout)
     speed = {("prefill" if r["n_prompt"] else "decode"): r["avg_ts"] for r in rows}
-    rss = int(re.search(r"maxrss_kb=(\d+)", out.stderr).group(1)) / 1e3
+    rss = int(re.search(r"maxrss_kb=(\d+)", out.stderr).group(1)) * 1024 / 1e6     # GNU time's %M is KiB
     return speed | {"rss_mb": rss}
 
 

@@ -124,3 +124,18 @@ def test_runner_reserves_for_its_token_budget(monkeypatch):
     gpu = types.SimpleNamespace(device=torch.device("cuda"), model=cpu.model)
     assert not runner.ModelRunner.reserve_activation_memory(gpu, 1000, torch.float32)
     assert len(asked) == 2
+
+
+def test_engine_reserves_no_more_step_tokens_than_its_kv_cache_holds(tiny_model_dir, monkeypatch):
+    """A step computes at most what the KV cache holds (each token it computes is written there):
+    a one-context cache of 64 tokens reserves for 64, not the 8,192-token step budget."""
+    from tokenloom import runner
+    from tokenloom.llm import LLM
+    asked = []
+    monkeypatch.setattr(runner.ModelRunner, "reserve_activation_memory",
+                        lambda self, tokens, dtype: asked.append(tokens) or True)
+    llm = LLM(str(tiny_model_dir("llama_gqa")), max_model_len=64, kv_cache_contexts=1, max_num_batched_tokens=8192)
+    kv_tokens = llm.engine.core.runner.kv_cache.num_tokens
+    assert kv_tokens < 8192 and asked == [kv_tokens]
+    big = LLM(str(tiny_model_dir("llama_gqa")), max_num_batched_tokens=512)          # a 1 GiB cache: the budget binds
+    assert asked[-1] == 512 and big.engine.core.runner.kv_cache.num_tokens > 512

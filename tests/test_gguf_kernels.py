@@ -13,6 +13,7 @@ import torch
 from tokenloom import native
 from tokenloom.quant import ggml, gguf_blocks, gguf_panels
 from tokenloom.quant.ggml import KERNEL_TYPES, GGMLTensor
+from tokenloom.quant.kernels import panels_available as ggml_panels_available
 
 # byte offsets of each type's float16 fields (random bytes there could be inf/nan)
 HALF_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "IQ4_NL": [0],
@@ -184,3 +185,25 @@ def test_panel_product_of_a_row_does_not_depend_on_the_batch(kind):
     batch = panels.linear(x, None)
     for i in range(m):
         assert torch.equal(batch[i:i + 1], panels.linear(x[i:i + 1], None)), f"row {i}"
+
+
+@pytest.mark.skipif(not ggml_panels_available(), reason="int8/int4 panel kernels need AVX-512 VNNI")
+@pytest.mark.parametrize("kind", [8, 3], ids=["Q8_0", "Q4_1"])
+def test_a_whole_head_loads_straight_into_panels_as_the_two_steps_would(kind, monkeypatch):
+    """QuantizedLinear takes a whole GGUF tensor of its exact format chunk by chunk into the
+    panel layout: the same buffers as loading the row layout and re-laying it (use_panels),
+    rows past a chunk boundary included."""
+    from tokenloom.quant import modules
+    monkeypatch.setattr(modules, "PANEL_LOAD_ROWS", 32)          # 80 rows: chunks of 32, 32, 16
+    n, k = 80, 256
+    blocks = GGMLTensor(kind, torch.from_numpy(random_blocks(kind, n, k)), k)
+    fmt = gguf_blocks.EXACT_FORMATS[kind]
+    direct, two_steps = (modules.QuantizedLinear(k, n, False, fmt) for _ in range(2))
+    direct.load_weight(blocks)
+    two_steps.load_weight(gguf_blocks.to_quantized(blocks), rows=slice(0, n))
+    assert direct.panel_layout and not two_steps.panel_layout
+    assert two_steps.use_panels()
+    for name in ("qweight", "scales", "offsets"):
+        a, b = getattr(direct, name), getattr(two_steps, name)
+        assert (a is None and b is None) or (a.shape == b.shape and torch.equal(a, b)), name
+    assert torch.equal(direct.weight_q.dequantize(), reference(kind, blocks.data.numpy(), k))

@@ -140,3 +140,18 @@ def test_cli_flags_build_the_constraint(tmp_path):
     assert parse() is None
     with pytest.raises(SystemExit):
         parse("--json", "--regex", "a")            # mutually exclusive
+
+
+def test_the_tokenizer_text_is_made_only_when_a_grammar_needs_it(tiny_model_dir):
+    """GrammarCompiler takes a callable for the tokenizer's JSON and calls it on first use only
+    (a 151k-token vocabulary's text and trie are ~33 MB a process without constraints never needs)."""
+    from tokenloom.structured.grammars import GrammarCompiler
+    from tokenloom.structured.spec import StructuredOutput
+    from tokenloom.tokenizer import Tokenizer
+    tok = Tokenizer.from_folder(tiny_model_dir("llama_gqa"))
+    made = []
+    compiler = GrammarCompiler(lambda: made.append(1) or tok.backend.to_str(), tok.vocab_size, [0])
+    assert made == []
+    compiler.matcher(StructuredOutput("regex", "ab+"))
+    compiler.matcher(StructuredOutput("regex", "c+"))
+    assert made == [1]

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import os
 import sys
@@ -54,8 +55,10 @@ def keep_freed_memory() -> bool:
     return _done
 
 
+@functools.cache
 def _libc() -> ctypes.CDLL:
-    """The C library (raises OSError where there is none to load)."""
+    """The C library (raises OSError where there is none to load); found once (find_library runs
+    ldconfig in a subprocess: ~10 ms a call)."""
     return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
 
 
@@ -108,3 +111,4 @@ def release_free_memory() -> bool:
         return bool(_libc().malloc_trim(0))
     except (OSError, AttributeError):
         return False
+

@@ -62,7 +62,7 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
         self.runner = ModelRunner(loaded.model, kv, config.device)
         self.reserve_activation_memory()
-        self.grammars = GrammarCompiler(loaded.tokenizer.backend.to_str(), loaded.config.vocab_size,
+        self.grammars = GrammarCompiler(loaded.tokenizer.backend.to_str, loaded.config.vocab_size,
                                         sorted(self.eos_token_ids))
         self.sampling_vocab = SamplingVocab(loaded.tokenizer, loaded.config.vocab_size)
         self.proposer = None if config.speculative is None else SpecProposer.create(
@@ -81,9 +81,11 @@ class EngineCore:
 
     def reserve_activation_memory(self) -> bool:
         """Grow the heap for one full step's activations now (ModelRunner.reserve_activation_memory):
-        at start-up, and again after other code in the process has taken the freed heap."""
-        return self.runner.reserve_activation_memory(self.config.scheduler.max_num_batched_tokens,
-                                                     parse_dtype(self.config.dtype))
+        at start-up, and again after other code in the process has taken the freed heap. A step
+        computes at most max_num_batched_tokens, and no more than the KV cache holds (each token
+        it computes writes there): a one-context cache of 192 tokens needs no 8,192-token reserve."""
+        step_tokens = min(self.config.scheduler.max_num_batched_tokens, self.runner.kv_cache.num_tokens)
+        return self.runner.reserve_activation_memory(step_tokens, parse_dtype(self.config.dtype))
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError (naming the problem) for input the model cannot take; changes nothing."""

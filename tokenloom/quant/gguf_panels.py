@@ -23,7 +23,7 @@ Q5_0, Q5_1, Q4_K, Q5_K, Q6_K = 6, 7, 12, 13, 14
 LAYOUTS = {Q5_0: (1, 16, False, False, torch.float16), Q5_1: (1, 0, False, True, torch.float16),
            Q4_K: (0, 0, False, True, torch.float32), Q5_K: (1, 0, False, True, torch.float32),
            Q6_K: (2, 32, True, False, torch.float32)}
-_CHUNK_ROWS = 1024
+_CHUNK_ROWS = 256
 
 
 @dataclass
