@@ -55,12 +55,18 @@ def abuses(base: str) -> dict[str, dict]:
     }
 
 
-async def _post(http: httpx.AsyncClient, base: str, body) -> int:
+def encoded(body) -> bytes:
+    """A request body as the bytes sent: encoded once, before the rounds, since an abuser on
+    another machine spends none of the server's CPU on its JSON (here it shares the 2 cores;
+    encoding the 4 MB prompt and the 10^5 stop strings every round cost the abuser's process
+    ~0.2 s of CPU a round)."""
     if body == "LONE":
-        content = b'{"model": "bench", "prompt": "a\\ud800b", "max_tokens": 2}'
-        r = await http.post(f"{base}/v1/completions", content=content, headers={"content-type": "application/json"})
-    else:
-        r = await http.post(f"{base}/v1/completions", json={"model": "bench"} | body)
+        return b'{"model": "bench", "prompt": "a\\ud800b", "max_tokens": 2}'
+    return json.dumps({"model": "bench"} | body).encode()
+
+
+async def _post(http: httpx.AsyncClient, base: str, content: bytes) -> int:
+    r = await http.post(f"{base}/v1/completions", content=content, headers={"content-type": "application/json"})
     return r.status_code
 
 
@@ -99,7 +105,8 @@ async def _left_beam_search(http: httpx.AsyncClient, base: str, answers: Counter
 
 
 async def _crowd(http: httpx.AsyncClient, base: str, answers: Counter) -> None:
-    codes = await asyncio.gather(*(_post(http, base, {"prompt": "Hi", "max_tokens": 64}) for _ in range(300)),
+    body = encoded({"prompt": "Hi", "max_tokens": 64})
+    codes = await asyncio.gather(*(_post(http, base, body) for _ in range(300)),
                                  return_exceptions=True)
     for code in codes:
         answers[f"300 requests at once: {code if isinstance(code, int) else type(code).__name__}"] += 1
@@ -115,10 +122,11 @@ async def abuser(base: str, done: asyncio.Event, answers: Counter, skip: set[str
         side = [asyncio.create_task(_hog(http, base, done, answers))] if "hog" not in skip else []
         side += [asyncio.create_task(_slow_body(base, answers))] if "slow" not in skip else []
 
-        async def one(name: str, body) -> None:
+        async def one(name: str, body: bytes) -> None:
             answers[f"{name}: {await _post(http, base, body)}"] += 1
+        bodies = {name: encoded(body) for name, body in abuses(base).items()}
         while not done.is_set():
-            round_ = [one(name, body) for name, body in abuses(base).items()] if "requests" not in skip else []
+            round_ = [one(name, body) for name, body in bodies.items()] if "requests" not in skip else []
             round_ += [_left_beam_search(http, base, answers)] if "beam" not in skip else []
             round_ += [_crowd(http, base, answers)] if "crowd" not in skip else []
             await asyncio.gather(*round_)
@@ -138,11 +146,14 @@ async def probe(base: str, done: asyncio.Event) -> float:
     return worst
 
 
-async def side_role(role: str, base: str, skip: set[str]) -> None:
+async def side_role(role: str, base: str, skip: set[str], abuser_nice: int = 0) -> None:
     """This process is the probe or the abuser until its stdin closes; then it prints what it saw
     as JSON. Each has a process of its own, as it would be another client: in the clients'
     process, 300 requests at once delay that process's own event loop, and the probe would time
-    it instead of the server (seen: /health 2.6 s from inside, 8 ms from another process)."""
+    it instead of the server (seen: /health 2.6 s from inside, 8 ms from another process).
+    The abuser runs at niceness `abuser_nice`: an abusive client on another machine spends none
+    of the server's CPU, while here its process (~2.7 s of CPU a phase, in bursts: 300 requests
+    at once) shares the server's 2 cores, which the engine's steps then wait for."""
     done, loop, stdin = asyncio.Event(), asyncio.get_running_loop(), sys.stdin.fileno()
 
     def on_stdin() -> None:
@@ -151,19 +162,22 @@ async def side_role(role: str, base: str, skip: set[str]) -> None:
             done.set()
     loop.add_reader(stdin, on_stdin)
     print("ready", flush=True)
+    if role == "abuser":
+        os.nice(abuser_nice)
     if role == "probe":
         print(json.dumps({"health_worst_s": await probe(base, done)}))
     else:
         answers: Counter = Counter()
+        started = time.process_time()
         await abuser(base, done, answers, skip)
-        print(json.dumps({"abuser_answers": dict(answers)}))
+        print(json.dumps({"abuser_answers": dict(answers), "abuser_cpu_s": time.process_time() - started}))
 
 
-async def _start_side(role: str, base: str, skip: set[str]) -> asyncio.subprocess.Process:
+async def _start_side(role: str, base: str, skip: set[str], abuser_nice: int) -> asyncio.subprocess.Process:
     """The role's process, once it has started (its imports would otherwise share the first
     second of the workload's CPU)."""
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, __file__, "--role", role, "--base", base, "--skip", *skip,
+        sys.executable, __file__, "--role", role, "--base", base, "--abuser-nice", str(abuser_nice), "--skip", *skip,
         stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
     await proc.stdout.readline()
     return proc
@@ -174,10 +188,10 @@ async def _stop_side(proc: asyncio.subprocess.Process) -> dict:
     return json.loads(out.decode().strip().splitlines()[-1])
 
 
-async def phase(base: str, reqs, abusive: bool, skip: set[str]) -> tuple[dict, dict, float, int]:
-    sides = [await _start_side("probe", base, skip)]
+async def phase(base: str, reqs, abusive: bool, skip: set[str], abuser_nice: int) -> tuple[dict, dict, float, int]:
+    sides = [await _start_side("probe", base, skip, abuser_nice)]
     if abusive:
-        sides.append(await _start_side("abuser", base, skip))
+        sides.append(await _start_side("abuser", base, skip, abuser_nice))
         await asyncio.sleep(2)                                   # the abuse under way first
     errors = 0
     try:
@@ -185,7 +199,7 @@ async def phase(base: str, reqs, abusive: bool, skip: set[str]) -> tuple[dict, d
     except httpx.HTTPError:
         errors, run = 1, None
     reports = [await _stop_side(proc) for proc in sides]
-    answers = reports[1]["abuser_answers"] if abusive else {}
+    answers = reports[1]["abuser_answers"] | {"abuser CPU s": reports[1]["abuser_cpu_s"]} if abusive else {}
     return (run.summary() if run else {}), answers, reports[0]["health_worst_s"], errors
 
 
@@ -207,11 +221,14 @@ def main() -> None:
     p.add_argument("--skip", nargs="*", default=[], choices=SIDE_ABUSES,
                    help="leave these abuses out (to see what each costs): hog, slow (body), beam, crowd (300 "
                         "requests at once), requests (the single bad requests)")
+    p.add_argument("--abuser-nice", type=int, default=10,
+                   help="niceness of the abuser's process (default 10): on one machine its own CPU, which a remote "
+                        "abuser would not take from the server, slows the engine's steps; 0 to measure that too")
     p.add_argument("--role", choices=["probe", "abuser"], help=argparse.SUPPRESS)
     p.add_argument("--base", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.role:
-        asyncio.run(side_role(args.role, args.base, set(args.skip)))
+        asyncio.run(side_role(args.role, args.base, set(args.skip), args.abuser_nice))
         return
     model = args.model or str(hub.default_model_path())
     server = start_server(model, args.port, 64)
@@ -221,7 +238,8 @@ def main() -> None:
     try:
         asyncio.run(_http_run(base, reqs[:4], 4))                 # warm-up
         for label, abusive in tqdm([("alone", False), ("beside the abuser", True)], desc="phases"):
-            summary, answers, worst, errors = asyncio.run(phase(base, reqs, abusive, set(args.skip)))
+            summary, answers, worst, errors = asyncio.run(phase(base, reqs, abusive, set(args.skip),
+                                                                args.abuser_nice))
             results[label] = {"clients": summary, "client_errors": errors, "abuser_answers": dict(answers),
                               "health_worst_s": worst}
         results["kv_blocks_after"] = blocks_in_use(base)
@@ -230,7 +248,8 @@ def main() -> None:
         server.wait(timeout=60)
     print_report(results, cpu_name())
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "bench_abuse.json").write_text(json.dumps(results | {"cpu": cpu_name(), "skipped": args.skip},
+    (RESULTS / "bench_abuse.json").write_text(json.dumps(results | {"cpu": cpu_name(), "skipped": args.skip,
+                                                                    "abuser_nice": args.abuser_nice},
                                                          indent=2))
 
 
@@ -244,8 +263,10 @@ def print_report(res: dict, cpu: str) -> None:
     print(f"| client errors | {alone['client_errors']} | {abused['client_errors']} | |")
     print(f"| /health worst (s) | {alone['health_worst_s']:.3f} | {abused['health_worst_s']:.3f} | |")
     print(f"KV blocks in use after: {res['kv_blocks_after']:g}")
+    answers = dict(abused["abuser_answers"])
+    print(f"the abuser's own process used {answers.pop('abuser CPU s', float('nan')):.1f} s of CPU")
     print("\nwhat the abuser was answered (status: count)")
-    for answer, count in sorted(abused["abuser_answers"].items()):
+    for answer, count in sorted(answers.items()):
         print(f"  {answer} x {count}")
 
 

@@ -9,6 +9,7 @@ import re
 import jsonschema
 import openai
 import pytest
+import torch
 
 from tests.server_harness import ThreadedServer, wait_until_idle
 from tokenloom import SamplingParams
@@ -155,3 +156,23 @@ def test_the_tokenizer_text_is_made_only_when_a_grammar_needs_it(tiny_model_dir)
     compiler.matcher(StructuredOutput("regex", "ab+"))
     compiler.matcher(StructuredOutput("regex", "c+"))
     assert made == [1]
+
+
+@pytest.mark.parametrize("vocab", [1, 31, 32, 33, 1000])
+def test_bitmask_application_matches_llguidance_reference(vocab):
+    """masks.apply_bitmask against llguidance's own numpy implementation (random words, a vocabulary
+    that does and does not fill its last word, logits wider than the mask)."""
+    import numpy as np
+    from llguidance.numpy import apply_token_bitmask_inplace
+
+    from tokenloom.structured.masks import apply_bitmask
+    g = torch.Generator().manual_seed(vocab)
+    words = (vocab + 31) // 32
+    mask = torch.randint(-2**31, 2**31 - 1, (3, words), generator=g, dtype=torch.int64).to(torch.int32)
+    for width in (vocab, vocab + 5):                                # logits past the mask: all -inf
+        logits = torch.randn(3, width, generator=g)
+        ours, theirs = logits.clone(), logits.numpy().copy()
+        apply_bitmask(ours, mask)
+        apply_token_bitmask_inplace(theirs, mask.numpy())
+        assert np.array_equal(ours.numpy(), theirs)
+        assert torch.isinf(ours).any() and torch.isfinite(ours).any()

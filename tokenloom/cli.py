@@ -116,6 +116,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_pending_tokens=args.max_pending_tokens, max_running_per_request=args.max_running_per_request,
         max_running_per_client=args.max_running_per_client, default_max_tokens=args.default_max_tokens)
     engine = AsyncLLMEngine.build(lambda: make_llm(args).engine)   # built on the thread that steps it
+    engine.prepare_for_serving()
     api_key = args.api_key or os.environ.get("TOKENLOOM_API_KEY")
     name = args.served_model_name or served_model_name(engine.model_path)
     app = build_app(engine, name, api_key=api_key, max_body_bytes=args.max_body_bytes,

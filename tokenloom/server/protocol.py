@@ -23,6 +23,7 @@ bad_words / dry_sequence_breakers of at most MAX_STOP_CHARS characters, seeds in
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -219,7 +220,20 @@ class _Sampling(BaseModel):
 
 def lone_surrogate(value: Any, path: str = "") -> str | None:
     """The path (``messages[0].content``) of the first string in `value` holding a lone UTF-16
-    surrogate, which JSON can carry but no tokenizer can encode; None if there is none."""
+    surrogate, which JSON can carry but no tokenizer can encode; None if there is none.
+
+    One C-speed pass over every string first: walking 10^5 stop strings or an anyOf of 5,000
+    schemas in Python took ~0.1 s of GIL for every such request, surrogate or not."""
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+        return None
+    except UnicodeEncodeError:
+        return _surrogate_path(value, path)
+    except (TypeError, ValueError):              # not plain JSON values: look at each
+        return _surrogate_path(value, path)
+
+
+def _surrogate_path(value: Any, path: str) -> str | None:
     if isinstance(value, str):
         try:
             value.encode("utf-8")                     # C speed, also for a 4 MB prompt
@@ -232,7 +246,7 @@ def lone_surrogate(value: Any, path: str = "") -> str | None:
         items = ((f"{path}[{i}]", v) for i, v in enumerate(value))
     else:
         return None
-    return next((found for p, v in items if (found := lone_surrogate(v, p)) is not None), None)
+    return next((found for p, v in items if (found := _surrogate_path(v, p)) is not None), None)
 
 
 def param_named_in(message: str) -> str | None:

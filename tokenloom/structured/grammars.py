@@ -50,6 +50,10 @@ class GrammarCompiler:
                                                      eos_token=self._eos or None)   # None: its own guess
         return self._tokenizer
 
+    def warm_up(self) -> None:
+        """Build the tokenizer's token trie now (a server, before its first constrained request)."""
+        _ = self.tokenizer
+
     def special_tokens(self, texts: tuple[str, ...], encode) -> frozenset[str]:
         """Those of `texts` that are a single special token to llguidance (a grammar must name
         them as <token>: their bytes never match a string); `encode(text)` gives a text's ids."""
