@@ -189,6 +189,7 @@ async def _stop_side(proc: asyncio.subprocess.Process) -> dict:
 
 
 async def phase(base: str, reqs, abusive: bool, skip: set[str], abuser_nice: int) -> tuple[dict, dict, float, int]:
+    """(the clients' summary, the abuser's report: its answers and CPU seconds, /health's worst, errors)."""
     sides = [await _start_side("probe", base, skip, abuser_nice)]
     if abusive:
         sides.append(await _start_side("abuser", base, skip, abuser_nice))
@@ -199,8 +200,7 @@ async def phase(base: str, reqs, abusive: bool, skip: set[str], abuser_nice: int
     except httpx.HTTPError:
         errors, run = 1, None
     reports = [await _stop_side(proc) for proc in sides]
-    answers = reports[1]["abuser_answers"] | {"abuser CPU s": reports[1]["abuser_cpu_s"]} if abusive else {}
-    return (run.summary() if run else {}), answers, reports[0]["health_worst_s"], errors
+    return (run.summary() if run else {}), reports[1] if abusive else {}, reports[0]["health_worst_s"], errors
 
 
 def blocks_in_use(base: str) -> float:
@@ -238,10 +238,11 @@ def main() -> None:
     try:
         asyncio.run(_http_run(base, reqs[:4], 4))                 # warm-up
         for label, abusive in tqdm([("alone", False), ("beside the abuser", True)], desc="phases"):
-            summary, answers, worst, errors = asyncio.run(phase(base, reqs, abusive, set(args.skip),
-                                                                args.abuser_nice))
-            results[label] = {"clients": summary, "client_errors": errors, "abuser_answers": dict(answers),
-                              "health_worst_s": worst}
+            summary, abuser, worst, errors = asyncio.run(phase(base, reqs, abusive, set(args.skip),
+                                                               args.abuser_nice))
+            results[label] = {"clients": summary, "client_errors": errors, "health_worst_s": worst,
+                              "abuser_answers": abuser.get("abuser_answers", {}),
+                              "abuser_cpu_s": abuser.get("abuser_cpu_s")}
         results["kv_blocks_after"] = blocks_in_use(base)
     finally:
         server.terminate()
@@ -263,10 +264,9 @@ def print_report(res: dict, cpu: str) -> None:
     print(f"| client errors | {alone['client_errors']} | {abused['client_errors']} | |")
     print(f"| /health worst (s) | {alone['health_worst_s']:.3f} | {abused['health_worst_s']:.3f} | |")
     print(f"KV blocks in use after: {res['kv_blocks_after']:g}")
-    answers = dict(abused["abuser_answers"])
-    print(f"the abuser's own process used {answers.pop('abuser CPU s', float('nan')):.1f} s of CPU")
+    print(f"the abuser's own process used {abused['abuser_cpu_s']:.1f} s of CPU")
     print("\nwhat the abuser was answered (status: count)")
-    for answer, count in sorted(answers.items()):
+    for answer, count in sorted(abused["abuser_answers"].items()):
         print(f"  {answer} x {count}")
 
 

@@ -193,8 +193,8 @@ def test_a_whole_head_loads_straight_into_panels_as_the_two_steps_would(kind, mo
     """QuantizedLinear takes a whole GGUF tensor of its exact format chunk by chunk into the
     panel layout: the same buffers as loading the row layout and re-laying it (use_panels),
     rows past a chunk boundary included."""
-    from tokenloom.quant import modules
-    monkeypatch.setattr(modules, "PANEL_LOAD_ROWS", 32)          # 80 rows: chunks of 32, 32, 16
+    from tokenloom.quant import modules, panels
+    monkeypatch.setattr(panels, "_CHUNK_ROWS", 32)               # 80 rows: chunks of 32, 32, 16
     n, k = 80, 256
     blocks = GGMLTensor(kind, torch.from_numpy(random_blocks(kind, n, k)), k)
     fmt = gguf_blocks.EXACT_FORMATS[kind]

@@ -198,7 +198,7 @@ def compiler(default_model_dir):
     from tokenloom.structured.grammars import GrammarCompiler
     from tokenloom.tokenizer import Tokenizer
     tok = Tokenizer.from_folder(default_model_dir)
-    return GrammarCompiler(tok.backend.to_str(), tok.vocab_size, [tok.token_to_id(tok.eos_token)]), tok
+    return GrammarCompiler(tok.backend.to_str, tok.vocab_size, [tok.token_to_id(tok.eos_token)]), tok
 
 
 def _accepts(compiler, grammar: str, text: str) -> bool:

@@ -111,4 +111,3 @@ def release_free_memory() -> bool:
         return bool(_libc().malloc_trim(0))
     except (OSError, AttributeError):
         return False
-

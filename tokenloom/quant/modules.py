@@ -29,7 +29,6 @@ from tokenloom.quant.scheme import WeightFormat
 
 log = logging.getLogger(__name__)
 
-PANEL_LOAD_ROWS = 4096   # rows of GGUF blocks re-laid as panels at a time (a multiple of panels.PANEL)
 GGML_BLOCKS = "ggml"   # a format_of answer: keep the GGUF file's blocks (GGMLLinear / GGMLEmbedding)
 
 class QuantizedLinear(nn.Module):
@@ -78,10 +77,12 @@ class QuantizedLinear(nn.Module):
         if self.panel_layout or self.qweight.device.type != "cpu" or not kernels.panels_available() \
                 or not panels.fits(self.stored_q):
             return self.panel_layout
-        packed = panels.to_panels(self.stored_q)
+        self._take_panels(panels.to_panels(self.stored_q))
+        return True
+
+    def _take_panels(self, packed: QuantizedTensor) -> None:
         self.qweight, self.scales, self.offsets = packed.data, packed.scales, packed.offsets
         self.panel_layout, self._kernel = True, None
-        return True
 
     def _bind_kernel(self):
         """The compiled kernel for this weight as one callable ``x2 -> y``, or False where there is
@@ -114,9 +115,10 @@ class QuantizedLinear(nn.Module):
         quantized into this layer's format.
         """
         if isinstance(tensor, GGMLTensor):
-            if exact_format(tensor.kind) == self.fmt and rows is None and self._load_blocks_as_panels(tensor):
+            exact = exact_format(tensor.kind) == self.fmt
+            if exact and rows is None and self._load_blocks_as_panels(tensor):
                 return
-            tensor = to_quantized(tensor) if exact_format(tensor.kind) == self.fmt else tensor.dequantize()
+            tensor = to_quantized(tensor) if exact else tensor.dequantize()
         if self.panel_layout:
             raise RuntimeError("load weights before use_panels() re-lays them")
         rows = rows if rows is not None else slice(None)
@@ -136,25 +138,17 @@ class QuantizedLinear(nn.Module):
 
     def _load_blocks_as_panels(self, tensor: GGMLTensor) -> bool:
         """Take the whole weight from GGUF blocks of this format straight into the panel layout,
-        a chunk of rows at a time; False (nothing done) where the panel kernels do not run.
+        a chunk of rows at a time; False (nothing done) where the panel kernels do not run it.
 
         The same values as load_weight + use_panels, without a whole row-layout copy beside
         the panels (a 151,936-row Q8_0 head: ~300 MB of load-time peak)."""
         if self.panel_layout or tensor.shape != (self.out_features, self.in_features) \
-                or not kernels.panels_available() or self.out_features % panels.PANEL:
+                or not kernels.panels_available():
             return False
-        whole = None
-        for start in range(0, self.out_features, PANEL_LOAD_ROWS):
-            chunk = panels.to_panels(to_quantized(tensor.rows(slice(start, start + PANEL_LOAD_ROWS))))
-            if whole is None:          # (P, ...) buffers shaped as the first chunk's panels
-                whole = [None if c is None else c.new_empty((self.out_features // panels.PANEL, *c.shape[1:]))
-                         for c in (chunk.data, chunk.scales, chunk.offsets)]
-            at = slice(start // panels.PANEL, start // panels.PANEL + chunk.data.shape[0])
-            for buffer, part in zip(whole, (chunk.data, chunk.scales, chunk.offsets)):
-                if buffer is not None:
-                    buffer[at] = part
-        self.qweight, self.scales, self.offsets = whole
-        self.panel_layout, self._kernel = True, None
+        packed = panels.from_row_chunks(lambda rows: to_quantized(tensor.rows(rows)), self.out_features)
+        if packed is None:
+            return False
+        self._take_panels(packed)
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,8 @@ whose scales are float16 values (what ``quantize`` and GGUF give) take the layou
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from tokenloom.quant.formats import BLOCK, QuantizedTensor, on_half_grid, pack_int4, unpack_int4
@@ -54,13 +56,28 @@ def to_panels(t: QuantizedTensor) -> QuantizedTensor:
     if not fits(t):
         raise ValueError(f"the panel layout needs a multiple of {PANEL} output rows and float16 scales, "
                          f"got {t.shape[0]} rows")
-    n, k = t.shape
-    data = torch.empty(n // PANEL, k // BLOCK, 4 if t.bits == 4 else 8, 64, dtype=torch.uint8)
-    for start in range(0, n, _CHUNK_ROWS):    # a chunk at a time: temporaries stay small for a vocabulary head
+    return from_row_chunks(t.rows, t.shape[0])
+
+
+def from_row_chunks(read: Callable[[slice], QuantizedTensor], n: int) -> QuantizedTensor | None:
+    """The panel layout of an `n`-row weight whose rows `read(rows)` gives in the row layout, re-laid
+    a chunk of rows at a time: temporaries stay small for a vocabulary head, and a source in another
+    layout (GGUF blocks) is never converted whole beside the panels. None where a chunk does not
+    fit the panel layout (`fits`)."""
+    whole, chunk = None, None
+    for start in range(0, n, _CHUNK_ROWS):
         rows = slice(start, min(n, start + _CHUNK_ROWS))
-        data[start // PANEL:rows.stop // PANEL] = _panel_bytes(t.rows(rows))
-    offsets = None if t.offsets is None else _side_by_side(t.offsets)
-    return QuantizedTensor(t.bits, data, _side_by_side(t.scales), offsets, t.group_size)
+        chunk = read(rows)
+        if not fits(chunk):
+            return None
+        parts = (_panel_bytes(chunk), _side_by_side(chunk.scales),
+                 None if chunk.offsets is None else _side_by_side(chunk.offsets))
+        if whole is None:                   # (P, ...) buffers shaped as the first chunk's panels
+            whole = [None if part is None else part.new_empty((n // PANEL, *part.shape[1:])) for part in parts]
+        for buffer, part in zip(whole, parts):
+            if buffer is not None:
+                buffer[start // PANEL:rows.stop // PANEL] = part
+    return QuantizedTensor(chunk.bits, whole[0], whole[1], whole[2], chunk.group_size)
 
 
 _CHUNK_ROWS = 4096

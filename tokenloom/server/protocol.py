@@ -227,9 +227,7 @@ def lone_surrogate(value: Any, path: str = "") -> str | None:
     try:
         json.dumps(value, ensure_ascii=False).encode("utf-8")
         return None
-    except UnicodeEncodeError:
-        return _surrogate_path(value, path)
-    except (TypeError, ValueError):              # not plain JSON values: look at each
+    except (TypeError, ValueError):        # a surrogate (UnicodeEncodeError), or not plain JSON values
         return _surrogate_path(value, path)
 
 

@@ -25,15 +25,15 @@ JSON_DEFAULTS = {"whitespace_pattern": r"( |\n{1,2}[ \t]{0,20})?"}
 class GrammarCompiler:
     """Turns StructuredOutput into llguidance matchers for one tokenizer.
 
-    The tokenizer's token trie is built on first use (~0.5 s), from `tokenizer_json`: the
-    tokenizer's JSON text, or a callable that makes it then (a 151k-token vocabulary's text and
-    trie hold ~33 MB that a process never asked for structured output need not). A grammar is compiled once into
-    a pristine matcher kept in an LRU cache; each request gets a ``deep_copy`` of it (~50 us,
+    The tokenizer's token trie is built on first use (~0.5 s), from the JSON text that
+    `tokenizer_json()` makes then (a 151k-token vocabulary's text and trie hold ~33 MB that a
+    process never asked for structured output need not). A grammar is compiled once into a
+    pristine matcher kept in an LRU cache; each request gets a ``deep_copy`` of it (~50 us,
     where building a matcher from the grammar text again takes 16 ms for a 10-property schema
     and 0.4 s for an anyOf of 5,000, time the server's event loop or engine step would wait).
     """
 
-    def __init__(self, tokenizer_json: str | Callable[[], str], vocab_size: int, eos_token_ids: list[int],
+    def __init__(self, tokenizer_json: Callable[[], str], vocab_size: int, eos_token_ids: list[int],
                  cache_size: int = 128) -> None:
         self._tokenizer_json, self._vocab_size, self._eos = tokenizer_json, vocab_size, sorted(eos_token_ids)
         self._tokenizer: llguidance.LLTokenizer | None = None
@@ -45,8 +45,7 @@ class GrammarCompiler:
     @property
     def tokenizer(self) -> llguidance.LLTokenizer:
         if self._tokenizer is None:
-            text = self._tokenizer_json if isinstance(self._tokenizer_json, str) else self._tokenizer_json()
-            self._tokenizer = llguidance.LLTokenizer(text, n_vocab=self._vocab_size,
+            self._tokenizer = llguidance.LLTokenizer(self._tokenizer_json(), n_vocab=self._vocab_size,
                                                      eos_token=self._eos or None)   # None: its own guess
         return self._tokenizer
 

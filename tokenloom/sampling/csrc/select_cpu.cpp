@@ -24,6 +24,22 @@ void check_rows(const at::Tensor& x, const char* op) {
               " wants a float32 CPU x (B, V) with unit-stride rows");
 }
 
+// f(b, row) for every row b of x (B, V) (checked by check_rows), the rows spread over torch's threads.
+template <typename F>
+void for_each_row(const at::Tensor& x, const F& f) {
+  const float* xp = x.data_ptr<float>();
+  const int64_t ld = x.stride(0);
+  at::parallel_for(0, x.size(0), 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) f(b, xp + b * ld);
+  });
+}
+
+// floor (B, 1) or (B,) float32, one per row of x, contiguous.
+at::Tensor floor_per_row(const at::Tensor& x, const at::Tensor& floor, const char* op) {
+  TORCH_CHECK(floor.scalar_type() == at::kFloat && floor.numel() == x.size(0), op, " wants one float32 floor per row");
+  return floor.contiguous();
+}
+
 inline float lanes_sum(__m256 v) {
   alignas(32) float lanes[8];
   _mm256_store_ps(lanes, v);
@@ -100,24 +116,20 @@ double finite_square_deviation(const float* row, int64_t V, float mean) {
 // from a difference of large sums. A row with no finite entry: count 0, mean 0, std 0, max -inf.
 at::Tensor row_finite_stats(const at::Tensor& x) {
   check_rows(x, "row_finite_stats");
-  const int64_t B = x.size(0), V = x.size(1), ld = x.stride(0);
-  at::Tensor out = at::empty({B, 4}, x.options());
-  const float* xp = x.data_ptr<float>();
+  const int64_t V = x.size(1);
+  at::Tensor out = at::empty({x.size(0), 4}, x.options());
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const float* row = xp + b * ld;
-      int64_t count;
-      double sum;
-      float top;
-      finite_sum_max(row, V, count, sum, top);
-      const float mean = count ? static_cast<float>(sum / count) : 0.f;
-      const double variance = count ? finite_square_deviation(row, V, mean) / count : 0.0;
-      op[b * 4 + 0] = static_cast<float>(count);
-      op[b * 4 + 1] = mean;
-      op[b * 4 + 2] = static_cast<float>(std::sqrt(variance));
-      op[b * 4 + 3] = top;
-    }
+  for_each_row(x, [&](int64_t b, const float* row) {
+    int64_t count;
+    double sum;
+    float top;
+    finite_sum_max(row, V, count, sum, top);
+    const float mean = count ? static_cast<float>(sum / count) : 0.f;
+    const double variance = count ? finite_square_deviation(row, V, mean) / count : 0.0;
+    op[b * 4 + 0] = static_cast<float>(count);
+    op[b * 4 + 1] = mean;
+    op[b * 4 + 2] = static_cast<float>(std::sqrt(variance));
+    op[b * 4 + 3] = top;
   });
   return out;
 }
@@ -145,30 +157,26 @@ inline __m256 exp8(__m256 x) {
 // flushed into a double every kFlush columns.
 at::Tensor row_logsumexp(const at::Tensor& x) {
   check_rows(x, "row_logsumexp");
-  const int64_t B = x.size(0), V = x.size(1), ld = x.stride(0);
-  at::Tensor out = at::empty({B}, x.options());
-  const float* xp = x.data_ptr<float>();
+  const int64_t V = x.size(1);
+  at::Tensor out = at::empty({x.size(0)}, x.options());
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const float* row = xp + b * ld;
-      int64_t count;
-      double unused;
-      float top;
-      finite_sum_max(row, V, count, unused, top);
-      if (std::isinf(top)) {                  // nothing finite (-inf), or +inf dominates
-        op[b] = top;
-        continue;
-      }
-      const __m256 shift = _mm256_set1_ps(top);
-      const double total = flushed_sum(
-          row, V,
-          [&](__m256 s, __m256 x, __m256 finite) {
-            return _mm256_add_ps(s, _mm256_and_ps(exp8(_mm256_sub_ps(x, shift)), finite));
-          },
-          [&](float x) { return std::exp(static_cast<double>(x) - top); });
-      op[b] = top + static_cast<float>(std::log(total));
+  for_each_row(x, [&](int64_t b, const float* row) {
+    int64_t count;
+    double unused;
+    float top;
+    finite_sum_max(row, V, count, unused, top);
+    if (std::isinf(top)) {                    // nothing finite (-inf), or +inf dominates
+      op[b] = top;
+      return;
     }
+    const __m256 shift = _mm256_set1_ps(top);
+    const double total = flushed_sum(
+        row, V,
+        [&](__m256 s, __m256 x, __m256 finite) {
+          return _mm256_add_ps(s, _mm256_and_ps(exp8(_mm256_sub_ps(x, shift)), finite));
+        },
+        [&](float x) { return std::exp(static_cast<double>(x) - top); });
+    op[b] = top + static_cast<float>(std::log(total));
   });
   return out;
 }
@@ -176,22 +184,18 @@ at::Tensor row_logsumexp(const at::Tensor& x) {
 // Per row of x (B, V): how many entries are at least floor[b] (floor (B, 1) or (B,)) -> (B,) int64.
 at::Tensor row_count_at_least(const at::Tensor& x, const at::Tensor& floor) {
   check_rows(x, "row_count_at_least");
-  const int64_t B = x.size(0), V = x.size(1), ld = x.stride(0);
-  TORCH_CHECK(floor.scalar_type() == at::kFloat && floor.numel() == B, "row_count_at_least wants one float32 floor per row");
-  const at::Tensor f = floor.contiguous();
-  at::Tensor out = at::empty({B}, x.options().dtype(at::kLong));
-  const float *xp = x.data_ptr<float>(), *fp = f.data_ptr<float>();
+  const int64_t V = x.size(1);
+  const at::Tensor f = floor_per_row(x, floor, "row_count_at_least");
+  at::Tensor out = at::empty({x.size(0)}, x.options().dtype(at::kLong));
+  const float* fp = f.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
-  at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const float* row = xp + b * ld;
-      const __m256 t = _mm256_set1_ps(fp[b]);
-      int64_t count = 0, v = 0;
-      for (; v + 8 <= V; v += 8)
-        count += __builtin_popcount(_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(row + v), t, _CMP_GE_OQ)));
-      for (; v < V; ++v) count += row[v] >= fp[b];
-      op[b] = count;
-    }
+  for_each_row(x, [&](int64_t b, const float* row) {
+    const __m256 t = _mm256_set1_ps(fp[b]);
+    int64_t count = 0, v = 0;
+    for (; v + 8 <= V; v += 8)
+      count += __builtin_popcount(_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(row + v), t, _CMP_GE_OQ)));
+    for (; v < V; ++v) count += row[v] >= fp[b];
+    op[b] = count;
   });
   return out;
 }
@@ -202,41 +206,37 @@ at::Tensor row_count_at_least(const at::Tensor& x, const at::Tensor& floor) {
 // keeps, each column named once.
 std::tuple<at::Tensor, at::Tensor> row_at_least(const at::Tensor& x, const at::Tensor& floor, int64_t width) {
   check_rows(x, "row_at_least");
-  const int64_t B = x.size(0), V = x.size(1), ld = x.stride(0);
-  TORCH_CHECK(floor.scalar_type() == at::kFloat && floor.numel() == B, "row_at_least wants one float32 floor per row");
+  const int64_t B = x.size(0), V = x.size(1);
+  const at::Tensor f = floor_per_row(x, floor, "row_at_least");
   TORCH_CHECK(width >= 0 && width <= V, "row_at_least wants 0 <= width <= V");
-  const at::Tensor f = floor.contiguous();
   at::Tensor values = at::empty({B, width}, x.options()), columns = at::empty({B, width}, x.options().dtype(at::kLong));
-  const float *xp = x.data_ptr<float>(), *fp = f.data_ptr<float>();
+  const float* fp = f.data_ptr<float>();
   float* vp = values.data_ptr<float>();
   int64_t* cp = columns.data_ptr<int64_t>();
   std::atomic<bool> too_many{false};
-  at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const float* row = xp + b * ld;
-      const __m256 t = _mm256_set1_ps(fp[b]);
-      float* out_v = vp + b * width;
-      int64_t* out_c = cp + b * width;
-      int64_t n = 0, v = 0;
-      for (; v + 8 <= V && n <= width; v += 8)
-        for (int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(row + v), t, _CMP_GE_OQ)); hit;
-             hit &= hit - 1) {
-          const int64_t c = v + __builtin_ctz(hit);
-          if (n < width) out_v[n] = row[c], out_c[n] = c;
-          ++n;
-        }
-      for (; v < V && n <= width; ++v)
-        if (row[v] >= fp[b]) {
-          if (n < width) out_v[n] = row[v], out_c[n] = v;
-          ++n;
-        }
-      if (n > width) {
-        too_many = true;
-        continue;
+  for_each_row(x, [&](int64_t b, const float* row) {
+    const __m256 t = _mm256_set1_ps(fp[b]);
+    float* out_v = vp + b * width;
+    int64_t* out_c = cp + b * width;
+    int64_t n = 0, v = 0;
+    for (; v + 8 <= V && n <= width; v += 8)
+      for (int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(row + v), t, _CMP_GE_OQ)); hit;
+           hit &= hit - 1) {
+        const int64_t c = v + __builtin_ctz(hit);
+        if (n < width) out_v[n] = row[c], out_c[n] = c;
+        ++n;
       }
-      for (int64_t c = 0; n < width; ++c)  // fill with the first columns below the floor
-        if (!(row[c] >= fp[b])) out_v[n] = kNegInf, out_c[n++] = c;
+    for (; v < V && n <= width; ++v)
+      if (row[v] >= fp[b]) {
+        if (n < width) out_v[n] = row[v], out_c[n] = v;
+        ++n;
+      }
+    if (n > width) {
+      too_many = true;
+      return;
     }
+    for (int64_t c = 0; n < width; ++c)  // fill with the first columns below the floor
+      if (!(row[c] >= fp[b])) out_v[n] = kNegInf, out_c[n++] = c;
   });
   TORCH_CHECK(!too_many, "row_at_least: a row has more than width=", width, " entries at its floor or above");
   return {values, columns};
