@@ -139,3 +139,17 @@ def test_the_cli_sizes_the_kv_cache_to_one_context(default_model_dir, caplog):
                      "Hi"]) == 0
     [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("KV cache:")]
     assert line.startswith("KV cache: 1008 tokens (63 blocks x 16)")    # 1000 tokens in blocks of 16, not 1 GiB
+
+
+def test_the_cli_and_a_loaded_model_leave_the_server_stack_unimported(default_model_dir):
+    """generate, chat and bench do not pay for FastAPI, pydantic and prometheus-client (~20 MiB
+    resident, ~0.2 s): the parser reads serve's defaults from admission.py without them, and `serve`
+    imports them itself (checked in a fresh process)."""
+    import subprocess
+    import sys
+    code = ("import sys; from tokenloom import cli; from tokenloom.llm import LLM; cli.build_parser(); "
+            f"LLM({str(default_model_dir)!r}, max_model_len=64); "
+            "print(*[m in sys.modules for m in ('fastapi', 'pydantic', 'prometheus_client', 'starlette')]); "
+            "from tokenloom.server import build_app; print('fastapi' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["False"] * 4 + ["True"]

@@ -3,6 +3,8 @@ type, a tensor of every block type, bad files rejected with the reason."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import gguf
 import numpy as np
 import pytest
@@ -99,3 +101,51 @@ def test_mixture_of_experts_in_an_unsupported_family_is_refused_by_name(tmp_path
     w.close()
     with pytest.raises(UnsupportedModelError, match="mixture of experts in a GGUF 'qwen2' file is not supported"):
         GGUFFile(path).hf_config()
+
+
+def _mapped_kib(path) -> int:
+    """This process's resident KiB of file `path`'s mappings (/proc/self/smaps)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        lines = f.readlines()
+    for line in lines:
+        fields = line.split()
+        if "-" in fields[0] and len(fields) >= 5 and ":" in fields[3]:     # a mapping's header line
+            inside = len(fields) > 5 and fields[5] == str(path)
+        elif inside and fields[0] == "Rss:":
+            total += int(fields[1])
+    return total
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads Linux's /proc/self/smaps")
+def test_a_parsed_header_and_looked_up_embedding_rows_leave_the_resident_size(tmp_path):
+    """A GGUF file's header pages (a vocabulary's strings) are dropped once parsed, and an embedding
+    read a few rows at a time drops the rows it read after each lookup: the process does not keep
+    the file's pages of every token it has seen (they stay in the page cache). Without the drop,
+    the same lookups leave the whole table resident."""
+    from tokenloom.quant.ggml_modules import GGMLEmbedding
+    path = tmp_path / "embedding.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_array("tokenizer.ggml.tokens", [f"token-{i:06d}-" + "x" * 40 for i in range(40_000)])   # ~2 MB
+    raw = random_blocks(8, 8192, 256)                                          # Q8_0, 8192 x 272 B: 2.2 MB
+    w.add_tensor("token_embd.weight", raw, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    reader = GGUFReader(path)
+    assert len(reader.fields["tokenizer.ggml.tokens"]) == 40_000
+    assert _mapped_kib(path) < 64                                              # 2 MB of strings read, dropped
+    info = reader.tensors[0]
+    expected = reference(8, raw, 256)
+
+    def look_up_every_row(release) -> int:
+        emb = GGMLEmbedding(8192, 256, torch.float32)
+        emb.load_weight(GGMLTensor(8, torch.from_numpy(info.raw()).view(8192, -1), 256, release))
+        for start in range(0, 8192, 512):
+            ids = torch.arange(start, start + 512)
+            assert torch.equal(emb(ids), expected[start:start + 512])
+        return _mapped_kib(path)
+
+    assert look_up_every_row(info.release_pages) < 64
+    assert look_up_every_row(None) > 2000                                      # kept: the whole table

@@ -41,3 +41,29 @@ def test_a_built_library_loads_though_its_folder_holds_a_lock(monkeypatch):
     finally:
         if fresh:
             os.remove(lock)
+
+
+def test_the_build_folder_is_where_torch_builds(monkeypatch, tmp_path):
+    """native.build_folder mirrors torch's private _get_build_directory (a built library is loaded
+    without importing cpp_extension): the same path by default and under TORCH_EXTENSIONS_DIR."""
+    from torch.utils.cpp_extension import _get_build_directory
+    name = "tokenloom_probe_avx2_0123456789"
+    expected = _get_build_directory(name, verbose=False)          # torch's helper makes the folder
+    os.rmdir(expected)
+    assert native.build_folder(name) == expected
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    assert native.build_folder(name) == _get_build_directory(name, verbose=False) == str(tmp_path / name)
+
+
+def test_a_built_library_loads_without_cpp_extension():
+    """In a fresh process whose kernels are built (the suite builds them), loading them does not
+    import torch.utils.cpp_extension (nor setuptools with it)."""
+    import subprocess
+    import sys
+
+    from tokenloom.models import fused
+    assert fused.build()
+    code = ("import sys; from tokenloom.models import fused; assert fused.build(); "
+            "print('torch.utils.cpp_extension' in sys.modules, 'setuptools' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "False"]

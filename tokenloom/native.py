@@ -12,6 +12,7 @@ import hashlib
 import logging
 import os
 import re
+import sys
 import time
 from pathlib import Path
 
@@ -106,15 +107,15 @@ def _build(source: Path, what: str, isa: str, python_module: bool = False):
     source's hash) is loaded straight from its .so, without torch's build lock."""
     if os.environ.get("TOKENLOOM_NO_KERNELS") == "1" or not _HAS_ISA[isa]():
         return False
+    name = library_name(source, isa)
+    built = os.path.join(build_folder(name), f"{name}.so")
+    if os.path.exists(built) and (module := _load_built(built, name, python_module)) is not None:
+        return module              # without importing cpp_extension (and setuptools: ~4 MiB, ~0.1 s)
     from torch.utils.cpp_extension import _get_build_directory
     from torch.utils.cpp_extension import load as build
-    name = library_name(source, isa)
     try:
         # torch builds under <root>/py311_cpu/<name>/ (its private helper names the folder)
         folder = _get_build_directory(name, verbose=False)
-        built = os.path.join(folder, f"{name}.so")
-        if os.path.exists(built) and (module := _load_built(built, name, python_module)) is not None:
-            return module
         log.info("compiling tokenloom's %s for %s (once, ~15 s)", what, isa)
         clear_stale_lock(folder)
         module = build(name=name, sources=[str(source)], is_python_module=python_module,
@@ -123,6 +124,22 @@ def _build(source: Path, what: str, isa: str, python_module: bool = False):
         log.warning("tokenloom's %s (%s) could not be built (%s); using the slower torch fallback", what, isa, e)
         return False
     return module if python_module else True
+
+
+def build_folder(name: str) -> str:
+    """Where torch's cpp_extension builds library `name` (as its private ``_get_build_directory``
+    names it, without creating it): $TORCH_EXTENSIONS_DIR/<name>, else
+    <user cache>/torch_extensions/py<version>_<cpu|cuXY|rocmXY>/<name>."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root is None:
+        from torch import _appdirs
+        hip, cuda = torch.version.hip, torch.version.cuda
+        accelerator = (f"rocm{hip.replace('.', '')}" if hip is not None
+                       else f"cu{cuda.replace('.', '')}" if cuda is not None else "cpu")
+        python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+        root = os.path.join(os.path.realpath(_appdirs.user_cache_dir(appname="torch_extensions")),
+                            f"{python}_{accelerator}")
+    return os.path.join(root, name)
 
 
 def _load_built(path: str, name: str, python_module: bool):

@@ -43,6 +43,20 @@ class GGUFTensorInfo:
         """The tensor's bytes as a uint8 array viewing the file map (copy-on-write, no copy)."""
         return np.frombuffer(self._buffer, dtype=np.uint8, count=self.nbytes, offset=self.offset)
 
+    def release_pages(self) -> None:
+        """Drop this tensor's file pages from the process's memory (``release_map_pages``)."""
+        release_map_pages(self._buffer, self.offset, self.nbytes)
+
+
+def release_map_pages(file_map: mmap.mmap, start: int, length: int) -> None:
+    """Drop the file pages of bytes [start, start + length) of `file_map` from this process's memory:
+    views of them read them again (from the page cache) when touched. The map is copy-on-write and
+    nothing writes to it, so no page dropped holds a change."""
+    end = min(len(file_map), start + length)
+    first = start // mmap.PAGESIZE * mmap.PAGESIZE
+    if end > first:
+        file_map.madvise(mmap.MADV_DONTNEED, first, end - first)
+
 
 class GGUFReader:
     """Metadata (``fields``: key -> Python value) and tensor infos (``tensors``) of a GGUF file."""
@@ -56,15 +70,12 @@ class GGUFReader:
             self._parse()
         except (struct.error, IndexError, UnicodeDecodeError, OverflowError) as e:
             raise GGUFFormatError(f"truncated or corrupt GGUF header at byte {self._pos}: {e}") from e
+        self.release_pages(0, self._pos)      # the header is parsed (a big vocabulary's strings: ~5 MB)
 
     def release_pages(self, start: int, length: int) -> None:
         """Drop the file pages of bytes [start, start + length) from this process's memory:
-        tensors copied out need them no more, tensors still viewing the map read them again
-        (from the page cache) when touched."""
-        end = min(len(self._map), start + length)
-        first = start // mmap.PAGESIZE * mmap.PAGESIZE
-        if end > first:
-            self._map.madvise(mmap.MADV_DONTNEED, first, end - first)
+        tensors copied out need them no more, tensors still viewing the map read them again."""
+        release_map_pages(self._map, start, length)
 
     def _parse(self) -> None:
         if self._read(4) != GGUF_MAGIC:

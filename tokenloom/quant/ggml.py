@@ -13,7 +13,8 @@ Q5_0, Q5_1, Q4_K, Q5_K, Q6_K in ``quant/gguf_panels.py``; the rest stay GGMLTens
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -45,11 +46,17 @@ def type_name(kind: int) -> str:
 
 @dataclass
 class GGMLTensor:
-    """An (N, K) matrix of GGUF blocks: ``data`` uint8 (N, K / values_per_block * bytes_per_block)."""
+    """An (N, K) matrix of GGUF blocks: ``data`` uint8 (N, K / values_per_block * bytes_per_block).
+
+    ``release_pages``, where ``data`` views a file map, drops the pages it has touched from the
+    process's resident memory (they stay in the page cache and are read again when touched): an
+    embedding read a few rows at a time calls it after each lookup, so the rows of every token it has
+    ever seen (the kernel maps 64 KiB around each) do not pile up in the resident size."""
 
     kind: int
     data: torch.Tensor
     in_features: int
+    release_pages: Callable[[], None] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.kind not in KERNEL_TYPES:

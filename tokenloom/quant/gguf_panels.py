@@ -111,7 +111,7 @@ def to_panels(t: GGMLTensor) -> GGUFPanels:
         stop = min(n, start + _CHUNK_ROWS)
         codes, s, o = decode(t.kind, t.data[start:stop].numpy(), k)
         sl = slice(start // PANEL, stop // PANEL)
-        lo[sl], hi_part = _pack_codes(torch.from_numpy(codes), planes)
+        lo[sl], hi_part = _pack_codes(codes, planes)
         if hi is not None:
             hi[sl] = hi_part
         scale[sl] = _side_by_side(torch.from_numpy(s), per16).to(dtype)
@@ -120,19 +120,20 @@ def to_panels(t: GGMLTensor) -> GGUFPanels:
     return GGUFPanels(t.kind, lo, hi, scale, offset, k)
 
 
-def _pack_codes(codes: torch.Tensor, planes: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(N, K) codes -> lo (P, nb, 4, 64) and hi (P, nb, planes, 64) as the kernel reads them."""
+def _pack_codes(codes: np.ndarray, planes: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(N, K) uint8 codes -> lo (P, nb, 4, 64) and hi (P, nb, planes, 64) as the kernel reads them.
+    All in uint8: a chunk's temporaries are a few times its codes, not int32/int64 copies of them."""
     n, k = codes.shape
-    c = codes.view(n // PANEL, PANEL, k // 32, 4, 2, 4)                      # [p, n, b, c, h, i]
-    lo = ((c[..., 0, :] & 0x0F) | ((c[..., 1, :] & 0x0F) << 4)).permute(0, 2, 3, 1, 4)
-    lo = lo.reshape(n // PANEL, k // 32, 4, 64)
+    c = codes.reshape(n // PANEL, PANEL, k // 32, 4, 2, 4)                     # [p, n, b, c, h, i]
+    lo = (c[..., 0, :] & 0x0F) | ((c[..., 1, :] & 0x0F) << 4)                   # [p, n, b, c, i]
+    lo = torch.from_numpy(np.ascontiguousarray(lo.transpose(0, 2, 3, 1, 4)).reshape(n // PANEL, k // 32, 4, 64))
     if not planes:
         return lo, None
-    weights = (1 << torch.arange(8, dtype=torch.int32)).view(4, 2, 1)        # bit 2c + h
-    hi = [(((c.int() >> (4 + j)) & 1) * weights).sum(dim=(3, 4)).to(torch.uint8)   # [p, n, b, i]
-          for j in range(planes)]
-    hi = torch.stack(hi, dim=3).permute(0, 2, 3, 1, 4)                       # [p, b, j, n, i]
-    return lo, hi.reshape(n // PANEL, k // 32, planes, 64)
+    hi = np.empty((n // PANEL, k // 32, planes, PANEL, 4), dtype=np.uint8)     # [p, b, j, n, i]
+    for j in range(planes):
+        bits = ((c >> (4 + j)) & 1).transpose(0, 2, 1, 5, 3, 4)                # [p, b, n, i, c, h]: bit 2c + h
+        hi[:, :, j] = np.packbits(bits.reshape(*bits.shape[:4], 8), axis=-1, bitorder="little")[..., 0]
+    return lo, torch.from_numpy(hi.reshape(n // PANEL, k // 32, planes, 64))
 
 
 def _side_by_side(x: torch.Tensor, per16: bool) -> torch.Tensor:

@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
-from tokenloom.server.protocol import APIError
+from tokenloom.server.errors import APIError
 
 
 def server_busy(why: str, retry_after_s: int) -> APIError:

@@ -30,6 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from tokenloom.sampling.defaults import FALLBACK, SamplingDefaults
 from tokenloom.sampling_params import SEED_LIMIT, SamplingParams
+from tokenloom.server.errors import APIError
 from tokenloom.structured import StructuredOutput
 from tokenloom.tool_calling.messages import function_of
 
@@ -42,20 +43,6 @@ CHAIN_FIELDS = ("typical_p", "top_n_sigma", "epsilon_cutoff", "eta_cutoff", "xtc
                 "mirostat", "mirostat_tau", "mirostat_eta", "no_repeat_ngram_size", "bad_words", "dry_multiplier",
                 "dry_base", "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers", "samplers")
 STRICT = ConfigDict(extra="ignore", strict=True)
-
-
-class APIError(Exception):
-    """An error the client caused or must see, rendered as OpenAI's error JSON."""
-
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 type: str = "invalid_request_error", code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
-        self.headers = headers or {}
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 class StreamOptions(BaseModel):
