@@ -1,11 +1,12 @@
 """GGUF Q5_0, Q5_1, Q4_K, Q5_K and Q6_K blocks re-laid in 16-row panels for AVX-512 VNNI.
 
-The same values as the file's blocks (exact: K-quant scales ``d * sc`` and mins
-``dmin * m`` are products of a float16 and a 6-bit integer, exact in float32), in the
-layout ``csrc/ggml_cpu.cpp``'s panel kernel reads 16 output rows at a time from (see the
-comment there): low nibbles of the codes (``lo``), their bits 4 and 5 in bit planes
-(``hi``), and per-row scales (and offsets) side by side. Bytes per 32 weights against the
-file: Q5_0 22 (22), Q5_1 24 (24), Q4_K 24 (18), Q5_K 28 (22), Q6_K 32 (26.25).
+The same values as the file's blocks, in the layout ``csrc/ggml_cpu.cpp``'s panel kernel
+reads 16 output rows at a time from (see the comment there): low nibbles of the codes
+(``lo``), their bits 4 and 5 in bit planes (``hi``), and per-row scales (and offsets) side by
+side. K-quants keep their two levels of scales: the integer sub-scales (and sub-mins) of each
+block, and per super-block of 256 values the float ``d`` (and ``-dmin``), multiplied in the
+kernel (exact in float32: a float16 times an integer of at most 8 bits). Bytes per 32 weights
+against the file: Q5_0 22 (22), Q5_1 24 (24), Q4_K 19 (18), Q5_K 23 (22), Q6_K 26.5 (26.25).
 """
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ from tokenloom.quant.ggml import KERNEL_TYPES, GGMLTensor, ops
 
 PANEL = 16
 Q5_0, Q5_1, Q4_K, Q5_K, Q6_K = 6, 7, 12, 13, 14
-# type -> (high bit planes, zero point, per-16 scales, offsets, scale dtype)
+# type -> (high bit planes, zero point, per-16 scales, offsets, scale dtype: K-quants' integer sub-scales)
 LAYOUTS = {Q5_0: (1, 16, False, False, torch.float16), Q5_1: (1, 0, False, True, torch.float16),
-           Q4_K: (0, 0, False, True, torch.float32), Q5_K: (1, 0, False, True, torch.float32),
-           Q6_K: (2, 32, True, False, torch.float32)}
+           Q4_K: (0, 0, False, True, torch.uint8), Q5_K: (1, 0, False, True, torch.uint8),
+           Q6_K: (2, 32, True, False, torch.int8)}
+K_QUANTS = (Q4_K, Q5_K, Q6_K)
 _CHUNK_ROWS = 256
 
 
@@ -34,6 +36,8 @@ class GGUFPanels:
     scale: torch.Tensor              # (P, K/32, 16) or (P, K/32, 2, 16)
     offset: torch.Tensor | None      # like scale
     in_features: int
+    dsup: torch.Tensor | None = None  # K-quants: (P, K/256, 16) float32 super-block scales d
+    msup: torch.Tensor | None = None  # Q4_K, Q5_K: (P, K/256, 16) float32 super-block mins -dmin
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -48,15 +52,17 @@ class GGUFPanels:
         return KERNEL_TYPES[self.kind][0]
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.lo, self.hi, self.scale, self.offset) if t is not None]
+        return [t for t in (self.lo, self.hi, self.scale, self.offset, self.dsup, self.msup) if t is not None]
 
     def matmul_into(self, out: torch.Tensor, col0: int, xq: torch.Tensor) -> None:
-        ops().panel_matmul_into(out, col0, xq, self.in_features, self.kind, self.lo, self.hi, self.scale, self.offset)
+        ops().panel_matmul_into(out, col0, xq, self.in_features, self.kind, self.lo, self.hi, self.scale, self.offset,
+                                self.dsup, self.msup)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool = False) -> torch.Tensor:
         """x (M, K) float32 contiguous -> x @ w.T + bias (M, N) in one call, or with `silu_mul`
         silu(gate) * up (M, N/2) for a gate_up weight (gate rows first)."""
-        return ops().panel_linear(x, self.kind, self.lo, self.hi, self.scale, self.offset, bias, silu_mul)
+        return ops().panel_linear(x, self.kind, self.lo, self.hi, self.scale, self.offset, self.dsup, self.msup,
+                                  bias, silu_mul)
 
     def followed_by(self, other: GGUFPanels) -> GGUFPanels | None:
         """These rows then `other`'s as one tensor (one kernel call for both), or None where the
@@ -65,7 +71,8 @@ class GGUFPanels:
             return None
         cat = lambda a, b: None if a is None else torch.cat([a, b])      # noqa: E731
         return GGUFPanels(self.kind, cat(self.lo, other.lo), cat(self.hi, other.hi), cat(self.scale, other.scale),
-                          cat(self.offset, other.offset), self.in_features)
+                          cat(self.offset, other.offset), self.in_features, cat(self.dsup, other.dsup),
+                          cat(self.msup, other.msup))
 
     def rows(self, index: torch.Tensor) -> torch.Tensor:
         """float32 (len(index), K): rows `index` dequantized (an embedding lookup)."""
@@ -79,12 +86,16 @@ class GGUFPanels:
             hi = self.hi.view(p, nb, planes, PANEL, 4)[panel, :, j, lane].int()   # (L, nb, i)
             codes |= ((hi[:, :, None, None, :] >> shifts) & 1) << (4 + j)
         w = codes.reshape(len(index), nb, 32).float() - zero
-        if per16:
-            w = w * self.scale[panel, :, :, lane].float().repeat_interleave(16, dim=-1)
-        else:
-            w = w * self.scale[panel, :, lane].float()[..., None]
-        if self.offset is not None:
-            w = w + self.offset[panel, :, lane].float()[..., None]
+        scale = (self.scale[panel, :, :, lane] if per16 else self.scale[panel, :, lane]).float()  # (L, nb[, 2])
+        offset = None if self.offset is None else self.offset[panel, :, lane].float()
+        if self.dsup is not None:                                             # K-quants: times d (and -dmin)
+            d = self.dsup[panel, :, lane].repeat_interleave(8, dim=1)         # (L, nb)
+            scale = scale * (d[..., None] if per16 else d)
+            if offset is not None:
+                offset = offset * self.msup[panel, :, lane].repeat_interleave(8, dim=1)
+        w = w * (scale.repeat_interleave(16, dim=-1) if per16 else scale[..., None])
+        if offset is not None:
+            w = w + offset[..., None]
         return w.reshape(len(index), self.in_features)
 
 
@@ -107,6 +118,8 @@ def to_panels(t: GGMLTensor) -> GGUFPanels:
     hi = torch.empty(p, nb, planes, 64, dtype=torch.uint8) if planes else None
     scale = torch.empty((p, nb, 2, PANEL) if per16 else (p, nb, PANEL), dtype=dtype)
     offset = torch.empty_like(scale) if offs else None
+    dsup = torch.empty(p, nb // 8, PANEL) if t.kind in K_QUANTS else None
+    msup = torch.empty_like(dsup) if dsup is not None and offs else None
     for start in range(0, n, _CHUNK_ROWS):
         stop = min(n, start + _CHUNK_ROWS)
         codes, s, o = decode(t.kind, t.data[start:stop].numpy(), k)
@@ -114,10 +127,14 @@ def to_panels(t: GGMLTensor) -> GGUFPanels:
         lo[sl], hi_part = _pack_codes(codes, planes)
         if hi is not None:
             hi[sl] = hi_part
-        scale[sl] = _side_by_side(torch.from_numpy(s), per16).to(dtype)
+        scale[sl], sup = _sides(s, per16, dtype)
+        if dsup is not None:
+            dsup[sl] = sup
         if offset is not None:
-            offset[sl] = _side_by_side(torch.from_numpy(o), per16).to(dtype)
-    return GGUFPanels(t.kind, lo, hi, scale, offset, k)
+            offset[sl], sup = _sides(o, per16, dtype)
+            if msup is not None:
+                msup[sl] = sup
+    return GGUFPanels(t.kind, lo, hi, scale, offset, k, dsup, msup)
 
 
 def _pack_codes(codes: np.ndarray, planes: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -134,6 +151,14 @@ def _pack_codes(codes: np.ndarray, planes: int) -> tuple[torch.Tensor, torch.Ten
         bits = ((c >> (4 + j)) & 1).transpose(0, 2, 1, 5, 3, 4)                # [p, b, n, i, c, h]: bit 2c + h
         hi[:, :, j] = np.packbits(bits.reshape(*bits.shape[:4], 8), axis=-1, bitorder="little")[..., 0]
     return lo, torch.from_numpy(hi.reshape(n // PANEL, k // 32, planes, 64))
+
+
+def _sides(values, per16: bool, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """decode's scales (or offsets) side by side: (P, nb, 16) or (P, nb, 2, 16) in `dtype`, and
+    for a K-quant's (sub, super) pair its super-block factors (P, nb/8, 16) float32."""
+    sub, sup = values if isinstance(values, tuple) else (values, None)
+    return (_side_by_side(torch.from_numpy(sub), per16).to(dtype),
+            None if sup is None else _side_by_side(torch.from_numpy(sup), False))
 
 
 def _side_by_side(x: torch.Tensor, per16: bool) -> torch.Tensor:
@@ -156,15 +181,18 @@ def nibbles(blocks: np.ndarray) -> np.ndarray:
 
 
 def _k4_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(rows, nsb, 12) packed Q4_K/Q5_K scales -> 6-bit scales and mins, (rows, nsb, 8) each."""
+    """(rows, nsb, 12) packed Q4_K/Q5_K scales -> 6-bit scales and mins, (rows, nsb, 8) uint8 each."""
     d, m, md = s[..., 0:4], s[..., 4:8], s[..., 8:12]
     sc = np.concatenate([d & 63, (md & 0x0F) | ((d >> 6) << 4)], axis=-1)
     mn = np.concatenate([m & 63, (md >> 4) | ((m >> 6) << 4)], axis=-1)
-    return sc.astype(np.float32), mn.astype(np.float32)
+    return sc, mn
 
 
-def decode(kind: int, raw: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """Raw rows -> unsigned codes (rows, K) uint8, scales (rows, K/32) or (rows, K/32, 2), offsets."""
+def decode(kind: int, raw: np.ndarray, k: int) -> tuple[np.ndarray, object, object]:
+    """Raw rows -> unsigned codes (rows, K) uint8, scales, offsets (or None). Q5_0/Q5_1: float32
+    (rows, K/32). K-quants: (sub, super) pairs, integer sub-scales per block (rows, K/32) uint8, or
+    (rows, K/32, 2) int8 for Q6_K's per-16 ones, and float32 (rows, K/256) super-block d (-dmin
+    for the offsets' pair); a weight's scale is their product."""
     rows = raw.shape[0]
     if kind in (Q5_0, Q5_1):
         blocks = raw.reshape(rows, k // 32, -1)
@@ -175,7 +203,7 @@ def decode(kind: int, raw: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, 
         return codes.reshape(rows, k), half_field(blocks, 0), offsets
     blocks = raw.reshape(rows, k // 256, -1)                                        # (rows, nsb, bytes)
     if kind in (Q4_K, Q5_K):
-        d, dmin = half_field(blocks, 0)[..., None], half_field(blocks, 2)[..., None]
+        d, dmin = half_field(blocks, 0), half_field(blocks, 2)                     # (rows, nsb)
         sc, mn = _k4_scales(blocks[..., 4:16])
         qs = blocks[..., -128:].reshape(rows, -1, 4, 32)                            # (rows, nsb, pair, l)
         codes = np.stack([qs & 0x0F, qs >> 4], axis=3)                              # (rows, nsb, pair, half, l)
@@ -183,14 +211,13 @@ def decode(kind: int, raw: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, 
             qh = blocks[..., 16:48]                                                 # (rows, nsb, l)
             bits = (qh[:, :, None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1  # (rows, nsb, s, l)
             codes = codes | (bits.reshape(rows, -1, 4, 2, 32) << 4)
-        return codes.reshape(rows, k), (d * sc).reshape(rows, -1), (-dmin * mn).reshape(rows, -1)
+        return codes.reshape(rows, k), (sc.reshape(rows, -1), d), (mn.reshape(rows, -1), -dmin)
     if kind == Q6_K:
         ql = blocks[..., 0:128].reshape(rows, -1, 2, 2, 32)                         # (rows, nsb, n, j&1, l)
         low = np.stack([ql & 0x0F, ql >> 4], axis=3)                                # (rows, nsb, n, j>>1, j&1, l)
         qh = blocks[..., 128:192].reshape(rows, -1, 2, 1, 32)                       # (rows, nsb, n, 1, l)
         high = (qh >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3              # (rows, nsb, n, j, l)
         codes = low.reshape(rows, -1, 2, 4, 32) | (high << 4)
-        sc = np.ascontiguousarray(blocks[..., 192:208]).view(np.int8).astype(np.float32)
-        scales = half_field(blocks, 208)[..., None] * sc                                 # (rows, nsb, 16)
-        return codes.reshape(rows, k), scales.reshape(rows, -1, 2), None
+        sc = np.ascontiguousarray(blocks[..., 192:208]).view(np.int8)                 # (rows, nsb, 16)
+        return codes.reshape(rows, k), (sc.reshape(rows, -1, 2), half_field(blocks, 208)), None
     raise ValueError(f"GGML type {kind} has no panel layout")

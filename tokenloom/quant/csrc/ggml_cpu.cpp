@@ -428,17 +428,30 @@ at::Tensor dequantize(const at::Tensor& w, int64_t type, int64_t K) {
 //   lo (P, nb, 4, 64): byte 64c + 4n + i, nibble h (low: h = 0)       -> code bits 0-3
 //   hi (P, nb, HB, 64): plane j, byte 4n + i, bit 2c + h             -> code bit 4 + j
 // and the weight is  scale * (code - Z) [+ offset], with
-//   per-32 scales: scale, offset (P, nb, 16) of S (float16 or float32), one per row and block;
-//   per-16 scales: scale (P, nb, 2, 16) float32 (values 0-15, 16-31), no offset.
-// Q5_0: HB 1, Z 16, float16; Q5_1: HB 1, offsets, float16; Q4_K: HB 0, offsets, float32;
-// Q5_K: HB 1, offsets, float32; Q6_K: HB 2, Z 32, per-16. Dot products are exact in int32.
+//   per-32 scales: scale, offset (P, nb, 16) of S (float16), one per row and block;
+//   K-quants keep the file's two levels: sub-scales (and sub-mins) per block, integers as
+//   stored, times per-row super-block factors dsup, msup (P, nb/8, 16) float32 (d and -dmin):
+//   Q4_K/Q5_K scale, offset (P, nb, 16) uint8 (6-bit); Q6_K scale (P, nb, 2, 16) int8, per 16
+//   values (0-15, 16-31), no offset. Their products d * sc are exact in float32 (at most 19
+//   significant bits), so the weights are those of the file, as with scales stored multiplied.
+// Q5_0: HB 1, Z 16; Q5_1: HB 1, offsets; Q4_K: HB 0, offsets; Q5_K: HB 1, offsets;
+// Q6_K: HB 2, Z 32, per-16. Dot products are exact in int32.
 struct GPanel {
   const uint8_t* lo;
   const uint8_t* hi;
   const void* scale;
   const void* offset;
+  const float* dsup;     // K-quants: per super-block (8 blocks) and row, else null
+  const float* msup;
   int64_t nb;
 };
+
+inline __m512 u8_to_ps(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m512 i8_to_ps(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
 
 template <typename S> inline __m512 load16(const S* p);
 template <> inline __m512 load16<float>(const float* p) { return _mm512_loadu_ps(p); }
@@ -487,35 +500,54 @@ inline void block_dots(const __m512i* codes, const int32_t* xb, __m512i* d) {
   }
 }
 
+// Panel block pb's weight scales for its 16 rows (s[0]; per-16: s[0] values 0-15, s[1] 16-31)
+// and offsets (o), as float: stored (S), or a K-quant's sub-scales times its super-block factor.
+template <bool PER16, bool OFFS, bool KS, typename S>
+inline void block_scales(const GPanel& w, int64_t pb, __m512* s, __m512& o) {
+  if constexpr (KS) {
+    const int64_t sb = (pb >> 3) * 16;                 // nb % 8 == 0: (p, b / 8) of (P, nb / 8)
+    const __m512 dsup = _mm512_loadu_ps(w.dsup + sb);
+    if constexpr (PER16) {
+      const int8_t* sc = static_cast<const int8_t*>(w.scale) + pb * 32;
+      s[0] = _mm512_mul_ps(dsup, i8_to_ps(sc));
+      s[1] = _mm512_mul_ps(dsup, i8_to_ps(sc + 16));
+    } else {
+      s[0] = _mm512_mul_ps(dsup, u8_to_ps(static_cast<const uint8_t*>(w.scale) + pb * 16));
+    }
+    if constexpr (OFFS) o = _mm512_mul_ps(_mm512_loadu_ps(w.msup + sb), u8_to_ps(static_cast<const uint8_t*>(w.offset) + pb * 16));
+  } else {
+    s[0] = load16(static_cast<const S*>(w.scale) + pb * 16);
+    if constexpr (OFFS) o = load16(static_cast<const S*>(w.offset) + pb * 16);
+  }
+}
+
 // acc (+ off) += panel block pb's dot products d (block_dots) in float: minus Z x the codes'
 // sums, times weight scale x activation scale (per 16 or per 32 values), offsets times the
 // activation sums. The one place this arithmetic is written: every path gives the same bits.
-template <int Z, bool PER16, bool OFFS, typename S>
-inline void add_block(const GPanel& w, const Acts& a, int64_t pb, int64_t xi, const __m512i* d, __m512& acc,
+template <int Z, bool PER16, bool OFFS>
+inline void add_block(const __m512* s, __m512 o, const Acts& a, int64_t xi, const __m512i* d, __m512& acc,
                       __m512& off) {
   const __m512 xs = _mm512_set1_ps(a.scale[xi]);
   const int32_t* is = a.isum16 + 2 * xi;
   if constexpr (PER16) {
-    const float* sc = static_cast<const float*>(w.scale) + pb * 32;
     const __m512i da = _mm512_sub_epi32(_mm512_add_epi32(d[0], d[1]), _mm512_set1_epi32(Z * is[0]));
     const __m512i db = _mm512_sub_epi32(_mm512_add_epi32(d[2], d[3]), _mm512_set1_epi32(Z * is[1]));
-    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(da), _mm512_mul_ps(xs, _mm512_loadu_ps(sc)), acc);
-    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(db), _mm512_mul_ps(xs, _mm512_loadu_ps(sc + 16)), acc);
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(da), _mm512_mul_ps(xs, s[0]), acc);
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(db), _mm512_mul_ps(xs, s[1]), acc);
   } else {
     const __m512i dd = _mm512_sub_epi32(_mm512_add_epi32(_mm512_add_epi32(d[0], d[1]), _mm512_add_epi32(d[2], d[3])),
                                         _mm512_set1_epi32(Z * (is[0] + is[1])));
-    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dd), _mm512_mul_ps(xs, load16(static_cast<const S*>(w.scale) + pb * 16)),
-                          acc);
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dd), _mm512_mul_ps(xs, s[0]), acc);
     if constexpr (OFFS) {
       const __m512 xsum = _mm512_set1_ps(a.sum16[2 * xi] + a.sum16[2 * xi + 1]);
-      off = _mm512_fmadd_ps(load16(static_cast<const S*>(w.offset) + pb * 16), xsum, off);
+      off = _mm512_fmadd_ps(o, xsum, off);
     }
   }
 }
 
 // y[16 j + n] for NZ panels from `first` and activation row m (decode): the panels' weight
 // streams side by side, fetched ahead.
-template <int NZ, int HB, int Z, bool PER16, bool OFFS, typename S>
+template <int NZ, int HB, int Z, bool PER16, bool OFFS, bool KS, typename S>
 void gpanel_row(const GPanel& w, int64_t first, const Acts& a, int64_t m, float* y) {
   const int64_t nb = w.nb;
   __m512 acc[NZ], off[NZ];
@@ -529,9 +561,11 @@ void gpanel_row(const GPanel& w, int64_t first, const Acts& a, int64_t m, float*
       for (int c = 0; c < 4; ++c) _mm_prefetch(ahead + 64 * c, _MM_HINT_T0);
       if constexpr (HB > 0) _mm_prefetch(reinterpret_cast<const char*>(w.hi + pb * 64 * HB + 1024), _MM_HINT_T0);
       __m512i codes[8], d[4];
+      __m512 s[2], o;
       block_codes<HB>(w, pb, codes);
       block_dots(codes, xb, d);
-      add_block<Z, PER16, OFFS, S>(w, a, pb, xi, d, acc[j], off[j]);
+      block_scales<PER16, OFFS, KS, S>(w, pb, s, o);
+      add_block<Z, PER16, OFFS>(s, o, a, xi, d, acc[j], off[j]);
     }
   }
   for (int j = 0; j < NZ; ++j) _mm512_storeu_ps(y + 16 * j, OFFS ? _mm512_add_ps(acc[j], off[j]) : acc[j]);
@@ -540,7 +574,7 @@ void gpanel_row(const GPanel& w, int64_t first, const Acts& a, int64_t m, float*
 // MR activation rows from m0 against one panel p, each block's codes decoded once for all MR
 // rows (prefill and batched decode). The same block_dots and add_block as gpanel_row: a row's
 // result does not depend on M (tested).
-template <int MR, int HB, int Z, bool PER16, bool OFFS, typename S>
+template <int MR, int HB, int Z, bool PER16, bool OFFS, bool KS, typename S>
 void gpanel_rows(const GPanel& w, int64_t p, const Acts& a, int64_t m0, float* out, int64_t ldo) {
   const int64_t nb = w.nb;
   __m512 acc[MR], off[MR];
@@ -548,36 +582,38 @@ void gpanel_rows(const GPanel& w, int64_t p, const Acts& a, int64_t m0, float* o
   for (int64_t b = 0; b < nb; ++b) {
     const int64_t pb = p * nb + b;
     __m512i codes[8];
+    __m512 s[2], o;
     block_codes<HB>(w, pb, codes);
+    block_scales<PER16, OFFS, KS, S>(w, pb, s, o);
     for (int r = 0; r < MR; ++r) {
       __m512i d[4];
       block_dots(codes, reinterpret_cast<const int32_t*>(a.q + (m0 + r) * a.K + b * QK), d);
-      add_block<Z, PER16, OFFS, S>(w, a, pb, (m0 + r) * nb + b, d, acc[r], off[r]);
+      add_block<Z, PER16, OFFS>(s, o, a, (m0 + r) * nb + b, d, acc[r], off[r]);
     }
   }
   for (int r = 0; r < MR; ++r)
     _mm512_storeu_ps(out + (m0 + r) * ldo + p * 16, OFFS ? _mm512_add_ps(acc[r], off[r]) : acc[r]);
 }
 
-template <int HB, int Z, bool PER16, bool OFFS, typename S>
+template <int HB, int Z, bool PER16, bool OFFS, bool KS, typename S>
 void gpanel_matmul(const GPanel& w, const Acts& a, int64_t M, int64_t P, float* out, int64_t ldo) {
   const int64_t threads = at::get_num_threads();
   const int64_t grain = std::max<int64_t>(1, (P + threads - 1) / threads);
   at::parallel_for(0, P, grain, [&](int64_t p0, int64_t p1) {
     if (M == 1) {                                   // decode: two panels' weight streams side by side
       for (int64_t p = p0; p < p1; p += 2) {
-        if (p + 2 <= p1) gpanel_row<2, HB, Z, PER16, OFFS, S>(w, p, a, 0, out + p * 16);
-        else gpanel_row<1, HB, Z, PER16, OFFS, S>(w, p, a, 0, out + p * 16);
+        if (p + 2 <= p1) gpanel_row<2, HB, Z, PER16, OFFS, KS, S>(w, p, a, 0, out + p * 16);
+        else gpanel_row<1, HB, Z, PER16, OFFS, KS, S>(w, p, a, 0, out + p * 16);
       }
       return;
     }
     for (int64_t p = p0; p < p1; ++p) {             // each block decoded once per 4 rows
       int64_t m = 0;
-      for (; m + 4 <= M; m += 4) gpanel_rows<4, HB, Z, PER16, OFFS, S>(w, p, a, m, out, ldo);
+      for (; m + 4 <= M; m += 4) gpanel_rows<4, HB, Z, PER16, OFFS, KS, S>(w, p, a, m, out, ldo);
       switch (M - m) {
-        case 3: gpanel_rows<3, HB, Z, PER16, OFFS, S>(w, p, a, m, out, ldo); break;
-        case 2: gpanel_rows<2, HB, Z, PER16, OFFS, S>(w, p, a, m, out, ldo); break;
-        case 1: gpanel_rows<1, HB, Z, PER16, OFFS, S>(w, p, a, m, out, ldo); break;
+        case 3: gpanel_rows<3, HB, Z, PER16, OFFS, KS, S>(w, p, a, m, out, ldo); break;
+        case 2: gpanel_rows<2, HB, Z, PER16, OFFS, KS, S>(w, p, a, m, out, ldo); break;
+        case 1: gpanel_rows<1, HB, Z, PER16, OFFS, KS, S>(w, p, a, m, out, ldo); break;
         default: break;
       }
     }
@@ -587,7 +623,8 @@ void gpanel_matmul(const GPanel& w, const Acts& a, int64_t M, int64_t P, float* 
 // out[:, col0 : col0 + 16 P] = x @ w.T for GGUF type `type` in the panel layout above.
 void panel_matmul_into(at::Tensor out, int64_t col0, const at::Tensor& xq, int64_t K, int64_t type,
                        const at::Tensor& lo, const c10::optional<at::Tensor>& hi, const at::Tensor& scale,
-                       const c10::optional<at::Tensor>& offset) {
+                       const c10::optional<at::Tensor>& offset, const c10::optional<at::Tensor>& dsup,
+                       const c10::optional<at::Tensor>& msup) {
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.stride(1) == 1, "out must be (M, *) float32");
   TORCH_CHECK(lo.scalar_type() == at::kByte && lo.is_contiguous() && lo.dim() == 4 && lo.size(1) == K / QK &&
               lo.size(2) == 4 && lo.size(3) == 64, "lo must be (N/16, K/32, 4, 64) uint8");
@@ -595,23 +632,30 @@ void panel_matmul_into(at::Tensor out, int64_t col0, const at::Tensor& xq, int64
   TORCH_CHECK(col0 >= 0 && col0 + 16 * P <= out.size(1), "columns exceed out");
   const int hb = type == Q6_K ? 2 : (type == Q5_0 || type == Q5_1 || type == Q5_K) ? 1 : 0;
   TORCH_CHECK(hb == 0 || (hi && hi->is_contiguous() && hi->numel() == P * nb * hb * 64), "high-bit planes missing");
-  const bool half = type == Q5_0 || type == Q5_1, per16 = type == Q6_K;
-  TORCH_CHECK(scale.is_contiguous() && scale.numel() == P * nb * 16 * (per16 ? 2 : 1) &&
-              scale.scalar_type() == (half ? at::kHalf : at::kFloat), "panel scales have the wrong shape or dtype");
+  const bool kq = type == Q4_K || type == Q5_K || type == Q6_K, per16 = type == Q6_K;
+  const at::ScalarType stype = !kq ? at::kHalf : per16 ? at::kChar : at::kByte;
+  TORCH_CHECK(scale.is_contiguous() && scale.numel() == P * nb * 16 * (per16 ? 2 : 1) && scale.scalar_type() == stype,
+              "panel scales have the wrong shape or dtype");
   const bool offs = type == Q5_1 || type == Q4_K || type == Q5_K;
   TORCH_CHECK(!offs || (offset && offset->is_contiguous() && offset->sizes() == scale.sizes() &&
                         offset->scalar_type() == scale.scalar_type()), "panel offsets must be shaped like the scales");
+  auto super_ok = [&](const c10::optional<at::Tensor>& t) {
+    return t && t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == P * (nb / 8) * 16;
+  };
+  TORCH_CHECK(!kq || (nb % 8 == 0 && super_ok(dsup) && (!offs || super_ok(msup))),
+              "K-quant panels need super-block factors (P, K/256, 16) float32");
   const Acts a = view_acts(xq, M, K);
   const GPanel w{lo.data_ptr<uint8_t>(), hb ? hi->data_ptr<uint8_t>() : nullptr, scale.data_ptr(),
-                 offs ? offset->data_ptr() : nullptr, nb};
+                 offs ? offset->data_ptr() : nullptr, kq ? dsup->data_ptr<float>() : nullptr,
+                 kq && offs ? msup->data_ptr<float>() : nullptr, nb};
   float* y = out.data_ptr<float>() + col0;
   const int64_t ldo = out.stride(0);
   switch (type) {
-    case Q5_0: gpanel_matmul<1, 16, false, false, uint16_t>(w, a, M, P, y, ldo); break;
-    case Q5_1: gpanel_matmul<1, 0, false, true, uint16_t>(w, a, M, P, y, ldo); break;
-    case Q4_K: gpanel_matmul<0, 0, false, true, float>(w, a, M, P, y, ldo); break;
-    case Q5_K: gpanel_matmul<1, 0, false, true, float>(w, a, M, P, y, ldo); break;
-    case Q6_K: gpanel_matmul<2, 32, true, false, float>(w, a, M, P, y, ldo); break;
+    case Q5_0: gpanel_matmul<1, 16, false, false, false, uint16_t>(w, a, M, P, y, ldo); break;
+    case Q5_1: gpanel_matmul<1, 0, false, true, false, uint16_t>(w, a, M, P, y, ldo); break;
+    case Q4_K: gpanel_matmul<0, 0, false, true, true, uint8_t>(w, a, M, P, y, ldo); break;
+    case Q5_K: gpanel_matmul<1, 0, false, true, true, uint8_t>(w, a, M, P, y, ldo); break;
+    case Q6_K: gpanel_matmul<2, 32, true, false, true, int8_t>(w, a, M, P, y, ldo); break;
     default: TORCH_CHECK(false, "GGML type ", type, " has no panel kernel");
   }
 }
@@ -632,11 +676,12 @@ at::Tensor silu_mul_rows(const at::Tensor& y2) {
 // and fused_cpu's silu_mul called one by one; it saves a decode step those Python calls.
 at::Tensor panel_linear(const at::Tensor& x, int64_t type, const at::Tensor& lo, const c10::optional<at::Tensor>& hi,
                         const at::Tensor& scale, const c10::optional<at::Tensor>& offset,
+                        const c10::optional<at::Tensor>& dsup, const c10::optional<at::Tensor>& msup,
                         const c10::optional<at::Tensor>& bias, bool silu_mul) {
   const at::Tensor xq = quantize_activations(x);
   const int64_t M = x.size(0), N = lo.size(0) * 16;
   at::Tensor y = at::empty({M, N}, x.options());
-  panel_matmul_into(y, 0, xq, x.size(1), type, lo, hi, scale, offset);
+  panel_matmul_into(y, 0, xq, x.size(1), type, lo, hi, scale, offset, dsup, msup);
   if (bias) {
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
                 "bias must be (N,) float32");
@@ -659,9 +704,9 @@ TORCH_LIBRARY(TOKENLOOM_GGML_LIBRARY, m) {
   m.def("dequantize(Tensor w, int type, int K) -> Tensor");
 #if defined(__AVX512VNNI__)
   m.def("panel_matmul_into(Tensor(a!) out, int col0, Tensor xq, int K, int type, Tensor lo, Tensor? hi, "
-        "Tensor scale, Tensor? offset) -> ()");
-  m.def("panel_linear(Tensor x, int type, Tensor lo, Tensor? hi, Tensor scale, Tensor? offset, Tensor? bias, "
-        "bool silu_mul) -> Tensor");
+        "Tensor scale, Tensor? offset, Tensor? dsup, Tensor? msup) -> ()");
+  m.def("panel_linear(Tensor x, int type, Tensor lo, Tensor? hi, Tensor scale, Tensor? offset, Tensor? dsup, "
+        "Tensor? msup, Tensor? bias, bool silu_mul) -> Tensor");
 #endif
 }
 
