@@ -289,7 +289,7 @@ class GGUFFile:
                 for i, name in enumerate(names):
                     yield name, tensor.rows(slice(i * rows, (i + 1) * rows)) if isinstance(tensor, GGMLTensor) \
                         else tensor[i * rows:(i + 1) * rows]
-            self.reader.release_pages(t.offset, t.nbytes)    # the consumer has copied it (or views it)
+            t.release_pages()                                # the consumer has copied it (or views it)
 
     def tensor_types(self) -> dict[str, int]:
         """HF tensor name -> the GGML type it is stored as."""

@@ -70,12 +70,7 @@ class GGUFReader:
             self._parse()
         except (struct.error, IndexError, UnicodeDecodeError, OverflowError) as e:
             raise GGUFFormatError(f"truncated or corrupt GGUF header at byte {self._pos}: {e}") from e
-        self.release_pages(0, self._pos)      # the header is parsed (a big vocabulary's strings: ~5 MB)
-
-    def release_pages(self, start: int, length: int) -> None:
-        """Drop the file pages of bytes [start, start + length) from this process's memory:
-        tensors copied out need them no more, tensors still viewing the map read them again."""
-        release_map_pages(self._map, start, length)
+        release_map_pages(self._map, 0, self._pos)      # the header is parsed (a vocabulary's strings: ~5 MB)
 
     def _parse(self) -> None:
         if self._read(4) != GGUF_MAGIC:

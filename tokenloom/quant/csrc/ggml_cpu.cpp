@@ -454,7 +454,6 @@ inline __m512 i8_to_ps(const int8_t* p) {
 }
 
 template <typename S> inline __m512 load16(const S* p);
-template <> inline __m512 load16<float>(const float* p) { return _mm512_loadu_ps(p); }
 template <> inline __m512 load16<uint16_t>(const uint16_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
@@ -514,7 +513,8 @@ inline void block_scales(const GPanel& w, int64_t pb, __m512* s, __m512& o) {
     } else {
       s[0] = _mm512_mul_ps(dsup, u8_to_ps(static_cast<const uint8_t*>(w.scale) + pb * 16));
     }
-    if constexpr (OFFS) o = _mm512_mul_ps(_mm512_loadu_ps(w.msup + sb), u8_to_ps(static_cast<const uint8_t*>(w.offset) + pb * 16));
+    if constexpr (OFFS)
+      o = _mm512_mul_ps(_mm512_loadu_ps(w.msup + sb), u8_to_ps(static_cast<const uint8_t*>(w.offset) + pb * 16));
   } else {
     s[0] = load16(static_cast<const S*>(w.scale) + pb * 16);
     if constexpr (OFFS) o = load16(static_cast<const S*>(w.offset) + pb * 16);
