@@ -97,6 +97,13 @@ def test_activation_quantization_error_is_small(kernel_ops):
     assert ((out - want).norm() / want.norm()).item() < 0.02
 
 
+@pytest.mark.skipif(not native.cpu_has_avx512_vnni(), reason="no AVX-512 VNNI on this CPU")
+def test_every_build_this_cpu_runs_compiles():
+    """A compile error in one ISA build must fail here, not skip every test of that build."""
+    assert [isa for isa, _ in builds()] == ["avx512vnni", "avx2"]
+    assert gguf_panels.available()
+
+
 def test_unsupported_type_and_wrong_row_size_are_errors():
     with pytest.raises(ValueError, match="IQ2_XXS has no kernel"):
         GGMLTensor(16, torch.zeros(4, 66, dtype=torch.uint8), 256)
@@ -207,3 +214,42 @@ def test_a_whole_head_loads_straight_into_panels_as_the_two_steps_would(kind, mo
         a, b = getattr(direct, name), getattr(two_steps, name)
         assert (a is None and b is None) or (a.shape == b.shape and torch.equal(a, b)), name
     assert torch.equal(direct.weight_q.dequantize(), reference(kind, blocks.data.numpy(), k))
+
+
+_DECODE_PRODUCTS = """
+import sys, torch
+from tokenloom.quant import gguf_blocks, gguf_panels, kernels, panels
+from tokenloom.quant.ggml import GGMLTensor
+from tests.test_gguf_kernels import random_blocks
+k, n = 512, 96                              # 6 panels: an odd number per thread either way
+x = torch.randn(1, k, generator=torch.Generator().manual_seed(0))
+out = {}
+for kind in sorted(gguf_panels.LAYOUTS):
+    out[kind] = gguf_panels.to_panels(GGMLTensor(kind, torch.from_numpy(random_blocks(kind, n, k)), k)).linear(x, None)
+for kind in (8, 3):                         # Q8_0 -> int8 panels, Q4_1 -> int4 panels
+    q = panels.to_panels(gguf_blocks.to_quantized(GGMLTensor(kind, torch.from_numpy(random_blocks(kind, n, k)), k)))
+    out[kind] = kernels.bind(q, None, panel_layout=True)(x)
+torch.save(out, sys.argv[1])
+"""
+
+
+@needs_panels
+@pytest.mark.skipif(not ggml_panels_available(), reason="int8/int4 panel kernels need AVX-512 VNNI")
+def test_decode_gives_the_same_bits_reading_one_panel_or_two_at_a_time(tmp_path):
+    """A lone activation row walks the panels one at a time (AMD) or two side by side with
+    software prefetch (elsewhere): int8, int4 and every GGUF panel type give the same bits both ways."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    results = []
+    for streams in ("1", "2"):
+        path = tmp_path / f"streams{streams}.pt"
+        env = {**os.environ, "TOKENLOOM_DECODE_STREAMS": streams, "PYTHONPATH": str(root)}
+        subprocess.run([sys.executable, "-c", _DECODE_PRODUCTS, str(path)], env=env, check=True, cwd=root)
+        results.append(torch.load(path))
+    assert sorted(results[0]) == sorted([*gguf_panels.LAYOUTS, 3, 8])
+    for kind, y in results[0].items():
+        assert y.shape == (1, 96) and torch.isfinite(y).all()
+        assert torch.equal(y, results[1][kind]), KERNEL_TYPES[kind][0]

@@ -546,8 +546,8 @@ inline void add_block(const __m512* s, __m512 o, const Acts& a, int64_t xi, cons
 }
 
 // y[16 j + n] for NZ panels from `first` and activation row m (decode): the panels' weight
-// streams side by side, fetched ahead.
-template <int NZ, int HB, int Z, bool PER16, bool OFFS, bool KS, typename S>
+// streams side by side, fetched ahead in software where PF (decode_streams()).
+template <int NZ, int HB, int Z, bool PER16, bool OFFS, bool KS, typename S, bool PF>
 void gpanel_row(const GPanel& w, int64_t first, const Acts& a, int64_t m, float* y) {
   const int64_t nb = w.nb;
   __m512 acc[NZ], off[NZ];
@@ -558,8 +558,8 @@ void gpanel_row(const GPanel& w, int64_t first, const Acts& a, int64_t m, float*
     for (int j = 0; j < NZ; ++j) {
       const int64_t pb = (first + j) * nb + b;   // this panel's block index
       const char* ahead = reinterpret_cast<const char*>(w.lo + pb * 256 + 1024);      // 4 blocks on
-      for (int c = 0; c < 4; ++c) _mm_prefetch(ahead + 64 * c, _MM_HINT_T0);
-      if constexpr (HB > 0) _mm_prefetch(reinterpret_cast<const char*>(w.hi + pb * 64 * HB + 1024), _MM_HINT_T0);
+      if constexpr (PF) for (int c = 0; c < 4; ++c) _mm_prefetch(ahead + 64 * c, _MM_HINT_T0);
+      if constexpr (PF && HB > 0) _mm_prefetch(reinterpret_cast<const char*>(w.hi + pb * 64 * HB + 1024), _MM_HINT_T0);
       __m512i codes[8], d[4];
       __m512 s[2], o;
       block_codes<HB>(w, pb, codes);
@@ -599,11 +599,16 @@ template <int HB, int Z, bool PER16, bool OFFS, bool KS, typename S>
 void gpanel_matmul(const GPanel& w, const Acts& a, int64_t M, int64_t P, float* out, int64_t ldo) {
   const int64_t threads = at::get_num_threads();
   const int64_t grain = std::max<int64_t>(1, (P + threads - 1) / threads);
+  const int streams = tokenloom_int8::decode_streams();
   at::parallel_for(0, P, grain, [&](int64_t p0, int64_t p1) {
+    if (M == 1 && streams == 1) {                   // decode: one panel after another
+      for (int64_t p = p0; p < p1; ++p) gpanel_row<1, HB, Z, PER16, OFFS, KS, S, false>(w, p, a, 0, out + p * 16);
+      return;
+    }
     if (M == 1) {                                   // decode: two panels' weight streams side by side
       for (int64_t p = p0; p < p1; p += 2) {
-        if (p + 2 <= p1) gpanel_row<2, HB, Z, PER16, OFFS, KS, S>(w, p, a, 0, out + p * 16);
-        else gpanel_row<1, HB, Z, PER16, OFFS, KS, S>(w, p, a, 0, out + p * 16);
+        if (p + 2 <= p1) gpanel_row<2, HB, Z, PER16, OFFS, KS, S, true>(w, p, a, 0, out + p * 16);
+        else gpanel_row<1, HB, Z, PER16, OFFS, KS, S, true>(w, p, a, 0, out + p * 16);
       }
       return;
     }

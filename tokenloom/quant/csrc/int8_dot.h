@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <type_traits>
 
 namespace tokenloom_int8 {
@@ -24,6 +25,23 @@ inline float quantize_block(const float* v, int8_t* q, int32_t halves[2]) {
     halves[i / 16] += q[i];
   }
   return d;
+}
+
+// How a decode call (one activation row) walks the panels of a weight it reads once: 1, one
+// panel after another, a single sequential stream per thread left to the hardware prefetcher;
+// 2, two panels side by side with software prefetch ahead. Measured, a 28 MB int8 head read
+// from memory by 2 threads: AMD EPYC Zen 4 (twenty-third session) 34.8 GB/s with 1 against
+// 27.1 with 2 (SmolLM2-135M Q8_0 decode 136-146 -> 158-175 tok/s); the Intel Xeon of earlier
+// sessions was fastest with 2 (docs/BENCHMARKS.md). So: 1 on AMD, 2 elsewhere;
+// TOKENLOOM_DECODE_STREAMS=1 or 2 overrides (to measure). The same bits either way: each
+// panel's arithmetic does not depend on its neighbours.
+inline int decode_streams() {
+  static const int streams = [] {
+    if (const char* env = std::getenv("TOKENLOOM_DECODE_STREAMS")) return std::atoi(env) == 1 ? 1 : 2;
+    __builtin_cpu_init();
+    return __builtin_cpu_is("amd") ? 1 : 2;
+  }();
+  return streams;
 }
 
 inline float hsum(__m256 v) {

@@ -312,7 +312,12 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& qp, const at::Ten
   float* y = out.data_ptr<float>();
   const int64_t threads = at::get_num_threads();
   const int64_t grain = std::max<int64_t>(1, (P + threads - 1) / threads);
+  const bool one_stream = M == 1 && tokenloom_int8::decode_streams() == 1;
   at::parallel_for(0, P, grain, [&](int64_t p0, int64_t p1) {
+    if (one_stream) {                                 // decode_streams(): one panel after another
+      for (int64_t p = p0; p < p1; ++p) kPanelRow<INT4>[1](w, p, xq, xs, xsum, isum, y + p * 16, false);
+      return;
+    }
     for (int64_t p = p0; p < p1; p += PANELS) {       // a few panels' weights stay in cache across the rows
       const int nz = static_cast<int>(std::min<int64_t>(PANELS, p1 - p));
       for (int64_t m = 0; m < M; ++m)
