@@ -221,7 +221,7 @@ import sys, torch
 from tokenloom.quant import gguf_blocks, gguf_panels, kernels, panels
 from tokenloom.quant.ggml import GGMLTensor
 from tests.test_gguf_kernels import random_blocks
-k, n = 512, 96                              # 6 panels: an odd number per thread either way
+k, n = 512, 112                             # 7 panels: an odd number per thread either way
 x = torch.randn(1, k, generator=torch.Generator().manual_seed(0))
 out = {}
 for kind in sorted(gguf_panels.LAYOUTS):
@@ -235,21 +235,22 @@ torch.save(out, sys.argv[1])
 
 @needs_panels
 @pytest.mark.skipif(not ggml_panels_available(), reason="int8/int4 panel kernels need AVX-512 VNNI")
-def test_decode_gives_the_same_bits_reading_one_panel_or_two_at_a_time(tmp_path):
-    """A lone activation row walks the panels one at a time (AMD) or two side by side with
-    software prefetch (elsewhere): int8, int4 and every GGUF panel type give the same bits both ways."""
+def test_decode_gives_the_same_bits_whichever_way_it_walks_the_panels(tmp_path):
+    """A lone activation row walks each thread's panels as two halves side by side (AMD) or two
+    neighbours at a time with software prefetch (elsewhere): int8, int4 and every GGUF panel type
+    give the same bits both ways."""
     import os
     import subprocess
     import sys
     from pathlib import Path
     root = Path(__file__).resolve().parents[1]
     results = []
-    for streams in ("1", "2"):
-        path = tmp_path / f"streams{streams}.pt"
-        env = {**os.environ, "TOKENLOOM_DECODE_STREAMS": streams, "PYTHONPATH": str(root)}
+    for walk in ("split", "adjacent"):
+        path = tmp_path / f"{walk}.pt"
+        env = {**os.environ, "TOKENLOOM_DECODE_WALK": walk, "PYTHONPATH": str(root)}
         subprocess.run([sys.executable, "-c", _DECODE_PRODUCTS, str(path)], env=env, check=True, cwd=root)
         results.append(torch.load(path))
     assert sorted(results[0]) == sorted([*gguf_panels.LAYOUTS, 3, 8])
     for kind, y in results[0].items():
-        assert y.shape == (1, 96) and torch.isfinite(y).all()
+        assert y.shape == (1, 112) and torch.isfinite(y).all()
         assert torch.equal(y, results[1][kind]), KERNEL_TYPES[kind][0]

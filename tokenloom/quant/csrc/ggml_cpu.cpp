@@ -545,10 +545,10 @@ inline void add_block(const __m512* s, __m512 o, const Acts& a, int64_t xi, cons
   }
 }
 
-// y[16 j + n] for NZ panels from `first` and activation row m (decode): the panels' weight
-// streams side by side, fetched ahead in software where PF (decode_streams()).
+// y[16 j dist + n] for NZ panels first, first + dist, ... and activation row m (decode): the
+// panels' weight streams side by side, fetched ahead in software where PF (decode_walk()).
 template <int NZ, int HB, int Z, bool PER16, bool OFFS, bool KS, typename S, bool PF>
-void gpanel_row(const GPanel& w, int64_t first, const Acts& a, int64_t m, float* y) {
+void gpanel_row(const GPanel& w, int64_t first, int64_t dist, const Acts& a, int64_t m, float* y) {
   const int64_t nb = w.nb;
   __m512 acc[NZ], off[NZ];
   for (int j = 0; j < NZ; ++j) acc[j] = off[j] = _mm512_setzero_ps();
@@ -556,7 +556,7 @@ void gpanel_row(const GPanel& w, int64_t first, const Acts& a, int64_t m, float*
     const int64_t xi = m * nb + b;
     const int32_t* xb = reinterpret_cast<const int32_t*>(a.q + m * a.K + b * QK);
     for (int j = 0; j < NZ; ++j) {
-      const int64_t pb = (first + j) * nb + b;   // this panel's block index
+      const int64_t pb = (first + j * dist) * nb + b;   // this panel's block index
       const char* ahead = reinterpret_cast<const char*>(w.lo + pb * 256 + 1024);      // 4 blocks on
       if constexpr (PF) for (int c = 0; c < 4; ++c) _mm_prefetch(ahead + 64 * c, _MM_HINT_T0);
       if constexpr (PF && HB > 0) _mm_prefetch(reinterpret_cast<const char*>(w.hi + pb * 64 * HB + 1024), _MM_HINT_T0);
@@ -568,7 +568,7 @@ void gpanel_row(const GPanel& w, int64_t first, const Acts& a, int64_t m, float*
       add_block<Z, PER16, OFFS>(s, o, a, xi, d, acc[j], off[j]);
     }
   }
-  for (int j = 0; j < NZ; ++j) _mm512_storeu_ps(y + 16 * j, OFFS ? _mm512_add_ps(acc[j], off[j]) : acc[j]);
+  for (int j = 0; j < NZ; ++j) _mm512_storeu_ps(y + 16 * j * dist, OFFS ? _mm512_add_ps(acc[j], off[j]) : acc[j]);
 }
 
 // MR activation rows from m0 against one panel p, each block's codes decoded once for all MR
@@ -599,16 +599,19 @@ template <int HB, int Z, bool PER16, bool OFFS, bool KS, typename S>
 void gpanel_matmul(const GPanel& w, const Acts& a, int64_t M, int64_t P, float* out, int64_t ldo) {
   const int64_t threads = at::get_num_threads();
   const int64_t grain = std::max<int64_t>(1, (P + threads - 1) / threads);
-  const int streams = tokenloom_int8::decode_streams();
+  const bool split = tokenloom_int8::decode_walk() == tokenloom_int8::DecodeWalk::SPLIT;
   at::parallel_for(0, P, grain, [&](int64_t p0, int64_t p1) {
-    if (M == 1 && streams == 1) {                   // decode: one panel after another
-      for (int64_t p = p0; p < p1; ++p) gpanel_row<1, HB, Z, PER16, OFFS, KS, S, false>(w, p, a, 0, out + p * 16);
+    if (M == 1 && split) {                          // decode: the range's two halves side by side
+      tokenloom_int8::split_walk(p0, p1, [&](int64_t p, int64_t dist, int count) {
+        if (count == 2) gpanel_row<2, HB, Z, PER16, OFFS, KS, S, false>(w, p, dist, a, 0, out + p * 16);
+        else gpanel_row<1, HB, Z, PER16, OFFS, KS, S, false>(w, p, dist, a, 0, out + p * 16);
+      });
       return;
     }
-    if (M == 1) {                                   // decode: two panels' weight streams side by side
+    if (M == 1) {                                   // decode: two neighbouring panels, fetched ahead
       for (int64_t p = p0; p < p1; p += 2) {
-        if (p + 2 <= p1) gpanel_row<2, HB, Z, PER16, OFFS, KS, S, true>(w, p, a, 0, out + p * 16);
-        else gpanel_row<1, HB, Z, PER16, OFFS, KS, S, true>(w, p, a, 0, out + p * 16);
+        if (p + 2 <= p1) gpanel_row<2, HB, Z, PER16, OFFS, KS, S, true>(w, p, 1, a, 0, out + p * 16);
+        else gpanel_row<1, HB, Z, PER16, OFFS, KS, S, true>(w, p, 1, a, 0, out + p * 16);
       }
       return;
     }

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <string>
 #include <type_traits>
 
 namespace tokenloom_int8 {
@@ -27,21 +28,35 @@ inline float quantize_block(const float* v, int8_t* q, int32_t halves[2]) {
   return d;
 }
 
-// How a decode call (one activation row) walks the panels of a weight it reads once: 1, one
-// panel after another, a single sequential stream per thread left to the hardware prefetcher;
-// 2, two panels side by side with software prefetch ahead. Measured, a 28 MB int8 head read
-// from memory by 2 threads: AMD EPYC Zen 4 (twenty-third session) 34.8 GB/s with 1 against
-// 27.1 with 2 (SmolLM2-135M Q8_0 decode 136-146 -> 158-175 tok/s); the Intel Xeon of earlier
-// sessions was fastest with 2 (docs/BENCHMARKS.md). So: 1 on AMD, 2 elsewhere;
-// TOKENLOOM_DECODE_STREAMS=1 or 2 overrides (to measure). The same bits either way: each
-// panel's arithmetic does not depend on its neighbours.
-inline int decode_streams() {
-  static const int streams = [] {
-    if (const char* env = std::getenv("TOKENLOOM_DECODE_STREAMS")) return std::atoi(env) == 1 ? 1 : 2;
+// How a decode call (one activation row) walks the panels of a weight it reads once, each
+// thread over its own range of panels:
+//   SPLIT: the range cut in two halves walked side by side (panels p and p + half), two
+//          sequential streams left to the hardware prefetcher;
+//   ADJACENT: two neighbouring panels at a time, with software prefetch 1 KB ahead.
+// Measured, SmolLM2-135M's 121 int8 projections and head in sequence (143 MB, from memory, 2
+// threads): AMD EPYC Zen 4 (twenty-third session) SPLIT 3.9 ms, one panel at a time 4.6,
+// ADJACENT 6.0. The Intel Xeon of earlier sessions was fastest ADJACENT (docs/BENCHMARKS.md).
+// So: SPLIT on AMD, ADJACENT elsewhere; TOKENLOOM_DECODE_WALK=split or adjacent overrides (to
+// measure). The same bits either way: each panel's arithmetic does not depend on its neighbours.
+enum class DecodeWalk { SPLIT, ADJACENT };
+
+inline DecodeWalk decode_walk() {
+  static const DecodeWalk walk = [] {
+    if (const char* env = std::getenv("TOKENLOOM_DECODE_WALK"))
+      return std::string(env) == "split" ? DecodeWalk::SPLIT : DecodeWalk::ADJACENT;
     __builtin_cpu_init();
-    return __builtin_cpu_is("amd") ? 1 : 2;
+    return __builtin_cpu_is("amd") ? DecodeWalk::SPLIT : DecodeWalk::ADJACENT;
   }();
-  return streams;
+  return walk;
+}
+
+// Panels [p0, p1) the SPLIT way: row(first, dist, count) computes `count` panels first,
+// first + dist, ... (count 2: the two halves side by side; count 1: an odd range's last panel).
+template <typename Row>
+inline void split_walk(int64_t p0, int64_t p1, Row&& row) {
+  const int64_t half = (p1 - p0) / 2;
+  for (int64_t i = 0; i < half; ++i) row(p0 + i, half, 2);
+  if ((p1 - p0) % 2) row(p1 - 1, 0, 1);
 }
 
 inline float hsum(__m256 v) {

@@ -224,14 +224,14 @@ inline __m512 load_halves(const uint16_t* p) {   // 16 float16 -> 16 float32
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
-// y[16 j + n] for NZ panels from `first` and one activation row (codes xq, block scales xs,
-// block sums xsum (float) and isum (codes)).
+// y[16 j dist + n] for NZ panels first, first + dist, ... and one activation row (codes xq,
+// block scales xs, block sums xsum (float) and isum (codes)).
 template <int NZ, bool INT4>
-void panel_row(const PanelWeights& w, int64_t first, const int8_t* xq, const float* xs, const float* xsum,
-               const int32_t* isum, float* y, bool prefetch) {
+void panel_row(const PanelWeights& w, int64_t first, int64_t dist, const int8_t* xq, const float* xs,
+               const float* xsum, const int32_t* isum, float* y, bool prefetch) {
   constexpr int64_t CHUNKS = INT4 ? 4 : 8, BLOCK_BYTES = CHUNKS * 64;
   const uint8_t* q0 = w.q + first * w.nb * BLOCK_BYTES;
-  const int64_t pstride = w.nb * BLOCK_BYTES, sstride = w.groups * 16;
+  const int64_t pstride = dist * w.nb * BLOCK_BYTES, sstride = w.groups * 16;
   const __m512i low = _mm512_set1_epi8(0x0F);
   __m512 acc[NZ], off[NZ];
   for (int j = 0; j < NZ; ++j) acc[j] = off[j] = _mm512_setzero_ps();
@@ -274,16 +274,17 @@ void panel_row(const PanelWeights& w, int64_t first, const int8_t* xq, const flo
     }
     const __m512 gs = _mm512_set1_ps(gsum);
     for (int j = 0; j < NZ; ++j) {
-      acc[j] = _mm512_fmadd_ps(gacc[j], load_halves(w.scale + (first + j) * sstride + g * 16), acc[j]);
-      if constexpr (INT4) off[j] = _mm512_fmadd_ps(load_halves(w.offset + (first + j) * sstride + g * 16), gs, off[j]);
+      acc[j] = _mm512_fmadd_ps(gacc[j], load_halves(w.scale + (first + j * dist) * sstride + g * 16), acc[j]);
+      if constexpr (INT4)
+        off[j] = _mm512_fmadd_ps(load_halves(w.offset + (first + j * dist) * sstride + g * 16), gs, off[j]);
     }
   }
-  for (int j = 0; j < NZ; ++j) _mm512_storeu_ps(y + 16 * j, INT4 ? _mm512_add_ps(acc[j], off[j]) : acc[j]);
+  for (int j = 0; j < NZ; ++j) _mm512_storeu_ps(y + 16 * j * dist, INT4 ? _mm512_add_ps(acc[j], off[j]) : acc[j]);
 }
 
 template <bool INT4>
-using PanelRowFn = void (*)(const PanelWeights&, int64_t, const int8_t*, const float*, const float*, const int32_t*,
-                            float*, bool);
+using PanelRowFn = void (*)(const PanelWeights&, int64_t, int64_t, const int8_t*, const float*, const float*,
+                            const int32_t*, float*, bool);
 template <bool INT4>
 constexpr PanelRowFn<INT4> kPanelRow[PANELS + 1] = {nullptr, panel_row<1, INT4>, panel_row<2, INT4>};
 
@@ -312,16 +313,18 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& qp, const at::Ten
   float* y = out.data_ptr<float>();
   const int64_t threads = at::get_num_threads();
   const int64_t grain = std::max<int64_t>(1, (P + threads - 1) / threads);
-  const bool one_stream = M == 1 && tokenloom_int8::decode_streams() == 1;
+  const bool split = M == 1 && tokenloom_int8::decode_walk() == tokenloom_int8::DecodeWalk::SPLIT;
   at::parallel_for(0, P, grain, [&](int64_t p0, int64_t p1) {
-    if (one_stream) {                                 // decode_streams(): one panel after another
-      for (int64_t p = p0; p < p1; ++p) kPanelRow<INT4>[1](w, p, xq, xs, xsum, isum, y + p * 16, false);
+    if (split) {                                      // decode_walk(): the range's two halves side by side
+      tokenloom_int8::split_walk(p0, p1, [&](int64_t p, int64_t dist, int count) {
+        kPanelRow<INT4>[count](w, p, dist, xq, xs, xsum, isum, y + p * 16, false);
+      });
       return;
     }
     for (int64_t p = p0; p < p1; p += PANELS) {       // a few panels' weights stay in cache across the rows
       const int nz = static_cast<int>(std::min<int64_t>(PANELS, p1 - p));
       for (int64_t m = 0; m < M; ++m)
-        kPanelRow<INT4>[nz](w, p, xq + m * K, xs + m * nb, xsum + m * nb, isum + m * nb, y + m * P * 16 + p * 16, m == 0);
+        kPanelRow<INT4>[nz](w, p, 1, xq + m * K, xs + m * nb, xsum + m * nb, isum + m * nb, y + m * P * 16 + p * 16, m == 0);
     }
   });
   if (bias.has_value() && bias->defined()) out.add_(*bias);
