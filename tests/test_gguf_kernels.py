@@ -226,9 +226,11 @@ x = torch.randn(1, k, generator=torch.Generator().manual_seed(0))
 out = {}
 for kind in sorted(gguf_panels.LAYOUTS):
     out[kind] = gguf_panels.to_panels(GGMLTensor(kind, torch.from_numpy(random_blocks(kind, n, k)), k)).linear(x, None)
-for kind in (8, 3):                         # Q8_0 -> int8 panels, Q4_1 -> int4 panels
+x3 = torch.randn(3, k, generator=torch.Generator().manual_seed(1))
+for kind in (8, 3):                         # Q8_0 -> int8 panels, Q4_1 -> int4 panels: one row and three
     q = panels.to_panels(gguf_blocks.to_quantized(GGMLTensor(kind, torch.from_numpy(random_blocks(kind, n, k)), k)))
     out[kind] = kernels.bind(q, None, panel_layout=True)(x)
+    out[-kind] = kernels.bind(q, None, panel_layout=True)(x3)
 torch.save(out, sys.argv[1])
 """
 
@@ -238,7 +240,7 @@ torch.save(out, sys.argv[1])
 def test_decode_gives_the_same_bits_whichever_way_it_walks_the_panels(tmp_path):
     """A lone activation row walks each thread's panels as two halves side by side (AMD) or two
     neighbours at a time with software prefetch (elsewhere): int8, int4 and every GGUF panel type
-    give the same bits both ways."""
+    give the same bits both ways; int8/int4 batched calls (three rows: key -kind) walk the same way."""
     import os
     import subprocess
     import sys
@@ -250,7 +252,7 @@ def test_decode_gives_the_same_bits_whichever_way_it_walks_the_panels(tmp_path):
         env = {**os.environ, "TOKENLOOM_DECODE_WALK": walk, "PYTHONPATH": str(root)}
         subprocess.run([sys.executable, "-c", _DECODE_PRODUCTS, str(path)], env=env, check=True, cwd=root)
         results.append(torch.load(path))
-    assert sorted(results[0]) == sorted([*gguf_panels.LAYOUTS, 3, 8])
+    assert sorted(results[0]) == sorted([*gguf_panels.LAYOUTS, 3, 8, -3, -8])
     for kind, y in results[0].items():
-        assert y.shape == (1, 112) and torch.isfinite(y).all()
-        assert torch.equal(y, results[1][kind]), KERNEL_TYPES[kind][0]
+        assert y.shape == (1 if kind > 0 else 3, 112) and torch.isfinite(y).all()
+        assert torch.equal(y, results[1][kind]), KERNEL_TYPES[abs(kind)][0]

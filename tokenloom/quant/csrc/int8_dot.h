@@ -37,7 +37,10 @@ inline float quantize_block(const float* v, int8_t* q, int32_t halves[2]) {
 // threads): AMD EPYC Zen 4 (twenty-third session) SPLIT 3.9 ms, one panel at a time 4.6,
 // ADJACENT 6.0. The Intel Xeon of earlier sessions was fastest ADJACENT (docs/BENCHMARKS.md).
 // So: SPLIT on AMD, ADJACENT elsewhere; TOKENLOOM_DECODE_WALK=split or adjacent overrides (to
-// measure). The same bits either way: each panel's arithmetic does not depend on its neighbours.
+// measure). The int8/int4 panels' batched calls (a few rows, each panel pair computing every
+// row) walk the same way: a Qwen2.5 gate_up shape, 16 copies, SPLIT against ADJACENT: 2 rows
+// 4.6-5.3 ms vs 5.3-6.7, 16 rows 11.6-11.9 vs 12.8. The same bits either way: each panel's
+// arithmetic does not depend on its neighbours.
 enum class DecodeWalk { SPLIT, ADJACENT };
 
 inline DecodeWalk decode_walk() {

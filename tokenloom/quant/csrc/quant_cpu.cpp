@@ -313,11 +313,14 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& qp, const at::Ten
   float* y = out.data_ptr<float>();
   const int64_t threads = at::get_num_threads();
   const int64_t grain = std::max<int64_t>(1, (P + threads - 1) / threads);
-  const bool split = M == 1 && tokenloom_int8::decode_walk() == tokenloom_int8::DecodeWalk::SPLIT;
+  const bool split = tokenloom_int8::decode_walk() == tokenloom_int8::DecodeWalk::SPLIT;
   at::parallel_for(0, P, grain, [&](int64_t p0, int64_t p1) {
-    if (split) {                                      // decode_walk(): the range's two halves side by side
+    if (split) {                                      // decode_walk(): the range's two halves side by side,
+                                                      // each pair of panels computing every row
       tokenloom_int8::split_walk(p0, p1, [&](int64_t p, int64_t dist, int count) {
-        kPanelRow<INT4>[count](w, p, dist, xq, xs, xsum, isum, y + p * 16, false);
+        for (int64_t m = 0; m < M; ++m)
+          kPanelRow<INT4>[count](w, p, dist, xq + m * K, xs + m * nb, xsum + m * nb, isum + m * nb,
+                                 y + m * P * 16 + p * 16, false);
       });
       return;
     }
