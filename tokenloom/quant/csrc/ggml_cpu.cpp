@@ -599,20 +599,19 @@ template <int HB, int Z, bool PER16, bool OFFS, bool KS, typename S>
 void gpanel_matmul(const GPanel& w, const Acts& a, int64_t M, int64_t P, float* out, int64_t ldo) {
   const int64_t threads = at::get_num_threads();
   const int64_t grain = std::max<int64_t>(1, (P + threads - 1) / threads);
-  const bool split = tokenloom_int8::decode_walk() == tokenloom_int8::DecodeWalk::SPLIT;
+  const tokenloom_int8::DecodeWalk walk = tokenloom_int8::decode_walk();
+  using Row = void (*)(const GPanel&, int64_t, int64_t, const Acts&, int64_t, float*);
+  // [prefetch][panels]: ADJACENT walks fetch ahead in software, SPLIT walks leave it to the hardware
+  constexpr Row rows[2][3] = {{nullptr, gpanel_row<1, HB, Z, PER16, OFFS, KS, S, false>,
+                               gpanel_row<2, HB, Z, PER16, OFFS, KS, S, false>},
+                              {nullptr, gpanel_row<1, HB, Z, PER16, OFFS, KS, S, true>,
+                               gpanel_row<2, HB, Z, PER16, OFFS, KS, S, true>}};
+  const bool prefetch = walk == tokenloom_int8::DecodeWalk::ADJACENT;
   at::parallel_for(0, P, grain, [&](int64_t p0, int64_t p1) {
-    if (M == 1 && split) {                          // decode: the range's two halves side by side
-      tokenloom_int8::split_walk(p0, p1, [&](int64_t p, int64_t dist, int count) {
-        if (count == 2) gpanel_row<2, HB, Z, PER16, OFFS, KS, S, false>(w, p, dist, a, 0, out + p * 16);
-        else gpanel_row<1, HB, Z, PER16, OFFS, KS, S, false>(w, p, dist, a, 0, out + p * 16);
+    if (M == 1) {                                   // decode: two panels' weight streams side by side
+      tokenloom_int8::walk_panels(walk, p0, p1, [&](int64_t p, int64_t dist, int count) {
+        rows[prefetch][count](w, p, dist, a, 0, out + p * 16);
       });
-      return;
-    }
-    if (M == 1) {                                   // decode: two neighbouring panels, fetched ahead
-      for (int64_t p = p0; p < p1; p += 2) {
-        if (p + 2 <= p1) gpanel_row<2, HB, Z, PER16, OFFS, KS, S, true>(w, p, 1, a, 0, out + p * 16);
-        else gpanel_row<1, HB, Z, PER16, OFFS, KS, S, true>(w, p, 1, a, 0, out + p * 16);
-      }
       return;
     }
     for (int64_t p = p0; p < p1; ++p) {             // each block decoded once per 4 rows

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <string>
 #include <type_traits>
@@ -45,18 +46,28 @@ enum class DecodeWalk { SPLIT, ADJACENT };
 
 inline DecodeWalk decode_walk() {
   static const DecodeWalk walk = [] {
-    if (const char* env = std::getenv("TOKENLOOM_DECODE_WALK"))
-      return std::string(env) == "split" ? DecodeWalk::SPLIT : DecodeWalk::ADJACENT;
     __builtin_cpu_init();
-    return __builtin_cpu_is("amd") ? DecodeWalk::SPLIT : DecodeWalk::ADJACENT;
+    const DecodeWalk cpu = __builtin_cpu_is("amd") ? DecodeWalk::SPLIT : DecodeWalk::ADJACENT;
+    const char* env = std::getenv("TOKENLOOM_DECODE_WALK");
+    if (env == nullptr) return cpu;
+    if (std::string(env) == "split") return DecodeWalk::SPLIT;
+    if (std::string(env) == "adjacent") return DecodeWalk::ADJACENT;
+    std::fprintf(stderr, "tokenloom: TOKENLOOM_DECODE_WALK=%s is neither split nor adjacent; using %s\n", env,
+                 cpu == DecodeWalk::SPLIT ? "split" : "adjacent");
+    return cpu;
   }();
   return walk;
 }
 
-// Panels [p0, p1) the SPLIT way: row(first, dist, count) computes `count` panels first,
-// first + dist, ... (count 2: the two halves side by side; count 1: an odd range's last panel).
+// Panels [p0, p1) walked `walk`'s way: row(first, dist, count) computes `count` (1 or 2) panels
+// first, first + dist. SPLIT: the two halves side by side, then an odd range's last panel;
+// ADJACENT: neighbours (dist 1), the last alone where the range is odd.
 template <typename Row>
-inline void split_walk(int64_t p0, int64_t p1, Row&& row) {
+inline void walk_panels(DecodeWalk walk, int64_t p0, int64_t p1, Row&& row) {
+  if (walk == DecodeWalk::ADJACENT) {
+    for (int64_t p = p0; p < p1; p += 2) row(p, 1, p + 2 <= p1 ? 2 : 1);
+    return;
+  }
   const int64_t half = (p1 - p0) / 2;
   for (int64_t i = 0; i < half; ++i) row(p0 + i, half, 2);
   if ((p1 - p0) % 2) row(p1 - 1, 0, 1);

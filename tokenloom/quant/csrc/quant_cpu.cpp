@@ -210,7 +210,7 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& q, const at::Tenso
 // Measured on the 2-core Xeon over SmolLM2-135M's 121 projections at one row (noisy, +-15%):
 // 4 panels / 4 KB ahead: int4 5.2 ms, int8 5.8; 2 panels / 1 KB ahead: int4 3.6-4.4, int8 5.5-5.8
 // (row kernels: int4 ~5.9, int8 ~6.1).
-constexpr int PANELS = 2;      // panels per pass (their weight streams run side by side)
+constexpr int PANELS = 2;      // panels per pass (their weight streams run side by side: walk_panels)
 constexpr int64_t PANEL_PREFETCH_BYTES = 1024;
 
 struct PanelWeights {
@@ -313,22 +313,15 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& qp, const at::Ten
   float* y = out.data_ptr<float>();
   const int64_t threads = at::get_num_threads();
   const int64_t grain = std::max<int64_t>(1, (P + threads - 1) / threads);
-  const bool split = tokenloom_int8::decode_walk() == tokenloom_int8::DecodeWalk::SPLIT;
+  const tokenloom_int8::DecodeWalk walk = tokenloom_int8::decode_walk();
+  const bool adjacent = walk == tokenloom_int8::DecodeWalk::ADJACENT;   // software prefetch, on the first row
   at::parallel_for(0, P, grain, [&](int64_t p0, int64_t p1) {
-    if (split) {                                      // decode_walk(): the range's two halves side by side,
-                                                      // each pair of panels computing every row
-      tokenloom_int8::split_walk(p0, p1, [&](int64_t p, int64_t dist, int count) {
-        for (int64_t m = 0; m < M; ++m)
-          kPanelRow<INT4>[count](w, p, dist, xq + m * K, xs + m * nb, xsum + m * nb, isum + m * nb,
-                                 y + m * P * 16 + p * 16, false);
-      });
-      return;
-    }
-    for (int64_t p = p0; p < p1; p += PANELS) {       // a few panels' weights stay in cache across the rows
-      const int nz = static_cast<int>(std::min<int64_t>(PANELS, p1 - p));
+    // each pair of panels computes every row while its weights stay in cache
+    tokenloom_int8::walk_panels(walk, p0, p1, [&](int64_t p, int64_t dist, int count) {
       for (int64_t m = 0; m < M; ++m)
-        kPanelRow<INT4>[nz](w, p, 1, xq + m * K, xs + m * nb, xsum + m * nb, isum + m * nb, y + m * P * 16 + p * 16, m == 0);
-    }
+        kPanelRow<INT4>[count](w, p, dist, xq + m * K, xs + m * nb, xsum + m * nb, isum + m * nb,
+                               y + m * P * 16 + p * 16, adjacent && m == 0);
+    });
   });
   if (bias.has_value() && bias->defined()) out.add_(*bias);
   return out;
