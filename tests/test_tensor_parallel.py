@@ -185,6 +185,38 @@ def test_torchrun_rendezvous_between_two_hosts(tiny_model_dir, tmp_path):
     assert json.loads(out0.strip().splitlines()[-1]) == expected
 
 
+RANK1_LEAVES = """
+import sys
+import torch.distributed as dist
+from tokenloom.distributed.worker import worker_main
+from tokenloom.llm import engine_config
+worker_main(1, 2, "env://", engine_config(sys.argv[1], tensor_parallel_size=2), 1)
+print("still in the group" if dist.is_initialized() else "left the group")
+"""
+
+
+def test_a_joined_rank_leaves_its_group_when_rank_0_says_stop(tiny_model_dir, tmp_path, monkeypatch):
+    """A rank that leaves its gloo group to the interpreter's exit can abort there ("terminate called
+    without an active exception", seen in CI): the worker leaves it itself once rank 0 says stop."""
+    from tokenloom.distributed.group import free_port
+    folder = str(tiny_model_dir("qwen2"))
+    script = tmp_path / "rank1.py"
+    script.write_text(RANK1_LEAVES)
+    variables = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
+    rank1 = subprocess.Popen([sys.executable, str(script), folder], env=os.environ | variables | {"RANK": "1"},
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for name, value in (variables | {"RANK": "0"}).items():
+        monkeypatch.setenv(name, value)
+    two = LLM(folder, kv_cache_memory=8 << 20, tensor_parallel_size=2)
+    try:
+        assert two.generate(["a cat"], SamplingParams(temperature=0, max_tokens=2))[0].outputs[0].token_ids
+    finally:
+        two.engine.ranks.stop()
+    out, err = rank1.communicate(timeout=60)
+    assert rank1.returncode == 0, err[-2000:]
+    assert out.strip().splitlines()[-1] == "left the group"
+
+
 def _spawned_children(pid: int) -> list[int]:
     """The multiprocessing-spawned children of `pid` (its tensor-parallel ranks)."""
     children = []

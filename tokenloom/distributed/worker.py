@@ -15,6 +15,7 @@ import os
 import sys
 
 import torch
+import torch.distributed as dist
 
 from tokenloom.config import EngineConfig, parse_dtype
 from tokenloom.distributed.errors import ParallelRankError
@@ -65,6 +66,10 @@ def worker_main(rank: int, size: int, init_method: str, config: EngineConfig, th
         serve(load_share(config, parallel_plan(config, rank, model_config), group), group, config)
     except ParallelRankError:
         sys.exit(0)                               # rank 0 is gone: so is the engine this rank served
+    finally:
+        # Left to the interpreter's exit, gloo's threads can outlive it and abort the process
+        # ("terminate called without an active exception", pytorch/pytorch#190489).
+        dist.destroy_process_group()
 
 
 @torch.inference_mode()
