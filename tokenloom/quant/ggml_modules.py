@@ -87,7 +87,7 @@ def _merge_adjacent(segments: list[tuple[int, object]]) -> list[tuple[int, objec
 
 def _float_rows(x: torch.Tensor, width: int) -> torch.Tensor:
     """x (..., width) as a contiguous float32 (M, width) matrix."""
-    x2 = x.reshape(-1, width)
+    x2 = x if x.dim() == 2 else x.reshape(-1, width)
     return x2 if x2.dtype == torch.float32 and x2.is_contiguous() else x2.float().contiguous()
 
 
@@ -132,8 +132,8 @@ class GGMLLinear(nn.Module):
         """A gated MLP's gate_up: x (..., in) -> silu(gate) * up (..., out / 2), the same bits as
         forward then fused.silu_mul."""
         x2 = _float_rows(x, self.in_features)
-        y = self.segments[0][1].linear(x2, self.bias, silu_mul=True)
-        return y.to(x.dtype).view(*x.shape[:-1], self.out_features // 2)
+        y = self.segments[0][1].linear(x2, self.bias, silu_mul=True).to(x.dtype)
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features // 2)
 
     def held_tensors(self) -> list[torch.Tensor]:
         """The weight's tensors, which are not registered buffers (models/op_tape.py asks)."""
@@ -155,7 +155,7 @@ class GGMLLinear(nn.Module):
                 y += self.bias
         if y.dtype != x.dtype:
             y = y.to(x.dtype)
-        return y.view(*x.shape[:-1], self.out_features)
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
 
     def _segments_forward(self, x2: torch.Tensor, kernels) -> torch.Tensor:
         """x2 (M, in) float32 -> (M, out), each segment by its own kernel (or dequantized off the CPU)."""

@@ -152,12 +152,16 @@ class QuantizedLinear(nn.Module):
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, self.in_features)                               # (M, in)
+        # (M, in) already: no reshape and view around the kernel (two of a decode layer's ~16
+        # op calls per projection; each costs a replayed tape a dispatcher call)
+        flat = x.dim() == 2
+        x2 = x if flat else x.reshape(-1, self.in_features)                # (M, in)
         if self._kernel is None:
             self._kernel = self._bind_kernel()
         if self._kernel and x2.device.type == "cpu":
             if x2.dtype == torch.float32 and x2.is_contiguous():
-                return self._kernel(x2).view(*x.shape[:-1], self.out_features)
+                y = self._kernel(x2)
+                return y if flat else y.view(*x.shape[:-1], self.out_features)
             y = self._kernel(x2.float().contiguous()).to(x.dtype)
         else:
             y = F.linear(x2, self.weight_q.dequantize().to(x.dtype), self.bias)
