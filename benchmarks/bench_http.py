@@ -9,7 +9,8 @@ AsyncLLMEngine with the same engine settings. Reported per C: output tokens/s,
 TTFT and TPOT medians and p99s, and HTTP / in-process throughput (the server's
 overhead: HTTP, JSON, SSE, detokenized streaming). With --llama-server PATH (a GGUF
 --model), llama.cpp's own server runs the same requests over the same API on the same
-file (one slot per client, the same threads), and the table gains tokenloom / llama.cpp.
+file (one slot per client, the same threads; a fresh server per concurrency and its prompt
+cache off, as tokenloom's prefix cache is), and the table gains tokenloom / llama.cpp.
 
 Writes benchmarks/results/bench_http.json.
 """
@@ -66,9 +67,10 @@ def _wait_healthy(proc: subprocess.Popen, port: int) -> subprocess.Popen:
     raise RuntimeError("the server did not come up")
 
 
-async def _http_run(base: str, reqs: list[Req], concurrency: int, users: str | None = None) -> Run:
+async def _http_run(base: str, reqs: list[Req], concurrency: int, users: str | None = None,
+                    extra: dict | None = None) -> Run:
     """`reqs` by `concurrency` streaming clients in a closed loop; with `users`, client i names
-    itself f"{users}-{i}" in the requests' `user` field."""
+    itself f"{users}-{i}" in the requests' `user` field; `extra`: more fields for every body."""
     todo = list(reqs)
     ttft, tpot = [], []
 
@@ -76,7 +78,9 @@ async def _http_run(base: str, reqs: list[Req], concurrency: int, users: str | N
         while todo:
             r = todo.pop(0)
             body = {"model": "bench", "prompt": r.prompt, "max_tokens": r.out_len, "temperature": 0,
-                    "ignore_eos": True, "stream": True} | ({"user": f"{users}-{index}"} if users else {})
+                    "ignore_eos": True, "stream": True, **(extra or {})}
+            if users:
+                body["user"] = f"{users}-{index}"
             t0 = time.perf_counter()
             first = None
             # a fresh connection per request: llama-server drops kept-alive ones after a stream
@@ -97,11 +101,13 @@ async def _http_run(base: str, reqs: list[Req], concurrency: int, users: str | N
     return Run(time.perf_counter() - start, sum(r.out_len for r in reqs), ttft, tpot)
 
 
-def _drive(base: str, reqs: list[Req], levels: list[int], into: dict, bar: tqdm) -> None:
-    """A warm-up, then the workload at each concurrency against the server at `base`."""
-    asyncio.run(_http_run(base, reqs[:2], 2))
+def _drive(base: str, warm_up: list[Req], reqs: list[Req], levels: list[int], into: dict, bar: tqdm,
+           extra: dict | None = None) -> None:
+    """A warm-up (prompts of its own: none of the workload's is cached by it), then the workload
+    at each concurrency against the server at `base`."""
+    asyncio.run(_http_run(base, warm_up, 2, extra=extra))
     for c in levels:
-        into[str(c)] = asyncio.run(_http_run(base, reqs, c)).summary()
+        into[str(c)] = asyncio.run(_http_run(base, reqs, c, extra=extra)).summary()
         bar.update()
 
 
@@ -130,28 +136,35 @@ def main() -> None:
     args = p.parse_args()
     folder = args.model or str(hub.pull())
     reqs = make_workload(args.requests, 0, args.prompt_len, args.output_len)
+    warm_up = make_workload(2, 1, args.prompt_len, args.output_len)
     res: dict = {"http": {}, "in_process": {}, "config": vars(args)}
     if args.llama_server:
         res["llama_server"] = {}
+        # A fresh server per level, prompt caching off: llama-server keeps each slot's last prompt
+        # (and more in host memory), so a level after another found every prompt cached (at 16
+        # after 1: one prompt token evaluated per request, 92 tok/s against 38 cold), while
+        # tokenloom runs with its prefix cache off.
         with tqdm(total=len(args.concurrency), desc="llama-server", unit="run") as bar:
-            proc = start_llama_server(args.llama_server, folder, args.port, max(args.concurrency), args.threads,
-                                      args.prompt_len[1] + args.output_len[1] + 16)
-            try:
-                _drive(f"http://127.0.0.1:{args.port}", reqs, args.concurrency, res["llama_server"], bar)
-            finally:
-                proc.terminate()
-                proc.wait()
+            for c in args.concurrency:
+                proc = start_llama_server(args.llama_server, folder, args.port, max(args.concurrency), args.threads,
+                                          args.prompt_len[1] + args.output_len[1] + 16)
+                try:
+                    _drive(f"http://127.0.0.1:{args.port}", warm_up, reqs, [c], res["llama_server"], bar,
+                           extra={"cache_prompt": False})
+                finally:
+                    proc.terminate()
+                    proc.wait()
     with tqdm(total=2 * len(args.concurrency), desc="benchmarking", unit="run") as bar:
         proc = start_server(folder, args.port, max(args.concurrency))
         try:
-            _drive(f"http://127.0.0.1:{args.port}", reqs, args.concurrency, res["http"], bar)
+            _drive(f"http://127.0.0.1:{args.port}", warm_up, reqs, args.concurrency, res["http"], bar)
         finally:
             proc.terminate()
             proc.wait()
         config = EngineConfig(folder, cache=CacheConfig(kv_cache_memory=2 << 30, enable_prefix_caching=False),
                               scheduler=SchedulerConfig(max_num_seqs=max(args.concurrency)))
         engine = AsyncLLMEngine.from_config(config)
-        run_tokenloom(engine, reqs[:2], 2)                                  # warm-up
+        run_tokenloom(engine, warm_up, 2)                                     # warm-up
         for c in args.concurrency:
             res["in_process"][str(c)] = run_tokenloom(engine, reqs, c).summary()
             bar.update()
