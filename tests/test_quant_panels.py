@@ -65,6 +65,28 @@ def test_panel_kernel_rows_do_not_depend_on_their_batch(fmt):
 
 
 @needs_panels
+@pytest.mark.parametrize("fmt", ["int8", "int4-g32"])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_gate_up_with_silu_in_the_call_is_the_same_bits_as_the_ops_one_by_one(fmt, rows):
+    """The int8/int4 panel call with silu(gate) * up after it against the product, then fused.silu_mul;
+    the layer takes that path (pairs_gate_up) once re-laid as panels."""
+    from tokenloom.models import fused
+    assert fused.build()
+    q = quantized(fmt, 96, 256, seed=rows)       # 6 panels: gate 3, up 3
+    torch.manual_seed(rows)
+    x, bias = torch.randn(rows, 256), torch.randn(96)
+    product = kernels.bind(panels.to_panels(q), bias, True)(x)
+    gated = kernels.bind(panels.to_panels(q), bias, True, silu_mul=True)(x)
+    assert gated.shape == (rows, 48) and torch.equal(gated, fused.silu_mul(product))
+    layer = QuantizedLinear(256, 96, True, WeightFormat.parse(fmt))
+    layer.load_weight(q.dequantize())
+    layer.bias.copy_(bias)
+    assert not layer.pairs_gate_up                      # the row layout has no such call
+    layer.use_panels()
+    assert layer.pairs_gate_up and torch.equal(layer.silu_mul(x), fused.silu_mul(layer(x)))
+
+
+@needs_panels
 def test_a_re_laid_layer_saves_and_embeds_in_the_row_layout():
     torch.manual_seed(0)
     layer = QuantizedLinear(256, 64, False, WeightFormat.parse("int4"))

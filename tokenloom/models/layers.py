@@ -17,6 +17,7 @@ from tokenloom.models import fused
 from tokenloom.models.custom_op import CustomOp
 from tokenloom.models.prepacked import PanelLinear
 from tokenloom.quant.ggml_modules import GGMLLinear
+from tokenloom.quant.modules import QuantizedLinear
 
 
 class RMSNorm(CustomOp):
@@ -187,9 +188,10 @@ def activation(name: str):
 class GatedMLP(CustomOp):
     """down(act(gate(x)) * up(x)) with gate and up fused into one matmul: x (T, hidden) -> (T, hidden).
 
-    On the CPU in float32 with silu, act * up runs in the panel kernel's epilogue where the
-    gate_up weight is panel-packed (the (T, 2 intermediate) product never reaches memory),
-    else as one fused op after the matmul."""
+    On the CPU with silu, act * up runs in the gate_up call where its weight is panel-packed
+    (float32: in the kernel's epilogue, the (T, 2 intermediate) product never reaching memory;
+    int8/int4 and GGUF panels: after the product, in the same call), else as one fused op after
+    the matmul."""
 
     def __init__(self, hidden: int, intermediate: int, bias: bool, act: str) -> None:
         super().__init__()
@@ -210,7 +212,7 @@ class GatedMLP(CustomOp):
 
     def forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
         proj = self.gate_up_proj
-        if isinstance(proj, PanelLinear | GGMLLinear) and proj.pairs_gate_up:
+        if isinstance(proj, PanelLinear | GGMLLinear | QuantizedLinear) and proj.pairs_gate_up:
             return self.down_proj.forward(proj.silu_mul(x))
         gate_up = proj.forward(x)                                             # (T, 2 intermediate)
         if gate_up.dim() == 2 and gate_up.stride(1) == 1:

@@ -40,9 +40,10 @@ class QuantizedSegment:
     def matmul_into(self, out: torch.Tensor, col0: int, x: torch.Tensor) -> None:
         out[:, col0:col0 + self.shape[0]] = self._run(x)
 
-    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x (M, K) float32 contiguous -> x @ w.T + bias (M, N) in one call."""
-        return kernels.bind(self.q, bias, True)(x)
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool = False) -> torch.Tensor:
+        """x (M, K) float32 contiguous -> x @ w.T + bias (M, N) in one call, or with `silu_mul`
+        silu(gate) * up (M, N/2) for a gate_up weight (gate rows first)."""
+        return kernels.bind(self.q, bias, True, silu_mul)(x)
 
     def followed_by(self, other: QuantizedSegment) -> QuantizedSegment | None:
         """These rows then `other`'s as one segment (panels stack along their first dimension),
@@ -124,9 +125,12 @@ class GGMLLinear(nn.Module):
 
     @property
     def pairs_gate_up(self) -> bool:
-        """`silu_mul` runs as one kernel call: the weight is one GGUF panel tensor."""
-        return len(self.segments) == 1 and isinstance(self.segments[0][1], GGUFPanels) \
-            and ops() is not None
+        """`silu_mul` runs as one kernel call: the weight is one panel tensor (GGUF panels, or int8 /
+        int4 panels whose gate and up halves are whole panels of 16 rows)."""
+        only = self.segments[0][1] if len(self.segments) == 1 else None
+        if isinstance(only, QuantizedSegment):
+            return only.shape[0] % 32 == 0
+        return isinstance(only, GGUFPanels) and ops() is not None
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """A gated MLP's gate_up: x (..., in) -> silu(gate) * up (..., out / 2), the same bits as

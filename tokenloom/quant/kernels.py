@@ -26,14 +26,19 @@ def available() -> bool:
     return _ops() is not None
 
 
-def bind(w, bias: torch.Tensor | None, panel_layout: bool):
+def bind(w, bias: torch.Tensor | None, panel_layout: bool, silu_mul: bool = False):
     """``x (M, K) float32 contiguous -> (M, N)`` for QuantizedTensor `w` (row or panel layout) and
-    float32 `bias`: the op looked up once, for callers on every layer's forward."""
+    float32 `bias`: the op looked up once, for callers on every layer's forward. With `silu_mul`
+    (panel layout only; `w` a gate_up weight, gate rows first): silu(gate) * up, (M, N / 2)."""
     ops = _ops()
     if panel_layout:
         op = (ops.panel_linear_int8 if w.bits == 8 else ops.panel_linear_int4).default
-    else:
-        op = (ops.linear_int8 if w.bits == 8 else ops.linear_int4).default
+        if w.bits == 8:
+            return lambda x: op(x, w.data, w.scales, w.group_size, bias, silu_mul)
+        return lambda x: op(x, w.data, w.scales, w.offsets, w.group_size, bias, silu_mul)
+    if silu_mul:
+        raise ValueError("silu_mul runs in the panel kernels only")
+    op = (ops.linear_int8 if w.bits == 8 else ops.linear_int4).default
     if w.bits == 8:
         return lambda x: op(x, w.data, w.scales, w.group_size, bias)
     return lambda x: op(x, w.data, w.scales, w.offsets, w.group_size, bias)

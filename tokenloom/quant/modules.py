@@ -52,6 +52,7 @@ class QuantizedLinear(nn.Module):
             if bias else None
         self.panel_layout = False   # buffers hold the panel layout (use_panels) instead of the row layout
         self._kernel = None         # (M, in) float32 -> (M, out) with this weight bound; False: no CPU kernel
+        self._silu_kernel = None    # the same with silu(gate) * up after it (silu_mul)
 
     @staticmethod
     def supports(in_features: int, fmt: WeightFormat) -> bool:
@@ -84,6 +85,23 @@ class QuantizedLinear(nn.Module):
         self.qweight, self.scales, self.offsets = packed.data, packed.scales, packed.offsets
         self.panel_layout, self._kernel = True, None
 
+    @property
+    def pairs_gate_up(self) -> bool:
+        """`silu_mul` runs in the kernel call: the weight is in the panel layout on the CPU, its
+        gate and up halves whole panels."""
+        return self.panel_layout and self.out_features % 32 == 0 and self.qweight.device.type == "cpu" \
+            and kernels.available()
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """For a gate_up weight (gate rows, then up rows): x (..., in) float32 -> silu(gate) * up
+        (..., out / 2); the same bits as forward then fused.silu_mul."""
+        if self._silu_kernel is None:
+            self._silu_kernel = kernels.bind(self.stored_q, None if self.bias is None else self.bias.float(), True,
+                                             silu_mul=True)
+        x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        y = self._silu_kernel(x2.float().contiguous())
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features // 2)
+
     def _bind_kernel(self):
         """The compiled kernel for this weight as one callable ``x2 -> y``, or False where there is
         none (a GPU, no compiler): bound once, so a decode step's 100+ calls skip the lookups."""
@@ -92,7 +110,7 @@ class QuantizedLinear(nn.Module):
         return kernels.bind(self.stored_q, None if self.bias is None else self.bias.float(), self.panel_layout)
 
     def _apply(self, fn, recurse=True):
-        self._kernel = None          # .to() / .float() may replace the buffers the kernel holds
+        self._kernel = self._silu_kernel = None   # .to() / .float() may replace the buffers the kernels hold
         return super()._apply(fn, recurse)
 
     def _load_from_state_dict(self, *args, **kwargs):

@@ -23,4 +23,9 @@ inline void silu_mul_row(const float* g, const float* u, float* y, int64_t n) {
   for (; i < n; ++i) y[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
 }
 
+// y (M, I) = silu(g) * u for g = y2[:, :I], u = y2[:, I:] of a gate_up product y2 (M, 2I).
+inline void silu_mul_rows(const float* y2, float* y, int64_t M, int64_t I) {
+  for (int64_t r = 0; r < M; ++r) silu_mul_row(y2 + r * 2 * I, y2 + r * 2 * I + I, y + r * I, I);
+}
+
 }  // namespace tokenloom_silu

@@ -671,9 +671,7 @@ void panel_matmul_into(at::Tensor out, int64_t col0, const at::Tensor& xq, int64
 at::Tensor silu_mul_rows(const at::Tensor& y2) {
   const int64_t M = y2.size(0), I = y2.size(1) / 2;
   at::Tensor y = at::empty({M, I}, y2.options());
-  const float* gp = y2.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  for (int64_t r = 0; r < M; ++r) tokenloom_silu::silu_mul_row(gp + r * 2 * I, gp + r * 2 * I + I, yp + r * I, I);
+  tokenloom_silu::silu_mul_rows(y2.data_ptr<float>(), y.data_ptr<float>(), M, I);
   return y;
 }
 

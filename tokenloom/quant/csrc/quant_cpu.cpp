@@ -20,6 +20,7 @@
 #include <cmath>
 
 #include "int8_dot.h"
+#include "../../models/csrc/silu_mul_row.h"
 
 namespace {
 
@@ -288,9 +289,12 @@ using PanelRowFn = void (*)(const PanelWeights&, int64_t, int64_t, const int8_t*
 template <bool INT4>
 constexpr PanelRowFn<INT4> kPanelRow[PANELS + 1] = {nullptr, panel_row<1, INT4>, panel_row<2, INT4>};
 
+// x (M, K) -> x @ w.T + bias (M, N), or with `silu_mul` (a gated MLP's gate_up, gate panels
+// then up panels) silu(gate) * up (M, N/2): the same bits as fused_cpu's silu_mul after it.
 template <bool INT4>
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& qp, const at::Tensor& scale,
-                        const c10::optional<at::Tensor>& offset, int64_t group, const c10::optional<at::Tensor>& bias) {
+                        const c10::optional<at::Tensor>& offset, int64_t group, const c10::optional<at::Tensor>& bias,
+                        bool silu_mul) {
   constexpr int64_t CHUNKS = INT4 ? 4 : 8;
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) % QK == 0,
               "x must be a contiguous float32 (M, K) matrix, K a multiple of 32");
@@ -324,17 +328,22 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& qp, const at::Ten
     });
   });
   if (bias.has_value() && bias->defined()) out.add_(*bias);
-  return out;
+  if (!silu_mul) return out;
+  TORCH_CHECK(P % 2 == 0, "silu_mul needs a gate_up weight of as many gate panels as up panels");
+  at::Tensor gated = at::empty({M, P * 8}, x.options());
+  tokenloom_silu::silu_mul_rows(y, gated.data_ptr<float>(), M, P * 8);
+  return gated;
 }
 
 at::Tensor panel_linear_int8(const at::Tensor& x, const at::Tensor& qp, const at::Tensor& scale, int64_t group,
-                             const c10::optional<at::Tensor>& bias) {
-  return panel_linear<false>(x, qp, scale, c10::nullopt, group, bias);
+                             const c10::optional<at::Tensor>& bias, bool silu_mul) {
+  return panel_linear<false>(x, qp, scale, c10::nullopt, group, bias, silu_mul);
 }
 
 at::Tensor panel_linear_int4(const at::Tensor& x, const at::Tensor& qp, const at::Tensor& scale,
-                             const at::Tensor& offset, int64_t group, const c10::optional<at::Tensor>& bias) {
-  return panel_linear<true>(x, qp, scale, offset, group, bias);
+                             const at::Tensor& offset, int64_t group, const c10::optional<at::Tensor>& bias,
+                             bool silu_mul) {
+  return panel_linear<true>(x, qp, scale, offset, group, bias, silu_mul);
 }
 #endif
 
@@ -344,8 +353,9 @@ TORCH_LIBRARY(TOKENLOOM_QUANT_LIBRARY, m) {
   m.def("linear_int8(Tensor x, Tensor q, Tensor scale, int group, Tensor? bias) -> Tensor");
   m.def("linear_int4(Tensor x, Tensor q, Tensor scale, Tensor offset, int group, Tensor? bias) -> Tensor");
 #if defined(__AVX512VNNI__)
-  m.def("panel_linear_int8(Tensor x, Tensor qp, Tensor scale, int group, Tensor? bias) -> Tensor");
-  m.def("panel_linear_int4(Tensor x, Tensor qp, Tensor scale, Tensor offset, int group, Tensor? bias) -> Tensor");
+  m.def("panel_linear_int8(Tensor x, Tensor qp, Tensor scale, int group, Tensor? bias, bool silu_mul=False) -> Tensor");
+  m.def("panel_linear_int4(Tensor x, Tensor qp, Tensor scale, Tensor offset, int group, Tensor? bias, "
+        "bool silu_mul=False) -> Tensor");
 #endif
 }
 
