@@ -93,13 +93,13 @@ class QuantizedLinear(nn.Module):
             and kernels.available()
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
-        """For a gate_up weight (gate rows, then up rows): x (..., in) float32 -> silu(gate) * up
-        (..., out / 2); the same bits as forward then fused.silu_mul."""
+        """For a gate_up weight (gate rows, then up rows): x (..., in) -> silu(gate) * up (..., out / 2)
+        in x's dtype, computed in float32; the same bits as forward then fused.silu_mul."""
         if self._silu_kernel is None:
             self._silu_kernel = kernels.bind(self.stored_q, None if self.bias is None else self.bias.float(), True,
                                              silu_mul=True)
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        y = self._silu_kernel(x2.float().contiguous())
+        y = self._silu_kernel(x2.float().contiguous()).to(x.dtype)
         return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features // 2)
 
     def _bind_kernel(self):
