@@ -84,6 +84,8 @@ def test_gate_up_with_silu_in_the_call_is_the_same_bits_as_the_ops_one_by_one(fm
     assert not layer.pairs_gate_up                      # the row layout has no such call
     layer.use_panels()
     assert layer.pairs_gate_up and torch.equal(layer.silu_mul(x), fused.silu_mul(layer(x)))
+    half = x.bfloat16()                                  # computed in float32, returned in x's dtype
+    assert torch.equal(layer.silu_mul(half), layer.silu_mul(half.float()).bfloat16())
 
 
 @needs_panels
