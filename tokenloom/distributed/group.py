@@ -30,6 +30,7 @@ class ParallelGroup:
     step: Any                     # the ProcessGroup of the collectives inside a model call
     comm_seconds: float = 0.0
     shm: Any = None               # SharedMemoryAllReduce where every rank is on this machine (shm.py)
+    peers_alive: Any = None       # () -> bool where this process can see its peers' processes
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum x over the ranks, in place (x contiguous); returns x."""
@@ -64,7 +65,11 @@ class ParallelGroup:
         return into
 
     def send(self, kind: str, payload: Any = None) -> None:
-        """Rank 0: tell the other ranks what to do next (worker.py's commands)."""
+        """Rank 0: tell the other ranks what to do next (worker.py's commands). A rank this
+        process started and that has died is an error here, not a wait on gloo to notice."""
+        if self.peers_alive is not None and not self.peers_alive():
+            raise ParallelRankError("a rank of the split model (tensor or pipeline parallel) stopped answering "
+                                    "(its process has died); the engine cannot go on without it")
         self._run(dist.broadcast_object_list, [(kind, payload)], src=0)
 
     def receive(self) -> tuple[str, Any]:
@@ -113,7 +118,7 @@ def init_group(rank: int, size: int, init_method: str, device: str = "cpu", shm_
         dist.barrier()                         # every rank has it mapped: the file's name is no longer needed
         if rank == 0:
             shm.remove()
-    return ParallelGroup(rank, size, step, shm=shm)
+    return ParallelGroup(rank, size, step, shm=shm, peers_alive=peers_alive)
 
 
 def rank_device(device: str, rank: int) -> str:
