@@ -83,38 +83,47 @@ class QuantizedLinear(nn.Module):
 
     def _take_panels(self, packed: QuantizedTensor) -> None:
         self.qweight, self.scales, self.offsets = packed.data, packed.scales, packed.offsets
-        self.panel_layout, self._kernel = True, None
+        self.panel_layout = True
+        self._forget_kernels()
 
     @property
     def pairs_gate_up(self) -> bool:
         """`silu_mul` runs in the kernel call: the weight is in the panel layout on the CPU, its
         gate and up halves whole panels."""
-        return self.panel_layout and self.out_features % 32 == 0 and self.qweight.device.type == "cpu" \
-            and kernels.available()
+        return self.panel_layout and self.out_features % 32 == 0 and self._kernels_here()
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """For a gate_up weight (gate rows, then up rows): x (..., in) -> silu(gate) * up (..., out / 2)
         in x's dtype, computed in float32; the same bits as forward then fused.silu_mul."""
         if self._silu_kernel is None:
-            self._silu_kernel = kernels.bind(self.stored_q, None if self.bias is None else self.bias.float(), True,
-                                             silu_mul=True)
+            self._silu_kernel = self._bind_kernel(silu_mul=True)
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         y = self._silu_kernel(x2.float().contiguous()).to(x.dtype)
         return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features // 2)
 
-    def _bind_kernel(self):
-        """The compiled kernel for this weight as one callable ``x2 -> y``, or False where there is
-        none (a GPU, no compiler): bound once, so a decode step's 100+ calls skip the lookups."""
-        if self.qweight.device.type != "cpu" or not kernels.available():
+    def _kernels_here(self) -> bool:
+        """The compiled kernels run where this weight is (the CPU, a compiler)."""
+        return self.qweight.device.type == "cpu" and kernels.available()
+
+    def _bind_kernel(self, silu_mul: bool = False):
+        """The compiled kernel for this weight as one callable ``x2 -> y`` (with `silu_mul`, ``x2 ->
+        silu(gate) * up``), or False where there is none (a GPU, no compiler): bound once, so a
+        decode step's 100+ calls skip the lookups."""
+        if not self._kernels_here():
             return False
-        return kernels.bind(self.stored_q, None if self.bias is None else self.bias.float(), self.panel_layout)
+        bias = None if self.bias is None else self.bias.float()
+        return kernels.bind(self.stored_q, bias, self.panel_layout, silu_mul)
+
+    def _forget_kernels(self) -> None:
+        """Bind the kernels again on next use: they hold the buffers and a float32 copy of the bias."""
+        self._kernel = self._silu_kernel = None
 
     def _apply(self, fn, recurse=True):
-        self._kernel = self._silu_kernel = None   # .to() / .float() may replace the buffers the kernels hold
+        self._forget_kernels()       # .to() / .float() may replace the buffers the kernels hold
         return super()._apply(fn, recurse)
 
     def _load_from_state_dict(self, *args, **kwargs):
-        self._kernel = None          # a float32 copy of a bfloat16 bias would go stale
+        self._forget_kernels()       # a float32 copy of a bfloat16 bias would go stale
         super()._load_from_state_dict(*args, **kwargs)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
