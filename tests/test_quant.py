@@ -86,6 +86,39 @@ def test_vnni_build_gives_the_avx2_builds_bits(bits):
     assert torch.equal(got, avx2)
 
 
+def reference_activation_codes(x: torch.Tensor):
+    """int8 codes per block of 32 as documented (int8_dot.h): scale max|x|/127 (NaN ignored), codes
+    round-half-even(x / scale) with a NaN product (NaN or inf input) coded 0; codes, scales, code sums."""
+    blocks = x.view(x.shape[0], -1, 32)
+    amax = torch.where(blocks.isnan(), 0.0, blocks.abs()).amax(-1)
+    scales = amax / 127
+    inv = torch.where(scales > 0, 1 / scales, torch.zeros_like(scales))
+    product = blocks * inv[..., None]
+    codes = torch.where(product.isnan(), 0.0, torch.round(product)).to(torch.int8)
+    return codes.view_as(x), scales, codes.to(torch.int32).sum(-1)
+
+
+@needs_kernels
+def test_activation_codes_match_the_reference_in_every_build():
+    """Ties (x.5 at scale 1) round to even, zero blocks get scale 0, a NaN or inf codes as 0: the
+    vectorized quantization (AVX2 and AVX-512 builds) against the arithmetic it claims."""
+    assert native.load(kernels._SOURCE, "int8/int4 CPU kernels") and kernels._ops() is not None   # AVX2, fastest
+    torch.manual_seed(3)
+    x = torch.randn(4, 160) * 4
+    x[:, 32:64] = torch.arange(32) - 15.5                            # halves: ties at scale ...
+    x[:, 32] = 127.0                                                 # ... exactly 1
+    x[:, 64:96] = 0.0
+    x[1, 100], x[2, 130] = float("nan"), float("inf")
+    x[3, 96:128] = torch.randn(32) * 1e-30                           # tiny (subnormal-adjacent) scales
+    want = reference_activation_codes(x)
+    builds = [torch.ops.tokenloom_quant] + ([torch.ops.tokenloom_quant_vnni] if native.cpu_has_avx512_vnni() else [])
+    for ops in builds:
+        got = ops.quantize_rows(x)
+        for g, w, what in zip(got, want, ("codes", "scales", "code sums")):
+            assert torch.equal(g, w), f"{ops}: {what} differ from the reference"
+    assert (want[0][:, 33:64] % 2 == 0).all() and want[0][0, 33] == -14   # ties went to even
+
+
 # Relative error of a quantized layer vs the float layer on random inputs, as documented
 # in docs/QUANTIZATION.md (measured on Gaussian weights: 0.9%, 7.9%, 9.0%, 10.1%).
 STATED_ERROR = {"int8": 0.02, "int4-g32": 0.10, "int4-g64": 0.12, "int4-g128": 0.14}

@@ -17,7 +17,8 @@ constexpr int64_t QK = 32;   // values per quantization block
 
 // One block of 32 floats -> int8 codes in q (scale max|x|/127, round to nearest even), the
 // integer sum of the codes of each half (values 0-15, 16-31) in halves; returns the scale.
-inline float quantize_block(const float* v, int8_t* q, int32_t halves[2]) {
+// The reference arithmetic, one value at a time; quantize_block gives the same bits.
+inline float quantize_block_scalar(const float* v, int8_t* q, int32_t halves[2]) {
   float amax = 0.f;
   for (int i = 0; i < QK; ++i) amax = std::max(amax, std::fabs(v[i]));
   const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
@@ -27,6 +28,65 @@ inline float quantize_block(const float* v, int8_t* q, int32_t halves[2]) {
     halves[i / 16] += q[i];
   }
   return d;
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// The code of 16 values: round to nearest even (the default MXCSR mode, as nearbyint), then
+// the int's low byte sign-extended (as static_cast<int8_t>, also for the NaN of 0 * inf).
+inline __m512i codes16(__m512 v, __m512 inv) {
+  return _mm512_srai_epi32(_mm512_slli_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(v, inv)), 24), 24);
+}
+#elif defined(__AVX2__)
+inline __m256i codes8(__m256 v, __m256 inv) {
+  return _mm256_srai_epi32(_mm256_slli_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v, inv)), 24), 24);
+}
+
+inline int32_t hsum8(__m256i v) {
+  const __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  const __m128i t = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  return _mm_cvtsi128_si32(_mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1)));
+}
+#endif
+
+// quantize_block_scalar, 16 (AVX-512) or 8 (AVX2) values at a time: a decode step quantizes
+// ~120 activation rows on its critical path, ~2 us each one value at a time. max(|v|, m)
+// keeps m where v is NaN, as std::max(m, |v|) does; the maximum does not depend on order.
+inline float quantize_block(const float* v, int8_t* q, int32_t halves[2]) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  const __m512 magnitude = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
+  const __m512 a = _mm512_loadu_ps(v), b = _mm512_loadu_ps(v + 16);
+  const __m512 m = _mm512_max_ps(_mm512_and_ps(b, magnitude), _mm512_max_ps(_mm512_and_ps(a, magnitude), _mm512_setzero_ps()));
+  const float amax = _mm512_reduce_max_ps(m);
+  const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+  const __m512i qa = codes16(a, _mm512_set1_ps(inv)), qb = codes16(b, _mm512_set1_ps(inv));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(qa));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(qb));
+  halves[0] = _mm512_reduce_add_epi32(qa);
+  halves[1] = _mm512_reduce_add_epi32(qb);
+  return d;
+#elif defined(__AVX2__)
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  __m256 x[4], m = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    x[i] = _mm256_loadu_ps(v + 8 * i);
+    m = _mm256_max_ps(_mm256_and_ps(x[i], magnitude), m);
+  }
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_shuffle_ps(h, h, 1)));
+  const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+  __m256i c[4];
+  for (int i = 0; i < 4; ++i) c[i] = codes8(x[i], _mm256_set1_ps(inv));
+  // codes fit in int8, so saturating packs keep them; the packs interleave 128-bit lanes
+  const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                      _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  halves[0] = hsum8(_mm256_add_epi32(c[0], c[1]));
+  halves[1] = hsum8(_mm256_add_epi32(c[2], c[3]));
+  return d;
+#else
+  return quantize_block_scalar(v, q, halves);
+#endif
 }
 
 // How a decode call (one activation row) walks the panels of a weight it reads once, each

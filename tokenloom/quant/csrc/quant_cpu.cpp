@@ -64,6 +64,20 @@ QuantizedActivations quantize_activations(const at::Tensor& x) {
   return a;
 }
 
+// x (M, K) -> (codes int8 (M, K), scales float32 (M, K/32), code sums int32 (M, K/32)): what the
+// kernels multiply, exposed for tests of the quantization against a reference.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) % QK == 0,
+              "x must be a contiguous float32 (M, K) matrix, K a multiple of 32");
+  const int64_t M = x.size(0), K = x.size(1), nb = K / QK;
+  const QuantizedActivations a = quantize_activations(x);
+  const auto i32 = x.options().dtype(at::kInt);
+  at::Tensor codes = at::from_blob(a.q, {M, K}, x.options().dtype(at::kChar)).clone();
+  at::Tensor scales = at::from_blob(a.scale, {M, nb}, x.options()).clone();
+  at::Tensor sums = at::from_blob(a.isum, {M, nb}, i32).clone();
+  return {codes, scales, sums};
+}
+
 // The dot products (int8_dot.h) are built twice: for AVX2 (maddubs + madd) and, as library
 // tokenloom_quant_vnni, for AVX-512 VNNI (one dpbusd); both give the same bits.
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -352,6 +366,7 @@ at::Tensor panel_linear_int4(const at::Tensor& x, const at::Tensor& qp, const at
 TORCH_LIBRARY(TOKENLOOM_QUANT_LIBRARY, m) {
   m.def("linear_int8(Tensor x, Tensor q, Tensor scale, int group, Tensor? bias) -> Tensor");
   m.def("linear_int4(Tensor x, Tensor q, Tensor scale, Tensor offset, int group, Tensor? bias) -> Tensor");
+  m.def("quantize_rows(Tensor x) -> (Tensor, Tensor, Tensor)");
 #if defined(__AVX512VNNI__)
   m.def("panel_linear_int8(Tensor x, Tensor qp, Tensor scale, int group, Tensor? bias, bool silu_mul=False) -> Tensor");
   m.def("panel_linear_int4(Tensor x, Tensor qp, Tensor scale, Tensor offset, int group, Tensor? bias, "
@@ -362,6 +377,7 @@ TORCH_LIBRARY(TOKENLOOM_QUANT_LIBRARY, m) {
 TORCH_LIBRARY_IMPL(TOKENLOOM_QUANT_LIBRARY, CPU, m) {
   m.impl("linear_int8", &linear_int8);
   m.impl("linear_int4", &linear_int4);
+  m.impl("quantize_rows", &quantize_rows);
 #if defined(__AVX512VNNI__)
   m.impl("panel_linear_int8", &panel_linear_int8);
   m.impl("panel_linear_int4", &panel_linear_int4);
