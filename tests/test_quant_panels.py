@@ -108,6 +108,20 @@ def test_a_re_laid_layer_saves_and_embeds_in_the_row_layout():
         layer.load_weight(torch.randn(64, 256))
 
 
+@pytest.mark.skipif(not kernels.available(), reason="no compiled int8/int4 kernels here")
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_native_row_lookup_dequantizes_as_the_torch_one(fmt):
+    """kernels.panel_rows (an embedding's lookup) against panels.rows(...).dequantize(): same bits;
+    an out-of-range id is an error naming it."""
+    q = quantized(fmt, 64, 384, seed=4)
+    q.scales.mul_(torch.where(torch.rand_like(q.scales) < 0.5, 1.0, 4.0))   # varied, still on the float16 grid
+    p = panels.to_panels(q)
+    ids = torch.tensor([0, 63, 21, 16, 21, 40])
+    assert torch.equal(kernels.panel_rows(p, ids), panels.rows(p, ids).dequantize())
+    with pytest.raises(RuntimeError, match="index 64 is out of range for 64 rows"):
+        kernels.panel_rows(p, torch.tensor([3, 64]))
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_quantize_puts_scales_and_offsets_on_the_float16_grid(fmt):
     """What lets the panel layout hold them in float16 without changing a weight."""

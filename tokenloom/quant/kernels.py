@@ -44,6 +44,12 @@ def bind(w, bias: torch.Tensor | None, panel_layout: bool, silu_mul: bool = Fals
     return lambda x: op(x, w.data, w.scales, w.offsets, w.group_size, bias)
 
 
+def panel_rows(w, index: torch.Tensor) -> torch.Tensor:
+    """Rows `index` (1-D int64) of panel-layout QuantizedTensor `w`, dequantized: float32 (L, K), the
+    same values as ``panels.rows(w, index).dequantize()``; an index out of range is an error."""
+    return _ops().panel_rows(w.data, w.scales, w.offsets, w.group_size, index.to(torch.int64))
+
+
 def panels_available() -> bool:
     """The AVX-512 VNNI build, which has the panel kernels, runs here."""
     ops = _ops()

@@ -215,7 +215,11 @@ class QuantizedEmbedding(nn.Module):
         self._tied[0].load_weight(tensor, rows)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        rows = self._tied[0].rows_q(ids.reshape(-1)).dequantize()   # (numel, hidden)
+        tied, flat = self._tied[0], ids.reshape(-1)
+        if tied.panel_layout and tied._kernels_here():      # one native call (~15 torch ops otherwise)
+            rows = kernels.panel_rows(tied.stored_q, flat)
+        else:
+            rows = tied.rows_q(flat).dequantize()                   # (numel, hidden)
         return rows.to(self.dtype).view(*ids.shape, -1)
 
 

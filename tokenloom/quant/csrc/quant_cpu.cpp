@@ -78,6 +78,58 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x
   return {codes, scales, sums};
 }
 
+// Rows `index` (L,) int64 of a panel-layout weight (quant/panels.py: qp (P, K/32, chunks, 64) uint8,
+// chunks 8 for int8 (code + 128), 4 for int4 (two codes a byte); scale/offset (P, K/group, 16)
+// float16) -> float32 (L, K): an embedding lookup reading only the picked rows' 4 bytes per
+// chunk. QuantizedTensor.dequantize's arithmetic: code * scale, then + offset (int4); a code (at
+// most 8 bits) times a float16 scale (11) is exact in float32, so a fused multiply-add gives
+// the same bits too.
+at::Tensor panel_rows(const at::Tensor& qp, const at::Tensor& scale, const c10::optional<at::Tensor>& offset,
+                      int64_t group, const at::Tensor& index) {
+  TORCH_CHECK(qp.scalar_type() == at::kByte && qp.is_contiguous() && qp.dim() == 4 && qp.size(3) == 64 &&
+              (qp.size(2) == 8 || qp.size(2) == 4), "panel weight must be (N/16, K/32, 8 or 4, 64) uint8");
+  const bool int4 = qp.size(2) == 4;
+  const int64_t P = qp.size(0), nb = qp.size(1), chunks = qp.size(2), K = nb * QK;
+  TORCH_CHECK(group % QK == 0 && K % group == 0, "group size must be a multiple of 32 dividing K");
+  const int64_t groups = K / group;
+  TORCH_CHECK(scale.scalar_type() == at::kHalf && scale.is_contiguous() && scale.sizes() == at::IntArrayRef({P, groups, 16}),
+              "panel scales must be (N/16, K/group, 16) float16");
+  TORCH_CHECK(!int4 || (offset && offset->sizes() == scale.sizes() && offset->is_contiguous() &&
+                        offset->scalar_type() == at::kHalf), "int4 panel offsets must be shaped like the scales");
+  TORCH_CHECK(index.dim() == 1 && index.scalar_type() == at::kLong, "index must be (L,) int64");
+  const at::Tensor idx = index.contiguous();
+  const int64_t L = idx.size(0), *rows = idx.data_ptr<int64_t>();
+  for (int64_t l = 0; l < L; ++l)
+    TORCH_CHECK(rows[l] >= 0 && rows[l] < P * 16, "index ", rows[l], " is out of range for ", P * 16, " rows");
+  at::Tensor out = at::empty({L, K}, qp.options().dtype(at::kFloat));
+  const uint8_t* q = qp.data_ptr<uint8_t>();
+  const at::Half* s = scale.data_ptr<at::Half>();
+  const at::Half* o = int4 ? offset->data_ptr<at::Half>() : nullptr;
+  float* y = out.data_ptr<float>();
+  for (int64_t l = 0; l < L; ++l) {
+    const int64_t panel = rows[l] / 16, lane = rows[l] % 16;
+    float* row = y + l * K;
+    for (int64_t b = 0; b < nb; ++b)
+      for (int64_t c = 0; c < chunks; ++c) {
+        const uint8_t* bytes = q + ((panel * nb + b) * chunks + c) * 64 + lane * 4;
+        for (int64_t i = 0; i < 4; ++i) {
+          if (!int4) {
+            const int64_t k = QK * b + 4 * c + i;
+            row[k] = static_cast<float>(static_cast<int>(bytes[i]) - 128) *
+                     static_cast<float>(s[(panel * groups + k / group) * 16 + lane]);
+            continue;
+          }
+          const int64_t k = QK * b + 8 * c + i;   // low nibble; the high one is k + 4
+          const int64_t g = (panel * groups + k / group) * 16 + lane;
+          const float sc = static_cast<float>(s[g]), off = static_cast<float>(o[g]);
+          row[k] = static_cast<float>(bytes[i] & 0x0F) * sc + off;
+          row[k + 4] = static_cast<float>(bytes[i] >> 4) * sc + off;
+        }
+      }
+  }
+  return out;
+}
+
 // The dot products (int8_dot.h) are built twice: for AVX2 (maddubs + madd) and, as library
 // tokenloom_quant_vnni, for AVX-512 VNNI (one dpbusd); both give the same bits.
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -367,6 +419,7 @@ TORCH_LIBRARY(TOKENLOOM_QUANT_LIBRARY, m) {
   m.def("linear_int8(Tensor x, Tensor q, Tensor scale, int group, Tensor? bias) -> Tensor");
   m.def("linear_int4(Tensor x, Tensor q, Tensor scale, Tensor offset, int group, Tensor? bias) -> Tensor");
   m.def("quantize_rows(Tensor x) -> (Tensor, Tensor, Tensor)");
+  m.def("panel_rows(Tensor qp, Tensor scale, Tensor? offset, int group, Tensor index) -> Tensor");
 #if defined(__AVX512VNNI__)
   m.def("panel_linear_int8(Tensor x, Tensor qp, Tensor scale, int group, Tensor? bias, bool silu_mul=False) -> Tensor");
   m.def("panel_linear_int4(Tensor x, Tensor qp, Tensor scale, Tensor offset, int group, Tensor? bias, "
@@ -378,6 +431,7 @@ TORCH_LIBRARY_IMPL(TOKENLOOM_QUANT_LIBRARY, CPU, m) {
   m.impl("linear_int8", &linear_int8);
   m.impl("linear_int4", &linear_int4);
   m.impl("quantize_rows", &quantize_rows);
+  m.impl("panel_rows", &panel_rows);
 #if defined(__AVX512VNNI__)
   m.impl("panel_linear_int8", &panel_linear_int8);
   m.impl("panel_linear_int4", &panel_linear_int4);
