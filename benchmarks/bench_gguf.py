@@ -9,6 +9,9 @@ For each file, in one run on this machine, each configuration in its own process
     /usr/bin/time; skipped where no llama-bench binary is found (--llama-bench or
     $LLAMA_BENCH; ../shared/MODELS.md says how to build it).
   - the time to read the file's metadata (tokenloom's reader vs gguf.GGUFReader).
+The engines take turns (--rounds, default 2: tokenloom then llama.cpp on a file, then again),
+so a minute of noise on a shared machine lands on both; each figure is the median over the
+rounds, and each ratio the median of the rounds' ratios (their range shown beside it).
 Prints a table with ratios, writes benchmarks/results/bench_gguf.json and gguf_decode.png.
 """
 
@@ -18,6 +21,7 @@ import json
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -75,21 +79,39 @@ def files(extra: list[str]) -> dict[str, Path]:
     return found
 
 
+def paired_ratio(rounds: list[dict], key: str, invert: bool = False) -> str:
+    """The median over rounds of tokenloom / llama.cpp for `key` (llama.cpp / tokenloom if `invert`),
+    with the rounds' range where there is more than one."""
+    pairs = [(r["tokenloom"][key], r["llama.cpp"][key]) for r in rounds if "llama.cpp" in r]
+    ratios = sorted((ll / t) if invert else (t / ll) for t, ll in pairs)
+    if not ratios:
+        return "-"
+    spread = f" ({ratios[0]:.2f}-{ratios[-1]:.2f})" if len(ratios) > 1 else ""
+    return f"{statistics.median(ratios):.2f}x{spread}"
+
+
+def medians(rounds: list[dict], engine: str) -> dict | None:
+    """Each figure of `engine` as the median over the rounds (None where it did not run)."""
+    runs = [r[engine] for r in rounds if engine in r]
+    return {k: statistics.median(run[k] for run in runs) for k in runs[0]} if runs else None
+
+
 def table(results: dict, cpu: str, threads: int) -> str:
-    lines = [f"CPU: {cpu}; {threads} threads; batch 1, prompt {PROMPT}, {NEW} new tokens", "",
+    rounds = len(next(iter(results.values()))["rounds"]) if results else 0
+    lines = [f"CPU: {cpu}; {threads} threads; batch 1, prompt {PROMPT}, {NEW} new tokens; {rounds} alternating "
+             "rounds, medians (ratios: median of the rounds' ratios, range in brackets)", "",
              "| file | tokenloom decode tok/s | llama.cpp decode | ratio | tokenloom prefill tok/s | llama.cpp prefill "
              "| ratio | tokenloom peak RSS MB | llama.cpp RSS MB | ratio | metadata s (tokenloom / gguf) |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    nan = float("nan")
     for label, r in results.items():
         t, ll, meta = r["tokenloom"], r.get("llama.cpp"), r["metadata_s"]
-        def ratio(key, invert=False):
-            if not ll:
-                return "-"
-            return f"{(ll[key] / t[key]) if invert else (t[key] / ll[key]):.2f}x"
-        lines.append(f"| {label} | {t['decode']:.1f} | {ll['decode'] if ll else float('nan'):.1f} | {ratio('decode')} "
-                     f"| {t['prefill']:.0f} | {ll['prefill'] if ll else float('nan'):.0f} | {ratio('prefill')} "
-                     f"| {t['rss_mb']:.0f} | {ll['rss_mb'] if ll else float('nan'):.0f} | "
-                     f"{(t['rss_mb'] / ll['rss_mb']) if ll else float('nan'):.2f}x "
+        lines.append(f"| {label} | {t['decode']:.1f} | {ll['decode'] if ll else nan:.1f} "
+                     f"| {paired_ratio(r['rounds'], 'decode')} "
+                     f"| {t['prefill']:.0f} | {ll['prefill'] if ll else nan:.0f} "
+                     f"| {paired_ratio(r['rounds'], 'prefill')} "
+                     f"| {t['rss_mb']:.0f} | {ll['rss_mb'] if ll else nan:.0f} | "
+                     f"{(t['rss_mb'] / ll['rss_mb']) if ll else nan:.2f}x "
                      f"| {meta['tokenloom']:.2f} / {meta['gguf.GGUFReader']:.2f} |")
     return "\n".join(lines)
 
@@ -115,18 +137,28 @@ def plot(results: dict, path: Path) -> bool:
 
 def main() -> None:
     p = parser(__doc__)
-    p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--runs", type=int, default=5, help="timed runs per engine per round (after a warm-up)")
+    p.add_argument("--rounds", type=int, default=2, help="alternating rounds of both engines on each file")
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--llama-bench", default=os.environ.get("LLAMA_BENCH") or shutil.which("llama-bench"))
     p.add_argument("--file", action="append", default=[], metavar="LABEL=PATH", help="another GGUF file to time")
     args = p.parse_args()
     cpu = cpu_name()
     results = {}
-    for label, path in tqdm(files(args.file).items(), desc="files", unit="file"):
-        results[label] = {"path": str(path), "metadata_s": metadata_seconds(path),
-                          "tokenloom": run_tokenloom(path, args.runs)}
+    chosen = files(args.file)
+    for label, path in chosen.items():
+        results[label] = {"path": str(path), "metadata_s": metadata_seconds(path), "rounds": []}
+    turns = [label for _ in range(args.rounds) for label in chosen]
+    for label in tqdm(turns, desc="rounds x files", unit="file"):
+        path = chosen[label]
+        turn = {"tokenloom": run_tokenloom(path, args.runs)}
         if args.llama_bench:
-            results[label]["llama.cpp"] = run_llama_cpp(args.llama_bench, path, args.runs, args.threads)
+            turn["llama.cpp"] = run_llama_cpp(args.llama_bench, path, args.runs, args.threads)
+        results[label]["rounds"].append(turn)
+    for r in results.values():
+        r["tokenloom"] = medians(r["rounds"], "tokenloom")
+        if (ll := medians(r["rounds"], "llama.cpp")) is not None:
+            r["llama.cpp"] = ll
     print(table(results, cpu, args.threads))
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "bench_gguf.json").write_text(json.dumps({"cpu": cpu, "threads": args.threads, "results": results},
