@@ -312,7 +312,10 @@ class GGUFFile:
         raw = t.raw()
         if t.type in KERNEL_TYPES and len(t.shape) in (2, 3):       # 3: stacked experts, rows joined
             rows = int(np.prod(t.shape[:-1]))
-            return GGMLTensor(t.type, torch.from_numpy(raw).view(rows, -1), t.shape[-1], t.release_pages)
+            data = torch.from_numpy(raw).view(rows, -1)
+            row_bytes = data.shape[1]
+            return GGMLTensor(t.type, data, t.shape[-1],
+                              lambda index: torch.from_numpy(t.read_rows(index.tolist(), row_bytes)))
         shape = (-1, t.shape[-1]) if len(t.shape) == 3 else t.shape
         if t.type in _FLOAT_TYPES:
             return torch.from_numpy(raw.view(_FLOAT_TYPES[t.type]).astype(np.float32)).view(shape)

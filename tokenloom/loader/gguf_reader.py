@@ -11,7 +11,10 @@ count, KV pairs, tensor infos, padding to ``general.alignment``, tensor data.
 from __future__ import annotations
 
 import mmap
+import os
 import struct
+import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +41,7 @@ class GGUFTensorInfo:
     offset: int                # bytes from the start of the file
     nbytes: int
     _buffer: mmap.mmap
+    _file: _FileReads | None = None
 
     def raw(self) -> np.ndarray:
         """The tensor's bytes as a uint8 array viewing the file map (copy-on-write, no copy)."""
@@ -46,6 +50,33 @@ class GGUFTensorInfo:
     def release_pages(self) -> None:
         """Drop this tensor's file pages from the process's memory (``release_map_pages``)."""
         release_map_pages(self._buffer, self.offset, self.nbytes)
+
+    def read_rows(self, rows: Sequence[int], row_bytes: int) -> np.ndarray:
+        """Rows `rows` of this tensor (`row_bytes` each) as a (len(rows), row_bytes) uint8 array read
+        from the file, not through the map: no file page is mapped into the process, so an embedding
+        looked up a few rows at a time never adds the kernel's 64 KiB read-around of each row to the
+        resident size, not even for the moment of a lookup (its peak). IndexError for a row past the end."""
+        count = self.nbytes // row_bytes
+        out = np.empty((len(rows), row_bytes), dtype=np.uint8)
+        for i, row in enumerate(rows):
+            if not 0 <= row < count:
+                raise IndexError(f"row {row} is out of range for {self.name}'s {count} rows")
+            self._file.read_into(out[i], self.offset + row * row_bytes)
+        return out
+
+
+class _FileReads:
+    """A read-only descriptor of the file, opened on first use, closed with its reader."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.fd = path, None
+
+    def read_into(self, buffer: np.ndarray, offset: int) -> None:
+        if self.fd is None:
+            self.fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+            weakref.finalize(self, os.close, self.fd)
+        if os.preadv(self.fd, [buffer], offset) != buffer.nbytes:
+            raise OSError(f"{self.path} ended inside a tensor (truncated since it was opened?)")
 
 
 def release_map_pages(file_map: mmap.mmap, start: int, length: int) -> None:
@@ -63,6 +94,7 @@ class GGUFReader:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
+        self._file = _FileReads(self.path)
         with self.path.open("rb") as f:
             self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
         self._pos = 0
@@ -99,7 +131,7 @@ class GGUFReader:
         start = data_start + offset
         if start + nbytes > len(self._map):
             raise GGUFFormatError(f"tensor {name!r} runs past the end of the file (truncated?)")
-        return GGUFTensorInfo(name, tuple(reversed(dims)), kind, start, nbytes, self._map)
+        return GGUFTensorInfo(name, tuple(reversed(dims)), kind, start, nbytes, self._map, self._file)
 
     def _read(self, n: int) -> bytes:
         if self._pos + n > len(self._map):

@@ -48,15 +48,15 @@ def type_name(kind: int) -> str:
 class GGMLTensor:
     """An (N, K) matrix of GGUF blocks: ``data`` uint8 (N, K / values_per_block * bytes_per_block).
 
-    ``release_pages``, where ``data`` views a file map, drops the pages it has touched from the
-    process's resident memory (they stay in the page cache and are read again when touched): an
-    embedding read a few rows at a time calls it after each lookup, so the rows of every token it has
-    ever seen (the kernel maps 64 KiB around each) do not pile up in the resident size."""
+    ``read_rows``, where ``data`` views a file map, reads rows by index from the file instead
+    (``rows(index)``): an embedding looked up a few rows at a time then maps none of the file's
+    pages (the kernel maps 64 KiB around each row it faults in, and the resident size, its peak
+    included, would count every token's neighbourhood)."""
 
     kind: int
     data: torch.Tensor
     in_features: int
-    release_pages: Callable[[], None] | None = field(default=None, repr=False, compare=False)
+    read_rows: Callable[[torch.Tensor], torch.Tensor] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.kind not in KERNEL_TYPES:
@@ -87,7 +87,10 @@ class GGMLTensor:
 
     def rows(self, index: torch.Tensor | slice) -> GGMLTensor:
         """Rows `index` (a slice or a 1-D index tensor); rows are independent blocks."""
-        data = self.data[index] if isinstance(index, slice) else self.data.index_select(0, index)
+        if isinstance(index, slice):
+            data = self.data[index]
+        else:
+            data = self.read_rows(index) if self.read_rows is not None else self.data.index_select(0, index)
         return GGMLTensor(self.kind, data, self.in_features)
 
     def columns(self, start: int, count: int) -> GGMLTensor:

@@ -198,8 +198,6 @@ class GGMLEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1).cpu()
         rows = self._tied[0].rows(flat) if self._tied else self.weight_q.rows(flat).dequantize()
-        if not self._tied and self.weight_q.release_pages is not None:
-            self.weight_q.release_pages()              # the rows read: out of the resident size again
         return rows.to(self.dtype).to(ids.device).view(*ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
