@@ -98,6 +98,36 @@ def test_a_sequence_gets_the_same_bits_alone_or_batched():
     assert torch.equal(batched[1], alone[0])
 
 
+@pytest.fixture
+def two_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 9, 3), (32, 6, 2), (128, 4, 1), (256, 2, 2)])
+@pytest.mark.parametrize("window,softcap", [(None, None), (100, None), (None, 5.0)])
+def test_a_long_sequence_shared_by_the_threads_gets_the_bits_it_gets_in_a_batch(two_threads, head_dim, heads,
+                                                                                kv_heads, window, softcap):
+    """With fewer sequences than threads, a sequence of 64+ attended positions is shared by every
+    thread (positions, then heads, then columns: decode_all); in a batch of as many sequences as
+    threads it is one thread's. Same bits either way, and the reference's values."""
+    lens = [150, 64, 300, 17]
+    k, v, tables, q = paged_setup(lens, heads, kv_heads, seed=7, head_dim=head_dim)
+    scale = head_dim ** -0.5
+    batched = cpu_decode.attend(q, k, v, decode_meta(lens, tables), list(range(4)), scale, window, softcap=softcap)
+    for i in range(4):
+        alone = cpu_decode.attend(q[i:i + 1], k, v, decode_meta(lens[i:i + 1], tables[i:i + 1]), [0], scale,
+                                  window, softcap=softcap)
+        assert torch.equal(alone[0], batched[i]), f"sequence {i} ({lens[i]} positions)"
+    if softcap is None:
+        want = torch_sdpa._decode_batch(q, k, v, decode_meta(lens, tables), scale, heads != kv_heads, window)
+    else:
+        want = capped_reference(q, k, v, lens, tables, scale, softcap).float()
+    torch.testing.assert_close(batched, want, atol=1e-5, rtol=1e-5)
+
+
 def test_decoding_rows_beside_a_prefill_chunk_use_the_kernel_and_match_the_reference(monkeypatch):
     """A step mixing a 5-token prefill chunk with two decoding sequences: same output with
     the kernel as with SDPA everywhere (the kernel turned off)."""
