@@ -356,3 +356,59 @@ def test_one_clients_slow_preparation_does_not_hold_every_worker(tiny_engine, mo
     assert fast.status_code == 200 and took < 1.0, took
     assert sorted(codes) == [200, 200, 429]
     assert sorted(owners) == ["user:fast", "user:slow", "user:slow"]
+
+
+def _encoded_abuses() -> dict[str, tuple[bytes, set[int]]]:
+    """The issue's single-request abuses (scaled to seconds), encoded before they are sent (the
+    client's JSON work is not the server's): name -> (body, the statuses it may get)."""
+    schema = {"anyOf": [{"type": "object", "properties": {f"k{i}": {"type": "integer"}}, "required": [f"k{i}"]}
+                        for i in range(2000)]}
+    bodies = {
+        "burst 2000 prompts x n=16": ({"prompt": ["Hi there"] * 2000, "n": 16, "max_tokens": 1}, {400}),
+        "anyOf x 2000 schema": ({"prompt": "Hi", "max_tokens": 1, "guided_json": schema}, {200, 400}),
+        "10^5 stop strings": ({"prompt": "Hi", "max_tokens": 1, "stop": [f"s{i}" for i in range(100_000)]}, {400}),
+        "seed 2**64": ({"prompt": "Hi", "max_tokens": 1, "seed": 2 ** 64}, {400}),
+        "temperature 1e-45": ({"prompt": "Hi", "max_tokens": 4, "temperature": 1e-45}, {200}),
+    }
+    out = {name: (json.dumps({"model": "smol"} | body).encode(), codes) for name, (body, codes) in bodies.items()}
+    out["lone surrogate"] = (b'{"model": "smol", "prompt": "a\\ud800b", "max_tokens": 2}', {400})
+    return out
+
+
+ABUSES = _encoded_abuses()
+
+
+@pytest.fixture(scope="module")
+def served_process(default_model_dir):
+    from tests.server_harness import ServeProcess
+    with ServeProcess(default_model_dir) as proc:
+        yield proc.base
+
+
+@pytest.mark.parametrize("name", list(ABUSES))
+def test_health_answers_within_100ms_while_an_abuse_is_in_flight(served_process, name):
+    """`tokenloom serve` as users run it; /health timed every 10 ms from the moment the abuse is
+    sent until it is answered (compiling a schema, validating 10^5 strings: off the event loop or
+    quick on it). Not here: the 4 MB prompt (its first request: up to 0.11 s, docs/BENCHMARKS.md)
+    and crowds (the probe would time this process's own threads)."""
+    import threading
+    answers = []
+
+    def post(body: bytes) -> None:
+        r = httpx.post(f"{served_process}/v1/completions", content=body,
+                       headers={"content-type": "application/json"}, timeout=120)
+        answers.append(r.status_code)
+    body, allowed = ABUSES[name]
+    sender = threading.Thread(target=post, args=(body,))
+    latencies = []
+    with httpx.Client(timeout=30) as probe:
+        sender.start()
+        while sender.is_alive() or len(latencies) < 5:
+            started = time.perf_counter()
+            assert probe.get(f"{served_process}/health").status_code == 200
+            latencies.append(time.perf_counter() - started)
+            time.sleep(0.01)
+    sender.join()
+    assert set(answers) <= allowed, answers
+    assert max(latencies) < 0.1, f"/health took {max(latencies):.3f} s while '{name}' was in flight"
+    assert_healthy(served_process)
