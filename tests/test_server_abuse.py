@@ -265,13 +265,35 @@ def test_one_log_line_per_request(tiny_engine, caplog, log_json):
 def test_long_texts_tokenize_to_the_same_ids_off_the_gil(default_model_dir):
     """Tokenizer.encode's long-text path (encode_batch_fast, releasing the GIL) against the plain
     encode, special tokens and non-ASCII included."""
-    from tokenloom.tokenizer import _LONG_TEXT, Tokenizer
+    from tokenloom.tokenizer import _LONG_TEXT, Tokenizer, TooManyTokens
     tokenizer = Tokenizer.from_folder(default_model_dir)
     text = "Héllo wörld, <|im_start|>user\ttabs and  spaces 123456 ünïcode. " * (_LONG_TEXT // 40)
     assert len(text) > _LONG_TEXT
     for special in (True, False):
         assert tokenizer.encode(text, add_special_tokens=special) == \
             tokenizer.backend.encode(text, add_special_tokens=special).ids
+    count = len(tokenizer.encode(text))
+    assert tokenizer.encode(text, limit=count) == tokenizer.encode(text)
+    for long_or_short in (text, "Hello there, world"):
+        n = len(tokenizer.encode(long_or_short))
+        with pytest.raises(TooManyTokens) as caught:
+            tokenizer.encode(long_or_short, limit=n - 1)
+        assert caught.value.count == n
+
+
+def test_a_prompt_past_the_context_is_refused_with_its_exact_token_count(base_url):
+    """Told before its ids are listed (Tokenizer.encode's limit), with the same count and message."""
+    from tokenloom import hub
+    from tokenloom.tokenizer import Tokenizer
+    text = "Hello world, this is a test. " * 2_000                    # 58k characters: the long-text path
+    count = len(Tokenizer.from_folder(hub.default_model_path()).encode(text))
+    for path, body in (("/v1/completions", {"prompt": text, "max_tokens": 2}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": text}], "max_tokens": 2})):
+        error = openai_error(httpx.post(f"{base_url}{path}", json=body, timeout=60), 400)
+        assert error["param"] == ("prompt" if path == "/v1/completions" else "messages")
+        if path == "/v1/completions":
+            assert f"the prompt has {count} tokens but this model's context length is 256" in error["message"]
+    assert_healthy(base_url)
 
 
 def test_beam_search_stops_when_its_client_leaves(base_url):

@@ -34,7 +34,7 @@ from tokenloom.server.metrics import ServerMetrics
 from tokenloom.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, param_named_in
 from tokenloom.server.streams import ShuttingDown, merge
 from tokenloom.structured import StructuredOutput
-from tokenloom.tokenizer import ChatTemplateError
+from tokenloom.tokenizer import ChatTemplateError, TooManyTokens
 
 
 @dataclass(slots=True)
@@ -139,8 +139,7 @@ class OpenAIServing:
                     max_tokens_param: str = "max_tokens") -> int:
         room = self.max_model_len - prompt_len
         if room < 1:
-            raise APIError(400, f"the prompt has {prompt_len} tokens but this model's context length is "
-                                f"{self.max_model_len}; shorten it", prompt_param)
+            raise self.prompt_too_long(prompt_len, prompt_param)
         if requested is None:                                     # the server's default, within the room
             return min(room, self.admission.limits.default_max_tokens)
         if requested > room:
@@ -160,10 +159,22 @@ class OpenAIServing:
         if bad:
             raise APIError(400, f"token ids {bad[:5]} are outside the vocabulary (size {vocab})", param)
 
+    def prompt_too_long(self, prompt_len: int, param: str) -> APIError:
+        return APIError(400, f"the prompt has {prompt_len} tokens but this model's context length is "
+                             f"{self.max_model_len}; shorten it", param)
+
+    def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+        """`text`'s token ids; APIError where they cannot leave room for one new token (told before
+        the ids are listed: Tokenizer.encode's limit)."""
+        try:
+            return self.tokenizer.encode(text, add_special_tokens, limit=self.max_model_len - 1)
+        except TooManyTokens as e:
+            raise self.prompt_too_long(e.count, param) from None
+
     def input_ids(self, prompt: str | list[int], param: str) -> list[int]:
         """A prompt's token ids (text is tokenized, ids checked); APIError if it is empty."""
         if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
+            ids = self.encode(prompt, param)
         else:
             self.check_token_ids(prompt, param)
             ids = list(prompt)
@@ -228,7 +239,7 @@ class OpenAIServing:
         if (turn.mode != "none" or self.chat_features.reasoning) and self.chat_features.markers_dropped(self.tokenizer):
             req = req.model_copy(update={"skip_special_tokens": False})
         prompt = self.chat_prompt(req, turn=turn)
-        ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        ids = self.encode(prompt, "messages", add_special_tokens=False)
         max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         prepared = self._prepare(req, "chatcmpl", [ids], "messages", req.requested_max_tokens(), req.num_logprobs(),
                                  max_param, constraint)
