@@ -79,11 +79,10 @@ def files(extra: list[str]) -> dict[str, Path]:
     return found
 
 
-def paired_ratio(rounds: list[dict], key: str, invert: bool = False) -> str:
-    """The median over rounds of tokenloom / llama.cpp for `key` (llama.cpp / tokenloom if `invert`),
-    with the rounds' range where there is more than one."""
-    pairs = [(r["tokenloom"][key], r["llama.cpp"][key]) for r in rounds if "llama.cpp" in r]
-    ratios = sorted((ll / t) if invert else (t / ll) for t, ll in pairs)
+def paired_ratio(rounds: list[dict], key: str) -> str:
+    """The median over rounds of tokenloom / llama.cpp for `key`, with the rounds' range where there
+    is more than one."""
+    ratios = sorted(r["tokenloom"][key] / r["llama.cpp"][key] for r in rounds if "llama.cpp" in r)
     if not ratios:
         return "-"
     spread = f" ({ratios[0]:.2f}-{ratios[-1]:.2f})" if len(ratios) > 1 else ""

@@ -41,7 +41,7 @@ class GGUFTensorInfo:
     offset: int                # bytes from the start of the file
     nbytes: int
     _buffer: mmap.mmap
-    _file: _FileReads | None = None
+    _file: _FileReads
 
     def raw(self) -> np.ndarray:
         """The tensor's bytes as a uint8 array viewing the file map (copy-on-write, no copy)."""

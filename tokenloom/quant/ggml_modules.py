@@ -86,7 +86,7 @@ def _merge_adjacent(segments: list[tuple[int, object]]) -> list[tuple[int, objec
     return merged
 
 
-def _float_rows(x: torch.Tensor, width: int) -> torch.Tensor:
+def float_rows(x: torch.Tensor, width: int) -> torch.Tensor:
     """x (..., width) as a contiguous float32 (M, width) matrix."""
     x2 = x if x.dim() == 2 else x.reshape(-1, width)
     return x2 if x2.dtype == torch.float32 and x2.is_contiguous() else x2.float().contiguous()
@@ -135,7 +135,7 @@ class GGMLLinear(nn.Module):
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """A gated MLP's gate_up: x (..., in) -> silu(gate) * up (..., out / 2), the same bits as
         forward then fused.silu_mul."""
-        x2 = _float_rows(x, self.in_features)
+        x2 = float_rows(x, self.in_features)
         y = self.segments[0][1].linear(x2, self.bias, silu_mul=True).to(x.dtype)
         return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features // 2)
 
@@ -148,7 +148,7 @@ class GGMLLinear(nn.Module):
         return [s.type_name + ("" if isinstance(s, GGMLTensor) else " panels") for _, s in self.segments]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = _float_rows(x, self.in_features)                                 # (M, in)
+        x2 = float_rows(x, self.in_features)                                 # (M, in)
         kernels = ops()
         only = self.segments[0][1] if len(self.segments) == 1 else None
         if kernels is not None and x2.device.type == "cpu" and isinstance(only, (QuantizedSegment, GGUFPanels)):

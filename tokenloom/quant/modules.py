@@ -23,7 +23,7 @@ from torch import nn
 from tokenloom.quant import kernels, panels
 from tokenloom.quant.formats import BLOCK, QuantizedTensor, quantize
 from tokenloom.quant.ggml import GGMLTensor
-from tokenloom.quant.ggml_modules import GGMLEmbedding, GGMLLinear
+from tokenloom.quant.ggml_modules import GGMLEmbedding, GGMLLinear, float_rows
 from tokenloom.quant.gguf_blocks import exact_format, to_quantized
 from tokenloom.quant.scheme import WeightFormat
 
@@ -97,8 +97,7 @@ class QuantizedLinear(nn.Module):
         in x's dtype, computed in float32; the same bits as forward then fused.silu_mul."""
         if self._silu_kernel is None:
             self._silu_kernel = self._bind_kernel(silu_mul=True)
-        x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        y = self._silu_kernel(x2.float().contiguous()).to(x.dtype)
+        y = self._silu_kernel(float_rows(x, self.in_features)).to(x.dtype)
         return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features // 2)
 
     def _kernels_here(self) -> bool:

@@ -78,6 +78,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x
   return {codes, scales, sums};
 }
 
+// Checks a panel-layout weight (quant/panels.py) of `nb` blocks of 32 inputs a row and `chunks`
+// 64-byte chunks a block (8: int8, 4: int4): qp (P, nb, chunks, 64) uint8, scale (P, K/group, 16)
+// float16 and, for int4, offsets shaped like it. Returns the groups a row has (K/group).
+int64_t check_panel_weight(const at::Tensor& qp, const at::Tensor& scale, const c10::optional<at::Tensor>& offset,
+                           int64_t group, int64_t nb, int64_t chunks) {
+  TORCH_CHECK(qp.scalar_type() == at::kByte && qp.is_contiguous() && qp.dim() == 4 && qp.size(1) == nb &&
+              qp.size(2) == chunks && qp.size(3) == 64, "panel weight must be (N/16, K/32, ", chunks, ", 64) uint8");
+  const int64_t K = nb * QK;
+  TORCH_CHECK(group % QK == 0 && K % group == 0, "group size must be a multiple of 32 dividing K");
+  const int64_t P = qp.size(0), groups = K / group;
+  TORCH_CHECK(scale.scalar_type() == at::kHalf && scale.is_contiguous() && scale.sizes() == at::IntArrayRef({P, groups, 16}),
+              "panel scales must be (N/16, K/group, 16) float16");
+  TORCH_CHECK(chunks == 8 || (offset && offset->sizes() == scale.sizes() && offset->is_contiguous() &&
+                              offset->scalar_type() == at::kHalf), "int4 panel offsets must be shaped like the scales");
+  return groups;
+}
+
 // Rows `index` (L,) int64 of a panel-layout weight (quant/panels.py: qp (P, K/32, chunks, 64) uint8,
 // chunks 8 for int8 (code + 128), 4 for int4 (two codes a byte); scale/offset (P, K/group, 16)
 // float16) -> float32 (L, K): an embedding lookup reading only the picked rows' 4 bytes per
@@ -86,16 +103,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x
 // the same bits too.
 at::Tensor panel_rows(const at::Tensor& qp, const at::Tensor& scale, const c10::optional<at::Tensor>& offset,
                       int64_t group, const at::Tensor& index) {
-  TORCH_CHECK(qp.scalar_type() == at::kByte && qp.is_contiguous() && qp.dim() == 4 && qp.size(3) == 64 &&
-              (qp.size(2) == 8 || qp.size(2) == 4), "panel weight must be (N/16, K/32, 8 or 4, 64) uint8");
-  const bool int4 = qp.size(2) == 4;
+  TORCH_CHECK(qp.dim() == 4 && (qp.size(2) == 8 || qp.size(2) == 4), "panel weight must be (N/16, K/32, 8 or 4, 64) uint8");
   const int64_t P = qp.size(0), nb = qp.size(1), chunks = qp.size(2), K = nb * QK;
-  TORCH_CHECK(group % QK == 0 && K % group == 0, "group size must be a multiple of 32 dividing K");
-  const int64_t groups = K / group;
-  TORCH_CHECK(scale.scalar_type() == at::kHalf && scale.is_contiguous() && scale.sizes() == at::IntArrayRef({P, groups, 16}),
-              "panel scales must be (N/16, K/group, 16) float16");
-  TORCH_CHECK(!int4 || (offset && offset->sizes() == scale.sizes() && offset->is_contiguous() &&
-                        offset->scalar_type() == at::kHalf), "int4 panel offsets must be shaped like the scales");
+  const bool int4 = chunks == 4;
+  const int64_t groups = check_panel_weight(qp, scale, offset, group, nb, chunks);
   TORCH_CHECK(index.dim() == 1 && index.scalar_type() == at::kLong, "index must be (L,) int64");
   const at::Tensor idx = index.contiguous();
   const int64_t L = idx.size(0), *rows = idx.data_ptr<int64_t>();
@@ -365,14 +376,7 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& qp, const at::Ten
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) % QK == 0,
               "x must be a contiguous float32 (M, K) matrix, K a multiple of 32");
   const int64_t M = x.size(0), K = x.size(1), nb = K / QK;
-  TORCH_CHECK(qp.scalar_type() == at::kByte && qp.is_contiguous() && qp.dim() == 4 && qp.size(1) == nb &&
-              qp.size(2) == CHUNKS && qp.size(3) == 64, "panel weight must be (N/16, K/32, ", CHUNKS, ", 64) uint8");
-  TORCH_CHECK(group % QK == 0 && K % group == 0, "group size must be a multiple of 32 dividing K");
-  const int64_t P = qp.size(0), groups = K / group;
-  TORCH_CHECK(scale.scalar_type() == at::kHalf && scale.is_contiguous() && scale.sizes() == at::IntArrayRef({P, groups, 16}),
-              "panel scales must be (N/16, K/group, 16) float16");
-  TORCH_CHECK(!INT4 || (offset && offset->sizes() == scale.sizes() && offset->is_contiguous() &&
-                        offset->scalar_type() == at::kHalf), "int4 panel offsets must be shaped like the scales");
+  const int64_t groups = check_panel_weight(qp, scale, offset, group, nb, CHUNKS), P = qp.size(0);
   const QuantizedActivations qa = quantize_activations(x);
   const auto halves = [](const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::Half>()); };
   const PanelWeights w{qp.data_ptr<uint8_t>(), halves(scale), INT4 ? halves(*offset) : nullptr, nb, groups, group / QK};
