@@ -62,3 +62,26 @@ def test_quantized_experts_keep_their_blocks(arch, tiny_model_dir, tmp_path):
         got, want = expert.forward(x), reference.forward(x)
         assert (got - want).norm() < 0.03 * want.norm()
     torch.testing.assert_close(block.forward(x), dequantized.forward(x), rtol=0.05, atol=0.05 * x.abs().max().item())
+
+
+def test_a_quantized_gguf_prepares_an_hf_folder_of_its_weights(tiny_model_dir, tmp_path):
+    """`tokenloom pull` prepares the default model this way on a fresh machine: a GGUF with Q8_0
+    blocks becomes float32 safetensors under the HF names, each within Q8_0's rounding (half a
+    step of its block's scale, plus the scale's float16 rounding times 127) of the HF weights
+    the file was written from (Q and K rows in HF's order again)."""
+    from safetensors.torch import load_file
+
+    from tokenloom.loader.load import save_hf_folder
+    folder = tiny_model_dir("llama_gqa")
+    path = write_gguf(folder, tmp_path / "q8.gguf", quantize="Q8_0")
+    save_hf_folder(path, tmp_path / "hf", progress=False)
+    saved = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    original = load_file(str(folder / "model.safetensors"))
+    assert set(saved) == set(original)
+    for name, want in original.items():
+        got = saved[name]
+        assert got.dtype == torch.float32 and got.shape == want.shape, name
+        blocks = want.float().reshape(-1, 32) if want.shape[-1] % 32 == 0 else want.float().reshape(1, -1)
+        step = blocks.abs().amax(dim=1, keepdim=True) / 127
+        err = (got.reshape(blocks.shape) - blocks).abs()
+        assert (err <= step * (0.5 + 127 * 2 ** -11) + 1e-6).all(), name       # + the scale's float16 rounding

@@ -225,12 +225,13 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: str 
 
 
 def save_hf_folder(path: str | Path, folder: str | Path, progress: bool = True) -> None:
-    """Convert any loadable checkpoint (e.g. a GGUF file) into an HF folder of float32 safetensors."""
+    """Convert any loadable checkpoint (e.g. a GGUF file) into an HF folder of float32 safetensors
+    (GGUF blocks dequantized)."""
     from safetensors.torch import save_file
     ckpt = load_checkpoint(path)
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    tensors = {name: t.contiguous() for name, t in
+    tensors = {name: _dense(t).contiguous() for name, t in
                _progress(ckpt.tensors, ckpt.num_tensors, f"preparing {Path(path).name}", progress)}
     save_file(tensors, str(folder / "model.safetensors"))
     write_folder_metadata(folder, ckpt.hf_config, ckpt.eos_token_ids, ckpt.tokenizer, ckpt.sampling_defaults)
