@@ -61,7 +61,9 @@ def wait_until_idle(base_url: str, timeout: float = 15.0) -> float:
 class ServeProcess:
     """``with ServeProcess(model_dir, *flags) as proc:`` runs `tokenloom serve` as users run it (a
     subprocess on a free port, model served as 'smol') until it answers /health; ``proc.base``
-    is its URL, ``proc.proc`` the Popen (stdout and stderr merged), killed on exit if still alive."""
+    is its URL, ``proc.proc`` the Popen, killed on exit if still alive. What it prints (stdout and
+    stderr, a line per request among it) is read as it comes, so that a full pipe never blocks
+    the server (64 KiB: ~1,000 request lines); ``output()`` gives it once the server has ended."""
 
     def __init__(self, model_dir, *flags: str) -> None:
         import subprocess
@@ -72,6 +74,15 @@ class ServeProcess:
                                       "--port", str(self.port), "--max-model-len", "256", "--kv-cache-memory", "0.1",
                                       "--served-model-name", "smol", *flags],
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.printed: list[str] = []
+        self.reader = threading.Thread(target=lambda: self.printed.extend(self.proc.stdout), daemon=True)
+        self.reader.start()
+
+    def output(self, timeout: float = 60) -> str:
+        """Everything the server printed, once it has ended (waits up to `timeout` s for that)."""
+        self.proc.wait(timeout=timeout)
+        self.reader.join(timeout=timeout)
+        return "".join(self.printed)
 
     def __enter__(self) -> ServeProcess:
         deadline = time.monotonic() + 120
@@ -83,7 +94,7 @@ class ServeProcess:
                 pass
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.__exit__()
-                raise RuntimeError(f"tokenloom serve did not start: {self.proc.stdout.read()}")
+                raise RuntimeError(f"tokenloom serve did not start: {self.output()}")
             time.sleep(0.2)
 
     def __exit__(self, *exc) -> None:

@@ -32,7 +32,7 @@ def test_serve_answers_then_finishes_inflight_stream_on_sigterm(default_model_di
         assert '"finish_reason": "length"' in rest[-2]
         # uvicorn re-raises the signal once it has shut down, so the exit status is SIGTERM's.
         assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
-        log = proc.stdout.read()
+        log = served.output()
         assert "Traceback" not in log and "Finished server process" in log
         assert f"playground: {base}/" in log                              # the start-up line names it
         assert "method=POST path=/v1/completions status=200" in log       # one line per request

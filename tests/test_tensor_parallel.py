@@ -256,7 +256,7 @@ def test_the_server_splits_the_model_and_ends_when_a_rank_dies(tiny_model_dir, f
         failed = httpx.post(f"{served.base}/v1/completions", json=body, timeout=60)
         assert failed.status_code >= 500
         assert served.proc.wait(timeout=60) is not None
-        log = served.proc.stdout.read()
+        log = served.output()
     assert "rank of the split model (tensor or pipeline parallel) stopped answering" in log
 
 
