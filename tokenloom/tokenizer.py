@@ -30,7 +30,7 @@ class TooManyTokens(ValueError):
         self.count = count
 
 
-_LONG_TEXT = 16_384      # characters; above this, encoding releases the GIL (Tokenizer.encode)
+LONG_TEXT = 16_384      # characters; above this, encoding releases the GIL (Tokenizer.encode)
 
 
 def _raise_exception(message: str):
@@ -109,7 +109,7 @@ class Tokenizer:
         for 2.3 s; encode_batch's full Encoding then took 93 ms, GIL held, to free); the same ids.
         With `limit`, a text of more tokens raises TooManyTokens before its ids become a Python list
         (a 4 MB prompt's 1.1M ids: 20 ms of GIL to build, 5 more to free)."""
-        if len(text) > _LONG_TEXT:
+        if len(text) > LONG_TEXT:
             encoding = self.backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0]
         else:
             encoding = self.backend.encode(text, add_special_tokens=add_special_tokens)

@@ -103,6 +103,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
         await engine.shutdown()
         engine.close()
         serving.workers.shutdown(wait=False, cancel_futures=True)
+        serving.long_texts.close()
 
     # no /docs or /redoc: their pages load scripts from a CDN (the schema is at /openapi.json)
     app = FastAPI(title="tokenloom", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,

@@ -30,6 +30,7 @@ from tokenloom.sampling_params import SamplingParams
 from tokenloom.server import responses as R
 from tokenloom.server.admission import Admission, AdmissionLimits, PerClientTurns, Ticket, server_busy
 from tokenloom.server.chat_tools import ChatFeatures, ChatTurn, chat_turn, tool_constraint
+from tokenloom.server.long_texts import LongTexts
 from tokenloom.server.metrics import ServerMetrics
 from tokenloom.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, param_named_in
 from tokenloom.server.streams import ShuttingDown, merge
@@ -124,6 +125,7 @@ class OpenAIServing:
         self.preparing = 0
         self.preparing_turns = PerClientTurns(PREPARE_WORKERS_PER_CLIENT)
         self.tokenizer = engine.tokenizer
+        self.long_texts = LongTexts(self.tokenizer)     # closed with the workers (app.py's lifespan)
         self.model_name = model_name
         self.max_model_len = engine.max_model_len
         self.metrics = metrics
@@ -165,9 +167,10 @@ class OpenAIServing:
 
     def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
         """`text`'s token ids; APIError where they cannot leave room for one new token (told before
-        the ids are listed: Tokenizer.encode's limit)."""
+        the ids are listed: Tokenizer.encode's limit). Long texts tokenize in a child process
+        (long_texts.py: freeing one holds the GIL)."""
         try:
-            return self.tokenizer.encode(text, add_special_tokens, limit=self.max_model_len - 1)
+            return self.long_texts.encode(text, add_special_tokens, limit=self.max_model_len - 1)
         except TooManyTokens as e:
             raise self.prompt_too_long(e.count, param) from None
 
