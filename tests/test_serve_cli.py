@@ -79,10 +79,11 @@ print(json.dumps(latencies))
 
 def test_tokenizing_a_huge_prompt_does_not_block_the_server(default_model_dir, tmp_path):
     """A 4 MB prompt takes seconds to tokenize (then a 400: longer than the context); /health keeps
-    answering meanwhile: never a pause of 0.5 s, and at most three samples over 100 ms (a shared
-    2-core CI machine showed 91, 174 and 289 ms among 38, with the tokenizer thread niced). The
-    server and the /health monitor each run in their own process, as deployed: the test
-    process's own threads and collections are not the server's."""
+    answering within 100 ms meanwhile. (With the tokenizing in a nice-10 thread of the server, a
+    shared 2-core CI machine showed 91, 174 and 289 ms among 38: freeing the tokens held the GIL;
+    server/long_texts.py now tokenizes in a child process.) The server and the /health monitor
+    each run in their own process, as deployed: the test process's own threads and collections
+    are not the server's."""
     import subprocess
     with ServeProcess(default_model_dir) as served:
         body = json.dumps({"prompt": "Hello world, this is a test. " * 140_000, "max_tokens": 2}).encode()
@@ -99,7 +100,7 @@ def test_tokenizing_a_huge_prompt_does_not_block_the_server(default_model_dir, t
         assert response.status_code == 400 and response.json()["error"]["param"] == "prompt"
         # Before: one 2.3 s freeze.
         shown = " ".join(str(round(x * 1000)) for x in latencies)
-        assert len(latencies) >= 5 and sorted(latencies)[-4] < 0.1 and max(latencies) < 0.5, shown
+        assert len(latencies) >= 5 and max(latencies) < 0.1, shown
 
 
 def _raw(base: str, data: bytes, wait_s: float) -> tuple[bytes, float]:
