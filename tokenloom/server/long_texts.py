@@ -50,7 +50,8 @@ class TokenizerProcess:
     def _ask(self, text: str, add_special_tokens: bool, limit: int | None) -> tuple[list[int] | None, int]:
         child = self._started()
         data = text.encode("utf-8", "surrogatepass")
-        child.stdin.write(REQUEST.pack(len(data), -1 if limit is None else limit, add_special_tokens) + data)
+        child.stdin.write(REQUEST.pack(len(data), -1 if limit is None else limit, add_special_tokens))
+        child.stdin.write(data)               # not joined to the header: no copy of megabytes
         child.stdin.flush()
         status, n = ANSWER.unpack(_read(child.stdout, ANSWER.size))
         if status == TOO_MANY:
