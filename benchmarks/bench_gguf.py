@@ -8,7 +8,9 @@ For each file, in one run on this machine, each configuration in its own process
   - llama.cpp: `llama-bench -p 128 -n 64 -t <threads>` (its own medians), peak RSS by
     /usr/bin/time; skipped where no llama-bench binary is found (--llama-bench or
     $LLAMA_BENCH; ../shared/MODELS.md says how to build it).
-  - the time to read the file's metadata (tokenloom's reader vs gguf.GGUFReader).
+  - the time to read the file's metadata (tokenloom's reader vs gguf.GGUFReader);
+  - the machine's memory read bandwidth before each turn (decode is bound by it, and it moves
+    between sessions on a shared machine: compare ratios only within a run).
 The engines take turns (--rounds, default 2: tokenloom then llama.cpp on a file, then again),
 so a minute of noise on a shared machine lands on both; each figure is the median over the
 rounds, and each ratio the median of the rounds' ratios (their range shown beside it).
@@ -27,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-from _common import RESULTS, cpu_name, finish_plot, parser
+from _common import RESULTS, cpu_name, finish_plot, parser, read_bandwidth_gbs
 from tqdm import tqdm
 
 from tokenloom import hub
@@ -97,8 +99,10 @@ def medians(rounds: list[dict], engine: str) -> dict | None:
 
 def table(results: dict, cpu: str, threads: int) -> str:
     rounds = len(next(iter(results.values()))["rounds"]) if results else 0
-    lines = [f"CPU: {cpu}; {threads} threads; batch 1, prompt {PROMPT}, {NEW} new tokens; {rounds} alternating "
-             "rounds, medians (ratios: median of the rounds' ratios, range in brackets)", "",
+    reads = sorted(turn["read_gbs"] for r in results.values() for turn in r["rounds"])
+    bandwidth = f"; memory read {reads[0]:.1f}-{reads[-1]:.1f} GB/s (torch sum, 512 MiB)" if reads else ""
+    lines = [f"CPU: {cpu}; {threads} threads{bandwidth}; batch 1, prompt {PROMPT}, {NEW} new tokens; {rounds} "
+             "alternating rounds, medians (ratios: median of the rounds' ratios, range in brackets)", "",
              "| file | tokenloom decode tok/s | llama.cpp decode | ratio | tokenloom prefill tok/s | llama.cpp prefill "
              "| ratio | tokenloom peak RSS MB | llama.cpp RSS MB | ratio | metadata s (tokenloom / gguf) |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
@@ -150,7 +154,7 @@ def main() -> None:
     turns = [label for _ in range(args.rounds) for label in chosen]
     for label in tqdm(turns, desc="rounds x files", unit="file"):
         path = chosen[label]
-        turn = {"tokenloom": run_tokenloom(path, args.runs)}
+        turn = {"read_gbs": read_bandwidth_gbs(args.threads), "tokenloom": run_tokenloom(path, args.runs)}
         if args.llama_bench:
             turn["llama.cpp"] = run_llama_cpp(args.llama_bench, path, args.runs, args.threads)
         results[label]["rounds"].append(turn)
