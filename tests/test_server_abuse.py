@@ -264,13 +264,21 @@ def test_one_log_line_per_request(tiny_engine, caplog, log_json):
         assert "status=400" in lines[1] and "path=/v1/completions" in lines[1]
 
 
+def long_mixed_text() -> str:
+    """A text over LONG_TEXT characters (the long-text path) with special tokens, tabs, double
+    spaces, digits and non-ASCII."""
+    from tokenloom.tokenizer import LONG_TEXT
+    text = "Héllo wörld, <|im_start|>user\ttabs and  spaces 123456 ünïcode. " * (LONG_TEXT // 40)
+    assert len(text) > LONG_TEXT
+    return text
+
+
 def test_long_texts_tokenize_to_the_same_ids_off_the_gil(default_model_dir):
     """Tokenizer.encode's long-text path (encode_batch_fast, releasing the GIL) against the plain
     encode, special tokens and non-ASCII included."""
-    from tokenloom.tokenizer import LONG_TEXT, Tokenizer, TooManyTokens
+    from tokenloom.tokenizer import Tokenizer, TooManyTokens
     tokenizer = Tokenizer.from_folder(default_model_dir)
-    text = "Héllo wörld, <|im_start|>user\ttabs and  spaces 123456 ünïcode. " * (LONG_TEXT // 40)
-    assert len(text) > LONG_TEXT
+    text = long_mixed_text()
     for special in (True, False):
         assert tokenizer.encode(text, add_special_tokens=special) == \
             tokenizer.backend.encode(text, add_special_tokens=special).ids
@@ -288,12 +296,12 @@ def test_the_servers_long_texts_tokenize_in_a_child_process_to_the_same_ids(defa
     child process and equal the in-process tokenizer's; a short text never starts one; a child
     that died is replaced; close ends them all."""
     from tokenloom.server.long_texts import LongTexts
-    from tokenloom.tokenizer import LONG_TEXT, Tokenizer, TooManyTokens
+    from tokenloom.tokenizer import Tokenizer, TooManyTokens
     tokenizer = Tokenizer.from_folder(default_model_dir)
     texts = LongTexts(tokenizer)
     short = "Hello there, world"
     assert texts.encode(short) == tokenizer.encode(short) and texts.processes == []
-    text = "Héllo wörld, <|im_start|>user\ttabs and  spaces 123456 ünïcode. " * (LONG_TEXT // 40)
+    text = long_mixed_text()
     try:
         for special in (True, False):
             assert texts.encode(text, special) == tokenizer.backend.encode(text, add_special_tokens=special).ids

@@ -131,7 +131,7 @@ def _serve(stdin, stdout) -> None:
     while header := stdin.read(REQUEST.size):
         size, limit, add_special = REQUEST.unpack(header)
         text = _read(stdin, size).decode("utf-8", "surrogatepass")
-        try:
+        try:           # Tokenizer.encode's long-text path (tokenloom itself is not imported here: torch)
             encoding = tokenizer.encode_batch_fast([text], add_special_tokens=bool(add_special))[0]
         except Exception as e:
             message = f"{type(e).__name__}: {e}".encode()
