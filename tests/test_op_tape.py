@@ -40,6 +40,21 @@ def test_taped_decode_is_bit_identical_to_eager(arch, tiny_model_dir, monkeypatc
     assert taped == eager                      # tokens and every logprob, exactly
 
 
+def test_taped_decode_over_onednn_packed_weights(tiny_model_dir, monkeypatch):
+    """CPUs without AVX-512 prepack float32 weights with oneDNN (PackedLinear), whose blocked tensors
+    have no storage: a tape holds them as constants all the same (it failed on the third step)."""
+    from tokenloom.models import prepacked
+    if not prepacked.PackedLinear.supports(torch.nn.Linear(2, 2)):
+        pytest.skip("torch has no oneDNN linear here")
+    monkeypatch.setattr(prepacked.PanelLinear, "supports", staticmethod(lambda linear: False))
+    folder = str(tiny_model_dir("llama_gqa"))
+    taped, tapes = _generate(folder, monkeypatch, tapes=True)
+    eager, _ = _generate(folder, monkeypatch, tapes=False)
+    packed = [m for m in tapes.model.modules() if isinstance(m, prepacked.PackedLinear)]
+    assert packed and packed[0].packed_weight.is_mkldnn
+    assert tapes.tapes and not tapes.refused and taped == eager
+
+
 @pytest.mark.parametrize("quantize", ["Q8_0", "Q4_0"])
 def test_taped_decode_on_gguf_blocks(quantize, tiny_model_dir, tmp_path, monkeypatch):
     path = str(write_gguf(tiny_model_dir("llama_gqa"), tmp_path / f"m-{quantize}.gguf", quantize=quantize))

@@ -75,8 +75,14 @@ class NotReplayable(Exception):
     """A recording that a tape cannot reproduce; the message says why."""
 
 
+def _storage_key(t: torch.Tensor) -> int:
+    """What identifies the memory `t` reads: its storage's address, or for a tensor without one
+    (oneDNN's blocked weights, ``models/prepacked.py`` on CPUs without AVX-512) the tensor itself."""
+    return id(t) if t.is_mkldnn else t.untyped_storage().data_ptr()
+
+
 def _storages(tensors) -> set[int]:
-    return {t.untyped_storage().data_ptr() for t in tensors if isinstance(t, torch.Tensor)}
+    return {_storage_key(t) for t in tensors if isinstance(t, torch.Tensor)}
 
 
 def _schema_values(func, args: tuple, kwargs: dict) -> list:
@@ -109,7 +115,7 @@ class _TapeBuilder:
             slot = self.slot_of[id(value)]
             self.last_read[slot] = index
             return None, slot
-        if value.untyped_storage().data_ptr() not in self.owned:
+        if _storage_key(value) not in self.owned:
             raise NotReplayable(f"{func} reads a tensor {tuple(value.shape)} that is neither an input, "
                                 "nor made by the step, nor the model's or the KV cache's")
         return value, -1
