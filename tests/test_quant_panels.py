@@ -1,4 +1,4 @@
-"""The 16-row panel layout of int8/int4 weights and its AVX-512 VNNI kernels."""
+"""The 16-row panel layout of int8/int4 weights and its kernels (AVX-512 VNNI, or AVX2)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 from tokenloom.quant import QuantizedLinear, WeightFormat, kernels, panels, quantize_int4, quantize_int8
 from tokenloom.quant.modules import QuantizedEmbedding
 
-needs_panels = pytest.mark.skipif(not kernels.panels_available(), reason="no AVX-512 VNNI build here")
+needs_panels = pytest.mark.skipif(not kernels.panels_available(), reason="no panel kernels built here")
 FORMATS = ["int8", "int8-g32", "int4-g32", "int4-g64", "int4-g128"]
 
 
@@ -140,3 +140,19 @@ def test_a_layer_whose_scales_float16_cannot_hold_keeps_the_row_layout():
     assert not panels.fits(q) and not layer.use_panels()
     x = torch.randn(3, 256)
     torch.testing.assert_close(layer(x), x @ q.dequantize().T, rtol=0.03, atol=0.05)
+
+
+@needs_panels
+def test_an_int8_weight_with_code_minus_128_keeps_the_row_layout():
+    """-128 is a valid int8 code but not one the AVX2 panel kernel's sign trick holds (its negation
+    overflows): such a weight stays in the row layout and still multiplies exactly."""
+    q = quantized("int8-g32", 32, 256)
+    assert panels.fits(q)
+    q.data[5, 7] = -128
+    layer = QuantizedLinear(256, 32, False, WeightFormat.parse("int8-g32"))
+    layer.load_weight(q)
+    assert not panels.fits(q) and not layer.use_panels()
+    x = torch.randn(3, 256)
+    x[:, 7] = -3.0                                    # the -128 code meets a negative activation
+    want = x @ q.dequantize().T
+    assert ((layer(x) - want).norm() / want.norm()).item() < 0.01

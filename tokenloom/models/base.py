@@ -66,7 +66,7 @@ class CausalLM(nn.Module):
 
         Every float32 nn.Linear (the output projection included) gets its weight prepacked
         for this CPU's fastest kernel (models/prepacked.py, with the measurements); on
-        AVX-512 VNNI CPUs int8/int4 weights are re-laid in 16-row panels (quant/panels.py).
+        AVX-512 VNNI and AVX2 CPUs int8/int4 weights are re-laid in 16-row panels (quant/panels.py).
         Forward signatures do not change.
         """
         from tokenloom.models.prepacked import prepack_linears

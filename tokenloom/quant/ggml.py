@@ -6,7 +6,8 @@ IQ4_NL, IQ4_XS. ``csrc/ggml_cpu.cpp`` multiplies activations by them (AVX2, or A
 VNNI where the CPU has it) and dequantizes rows; without the kernels, the ``gguf``
 package's own dequantization does the same work in numpy (correct, slow).
 
-On AVX-512 VNNI CPUs the common types load re-laid in 16-row panels, values unchanged:
+Where the panel kernels run (AVX-512 VNNI, or AVX2: every x86 CPU tokenloom's kernels build
+for) the common types load re-laid in 16-row panels, values unchanged:
 Q8_0, Q4_0, Q4_1, IQ4_NL as tokenloom's int8/int4 formats (``quant/gguf_blocks.py``),
 Q5_0, Q5_1, Q4_K, Q5_K, Q6_K in ``quant/gguf_panels.py``; the rest stay GGMLTensors.
 """

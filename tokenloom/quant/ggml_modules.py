@@ -27,8 +27,10 @@ class QuantizedSegment:
         self._run = kernels.bind(q, None, True)
 
     @classmethod
-    def of(cls, t: GGMLTensor) -> QuantizedSegment:
-        return cls(panels.to_panels(to_quantized(t)), t.kind, t.type_name, t.shape)
+    def of(cls, t: GGMLTensor) -> QuantizedSegment | None:
+        """`t` re-laid as int8/int4 panels, or None where the panel layout cannot hold it (panels.fits)."""
+        q = to_quantized(t)
+        return cls(panels.to_panels(q), t.kind, t.type_name, t.shape) if panels.fits(q) else None
 
     @property
     def nbytes(self) -> int:
@@ -66,7 +68,7 @@ def segment_for(t: GGMLTensor):
         return gguf_panels.to_panels(t)
     fmt = exact_format(t.kind)
     if fmt is not None and kernels.panels_available() and t.shape[0] % panels.PANEL == 0:
-        return QuantizedSegment.of(t)
+        return QuantizedSegment.of(t) or t
     return t
 
 

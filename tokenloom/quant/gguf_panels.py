@@ -1,4 +1,4 @@
-"""GGUF Q5_0, Q5_1, Q4_K, Q5_K and Q6_K blocks re-laid in 16-row panels for AVX-512 VNNI.
+"""GGUF Q5_0, Q5_1, Q4_K, Q5_K and Q6_K blocks re-laid in 16-row panels (AVX-512 VNNI and AVX2 kernels).
 
 The same values as the file's blocks, in the layout ``csrc/ggml_cpu.cpp``'s panel kernel
 reads 16 output rows at a time from (see the comment there): low nibbles of the codes
@@ -100,7 +100,7 @@ class GGUFPanels:
 
 
 def available() -> bool:
-    """The AVX-512 VNNI build, which has the panel kernel, runs here."""
+    """A build with the panel kernel (AVX-512 VNNI, or AVX2) runs here."""
     kernels = ops()
     return kernels is not None and hasattr(kernels, "panel_matmul_into")
 

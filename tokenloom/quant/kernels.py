@@ -51,6 +51,6 @@ def panel_rows(w, index: torch.Tensor) -> torch.Tensor:
 
 
 def panels_available() -> bool:
-    """The AVX-512 VNNI build, which has the panel kernels, runs here."""
+    """A build with the panel kernels (AVX-512 VNNI, or AVX2) runs here."""
     ops = _ops()
     return ops is not None and hasattr(ops, "panel_linear_int4")

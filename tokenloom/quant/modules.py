@@ -6,7 +6,7 @@ CPU it runs the compiled kernels; anywhere else (GPU, other CPUs) it dequantizes
 the weight per call and runs a float matmul: same numbers, no speed-up.
 The kernel serves every batch size: measured on the 2-core AVX2 machine against
 dequantize + float GEMM, it wins from 1 to 128 rows (int8, 3072 x 576: 0.37 vs 7.7 ms
-at 8 rows, 6.0 vs 12.7 ms at 128). On AVX-512 VNNI CPUs ``use_panels`` re-lays the
+at 8 rows, 6.0 vs 12.7 ms at 128). Where the panel kernels run (AVX-512 VNNI, AVX2) ``use_panels`` re-lays the
 weight in 16-row panels (quant/panels.py) for kernels that take 16 output columns per
 instruction; ``weight_q`` and saved checkpoints keep the row layout either way.
 """
@@ -74,7 +74,7 @@ class QuantizedLinear(nn.Module):
         return panels.rows(self.stored_q, index) if self.panel_layout else self.stored_q.rows(index)
 
     def use_panels(self) -> bool:
-        """Re-lay the weight for the AVX-512 VNNI panel kernels where they run; True if it did."""
+        """Re-lay the weight for the panel kernels where they run; True if it did."""
         if self.panel_layout or self.qweight.device.type != "cpu" or not kernels.panels_available() \
                 or not panels.fits(self.stored_q):
             return self.panel_layout
@@ -258,7 +258,7 @@ def quantize_structure(model: nn.Module, format_of: Callable[[str], WeightFormat
 
 
 def use_panels(model: nn.Module) -> int:
-    """Re-lay every QuantizedLinear that the panel kernels take (AVX-512 VNNI CPUs); returns how many."""
+    """Re-lay every QuantizedLinear that the panel kernels take (AVX-512 VNNI, AVX2); returns how many."""
     return sum(m.use_panels() for m in model.modules() if isinstance(m, QuantizedLinear))
 
 

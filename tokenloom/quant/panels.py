@@ -1,8 +1,9 @@
-"""The 16-column panel layout of int8/int4 weights, for the AVX-512 VNNI kernels.
+"""The 16-column panel layout of int8/int4 weights, for the panel kernels (AVX-512 VNNI and AVX2).
 
 The row layout (formats.py) keeps each output row's blocks together; a kernel then reduces
 one row at a time. The panel layout interleaves 16 output rows so that one 512-bit
-``dpbusd`` multiplies 16 columns by 4 activations at once (``csrc/quant_cpu.cpp``):
+``dpbusd`` multiplies 16 columns by 4 activations at once (``csrc/quant_cpu.cpp``; AVX2 takes
+each panel as two halves of 8 columns):
 
 - int4: ``data`` (P, K/32, 4, 64) uint8, P = N/16: in panel p, block b, chunk c, bytes
   4n..4n+3 belong to output row 16p+n and byte i holds codes k = 32b+8c+i (low nibble)
@@ -30,8 +31,11 @@ PANEL = 16
 
 
 def fits(t: QuantizedTensor) -> bool:
-    """The panel kernels take this tensor: whole panels of 16 output rows, float16 scales."""
-    return t.shape[0] % PANEL == 0 and all(on_half_grid(x) for x in (t.scales, t.offsets) if x is not None)
+    """The panel kernels take this tensor: whole panels of 16 output rows, float16 scales, and
+    int8 codes in -127..127, as ``quantize`` and llama.cpp's Q8_0 give them (the AVX2 kernel
+    multiplies a code by an activation's sign, which -128 does not survive)."""
+    return t.shape[0] % PANEL == 0 and all(on_half_grid(x) for x in (t.scales, t.offsets) if x is not None) \
+        and (t.bits == 4 or not bool((t.data == -128).any()))
 
 
 def _codes(t: QuantizedTensor) -> torch.Tensor:

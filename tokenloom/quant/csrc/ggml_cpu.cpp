@@ -420,10 +420,10 @@ at::Tensor dequantize(const at::Tensor& w, int64_t type, int64_t K) {
   return out;
 }
 
-#if defined(__AVX512VNNI__)
-// ---- 16-row panels of 4/5/6-bit codes (AVX-512 VNNI build only) ------------------------------
+// ---- 16-row panels of 4/5/6-bit codes -------------------------------------------------------
 // GGUF blocks re-laid at load (quant/gguf_panels.py), the same values, so that one 512-bit
-// dpbusd multiplies 16 output rows by 4 activations. Per panel p (rows 16p..16p+15) and block
+// dpbusd multiplies 16 output rows by 4 activations (the AVX2 build: two halves of 8 rows, with
+// maddubs + madd). Per panel p (rows 16p..16p+15) and block
 // b (values 32b..32b+31), the unsigned code of row n, value 32b + 8c + 4h + i is
 //   lo (P, nb, 4, 64): byte 64c + 4n + i, nibble h (low: h = 0)       -> code bits 0-3
 //   hi (P, nb, HB, 64): plane j, byte 4n + i, bit 2c + h             -> code bit 4 + j
@@ -446,6 +446,7 @@ struct GPanel {
   int64_t nb;
 };
 
+#if defined(__AVX512VNNI__)
 inline __m512 u8_to_ps(const uint8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
@@ -595,6 +596,171 @@ void gpanel_rows(const GPanel& w, int64_t p, const Acts& a, int64_t m0, float* o
     _mm512_storeu_ps(out + (m0 + r) * ldo + p * 16, OFFS ? _mm512_add_ps(acc[r], off[r]) : acc[r]);
 }
 
+#else
+// The AVX2 build: the same arithmetic on each panel's two halves of 8 rows (bytes 0-31 and
+// 32-63 of every 64-byte chunk and plane), 8 lanes at a time. maddubs multiplies the unsigned
+// codes by the activations into int16 pairs of at most 2 x (2^(4 + HB) - 1) x 127: four code
+// vectors' pairs add up in int16 without saturating (two for Q6_K's 6-bit codes) before madd
+// widens them, so each half's dot products are the exact int32 values dpbusd gives.
+inline __m256 u8_to_ps8(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m256 i8_to_ps8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m256 half_to_ps8(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+// Bit FROM of each byte of `plane`, moved to bit TO and OR-ed into `codes` (FROM, TO < 8, so
+// the 16-bit shift never carries a bit across bytes into the one kept).
+template <int FROM, int TO>
+inline __m256i add_bit8(__m256i codes, __m256i plane) {
+  const __m256i moved = FROM > TO ? _mm256_srli_epi16(plane, FROM - TO) : _mm256_slli_epi16(plane, TO - FROM);
+  return _mm256_or_si256(codes, _mm256_and_si256(moved, _mm256_set1_epi8(static_cast<char>(1 << TO))));
+}
+
+// Half hf of panel block pb: code vector 2C + H (values 8C + 4H .. + 3 of each of 8 rows), bit
+// planes included.
+template <int HB>
+struct HalfCodes {
+  const uint8_t* lo;
+  __m256i planes[2];
+  HalfCodes(const GPanel& w, int64_t pb, int hf) : lo(w.lo + pb * 256 + hf * 32) {
+    for (int j = 0; j < HB; ++j) planes[j] = load32(w.hi + (pb * HB + j) * 64 + hf * 32);
+  }
+  template <int C, int H>
+  inline __m256i get() const {
+    const __m256i v = load32(lo + C * 64);
+    __m256i codes = _mm256_and_si256(H ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(0x0F));
+    if constexpr (HB >= 1) codes = add_bit8<2 * C + H, 4>(codes, planes[0]);
+    if constexpr (HB >= 2) codes = add_bit8<2 * C + H, 5>(codes, planes[1]);
+    return codes;
+  }
+};
+
+// The exact int32 dot products of one activation block (xb) with 8 rows' codes (code<C, H>()):
+// values 0-15 into lo16, 16-31 into hi16 (code vectors 0-3 and 4-7).
+template <int HB, typename Codes>
+inline void half_dots(const Codes& code, const int32_t* xb, __m256i& lo16, __m256i& hi16) {
+  constexpr int RUN = HB == 2 ? 2 : 4;   // code vectors whose maddubs pairs add up in int16
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i d[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()}, run = _mm256_setzero_si256();
+  auto take = [&](int v, __m256i codes) {           // v: code vector 2C + H, in order 0..7
+    const __m256i p = _mm256_maddubs_epi16(codes, _mm256_set1_epi32(xb[v]));
+    run = v % RUN ? _mm256_add_epi16(run, p) : p;
+    if (v % RUN == RUN - 1) d[v / 4] = _mm256_add_epi32(d[v / 4], _mm256_madd_epi16(run, ones));
+  };
+  take(0, code.template get<0, 0>()); take(1, code.template get<0, 1>());
+  take(2, code.template get<1, 0>()); take(3, code.template get<1, 1>());
+  take(4, code.template get<2, 0>()); take(5, code.template get<2, 1>());
+  take(6, code.template get<3, 0>()); take(7, code.template get<3, 1>());
+  lo16 = d[0];
+  hi16 = d[1];
+}
+
+// Half hf of panel block pb's weight scales (s[0]; per-16: s[1] for values 16-31) and offsets.
+template <bool PER16, bool OFFS, bool KS, typename S>
+inline void half_scales(const GPanel& w, int64_t pb, int hf, __m256* s, __m256& o) {
+  if constexpr (KS) {
+    const int64_t sb = (pb >> 3) * 16 + hf * 8;
+    const __m256 dsup = _mm256_loadu_ps(w.dsup + sb);
+    if constexpr (PER16) {
+      const int8_t* sc = static_cast<const int8_t*>(w.scale) + pb * 32 + hf * 8;
+      s[0] = _mm256_mul_ps(dsup, i8_to_ps8(sc));
+      s[1] = _mm256_mul_ps(dsup, i8_to_ps8(sc + 16));
+    } else {
+      s[0] = _mm256_mul_ps(dsup, u8_to_ps8(static_cast<const uint8_t*>(w.scale) + pb * 16 + hf * 8));
+    }
+    if constexpr (OFFS)
+      o = _mm256_mul_ps(_mm256_loadu_ps(w.msup + sb), u8_to_ps8(static_cast<const uint8_t*>(w.offset) + pb * 16 + hf * 8));
+  } else {
+    s[0] = half_to_ps8(static_cast<const uint16_t*>(w.scale) + pb * 16 + hf * 8);
+    if constexpr (OFFS) o = half_to_ps8(static_cast<const uint16_t*>(w.offset) + pb * 16 + hf * 8);
+  }
+}
+
+// add_block's arithmetic for 8 rows: the same float operations, lane for lane.
+template <int Z, bool PER16, bool OFFS>
+inline void add_half(const __m256* s, __m256 o, const Acts& a, int64_t xi, __m256i lo16, __m256i hi16, __m256& acc,
+                     __m256& off) {
+  const __m256 xs = _mm256_set1_ps(a.scale[xi]);
+  const int32_t* is = a.isum16 + 2 * xi;
+  if constexpr (PER16) {
+    const __m256i da = _mm256_sub_epi32(lo16, _mm256_set1_epi32(Z * is[0]));
+    const __m256i db = _mm256_sub_epi32(hi16, _mm256_set1_epi32(Z * is[1]));
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(da), _mm256_mul_ps(xs, s[0]), acc);
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(db), _mm256_mul_ps(xs, s[1]), acc);
+  } else {
+    const __m256i dd = _mm256_sub_epi32(_mm256_add_epi32(lo16, hi16), _mm256_set1_epi32(Z * (is[0] + is[1])));
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dd), _mm256_mul_ps(xs, s[0]), acc);
+    if constexpr (OFFS) off = _mm256_fmadd_ps(o, _mm256_set1_ps(a.sum16[2 * xi] + a.sum16[2 * xi + 1]), off);
+  }
+}
+
+// gpanel_row for AVX2: NZ panels first, first + dist, ... against activation row m, a half at a time.
+template <int NZ, int HB, int Z, bool PER16, bool OFFS, bool KS, typename S, bool PF>
+void gpanel_row(const GPanel& w, int64_t first, int64_t dist, const Acts& a, int64_t m, float* y) {
+  const int64_t nb = w.nb;
+  __m256 acc[2 * NZ], off[2 * NZ];
+  for (int h = 0; h < 2 * NZ; ++h) acc[h] = off[h] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const int64_t xi = m * nb + b;
+    const int32_t* xb = reinterpret_cast<const int32_t*>(a.q + m * a.K + b * QK);
+    for (int j = 0; j < NZ; ++j) {
+      const int64_t pb = (first + j * dist) * nb + b;
+      const char* ahead = reinterpret_cast<const char*>(w.lo + pb * 256 + 1024);      // 4 blocks on
+      if constexpr (PF) for (int c = 0; c < 4; ++c) _mm_prefetch(ahead + 64 * c, _MM_HINT_T0);
+      if constexpr (PF && HB > 0) _mm_prefetch(reinterpret_cast<const char*>(w.hi + pb * 64 * HB + 1024), _MM_HINT_T0);
+      for (int hf = 0; hf < 2; ++hf) {
+        __m256i lo16, hi16;
+        __m256 s[2], o;
+        half_dots<HB>(HalfCodes<HB>(w, pb, hf), xb, lo16, hi16);
+        half_scales<PER16, OFFS, KS, S>(w, pb, hf, s, o);
+        add_half<Z, PER16, OFFS>(s, o, a, xi, lo16, hi16, acc[2 * j + hf], off[2 * j + hf]);
+      }
+    }
+  }
+  for (int h = 0; h < 2 * NZ; ++h)
+    _mm256_storeu_ps(y + 16 * (h / 2) * dist + 8 * (h % 2), OFFS ? _mm256_add_ps(acc[h], off[h]) : acc[h]);
+}
+
+// Codes decoded once into registers (or L1) for several activation rows.
+struct StoredCodes {
+  __m256i v[8];
+  template <int C, int H>
+  inline __m256i get() const { return v[2 * C + H]; }
+};
+
+// gpanel_rows for AVX2: MR activation rows from m0 against panel p, each half's codes decoded
+// once for the MR rows; the same half_dots and add_half as gpanel_row.
+template <int MR, int HB, int Z, bool PER16, bool OFFS, bool KS, typename S>
+void gpanel_rows(const GPanel& w, int64_t p, const Acts& a, int64_t m0, float* out, int64_t ldo) {
+  const int64_t nb = w.nb;
+  for (int hf = 0; hf < 2; ++hf) {
+    __m256 acc[MR], off[MR];
+    for (int r = 0; r < MR; ++r) acc[r] = off[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const int64_t pb = p * nb + b;
+      const HalfCodes<HB> half(w, pb, hf);
+      const StoredCodes codes{{half.template get<0, 0>(), half.template get<0, 1>(), half.template get<1, 0>(),
+                               half.template get<1, 1>(), half.template get<2, 0>(), half.template get<2, 1>(),
+                               half.template get<3, 0>(), half.template get<3, 1>()}};
+      __m256 s[2], o;
+      half_scales<PER16, OFFS, KS, S>(w, pb, hf, s, o);
+      for (int r = 0; r < MR; ++r) {
+        __m256i lo16, hi16;
+        half_dots<HB>(codes, reinterpret_cast<const int32_t*>(a.q + (m0 + r) * a.K + b * QK), lo16, hi16);
+        add_half<Z, PER16, OFFS>(s, o, a, (m0 + r) * nb + b, lo16, hi16, acc[r], off[r]);
+      }
+    }
+    for (int r = 0; r < MR; ++r)
+      _mm256_storeu_ps(out + (m0 + r) * ldo + p * 16 + hf * 8, OFFS ? _mm256_add_ps(acc[r], off[r]) : acc[r]);
+  }
+}
+#endif
+
 template <int HB, int Z, bool PER16, bool OFFS, bool KS, typename S>
 void gpanel_matmul(const GPanel& w, const Acts& a, int64_t M, int64_t P, float* out, int64_t ldo) {
   const int64_t threads = at::get_num_threads();
@@ -699,7 +865,6 @@ at::Tensor panel_linear(const at::Tensor& x, int64_t type, const at::Tensor& lo,
   TORCH_CHECK(N % 2 == 0, "silu_mul needs an even number of outputs");
   return silu_mul_rows(y);
 }
-#endif
 
 }  // namespace
 
@@ -707,20 +872,16 @@ TORCH_LIBRARY(TOKENLOOM_GGML_LIBRARY, m) {
   m.def("quantize_activations(Tensor x) -> Tensor");
   m.def("matmul_into(Tensor(a!) out, int col0, Tensor xq, int K, Tensor w, int type) -> ()");
   m.def("dequantize(Tensor w, int type, int K) -> Tensor");
-#if defined(__AVX512VNNI__)
   m.def("panel_matmul_into(Tensor(a!) out, int col0, Tensor xq, int K, int type, Tensor lo, Tensor? hi, "
         "Tensor scale, Tensor? offset, Tensor? dsup, Tensor? msup) -> ()");
   m.def("panel_linear(Tensor x, int type, Tensor lo, Tensor? hi, Tensor scale, Tensor? offset, Tensor? dsup, "
         "Tensor? msup, Tensor? bias, bool silu_mul) -> Tensor");
-#endif
 }
 
 TORCH_LIBRARY_IMPL(TOKENLOOM_GGML_LIBRARY, CPU, m) {
   m.impl("quantize_activations", &quantize_activations);
   m.impl("matmul_into", &matmul_into);
   m.impl("dequantize", &dequantize);
-#if defined(__AVX512VNNI__)
   m.impl("panel_matmul_into", &panel_matmul_into);
   m.impl("panel_linear", &panel_linear);
-#endif
 }

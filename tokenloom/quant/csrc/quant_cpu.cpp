@@ -274,11 +274,11 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& q, const at::Tenso
 }
 
 
-#if defined(__AVX512VNNI__)
-// ---- 16-column panels (AVX-512 VNNI build only) ---------------------------------------------
+// ---- 16-column panels ------------------------------------------------------------------------
 // Weights re-laid once at load (quant/panels.py) so that one 512-bit dpbusd multiplies 16
-// output columns by 4 activations: per panel p (columns 16p..16p+15), block b (32 values of
-// k), chunk c, the dword of column n holds
+// output columns by 4 activations (the AVX2 build: two 256-bit halves of 8 columns, with
+// maddubs + madd): per panel p (columns 16p..16p+15), block b (32 values of k), chunk c, the
+// dword of column n holds
 //   int4: qp (P, K/32, 4, 64) uint8, byte i = w[32b+8c+i] | w[32b+8c+4+i] << 4 (codes 0..15)
 //   int8: qp (P, K/32, 8, 64) uint8, byte i = w[32b+4c+i] + 128 (codes biased to 0..254)
 // with scales (and int4 offsets) as (P, groups, 16) float16 (an int4 block of 32 weights
@@ -298,6 +298,7 @@ struct PanelWeights {
   int64_t nb, groups, bpg;     // blocks per row, groups per row, blocks per group
 };
 
+#if defined(__AVX512VNNI__)
 inline __m512 load_halves(const uint16_t* p) {   // 16 float16 -> 16 float32
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
@@ -360,6 +361,90 @@ void panel_row(const PanelWeights& w, int64_t first, int64_t dist, const int8_t*
   for (int j = 0; j < NZ; ++j) _mm512_storeu_ps(y + 16 * j * dist, INT4 ? _mm512_add_ps(acc[j], off[j]) : acc[j]);
 }
 
+#else
+// The AVX2 build: panel_row's arithmetic on the two 8-column halves of each panel (bytes 0-31
+// and 32-63 of a chunk). maddubs multiplies unsigned by signed bytes into int16 pairs:
+//   int4: codes 0..15 are the unsigned side; a pair is at most 2 x 15 x 127, so a block's eight
+//         maddubs (its 32 values) add up in int16 without saturating, then one madd to int32;
+//   int8: the stored code + 128 cannot be (2 x 255 x 127 saturates), so the signed code (byte
+//         ^ 0x80) takes the sign of the activation and |activation| is the unsigned side: exact
+//         for codes -127..127 (panels.fits keeps -128 in the row layout).
+// Each column's block dot product is the same int32 as dpbusd's (minus the +128 bias), scaled
+// in float per block and per group as there: a row's result does not depend on the batch.
+inline __m256 load_halves(const uint16_t* p) {   // 8 float16 -> 8 float32
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// One block's int32 dot products for NZ panels first, first + dist, ... as 2 NZ halves.
+template <int NZ, bool INT4>
+inline void panel_block_dots(const uint8_t* qb, int64_t pstride, const int32_t* xb, __m256i* d) {
+  constexpr int H = 2 * NZ;
+  const __m256i ones = _mm256_set1_epi16(1);
+  if constexpr (INT4) {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    __m256i d16[H];
+    for (int h = 0; h < H; ++h) d16[h] = _mm256_setzero_si256();
+    for (int c = 0; c < 4; ++c) {
+      const __m256i x0 = _mm256_set1_epi32(xb[2 * c]), x1 = _mm256_set1_epi32(xb[2 * c + 1]);
+      for (int h = 0; h < H; ++h) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + (h / 2) * pstride + c * 64 + (h % 2) * 32));
+        d16[h] = _mm256_add_epi16(d16[h], _mm256_add_epi16(
+            _mm256_maddubs_epi16(_mm256_and_si256(v, low), x0),
+            _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), x1)));
+      }
+    }
+    for (int h = 0; h < H; ++h) d[h] = _mm256_madd_epi16(d16[h], ones);
+    return;
+  }
+  const __m256i bias = _mm256_set1_epi8(static_cast<char>(0x80));
+  for (int h = 0; h < H; ++h) d[h] = _mm256_setzero_si256();
+  for (int c = 0; c < 8; ++c) {
+    const __m256i x = _mm256_set1_epi32(xb[c]), ax = _mm256_sign_epi8(x, x);
+    for (int h = 0; h < H; ++h) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + (h / 2) * pstride + c * 64 + (h % 2) * 32));
+      const __m256i signed_w = _mm256_sign_epi8(_mm256_xor_si256(v, bias), x);
+      d[h] = _mm256_add_epi32(d[h], _mm256_madd_epi16(_mm256_maddubs_epi16(ax, signed_w), ones));
+    }
+  }
+}
+
+template <int NZ, bool INT4>
+void panel_row(const PanelWeights& w, int64_t first, int64_t dist, const int8_t* xq, const float* xs,
+               const float* xsum, const int32_t*, float* y, bool prefetch) {
+  constexpr int64_t CHUNKS = INT4 ? 4 : 8, BLOCK_BYTES = CHUNKS * 64;
+  constexpr int H = 2 * NZ;
+  const uint8_t* q0 = w.q + first * w.nb * BLOCK_BYTES;
+  const int64_t pstride = dist * w.nb * BLOCK_BYTES, sstride = w.groups * 16;
+  __m256 acc[H], off[H];
+  for (int h = 0; h < H; ++h) acc[h] = off[h] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < w.groups; ++g) {
+    __m256 gacc[H];
+    for (int h = 0; h < H; ++h) gacc[h] = _mm256_setzero_ps();
+    float gsum = 0.f;
+    for (int64_t b = g * w.bpg; b < (g + 1) * w.bpg; ++b) {
+      const uint8_t* qb = q0 + b * BLOCK_BYTES;
+      if (prefetch)
+        for (int j = 0; j < NZ; ++j)
+          for (int64_t c = 0; c < CHUNKS; ++c)
+            _mm_prefetch(reinterpret_cast<const char*>(qb + j * pstride + c * 64 + PANEL_PREFETCH_BYTES), _MM_HINT_T0);
+      __m256i d[H];
+      panel_block_dots<NZ, INT4>(qb, pstride, reinterpret_cast<const int32_t*>(xq + b * QK), d);
+      const __m256 s = _mm256_set1_ps(xs[b]);
+      for (int h = 0; h < H; ++h) gacc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d[h]), s, gacc[h]);
+      gsum += xsum[b];
+    }
+    const __m256 gs = _mm256_set1_ps(gsum);
+    for (int h = 0; h < H; ++h) {
+      const int64_t at = (first + (h / 2) * dist) * sstride + g * 16 + (h % 2) * 8;
+      acc[h] = _mm256_fmadd_ps(gacc[h], load_halves(w.scale + at), acc[h]);
+      if constexpr (INT4) off[h] = _mm256_fmadd_ps(load_halves(w.offset + at), gs, off[h]);
+    }
+  }
+  for (int h = 0; h < H; ++h)
+    _mm256_storeu_ps(y + 16 * (h / 2) * dist + 8 * (h % 2), INT4 ? _mm256_add_ps(acc[h], off[h]) : acc[h]);
+}
+#endif
+
 template <bool INT4>
 using PanelRowFn = void (*)(const PanelWeights&, int64_t, int64_t, const int8_t*, const float*, const float*,
                             const int32_t*, float*, bool);
@@ -415,7 +500,6 @@ at::Tensor panel_linear_int4(const at::Tensor& x, const at::Tensor& qp, const at
                              bool silu_mul) {
   return panel_linear<true>(x, qp, scale, offset, group, bias, silu_mul);
 }
-#endif
 
 }  // namespace
 
@@ -424,11 +508,9 @@ TORCH_LIBRARY(TOKENLOOM_QUANT_LIBRARY, m) {
   m.def("linear_int4(Tensor x, Tensor q, Tensor scale, Tensor offset, int group, Tensor? bias) -> Tensor");
   m.def("quantize_rows(Tensor x) -> (Tensor, Tensor, Tensor)");
   m.def("panel_rows(Tensor qp, Tensor scale, Tensor? offset, int group, Tensor index) -> Tensor");
-#if defined(__AVX512VNNI__)
   m.def("panel_linear_int8(Tensor x, Tensor qp, Tensor scale, int group, Tensor? bias, bool silu_mul=False) -> Tensor");
   m.def("panel_linear_int4(Tensor x, Tensor qp, Tensor scale, Tensor offset, int group, Tensor? bias, "
         "bool silu_mul=False) -> Tensor");
-#endif
 }
 
 TORCH_LIBRARY_IMPL(TOKENLOOM_QUANT_LIBRARY, CPU, m) {
@@ -436,8 +518,6 @@ TORCH_LIBRARY_IMPL(TOKENLOOM_QUANT_LIBRARY, CPU, m) {
   m.impl("linear_int4", &linear_int4);
   m.impl("quantize_rows", &quantize_rows);
   m.impl("panel_rows", &panel_rows);
-#if defined(__AVX512VNNI__)
   m.impl("panel_linear_int8", &panel_linear_int8);
   m.impl("panel_linear_int4", &panel_linear_int4);
-#endif
 }
