@@ -233,6 +233,99 @@ void values_into(const float* w, const Rows& rows, int64_t n, int64_t g0, int64_
 }
 
 
+// A sequence shared by a team of threads (attend_team) from this many attended positions; a
+// shorter one is split by kv head. SmolLM2-135M (9 heads, 3 kv heads of 64), 2 threads, one
+// process, interleaved (per layer), AVX-512: 16 positions 7.1 us shared against 6.8 split, 64:
+// 10.0 / 10.1, 140: 15.3 / 18.1, 176: 17.2 / 22.6.
+constexpr int64_t TEAM_MIN_POSITIONS = 64;
+
+// scores[h * n + t] = q_h . k_t * scale for heads [h0, h1) and the 8 positions from t0 (clipped
+// to n): each head's 8 dot products side by side, reduced together; dots8's arithmetic, so the
+// same bits as scores_simd.
+template <int C>  // head_dim = 8 * C
+void scores_tile256(const float* q, const Rows& rows, int64_t n, int64_t t0, int64_t h0, int64_t h1, const Shapes& s,
+                    float scale, float* scores, RowFetch<3>& fk, RowFetch<2>& fv) {
+  const int64_t per_head_k = (fk.lines() + (h1 - h0) - 1) / (h1 - h0), per_head_v = (fv.lines() + (h1 - h0) - 1) / (h1 - h0);
+  const int m = static_cast<int>(std::min<int64_t>(8, n - t0));
+  const float* kp[8];
+  for (int i = 0; i < 8; ++i) kp[i] = rows.k[t0 + std::min(i, m - 1)];   // idle lanes repeat the last
+  for (int64_t h = h0; h < h1; ++h) {
+    fk.next(per_head_k);
+    fv.next(per_head_v);
+    const int64_t off = (h / s.G) * s.D;
+    __m256 acc[8];
+    for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
+    for (int c = 0; c < C; ++c) {
+      const __m256 qc = _mm256_loadu_ps(q + h * s.D + 8 * c);
+      for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(kp[i] + off + 8 * c), acc[i]);
+    }
+    alignas(32) float sums[8];
+    _mm256_store_ps(sums, _mm256_mul_ps(reduce8(acc), _mm256_set1_ps(scale)));
+    std::copy(sums, sums + m, scores + h * n + t0);
+  }
+}
+
+// out columns [8 c0, 8 (c0 + NC)) of query heads [h, h + count) (kv head at offset off of each
+// value row) = inv[j] * sum_t w[j * n + t] * v_t: values_simd's sum, in order from zero, then
+// attend's scaling by 1 / the softmax total: the same bits.
+template <int NC>
+void values_cols256(const float* w, const Rows& rows, int64_t n, int64_t off, int64_t h, int64_t count, int64_t D,
+                    int64_t c0, const float* inv, float* out) {
+  constexpr int HG = 8 / NC;                         // heads whose accumulators fit beside the loads
+  for (; count > 0; count -= HG, h += HG) {
+    const int m = static_cast<int>(std::min<int64_t>(HG, count));
+    __m256 acc[HG][NC];
+    for (int j = 0; j < HG; ++j)
+      for (int c = 0; c < NC; ++c) acc[j][c] = _mm256_setzero_ps();
+    for (int64_t t = 0; t < n; ++t) {
+      if (t + 16 < n) __builtin_prefetch(reinterpret_cast<const char*>(rows.v[t + 16] + off + 8 * c0), 0, 3);
+      __m256 x[NC];
+      for (int c = 0; c < NC; ++c) x[c] = _mm256_loadu_ps(rows.v[t] + off + 8 * (c0 + c));
+      for (int j = 0; j < m; ++j) {
+        const __m256 wj = _mm256_set1_ps(w[(h + j) * n + t]);
+        for (int c = 0; c < NC; ++c) acc[j][c] = _mm256_fmadd_ps(wj, x[c], acc[j][c]);
+      }
+    }
+    for (int j = 0; j < m; ++j)
+      for (int c = 0; c < NC; ++c)
+        _mm256_storeu_ps(out + (h + j) * D + 8 * (c0 + c), _mm256_mul_ps(acc[j][c], _mm256_set1_ps(inv[h + j])));
+  }
+}
+
+// attend() for one sequence shared by the i-th of the nt threads of an OpenMP team (head_dim =
+// 8 * C, the AVX2 build): the scores of this thread's run of 8-position tiles for every head,
+// then, after a barrier, the softmax numerators of its share of the heads, then, after a
+// barrier, its share of the (kv head, 16-column) pieces of the values. attend's arithmetic
+// throughout, so the bits do not depend on the split; each thread reads whole rows of
+// contiguous positions, where the split by kv head gave one thread two of three kv heads.
+template <int C>
+void attend256_team(const float* q, const Rows& rows, int64_t n, const Shapes& s, float scale, float* out,
+                    float* scores, float* inv, int i, int nt) {
+  const int64_t G = s.G, D = s.D, H = s.H, tiles = (n + 7) / 8;
+  const int64_t ta = tiles * i / nt * 8, tb = std::min<int64_t>(n, tiles * (i + 1) / nt * 8);
+  const int64_t bytes = s.KVH * D * sizeof(float);
+  prefetch_rows(rows.k, ta, std::min<int64_t>(tb, ta + 32), bytes);
+  RowFetch<3> fk;
+  RowFetch<2> fv;
+  for (int64_t t0 = ta; t0 < tb; t0 += 8) {
+    fk.start(rows.k, t0 + 32, std::min<int64_t>(tb, t0 + 40), bytes, 0);
+    fv.start(rows.v, t0, t0 + 8, bytes, 0);
+    scores_tile256<C>(q, rows, n, t0, 0, H, s, scale, scores, fk, fv);
+  }
+#pragma omp barrier
+  const int64_t h0 = H * i / nt, h1 = H * (i + 1) / nt;
+  cap_heads(scores, n, h0, h1, s);
+  for (int64_t h = h0; h < h1; ++h) inv[h] = 1.f / softmax_numerator(scores + h * n, n);
+#pragma omp barrier
+  constexpr int64_t PAIRS = (C + 1) / 2;
+  const int64_t units = s.KVH * PAIRS, u0 = units * i / nt, u1 = units * (i + 1) / nt;
+  for (int64_t u = u0; u < u1; ++u) {
+    const int64_t g = u / PAIRS, c0 = 2 * (u % PAIRS);
+    if (c0 + 1 < C) values_cols256<2>(scores, rows, n, g * D, g * G, G, D, c0, inv, out);
+    else values_cols256<1>(scores, rows, n, g * D, g * G, G, D, c0, inv, out);
+  }
+}
+
 #if defined(__AVX512F__)
 extern "C" __m512 Sleef_expf16_u10avx512f(__m512);  // in libtorch_cpu (1-ulp exp, 16 lanes)
 
@@ -346,12 +439,6 @@ void attend512(const float* q, const Rows& rows, int64_t n, int64_t g0, int64_t 
   for (int64_t g = g0; g < g1; ++g) values_heads512<C, HC>(scores.data(), rows, n, g * D, g * G, G, out);
 }
 
-// A sequence shared by a team of threads (attend512_team) from this many attended positions; a
-// shorter one is split by kv head. SmolLM2-135M (9 heads, 3 kv heads of 64), 2 threads, one
-// process, interleaved (per layer): 16 positions 7.1 us shared against 6.8 split, 64: 10.0 / 10.1,
-// 140: 15.3 / 18.1, 176: 17.2 / 22.6.
-constexpr int64_t TEAM_MIN_POSITIONS = 64;
-
 // out columns [16 c, 16 c + 16) of query heads [h, h + count) (kv head at offset off of each
 // value row) = sum_t w[j * n + t] * v_t: values_heads512's arithmetic for one column chunk.
 inline void values_chunk512(const float* w, const Rows& rows, int64_t n, int64_t off, int64_t h, int64_t count,
@@ -402,21 +489,33 @@ void attend512_team(const float* q, const Rows& rows, int64_t n, const Shapes& s
   for (int64_t u = u0; u < u1; ++u) values_chunk512(scores, rows, n, (u / C) * D, (u / C) * G, G, D, u % C, out);
 }
 
-// attend512_team over the threads of a new OpenMP team (head sizes 32, 64, 128, 256).
+#endif
+
+// Head sizes at which a team of threads shares a sequence (attend_team), in either build.
+inline bool team_head_size(int64_t D) { return D == 32 || D == 64 || D == 128 || D == 256; }
+
+// attend512_team (AVX-512) or attend256_team (AVX2) over the threads of a new OpenMP team.
 void attend_team(const float* q, const Rows& rows, int64_t n, const Shapes& s, float scale, float* out,
                  std::vector<float>& scores) {
-  scores.resize(static_cast<size_t>(n * s.H));
+  scores.resize(static_cast<size_t>(n * s.H + s.H));
   float* sp = scores.data();
 #pragma omp parallel num_threads(at::get_num_threads())
   {
     const int i = omp_get_thread_num(), nt = omp_get_num_threads();
+#if defined(__AVX512F__)
     if (s.D == 64) attend512_team<4>(q, rows, n, s, scale, out, sp, i, nt);
     else if (s.D == 128) attend512_team<8>(q, rows, n, s, scale, out, sp, i, nt);
     else if (s.D == 32) attend512_team<2>(q, rows, n, s, scale, out, sp, i, nt);
     else attend512_team<16>(q, rows, n, s, scale, out, sp, i, nt);
+#else
+    float* inv = sp + n * s.H;
+    if (s.D == 64) attend256_team<8>(q, rows, n, s, scale, out, sp, inv, i, nt);
+    else if (s.D == 128) attend256_team<16>(q, rows, n, s, scale, out, sp, inv, i, nt);
+    else if (s.D == 32) attend256_team<4>(q, rows, n, s, scale, out, sp, inv, i, nt);
+    else attend256_team<32>(q, rows, n, s, scale, out, sp, inv, i, nt);
+#endif
   }
 }
-#endif
 
 // One sequence's query heads [g0 * G, g1 * G) (those of kv heads g0..g1-1): q (H, D) of the
 // sequence against the n positions in `rows` -> out (H, D), the same rows. `scores` is
@@ -468,9 +567,8 @@ void decode_all(const float* qp, const at::Tensor& k_cache, const at::Tensor& v_
   const float *kc = k_cache.data_ptr<float>(), *vc = v_cache.data_ptr<float>();
   const int64_t *tp = tables.data_ptr<int64_t>(), *lens = ctx_lens.data_ptr<int64_t>();
   const auto first = [&](int64_t b) { return window > 0 ? std::max<int64_t>(0, lens[b] - window) : 0; };
-#if defined(__AVX512F__)
   // Fewer sequences than threads, each of TEAM_MIN_POSITIONS or more: every thread shares each one.
-  bool team = B < at::get_num_threads() && (D == 32 || D == 64 || D == 128 || D == 256);
+  bool team = B < at::get_num_threads() && team_head_size(D);
   for (int64_t b = 0; b < B && team; ++b) team = lens[b] - first(b) >= TEAM_MIN_POSITIONS;
   if (team) {
     std::vector<float> scores;
@@ -481,7 +579,6 @@ void decode_all(const float* qp, const at::Tensor& k_cache, const at::Tensor& v_
     }
     return;
   }
-#endif
   // Fewer sequences than threads (and short): split each sequence by kv head so both cores work.
   const int64_t parts = B >= at::get_num_threads() ? 1 : KVH;
   at::parallel_for(0, B * parts, 1, [&](int64_t i0, int64_t i1) {
