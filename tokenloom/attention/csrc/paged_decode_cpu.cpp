@@ -571,8 +571,9 @@ void decode_all(const float* qp, const at::Tensor& k_cache, const at::Tensor& v_
   bool team = B < at::get_num_threads() && team_head_size(D);
   for (int64_t b = 0; b < B && team; ++b) team = lens[b] - first(b) >= TEAM_MIN_POSITIONS;
   if (team) {
-    std::vector<float> scores;
-    Rows rows;
+    // kept from call to call (this runs 30 times a decode step): no allocation, no zero fill
+    thread_local std::vector<float> scores;
+    thread_local Rows rows;
     for (int64_t b = 0; b < B; ++b) {
       rows.fill(kc, vc, tp + b * s.W, first(b), lens[b], s.BS, s.KVH * s.D);
       attend_team(qp + b * H * D, rows, lens[b] - first(b), s, scale, op + b * H * D, scores);
@@ -582,8 +583,8 @@ void decode_all(const float* qp, const at::Tensor& k_cache, const at::Tensor& v_
   // Fewer sequences than threads (and short): split each sequence by kv head so both cores work.
   const int64_t parts = B >= at::get_num_threads() ? 1 : KVH;
   at::parallel_for(0, B * parts, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> scores;
-    Rows rows;
+    thread_local std::vector<float> scores;
+    thread_local Rows rows;
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = i / parts, g0 = parts == 1 ? 0 : i % parts, g1 = parts == 1 ? KVH : g0 + 1;
       rows.fill(kc, vc, tp + b * s.W, first(b), lens[b], s.BS, s.KVH * s.D);
