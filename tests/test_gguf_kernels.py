@@ -197,6 +197,35 @@ def test_panel_product_of_a_row_does_not_depend_on_the_batch(kind):
         assert torch.equal(batch[i:i + 1], panels.linear(x[i:i + 1], None)), f"row {i}"
 
 
+@pytest.mark.skipif(not native.cpu_has_avx512_vnni(), reason="no AVX-512 VNNI on this CPU: one build only")
+@pytest.mark.parametrize("kind", [*sorted(gguf_panels.LAYOUTS), 8, 3],
+                         ids=[KERNEL_TYPES[t][0] for t in [*sorted(gguf_panels.LAYOUTS), 8, 3]])
+def test_the_avx2_panel_kernels_give_the_vnni_builds_bits(kind):
+    """The AVX2 build runs each panel as two halves of 8 rows with maddubs + madd where the VNNI
+    build runs dpbusd: the same exact int32 dot products and the same float operations per output,
+    so the same bits, for a lone row (decode) and a batch (GGUF panels; Q8_0 and Q4_1 as int8 and
+    int4 panels)."""
+    from tokenloom.quant import kernels, panels
+    k, n = 512, 48
+    raw = GGMLTensor(kind, torch.from_numpy(random_blocks(kind, n, k)), k)
+    outs = {}
+    for isa, library in (("avx512vnni", "vnni"), ("avx2", "")):
+        if kind in gguf_panels.LAYOUTS:
+            assert native.load(ggml._SOURCE, "GGUF block kernels", isa)
+            ops = getattr(torch.ops, "tokenloom_ggml" + ("_" + library if library else ""))
+            p = gguf_panels.to_panels(raw)
+            run = lambda x: ops.panel_linear(x, p.kind, p.lo, p.hi, p.scale, p.offset, p.dsup, p.msup, None, False)  # noqa: B023, E731
+        else:
+            assert native.load(kernels._SOURCE, "int8/int4 CPU kernels", isa)
+            ops = getattr(torch.ops, "tokenloom_quant" + ("_" + library if library else ""))
+            q = panels.to_panels(gguf_blocks.to_quantized(raw))
+            run = (lambda x: ops.panel_linear_int8(x, q.data, q.scales, 32, None, False)) if q.bits == 8 else \
+                (lambda x: ops.panel_linear_int4(x, q.data, q.scales, q.offsets, 32, None, False))  # noqa: B023
+        x = torch.randn(5, k, generator=torch.Generator().manual_seed(kind)) * 3
+        outs[isa] = (run(x[:1].contiguous()), run(x))
+    assert torch.equal(outs["avx2"][0], outs["avx512vnni"][0]) and torch.equal(outs["avx2"][1], outs["avx512vnni"][1])
+
+
 @pytest.mark.skipif(not ggml_panels_available(), reason="no int8/int4 panel kernels built here")
 @pytest.mark.parametrize("kind", [8, 3], ids=["Q8_0", "Q4_1"])
 def test_a_whole_head_loads_straight_into_panels_as_the_two_steps_would(kind, monkeypatch):

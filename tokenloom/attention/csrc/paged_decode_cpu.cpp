@@ -292,6 +292,24 @@ void values_cols256(const float* w, const Rows& rows, int64_t n, int64_t off, in
   }
 }
 
+// The i-th of a team's nt threads: scores for its run of TILE-position tiles of the n positions,
+// tile(t0, fk, fv) computing one tile while fk brings the key rows two tiles on from memory and
+// fv this tile's value rows into L2 (read again after the softmax).
+template <int TILE, typename Tile>
+void team_score_tiles(const Rows& rows, int64_t n, const Shapes& s, int i, int nt, Tile&& tile) {
+  const int64_t tiles = (n + TILE - 1) / TILE;
+  const int64_t ta = tiles * i / nt * TILE, tb = std::min<int64_t>(n, tiles * (i + 1) / nt * TILE);
+  const int64_t bytes = s.KVH * s.D * sizeof(float);
+  prefetch_rows(rows.k, ta, std::min<int64_t>(tb, ta + 32), bytes);
+  RowFetch<3> fk;
+  RowFetch<2> fv;
+  for (int64_t t0 = ta; t0 < tb; t0 += TILE) {
+    fk.start(rows.k, t0 + 32, std::min<int64_t>(tb, t0 + 32 + TILE), bytes, 0);
+    fv.start(rows.v, t0, t0 + TILE, bytes, 0);
+    tile(t0, fk, fv);
+  }
+}
+
 // attend() for one sequence shared by the i-th of the nt threads of an OpenMP team (head_dim =
 // 8 * C, the AVX2 build): the scores of this thread's run of 8-position tiles for every head,
 // then, after a barrier, the softmax numerators of its share of the heads, then, after a
@@ -301,17 +319,10 @@ void values_cols256(const float* w, const Rows& rows, int64_t n, int64_t off, in
 template <int C>
 void attend256_team(const float* q, const Rows& rows, int64_t n, const Shapes& s, float scale, float* out,
                     float* scores, float* inv, int i, int nt) {
-  const int64_t G = s.G, D = s.D, H = s.H, tiles = (n + 7) / 8;
-  const int64_t ta = tiles * i / nt * 8, tb = std::min<int64_t>(n, tiles * (i + 1) / nt * 8);
-  const int64_t bytes = s.KVH * D * sizeof(float);
-  prefetch_rows(rows.k, ta, std::min<int64_t>(tb, ta + 32), bytes);
-  RowFetch<3> fk;
-  RowFetch<2> fv;
-  for (int64_t t0 = ta; t0 < tb; t0 += 8) {
-    fk.start(rows.k, t0 + 32, std::min<int64_t>(tb, t0 + 40), bytes, 0);
-    fv.start(rows.v, t0, t0 + 8, bytes, 0);
+  const int64_t G = s.G, D = s.D, H = s.H;
+  team_score_tiles<8>(rows, n, s, i, nt, [&](int64_t t0, RowFetch<3>& fk, RowFetch<2>& fv) {
     scores_tile256<C>(q, rows, n, t0, 0, H, s, scale, scores, fk, fv);
-  }
+  });
 #pragma omp barrier
   const int64_t h0 = H * i / nt, h1 = H * (i + 1) / nt;
   cap_heads(scores, n, h0, h1, s);
@@ -466,17 +477,10 @@ inline void values_chunk512(const float* w, const Rows& rows, int64_t n, int64_t
 template <int C>
 void attend512_team(const float* q, const Rows& rows, int64_t n, const Shapes& s, float scale, float* out,
                     float* scores, int i, int nt) {
-  const int64_t G = s.G, D = s.D, H = s.H, tiles = (n + 15) / 16;
-  const int64_t ta = tiles * i / nt * 16, tb = std::min<int64_t>(n, tiles * (i + 1) / nt * 16);
-  const int64_t bytes = s.KVH * D * sizeof(float);
-  prefetch_rows(rows.k, ta, std::min<int64_t>(tb, ta + 32), bytes);
-  RowFetch<3> fk;
-  RowFetch<2> fv;
-  for (int64_t t0 = ta; t0 < tb; t0 += 16) {
-    fk.start(rows.k, t0 + 32, std::min<int64_t>(tb, t0 + 48), bytes, 0);
-    fv.start(rows.v, t0, t0 + 16, bytes, 0);
+  const int64_t G = s.G, D = s.D, H = s.H;
+  team_score_tiles<16>(rows, n, s, i, nt, [&](int64_t t0, RowFetch<3>& fk, RowFetch<2>& fv) {
     scores_tile512<C>(q, rows, n, t0, 0, H, s, scale, scores, fk, fv);
-  }
+  });
 #pragma omp barrier
   const int64_t h0 = H * i / nt, h1 = H * (i + 1) / nt;
   cap_heads(scores, n, h0, h1, s);
