@@ -67,12 +67,14 @@ class CausalLM(nn.Module):
         Every float32 nn.Linear (the output projection included) gets its weight prepacked
         for this CPU's fastest kernel (models/prepacked.py, with the measurements); on
         AVX-512 VNNI and AVX2 CPUs int8/int4 weights are re-laid in 16-row panels (quant/panels.py).
-        Forward signatures do not change.
+        Then the weights move into 2 MiB pages (huge_pages.py). Forward signatures do not change.
         """
+        from tokenloom.huge_pages import move_to_huge_pages
         from tokenloom.models.prepacked import prepack_linears
         from tokenloom.quant.modules import use_panels
         prepack_linears(self)
         use_panels(self)
+        move_to_huge_pages(self)
         self._build_cpu_kernels()
 
     def _build_cpu_kernels(self) -> None:
