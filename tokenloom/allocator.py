@@ -56,7 +56,7 @@ def keep_freed_memory() -> bool:
 
 
 @functools.cache
-def _libc() -> ctypes.CDLL:
+def libc() -> ctypes.CDLL:
     """The C library (raises OSError where there is none to load); found once (find_library runs
     ldconfig in a subprocess: ~10 ms a call)."""
     return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
@@ -66,7 +66,7 @@ def _apply() -> bool:
     if os.environ.get("TOKENLOOM_KEEP_FREED_MEMORY") == "0" or not sys.platform.startswith("linux"):
         return False
     try:
-        mallopt = _libc().mallopt
+        mallopt = libc().mallopt
     except (OSError, AttributeError):     # musl and friends have no mallopt
         return False
     ok = all(mallopt(param, value) == 1 for param, value in
@@ -85,20 +85,20 @@ def reserve_heap(nbytes: int) -> bool:
     """
     if not keep_freed_memory() or not 0 < nbytes < KEEP_BELOW:
         return False
-    libc = _libc()
-    libc.malloc.restype = ctypes.c_void_p
-    libc.malloc.argtypes = [ctypes.c_size_t]
-    libc.free.argtypes = [ctypes.c_void_p]
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    block = libc.malloc(nbytes)
+    c = libc()
+    c.malloc.restype = ctypes.c_void_p
+    c.malloc.argtypes = [ctypes.c_size_t]
+    c.free.argtypes = [ctypes.c_void_p]
+    c.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    block = c.malloc(nbytes)
     if not block:
         return False
     start = -(-block // _HUGE_PAGE) * _HUGE_PAGE          # the whole 2 MiB pages inside the block
     whole = (block + nbytes - start) // _HUGE_PAGE * _HUGE_PAGE
     if whole > 0:
-        libc.madvise(start, whole, _MADV_HUGEPAGE)        # a hint: refused or ignored is fine
+        c.madvise(start, whole, _MADV_HUGEPAGE)        # a hint: refused or ignored is fine
     ctypes.memset(block, 0, nbytes)
-    libc.free(block)
+    c.free(block)
     return True
 
 
@@ -108,6 +108,6 @@ def release_free_memory() -> bool:
     if not sys.platform.startswith("linux"):
         return False
     try:
-        return bool(_libc().malloc_trim(0))
+        return bool(libc().malloc_trim(0))
     except (OSError, AttributeError):
         return False
