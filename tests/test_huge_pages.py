@@ -105,3 +105,28 @@ def test_a_gguf_model_decodes_the_same_tokens_from_huge_pages(default_gguf_path,
     monkeypatch.setenv("TOKENLOOM_HUGE_PAGES", "0")
     _, kept = run()
     assert moved == kept
+
+
+def test_a_storage_shared_with_a_tensor_left_behind_is_copied_but_never_discarded():
+    """Pages of an old storage are handed back as they are copied only where the tensors being
+    moved are all that hold it: a view outside the model keeps its values."""
+    m = Holder()
+    elsewhere = m.weight[3]                                  # a view nobody will move
+    want = elsewhere.clone()
+    storage = m.weight.untyped_storage()
+    assert not huge_pages._held_only_by(storage, [m.weight])
+    del elsewhere
+    assert huge_pages._held_only_by(storage, [m.weight])
+    elsewhere = m.weight[3]
+    del storage
+    huge_pages.move_to_huge_pages(m)
+    assert torch.equal(elsewhere, want) and torch.equal(m.weight[3], want)
+
+
+def test_copying_with_discard_hands_back_the_old_pages():
+    source = torch.ones(4 << 20, dtype=torch.uint8)
+    region = torch.empty_like(source)
+    huge_pages._copy(source.untyped_storage(), region, 1 << 20, discard=True)
+    assert int(region.sum()) == source.numel()                # the copy is whole
+    # the source's pages read back as zeros: all but the part-pages at each 1 MiB piece's ends
+    assert int(source.sum()) <= 4 * 2 * 4096
