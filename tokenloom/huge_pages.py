@@ -69,9 +69,9 @@ def move_to_huge_pages(model: nn.Module, trim_every: int = 16 << 20) -> int:
     every tensor that used them at its copy (``Tensor.set_``: the same tensor objects, so kernels
     bound to them and tapes holding them see the move). Returns the bytes moved (0: nothing).
 
-    Each old storage is freed as its tensors leave it, the heap's free pages handed back every
-    `trim_every` bytes, and a larger storage that nothing else holds gives back its pages as they
-    are copied (a 0.5B model's 145 MB head raised the load's peak by that much): the peak stays
+    An old storage that nothing else holds gives back its pages as they are copied (without
+    that, a 0.5B model's 145 MB head raised the load's peak by as much), each is freed as its
+    tensors leave it, and the heap's free pages go back every `trim_every` bytes: the peak stays
     near the weights plus `trim_every`."""
     if not available():
         return 0
