@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.hf_reference import hf_greedy
+from tests.hf_reference import gguf_parsed_once, hf_greedy
 from tokenloom import LLM, SamplingParams
 from tokenloom.loader.gguf import GGUFFile, unpermute_rope_rows
 
@@ -16,8 +16,9 @@ NEW_TOKENS = 32
 def hf_gguf(default_gguf_path):
     transformers = pytest.importorskip("transformers")
     folder, name = default_gguf_path.parent, default_gguf_path.name
-    tok = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    with gguf_parsed_once():
+        tok = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
     return tok, model
 
 
