@@ -6,10 +6,11 @@ import pytest
 import torch
 from torch import nn
 
+from tokenloom import native
 from tokenloom.models.prepacked import PackedLinear, PanelLinear
 
 needs_panel_kernel = pytest.mark.skipif(not PanelLinear.supports(nn.Linear(16, 16)),
-                                        reason="no AVX-512 CPU or the kernel could not be built")
+                                        reason="no AVX2 CPU or the kernel could not be built")
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 8, 64, 300])
@@ -23,11 +24,12 @@ def test_packed_linear_matches_linear(rows, bias):
 
 
 @needs_panel_kernel
-@pytest.mark.parametrize("rows", [1, 2, 4, 5, 8, 9, 12, 14, 15, 16, 23, 64, 300])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 14, 15, 16, 23, 64, 300])
 @pytest.mark.parametrize("in_features,out_features,bias", [(48, 200, False), (37, 16, True), (576, 1000, True)])
 def test_panel_linear_matches_linear(rows, in_features, out_features, bias):
-    """Each blocking (one block up to 14 rows, 8-row blocks and remainders beyond), with and
-    without the next panels fetched ahead (4+ rows), widths that are not whole panels, bias."""
+    """Each blocking (AVX-512: one block up to 14 rows, 8-row blocks and remainders beyond;
+    AVX2: up to 6 rows, 6-row blocks beyond), with and without the next panels fetched ahead,
+    widths that are not whole panels, bias."""
     torch.manual_seed(rows)
     ref = nn.Linear(in_features, out_features, bias=bias)
     x = torch.randn(rows, in_features)
@@ -152,8 +154,9 @@ def test_a_kernel_is_rebuilt_when_a_header_it_includes_changes(tmp_path):
 @needs_panel_kernel
 @pytest.mark.parametrize("bias", [False, True])
 def test_panel_silu_mul_epilogue_is_the_same_bits_as_linear_then_fused_silu_mul(bias):
-    """Every blocking of the gated kernel (1-14 rows in one block, 12-row blocks beyond),
-    pre-activations from -100 to 100 (exp over- and underflow), with and without bias."""
+    """Every blocking of the gated kernel (AVX-512: 1-14 rows in one block, 12-row blocks
+    beyond; AVX2: 1-3 rows, 3-row blocks), pre-activations from -100 to 100 (exp over- and
+    underflow), with and without bias."""
     from tokenloom.models import fused
     if not fused.build():
         pytest.skip("fused ops not built")
@@ -166,9 +169,28 @@ def test_panel_silu_mul_epilogue_is_the_same_bits_as_linear_then_fused_silu_mul(
     x = torch.randn(40, 64) * torch.logspace(-3, 1.3, 40)[:, None]     # rows from tiny to huge
     with torch.inference_mode():
         assert layer(x).abs().max() > 100                                  # exp(-g) over- and underflows
-        for rows in (1, 5, 6, 9, 14, 15, 23, 26, 40):
+        for rows in (1, 2, 3, 4, 5, 6, 9, 14, 15, 23, 26, 40):
             expected = fused.silu_mul(layer(x[:rows]))
             assert torch.equal(layer.silu_mul(x[:rows]), expected), f"{rows} rows"
+
+
+@pytest.mark.skipif(not native.cpu_has_avx512(), reason="no AVX-512 on this CPU: one build only")
+def test_the_avx2_panel_build_gives_the_avx512_builds_bits():
+    """A panel row is one zmm in one build, two ymm in the other, and the register blocks differ;
+    each output is the same FMA chain over k in order, so a dense product is the same bits, for
+    a lone row (decode) and for every block height of either build."""
+    from tokenloom.models import prepacked
+    torch.manual_seed(3)
+    weight, bias = torch.randn(200, 576), torch.randn(200)
+    x = torch.randn(40, 576)
+    outs = {}
+    for isa in ("avx512", "avx2"):
+        assert native.load(prepacked._PANEL_SOURCE, "float32 linear panel kernel", isa)
+        ops = getattr(torch.ops, f"tokenloom_panel_{isa}")
+        panels = ops.pack(weight)
+        outs[isa] = [ops.linear(x[:rows].contiguous(), panels, 200, bias) for rows in (1, 3, 7, 14, 40)]
+    for rows, a, b in zip((1, 3, 7, 14, 40), outs["avx512"], outs["avx2"]):
+        assert torch.equal(a, b), f"{rows} rows"
 
 
 def test_gated_mlp_picks_the_epilogue_only_for_whole_panel_halves():

@@ -16,14 +16,12 @@ def kernels() -> list[tuple[str, object]]:
     """(what, a call that builds and loads it: falsy if it cannot be) for every kernel."""
     from tokenloom.attention import cpu_decode, cpu_prefill
     from tokenloom.models import fused, op_tape, prepacked
-    from tokenloom.native import cpu_has_avx512
     from tokenloom.quant import ggml
     from tokenloom.quant import kernels as quant_kernels
     found = [("paged decode attention", cpu_decode.ops), ("paged prefill attention", cpu_prefill.ops),
              ("fused decoder ops", fused.build), ("op tape replayer", op_tape.tape_module),
-             ("int8/int4 kernels", quant_kernels.available), ("GGUF block kernels", ggml.ops)]
-    if cpu_has_avx512():
-        found.append(("AVX-512 linear panels", prepacked.build))
+             ("int8/int4 kernels", quant_kernels.available), ("GGUF block kernels", ggml.ops),
+             ("float32 linear panels", prepacked.build)]
     return found
 
 

@@ -77,7 +77,8 @@ class NotReplayable(Exception):
 
 def _storage_key(t: torch.Tensor) -> int:
     """What identifies the memory `t` reads: its storage's address, or for a tensor without one
-    (oneDNN's blocked weights, ``models/prepacked.py`` on CPUs without AVX-512) the tensor itself."""
+    (oneDNN's blocked weights, ``models/prepacked.py`` where the panel kernel cannot be built)
+    the tensor itself."""
     return id(t) if t.is_mkldnn else t.untyped_storage().data_ptr()
 
 

@@ -2,9 +2,10 @@
 as nn.Linear, ``x (..., in) -> (..., out)``, and swapped in by ``prepack_linears``.
 
 Two layouts, picked per CPU:
-- PanelLinear (AVX-512 CPUs): tokenloom's own kernel (``csrc/panel_linear_avx512.cpp``) over
+- PanelLinear (AVX-512 and AVX2 CPUs): tokenloom's own kernel (``csrc/panel_linear.cpp``) over
   panels of 16 output columns; fastest at decode sizes and batch-invariant bit for bit.
-- PackedLinear (other x86 CPUs): oneDNN's blocked layout through ``mkldnn._linear_pointwise``.
+- PackedLinear (where the panel kernel cannot be built): oneDNN's blocked layout through
+  ``mkldnn._linear_pointwise``.
 """
 
 from __future__ import annotations
@@ -16,12 +17,19 @@ from torch import nn
 
 from tokenloom import native
 
-_PANEL_SOURCE = Path(__file__).parent / "csrc" / "panel_linear_avx512.cpp"
+_PANEL_SOURCE = Path(__file__).parent / "csrc" / "panel_linear.cpp"
+_PANEL_BUILDS = (("avx512", "tokenloom_panel_avx512"), ("avx2", "tokenloom_panel_avx2"))
+
+
+def panel_ops():
+    """The panel kernel's ops for the fastest build this CPU runs (AVX-512, else AVX2), built
+    once; None where neither can be."""
+    return native.fastest(_PANEL_SOURCE, "float32 linear panel kernel", _PANEL_BUILDS)
 
 
 def build() -> bool:
-    """Build (once) and load the AVX-512 panel kernel; False where this CPU or toolchain cannot."""
-    return native.load(_PANEL_SOURCE, "AVX-512 linear kernel", "avx512")
+    """Build (once) and load the panel kernel; False where this CPU or toolchain cannot."""
+    return panel_ops() is not None
 
 
 def _float32_cpu(linear: nn.Linear) -> bool:
@@ -43,26 +51,30 @@ class _PrepackedLinear(nn.Module):
 class PanelLinear(_PrepackedLinear):
     """nn.Linear over a weight packed in panels of 16 output columns, (ceil(out/16), in, 16).
 
-    Chosen over PackedLinear on AVX-512 CPUs because decode-sized calls (1-64 rows) read the
-    weight once at near DRAM bandwidth (docs/BENCHMARKS.md has the measurements).
+    Chosen over PackedLinear wherever it builds (AVX-512 or AVX2) because decode-sized calls
+    (1-64 rows) read the weight once at near DRAM bandwidth: on the 2-core AVX2 EPYC, SmolLM2's
+    float32 decode 27 -> 49-67 tok/s; 128-row calls within 6% of oneDNN either way
+    (docs/BENCHMARKS.md has the measurements).
     A row's output is the same bits whichever rows share the call; ``silu_mul`` (a gated
     MLP's gate_up) gives the same bits as ``forward`` followed by ``fused.silu_mul``.
     """
 
     def __init__(self, linear: nn.Linear) -> None:
         if not self.supports(linear):
-            raise ValueError("PanelLinear needs a float32 CPU weight and an AVX-512 CPU with the kernel built")
+            raise ValueError("PanelLinear needs a float32 CPU weight and an AVX2 CPU with the kernel built")
         super().__init__(linear)
         weight = linear.weight.detach()
-        self.register_buffer("panels", torch.ops.tokenloom_panel.pack(weight), persistent=False)
+        ops = panel_ops()
+        self.register_buffer("panels", ops.pack(weight), persistent=False)
+        self._linear, self._linear_silu_mul = ops.linear.default, ops.linear_silu_mul.default
 
     @staticmethod
     def supports(linear: nn.Linear) -> bool:
-        """True for float32 CPU weights where the AVX-512 kernel is built."""
+        """True for float32 CPU weights where the kernel is built."""
         return _float32_cpu(linear) and build()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.tokenloom_panel.linear(x, self.panels, self.out_features, self.bias)
+        return self._linear(x, self.panels, self.out_features, self.bias)
 
     @property
     def pairs_gate_up(self) -> bool:
@@ -72,7 +84,7 @@ class PanelLinear(_PrepackedLinear):
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """For a gate_up weight (gate rows, then up rows): x (..., in) -> silu(gate) * up
         (..., out / 2) in the kernel's epilogue; the same bits as forward then fused.silu_mul."""
-        return torch.ops.tokenloom_panel.linear_silu_mul(x, self.panels, self.bias)
+        return self._linear_silu_mul(x, self.panels, self.bias)
 
 
 class PackedLinear(_PrepackedLinear):

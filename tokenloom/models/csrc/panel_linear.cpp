@@ -1,18 +1,23 @@
-// Float32 linear layer y = x @ W^T (+ bias) for AVX-512 CPUs, with W prepacked once into
-// panels of 16 output columns: wp (P = ceil(N/16), K, 16), zero-padded past N.
+// Float32 linear layer y = x @ W^T (+ bias) for x86 CPUs, with W prepacked once into panels
+// of 16 output columns: wp (P = ceil(N/16), K, 16), zero-padded past N.
 //
-// Each panel row (16 floats, one zmm) is loaded once per k and multiplied into a block of
-// rows of x (all of them up to 14 rows, else 8 at a time against 3 panels), so at decode
-// sizes the weights stream from memory once while the FMA units work; while one group of
-// panels is in use, the next group is fetched into L2. Every output element is summed over
-// k = 0..K-1 in order by one fused multiply-add chain, whatever the number of rows or the
-// blocking: a row's result does not depend on which other rows share the call
-// (batch-invariant bit for bit).
+// Built twice (tokenloom/models/prepacked.py picks the fastest this CPU runs): for AVX-512,
+// where a panel row is one zmm, and for AVX2, where it is two ymm (the `Vec` type below). The
+// register blocks differ (32 zmm against 16 ymm), the arithmetic does not.
+//
+// Each panel row is loaded once per k and multiplied into a block of rows of x (AVX-512: all
+// of them up to 14 rows, else 8 at a time against 3 panels; AVX2: up to 6 rows against 1
+// panel, 1-2 rows against 2-6), so at decode sizes the weights stream from memory once while
+// the FMA units work; while one group of panels is in use, the next group is fetched into L2.
+// Every output element is summed over k = 0..K-1 in order by one fused multiply-add chain,
+// whatever the number of rows, the blocking or the build: a row's result does not depend on
+// which other rows share the call (batch-invariant bit for bit), and both builds give the same
+// bits for a dense product.
 //
 // linear_silu_mul does a gated MLP's gate_up projection and silu(gate) * up in one pass: each
 // micro call holds gate panels and the up panels that pair with them, and its epilogue
 // writes the activation, so the (T, 2I) product is never stored (same bits as linear then
-// fused_cpu's silu_mul, tested).
+// fused_cpu's silu_mul of the same build, tested).
 //
 // Where it stands against oneDNN's prepacked linear and how each piece below was chosen
 // (interleaved A/B timings) is recorded in docs/BENCHMARKS.md.
@@ -24,14 +29,73 @@
 #include <array>
 #include <utility>
 
+#if defined(__AVX512F__)
+#define TOKENLOOM_PANEL_LIBRARY tokenloom_panel_avx512
+#else
+#define TOKENLOOM_PANEL_LIBRARY tokenloom_panel_avx2
+#endif
+
 namespace {
 
-constexpr int64_t NP = 16;     // output columns per panel (one zmm)
+constexpr int64_t NP = 16;     // output columns per panel (one zmm, two ymm)
 constexpr int64_t AHEAD = 64;  // k steps between fetching a panel row and loading it (4 KiB)
-constexpr int64_t MB = 8;      // rows of x per register block, prefill-sized calls
-constexpr int MB_MAX = 14;     // rows of x per register block at most (decode-sized calls)
 constexpr int64_t CHUNK = 6;   // panels a row-block sweep covers while they sit in L2
 constexpr int64_t ROWS_IN_CACHE = 512;  // rows of x swept per pass over a thread's panels (x stays in L2)
+
+// Sixteen floats: one panel row, one output piece. Only what the kernel needs. The exps are
+// libtorch_cpu's SLEEF, the ones ATen's silu uses.
+#if defined(__AVX512F__)
+extern "C" __m512 Sleef_expf16_u10avx512f(__m512);
+struct Vec {
+  __m512 v;
+  static Vec zero() { return {_mm512_setzero_ps()}; }
+  static Vec all(float a) { return {_mm512_set1_ps(a)}; }
+  static Vec load(const float* p) { return {_mm512_loadu_ps(p)}; }
+  static __mmask16 mask(int64_t n) { return n >= NP ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1); }
+  static Vec load_first(const float* p, int64_t n) { return {_mm512_maskz_loadu_ps(mask(n), p)}; }
+  void store_first(float* p, int64_t n) const { _mm512_mask_storeu_ps(p, mask(n), v); }
+  friend Vec fma(Vec a, Vec b, Vec c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+  friend Vec operator+(Vec a, Vec b) { return {_mm512_add_ps(a.v, b.v)}; }
+  friend Vec operator*(Vec a, Vec b) { return {_mm512_mul_ps(a.v, b.v)}; }
+  // silu(g) = g / (1 + exp(-g)), as fused_cpu.cpp's silu_mul
+  friend Vec silu(Vec g) {
+    const __m512 e = Sleef_expf16_u10avx512f(_mm512_sub_ps(_mm512_setzero_ps(), g.v));
+    return {_mm512_div_ps(g.v, _mm512_add_ps(_mm512_set1_ps(1.f), e))};
+  }
+};
+#else
+extern "C" __m256 Sleef_expf8_u10avx2(__m256);
+struct Vec {
+  __m256 lo, hi;
+  static Vec zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+  static Vec all(float a) { const __m256 b = _mm256_set1_ps(a); return {b, b}; }
+  static Vec load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+  static __m256i mask8(int64_t n) {   // lanes [0, n) of 8
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(int(std::clamp<int64_t>(n, 0, 8))), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  }
+  static Vec load_first(const float* p, int64_t n) {
+    if (n >= NP) return load(p);
+    return {_mm256_maskload_ps(p, mask8(n)), _mm256_maskload_ps(p + 8, mask8(n - 8))};
+  }
+  void store_first(float* p, int64_t n) const {
+    if (n >= NP) {
+      _mm256_storeu_ps(p, lo);
+      _mm256_storeu_ps(p + 8, hi);
+      return;
+    }
+    _mm256_maskstore_ps(p, mask8(n), lo);
+    _mm256_maskstore_ps(p + 8, mask8(n - 8), hi);
+  }
+  friend Vec fma(Vec a, Vec b, Vec c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
+  friend Vec operator+(Vec a, Vec b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+  friend Vec operator*(Vec a, Vec b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+  friend Vec silu(Vec g) {   // as silu_mul_row.h, eight lanes at a time
+    const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
+    return {_mm256_div_ps(g.lo, _mm256_add_ps(one, Sleef_expf8_u10avx2(_mm256_sub_ps(zero, g.lo)))),
+            _mm256_div_ps(g.hi, _mm256_add_ps(one, Sleef_expf8_u10avx2(_mm256_sub_ps(zero, g.hi))))};
+  }
+};
+#endif
 
 // (N, K) -> (P, K, 16)
 at::Tensor pack(const at::Tensor& w) {
@@ -86,8 +150,6 @@ struct Prefetch {
 template <bool AHEAD_PF>
 constexpr int64_t kGroup = AHEAD_PF ? 4 : 16;
 
-extern "C" __m512 Sleef_expf16_u10avx512f(__m512);  // in libtorch_cpu: the exp ATen's silu uses
-
 // The two kinds of output. Dense: y = x W^T + b, NZ panels per call. Glu (a gated MLP's
 // gate_up weight, gate panels then up panels): y = silu(gate) * up, NZ/2 gate panels and the
 // NZ/2 up panels that pair with them, so the (T, 2I) product never reaches memory.
@@ -102,19 +164,19 @@ inline void micro(const float* x, const float* wp, int64_t up, int64_t K, float*
   const int64_t pstride = K * NP;
   const float* w0[NZ];
   for (int j = 0; j < NZ; ++j) w0[j] = j < OUT ? wp + j * pstride : wp + up + (j - OUT) * pstride;
-  __m512 acc[MR][NZ];
+  Vec acc[MR][NZ];
   for (int m = 0; m < MR; ++m)
-    for (int j = 0; j < NZ; ++j) acc[m][j] = _mm512_setzero_ps();
+    for (int j = 0; j < NZ; ++j) acc[m][j] = Vec::zero();
   // One k step: NZ panel rows loaded once, each multiplied into MR broadcast x values.
   auto step = [&](int64_t k) __attribute__((always_inline)) {
-    __m512 w[NZ];
-    for (int j = 0; j < NZ; ++j) w[j] = _mm512_loadu_ps(w0[j] + k * NP);
+    Vec w[NZ];
+    for (int j = 0; j < NZ; ++j) w[j] = Vec::load(w0[j] + k * NP);
     if constexpr (AHEAD_PF) {
       for (int j = 0; j < NZ; ++j) _mm_prefetch(reinterpret_cast<const char*>(w0[j] + (k + AHEAD) * NP), _MM_HINT_T1);
     }
     for (int m = 0; m < MR; ++m) {
-      const __m512 xb = _mm512_set1_ps(x[m * K + k]);
-      for (int j = 0; j < NZ; ++j) acc[m][j] = _mm512_fmadd_ps(xb, w[j], acc[m][j]);
+      const Vec xb = Vec::all(x[m * K + k]);
+      for (int j = 0; j < NZ; ++j) acc[m][j] = fma(xb, w[j], acc[m][j]);
     }
   };
   constexpr int64_t G = kGroup<AHEAD_PF>;
@@ -125,31 +187,45 @@ inline void micro(const float* x, const float* wp, int64_t up, int64_t K, float*
     for (int64_t u = 0; u < G; ++u) step(k + u);
   }
   for (; k < K; ++k) step(k);
-  const __m512 one = _mm512_set1_ps(1.f), zero = _mm512_setzero_ps();
   for (int j = 0; j < OUT; ++j) {
     const int64_t c = ncols - j * NP;
     if (c <= 0) break;
-    const __mmask16 mask = c >= NP ? (__mmask16)0xFFFF : (__mmask16)((1u << c) - 1);
-    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + j * NP) : zero;
+    const Vec b = bias ? Vec::load_first(bias + j * NP, c) : Vec::zero();
     if constexpr (KIND == Kind::Dense) {
-      for (int m = 0; m < MR; ++m) _mm512_mask_storeu_ps(y + m * ldy + j * NP, mask, _mm512_add_ps(acc[m][j], b));
-    } else {   // silu(g) = g / (1 + exp(-g)), as fused_cpu.cpp's silu_mul
-      const __m512 bu = bias ? _mm512_maskz_loadu_ps(mask, bias + bias_up + j * NP) : zero;
-      for (int m = 0; m < MR; ++m) {
-        const __m512 g = _mm512_add_ps(acc[m][j], b), u = _mm512_add_ps(acc[m][OUT + j], bu);
-        const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, Sleef_expf16_u10avx512f(_mm512_sub_ps(zero, g))));
-        _mm512_mask_storeu_ps(y + m * ldy + j * NP, mask, _mm512_mul_ps(silu, u));
-      }
+      for (int m = 0; m < MR; ++m) (acc[m][j] + b).store_first(y + m * ldy + j * NP, c);
+    } else {
+      const Vec bu = bias ? Vec::load_first(bias + bias_up + j * NP, c) : Vec::zero();
+      for (int m = 0; m < MR; ++m) (silu(acc[m][j] + b) * (acc[m][OUT + j] + bu)).store_first(y + m * ldy + j * NP, c);
     }
   }
 }
 
+#if defined(__AVX512F__)
 // Registers: MR x NZ accumulators + NZ weight vectors + 1 broadcast <= 32 zmm (NZ even for Glu).
 template <int MR, Kind KIND>
 constexpr int panels_per_call() {
   if constexpr (KIND == Kind::Glu) return MR <= 2 ? 6 : MR <= 6 ? 4 : 2;
   return MR <= 2 ? 6 : MR <= 4 ? 5 : MR <= 6 ? 4 : MR <= 8 ? 3 : 2;
 }
+template <Kind KIND>
+constexpr int kMaxRows = 14;                              // rows of x per register block at most (decode-sized calls)
+template <Kind KIND>
+constexpr int64_t kPrefillRows = KIND == Kind::Glu ? 12 : 8;   // rows per register block, larger calls
+#else
+// Registers (16 ymm, two per panel row): one row keeps 2 x NZ accumulators and takes its
+// weights straight from memory into the FMAs; more rows hold each loaded weight for all of them,
+// so 2 x NZ x MR accumulators + 2 x NZ weights + the broadcasts <= 16 (the 6 x 16 block of
+// BLIS's Haswell kernel for MR 3-6).
+template <int MR, Kind KIND>
+constexpr int panels_per_call() {
+  if constexpr (KIND == Kind::Glu) return MR == 1 ? 6 : 2;
+  return MR == 1 ? 6 : MR == 2 ? 2 : 1;
+}
+template <Kind KIND>
+constexpr int kMaxRows = KIND == Kind::Glu ? 3 : 6;
+template <Kind KIND>
+constexpr int64_t kPrefillRows = kMaxRows<KIND>;
+#endif
 template <Kind KIND>
 constexpr int panels_per_output() { return KIND == Kind::Glu ? 2 : 1; }
 
@@ -193,16 +269,16 @@ constexpr auto block_kernels_upto(std::integer_sequence<int, MR...>) {
   return block_kernels<KIND, (MR + 1)...>();
 }
 template <Kind KIND>
-constexpr auto kBlock = block_kernels_upto<KIND>(std::make_integer_sequence<int, MB_MAX>{});
+constexpr auto kBlock = block_kernels_upto<KIND>(std::make_integer_sequence<int, kMaxRows<KIND>>{});
 
-// Rows per register block for a call of M rows. Up to 14 rows share one pass over the weights
+// Rows per register block for a call of M rows (AVX-512 figures; AVX2: 6 dense, 3 Glu). Up to 14 rows share one pass over the weights
 // (at decode sizes the weights stream from DRAM once while all rows' FMAs run); larger calls
 // use 8-row blocks against 3 panels (12 rows against 1 gate + 1 up panel for Glu): fewer
 // loads per FMA once the weights sit in cache. (Glu in 6-row blocks against 2 + 2 panels was
 // ~1% slower with the unrolled k loop: 120 layer projections at 144 rows 78.8 vs 78.1 ms, 512
 // rows 262.5 vs 258.9; 14-row blocks and 6-, 12- or 14-row dense blocks were no better.)
 template <Kind KIND>
-inline int64_t block_rows(int64_t M) { return M <= MB_MAX ? M : KIND == Kind::Glu ? 12 : MB; }
+inline int64_t block_rows(int64_t M) { return M <= kMaxRows<KIND> ? M : kPrefillRows<KIND>; }
 
 // The next sweep's panels are fetched by calls of several row blocks, whatever their size. A
 // one-block call fetches its own panels ahead instead (the next sweep's as well cost 1-4 ms per
@@ -295,13 +371,13 @@ at::Tensor linear_silu_mul(const at::Tensor& x, const at::Tensor& wp, const c10:
 
 }  // namespace
 
-TORCH_LIBRARY(tokenloom_panel, m) {
+TORCH_LIBRARY(TOKENLOOM_PANEL_LIBRARY, m) {
   m.def("pack(Tensor w) -> Tensor");
   m.def("linear(Tensor x, Tensor wp, int n, Tensor? bias) -> Tensor");
   m.def("linear_silu_mul(Tensor x, Tensor wp, Tensor? bias) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(tokenloom_panel, CPU, m) {
+TORCH_LIBRARY_IMPL(TOKENLOOM_PANEL_LIBRARY, CPU, m) {
   m.impl("pack", &pack);
   m.impl("linear", &linear);
   m.impl("linear_silu_mul", &linear_silu_mul);
