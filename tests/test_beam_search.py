@@ -91,7 +91,10 @@ def test_server_use_beam_search_returns_the_same_beams(smol_llm):
         resp = client.completions.create(model="smol", prompt=prompt, max_tokens=6, n=2, best_of=3,
                                          extra_body={"use_beam_search": True, "length_penalty": 0.5})
         assert [c.text for c in resp.choices] == [h.text for h in want]
-        assert [c.model_extra["score"] for c in resp.choices] == pytest.approx([h.score for h in want], abs=1e-5)
+        # The server's run hits the prefix cache the direct run filled: the prompt's last token is
+        # computed apart from the rest, its attention summed in another order (float32 noise:
+        # 1.6e-6 apart through oneDNN, 1.2e-5 through the panel kernel on AVX2)
+        assert [c.model_extra["score"] for c in resp.choices] == pytest.approx([h.score for h in want], abs=1e-4)
         for bad, param in [({"best_of": 1, "n": 2}, "best_of"), ({"stream": True}, "stream"),
                            ({"best_of": 3}, "best_of")]:
             extra = {"use_beam_search": True} if param != "best_of" or "n" in bad else {}
