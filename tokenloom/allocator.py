@@ -58,8 +58,14 @@ def keep_freed_memory() -> bool:
 @functools.cache
 def libc() -> ctypes.CDLL:
     """The C library (raises OSError where there is none to load); found once (find_library runs
-    ldconfig in a subprocess: ~10 ms a call)."""
-    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    ldconfig in a subprocess: ~10 ms a call), with the pointer-taking calls used here declared:
+    malloc, free, madvise."""
+    c = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    c.malloc.restype = ctypes.c_void_p
+    c.malloc.argtypes = [ctypes.c_size_t]
+    c.free.argtypes = [ctypes.c_void_p]
+    c.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return c
 
 
 def _apply() -> bool:
@@ -86,10 +92,6 @@ def reserve_heap(nbytes: int) -> bool:
     if not keep_freed_memory() or not 0 < nbytes < KEEP_BELOW:
         return False
     c = libc()
-    c.malloc.restype = ctypes.c_void_p
-    c.malloc.argtypes = [ctypes.c_size_t]
-    c.free.argtypes = [ctypes.c_void_p]
-    c.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     block = c.malloc(nbytes)
     if not block:
         return False

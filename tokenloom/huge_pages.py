@@ -14,7 +14,6 @@ Linux grants such pages to ranges marked ``MADV_HUGEPAGE`` when transparent huge
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import mmap
 import os
@@ -123,9 +122,7 @@ def _discard_pages(address: int, nbytes: int) -> None:
     first = -(-address // page) * page
     count = (address + nbytes - first) // page * page
     if count > 0:
-        c = libc()
-        c.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        c.madvise(first, count, mmap.MADV_DONTNEED)
+        libc().madvise(first, count, mmap.MADV_DONTNEED)
 
 
 def _by_storage(tensors: Iterable[torch.Tensor]) -> dict[int, tuple[torch.UntypedStorage, list[torch.Tensor]]]:
