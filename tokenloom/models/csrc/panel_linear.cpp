@@ -29,6 +29,8 @@
 #include <array>
 #include <utility>
 
+#include "silu_mul_row.h"
+
 #if defined(__AVX512F__)
 #define TOKENLOOM_PANEL_LIBRARY tokenloom_panel_avx512
 #else
@@ -42,8 +44,8 @@ constexpr int64_t AHEAD = 64;  // k steps between fetching a panel row and loadi
 constexpr int64_t CHUNK = 6;   // panels a row-block sweep covers while they sit in L2
 constexpr int64_t ROWS_IN_CACHE = 512;  // rows of x swept per pass over a thread's panels (x stays in L2)
 
-// Sixteen floats: one panel row, one output piece. Only what the kernel needs. The exps are
-// libtorch_cpu's SLEEF, the ones ATen's silu uses.
+// Sixteen floats: one panel row, one output piece. Only what the kernel needs. silu goes
+// through libtorch_cpu's SLEEF exp, the one ATen's silu uses (AVX2: silu_mul_row.h's silu8).
 #if defined(__AVX512F__)
 extern "C" __m512 Sleef_expf16_u10avx512f(__m512);
 struct Vec {
@@ -64,7 +66,6 @@ struct Vec {
   }
 };
 #else
-extern "C" __m256 Sleef_expf8_u10avx2(__m256);
 struct Vec {
   __m256 lo, hi;
   static Vec zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
@@ -89,11 +90,7 @@ struct Vec {
   friend Vec fma(Vec a, Vec b, Vec c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
   friend Vec operator+(Vec a, Vec b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
   friend Vec operator*(Vec a, Vec b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
-  friend Vec silu(Vec g) {   // as silu_mul_row.h, eight lanes at a time
-    const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
-    return {_mm256_div_ps(g.lo, _mm256_add_ps(one, Sleef_expf8_u10avx2(_mm256_sub_ps(zero, g.lo)))),
-            _mm256_div_ps(g.hi, _mm256_add_ps(one, Sleef_expf8_u10avx2(_mm256_sub_ps(zero, g.hi))))};
-  }
+  friend Vec silu(Vec g) { return {tokenloom_silu::silu8(g.lo), tokenloom_silu::silu8(g.hi)}; }
 };
 #endif
 
@@ -271,10 +268,10 @@ constexpr auto block_kernels_upto(std::integer_sequence<int, MR...>) {
 template <Kind KIND>
 constexpr auto kBlock = block_kernels_upto<KIND>(std::make_integer_sequence<int, kMaxRows<KIND>>{});
 
-// Rows per register block for a call of M rows (AVX-512 figures; AVX2: 6 dense, 3 Glu). Up to 14 rows share one pass over the weights
-// (at decode sizes the weights stream from DRAM once while all rows' FMAs run); larger calls
-// use 8-row blocks against 3 panels (12 rows against 1 gate + 1 up panel for Glu): fewer
-// loads per FMA once the weights sit in cache. (Glu in 6-row blocks against 2 + 2 panels was
+// Rows per register block for a call of M rows (AVX-512 figures; AVX2: 6 dense, 3 Glu). Up to
+// 14 rows share one pass over the weights (at decode sizes the weights stream from DRAM once
+// while all rows' FMAs run); larger calls use 8-row blocks against 3 panels (12 rows against
+// 1 gate + 1 up panel for Glu): fewer loads per FMA once the weights sit in cache. (Glu in 6-row blocks against 2 + 2 panels was
 // ~1% slower with the unrolled k loop: 120 layer projections at 144 rows 78.8 vs 78.1 ms, 512
 // rows 262.5 vs 258.9; 14-row blocks and 6-, 12- or 14-row dense blocks were no better.)
 template <Kind KIND>

@@ -1,5 +1,6 @@
-// silu(g) * u over one row, the one copy of this arithmetic: fused_cpu.cpp's silu_mul and the
-// GGUF kernels' gate_up epilogue (quant/csrc/ggml_cpu.cpp) give the same bits through it.
+// silu(g) * u over one row, the one copy of this arithmetic: fused_cpu.cpp's silu_mul, the
+// GGUF kernels' gate_up epilogue (quant/csrc/ggml_cpu.cpp) and the AVX2 float32 panel kernel's
+// (panel_linear.cpp) give the same bits through it.
 // silu(g) = g / (1 + exp(-g)), eight lanes at a time through SLEEF's exp as in ATen's silu.
 #pragma once
 
@@ -11,15 +12,15 @@ extern "C" __m256 Sleef_expf8_u10avx2(__m256);  // in libtorch_cpu: the exp ATen
 
 namespace tokenloom_silu {
 
+// silu(g) of eight lanes.
+inline __m256 silu8(__m256 g) {
+  return _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), Sleef_expf8_u10avx2(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+}
+
 // y[i] = silu(g[i]) * u[i], i < n.
 inline void silu_mul_row(const float* g, const float* u, float* y, int64_t n) {
   int64_t i = 0;
-  const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
-  for (; i + 8 <= n; i += 8) {
-    const __m256 gv = _mm256_loadu_ps(g + i);
-    const __m256 silu = _mm256_div_ps(gv, _mm256_add_ps(one, Sleef_expf8_u10avx2(_mm256_sub_ps(zero, gv))));
-    _mm256_storeu_ps(y + i, _mm256_mul_ps(silu, _mm256_loadu_ps(u + i)));
-  }
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_mul_ps(silu8(_mm256_loadu_ps(g + i)), _mm256_loadu_ps(u + i)));
   for (; i < n; ++i) y[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
 }
 
