@@ -15,6 +15,17 @@ from pathlib import Path
 import torch
 
 
+def load_hf_reference(folder, dtype: torch.dtype = torch.float32, **kwargs):
+    """transformers' model of `folder` in eval mode, with its eager attention.
+
+    Eager is the architecture as transformers writes it. Some releases route a model through
+    SDPA, which drops what SDPA cannot express: transformers 5.17 ran Gemma 2 through SDPA and
+    dropped its attention-score soft-capping (later releases refuse SDPA for Gemma 2)."""
+    import transformers
+    return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="eager",
+                                                             **kwargs).eval()
+
+
 @dataclass
 class Reference:
     tokens: list[int]

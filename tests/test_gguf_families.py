@@ -14,7 +14,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from tests.gguf_writer import write_gguf
-from tests.hf_reference import hf_greedy
+from tests.hf_reference import hf_greedy, load_hf_reference
 from tokenloom import LLM, SamplingParams
 from tokenloom.quant.ggml_modules import GGMLLinear
 from tokenloom.quant.modules import QuantizedLinear
@@ -40,7 +40,7 @@ def test_float_gguf_matches_transformers_on_the_hf_folder(arch, tiny_model_dir, 
     llm = LLM(str(path), kv_cache_memory=16 << 20, max_num_batched_tokens=7)     # chunked prefill on
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
     ours = llm.generate(PROMPTS, params)
-    hf_model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    hf_model = load_hf_reference(folder)
     for prompt, result in zip(PROMPTS, ours):
         ref = hf_greedy(hf_model, prompt, NEW_TOKENS)
         out = result.outputs[0]

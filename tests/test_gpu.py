@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.conftest import TINY_CONFIGS
-from tests.hf_reference import hf_greedy
+from tests.hf_reference import hf_greedy, load_hf_reference
 from tokenloom import LLM, SamplingParams
 
 transformers = pytest.importorskip("transformers")
@@ -20,7 +20,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def hf_on_cuda(folder, dtype: torch.dtype):
-    return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to("cuda").eval()
+    return load_hf_reference(folder, dtype).to("cuda")
 
 
 @pytest.mark.parametrize("arch", sorted(TINY_CONFIGS))

@@ -7,12 +7,11 @@ logprobs within 1e-4 of HF's, for every supported architecture and flag.
 from __future__ import annotations
 
 import pytest
-import torch
 
 transformers = pytest.importorskip("transformers")
 
 from tests.conftest import TINY_CONFIGS
-from tests.hf_reference import hf_greedy
+from tests.hf_reference import hf_greedy, load_hf_reference
 from tokenloom import LLM, SamplingParams
 from tokenloom.attention import cpu_decode
 
@@ -26,7 +25,7 @@ def test_greedy_tokens_and_logprobs_match_hf(arch, tiny_model_dir):
     llm = LLM(str(folder), kv_cache_memory=16 << 20)
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
     ours = llm.generate(PROMPTS, params)
-    hf_model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    hf_model = load_hf_reference(folder)
     for prompt, result in zip(PROMPTS, ours):
         ref = hf_greedy(hf_model, prompt, NEW_TOKENS)
         assert min(ref.margins) > 1e-4, "reference has a near-tie (fp32 noise could flip it); pick another seed"
