@@ -391,6 +391,7 @@ inline void panel_block_dots(const uint8_t* qb, int64_t pstride, const int32_t* 
         d16[h] = _mm256_add_epi16(d16[h], _mm256_add_epi16(
             _mm256_maddubs_epi16(_mm256_and_si256(v, low), x0),
             _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), x1)));
+        asm("" : "+x"(d16[h]));   // a running chain in a register (see the int8 loop below)
       }
     }
     for (int h = 0; h < H; ++h) d[h] = _mm256_madd_epi16(d16[h], ones);
@@ -404,6 +405,11 @@ inline void panel_block_dots(const uint8_t* qb, int64_t pstride, const int32_t* 
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + (h / 2) * pstride + c * 64 + (h % 2) * 32));
       const __m256i signed_w = _mm256_sign_epi8(_mm256_xor_si256(v, bias), x);
       d[h] = _mm256_add_epi32(d[h], _mm256_madd_epi16(_mm256_maddubs_epi16(ax, signed_w), ones));
+      // Without this GCC re-associates the eight chunks' sums into a tree whose partial sums
+      // spill to the stack (16 ymm registers); the running chain stays in one register. The
+      // int32 sum is exact, so the order does not change the bits. AVX2 AMD EPYC, SmolLM2
+      // gate_up shape, one thread: 20 -> 38 GB/s from L2.
+      asm("" : "+x"(d[h]));
     }
   }
 }
