@@ -188,8 +188,9 @@ def test_fused_layer_joins_touching_shards_of_one_type_without_changing_outputs(
 @pytest.mark.parametrize("kind", sorted(gguf_panels.LAYOUTS),
                          ids=[KERNEL_TYPES[t][0] for t in sorted(gguf_panels.LAYOUTS)])
 def test_panel_product_of_a_row_does_not_depend_on_the_batch(kind):
-    """Rows go 4 at a time through a different loop than a lone row (decode): same bits."""
-    k, n, m = 512, 32, 7
+    """Rows go 8 (AVX2) or 4 at a time, then 4, then the rest, through a different loop than a lone
+    row (decode): same bits. 15 rows take every pass: 8 + 4 + 3 (AVX2), 4 + 4 + 4 + 3."""
+    k, n, m = 512, 32, 15
     panels = gguf_panels.to_panels(GGMLTensor(kind, torch.from_numpy(random_blocks(kind, n, k)), k))
     x = torch.randn(m, k)
     batch = panels.linear(x, None)
@@ -221,7 +222,7 @@ def test_the_avx2_panel_kernels_give_the_vnni_builds_bits(kind):
             q = panels.to_panels(gguf_blocks.to_quantized(raw))
             run = (lambda x: ops.panel_linear_int8(x, q.data, q.scales, 32, None, False)) if q.bits == 8 else \
                 (lambda x: ops.panel_linear_int4(x, q.data, q.scales, q.offsets, 32, None, False))  # noqa: B023
-        x = torch.randn(5, k, generator=torch.Generator().manual_seed(kind)) * 3
+        x = torch.randn(13, k, generator=torch.Generator().manual_seed(kind)) * 3    # 8 + 4 + 1 rows (AVX2)
         outs[isa] = (run(x[:1].contiguous()), run(x))
     assert torch.equal(outs["avx2"][0], outs["avx512vnni"][0]) and torch.equal(outs["avx2"][1], outs["avx512vnni"][1])
 

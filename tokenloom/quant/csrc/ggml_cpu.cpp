@@ -761,6 +761,15 @@ void gpanel_rows(const GPanel& w, int64_t p, const Acts& a, int64_t m0, float* o
 }
 #endif
 
+// Activation rows per gpanel_rows pass: each panel block's codes are decoded once per pass.
+// AVX2 (codes decoded per half, 8 registers; accumulators in L1): 8 rows, decoding is a quarter
+// of a 4-row pass's work there. AVX-512: 4.
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+constexpr int kRowsPerPass = 4;
+#else
+constexpr int kRowsPerPass = 8;
+#endif
+
 template <int HB, int Z, bool PER16, bool OFFS, bool KS, typename S>
 void gpanel_matmul(const GPanel& w, const Acts& a, int64_t M, int64_t P, float* out, int64_t ldo) {
   const int64_t threads = at::get_num_threads();
@@ -782,7 +791,12 @@ void gpanel_matmul(const GPanel& w, const Acts& a, int64_t M, int64_t P, float* 
     }
     for (int64_t p = p0; p < p1; ++p) {             // each block decoded once per 4 rows
       int64_t m = 0;
-      for (; m + 4 <= M; m += 4) gpanel_rows<4, HB, Z, PER16, OFFS, KS, S>(w, p, a, m, out, ldo);
+      for (; m + kRowsPerPass <= M; m += kRowsPerPass)
+        gpanel_rows<kRowsPerPass, HB, Z, PER16, OFFS, KS, S>(w, p, a, m, out, ldo);
+      if (kRowsPerPass > 4 && m + 4 <= M) {
+        gpanel_rows<4, HB, Z, PER16, OFFS, KS, S>(w, p, a, m, out, ldo);
+        m += 4;
+      }
       switch (M - m) {
         case 3: gpanel_rows<3, HB, Z, PER16, OFFS, KS, S>(w, p, a, m, out, ldo); break;
         case 2: gpanel_rows<2, HB, Z, PER16, OFFS, KS, S>(w, p, a, m, out, ldo); break;
