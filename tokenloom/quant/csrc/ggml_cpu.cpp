@@ -789,7 +789,7 @@ void gpanel_matmul(const GPanel& w, const Acts& a, int64_t M, int64_t P, float* 
       });
       return;
     }
-    for (int64_t p = p0; p < p1; ++p) {             // each block decoded once per 4 rows
+    for (int64_t p = p0; p < p1; ++p) {             // each block decoded once per pass of rows
       int64_t m = 0;
       for (; m + kRowsPerPass <= M; m += kRowsPerPass)
         gpanel_rows<kRowsPerPass, HB, Z, PER16, OFFS, KS, S>(w, p, a, m, out, ldo);
