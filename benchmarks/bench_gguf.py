@@ -4,9 +4,10 @@
 For each file, in one run on this machine, each configuration in its own process:
   - tokenloom: `tokenloom bench --json` (batch 1, 128-token prompt, 64 new tokens, median
     of --runs after a warm-up) with a context of 192 tokens, as llama-bench gives itself
-    (its n_ctx is n_prompt + n_gen), and the process's peak RSS;
-  - llama.cpp: `llama-bench -p 128 -n 64 -t <threads>` (its own medians), peak RSS by
-    /usr/bin/time; skipped where no llama-bench binary is found (--llama-bench or
+    (its n_ctx is n_prompt + n_gen), and the process's peak RSS; then again after a 1-token
+    prompt (decode from an empty context);
+  - llama.cpp: `llama-bench -p 128 -n 64 -d 0,128 -t <threads>` (its own medians), peak RSS
+    by /usr/bin/time; skipped where no llama-bench binary is found (--llama-bench or
     $LLAMA_BENCH; ../shared/MODELS.md says how to build it).
   - the time to read the file's metadata (tokenloom's reader vs gguf.GGUFReader);
   - the machine's memory read bandwidth before each turn (decode is bound by it, and it moves
@@ -14,6 +15,10 @@ For each file, in one run on this machine, each configuration in its own process
 The engines take turns (--rounds, default 2: tokenloom then llama.cpp on a file, then again),
 so a minute of noise on a shared machine lands on both; each figure is the median over the
 rounds, and each ratio the median of the rounds' ratios (their range shown beside it).
+Decode is compared at the same depth: tokenloom's 64 tokens after its 128-token prompt
+against llama-bench's tg64 at depth 128 (`-d 128`: the same positions 128-191, attention
+over as many cached tokens), and from an empty context: tokenloom after a 1-token prompt
+against llama-bench's plain tg64 (positions 0-63). Prefill is pp128 from an empty context.
 Prints a table with ratios, writes benchmarks/results/bench_gguf.json and gguf_decode.png.
 """
 
@@ -37,24 +42,38 @@ from tokenloom import hub
 PROMPT, NEW = 128, 64
 
 
-def run_tokenloom(path: Path, runs: int) -> dict:
+def tokenloom_bench(path: Path, runs: int, prompt: int) -> dict:
+    """`tokenloom bench --json` on `path`: batch 1, `prompt` prompt tokens, NEW new tokens."""
     cmd = [sys.executable, "-m", "tokenloom.cli", "bench", "-m", str(path), "--json", "--runs", str(runs),
-           "--prompt-tokens", str(PROMPT), "--new-tokens", str(NEW), "--max-model-len", str(PROMPT + NEW)]
+           "--prompt-tokens", str(prompt), "--new-tokens", str(NEW), "--max-model-len", str(PROMPT + NEW)]
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode != 0:
         raise RuntimeError(f"tokenloom bench failed on {path.name}: {out.stderr[-2000:]}")
-    r = json.loads(out.stdout.strip().splitlines()[-1])
-    return {"decode": r["decode_tok_s"], "prefill": r["prefill_tok_s"], "rss_mb": r["peak_rss_bytes"] / 1e6}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def run_tokenloom(path: Path, runs: int) -> dict:
+    """Decode and prefill after a PROMPT-token prompt, peak RSS, and decode from an empty context."""
+    r = tokenloom_bench(path, runs, PROMPT)
+    empty = tokenloom_bench(path, runs, 1)
+    return {"decode": r["decode_tok_s"], "prefill": r["prefill_tok_s"], "rss_mb": r["peak_rss_bytes"] / 1e6,
+            "decode_empty": empty["decode_tok_s"]}
 
 
 def run_llama_cpp(binary: str, path: Path, runs: int, threads: int) -> dict:
+    """llama-bench's pp PROMPT (empty context), tg NEW at depth PROMPT (as tokenloom decodes after
+    its prompt) and from an empty context, and the process's peak RSS."""
     cmd = ["/usr/bin/time", "-f", "maxrss_kb=%M", binary, "-m", str(path), "-p", str(PROMPT), "-n", str(NEW),
-           "-t", str(threads), "-r", str(runs), "-o", "json"]
+           "-d", f"0,{PROMPT}", "-t", str(threads), "-r", str(runs), "-o", "json"]
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode != 0:
         raise RuntimeError(f"llama-bench failed on {path.name}: {out.stderr[-2000:]}")
-    rows = json.loads(out.stdout)
-    speed = {("prefill" if r["n_prompt"] else "decode"): r["avg_ts"] for r in rows}
+    speed = {}
+    for r in json.loads(out.stdout):
+        if r["n_prompt"] and r["n_depth"] == 0:
+            speed["prefill"] = r["avg_ts"]
+        elif r["n_gen"]:
+            speed["decode" if r["n_depth"] == PROMPT else "decode_empty"] = r["avg_ts"]
     rss = int(re.search(r"maxrss_kb=(\d+)", out.stderr).group(1)) * 1024 / 1e6     # GNU time's %M is KiB
     return speed | {"rss_mb": rss}
 
@@ -102,15 +121,19 @@ def table(results: dict, cpu: str, threads: int) -> str:
     reads = sorted(turn["read_gbs"] for r in results.values() for turn in r["rounds"])
     bandwidth = f"; memory read {reads[0]:.1f}-{reads[-1]:.1f} GB/s (torch sum, 512 MiB)" if reads else ""
     lines = [f"CPU: {cpu}; {threads} threads{bandwidth}; batch 1, prompt {PROMPT}, {NEW} new tokens; {rounds} "
-             "alternating rounds, medians (ratios: median of the rounds' ratios, range in brackets)", "",
-             "| file | tokenloom decode tok/s | llama.cpp decode | ratio | tokenloom prefill tok/s | llama.cpp prefill "
+             "alternating rounds, medians (ratios: median of the rounds' ratios, range in brackets); decode after "
+             f"the {PROMPT}-token prompt (llama-bench tg{NEW} @ d{PROMPT}) and from an empty context (tg{NEW})", "",
+             f"| file | tokenloom decode tok/s @ d{PROMPT} | llama.cpp | ratio | tokenloom decode @ d0 | llama.cpp "
+             "| ratio | tokenloom prefill tok/s | llama.cpp prefill "
              "| ratio | tokenloom peak RSS MB | llama.cpp RSS MB | ratio | metadata s (tokenloom / gguf) |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     nan = float("nan")
     for label, r in results.items():
         t, ll, meta = r["tokenloom"], r.get("llama.cpp"), r["metadata_s"]
         lines.append(f"| {label} | {t['decode']:.1f} | {ll['decode'] if ll else nan:.1f} "
                      f"| {paired_ratio(r['rounds'], 'decode')} "
+                     f"| {t['decode_empty']:.1f} | {ll['decode_empty'] if ll else nan:.1f} "
+                     f"| {paired_ratio(r['rounds'], 'decode_empty')} "
                      f"| {t['prefill']:.0f} | {ll['prefill'] if ll else nan:.0f} "
                      f"| {paired_ratio(r['rounds'], 'prefill')} "
                      f"| {t['rss_mb']:.0f} | {ll['rss_mb'] if ll else nan:.0f} | "
@@ -133,7 +156,7 @@ def plot(results: dict, path: Path) -> bool:
     ax.bar([x + 0.2 for x in xs], [results[k].get("llama.cpp", {}).get("decode", 0) for k in labels], 0.4,
            label="llama.cpp")
     ax.set_xticks(list(xs), labels, rotation=15, fontsize=8)
-    ax.set_ylabel("batch-1 decode tok/s")
+    ax.set_ylabel(f"batch-1 decode tok/s after a {PROMPT}-token prompt")
     ax.set_title("GGUF files, blocks kept as stored")
     return finish_plot(fig, ax, path)
 
