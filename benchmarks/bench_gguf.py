@@ -34,7 +34,7 @@ import sys
 import time
 from pathlib import Path
 
-from _common import RESULTS, cpu_name, finish_plot, parser, read_bandwidth_gbs
+from _common import RESULTS, cpu_name, parser, read_bandwidth_gbs
 from tqdm import tqdm
 
 from tokenloom import hub
@@ -143,6 +143,7 @@ def table(results: dict, cpu: str, threads: int) -> str:
 
 
 def plot(results: dict, path: Path) -> bool:
+    """Decode tok/s per file, both engines, after the prompt (left) and from an empty context (right)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -150,15 +151,25 @@ def plot(results: dict, path: Path) -> bool:
     except ImportError:
         return False
     labels = list(results)
-    fig, ax = plt.subplots(figsize=(8, 4))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4), sharey=True)
     xs = range(len(labels))
-    ax.bar([x - 0.2 for x in xs], [results[k]["tokenloom"]["decode"] for k in labels], 0.4, label="tokenloom")
-    ax.bar([x + 0.2 for x in xs], [results[k].get("llama.cpp", {}).get("decode", 0) for k in labels], 0.4,
-           label="llama.cpp")
-    ax.set_xticks(list(xs), labels, rotation=15, fontsize=8)
-    ax.set_ylabel(f"batch-1 decode tok/s after a {PROMPT}-token prompt")
-    ax.set_title("GGUF files, blocks kept as stored")
-    return finish_plot(fig, ax, path)
+    top = 0.0
+    for ax, key, title in ((axes[0], "decode", f"after a {PROMPT}-token prompt (depth {PROMPT})"),
+                           (axes[1], "decode_empty", "from an empty context (depth 0)")):
+        ours = [results[k]["tokenloom"][key] for k in labels]
+        theirs = [results[k].get("llama.cpp", {}).get(key, 0) for k in labels]
+        top = max(top, *ours, *theirs)
+        ax.bar([x - 0.2 for x in xs], ours, 0.4, label="tokenloom")
+        ax.bar([x + 0.2 for x in xs], theirs, 0.4, label="llama.cpp")
+        ax.set_xticks(list(xs), labels, rotation=15, fontsize=8)
+        ax.set_title(f"GGUF blocks kept as stored: {title}", fontsize=10)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel(f"batch-1 decode tok/s ({NEW} tokens)")
+    axes[0].set_ylim(0, top * 1.3)          # room for the legend above the bars
+    axes[0].legend(loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
 
 
 def main() -> None:
