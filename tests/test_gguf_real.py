@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tokenloom import LLM, SamplingParams, hub
-from tokenloom.agreement import agreement
+from tokenloom.agreement import agreement, whole_windows
 from tokenloom.loader.load import load_model
 from tokenloom.quant.ggml_modules import GGMLEmbedding, GGMLLinear
 from tokenloom.quant.modules import QuantizedEmbedding, QuantizedLinear
@@ -103,3 +103,10 @@ def test_gemma3_gguf_greedy_matches_transformers_on_the_same_file():
     assert floats == [] and quantized == 18 * 4 + 1
     first = kept.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=0))[0].outputs[0].token_ids
     assert first == ours[0].outputs[0].token_ids[:8]
+
+
+def test_whole_windows_keeps_the_chunks_llama_perplexity_scores():
+    ids = list(range(1100))
+    assert whole_windows(ids, 512) == ids[:1024]          # two chunks; the 76 left over are dropped
+    assert whole_windows(ids, 550) == ids                  # exactly two windows
+    assert whole_windows(ids[:300], 512) == ids[:300]      # shorter than one window: all of it

@@ -20,6 +20,13 @@ class Agreement:
     positions: int
 
 
+def whole_windows(token_ids: list[int], window: int) -> list[int]:
+    """The tokens llama-perplexity would score: as many whole windows of `window` as fit (its
+    chunks; a partial last one is dropped), or all of them where not even one window fits."""
+    whole = len(token_ids) // window * window
+    return token_ids[:whole] if whole else token_ids
+
+
 @torch.inference_mode()
 def agreement(engine, reference, token_ids: list[int], window: int = 512, skip: int = 0) -> Agreement:
     """Compare `engine` with `reference` (both idle engines with the same tokenizer) over

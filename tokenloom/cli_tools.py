@@ -28,18 +28,21 @@ def cmd_eval_ppl(args: argparse.Namespace) -> int:
           f"perplexity {result.perplexity:.4f} over {result.tokens_scored} tokens "
           f"({result.windows} windows of {args.window}; dtype {args.dtype}, "
           f"quantization {args.quantization or 'none'}, kv cache {args.kv_cache_dtype})"
-          + (f"\nagainst {args.compare}: same top-1 {100 * report['same_top1']:.1f}%, KL divergence mean "
-             f"{report['kl_mean']:.4f}, p99 {report['kl_p99']:.4f} nats" if args.compare else ""))
+          + (f"\nagainst {args.compare}: same top-1 {100 * report['same_top1']:.2f}%, KL divergence mean "
+             f"{report['kl_mean']:.5f}, p99 {report['kl_p99']:.4f} nats over {report['positions_compared']} "
+             "positions (second halves of whole windows, as llama-perplexity scores)" if args.compare else ""))
     return 0
 
 
 def _compare(args: argparse.Namespace, llm, ids: list[int]) -> dict:
-    """Same-top-1 and KL divergence against the same model loaded with dtype `args.compare`."""
+    """Same-top-1 and KL divergence against the same model loaded with dtype `args.compare`, on the
+    positions llama-perplexity --kl-divergence scores: the second half of each whole window."""
     from tokenloom import LLM
-    from tokenloom.agreement import agreement
+    from tokenloom.agreement import agreement, whole_windows
     reference = LLM(llm.engine.config.model, dtype=args.compare, max_model_len=args.max_model_len,
                     kv_cache_memory=256 << 20, progress=True)
-    a = agreement(llm.engine, reference.engine, ids, window=args.window, skip=args.window // 2)
+    a = agreement(llm.engine, reference.engine, whole_windows(ids, args.window), window=args.window,
+                  skip=args.window // 2)
     return {"compare": args.compare, "same_top1": a.same_top1, "kl_mean": a.kl_mean, "kl_p99": a.kl_p99,
             "positions_compared": a.positions}
 
@@ -82,7 +85,8 @@ def add_commands(sub) -> None:
     ppl.add_argument("--compare", default=None, choices=["float32", "bfloat16"], metavar="DTYPE",
                      help="also load the model with this dtype (float32: a GGUF file dequantized) and report "
                           "the share of same top-1 tokens and the KL divergence against it, over the second "
-                          "half of each window (as llama-perplexity --kl-divergence)")
+                          "half of each whole window (as llama-perplexity --kl-divergence; a partial last "
+                          "window is left out)")
     engine_flags(ppl)
     ppl.set_defaults(func=cmd_eval_ppl)
     bench = sub.add_parser("bench", help="batch-1 prefill and decode speed, memory",
