@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.hf_reference import load_hf_reference
 from tokenloom import LLM
 
 transformers = pytest.importorskip("transformers")
@@ -14,7 +15,7 @@ PROMPT = [5, 17, 42, 99, 7, 3, 250, 64]
 
 
 def hf_beams(folder, prompt, beams, new, length_penalty, early_stopping, eos, n):
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model = load_hf_reference(folder)
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt]), num_beams=beams, num_return_sequences=n, max_new_tokens=new,
                              do_sample=False, length_penalty=length_penalty, early_stopping=early_stopping,

@@ -9,6 +9,7 @@ import re
 import pytest
 import torch
 
+from tests.hf_reference import load_hf_reference
 from tokenloom import SamplingParams
 from tokenloom.explain.render import render_compact, render_full
 from tokenloom.structured import StructuredOutput
@@ -27,7 +28,7 @@ PROMPT = "The three primary colors are red, blue and"
 
 @pytest.fixture(scope="module")
 def hf_model(default_model_dir):
-    return transformers.AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
+    return load_hf_reference(default_model_dir)
 
 
 @torch.no_grad()

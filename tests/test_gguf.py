@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.hf_reference import gguf_parsed_once, hf_greedy
+from tests.hf_reference import gguf_parsed_once, hf_greedy, load_hf_reference
 from tokenloom import LLM, SamplingParams
 from tokenloom.loader.gguf import GGUFFile, unpermute_rope_rows
 
@@ -18,7 +18,7 @@ def hf_gguf(default_gguf_path):
     folder, name = default_gguf_path.parent, default_gguf_path.name
     with gguf_parsed_once():
         tok = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
-        model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+        model = load_hf_reference(folder, gguf_file=name)
     return tok, model
 
 

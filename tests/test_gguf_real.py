@@ -79,15 +79,14 @@ def test_gemma3_gguf_greedy_matches_transformers_on_the_same_file():
     """Gemma-3-270M Q4_K_M dequantized to float32 by both: the same greedy tokens, logprobs
     within 1e-4; blocks kept: every tensor kept and the same opening."""
     transformers = pytest.importorskip("transformers")
-    from tests.hf_reference import gguf_parsed_once, hf_greedy
+    from tests.hf_reference import gguf_parsed_once, hf_greedy, load_hf_reference
     path = hub.gguf_path(GEMMA)
     llm = LLM(str(path), dtype="float32", kv_cache_memory=32 << 20)
     prompts = ["Once upon a time, there was a little", "The capital of France is", "def add(a, b):"]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=0)
     ours = llm.generate(prompts, params)
     with gguf_parsed_once():
-        hf = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                               dtype=torch.float32).eval()
+        hf = load_hf_reference(path.parent, gguf_file=path.name)
         hf_tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     for prompt, out in zip(prompts, ours):
         ref = hf_greedy(hf, llm.tokenizer.encode(prompt), 24)

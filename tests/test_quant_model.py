@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from tests.hf_reference import load_hf_reference
 from tokenloom import LLM, SamplingParams
 from tokenloom.scoring import default_eval_text, perplexity, prefill_logits
 
@@ -108,10 +109,10 @@ def test_int8_kv_cache_halves_bf16_memory(default_model_dir):
 
 
 def test_perplexity_equals_transformers_and_int8_stays_within_5_percent(default_model_dir, smol_llm, int8_llm):
-    from transformers import AutoModelForCausalLM
+    pytest.importorskip("transformers")
     ids = smol_llm.tokenizer.encode(default_eval_text())[:512]
     ours = perplexity(smol_llm.engine, ids, window=256)
-    hf = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
+    hf = load_hf_reference(default_model_dir)
     nll = []
     with torch.no_grad():
         for start in range(0, len(ids), 256):

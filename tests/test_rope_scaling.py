@@ -11,7 +11,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from tests.hf_reference import hf_greedy
+from tests.hf_reference import hf_greedy, load_hf_reference
 from tokenloom import LLM, SamplingParams
 from tokenloom.config import ModelConfig
 from tokenloom.models.layers import rope_inv_freq
@@ -29,7 +29,7 @@ def test_longrope_short_factors_within_the_original_context(tiny_model_dir, tmp_
     (folder / "config.json").write_text(json.dumps(cfg))
     llm = LLM(str(folder), kv_cache_memory=16 << 20, max_model_len=64)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=0)
-    hf_model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    hf_model = load_hf_reference(folder)
     for prompt, result in zip(PROMPTS, llm.generate(PROMPTS, params)):
         ref = hf_greedy(hf_model, prompt, 40)
         out = result.outputs[0]

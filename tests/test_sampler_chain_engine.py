@@ -8,6 +8,7 @@ import httpx
 import pytest
 import torch
 
+from tests.hf_reference import load_hf_reference
 from tests.server_harness import ThreadedServer
 from tokenloom import LLM, SamplingParams
 from tokenloom.sampling.vocab import SamplingVocab
@@ -28,8 +29,7 @@ def longest_repeat(ids: list[int]) -> int:
 
 @pytest.fixture(scope="module")
 def hf_model(default_model_dir):
-    import transformers
-    return transformers.AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
+    return load_hf_reference(default_model_dir)
 
 
 @torch.no_grad()

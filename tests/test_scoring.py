@@ -7,6 +7,7 @@ import openai
 import pytest
 import torch
 
+from tests.hf_reference import load_hf_reference
 from tests.server_harness import ThreadedServer, wait_until_idle
 from tokenloom import LLM, SamplingParams
 
@@ -15,8 +16,7 @@ PROMPT, CONTINUATION = "The capital of France is", " Paris, a city on the Seine.
 
 @pytest.fixture(scope="module")
 def hf_model(default_model_dir):
-    from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
+    return load_hf_reference(default_model_dir)
 
 
 def hf_token_logprobs(hf_model, ids: list[int]) -> torch.Tensor:
