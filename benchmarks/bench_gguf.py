@@ -34,7 +34,7 @@ import sys
 import time
 from pathlib import Path
 
-from _common import RESULTS, cpu_name, parser, read_bandwidth_gbs
+from _common import RESULTS, cpu_name, finish_plot, parser, read_bandwidth_gbs
 from tqdm import tqdm
 
 from tokenloom import hub
@@ -163,13 +163,10 @@ def plot(results: dict, path: Path) -> bool:
         ax.bar([x + 0.2 for x in xs], theirs, 0.4, label="llama.cpp")
         ax.set_xticks(list(xs), labels, rotation=15, fontsize=8)
         ax.set_title(f"GGUF blocks kept as stored: {title}", fontsize=10)
-        ax.grid(alpha=0.3)
+    axes[1].grid(alpha=0.3)                 # finish_plot grids and labels the first
     axes[0].set_ylabel(f"batch-1 decode tok/s ({NEW} tokens)")
     axes[0].set_ylim(0, top * 1.3)          # room for the legend above the bars
-    axes[0].legend(loc="upper right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    return True
+    return finish_plot(fig, axes[0], path)
 
 
 def main() -> None:

@@ -20,6 +20,7 @@ import torch
 
 from tests.gguf_writer import write_gguf
 from tokenloom import LLM, hub
+from tokenloom.agreement import compare_logits
 from tokenloom.scoring import default_eval_text, prefill_logits
 
 llama_cpp = pytest.importorskip("llama_cpp")
@@ -36,17 +37,20 @@ def llama_cpp_logits(path, ids: list[int]) -> torch.Tensor:
         model.close()
 
 
-def tokenloom_logits(path, ids: list[int]) -> torch.Tensor:
-    """tokenloom's logits (T, vocab) for every position of `ids`, the file's blocks kept (the default)."""
-    llm = LLM(str(path), kv_cache_memory=32 << 20)
-    return torch.cat([logits for _, logits in prefill_logits(llm.engine, ids)]).float()
+def tokenloom_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
+    """tokenloom's logits (T, vocab) for every position of `ids`, teacher-forced."""
+    return torch.cat([logits for _, logits in prefill_logits(llm.engine, ids)])
+
+
+def load(path, dtype: str = "auto") -> LLM:
+    """`path` as tokenloom loads it: the file's blocks kept (auto, the default), or dequantized."""
+    return LLM(str(path), dtype=dtype, kv_cache_memory=32 << 20)
 
 
 def agreement(theirs: torch.Tensor, ours: torch.Tensor) -> tuple[float, float]:
-    """(share of positions with the same top-1, mean KL(llama.cpp || tokenloom) in nats)."""
-    lt, lo = theirs.log_softmax(-1), ours.log_softmax(-1)
-    kl = (lt.exp() * (lt - lo)).sum(-1)
-    return (lt.argmax(-1) == lo.argmax(-1)).float().mean().item(), kl.mean().item()
+    """(share of positions with the same top-1, mean KL(theirs || ours) in nats)."""
+    same, kl = compare_logits(theirs, ours)
+    return same.float().mean().item(), kl.mean().item()
 
 
 # The block types the gguf package can write. Measured on the tiny Llama (48 positions): KL
@@ -59,7 +63,7 @@ def agreement(theirs: torch.Tensor, ours: torch.Tensor) -> tuple[float, float]:
 def test_tiny_gguf_logits_match_llama_cpp(kind, tiny_model_dir, tmp_path):
     path = write_gguf(tiny_model_dir("llama_gqa"), tmp_path / f"{kind}.gguf", quantize=None if kind == "F32" else kind)
     ids = torch.randint(3, 300, (48,), generator=torch.Generator().manual_seed(0)).tolist()
-    same, kl = agreement(llama_cpp_logits(path, ids), tokenloom_logits(path, ids))
+    same, kl = agreement(llama_cpp_logits(path, ids), tokenloom_logits(load(path), ids))
     if kind in ("F32", "F16"):
         assert same == 1.0 and kl < 1e-4, (same, kl)
     else:
@@ -89,9 +93,8 @@ def test_llama_quantize_types_are_as_close_to_float32_as_llama_cpp(kind, tmp_pat
     path = tmp_path / f"{kind}.gguf"
     subprocess.run([llama_quantize(), str(f32), str(path), kind], check=True, capture_output=True)
     ids = torch.randint(3, 300, (48,), generator=torch.Generator().manual_seed(0)).tolist()
-    reference = torch.cat([logits for _, logits in prefill_logits(
-        LLM(str(path), dtype="float32", kv_cache_memory=32 << 20).engine, ids)]).float()
-    _, ours = agreement(reference, tokenloom_logits(path, ids))
+    reference = tokenloom_logits(load(path, "float32"), ids)
+    _, ours = agreement(reference, tokenloom_logits(load(path), ids))
     _, theirs = agreement(reference, llama_cpp_logits(path, ids))
     assert ours < 0.05 and ours <= 1.5 * theirs + 1e-3, (ours, theirs)
 
@@ -108,6 +111,7 @@ def test_real_gguf_logits_match_llama_cpp(name, min_same, max_kl, default_gguf_p
         path = hub.gguf_path(name)
     else:
         pytest.skip(f"`tokenloom pull {name}` has not run")
-    ids = LLM(str(path), kv_cache_memory=16 << 20).tokenizer.encode(default_eval_text())[:256]
-    same, kl = agreement(llama_cpp_logits(path, ids), tokenloom_logits(path, ids))
+    llm = load(path)
+    ids = llm.tokenizer.encode(default_eval_text())[:256]
+    same, kl = agreement(llama_cpp_logits(path, ids), tokenloom_logits(llm, ids))
     assert same >= min_same and kl < max_kl, (same, kl)

@@ -20,6 +20,13 @@ class Agreement:
     positions: int
 
 
+def compare_logits(reference: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per position of two (T, vocab) logit rows of the same text: whether the top-1 tokens
+    agree (T,) bool, and KL(reference || logits) in nats (T,), computed in float32."""
+    lr, lm = reference.float().log_softmax(-1), logits.float().log_softmax(-1)
+    return lr.argmax(-1) == lm.argmax(-1), (lr.exp() * (lr - lm)).sum(-1)
+
+
 def whole_windows(token_ids: list[int], window: int) -> list[int]:
     """The tokens llama-perplexity would score: as many whole windows of `window` as fit (its
     chunks; a partial last one is dropped), or all of them where not even one window fits."""
@@ -42,9 +49,9 @@ def agreement(engine, reference, token_ids: list[int], window: int = 512, skip: 
             break
         for (at, a), (_, b) in zip(prefill_logits(engine, piece), prefill_logits(reference, piece)):
             rows = slice(max(0, skip - at), len(piece) - 1 - at)    # the last token predicts past the window
-            la, lb = a[rows].float().log_softmax(-1), b[rows].float().log_softmax(-1)   # (len, vocab)
-            same += int((la.argmax(-1) == lb.argmax(-1)).sum())
-            kls.append((lb.exp() * (lb - la)).sum(-1))
+            top1, kl = compare_logits(b[rows], a[rows])
+            same += int(top1.sum())
+            kls.append(kl)
     kl = torch.cat(kls) if kls else torch.empty(0)
     if kl.numel() == 0:
         raise ValueError("the text is too short: no position was scored")
