@@ -181,6 +181,11 @@ def main() -> None:
     results = {}
     chosen = files(args.file)
     for label, path in chosen.items():
+        if not Path(path).is_file():
+            p.error(f"--file {label}: {path} is not a file")
+    if args.llama_bench and not os.access(args.llama_bench, os.X_OK):
+        p.error(f"--llama-bench {args.llama_bench} is not an executable (leave it out to time tokenloom alone)")
+    for label, path in chosen.items():
         results[label] = {"path": str(path), "metadata_s": metadata_seconds(path), "rounds": []}
     turns = [label for _ in range(args.rounds) for label in chosen]
     for label in tqdm(turns, desc="rounds x files", unit="file"):
