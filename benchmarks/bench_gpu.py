@@ -1,17 +1,31 @@
 #!/usr/bin/env python
-"""The GPU path: tokenloom vs HF transformers generate() on one CUDA device, same weights.
+"""The GPU path: tokenloom against HF transformers on one CUDA device, the same weights, one process.
 
-Model: --model (an HF folder), default SmolLM2-135M. On a machine without the model files
-(the lent GPU machines reach no hub), --random-from CONFIG_DIR builds a random-weight model
-of that config with transformers (same shapes, same speed as the real weights).
-For float32, bfloat16 and float16: batch-1 decode tokens/s and time to first token
-(prompt 128, 128 new tokens), batch-16 output tokens/s, and whether greedy tokens match HF.
-Writes benchmarks/results/bench_gpu.json (or --out).
+The lent GPU machines reach no hub, so models are random weights of real shapes, built there by
+transformers (speed does not depend on the values): SmolLM2-135M's config and tokenizer from
+--config-dir (default: the pulled default model's folder), and Llama-3.2-1B's shapes with the
+same tokenizer (its ids past the tokenizer's decode to nothing). Sections (--only picks some):
+
+- bandwidth: the device's measured copy bandwidth (bytes read + written) and bf16 matmul rate;
+- smollm2: batch-1 decode tok/s and time to first token in bf16 and float32 (and bf16 without
+  CUDA graphs), the decode graph's own replay time, where a decode step's host time goes, and
+  greedy tokens against transformers in float32 (32 tokens);
+- llama1b: batch-1 bf16 decode against the memory-bandwidth limit (weight bytes read per token /
+  the measured copy bandwidth);
+- concurrency: 64 and 256 requests at once (prompts 128-512 tokens, 128-256 new tokens) against
+  transformers' static batching of the same requests: output tok/s, TTFT and TPOT p50/p99.
+
+Writes JSON (--out) and prints the tables last.
 """
 
 from __future__ import annotations
 
+import cProfile
+import gc
+import io
 import json
+import pstats
+import random
 import statistics
 import time
 from pathlib import Path
@@ -21,95 +35,324 @@ from _common import RESULTS, parser
 
 from tokenloom import LLM, SamplingParams
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-PROMPT, NEW, BATCH = 128, 128, 16
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+PROMPT, NEW = 128, 128
+LLAMA_1B = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=2048, intermediate_size=8192,
+                num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                vocab_size=128256, rope_theta=500000.0, max_position_embeddings=131072, rms_norm_eps=1e-5,
+                tie_word_embeddings=True, hidden_act="silu", bos_token_id=1, eos_token_id=2,
+                rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
 
 
-def timed(fn, repeats: int = 3) -> float:
-    times = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def log(*args) -> None:
+    print(*args, flush=True)
 
 
-def random_model(config_dir: str, out: Path) -> Path:
+def synced(fn) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def median_time(fn, repeats: int = 3) -> float:
+    return statistics.median(synced(fn) for _ in range(repeats))
+
+
+def free() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+# ---- models ------------------------------------------------------------------------------------
+def random_model(config: dict, tokenizer_dir: Path, out: Path, dtype: torch.dtype) -> Path:
+    """Random weights of `config` saved as an HF folder with the tokenizer of `tokenizer_dir`."""
     from transformers import AutoConfig, AutoModelForCausalLM
-    cfg = AutoConfig.from_pretrained(config_dir)
+    cfg = AutoConfig.for_model(config["model_type"], **{k: v for k, v in config.items() if k != "model_type"})
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(out)
-    for f in Path(config_dir).iterdir():
-        if f.name.startswith("tokenizer") or f.name in ("generation_config.json", "chat_template.jinja"):
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    model.save_pretrained(out)
+    del model
+    free()
+    for f in tokenizer_dir.iterdir():
+        if f.name.startswith("tokenizer") or f.name == "special_tokens_map.json":
             (out / f.name).write_bytes(f.read_bytes())
     return out
 
 
-def bench_tokenloom(folder: str, dtype: str, prompts: list[list[int]]) -> dict:
-    llm = LLM(folder, dtype=dtype, device="cuda", kv_cache_memory=2 << 30, enable_prefix_caching=False)
+def prompts_of(vocab: int, n: int, lengths: list[int] | None = None, seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (lengths[i] if lengths else PROMPT,), generator=gen).tolist() for i in range(n)]
+
+
+# ---- measurements --------------------------------------------------------------------------------
+def bandwidth() -> dict:
+    n = 1 << 29                                                      # 1 GiB of bf16
+    src = torch.randn(n, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    copy = median_time(lambda: dst.copy_(src), 10)
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    a @ b
+    mm = median_time(lambda: a @ b, 10)
+    return {"copy_GBps": 2 * n * 2 / copy / 1e9, "bf16_matmul_TFLOPs": 2 * 8192 ** 3 / mm / 1e12}
+
+
+def tokenloom_decode(folder: str, dtype: str, prompt: list[int], eager: bool = False, **engine) -> dict:
+    llm = LLM(folder, dtype=dtype, device="cuda", kv_cache_memory=2 << 30, enable_prefix_caching=False,
+              max_num_seqs=engine.pop("max_num_seqs", 16), enforce_eager=eager, **engine)
     one = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
     first = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-    llm.generate(prompts[:2], one)                                        # warm-up
-    ttft = timed(lambda: llm.generate([prompts[0]], first))
-    total = timed(lambda: llm.generate([prompts[0]], one))
-    batch = timed(lambda: llm.generate(prompts[:BATCH], one))
-    tokens = llm.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
-    return {"ttft_s": ttft, "decode_tok_s": (NEW - 1) / (total - ttft), "batch_tok_s": BATCH * NEW / batch,
-            "tokens": tokens[0].outputs[0].token_ids}
+    llm.generate([prompt, prompt], one)                                          # warm-up
+    ttft = median_time(lambda: llm.generate([prompt], first))
+    total = median_time(lambda: llm.generate([prompt], one))
+    out = {"ttft_s": ttft, "decode_tok_s": (NEW - 1) / (total - ttft), "llm": llm,
+           "tokens": llm.generate([prompt], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))[0]
+           .outputs[0].token_ids}
+    graphs = llm.engine.runner.graphs
+    if graphs is not None:
+        graph = graphs.graphs[1]
+        graph.replay()
+        out["graph_replay_ms"] = median_time(lambda: [graph.replay() for _ in range(100)], 3) * 10
+    return out
 
 
-def bench_hf(folder: str, dtype: str, prompts: list[list[int]]) -> dict:
+def host_profile(llm, prompt: list[int], top: int = 22) -> str:
+    """Where a 128-token greedy decode's host time goes (cProfile, by own time)."""
+    params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+    prof = cProfile.Profile()
+    prof.enable()
+    llm.generate([prompt], params)
+    prof.disable()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(top)
+    return text.getvalue()
+
+
+def hf_decode(folder: str, dtype: str, prompt: list[int]) -> dict:
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=DTYPES[dtype]).to("cuda").eval()
+    ids = torch.tensor([prompt], device="cuda")
 
-    def gen(batch, new):
-        ids = torch.tensor(batch, device="cuda")
+    def gen(new):
         with torch.no_grad():
             return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
                                   do_sample=False, pad_token_id=0)
-    gen(prompts[:2], NEW)
-    ttft = timed(lambda: gen([prompts[0]], 1))
-    total = timed(lambda: gen([prompts[0]], NEW))
-    batch = timed(lambda: gen(prompts[:BATCH], NEW))
-    tokens = gen([prompts[0]], 32)[0, PROMPT:].tolist()
-    return {"ttft_s": ttft, "decode_tok_s": (NEW - 1) / (total - ttft), "batch_tok_s": BATCH * NEW / batch,
-            "tokens": tokens}
+    gen(NEW)
+    ttft = median_time(lambda: gen(1))
+    total = median_time(lambda: gen(NEW))
+    tokens = gen(32)[0, len(prompt):].tolist()
+    return {"ttft_s": ttft, "decode_tok_s": (NEW - 1) / (total - ttft), "tokens": tokens}
+
+
+def same_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def weight_bytes_per_token(llm) -> int:
+    """Bytes of weights a decode step reads: every parameter once (a tied embedding is the LM head),
+    less an untied input embedding (one row of it is read)."""
+    model = llm.engine.runner.model
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    if not model.config.tie_word_embeddings:
+        emb = model.get_submodule(model.input_embedding_name).weight
+        total -= emb.numel() * emb.element_size()
+    return total
+
+
+def section_smollm2(folder: str, vocab: int) -> dict:
+    prompt = prompts_of(vocab, 1)[0]
+    rows = {}
+    for dtype in ("bfloat16", "float32"):
+        ours = tokenloom_decode(folder, dtype, prompt)
+        llm = ours.pop("llm")
+        if dtype == "bfloat16":
+            rows["profile"] = host_profile(llm, prompt)
+        del llm
+        free()
+        hf = hf_decode(folder, dtype, prompt)
+        free()
+        rows[dtype] = {"tokenloom": ours, "transformers": hf, "same_greedy_prefix": same_prefix(ours["tokens"],
+                                                                                               hf["tokens"])}
+        log(f"smollm2 {dtype}: tokenloom {ours['decode_tok_s']:.0f} tok/s (graph replay "
+            f"{ours.get('graph_replay_ms', float('nan')):.3f} ms), transformers {hf['decode_tok_s']:.0f} tok/s, "
+            f"greedy same for {rows[dtype]['same_greedy_prefix']} of 32")
+    eager = tokenloom_decode(folder, "bfloat16", prompt, eager=True)
+    del eager["llm"]
+    free()
+    rows["bfloat16_eager"] = eager
+    log(f"smollm2 bf16 --enforce-eager: {eager['decode_tok_s']:.0f} tok/s")
+    return rows
+
+
+def section_llama1b(folder: str, vocab: int, copy_GBps: float) -> dict:
+    prompt = prompts_of(vocab, 1)[0]
+    ours = tokenloom_decode(folder, "bfloat16", prompt, max_model_len=4096)
+    llm = ours.pop("llm")
+    weights = weight_bytes_per_token(llm)
+    del llm
+    free()
+    hf = hf_decode(folder, "bfloat16", prompt)
+    free()
+    limit = copy_GBps * 1e9 / weights
+    row = {"tokenloom": ours, "transformers": hf, "weight_bytes": weights, "limit_tok_s": limit,
+           "fraction_of_limit": ours["decode_tok_s"] / limit}
+    log(f"llama1b bf16: tokenloom {ours['decode_tok_s']:.0f} tok/s = {row['fraction_of_limit']:.0%} of "
+        f"{limit:.0f} (weights {weights / 1e9:.2f} GB / {copy_GBps:.0f} GB/s), transformers "
+        f"{hf['decode_tok_s']:.0f} tok/s")
+    return row
+
+
+def percentile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(q / 100 * (len(xs) - 1)))]
+
+
+def tokenloom_concurrent(folder: str, prompts: list[list[int]], news: list[int]) -> dict:
+    llm = LLM(folder, dtype="bfloat16", device="cuda", kv_cache_memory=8 << 30, enable_prefix_caching=False,
+              max_num_seqs=len(prompts))
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in news]
+    llm.generate(prompts[:8], params[:8])                                      # warm-up
+    started = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - started
+    ttft = [o.outputs[0].metrics.ttft for o in outs]
+    tpot = [o.outputs[0].metrics.tpot for o in outs]
+    del llm
+    free()
+    return {"tok_s": sum(news) / elapsed, "seconds": elapsed, "ttft_p50": percentile(ttft, 50),
+            "ttft_p99": percentile(ttft, 99), "tpot_p50": percentile(tpot, 50), "tpot_p99": percentile(tpot, 99)}
+
+
+def hf_static(folder: str, prompts: list[list[int]], news: list[int]) -> dict:
+    """One static batch: prompts padded on the left, every row generating max(news) tokens; only
+    each request's own tokens count as output."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).to("cuda").eval()
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device="cuda")
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device="cuda")
+
+    def gen(new):
+        with torch.no_grad():
+            return model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                                  do_sample=False, pad_token_id=0)
+    gen(2)
+    ttft = synced(lambda: gen(1))
+    elapsed = synced(lambda: gen(max(news)))
+    tpot = (elapsed - ttft) / (max(news) - 1)
+    return {"tok_s": sum(news) / elapsed, "seconds": elapsed, "ttft_p50": ttft, "ttft_p99": ttft,
+            "tpot_p50": tpot, "tpot_p99": tpot}
+
+
+def section_concurrency(folder: str, vocab: int, levels: list[int]) -> dict:
+    rows = {}
+    for n in levels:
+        rng = random.Random(n)
+        lengths = [rng.randint(128, 512) for _ in range(n)]
+        news = [rng.randint(128, 256) for _ in range(n)]
+        prompts = prompts_of(vocab, n, lengths, seed=n)
+        ours = tokenloom_concurrent(folder, prompts, news)
+        hf = hf_static(folder, prompts, news)
+        free()
+        rows[str(n)] = {"tokenloom": ours, "transformers": hf, "ratio": ours["tok_s"] / hf["tok_s"]}
+        log(f"concurrency {n}: tokenloom {ours['tok_s']:.0f} tok/s, transformers static {hf['tok_s']:.0f} tok/s "
+            f"({rows[str(n)]['ratio']:.1f}x)")
+    return rows
+
+
+# ---- report --------------------------------------------------------------------------------------
+def report(result: dict) -> None:
+    log(f"\ndevice: {result['device']}, torch {result['torch']}, transformers {result['transformers']}")
+    if "bandwidth" in result:
+        b = result["bandwidth"]
+        log(f"copy bandwidth {b['copy_GBps']:.0f} GB/s (read + write), "
+            f"bf16 matmul {b['bf16_matmul_TFLOPs']:.0f} TFLOP/s")
+    if "smollm2" in result:
+        s = result["smollm2"]
+        log("\nSmolLM2-135M shapes, batch 1, prompt 128, 128 new tokens, greedy (medians of 3)\n")
+        log("| dtype | engine | decode tok/s | vs HF | TTFT ms | graph replay ms | greedy = HF (of 32) |")
+        log("|---|---|---:|---:|---:|---:|---:|")
+        for dtype in ("bfloat16", "float32"):
+            r = s[dtype]
+            for eng in ("tokenloom", "transformers"):
+                m = r[eng]
+                replay = f"{m['graph_replay_ms']:.3f}" if "graph_replay_ms" in m else "-"
+                same = r["same_greedy_prefix"] if eng == "tokenloom" else "-"
+                log(f"| {dtype} | {eng} | {m['decode_tok_s']:.0f} | "
+                    f"{m['decode_tok_s'] / r['transformers']['decode_tok_s']:.2f}x | {m['ttft_s'] * 1e3:.1f} | "
+                    f"{replay} | {same} |")
+        e = s["bfloat16_eager"]
+        vs_hf = e['decode_tok_s'] / s['bfloat16']['transformers']['decode_tok_s']
+        log(f"| bfloat16 | tokenloom --enforce-eager | {e['decode_tok_s']:.0f} | {vs_hf:.2f}x | "
+            f"{e['ttft_s'] * 1e3:.1f} | - | - |")
+    if "llama1b" in result:
+        r = result["llama1b"]
+        log("\nLlama-3.2-1B shapes, bf16, batch 1, prompt 128, 128 new tokens\n")
+        log("| engine | decode tok/s | bandwidth limit tok/s | of limit | vs HF |")
+        log("|---|---:|---:|---:|---:|")
+        for eng in ("tokenloom", "transformers"):
+            m = r[eng]
+            of_limit = m["decode_tok_s"] / r["limit_tok_s"]
+            vs_hf = m["decode_tok_s"] / r["transformers"]["decode_tok_s"]
+            log(f"| {eng} | {m['decode_tok_s']:.0f} | {r['limit_tok_s']:.0f} | {of_limit:.0%} | {vs_hf:.2f}x |")
+    if "concurrency" in result:
+        log("\nConcurrent requests, SmolLM2-135M shapes, bf16, prompts 128-512, 128-256 new tokens "
+            "(transformers: one static batch)\n")
+        log("| requests | engine | output tok/s | vs HF | TTFT p50 / p99 s | TPOT p50 / p99 ms |")
+        log("|---:|---|---:|---:|---:|---:|")
+        for n, r in result["concurrency"].items():
+            for eng in ("tokenloom", "transformers"):
+                m = r[eng]
+                log(f"| {n} | {eng} | {m['tok_s']:.0f} | {m['tok_s'] / r['transformers']['tok_s']:.1f}x | "
+                    f"{m['ttft_p50']:.2f} / {m['ttft_p99']:.2f} | "
+                    f"{m['tpot_p50'] * 1e3:.1f} / {m['tpot_p99'] * 1e3:.1f} |")
+    if "smollm2" in result:
+        log("\nhost time of a bf16 batch-1 decode of 128 tokens (cProfile, own time):\n")
+        log(result["smollm2"]["profile"])
 
 
 def main() -> None:
     p = parser(__doc__)
-    p.add_argument("--random-from", default=None, help="config + tokenizer folder: benchmark random weights")
+    p.add_argument("--config-dir", default=None,
+                   help="SmolLM2 config.json + tokenizer folder (default: the pulled model)")
+    p.add_argument("--only", default="bandwidth,smollm2,llama1b,concurrency", help="sections, comma-separated")
+    p.add_argument("--levels", default="64,256", help="concurrency levels")
+    p.add_argument("--workdir", default="/tmp/tokenloom-gpu-bench", help="where the random models are written")
     p.add_argument("--out", default=str(RESULTS / "bench_gpu.json"))
     args = p.parse_args()
-    if args.random_from:
-        folder = str(random_model(args.random_from, Path("/tmp/tokenloom-random-model")))
-    else:
+    if args.config_dir is None:
         from tokenloom import hub
-        folder = args.model or str(hub.pull())
-    gen = torch.Generator().manual_seed(0)
-    from transformers import AutoConfig
-    vocab = AutoConfig.from_pretrained(folder).vocab_size
-    prompts = [torch.randint(0, vocab, (PROMPT,), generator=gen).tolist() for _ in range(BATCH)]
-    rows = []
-    for dtype in DTYPES:
-        ours, hf = bench_tokenloom(folder, dtype, prompts), bench_hf(folder, dtype, prompts)
-        same = next((i for i, (a, b) in enumerate(zip(ours["tokens"], hf["tokens"])) if a != b), 32)
-        rows.append({"dtype": dtype, "tokenloom": ours, "transformers": hf, "same_greedy_prefix": same})
+        args.config_dir = str(hub.pull())
+    import transformers
+    sections = args.only.split(",")
+    work = Path(args.workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    smol_config = json.loads((Path(args.config_dir) / "config.json").read_text())
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "transformers": transformers.__version__, "random_weights": True}
+    copy = None
+    if "bandwidth" in sections or "llama1b" in sections:
+        result["bandwidth"] = bandwidth()
+        copy = result["bandwidth"]["copy_GBps"]
+        log(f"bandwidth: {result['bandwidth']}")
+    if {"smollm2", "concurrency"} & set(sections):
+        smol = random_model(smol_config, Path(args.config_dir), work / "smollm2", torch.float32)
+    if "smollm2" in sections:
+        result["smollm2"] = section_smollm2(str(smol), smol_config["vocab_size"])
+    if "concurrency" in sections:
+        result["concurrency"] = section_concurrency(str(smol), smol_config["vocab_size"],
+                                                    [int(x) for x in args.levels.split(",")])
+    if "llama1b" in sections:
+        big = random_model(LLAMA_1B, Path(args.config_dir), work / "llama1b", torch.bfloat16)
+        result["llama1b"] = section_llama1b(str(big), LLAMA_1B["vocab_size"], copy)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                                          "random_weights": bool(args.random_from), "rows": rows}, indent=2))
-    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}; prompt {PROMPT}, {NEW} new tokens")
-    print("| dtype | engine | batch-1 decode tok/s | vs HF | TTFT ms | batch-16 tok/s | vs HF "
-          "| greedy tokens = HF (of 32) |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
-    for r in rows:
-        for eng in ("tokenloom", "transformers"):
-            m, h = r[eng], r["transformers"]
-            print(f"| {r['dtype']} | {eng} | {m['decode_tok_s']:.1f} | {m['decode_tok_s'] / h['decode_tok_s']:.2f}x "
-                  f"| {m['ttft_s'] * 1000:.1f} | {m['batch_tok_s']:.0f} | {m['batch_tok_s'] / h['batch_tok_s']:.2f}x "
-                  f"| {r['same_greedy_prefix'] if eng == 'tokenloom' else '-'} |")
+    Path(args.out).write_text(json.dumps(result, indent=2, default=str))
+    report(result)
 
 
 if __name__ == "__main__":

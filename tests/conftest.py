@@ -8,6 +8,31 @@ from pathlib import Path
 import pytest
 import torch
 
+# Without a GPU, the Triton kernels run in Triton's interpreter on the CPU (read when a kernel is
+# defined, so before any tokenloom.kernels.triton module is imported).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _interpreter_scalars_index_under_numpy_2_4() -> None:
+    """Triton 3.6's interpreter holds a scalar as a one-element array and converts it with
+    int(array), which NumPy 2.4 refuses for arrays of one dimension: a loop bound read from memory
+    (range(start, seq_len)) then fails. Convert through the array's one element instead."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    original = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+    interpreter._patch_lang_tensor = patched
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _interpreter_scalars_index_under_numpy_2_4()
+
 from tests.browser_harness import browser  # noqa: F401 (a fixture: the playground's tests share one Chromium)
 
 VOCAB = 320

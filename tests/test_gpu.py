@@ -1,5 +1,6 @@
-"""The CUDA path: parity with HF transformers on the GPU in float32/bfloat16/float16,
-quantized weights (dequantize-per-call fallback) and the int8 KV cache on the GPU.
+"""The CUDA path: parity with HF transformers on the GPU in float32/bfloat16/float16, CUDA-graph
+decode equal to eager decode at every bucket, quantized weights (dequantize-per-call fallback)
+and the int8 KV cache on the GPU.
 
 Skipped without a CUDA device (conftest marks `gpu`)."""
 
@@ -26,7 +27,7 @@ def hf_on_cuda(folder, dtype: torch.dtype):
 @pytest.mark.parametrize("arch", sorted(TINY_CONFIGS))
 def test_cuda_float32_greedy_matches_hf_on_cuda(arch, tiny_model_dir):
     folder = tiny_model_dir(arch)
-    llm = LLM(str(folder), device="cuda", kv_cache_memory=16 << 20)
+    llm = LLM(str(folder), device="cuda", dtype="float32", kv_cache_memory=16 << 20, max_num_seqs=4)
     assert llm.engine.runner.kv_cache.keys[0].device.type == "cuda"
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
     hf = hf_on_cuda(folder, torch.float32)
@@ -43,7 +44,7 @@ def test_cuda_float32_greedy_matches_hf_on_cuda(arch, tiny_model_dir):
 @pytest.mark.parametrize("arch", ["llama_gqa", "qwen2", "gpt2"])
 def test_cuda_reduced_precision_tracks_hf_in_the_same_precision(arch, dtype, tiny_model_dir):
     folder = tiny_model_dir(arch)
-    llm = LLM(str(folder), dtype=dtype, device="cuda", kv_cache_memory=16 << 20)
+    llm = LLM(str(folder), dtype=dtype, device="cuda", kv_cache_memory=16 << 20, max_num_seqs=4)
     assert llm.engine.runner.kv_cache.keys[0].dtype == DTYPES[dtype]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0)
     hf = hf_on_cuda(folder, DTYPES[dtype])
@@ -62,13 +63,14 @@ def test_cuda_quantized_weights_compute_what_the_cpu_fallback_computes(quantizat
     from tokenloom.scoring import prefill_logits
     folder = str(tiny_model_dir("llama_gqa"))
     ids = list(range(3, 40))
-    gpu = LLM(folder, device="cuda", quantization=quantization, kv_cache_memory=8 << 20)
+    gpu = LLM(folder, device="cuda", dtype="float32", quantization=quantization, kv_cache_memory=8 << 20,
+              max_num_seqs=4)
     got = torch.cat([lg for _, lg in prefill_logits(gpu.engine, ids)]).cpu()
     monkeypatch.setattr(kernels, "available", lambda: False)
     cpu = LLM(folder, quantization=quantization, kv_cache_memory=8 << 20)
     want = torch.cat([lg for _, lg in prefill_logits(cpu.engine, ids)])
     assert ((got - want).norm() / want.norm()).item() < 1e-4
-    ref = LLM(folder, device="cuda", kv_cache_memory=8 << 20)
+    ref = LLM(folder, device="cuda", dtype="float32", kv_cache_memory=8 << 20, max_num_seqs=4)
     float_logits = torch.cat([lg for _, lg in prefill_logits(ref.engine, ids)]).cpu()
     assert not torch.allclose(got, float_logits)        # really quantized
 
@@ -76,7 +78,7 @@ def test_cuda_quantized_weights_compute_what_the_cpu_fallback_computes(quantizat
 def test_cuda_int8_kv_cache_tracks_float(tiny_model_dir):
     folder = str(tiny_model_dir("llama_gqa"))
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0)
-    a = LLM(folder, device="cuda", kv_cache_memory=8 << 20).generate(PROMPTS, params)
+    a = LLM(folder, device="cuda", kv_cache_memory=8 << 20, max_num_seqs=4).generate(PROMPTS, params)
     b = LLM(folder, device="cuda", kv_cache_dtype="int8", kv_cache_memory=8 << 20).generate(PROMPTS, params)
     for x, y in zip(a, b):
         lx = x.outputs[0].logprobs[0][x.outputs[0].token_ids[0]]
@@ -91,7 +93,7 @@ def test_cuda_structured_output_scoring_and_beam_search(tiny_model_dir):
 
     from tokenloom.structured import StructuredOutput
     folder = str(tiny_model_dir("llama_gqa"))
-    gpu = LLM(folder, device="cuda", kv_cache_memory=8 << 20)
+    gpu = LLM(folder, device="cuda", dtype="float32", kv_cache_memory=8 << 20, max_num_seqs=4)
     cpu = LLM(folder, kv_cache_memory=8 << 20)
     constrained = SamplingParams(temperature=1.0, seed=0, max_tokens=12,
                                  structured_output=StructuredOutput.regex(r"[ab]{3,6}"))
@@ -107,3 +109,57 @@ def test_cuda_structured_output_scoring_and_beam_search(tiny_model_dir):
     cb = cpu.beam_search(PROMPTS[0], beam_width=3, max_tokens=8)
     assert [h.token_ids for h in gb] == [h.token_ids for h in cb]
     assert [h.score for h in gb] == pytest.approx([h.score for h in cb], abs=1e-3)
+
+
+def test_cuda_defaults_to_bfloat16_with_decode_graphs(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir("llama_gqa")), device="cuda", kv_cache_memory=8 << 20, max_num_seqs=6)
+    assert llm.engine.runner.kv_cache.keys[0].dtype == torch.bfloat16
+    graphs = llm.engine.runner.graphs
+    assert graphs is not None and sorted(graphs.graphs) == [1, 2, 4, 6]
+    moe = LLM(str(tiny_model_dir("mixtral")), device="cuda", kv_cache_memory=8 << 20, max_num_seqs=4)
+    assert moe.engine.runner.graphs is None                         # its router reads values on the host
+    out = moe.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
+@pytest.mark.parametrize("dtype,tol", [("float32", 1e-5), ("bfloat16", 1e-3)])
+@pytest.mark.parametrize("arch", ["llama_gqa", "qwen3", "gemma2", "mistral_sliding"])
+def test_cuda_graph_decode_equals_eager_at_every_bucket(arch, dtype, tol, tiny_model_dir):
+    """Batches of 1, 2, 3, 5 and 8 sequences (buckets 1, 2, 4, 8, 8: padded rows included) decode
+    the same tokens with and without graphs, logprobs within `tol`, up to a near-tie in eager's."""
+    folder = str(tiny_model_dir(arch))
+    graphs = LLM(folder, device="cuda", dtype=dtype, kv_cache_memory=16 << 20, max_num_seqs=8,
+                 enable_prefix_caching=False)
+    eager = LLM(folder, device="cuda", dtype=dtype, kv_cache_memory=16 << 20, max_num_seqs=8,
+                enable_prefix_caching=False, enforce_eager=True)
+    assert graphs.engine.runner.graphs is not None and eager.engine.runner.graphs is None
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    prompts = [[(7 * i + j) % 300 + 3 for j in range(3 + 5 * i)] for i in range(8)]
+    for n in (1, 2, 3, 5, 8):
+        for g, e in zip(graphs.generate(prompts[:n], params), eager.generate(prompts[:n], params)):
+            go, eo = g.outputs[0], e.outputs[0]
+            margins = [sorted(lp.values())[-1] - sorted(lp.values())[-2] if len(lp) > 1 else 1.0
+                       for lp in eo.logprobs]
+            k = next((i for i, m in enumerate(margins) if m < 10 * tol), len(margins))
+            assert go.token_ids[:k + 1] == eo.token_ids[:k + 1], n
+            got = [lp[t] for lp, t in zip(go.logprobs[:k + 1], go.token_ids[:k + 1])]
+            want = [lp[t] for lp, t in zip(eo.logprobs[:k + 1], eo.token_ids[:k + 1])]
+            assert got == pytest.approx(want, abs=tol), n
+
+
+def test_cuda_prefix_hits_and_chunked_prefill_match_a_whole_prefill(tiny_model_dir):
+    """The Triton kernels read a prompt's cached prefix in place: a prompt prefilled in chunks, or
+    found in the prefix cache, decodes what a whole prefill does (float32)."""
+    folder = str(tiny_model_dir("qwen2"))
+    prompt = [(5 * j) % 300 + 2 for j in range(70)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+    whole = LLM(folder, device="cuda", dtype="float32", kv_cache_memory=16 << 20, max_num_seqs=4,
+                enable_prefix_caching=False).generate([prompt], params)[0].outputs[0]
+    chunked_llm = LLM(folder, device="cuda", dtype="float32", kv_cache_memory=16 << 20, max_num_seqs=4,
+                      max_num_batched_tokens=24)
+    chunked = chunked_llm.generate([prompt], params)[0].outputs[0]
+    hit = chunked_llm.generate([prompt], params)[0].outputs[0]               # the prompt's blocks cached now
+    for other in (chunked, hit):
+        assert other.token_ids == whole.token_ids
+        assert [lp[t] for lp, t in zip(other.logprobs, other.token_ids)] == \
+            pytest.approx([lp[t] for lp, t in zip(whole.logprobs, whole.token_ids)], abs=1e-5)

@@ -22,7 +22,7 @@ class SeqChunk:
 class Batch:
     input_ids: torch.Tensor       # (T,) int64
     positions: torch.Tensor       # (T,) int64
-    meta: AttentionMetadata
+    meta: AttentionMetadata       # block tables on the host (the attention backends move what they read)
     fresh_blocks: list[int]       # blocks whose first slot this pass writes (zero them first)
 
 
@@ -43,8 +43,16 @@ def build_batch(chunks: list[SeqChunk], block_size: int, device: torch.device, n
         fresh.extend(table[p // bs] for p in range(-(-c.start // bs) * bs, end, bs))  # first write of a block
         q_lens.append(len(c.token_ids))
         ctx_lens.append(end)
-        tables.append(torch.tensor(table[:-(-end // bs)], dtype=torch.int64, device=device))
-    def as_tensor(xs: list[int]) -> torch.Tensor:
-        return torch.tensor(xs, dtype=torch.int64, device=device)
-    meta = AttentionMetadata(as_tensor(slots), starts, q_lens, ctx_lens, tables, null_block=null_block)
-    return Batch(as_tensor(ids), as_tensor(positions), meta, fresh)
+        tables.append(torch.tensor(table[:-(-end // bs)], dtype=torch.int64))
+    ids_positions_slots = to_device(torch.tensor([ids, positions, slots], dtype=torch.int64), device)   # (3, T)
+    meta = AttentionMetadata(ids_positions_slots[2], starts, q_lens, ctx_lens, tables, null_block=null_block)
+    return Batch(ids_positions_slots[0], ids_positions_slots[1], meta, fresh)
+
+
+def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host tensor on `device`: on a GPU through pinned memory, asynchronously (a copy from
+    pageable memory would wait for the device to finish its queued work first)."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)

@@ -15,10 +15,15 @@ def engine_flags(p: argparse.ArgumentParser) -> None:
                         "default: SmolLM2-135M-Instruct, pulled on first use")
     g.add_argument("-t", "--threads", type=int, default=None, metavar="N",
                    help="CPU threads (default: torch's choice, one per physical core)")
+    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="where the model runs. auto (default): the GPU where CUDA has one, else the CPU")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="weight and activation dtype. auto (default): float32, and a GGUF file's quantized "
-                        "blocks kept as stored; float32/bfloat16/float16 dequantize a GGUF file to that dtype "
-                        "(bf16/fp16 are slow on most CPUs)")
+                   help="weight and activation dtype. auto (default): on the CPU float32, and a GGUF file's "
+                        "quantized blocks kept as stored; on a GPU bfloat16 (a GGUF file dequantized to it at "
+                        "load); float32/bfloat16/float16 dequantize a GGUF file to that dtype (bf16/fp16 are slow "
+                        "on most CPUs)")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="GPU: run decode steps op by op instead of replaying CUDA graphs captured at start-up")
     g.add_argument("--max-model-len", type=int, default=None, help="context window (default: the model's)")
     g.add_argument("--kv-cache-memory", type=float, default=None, metavar="GIB",
                    help="memory for the KV cache in GiB (default: what one full context needs, at most 1; "
@@ -47,9 +52,21 @@ def engine_flags(p: argparse.ArgumentParser) -> None:
                         "--tensor-parallel-size")
 
 
+def resolve_device(name: str) -> str:
+    """auto -> cuda where torch sees a GPU, else cpu; cuda without one is a ValueError."""
+    import torch
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: torch sees no CUDA device here (a CPU build of torch, or no GPU)")
+    return name
+
+
 def _engine_settings(args: argparse.Namespace) -> dict:
     memory = None if args.kv_cache_memory is None else int(args.kv_cache_memory * (1 << 30))
-    return dict(dtype=args.dtype, max_model_len=args.max_model_len, kv_cache_memory=memory,
+    return dict(device=resolve_device(getattr(args, "device", "cpu")),
+                enforce_eager=getattr(args, "enforce_eager", False), dtype=args.dtype,
+                max_model_len=args.max_model_len, kv_cache_memory=memory,
                 kv_cache_fraction=args.kv_cache_fraction, enable_prefix_caching=args.enable_prefix_caching,
                 max_num_seqs=getattr(args, "max_num_seqs", 64), fair_share_seqs=getattr(args, "fair_share_seqs", None),
                 speculative=args.speculative, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
@@ -77,6 +94,7 @@ def make_llm(args: argparse.Namespace):
 
 def check_engine_flags(args: argparse.Namespace) -> None:
     """Fail on bad engine flags before the (slow) model load."""
+    resolve_device(getattr(args, "device", "cpu"))
     if getattr(args, "threads", None) is not None and args.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
     for flag in ("tensor_parallel_size", "pipeline_parallel_size"):

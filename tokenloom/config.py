@@ -498,7 +498,7 @@ class EngineConfig:
     """Everything the engine needs besides the weights; the CLI maps flags onto these fields."""
 
     model: str
-    dtype: str = "auto"                  # auto: float32 compute, GGUF blocks kept; else the weights' dtype
+    dtype: str = "auto"                  # auto: float32 compute, GGUF blocks kept (CUDA: bfloat16); else the weights'
     device: str = "cpu"
     max_model_len: int | None = None     # None: the model's own context length
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -508,6 +508,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"         # auto (the model's dtype) | int8
     tensor_parallel_size: int = 1        # ranks the model is split over (distributed/); 1: this process alone
     pipeline_parallel_size: int = 1      # stages its layers are split into, one rank each (distributed/pipeline.py)
+    enforce_eager: bool = False          # CUDA: no CUDA graphs for decode steps (cuda_graphs.py)
 
     def __post_init__(self) -> None:
         from tokenloom.quant.scheme import parse_quantization
@@ -518,6 +519,8 @@ class EngineConfig:
         if self.tensor_parallel_size > 1 and self.pipeline_parallel_size > 1:
             raise ValueError("tensor and pipeline parallelism together are not implemented: give one of them")
         parse_dtype(self.dtype)
+        if self.dtype == "auto" and torch.device(self.device).type == "cuda":
+            self.dtype = "bfloat16"          # what GPUs compute fastest (a GGUF file is dequantized to it at load)
         self.quantization = parse_quantization(self.quantization)
         if self.kv_cache_dtype not in ("auto", "int8"):
             raise ValueError(f"kv_cache_dtype must be 'auto' or 'int8', got {self.kv_cache_dtype!r}")

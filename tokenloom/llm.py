@@ -35,7 +35,8 @@ def engine_config(model: str | None = None, dtype: str = "auto", device: str = "
                   max_num_seqs: int = 64, max_num_batched_tokens: int = 8192, fair_share_seqs: int | None = None,
                   speculative: str | SpeculativeConfig | None = None, quantization: str | None = None,
                   kv_cache_dtype: str = "auto", kv_cache_contexts: int | None = None,
-                  tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1) -> EngineConfig:
+                  tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
+                  enforce_eager: bool = False) -> EngineConfig:
     """The EngineConfig that LLM(...) with these arguments runs (a torchrun worker rank builds the
     same one to load its share)."""
     cache = CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory, kv_cache_fraction=kv_cache_fraction,
@@ -44,7 +45,8 @@ def engine_config(model: str | None = None, dtype: str = "auto", device: str = "
                         cache=cache, scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, fair_share_seqs),
                         speculative=SpeculativeConfig.parse(speculative) if isinstance(speculative, str)
                         else speculative, quantization=quantization, kv_cache_dtype=kv_cache_dtype,
-                        tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size)
+                        tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
+                        enforce_eager=enforce_eager)
 
 
 class LLM:
@@ -55,7 +57,9 @@ class LLM:
     budget, ``kv_cache_contexts=N`` sizes it for N full contexts (at most 1 GiB, the default);
     ``fair_share_seqs`` divides each step's sequences between request owners (fair_share.py; a server's clients);
     ``tensor_parallel_size=N`` splits each layer over N processes on this machine, ``pipeline_parallel_size=N``
-    the layers into N stages (tokenloom/distributed/; under torchrun, over its nodes)."""
+    the layers into N stages (tokenloom/distributed/; under torchrun, over its nodes). ``device="cuda"`` runs on
+    a GPU, in bfloat16 unless ``dtype`` says otherwise, decode steps replayed from CUDA graphs unless
+    ``enforce_eager``."""
 
     def __init__(self, model: str | None = None, dtype: str = "auto", device: str = "cpu",
                  max_model_len: int | None = None, kv_cache_memory: int | None = None,
@@ -63,11 +67,11 @@ class LLM:
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 8192, fair_share_seqs: int | None = None,
                  speculative: str | SpeculativeConfig | None = None, quantization: str | None = None,
                  kv_cache_dtype: str = "auto", kv_cache_contexts: int | None = None, progress: bool = False,
-                 tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1) -> None:
+                 tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, enforce_eager: bool = False) -> None:
         config = engine_config(model, dtype, device, max_model_len, kv_cache_memory, kv_cache_fraction, block_size,
                                enable_prefix_caching, max_num_seqs, max_num_batched_tokens, fair_share_seqs,
                                speculative, quantization, kv_cache_dtype, kv_cache_contexts, tensor_parallel_size,
-                               pipeline_parallel_size)
+                               pipeline_parallel_size, enforce_eager)
         self.engine = LLMEngine(config, progress=progress)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()

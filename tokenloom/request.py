@@ -70,6 +70,15 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_ids_from(self, start: int, count: int) -> list[int]:
+        """all_token_ids[start:start + count], without building all_token_ids (a decode step wants
+        the last token of a long history)."""
+        prompt = len(self.prompt_token_ids)
+        if start >= prompt:
+            return self.output_token_ids[start - prompt:start - prompt + count]
+        head = self.prompt_token_ids[start:start + count]
+        return head + self.output_token_ids[:count - len(head)]
+
     @property
     def is_finished(self) -> bool:
         return self.status == RequestStatus.FINISHED

@@ -9,13 +9,16 @@ import torch
 from tokenloom.allocator import KEEP_BELOW, reserve_heap
 from tokenloom.attention import AttentionMetadata, reads_past_context
 from tokenloom.batch import SeqChunk, build_batch
+from tokenloom.cuda_graphs import start_decode_graphs
 from tokenloom.distributed.errors import ParallelRankError
+from tokenloom.kernels import triton as triton_kernels
 from tokenloom.kv_cache.paged import PagedKVCache
 from tokenloom.models.base import CausalLM
 from tokenloom.models.op_tape import StepTapes
 from tokenloom.outputs import RunnerOutput, SchedulerOutput, TokenLogprobs, describe_error
 from tokenloom.prompt_logprobs import chunk_targets, prompt_logprobs
 from tokenloom.sampling import Sampler, SamplingMetadata
+from tokenloom.sampling.sparse import take_rows
 from tokenloom.spec_decode.verifier import Draft, verify
 from tokenloom.structured.masks import MaskStep
 
@@ -25,7 +28,10 @@ RESERVE_AT_MOST = 128 << 20
 class ModelRunner:
     """Owns the model and its KV cache tensors; runs one step of a ragged batch."""
 
-    def __init__(self, model: CausalLM, kv_cache: PagedKVCache, device: torch.device | str) -> None:
+    def __init__(self, model: CausalLM, kv_cache: PagedKVCache, device: torch.device | str,
+                 cuda_graphs: bool = False, max_num_seqs: int = 64, max_model_len: int | None = None) -> None:
+        """`cuda_graphs`: on a GPU, capture decode steps of up to `max_num_seqs` sequences of up to
+        `max_model_len` positions as CUDA graphs now (cuda_graphs.py), where the model allows."""
         self.model = model
         self.kv_cache = kv_cache
         self.device = torch.device(device)
@@ -38,6 +44,10 @@ class ModelRunner:
         parallel = getattr(model, "tensor_shard", None) is not None or self.pipeline is not None
         self.tapes = (StepTapes(model, kv_cache) if self.device.type == "cpu" and StepTapes.usable(model)
                       and not parallel else None)
+        self.graphs = None
+        if cuda_graphs and self.device.type == "cuda" and not parallel and triton_kernels.takes_cache(kv_cache):
+            self.graphs = start_decode_graphs(model, kv_cache, max_num_seqs,
+                                              max_model_len or model.config.max_model_len)
 
     def reserve_activation_memory(self, max_tokens: int, dtype: torch.dtype) -> bool:
         """On the CPU, grow the heap once for the activations of a `max_tokens`-token step, so
@@ -58,16 +68,21 @@ class ModelRunner:
         chunks = []
         for s in sched.scheduled:
             req, start = s.request, s.request.num_computed_tokens
-            tokens = req.all_token_ids[start:] + s.spec_token_ids       # pending tokens, then drafts
-            chunks.append(SeqChunk(tokens[:s.num_tokens], start, s.block_ids))
+            tokens = req.token_ids_from(start, s.num_tokens)            # pending tokens, then drafts
+            if len(tokens) < s.num_tokens:
+                tokens = tokens + s.spec_token_ids[:s.num_tokens - len(tokens)]
+            chunks.append(SeqChunk(tokens, start, s.block_ids))
         return chunks
 
-    def forward(self, chunks: list[SeqChunk]) -> tuple[torch.Tensor, AttentionMetadata]:
-        """Run the model over `chunks` (writing their KV): hidden states (T, hidden) and the batch layout."""
+    def forward(self, chunks: list[SeqChunk]) -> tuple[torch.Tensor, AttentionMetadata | None]:
+        """Run the model over `chunks` (writing their KV): hidden states (T, hidden) and the batch
+        layout (None where a CUDA graph or a pipeline ran the step)."""
         if self.peers is not None:
             self.peers.send("forward", chunks)
         if self.pipeline is not None:
             return self.pipeline.forward(self, chunks), None
+        if self.graphs is not None and self.graphs.takes(chunks):
+            return self.graphs.run(chunks), None
         batch = self.batch(chunks)
         if self.tapes is not None:
             return self.tapes.forward(batch.input_ids, batch.positions, batch.meta), batch.meta
@@ -109,7 +124,7 @@ class ModelRunner:
         results: dict[str, tuple[list[int], list | None]] = {}
         explanations: dict = {}
         if plain:
-            self._sample(plain, hidden[rows_plain], masks, constrained, results, explanations, errors)
+            self._sample(plain, take_rows(hidden, rows_plain), masks, constrained, results, explanations, errors)
         if spec:
             self._verify(spec, hidden, rows_spec, results, errors)
         prompt = self._prompt_logprobs(sched, hidden, errors)

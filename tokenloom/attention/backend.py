@@ -10,11 +10,16 @@ against this op gets the fastest path the step allows:
   chunk the prefill kernel takes, decoding ones first): q/k rotated and k/v written in one
   kernel pass, decode attention into the first rows, prompt attention into the rest. One
   kernel call per layer when every sequence decodes.
-- ``TorchAttention`` (everything else: bf16/fp16, CUDA, an int8 cache, long prompts, no
+- ``TritonAttention`` (CUDA, a cache in the compute dtype): rope and the cache write in one
+  Triton kernel, then one paged-attention kernel reading the block table in place, for decode,
+  prompt chunks and mixed steps alike; what a CUDA graph captures.
+- ``TorchAttention`` (everything else: bf16/fp16 on the CPU, an int8 cache, long prompts, no
   rope): the same arithmetic from separate ops: q/k norm, rope (fused on CPU float32),
   ``paged_attention`` (torch SDPA, with the CPU kernels for the rows they take).
 
-Both give the same bits where both run (tests/test_attention_backends.py).
+The CPU two give the same bits where both run (tests/test_attention_backends.py); the Triton
+path is checked against its torch references (tests/test_triton_kernels.py) and against
+transformers on a GPU (tests/test_gpu.py).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from torch import nn
 from tokenloom.attention import cpu_decode, cpu_prefill
 from tokenloom.attention.metadata import AttentionMetadata
 from tokenloom.attention.torch_sdpa import paged_attention
+from tokenloom.kernels import triton as triton_kernels
 from tokenloom.models.layers import apply_rope
 
 
@@ -92,6 +98,33 @@ class TorchAttention(StepAttention):
         out = paged_attention(q, k, v, keys, values, self.meta, sh.scale, sh.window(layer),
                               sh.softcap)                                                # (T, heads, head_dim)
         return out.reshape(T, q_size)
+
+
+class TritonAttention(StepAttention):
+    """CUDA: per layer, q/k norms (where the model has them), one rope + cache-write kernel and one
+    paged-attention kernel. Nothing in a call depends on the values of the step's tensors (slots,
+    paged inputs, rope tables), so a CUDA graph of the layers replays it for new values written
+    into the same tensors."""
+
+    def __init__(self, shape: AttentionShape, meta: AttentionMetadata, kv_cache,
+                 rope: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        super().__init__(shape, meta, kv_cache, rope)
+        from tokenloom.kernels.triton.paged_attention import paged_attention as triton_paged_attention
+        from tokenloom.kernels.triton.rope_cache import rope_and_cache
+        self.attention, self.rope_and_cache = triton_paged_attention, rope_and_cache
+        self.inputs = meta.paged_inputs()
+
+    def __call__(self, layer: int, qkv: torch.Tensor, norms: QKNorms | None = None) -> torch.Tensor:
+        sh, T = self.shape, qkv.shape[0]
+        if qkv.stride(-1) != 1:
+            qkv = qkv.contiguous()
+        if norms is not None:
+            _norm_in_place(qkv, norms, sh)
+        keys, values = self.kv_cache.layer(layer)
+        q = self.rope_and_cache(qkv, self.rope, keys, values, self.meta.slot_mapping, sh.num_heads,
+                                sh.num_kv_heads, sh.head_dim)                            # (T, heads, head_dim)
+        out = self.attention(q, keys, values, self.inputs, sh.scale, sh.window(layer), sh.softcap)
+        return out.view(T, sh.q_size)
 
 
 class KernelAttention(StepAttention):
@@ -181,6 +214,8 @@ def plan_attention(shape: AttentionShape, meta: AttentionMetadata, kv_cache,
                    rope: tuple[torch.Tensor, torch.Tensor] | None) -> StepAttention:
     """The attention op for this step's layers; `rope`: (cos, sin) (T, 1, head_dim) in the
     activations' dtype, or None (learned positions)."""
+    if triton_kernels.takes_cache(kv_cache):
+        return TritonAttention(shape, meta, kv_cache, rope)
     if kernels_take(shape, meta, kv_cache, rope):
         return KernelAttention(shape, meta, kv_cache, rope)
     return TorchAttention(shape, meta, kv_cache, rope)

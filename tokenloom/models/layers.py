@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenloom.config import RopeConfig
+from tokenloom.kernels import triton as triton_kernels
 from tokenloom.models import fused
 from tokenloom.models.custom_op import CustomOp
 from tokenloom.models.prepacked import PanelLinear
@@ -41,10 +42,20 @@ class RMSNorm(CustomOp):
     def forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
         return fused.rms_norm(x, self.weight, self.eps)
 
+    def forward_cuda(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.stride(1) == 1 and triton_kernels.usable(x):
+            from tokenloom.kernels.triton.rms_norm import rms_norm
+            return rms_norm(x, self.weight, self.eps)
+        return self.forward_native(x)
+
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x, residual (T, H) -> (norm(residual + x), residual + x)."""
-        if self.uses_cpu_kernels(x) and x.dim() == 2 and x.stride(1) == 1 and residual.stride(-1) == 1:
-            return fused.add_rms_norm(x, residual, self.weight, self.eps)           # add_forward_cpu
+        if x.dim() == 2 and x.stride(1) == 1 and residual.stride(-1) == 1:
+            if self.uses_cpu_kernels(x):
+                return fused.add_rms_norm(x, residual, self.weight, self.eps)       # add_forward_cpu
+            if x.is_cuda and triton_kernels.usable(x):
+                from tokenloom.kernels.triton.rms_norm import add_rms_norm
+                return add_rms_norm(x, residual, self.weight, self.eps)
         return self.add_forward_native(x, residual)
 
     def add_forward_native(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -202,6 +213,14 @@ class GatedMLP(CustomOp):
 
     def cpu_takes(self, x: torch.Tensor) -> bool:
         return self.act is F.silu
+
+    def forward_cuda(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up in one Triton kernel between the two matmuls."""
+        gate_up = self.gate_up_proj(x)                                        # (T, 2 intermediate)
+        if self.act is F.silu and gate_up.dim() == 2 and gate_up.stride(1) == 1 and triton_kernels.usable(gate_up):
+            from tokenloom.kernels.triton.silu_mul import silu_mul
+            return self.down_proj(silu_mul(gate_up))
+        return self._down_of(gate_up)
 
     def forward_native(self, x: torch.Tensor) -> torch.Tensor:
         return self._down_of(self.gate_up_proj(x))

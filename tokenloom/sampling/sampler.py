@@ -27,6 +27,7 @@ import torch
 from tokenloom.explain.compute import explain_row
 from tokenloom.explain.records import StepRecord
 from tokenloom.outputs import TokenLogprobs
+from tokenloom.sampling import device
 from tokenloom.sampling.chain import distribution_columns, expand, row_argmax
 from tokenloom.sampling.logprobs import logprob_entries
 from tokenloom.sampling.metadata import SamplingMetadata
@@ -66,8 +67,12 @@ class Sampler:
 
         `constrain` masks disallowed tokens in place (structured output) after the
         processors; reported logprobs stay the model's raw ones. Rows whose params ask
-        for `explain` also get a StepRecord of what each stage did.
+        for `explain` also get a StepRecord of what each stage did. GPU logits whose rows
+        use only the common settings take the device path (device.py: no host sync).
         """
+        if constrain is None and device.takes(logits, meta):
+            tokens, logprobs = device.sample_on_device(logits, meta)
+            return SamplerOutput(tokens, logprobs, [None] * meta.num_rows)
         raw_logprobs = logits.log_softmax(-1) if meta.max_logprobs is not None else None
         explained = [i for i, p in enumerate(meta.params) if p.explain]
         raw = logits[explained]                                           # (E, V) copies: constrain writes
