@@ -121,6 +121,17 @@ def tokenloom_decode(folder: str, dtype: str, prompt: list[int], eager: bool = F
     return out
 
 
+def kernel_profile(llm, top: int = 14) -> str:
+    """What one batch-1 decode graph replay spends on the device, by kernel (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+    graph = llm.engine.runner.graphs.graphs[1]
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            graph.replay()
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=top, max_name_column_width=60)
+
+
 def host_profile(llm, prompt: list[int], top: int = 22) -> str:
     """Where a 128-token greedy decode's host time goes (cProfile, by own time)."""
     params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
@@ -164,7 +175,7 @@ def weight_bytes_per_token(llm) -> int:
     return total
 
 
-def section_smollm2(folder: str, vocab: int) -> dict:
+def section_smollm2(folder: str, vocab: int, with_eager: bool) -> dict:
     prompt = prompts_of(vocab, 1)[0]
     rows = {}
     for dtype in ("bfloat16", "float32"):
@@ -172,6 +183,10 @@ def section_smollm2(folder: str, vocab: int) -> dict:
         llm = ours.pop("llm")
         if dtype == "bfloat16":
             rows["profile"] = host_profile(llm, prompt)
+            try:
+                rows["kernels"] = kernel_profile(llm)
+            except Exception as e:                    # the profiler is a report, not the benchmark
+                rows["kernels"] = f"kernel profile failed: {e!r}"
         del llm
         free()
         hf = hf_decode(folder, dtype, prompt)
@@ -181,11 +196,12 @@ def section_smollm2(folder: str, vocab: int) -> dict:
         log(f"smollm2 {dtype}: tokenloom {ours['decode_tok_s']:.0f} tok/s (graph replay "
             f"{ours.get('graph_replay_ms', float('nan')):.3f} ms), transformers {hf['decode_tok_s']:.0f} tok/s, "
             f"greedy same for {rows[dtype]['same_greedy_prefix']} of 32")
-    eager = tokenloom_decode(folder, "bfloat16", prompt, eager=True)
-    del eager["llm"]
-    free()
-    rows["bfloat16_eager"] = eager
-    log(f"smollm2 bf16 --enforce-eager: {eager['decode_tok_s']:.0f} tok/s")
+    if with_eager:
+        eager = tokenloom_decode(folder, "bfloat16", prompt, eager=True)
+        del eager["llm"]
+        free()
+        rows["bfloat16_eager"] = eager
+        log(f"smollm2 bf16 --enforce-eager: {eager['decode_tok_s']:.0f} tok/s")
     return rows
 
 
@@ -286,10 +302,11 @@ def report(result: dict) -> None:
                 log(f"| {dtype} | {eng} | {m['decode_tok_s']:.0f} | "
                     f"{m['decode_tok_s'] / r['transformers']['decode_tok_s']:.2f}x | {m['ttft_s'] * 1e3:.1f} | "
                     f"{replay} | {same} |")
-        e = s["bfloat16_eager"]
-        vs_hf = e['decode_tok_s'] / s['bfloat16']['transformers']['decode_tok_s']
-        log(f"| bfloat16 | tokenloom --enforce-eager | {e['decode_tok_s']:.0f} | {vs_hf:.2f}x | "
-            f"{e['ttft_s'] * 1e3:.1f} | - | - |")
+        if "bfloat16_eager" in s:
+            e = s["bfloat16_eager"]
+            vs_hf = e['decode_tok_s'] / s['bfloat16']['transformers']['decode_tok_s']
+            log(f"| bfloat16 | tokenloom --enforce-eager | {e['decode_tok_s']:.0f} | {vs_hf:.2f}x | "
+                f"{e['ttft_s'] * 1e3:.1f} | - | - |")
     if "llama1b" in result:
         r = result["llama1b"]
         log("\nLlama-3.2-1B shapes, bf16, batch 1, prompt 128, 128 new tokens\n")
@@ -314,6 +331,8 @@ def report(result: dict) -> None:
     if "smollm2" in result:
         log("\nhost time of a bf16 batch-1 decode of 128 tokens (cProfile, own time):\n")
         log(result["smollm2"]["profile"])
+        log("\ndevice time of 10 bf16 batch-1 decode graph replays, by kernel:\n")
+        log(result["smollm2"].get("kernels", ""))
 
 
 def main() -> None:
@@ -323,6 +342,7 @@ def main() -> None:
     p.add_argument("--only", default="bandwidth,smollm2,llama1b,concurrency", help="sections, comma-separated")
     p.add_argument("--levels", default="64,256", help="concurrency levels")
     p.add_argument("--workdir", default="/tmp/tokenloom-gpu-bench", help="where the random models are written")
+    p.add_argument("--no-eager", action="store_true", help="skip the --enforce-eager comparison")
     p.add_argument("--out", default=str(RESULTS / "bench_gpu.json"))
     args = p.parse_args()
     if args.config_dir is None:
@@ -343,7 +363,7 @@ def main() -> None:
     if {"smollm2", "concurrency"} & set(sections):
         smol = random_model(smol_config, Path(args.config_dir), work / "smollm2", torch.float32)
     if "smollm2" in sections:
-        result["smollm2"] = section_smollm2(str(smol), smol_config["vocab_size"])
+        result["smollm2"] = section_smollm2(str(smol), smol_config["vocab_size"], not args.no_eager)
     if "concurrency" in sections:
         result["concurrency"] = section_concurrency(str(smol), smol_config["vocab_size"],
                                                     [int(x) for x in args.levels.split(",")])

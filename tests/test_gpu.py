@@ -163,3 +163,20 @@ def test_cuda_prefix_hits_and_chunked_prefill_match_a_whole_prefill(tiny_model_d
         assert other.token_ids == whole.token_ids
         assert [lp[t] for lp, t in zip(other.logprobs, other.token_ids)] == \
             pytest.approx([lp[t] for lp, t in zip(whole.logprobs, whole.token_ids)], abs=1e-5)
+
+
+def test_cuda_decode_steps_with_graphs_equal_single_eager_steps(tiny_model_dir):
+    """The GPU default, 8 tokens decoded in a row from graph replays with the sampled tokens fed back
+    on the device, against one eager step per token (float32): the same greedy and seeded tokens."""
+    folder = str(tiny_model_dir("qwen2"))
+    fast = LLM(folder, device="cuda", dtype="float32", kv_cache_memory=16 << 20, max_num_seqs=8)
+    slow = LLM(folder, device="cuda", dtype="float32", kv_cache_memory=16 << 20, max_num_seqs=8,
+               enforce_eager=True, decode_steps=1)
+    assert fast.engine.config.scheduler.decode_steps == 8
+    prompts = [[(3 * i + j) % 300 + 1 for j in range(4 + 6 * i)] for i in range(5)]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (3, 20, 9, 31, 16)]
+    params[1] = SamplingParams(temperature=0.8, top_k=30, top_p=0.9, seed=5, max_tokens=20, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in fast.generate(prompts, params)]
+    want = [o.outputs[0].token_ids for o in slow.generate(prompts, params)]
+    assert got == want
+    assert fast.engine.scheduler.num_steps < slow.engine.scheduler.num_steps / 2

@@ -433,8 +433,11 @@ class SchedulerConfig:
     max_num_seqs: int = 64               # running sequences at most
     max_num_batched_tokens: int = 8192   # tokens computed in one step (prefill + decode)
     fair_share_seqs: int | None = None   # per-step turns divided between request owners (fair_share.py)
+    decode_steps: int = 1                # tokens a step may decode in a row when every request allows it
 
     def __post_init__(self) -> None:
+        if self.decode_steps < 1:
+            raise ValueError(f"decode_steps must be >= 1, got {self.decode_steps}")
         if self.fair_share_seqs is not None and self.fair_share_seqs <= 0:
             raise ValueError(f"fair_share_seqs must be positive, got {self.fair_share_seqs}")
         if self.max_num_seqs <= 0:

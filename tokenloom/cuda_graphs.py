@@ -170,13 +170,20 @@ class DecodeGraphs:
         """Every chunk is one token, and a bucket holds them all."""
         return bool(chunks) and len(chunks) <= self.sizes[-1] and all(len(c.token_ids) == 1 for c in chunks)
 
-    def run(self, chunks: list[SeqChunk]) -> torch.Tensor:
+    def run(self, chunks: list[SeqChunk], input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Replay the decode forward of one-token `chunks` -> hidden states (n, hidden): a view of the
-        graph's output, valid until the next replay."""
+        graph's output, valid until the next replay. `input_ids` (n,) on the device, where given,
+        replace the chunks' tokens (a copy on the device, after the inputs' upload)."""
         bucket = bucket_for(len(chunks), self.sizes)
         self.inputs.load(chunks, bucket)
+        if input_ids is not None:
+            self.inputs.layout.views(self.inputs.device_buf)[0][:len(chunks)].copy_(input_ids)
+        return self.replay(bucket)[:len(chunks)]
+
+    def replay(self, bucket: int) -> torch.Tensor:
+        """Run the `bucket` graph over what the static buffer holds now: its output (bucket, hidden)."""
         self.graphs[bucket].replay()
-        return self.outputs[bucket][:len(chunks)]
+        return self.outputs[bucket]
 
 
 def start_decode_graphs(model, kv_cache, max_num_seqs: int, max_model_len: int) -> DecodeGraphs | None:

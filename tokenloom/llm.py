@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from tqdm import tqdm
 
 from tokenloom.beam_search import BeamHypothesis, beam_search
@@ -15,6 +16,10 @@ from tokenloom.engine import LLMEngine
 from tokenloom.hub import resolve_model
 from tokenloom.outputs import CompletionOutput, RequestError, RequestOutput, StepDelta
 from tokenloom.sampling_params import SamplingParams
+
+# Tokens a GPU step decodes in a row by default (where every running request allows it): a host
+# round trip per 8 tokens instead of per token; new requests wait at most that many tokens.
+GPU_DECODE_STEPS = 8
 
 Prompt = str | list[int]
 Messages = list[dict[str, Any]]
@@ -36,13 +41,16 @@ def engine_config(model: str | None = None, dtype: str = "auto", device: str = "
                   speculative: str | SpeculativeConfig | None = None, quantization: str | None = None,
                   kv_cache_dtype: str = "auto", kv_cache_contexts: int | None = None,
                   tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
-                  enforce_eager: bool = False) -> EngineConfig:
+                  enforce_eager: bool = False, decode_steps: int | None = None) -> EngineConfig:
     """The EngineConfig that LLM(...) with these arguments runs (a torchrun worker rank builds the
-    same one to load its share)."""
+    same one to load its share). `decode_steps` None: GPU_DECODE_STEPS on a GPU with CUDA graphs, else 1."""
+    if decode_steps is None:
+        decode_steps = GPU_DECODE_STEPS if torch.device(device).type == "cuda" and not enforce_eager else 1
     cache = CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory, kv_cache_fraction=kv_cache_fraction,
                         enable_prefix_caching=enable_prefix_caching, kv_cache_contexts=kv_cache_contexts)
     return EngineConfig(model=resolve_model(model), dtype=dtype, device=device, max_model_len=max_model_len,
-                        cache=cache, scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, fair_share_seqs),
+                        cache=cache, scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, fair_share_seqs,
+                                                                  decode_steps),
                         speculative=SpeculativeConfig.parse(speculative) if isinstance(speculative, str)
                         else speculative, quantization=quantization, kv_cache_dtype=kv_cache_dtype,
                         tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
@@ -59,7 +67,8 @@ class LLM:
     ``tensor_parallel_size=N`` splits each layer over N processes on this machine, ``pipeline_parallel_size=N``
     the layers into N stages (tokenloom/distributed/; under torchrun, over its nodes). ``device="cuda"`` runs on
     a GPU, in bfloat16 unless ``dtype`` says otherwise, decode steps replayed from CUDA graphs unless
-    ``enforce_eager``."""
+    ``enforce_eager``; ``decode_steps=N`` lets a step decode N tokens in a row where every running
+    request allows it (default: GPU_DECODE_STEPS on a GPU with graphs, 1 elsewhere)."""
 
     def __init__(self, model: str | None = None, dtype: str = "auto", device: str = "cpu",
                  max_model_len: int | None = None, kv_cache_memory: int | None = None,
@@ -67,11 +76,12 @@ class LLM:
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 8192, fair_share_seqs: int | None = None,
                  speculative: str | SpeculativeConfig | None = None, quantization: str | None = None,
                  kv_cache_dtype: str = "auto", kv_cache_contexts: int | None = None, progress: bool = False,
-                 tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, enforce_eager: bool = False) -> None:
+                 tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, enforce_eager: bool = False,
+                 decode_steps: int | None = None) -> None:
         config = engine_config(model, dtype, device, max_model_len, kv_cache_memory, kv_cache_fraction, block_size,
                                enable_prefix_caching, max_num_seqs, max_num_batched_tokens, fair_share_seqs,
                                speculative, quantization, kv_cache_dtype, kv_cache_contexts, tensor_parallel_size,
-                               pipeline_parallel_size, enforce_eager)
+                               pipeline_parallel_size, enforce_eager, decode_steps)
         self.engine = LLMEngine(config, progress=progress)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()

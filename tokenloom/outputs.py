@@ -22,6 +22,7 @@ class ScheduledRequest:
     samples: bool            # True when this step reaches the request's last known token
     block_ids: list[int]     # the request's whole block table after this step's allocation
     spec_token_ids: list[int] = field(default_factory=list)  # draft tokens verified this step (in num_tokens)
+    decode_steps: int = 1    # tokens decoded in a row (each fed back on the device); KV room for all of them
 
 
 @dataclass(slots=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
@@ -18,9 +19,12 @@ from tokenloom.models.op_tape import StepTapes
 from tokenloom.outputs import RunnerOutput, SchedulerOutput, TokenLogprobs, describe_error
 from tokenloom.prompt_logprobs import chunk_targets, prompt_logprobs
 from tokenloom.sampling import Sampler, SamplingMetadata
+from tokenloom.sampling import device as device_sampling
 from tokenloom.sampling.sparse import take_rows
 from tokenloom.spec_decode.verifier import Draft, verify
 from tokenloom.structured.masks import MaskStep
+
+log = logging.getLogger(__name__)
 
 # The activation heap reserved at start-up stays resident: at most this much (see reserve_activation_memory).
 RESERVE_AT_MOST = 128 << 20
@@ -74,16 +78,21 @@ class ModelRunner:
             chunks.append(SeqChunk(tokens, start, s.block_ids))
         return chunks
 
-    def forward(self, chunks: list[SeqChunk]) -> tuple[torch.Tensor, AttentionMetadata | None]:
+    def forward(self, chunks: list[SeqChunk], input_ids: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, AttentionMetadata | None]:
         """Run the model over `chunks` (writing their KV): hidden states (T, hidden) and the batch
-        layout (None where a CUDA graph or a pipeline ran the step)."""
+        layout (None where a CUDA graph or a pipeline ran the step). `input_ids` (T,) on the
+        device, where given, replace the chunks' token ids (tokens sampled on the device that the
+        host has not read)."""
         if self.peers is not None:
             self.peers.send("forward", chunks)
         if self.pipeline is not None:
             return self.pipeline.forward(self, chunks), None
         if self.graphs is not None and self.graphs.takes(chunks):
-            return self.graphs.run(chunks), None
+            return self.graphs.run(chunks, input_ids), None
         batch = self.batch(chunks)
+        if input_ids is not None:
+            batch.input_ids = input_ids
         if self.tapes is not None:
             return self.tapes.forward(batch.input_ids, batch.positions, batch.meta), batch.meta
         return self.model(batch.input_ids, batch.positions, batch.meta, self.kv_cache), batch.meta
@@ -96,10 +105,22 @@ class ModelRunner:
             self.kv_cache.zero_blocks(torch.tensor(batch.fresh_blocks, dtype=torch.int64, device=self.device))
         return batch
 
+    def decodes_ahead(self, request) -> bool:
+        """The request's next tokens can be decoded several in a row, each fed back on the device
+        (the scheduler's decode_steps): sampled by the device path's settings, with nothing that
+        needs the host between tokens (logprobs, penalties over the growing output, a grammar)."""
+        p = request.params
+        return (self.peers is None and self.pipeline is None and p.logprobs is None and p.prompt_logprobs is None
+                and request.matcher is None and p.repetition_penalty == 1 and not p.frequency_penalty
+                and not p.presence_penalty and device_sampling.row_takes(p, len(request.output_token_ids)))
+
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         """Run one step. A failure that one request's data causes (in the forward, its sampling,
         draft verification or prompt logprobs) lands in ``errors`` for that request alone."""
+        steps = sched.scheduled[0].decode_steps if sched.scheduled else 1
+        if steps > 1 and (ahead := self._decode_ahead(sched, steps)) is not None:
+            return ahead
         errors: dict[str, str] = {}
         constrained = [s.request.matcher for s in sched.scheduled
                        if s.samples and not s.spec_token_ids and s.request.matcher is not None]
@@ -131,6 +152,32 @@ class ModelRunner:
         ids = [s.request.request_id for s in sched.scheduled if s.request.request_id in results]
         return RunnerOutput(ids, [results[i][0] for i in ids], [results[i][1] for i in ids],
                             prompt, explanations, errors)
+
+    def _decode_ahead(self, sched: SchedulerOutput, steps: int) -> RunnerOutput | None:
+        """`steps` one-token steps in a row for every scheduled request, each step's sampled tokens
+        the next one's inputs on the device; the host waits once, for all of them. None if it
+        raised (seeded generators restored): the caller runs one plain step instead."""
+        requests = [s.request for s in sched.scheduled]
+        chunks = self._chunks(sched)
+        generators = [r.generator for r in requests if r.generator is not None]
+        states = [g.get_state() for g in generators]
+        try:
+            tokens, drawn = None, []
+            for j in range(steps):
+                step = chunks if j == 0 else [SeqChunk(c.token_ids, c.start + j, c.block_ids) for c in chunks]
+                hidden = self.forward(step, tokens)[0]                                    # (B, hidden)
+                logits = self.model.compute_logits(hidden)
+                tokens = self.sampler.sample(logits, SamplingMetadata.for_requests(requests)).tokens   # (B,)
+                drawn.append(tokens)
+            rows = torch.stack(drawn, 1).tolist()                                        # (B, steps)
+        except ParallelRankError:
+            raise
+        except Exception:
+            log.exception("decoding %d steps in a row failed; running one step", steps)
+            for g, state in zip(generators, states):
+                g.set_state(state)
+            return None
+        return RunnerOutput([r.request_id for r in requests], rows, [None] * len(requests))
 
     def _forward_isolated(self, sched: SchedulerOutput, errors: dict[str, str]) -> torch.Tensor:
         """The step's hidden states (T, hidden). Should the batched forward raise, each request's

@@ -17,7 +17,12 @@ after preemption are all that one rule:
    one that a running request has yet to compute (this step or a later chunk): requests
    that arrive together with a shared system prompt compute it once, then hit it,
    instead of each computing it side by side in the same step.
-3. with ``fair_share_seqs`` set, requests of several owners (a server's clients) take turns:
+3. when every scheduled request decodes, none waits, and the runner can feed each token back on
+   the device (``decodes_ahead``: the device sampler's settings, no logprobs, penalties or
+   grammar), a step decodes up to ``decode_steps`` tokens in a row: one host round trip for
+   several tokens. KV room is taken for all of them; a request that stops on the way keeps the
+   tokens up to its stop, and the room past it is given back.
+4. with ``fair_share_seqs`` set, requests of several owners (a server's clients) take turns:
    a step computes at most an owner's share of its sequences (fair_share.py); the others sit
    the step out, and a waiting request whose owner has used its turns (and admitted one past
    them) lets later ones pass.
@@ -27,7 +32,7 @@ from __future__ import annotations
 
 import bisect
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from tokenloom.config import SchedulerConfig
@@ -43,8 +48,11 @@ def _by_arrival(r: Request) -> int:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int,
+                 decodes_ahead: Callable[[Request], bool] | None = None) -> None:
+        """`decodes_ahead(request)`: the runner can decode several of its tokens in a row."""
         self.config = config
+        self.decodes_ahead = decodes_ahead
         self.blocks = block_manager
         self.max_model_len = max_model_len
         self.waiting: list[Request] = []       # sorted by arrival
@@ -93,8 +101,31 @@ class Scheduler:
             i += 1
         if self.num_preemptions == preemptions_before:
             self._admit(out, budget)
+        if self.config.decode_steps > 1 and not self.waiting and out.scheduled:
+            self._decode_ahead(out)
         out.block_copies = self.blocks.take_copies()
         return out
+
+    def _decode_ahead(self, out: SchedulerOutput) -> None:
+        """Let every scheduled request decode the same number of tokens in a row (at most
+        decode_steps, none past its max_tokens or the context), with KV room for them; nothing
+        changes unless all of them can and the free blocks hold the room."""
+        steps = self.config.decode_steps
+        for s in out.scheduled:
+            req = s.request
+            if (s.num_tokens != 1 or s.spec_token_ids or not s.samples or self.decodes_ahead is None
+                    or not self.decodes_ahead(req)):
+                return
+            steps = min(steps, req.params.max_tokens - len(req.output_token_ids), self.max_model_len - req.num_tokens)
+        if steps <= 1:
+            return
+        more = sum(self.blocks.blocks_needed(s.request.num_computed_tokens + steps) - len(s.block_ids)
+                   for s in out.scheduled)
+        if more > self.blocks.num_free_blocks:
+            return
+        for s in out.scheduled:
+            self.blocks.allocate(s.request.request_id, s.request.num_computed_tokens + steps)
+            s.block_ids, s.decode_steps = self.blocks.block_ids(s.request.request_id), steps
 
     def _allocate_or_preempt(self, req: Request, n: int) -> bool:
         """Blocks for req's next n tokens, preempting the newest running requests until they fit.
@@ -250,7 +281,7 @@ class Scheduler:
             stop = self._token_stop(req)
             if stop is not None:
                 break
-        if s.spec_token_ids:
+        if s.spec_token_ids or s.decode_steps > 1:       # KV for every token but the newest; room past it back
             req.num_computed_tokens = req.num_tokens - 1
             self.blocks.trim(req.request_id, req.num_tokens)
         else:

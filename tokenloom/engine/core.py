@@ -59,9 +59,9 @@ class EngineCore:
                                              config.kv_cache_dtype, loaded.kv_layers)
         self._report_cache(kv)
         self.block_manager = BlockManager(kv.num_blocks, kv.block_size, config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
         self.runner = ModelRunner(loaded.model, kv, config.device, cuda_graphs=not config.enforce_eager,
                                   max_num_seqs=config.scheduler.max_num_seqs, max_model_len=self.max_model_len)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len, self.runner.decodes_ahead)
         self.reserve_activation_memory()
         self.grammars = GrammarCompiler(loaded.tokenizer.backend.to_str, loaded.config.vocab_size,
                                         sorted(self.eos_token_ids))
