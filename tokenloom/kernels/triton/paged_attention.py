@@ -124,7 +124,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     block_g = next_power_of_2(group)
     rows = 16 if inputs.max_query_len == 1 else 64       # rows a program computes (tl.dot: at least 16)
     block_q = max(1, rows // block_g)
-    block_n = 32 if inputs.max_query_len == 1 else 64
+    # Positions per iteration: each iteration waits on a gather of block ids, then the tile's
+    # loads, so a decode program's time is mostly its iteration count (on an H100, 32 positions
+    # a tile cost ~11 us a layer at 128-256 positions of context, a third of a 135M model's step).
+    block_d = next_power_of_2(max(head_dim, 16))
+    block_n = 64 if block_d <= 128 else 32
     grid = (inputs.seq_lens.shape[0], triton.cdiv(inputs.max_query_len, block_q), kv_heads)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, sinks if sinks is not None else q,
@@ -133,7 +137,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(max(head_dim, 16)), GROUP=group, BLOCK_G=block_g,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, GROUP=group, BLOCK_G=block_g,
         BLOCK_Q=block_q, BLOCK_N=block_n, PAGE=page,
         HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None, HAS_SINKS=sinks is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,   # float32: no tf32 rounding
