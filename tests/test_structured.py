@@ -39,6 +39,23 @@ def test_sampled_json_always_validates_across_seeds_mixed_with_free_text(smol_ll
     assert len({o.outputs[0].text for o in outs[:12]}) > 3      # really sampled
 
 
+def test_a_schema_keeps_its_declared_key_order(smol_llm):
+    """"reasoning" declared before "answer" comes out first (OpenAI, llama.cpp and vLLM keep the
+    schema's order), nested objects too; the same keys in another order are another constraint."""
+    inner = {"type": "object", "required": ["zeta", "alpha"], "additionalProperties": False,
+             "properties": {"zeta": {"type": "integer"}, "alpha": {"type": "integer"}}}
+    schema = {"type": "object", "required": ["reasoning", "answer", "detail"], "additionalProperties": False,
+              "properties": {"reasoning": {"type": "string", "maxLength": 40}, "answer": {"type": "string",
+                             "maxLength": 10}, "detail": inner}}
+    params = SamplingParams(temperature=0, max_tokens=120, structured_output=StructuredOutput.json(schema))
+    text = smol_llm.chat([{"role": "user", "content": "Is 7 prime? Reason, then answer."}], params)[0].outputs[0].text
+    data = json.loads(text)
+    assert list(data) == ["reasoning", "answer", "detail"] and list(data["detail"]) == ["zeta", "alpha"]
+    flipped = dict(schema, properties={k: schema["properties"][k] for k in ("answer", "reasoning", "detail")})
+    assert StructuredOutput.json(flipped) != StructuredOutput.json(schema)
+    assert StructuredOutput.json(json.dumps(schema, indent=2)) == StructuredOutput.json(schema)   # spacing aside
+
+
 def test_regex_json_object_and_grammar(smol_llm):
     phone = SamplingParams(temperature=0.8, seed=1, max_tokens=20,
                            structured_output=StructuredOutput.regex(r"\d{3}-\d{4}"))
