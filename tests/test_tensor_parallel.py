@@ -226,9 +226,52 @@ def _spawned_children(pid: int) -> list[int]:
     spawned = []
     for child in children:
         with open(f"/proc/{child}/cmdline", "rb") as f:
-            if b"spawn_main" in f.read():
+            if b"tokenloom.distributed.rank_main" in f.read():
                 spawned.append(child)
     return spawned
+
+
+def test_a_script_without_a_main_guard_gives_one_process_tokens(tiny_model_dir, tmp_path):
+    """Ranks are fresh interpreters running tokenloom's entry point: a script that builds the LLM at
+    module level (no `if __name__ == "__main__":`) is not imported again by them."""
+    folder = str(tiny_model_dir("llama_gqa"))
+    script = tmp_path / "plain.py"
+    script.write_text("from tokenloom import LLM, SamplingParams\n"
+                      f"llm = LLM({folder!r}, kv_cache_memory=8 << 20, tensor_parallel_size=2)\n"
+                      "params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)\n"
+                      "print(llm.generate(['The quick brown fox'], params)[0].outputs[0].token_ids)\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-2000:]
+    one = LLM(folder, kv_cache_memory=8 << 20).generate(["The quick brown fox"],
+                                                         SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    assert done.stdout.strip().splitlines()[-1] == str(one[0].outputs[0].token_ids)
+
+
+@pytest.mark.parametrize("stage", ["start", "load", "cache", "forward3", "stall-start"])
+def test_a_rank_lost_at_any_stage_is_an_error_within_seconds(tiny_model_dir, monkeypatch, stage):
+    """Rank 1 killed before joining, while loading, at the KV cache's set-up, mid-generation (its
+    third forward), or hung before joining: an error naming the rank (and its last words) in under
+    10 s, never a wait."""
+    import re
+    monkeypatch.setenv("TOKENLOOM_TEST_RANK_FAULT", f"1:{stage}")
+    if stage.startswith("stall"):
+        monkeypatch.setenv("TOKENLOOM_RANK_START_TIMEOUT", "8")
+    start = time.time()
+    llm = None
+    try:
+        with pytest.raises(RuntimeError, match="rank 1") as raised:
+            llm = LLM(str(tiny_model_dir("llama_gqa")), kv_cache_memory=8 << 20, tensor_parallel_size=2)
+            llm.generate(["hello there"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        noticed, message = time.time(), str(raised.value)
+        if stage.startswith("stall"):           # from rank 0's start: the 8 s limit
+            assert "did not finish joined within 8 s" in message and noticed - start < 8 + 10
+        else:                                   # from the kill, which the rank stamps in its last words
+            assert "killed by signal 9" in message and f"killed at {stage}" in message
+            killed = float(re.search(r"killed at \S+ \(TOKENLOOM_TEST_RANK_FAULT\) at ([\d.]+)", message).group(1))
+            assert noticed - killed < 10
+    finally:
+        if llm is not None:
+            llm.engine.ranks.stop()
 
 
 @pytest.mark.parametrize("flag", ["-tp", "-pp"])

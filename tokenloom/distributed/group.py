@@ -30,7 +30,8 @@ class ParallelGroup:
     step: Any                     # the ProcessGroup of the collectives inside a model call
     comm_seconds: float = 0.0
     shm: Any = None               # SharedMemoryAllReduce where every rank is on this machine (shm.py)
-    peers_alive: Any = None       # () -> bool where this process can see its peers' processes
+    peers: Any = None             # where this process can see its peers' processes: .alive(), .dead_error(stage)
+    store: Any = None             # the rendezvous store (the ranks' start-up stages are keys in it)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum x over the ranks, in place (x contiguous); returns x."""
@@ -67,9 +68,8 @@ class ParallelGroup:
     def send(self, kind: str, payload: Any = None) -> None:
         """Rank 0: tell the other ranks what to do next (worker.py's commands). A rank this
         process started and that has died is an error here, not a wait on gloo to notice."""
-        if self.peers_alive is not None and not self.peers_alive():
-            raise ParallelRankError("a rank of the split model (tensor or pipeline parallel) stopped answering "
-                                    "(its process has died); the engine cannot go on without it")
+        if self.peers is not None and not self.peers.alive():
+            raise self.peers.dead_error(f"rank 0 sent {kind!r}")
         self._run(dist.broadcast_object_list, [(kind, payload)], src=0)
 
     def receive(self) -> tuple[str, Any]:
@@ -84,6 +84,8 @@ class ParallelGroup:
         try:
             return collective(*args, **kwargs)
         except (RuntimeError, dist.DistError) as e:
+            if self.peers is not None and not self.peers.alive():
+                raise self.peers.dead_error("in a collective") from e
             raise _rank_error(e) from e
         finally:
             self.comm_seconds += time.perf_counter() - start
@@ -102,23 +104,33 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_group(rank: int, size: int, init_method: str, device: str = "cpu", shm_path: str | None = None,
-               peers_alive=None, step_timeout_s: float = STEP_TIMEOUT_S) -> ParallelGroup:
-    """Join the `size` ranks at `init_method` (tcp://host:port, or env:// under torchrun) as `rank`.
-    Commands always travel over gloo (CPU objects); a step's collectives over gloo on the CPU and
-    NCCL on CUDA (written for several GPUs, not run here: the machines at hand have one). With
-    `shm_path` (ranks on one machine, CPU), all-reduces go through that shared memory file."""
-    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size, timeout=IDLE_TIMEOUT)
+def init_group(rank: int, size: int, init_method: str | None, device: str = "cpu", shm_path: str | None = None,
+               peers=None, step_timeout_s: float = STEP_TIMEOUT_S, store=None) -> ParallelGroup:
+    """Join the `size` ranks as `rank`, through `store` (a TCPStore rank 0 serves) or at `init_method`
+    (env:// under torchrun). Commands always travel over gloo (CPU objects); a step's collectives
+    over gloo on the CPU and NCCL on CUDA (written for several GPUs, not run here: the machines at
+    hand have one). With `shm_path` (ranks on one machine, CPU), all-reduces go through that shared
+    memory file. `peers`: what this process can see of the other ranks' processes (.alive())."""
+    if store is not None:
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=size, timeout=IDLE_TIMEOUT)
+    else:
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size, timeout=IDLE_TIMEOUT)
+        store = dist.distributed_c10d._get_default_store()
     backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
     step = dist.new_group(list(range(size)), timeout=timedelta(seconds=step_timeout_s), backend=backend)
     shm = None
     if shm_path is not None and backend == "gloo":
         from tokenloom.distributed.shm import SharedMemoryAllReduce
-        shm = SharedMemoryAllReduce(shm_path, rank, size, step_timeout_s, peers_alive)
+        shm = SharedMemoryAllReduce(shm_path, rank, size, step_timeout_s, None if peers is None else peers.alive)
         dist.barrier()                         # every rank has it mapped: the file's name is no longer needed
         if rank == 0:
             shm.remove()
-    return ParallelGroup(rank, size, step, shm=shm, peers_alive=peers_alive)
+    return ParallelGroup(rank, size, step, shm=shm, peers=peers, store=store)
+
+
+def report_stage(store, stage: str, rank: int) -> None:
+    """Tell rank 0 (waiting in rank_process.LocalRanks.wait_for) that this rank has done `stage`."""
+    store.set(f"stage/{stage}/{rank}", "1")
 
 
 def rank_device(device: str, rank: int) -> str:

@@ -12,14 +12,17 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 import sys
+import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from tokenloom.config import EngineConfig, parse_dtype
 from tokenloom.distributed.errors import ParallelRankError
-from tokenloom.distributed.group import init_group, rank_device
+from tokenloom.distributed.group import init_group, rank_device, report_stage
 from tokenloom.distributed.layers import parallelize
 from tokenloom.distributed.pipeline import Pipeline, PipelineStage
 from tokenloom.distributed.shard import TensorShard
@@ -51,19 +54,53 @@ def load_share(config: EngineConfig, plan: TensorShard | PipelineStage, group):
     return loaded
 
 
-def worker_main(rank: int, size: int, init_method: str, config: EngineConfig, threads: int | None = None,
-                shm_path: str | None = None, model_config=None) -> None:
-    """The process of rank `rank` of `size`: started by launch.py (with the shared-memory file of its
-    all-reduces and the model's config rank 0 read), or by torchrun (which reads the config here)."""
+class ParentWatch:
+    """What a rank started by rank 0 sees of it: its parent process."""
+
+    def __init__(self) -> None:
+        self.parent = os.getppid()
+
+    def alive(self) -> bool:
+        return os.getppid() == self.parent
+
+    def dead_error(self, stage: str) -> ParallelRankError:
+        return ParallelRankError(f"rank 0 is gone ({stage})")
+
+
+def fault_point(rank: int, stage: str) -> None:
+    """Tests: TOKENLOOM_TEST_RANK_FAULT=RANK:STAGE kills this rank at `stage` (start, load, cache,
+    forward3: the third forward), saying so first, as a rank that crashes there would die;
+    RANK:stall-STAGE makes it hang there instead."""
+    fault = os.environ.get("TOKENLOOM_TEST_RANK_FAULT")
+    if fault == f"{rank}:{stage}":
+        print(f"rank {rank}: killed at {stage} (TOKENLOOM_TEST_RANK_FAULT) at {time.time():.3f}", file=sys.stderr,
+              flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    if fault == f"{rank}:stall-{stage}":
+        time.sleep(3600)
+
+
+def worker_main(rank: int, size: int, init_method: str | None, config: EngineConfig, threads: int | None = None,
+                shm_path: str | None = None, model_config=None, store_addr: tuple[str, int] | None = None) -> None:
+    """The process of rank `rank` of `size`: started by launch.py (with rank 0's store address, the
+    shared-memory file of its all-reduces and the model's config rank 0 read), or by torchrun (which
+    reads the config here). Reports its start-up stages (joined, loaded) in the store."""
     torch.set_num_threads(threads or threads_per_rank(size))
+    fault_point(rank, "start")
     if model_config is None:
         from tokenloom.loader.load import load_checkpoint
         model_config = load_checkpoint(config.model).config
     config = dataclasses.replace(config, device=rank_device(config.device, rank))
-    parent = os.getppid()
-    group = init_group(rank, size, init_method, config.device, shm_path, lambda: os.getppid() == parent)
+    store = None
+    if store_addr is not None:
+        store = dist.TCPStore(store_addr[0], store_addr[1], size, is_master=False, timeout=timedelta(seconds=60))
+        report_stage(store, "joined", rank)
+    group = init_group(rank, size, init_method, config.device, shm_path, ParentWatch(), store=store)
     try:
-        serve(load_share(config, parallel_plan(config, rank, model_config), group), group, config)
+        fault_point(rank, "load")
+        loaded = load_share(config, parallel_plan(config, rank, model_config), group)
+        report_stage(group.store, "loaded", rank)
+        serve(loaded, group, config)
     except ParallelRankError:
         sys.exit(0)                               # rank 0 is gone: so is the engine this rank served
     finally:
@@ -77,10 +114,11 @@ def serve(loaded, group, config: EngineConfig) -> None:
     """Run rank 0's commands until it says stop."""
     from tokenloom.kv_cache.paged import PagedKVCache
     from tokenloom.runner import ModelRunner
-    runner = None
+    runner, forwards = None, 0
     while True:
         kind, payload = group.receive()
         if kind == "cache":
+            fault_point(group.rank, "cache")
             num_blocks, block_size, dtype, kv_dtype = payload
             kv = PagedKVCache(loaded.local_config, num_blocks, block_size, parse_dtype(dtype), config.device, kv_dtype,
                               loaded.kv_layers)
@@ -88,6 +126,8 @@ def serve(loaded, group, config: EngineConfig) -> None:
         elif kind == "copy":
             runner.kv_cache.copy_blocks(payload)
         elif kind == "forward":
+            forwards += 1
+            fault_point(group.rank, f"forward{forwards}")
             runner.forward(payload)
         elif kind == "logits":
             loaded.model.lm_head.serve(*payload)

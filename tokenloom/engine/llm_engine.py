@@ -37,11 +37,16 @@ class LLMEngine:
                                 quantization=config.quantization)
         self.tokenizer = loaded.tokenizer
         self.sampling_defaults = loaded.sampling_defaults    # what a request that leaves settings out gets
-        self.core = EngineCore(config, loaded, progress)
-        if self.ranks is not None:
-            kv = self.core.runner.kv_cache
-            self.ranks.group.send("cache", (kv.num_blocks, kv.block_size, config.dtype, config.kv_cache_dtype))
-            self.core.runner.peers = self.ranks.group
+        try:
+            self.core = EngineCore(config, loaded, progress)
+            if self.ranks is not None:
+                kv = self.core.runner.kv_cache
+                self.ranks.group.send("cache", (kv.num_blocks, kv.block_size, config.dtype, config.kv_cache_dtype))
+                self.core.runner.peers = self.ranks.group
+        except BaseException:
+            if self.ranks is not None:
+                self.ranks.stop()             # the ranks started for this engine go with it
+            raise
         self.output_processor = OutputProcessor(self.tokenizer, self.core.finish, self.core.kv_bytes_per_token)
         self._arrivals = itertools.count()
 
@@ -61,7 +66,13 @@ class LLMEngine:
         plan.check(checked, model_class(checked))
         rank_device(config.device, 0)                         # CUDA: rank 0 on this node's first GPU
         self.ranks = start_ranks(config, checked)
-        return load_share(config, plan, self.ranks.group)
+        try:
+            loaded = load_share(config, plan, self.ranks.group)
+            self.ranks.wait_loaded()
+        except BaseException:
+            self.ranks.stop()
+            raise
+        return loaded
 
     # ---- what callers read -------------------------------------------------------------------
     @property
