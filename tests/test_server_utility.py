@@ -83,3 +83,49 @@ def test_embedding_errors_are_400(served):
                         ({"input": "word " * 400}, "input")]:
         got = httpx.post(f"{url}/v1/embeddings", json=body)
         assert got.status_code == 400 and got.json()["error"]["param"] == param, got.text
+
+
+def test_a_pulled_model_answers_to_its_pulled_name_and_its_file_name(tiny_model_dir, tmp_path):
+    """`serve -m qwen2.5-coder-0.5b` serves the file qwen2.5-coder-0.5b-instruct-q4_k_m.gguf: requests
+    naming either get answers, /v1/models lists the pulled name, anything else is a 404 naming both."""
+    from fastapi.testclient import TestClient
+
+    from tokenloom.async_engine import AsyncLLMEngine
+    from tokenloom.server import build_app, served_names
+    gguf = tmp_path / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+    gguf.write_bytes(b"")
+    names = served_names("qwen2.5-coder-0.5b", str(gguf))
+    assert names == ["qwen2.5-coder-0.5b", "qwen2.5-coder-0.5b-instruct-q4_k_m"]
+    assert served_names(str(gguf), str(gguf)) == ["qwen2.5-coder-0.5b-instruct-q4_k_m"]        # a path: its stem
+    assert served_names("qwen2.5-coder-0.5b", str(gguf), "mine") == ["mine"]
+    assert served_names(None, str(tmp_path / "SmolLM2-135M-Instruct" / "hf")) == ["smollm2-135m",
+                                                                                  "SmolLM2-135M-Instruct"]
+    from tokenloom import LLM
+    engine = LLM(str(tiny_model_dir("llama_gqa")), kv_cache_memory=8 << 20).engine
+    app = build_app(AsyncLLMEngine(engine), names[0], model_aliases=tuple(names[1:]))
+    with TestClient(app) as tc:
+        assert [m["id"] for m in tc.get("/v1/models").json()["data"]] == ["qwen2.5-coder-0.5b"]
+        for name in names:
+            done = tc.post("/v1/completions", json={"model": name, "prompt": "Hi", "max_tokens": 2})
+            assert done.status_code == 200, done.text
+        other = tc.post("/v1/completions", json={"model": "gpt-9", "prompt": "Hi", "max_tokens": 2})
+    assert other.status_code == 404
+    assert "qwen2.5-coder-0.5b-instruct-q4_k_m" in other.json()["error"]["message"]
+
+
+def test_unknown_request_fields_are_named_in_a_warning_and_a_header(tiny_model_dir, caplog):
+    from fastapi.testclient import TestClient
+
+    from tokenloom import LLM
+    from tokenloom.async_engine import AsyncLLMEngine
+    from tokenloom.server import build_app
+    engine = LLM(str(tiny_model_dir("llama_gqa")), kv_cache_memory=8 << 20).engine
+    with TestClient(build_app(AsyncLLMEngine(engine), "tiny")) as tc:
+        odd = tc.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "temprature": 0.1, "best_guess": 1})
+        streamed = tc.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "stream": True,
+                                                    "frobnicate": True})
+        plain = tc.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+    assert odd.status_code == 200 and odd.headers["x-tokenloom-ignored-fields"] == "best_guess, temprature"
+    assert streamed.status_code == 200 and streamed.headers["x-tokenloom-ignored-fields"] == "frobnicate"
+    assert "x-tokenloom-ignored-fields" not in plain.headers
+    assert "ignored the request fields this server does not know: best_guess, temprature" in caplog.text

@@ -18,6 +18,21 @@ def served_model_name(model_path: str) -> str:
     return path.parent.name if path.name == "hf" else path.name
 
 
+def served_names(model_arg: str | None, model_path: str, override: str | None = None) -> list[str]:
+    """The ids a request may name the model by, the one /v1/models lists first: `override`
+    (--served-model-name) alone, else the name it was pulled by (`--model NAME`, or the default
+    model's) and the file or folder name."""
+    if override:
+        return [override]
+    from tokenloom.hub import DEFAULT_NAME, MODELS
+    if not model_arg:
+        pulled = DEFAULT_NAME
+    else:
+        pulled = model_arg if model_arg in MODELS and not Path(model_arg).exists() else None
+    stem = served_model_name(model_path)
+    return [pulled, stem] if pulled and pulled != stem else [stem]
+
+
 def __getattr__(name: str):
     if name == "build_app":
         from tokenloom.server.app import build_app
@@ -25,4 +40,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["build_app", "served_model_name"]
+__all__ = ["build_app", "served_model_name", "served_names"]

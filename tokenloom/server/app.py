@@ -38,7 +38,7 @@ from tokenloom.server.middleware import (
     HostCheck,
     error_response,
 )
-from tokenloom.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from tokenloom.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, unknown_fields
 from tokenloom.server.serving import OpenAIServing, request_failed, shutting_down, size_param
 from tokenloom.server.streams import ClientDisconnected, ShuttingDown, unless_disconnected
 from tokenloom.server.utility_routes import add_utility_routes
@@ -78,12 +78,26 @@ async def _releasing(events: AsyncIterator[str], ticket) -> AsyncIterator[str]:
         ticket.release()
 
 
+IGNORED_FIELDS_HEADER = "X-Tokenloom-Ignored-Fields"
+
+
+def _ignored_fields_header(req, request: Request) -> dict[str, str]:
+    """A request's unknown fields, named in a warning and in a response header (not silently dropped)."""
+    names = unknown_fields(req)
+    if not names:
+        return {}
+    log.warning("%s: ignored the request fields this server does not know: %s", request.url.path, ", ".join(names))
+    return {IGNORED_FIELDS_HEADER: ", ".join(names)}
+
+
 def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
               limits: AdmissionLimits | None = None, allowed_hosts: tuple[str, ...] | None = None,
               log_json: bool = False, tool_call_parser: str | None = None,
-              reasoning_parser: str | None = None, playground_tools: list[dict] | None = None) -> FastAPI:
-    """An OpenAI-compatible app over `engine`, serving it as `model_name`, admitting work within
+              reasoning_parser: str | None = None, playground_tools: list[dict] | None = None,
+              model_aliases: tuple[str, ...] = ()) -> FastAPI:
+    """An OpenAI-compatible app over `engine`, serving it as `model_name` (requests may also name it
+    by one of `model_aliases`), admitting work within
     `limits` (server/admission.py; its defaults when None), answering only requests whose Host is
     in `allowed_hosts` (None: any), logging a line per request (JSON lines if `log_json`), reading
     tool calls and reasoning from replies as `tool_call_parser` and `reasoning_parser` say (None or
@@ -91,7 +105,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
     `playground_tools` (functions, as tool_calling.messages.function_of gives) in the playground."""
     metrics = ServerMetrics(engine.stats)
     features = ChatFeatures.for_template(engine.tokenizer.chat_template, tool_call_parser, reasoning_parser)
-    serving = OpenAIServing(engine, model_name, metrics, limits, features)
+    serving = OpenAIServing(engine, model_name, metrics, limits, features, model_aliases)
     completions, chat = Completions(serving), ChatCompletions(serving)
 
     @asynccontextmanager
@@ -180,11 +194,11 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
 
     add_utility_routes(app, serving)
 
-    async def whole(work, prepared, request: Request, shape) -> Response:
+    async def whole(work, prepared, request: Request, shape, headers: dict[str, str] | None = None) -> Response:
         """Await an admitted request's `work` unless its client leaves (499); ``shape(result)`` is the
         body. Its admission ticket is released however it ends."""
         try:
-            return JSONResponse(shape(await unless_disconnected(work, request)))
+            return JSONResponse(shape(await unless_disconnected(work, request)), headers=headers)
         except ClientDisconnected:
             return Response(status_code=499)
         finally:
@@ -192,11 +206,13 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
 
     async def respond(handler, req, prepared, request: Request):
         """Run an admitted request, streamed or whole."""
+        headers = _ignored_fields_header(req, request)
         if req.stream:
             events = _releasing(handler.stream(req, prepared), prepared.ticket)
             weakref.finalize(events, prepared.ticket.release)     # a stream cut before its first event
-            return StreamingResponse(events, media_type="text/event-stream")
-        return await whole(serving.run(prepared), prepared, request, lambda outs: handler.response(req, prepared, outs))
+            return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+        return await whole(serving.run(prepared), prepared, request, lambda outs: handler.response(req, prepared, outs),
+                           headers)
 
     @app.post("/v1/completions")
     async def create_completion(req: CompletionRequest, request: Request):
@@ -204,7 +220,8 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
         prepared = request.state.log = await serving.off_loop(serving.prepare_completion, req, client)
         if req.use_beam_search:
             serving.admit(prepared, client, req.beam_width * len(prepared.prompt_ids), "best_of")
-            return await whole(completions.beam_response(req, prepared), prepared, request, lambda body: body)
+            return await whole(completions.beam_response(req, prepared), prepared, request, lambda body: body,
+                               _ignored_fields_header(req, request))
         param = size_param(req.n, len(prepared.prompt_ids))
         return await respond(completions, req, serving.admit(prepared, client, param=param), request)
 

@@ -43,6 +43,13 @@ CHAIN_FIELDS = ("typical_p", "top_n_sigma", "epsilon_cutoff", "eta_cutoff", "xtc
                 "mirostat", "mirostat_tau", "mirostat_eta", "no_repeat_ngram_size", "bad_words", "dry_multiplier",
                 "dry_base", "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers", "samplers")
 STRICT = ConfigDict(extra="ignore", strict=True)
+# A request's own fields: unknown ones are kept aside (model_extra) so the server can name them.
+REQUEST = ConfigDict(extra="allow", strict=True)
+
+
+def unknown_fields(req: BaseModel) -> list[str]:
+    """The top-level fields of a request that this server does not know (and so ignores)."""
+    return sorted(req.model_extra or ())
 
 
 class StreamOptions(BaseModel):
@@ -58,7 +65,7 @@ class ResponseFormat(BaseModel):
 class _Sampling(BaseModel):
     """Parameters shared by completions and chat completions."""
 
-    model_config = STRICT
+    model_config = REQUEST
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)

@@ -115,7 +115,8 @@ class OpenAIServing:
     """Shared by /v1/completions and /v1/chat/completions."""
 
     def __init__(self, engine: AsyncLLMEngine, model_name: str, metrics: ServerMetrics,
-                 limits: AdmissionLimits | None = None, chat_features: ChatFeatures | None = None) -> None:
+                 limits: AdmissionLimits | None = None, chat_features: ChatFeatures | None = None,
+                 model_aliases: tuple[str, ...] = ()) -> None:
         self.engine = engine
         self.chat_features = chat_features or ChatFeatures.for_template(engine.tokenizer.chat_template)
         self.admission = Admission(limits or AdmissionLimits())
@@ -127,14 +128,17 @@ class OpenAIServing:
         self.tokenizer = engine.tokenizer
         self.long_texts = LongTexts(self.tokenizer)     # closed with the workers (app.py's lifespan)
         self.model_name = model_name
+        self.model_names = frozenset((model_name, *model_aliases))   # what a request's `model` may say
         self.max_model_len = engine.max_model_len
         self.metrics = metrics
         self.fmt = R.LogprobFormatter(self.tokenizer)
 
     # ---- validation --------------------------------------------------------------------------
     def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.model_name:
-            raise APIError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
+        if name is not None and name not in self.model_names:
+            also = sorted(self.model_names - {self.model_name})
+            raise APIError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}"
+                                + (f" (also named {', '.join(map(repr, also))})" if also else ""),
                            "model", type="not_found_error", code="model_not_found")
 
     def _max_tokens(self, requested: int | None, prompt_len: int, prompt_param: str,
