@@ -111,6 +111,8 @@ def no_model_load(monkeypatch):
 @pytest.mark.parametrize("argv,message", [
     (["generate", "   "], "the prompt is empty"),
     (["generate", "--max-model-len", "256", "word " * 700], "the prompt is 70"),
+    (["generate", "-c", "256", "word " * 700], "but the context is 256"),
+    (["generate", "--ctx-size", "300", "word " * 700], "but the context is 300"),
     (["generate", "--json-schema", "no-such-schema.json", "Hi"], "--json-schema: no file 'no-such-schema.json'"),
     (["generate", "--json-schema", "{not json", "Hi"], "--json-schema: invalid JSON"),
     (["generate", "--grammar", "no-such.lark", "Hi"], "--grammar: cannot read 'no-such.lark'"),
@@ -153,3 +155,35 @@ def test_the_cli_and_a_loaded_model_leave_the_server_stack_unimported(default_mo
             "from tokenloom.server import build_app; print('fastapi' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["False"] * 4 + ["True"]
+
+
+def test_a_chat_without_a_template_and_a_port_in_use_fail_before_the_model_loads(no_model_load, tiny_model_dir,
+                                                                                 default_model_dir, capsys):
+    import socket
+    base = str(tiny_model_dir("llama_gqa"))                       # a tokenizer without a chat template
+    assert cli_main(["generate", "-m", base, "--chat", "Hi"]) == 2
+    assert "--chat: the model at" in capsys.readouterr().err
+    assert cli_main(["chat", "-m", base]) == 2
+    assert "tokenloom chat: the model at" in capsys.readouterr().err
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert cli_main(["serve", "-m", str(default_model_dir), "--port", str(port)]) == 2
+    assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
+
+
+def test_stderr_to_a_file_gets_log_lines_and_no_progress_bars(tiny_model_dir, tmp_path):
+    """A server's (or any command's) stderr in a file: timestamped log lines with their level, no
+    progress bar redrawn with carriage returns; at a terminal the short lines and bars stay."""
+    import re
+    import subprocess
+    import sys
+    log = tmp_path / "stderr.log"
+    with open(log, "w") as err:
+        done = subprocess.run([sys.executable, "-m", "tokenloom.cli", "generate", "-m", str(tiny_model_dir("llama_gqa")),
+                               "-n", "2", "--temp", "0", "Hi"], stdout=subprocess.PIPE, stderr=err, timeout=120)
+    text = log.read_text()
+    assert done.returncode == 0, text
+    assert "\r" not in text and "loading weights" not in text
+    assert re.search(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ INFO tokenloom[\w.]*: KV cache: ", text, re.M), text

