@@ -1,5 +1,6 @@
 """`tokenloom chat` in a real terminal (a pty, driven by pexpect), as a user types: Ctrl-C stops a
-reply and keeps the conversation, Up recalls the last line, the slash commands answer, Ctrl-D quits."""
+reply and keeps the conversation, Up recalls the last line, the slash commands answer, Ctrl-D quits,
+a paste of several lines is one message."""
 
 from __future__ import annotations
 
@@ -61,5 +62,26 @@ def test_ctrl_c_at_the_prompt_does_not_quit(chat):
     chat.expect_exact("> ")
     chat.sendline("/exit")
     chat.expect(pexpect.EOF)
+    chat.close()
+    assert chat.exitstatus == 0
+
+
+def test_a_paste_of_several_lines_is_one_message(chat, tmp_path):
+    assert "\x1b[?2004h" in chat.before                     # bracketed paste mode on, before the first prompt
+    chat.send("\x1b[200~Tell me a long story\rabout a dragon.\x1b[201~")   # as the terminal sends a paste...
+    chat.send("\r")                                         # ... then Enter
+    chat.expect_exact("about a dragon.")                    # the echo, not yet the reply
+    chat.expect(r"\w+ \w+ \w+ \w+ \w+")                     # one reply is streaming
+    chat.sendintr()
+    chat.expect_exact("[stopped; ")
+    chat.expect_exact("> ")
+    chat.sendline("/save talk.json")
+    chat.expect_exact("saved 2 messages to talk.json")
+    saved = json.loads((tmp_path / "talk.json").read_text())["messages"]
+    assert saved[0] == {"role": "user", "content": "Tell me a long story\nabout a dragon."}
+    chat.expect_exact("> ")
+    chat.sendeof()
+    chat.expect(pexpect.EOF)
+    assert "\x1b[?2004l" in chat.before                     # and off again as the chat ends
     chat.close()
     assert chat.exitstatus == 0

@@ -3,6 +3,8 @@
 Lines are read with line editing and a history kept across sessions (readline, on a terminal).
 Ctrl-C stops the reply being written and keeps the conversation (what was said stays in it);
 Ctrl-D or /exit quits. Slash commands are the REPL's own, never sent to the model (/help).
+A message of several lines is one turn: between lines starting and ending with \"\"\" (as in ollama),
+or pasted on a terminal (bracketed paste: the terminal marks where a paste starts and ends).
 With tools, the model may answer with calls (kept valid by the same grammar the server uses);
 each is shown, and what you type back is the tool's result, after which the model goes on.
 """
@@ -26,7 +28,14 @@ HELP = """tokenloom chat: type a message and press Enter. Ctrl-C stops a reply; 
   /system TEXT    set the system prompt (/system alone removes it)
   /save FILE      save the conversation as JSON
   /load FILE      continue a conversation saved with /save
-  /exit           quit"""
+  /exit           quit
+  \"\"\"             start a message of several lines; a line ending with \"\"\" sends it
+                  (a paste is one message too)"""
+
+PASTE_ON, PASTE_OFF = "\x1b[?2004h", "\x1b[?2004l"      # the terminal's bracketed paste mode
+PASTE_START, PASTE_END = "\x1b[200~", "\x1b[201~"       # around pasted text, once the mode is on
+QUOTES = '"""'
+MORE = "... "                                             # the prompt for a message's next line
 
 
 class ChatSession:
@@ -169,7 +178,7 @@ def _turn(session: ChatSession, read) -> bool:
     while calls and not stop():
         for call in calls:
             try:
-                session.add_result(call, read(f"result of {call['function']['name']}> "))
+                session.add_result(call, read_message(read, f"result of {call['function']['name']}> ")[0])
             except EOFError:
                 return False
             except KeyboardInterrupt:
@@ -180,25 +189,84 @@ def _turn(session: ChatSession, read) -> bool:
     return True
 
 
+def _unpaste(read, line: str) -> str:
+    """`line` with any bracketed paste in it completed: while a paste is open (a start marker
+    without its end), the next lines are read and joined with newlines; the markers are removed."""
+    lines = [line]
+    while "".join(lines).count(PASTE_START) > "".join(lines).count(PASTE_END):
+        lines.append(read(MORE))
+    return "\n".join(lines).replace(PASTE_START, "").replace(PASTE_END, "")
+
+
+def _read_block(read, first: str) -> str:
+    """The message of a \"\"\" block opened by `first`: its lines up to the first one ending with
+    \"\"\" (which may be `first`), newlines kept, the quotes and blank opening/closing lines left out.
+    Ctrl-D inside the block raises EOFError (the block is not sent)."""
+    lines = [first.strip()[len(QUOTES):]]
+    try:
+        while not lines[-1].rstrip().endswith(QUOTES):
+            lines.append(_unpaste(read, read(MORE)))
+    except EOFError:
+        print(f"\n(the unfinished {QUOTES} message was not sent)", file=sys.stderr)
+        raise
+    lines[-1] = lines[-1].rstrip()[:-len(QUOTES)]
+    return "\n".join(lines).strip("\n")
+
+
+def read_message(read, prompt: str) -> tuple[str, bool]:
+    """One message from `read`: a line, a bracketed paste (possibly over several lines) or a
+    \"\"\" block; with True where it was a paste or a block, whose text is never a command (nor is
+    a line with newlines in it: readline returns a paste so). EOFError and KeyboardInterrupt from
+    `read` propagate."""
+    line = read(prompt)
+    if PASTE_START in line:
+        return _unpaste(read, line), True
+    if line.lstrip().startswith(QUOTES):
+        return _read_block(read, line), True
+    return line, "\n" in line
+
+
+@contextlib.contextmanager
+def bracketed_paste():
+    """While the block runs, where stdin and stdout are a terminal, have it mark pasted text
+    (PASTE_START ... PASTE_END) so that a paste of several lines is one message; the mode is
+    turned off again however the block ends. Elsewhere (piped input) nothing is written."""
+    on = sys.stdin.isatty() and sys.stdout.isatty()
+    if on:
+        print(PASTE_ON, end="", flush=True)
+    try:
+        yield
+    finally:
+        if on:
+            print(PASTE_OFF, end="", flush=True)
+
+
 def chat_loop(session: ChatSession, read=input) -> int:
-    """Read lines until /exit or end of input (Ctrl-D); after tool calls, read each call's result."""
+    """Read messages until /exit or end of input (Ctrl-D); after tool calls, read each call's result.
+    A \"\"\" block, or a paste on a terminal, is one message however many lines it has."""
     print(HELP.splitlines()[0], "/help lists the commands.", file=sys.stderr)
+    with bracketed_paste():
+        return _loop(session, read)
+
+
+def _loop(session: ChatSession, read) -> int:
+    """chat_loop's turns: 0 at /exit or end of input."""
     while True:
         try:
-            line = read("> ")
+            text, whole = read_message(read, "> ")
         except EOFError:
             print(file=sys.stderr)
             return 0
         except KeyboardInterrupt:
             print("\n(Ctrl-D or /exit quits)", file=sys.stderr)
             continue
-        if line.strip().startswith("/"):
-            if not _command(session, line):
+        if not whole and text.strip().startswith("/"):
+            if not _command(session, text):
                 return 0
             continue
-        if not line.strip():
+        if not text.strip():
             continue
-        session.history.append({"role": "user", "content": line})
+        session.history.append({"role": "user", "content": text})
         if not _turn(session, read):
             return 0
 
