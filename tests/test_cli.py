@@ -181,9 +181,66 @@ def test_stderr_to_a_file_gets_log_lines_and_no_progress_bars(tiny_model_dir, tm
     import sys
     log = tmp_path / "stderr.log"
     with open(log, "w") as err:
-        done = subprocess.run([sys.executable, "-m", "tokenloom.cli", "generate", "-m", str(tiny_model_dir("llama_gqa")),
-                               "-n", "2", "--temp", "0", "Hi"], stdout=subprocess.PIPE, stderr=err, timeout=120)
+        command = [sys.executable, "-m", "tokenloom.cli", "generate", "-m", str(tiny_model_dir("llama_gqa")),
+                   "-n", "2", "--temp", "0", "Hi"]
+        done = subprocess.run(command, stdout=subprocess.PIPE, stderr=err, timeout=120)
     text = log.read_text()
     assert done.returncode == 0, text
     assert "\r" not in text and "loading weights" not in text
     assert re.search(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ INFO tokenloom[\w.]*: KV cache: ", text, re.M), text
+
+
+class RecordingSession:
+    """Stands in for ChatSession in chat_loop: each turn's user message is recorded, the reply is "ok"."""
+
+    def __init__(self) -> None:
+        self.history: list[dict] = []
+        self.system = None
+        self.turns: list[str] = []
+
+    def reply(self, out=None, stopped=lambda: False) -> list[dict]:
+        self.turns.append(self.history[-1]["content"])
+        self.history.append({"role": "assistant", "content": "ok"})
+        return []
+
+
+def reading(lines: list[str], prompts: list[str]):
+    """A `read` for chat_loop: the lines in order (prompts recorded), then Ctrl-D."""
+    it = iter(lines)
+
+    def read(prompt: str) -> str:
+        prompts.append(prompt)
+        line = next(it, None)
+        if line is None:
+            raise EOFError
+        return line
+    return read
+
+
+def test_chat_takes_a_triple_quote_block_as_one_message():
+    from tokenloom.cli_chat import chat_loop
+    session, prompts = RecordingSession(), []
+    lines = ['"""', "line one", "  /line two, not a command", "line three", '"""',
+             '"""Just one line."""', '"""first', 'last"""', "/exit"]
+    assert chat_loop(session, reading(lines, prompts)) == 0
+    assert session.turns == ["line one\n  /line two, not a command\nline three", "Just one line.", "first\nlast"]
+    assert prompts[:6] == ["> ", "... ", "... ", "... ", "... ", "> "]
+
+
+def test_chat_takes_a_bracketed_paste_over_several_lines_as_one_message():
+    from tokenloom.cli_chat import chat_loop
+    session, prompts = RecordingSession(), []
+    lines = ["Sum up: \x1b[200~first line", "/second line, not a command", "", "third\x1b[201~ please",
+             "\x1b[200~a paste that ends with a newline", "\x1b[201~", "/exit"]
+    assert chat_loop(session, reading(lines, prompts)) == 0
+    assert session.turns == ["Sum up: first line\n/second line, not a command\n\nthird please",
+                             "a paste that ends with a newline\n"]
+
+
+def test_piped_chat_input_is_a_message_a_line_and_never_turns_bracketed_paste_on(monkeypatch, capsys):
+    from tokenloom.cli_chat import chat_loop
+    session = RecordingSession()
+    monkeypatch.setattr(sys, "stdin", io.StringIO('Hello.\nHow are you?\n"""\nline one\nline two\n"""\nBye.\n'))
+    assert chat_loop(session) == 0                          # with input(), as `tokenloom chat < file` runs
+    assert session.turns == ["Hello.", "How are you?", "line one\nline two", "Bye."]
+    assert "\x1b[?2004" not in capsys.readouterr().out

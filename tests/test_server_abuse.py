@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import re
 import socket
 import time
 
@@ -117,6 +118,38 @@ def test_a_body_shorter_than_its_content_length_times_out_with_408(base_url):
     assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
     assert time.monotonic() - started < 3                          # the 1 s body timeout, not forever
     assert_healthy(base_url)
+
+
+def test_a_body_trickling_in_is_cut_at_its_deadline(tiny_engine):
+    """A byte every 0.3 s never pauses for the 1 s body timeout; the whole-body deadline (2 s here)
+    still answers 408, and the server goes on."""
+    from tokenloom.async_engine import AsyncLLMEngine
+    from tokenloom.server import build_app
+    app = build_app(AsyncLLMEngine(tiny_engine), "tiny", body_timeout_s=1.0, body_deadline_s=2.0)
+    with ThreadedServer(app) as url:
+        host, port = url.removeprefix("http://").split(":")
+        body = b'{"prompt": "Hi", "max_tokens": 1}' + b" " * 40
+        head = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n")
+        started = time.monotonic()
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            sock.sendall(head)
+            answer = b""
+            for byte in body:
+                try:
+                    sock.sendall(bytes([byte]))
+                except OSError:                                   # answered and closed meanwhile
+                    break
+                sock.settimeout(0.3)
+                try:
+                    answer += sock.recv(4096)
+                except TimeoutError:
+                    pass
+                if answer:
+                    break
+        assert answer.startswith(b"HTTP/1.1 408") and b"not all there within 2 s" in answer, answer[:300]
+        assert 1.8 < time.monotonic() - started < 5
+        assert_healthy(url)
 
 
 def test_a_tiny_temperature_is_greedy_not_garbage(base_url):
@@ -382,6 +415,35 @@ def test_per_client_turns_bound_each_client_alone_and_are_forgotten_after():
     assert left == 0
 
 
+def test_a_clients_requests_take_turns_with_each_other():
+    """One client (one address behind a proxy, say), two turns: four requests of 6 sequences each
+    arrive first, then a short one. A freed turn goes to the request holding fewest, so the short
+    request runs after 2 sequences end, not after the others' whole fan-outs; a waiter cancelled
+    (its client left) gives nothing away twice."""
+    import asyncio
+
+    from tokenloom.server.admission import PerClientTurns
+
+    async def scenario():
+        turns, order = PerClientTurns(2), []
+
+        async def sequence(request: str, i: int):
+            async with turns.turn("proxy", request):
+                order.append(f"{request}{i}")
+                await asyncio.sleep(0.01)
+        fan_outs = [asyncio.create_task(sequence(r, i)) for r in "ABCD" for i in range(6)]
+        await asyncio.sleep(0)
+        short = asyncio.create_task(sequence("E", 0))
+        leaving = asyncio.create_task(sequence("F", 0))
+        await asyncio.sleep(0)
+        leaving.cancel()
+        await asyncio.gather(*fan_outs, short, return_exceptions=True)
+        return order, len(turns)
+    order, left = asyncio.run(scenario())
+    assert order.index("E0") <= 6       # A0 A1 hold; B, A, C, D take one each, then E (FIFO: last, at 24)
+    assert "F0" not in order and len(order) == 25 and left == 0
+
+
 def test_one_clients_slow_preparation_does_not_hold_every_worker(tiny_engine, monkeypatch):
     """Requests of a client whose preparation takes 1.5 s each (a 4 MB prompt, a huge schema) use
     one worker between them, so another client's request is prepared and answered at once, not
@@ -487,3 +549,63 @@ def test_health_answers_within_100ms_while_an_abuse_is_in_flight(served_process,
     assert set(answers) <= allowed, answers
     assert max(latencies) < 0.1, f"/health took {max(latencies):.3f} s while '{name}' was in flight"
     assert_healthy(served_process)
+
+
+def test_sigterm_mid_stream_ends_by_the_signal_and_logs_the_cut(default_model_dir):
+    """A stream still running when the graceful shutdown's time is up ends with an error event and
+    [DONE]; its log line says status 200 *and* that it was cut; the process ends by SIGTERM."""
+    import signal
+    import threading
+
+    from tests.server_harness import ServeProcess
+    lines: list[str] = []
+    with ServeProcess(default_model_dir, "--shutdown-timeout", "1") as served:
+        def stream():
+            body = {"prompt": "Once upon a time", "max_tokens": 240, "ignore_eos": True, "stream": True}
+            with httpx.stream("POST", f"{served.base}/v1/completions", json=body, timeout=60) as response:
+                lines.extend(response.iter_lines())
+        reader = threading.Thread(target=stream)
+        reader.start()
+        deadline = time.monotonic() + 30
+        while not any('"text"' in line for line in lines) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        served.proc.send_signal(signal.SIGTERM)
+        reader.join(30)
+        log = served.output()
+    assert served.proc.returncode == -signal.SIGTERM
+    events = [line for line in lines if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]" and "server_shutdown" in events[-2]
+    assert re.search(r"path=/v1/completions status=200 .*outcome=cut_at_shutdown", log), log[-2000:]
+
+
+def test_a_trusted_proxy_names_the_client(tiny_model_dir):
+    """Behind a proxy on a trusted address, a request is the client X-Forwarded-For names (its turns,
+    its log line); from an untrusted peer the header changes nothing."""
+    from tests.server_harness import ServeProcess
+    folder = tiny_model_dir("llama_gqa")
+    body = {"prompt": "Hi", "max_tokens": 1}
+    forwarded = {"X-Forwarded-For": "203.0.113.9"}
+    for trusted, client in (("127.0.0.1", "203.0.113.9"), ("10.9.9.9", "127.0.0.1")):
+        with ServeProcess(folder, "--forwarded-allow-ips", trusted) as served:
+            assert httpx.post(f"{served.base}/v1/completions", json=body, headers=forwarded, timeout=60).status_code \
+                == 200
+            served.proc.terminate()
+            log = served.output()
+        assert re.search(rf"path=/v1/completions status=200 .*client={re.escape(client)}\b", log), log[-1500:]
+
+
+def test_n_is_bounded_by_the_servers_one_sequence_bound(tiny_engine):
+    """n past 16 is fine up to --max-seqs-per-request (the one bound, in the README); past it, a 400
+    naming n."""
+    from fastapi.testclient import TestClient
+
+    from tokenloom.async_engine import AsyncLLMEngine
+    from tokenloom.server import build_app
+    from tokenloom.server.admission import AdmissionLimits
+    limits = AdmissionLimits(max_seqs_per_request=24, max_running_per_request=24, max_running_per_client=24)
+    with TestClient(build_app(AsyncLLMEngine(tiny_engine), "tiny", limits=limits)) as tc:
+        many = tc.post("/v1/completions", json={"prompt": "Hi", "n": 20, "max_tokens": 1})
+        too_many = tc.post("/v1/completions", json={"prompt": "Hi", "n": 25, "max_tokens": 1})
+    assert many.status_code == 200 and len(many.json()["choices"]) == 20
+    assert openai_error(too_many, 400)["param"] == "n"
+    assert "at most 24 per request" in too_many.json()["error"]["message"]

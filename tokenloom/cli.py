@@ -132,7 +132,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     api_key = args.api_key or os.environ.get("TOKENLOOM_API_KEY")
     name, *aliases = served_names(args.model, engine.model_path, args.served_model_name)
     app = build_app(engine, name, model_aliases=tuple(aliases), api_key=api_key, max_body_bytes=args.max_body_bytes,
-                    body_timeout_s=args.body_timeout, limits=limits, allowed_hosts=_allowed_hosts(args, api_key),
+                    body_timeout_s=args.body_timeout, body_deadline_s=args.body_deadline, limits=limits,
+                    allowed_hosts=_allowed_hosts(args, api_key),
                     log_json=args.log_format == "json", tool_call_parser=args.tool_call_parser,
                     reasoning_parser=args.reasoning_parser, playground_tools=playground_tools)
     base = f"http://{args.host}:{args.port}"
@@ -140,7 +141,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
           f"{' (API key required)' if api_key else ''}", file=sys.stderr)
     graceful.serve(app, app.state.serving, header_timeout_s=args.body_timeout, host=args.host, port=args.port,
                    log_level=args.log_level, access_log=False,                    # ours: a line per request
-                   timeout_graceful_shutdown=args.shutdown_timeout, limit_concurrency=args.max_connections)
+                   timeout_graceful_shutdown=args.shutdown_timeout, limit_concurrency=args.max_connections,
+                   proxy_headers=True, forwarded_allow_ips=args.forwarded_allow_ips)
     return 0
 
 
@@ -179,6 +181,13 @@ def _admission_flags(serve: argparse.ArgumentParser) -> None:
     group.add_argument("--body-timeout", type=float, default=30.0, metavar="S",
                        help="request headers not all in S seconds after the request began, or a body that "
                             "stops arriving for S seconds, are answered 408 (default: 30)")
+    group.add_argument("--body-deadline", type=float, default=120.0, metavar="S",
+                       help="a request body not all there S seconds after it began (however steadily it "
+                            "trickles in) is answered 408 (default: 120)")
+    group.add_argument("--forwarded-allow-ips", default="127.0.0.1", metavar="IPS",
+                       help="peers trusted as reverse proxies (comma-separated, * for any): a request through "
+                            "one is the client X-Forwarded-For names, for per-client turns and the log "
+                            "(default: 127.0.0.1, as uvicorn)")
 
 
 def cmd_pull(args: argparse.Namespace) -> int:

@@ -9,7 +9,9 @@ refused at the door instead of queueing minutes of work. Inside, a request runs 
 them to end), so one request with n=16 over many prompts cannot hold every batch slot while
 another client's short request waits behind it; and a client (its ``user`` field if it gives
 one, else its address) runs at most ``max_running_per_client`` sequences over all its requests,
-so a client sending hundreds of requests at once takes its share of the batch, not all of it.
+so a client sending hundreds of requests at once takes its share of the batch, not all of it;
+among a client's requests, a freed turn goes to the one holding fewest, so its short request
+does not wait for its other requests' whole fan-outs.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tokenloom.server.errors import APIError
 
@@ -47,35 +49,88 @@ class AdmissionLimits:
                 raise ValueError(f"admission limit {name} must be >= 1, got {getattr(self, name)}")
 
 
+@dataclass
+class _ClientTurns:
+    """One client's turns: how many are held, by which request, and who waits for one."""
+
+    held: int = 0
+    users: int = 0                                                 # holders + waiters
+    by_request: dict = field(default_factory=dict)                 # request key -> turns it holds
+    waiting: dict = field(default_factory=dict)                    # request key -> its waiters (futures), in order
+
+
 class PerClientTurns:
-    """At most `turns` holders at once per client (an asyncio semaphore each, kept while the
-    client has holders or waiters). Event-loop only."""
+    """At most `turns` holders at once per client. A freed turn goes to the waiting request that
+    holds the fewest of the client's turns (the least recently served among equals), so a client's
+    short request takes turns with its long fan-outs instead of queueing behind all of them.
+    Event-loop only."""
 
     def __init__(self, turns: int) -> None:
         self.turns = turns
-        self._clients: dict[str, tuple[asyncio.Semaphore, int]] = {}   # client -> (its turns, holders + waiters)
+        self._clients: dict[str, _ClientTurns] = {}
 
     @asynccontextmanager
-    async def turn(self, client: str) -> AsyncIterator[None]:
-        """Wait for one of `client`'s turns, hold it for the block."""
-        turns, users = self._clients.get(client) or (asyncio.Semaphore(self.turns), 0)
-        self._clients[client] = (turns, users + 1)
+    async def turn(self, client: str, request: object = None) -> AsyncIterator[None]:
+        """Wait for one of `client`'s turns for `request` (any hashable key), hold it for the block."""
+        c = self._clients.setdefault(client, _ClientTurns())
+        c.users += 1
         try:
-            async with turns:
-                yield
-        finally:
-            turns, users = self._clients[client]
-            if users > 1:
-                self._clients[client] = (turns, users - 1)
+            if c.held < self.turns and not c.waiting:
+                self._grant(c, request)
             else:
+                await self._wait(c, request)
+            try:
+                yield
+            finally:
+                self._release(c, request)
+        finally:
+            c.users -= 1
+            if c.users == 0:
                 del self._clients[client]
+
+    async def _wait(self, c: _ClientTurns, request: object) -> None:
+        """Queue for a turn; a waiter cancelled after its turn was granted gives it back."""
+        granted = asyncio.get_running_loop().create_future()
+        c.waiting.setdefault(request, []).append(granted)
+        try:
+            await granted
+        except asyncio.CancelledError:
+            if granted.done() and not granted.cancelled():
+                self._release(c, request)
+            else:
+                queue = c.waiting.get(request, [])
+                if granted in queue:
+                    queue.remove(granted)
+                    if not queue:
+                        del c.waiting[request]
+            raise
+
+    @staticmethod
+    def _grant(c: _ClientTurns, request: object) -> None:
+        c.held += 1
+        c.by_request[request] = c.by_request.get(request, 0) + 1
+
+    def _release(self, c: _ClientTurns, request: object) -> None:
+        c.held -= 1
+        c.by_request[request] -= 1
+        if not c.by_request[request]:
+            del c.by_request[request]
+        while c.waiting and c.held < self.turns:
+            nxt = min(c.waiting, key=lambda r: c.by_request.get(r, 0))     # ties: the least recently served
+            queue = c.waiting.pop(nxt)
+            granted = queue.pop(0)
+            if queue:
+                c.waiting[nxt] = queue                                     # to the back of the ties
+            if not granted.done():
+                self._grant(c, nxt)
+                granted.set_result(None)
 
     def __len__(self) -> int:
         return len(self._clients)
 
     def users(self, client: str) -> int:
         """The client's holders and waiters."""
-        return self._clients[client][1] if client in self._clients else 0
+        return self._clients[client].users if client in self._clients else 0
 
 
 class Ticket:
@@ -87,8 +142,8 @@ class Ticket:
         self.released = False
 
     def client_turn(self):
-        """One of the client's running-sequence turns, shared by all its requests (async with)."""
-        return self.admission.running.turn(self.client)
+        """One of the client's running-sequence turns, shared by all its requests in turn (async with)."""
+        return self.admission.running.turn(self.client, self)
 
     def release(self) -> None:
         if not self.released:

@@ -30,6 +30,7 @@ from tokenloom.server.chat_tools import ChatFeatures
 from tokenloom.server.completions import Completions
 from tokenloom.server.metrics import ServerMetrics
 from tokenloom.server.middleware import (
+    DEFAULT_BODY_DEADLINE_S,
     DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_MAX_BODY_BYTES,
     AccessLog,
@@ -92,6 +93,7 @@ def _ignored_fields_header(req, request: Request) -> dict[str, str]:
 
 def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+              body_deadline_s: float = DEFAULT_BODY_DEADLINE_S,
               limits: AdmissionLimits | None = None, allowed_hosts: tuple[str, ...] | None = None,
               log_json: bool = False, tool_call_parser: str | None = None,
               reasoning_parser: str | None = None, playground_tools: list[dict] | None = None,
@@ -123,7 +125,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
     app = FastAPI(title="tokenloom", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
                   description="OpenAI-compatible completions and chat over tokenloom's engine")
     app.state.serving, app.state.metrics = serving, metrics
-    app.add_middleware(BodyReader, max_bytes=max_body_bytes, timeout_s=body_timeout_s)
+    app.add_middleware(BodyReader, max_bytes=max_body_bytes, timeout_s=body_timeout_s, deadline_s=body_deadline_s)
     if api_key is not None:
         app.add_middleware(ApiKeyCheck, api_key=api_key)
     if allowed_hosts is not None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import socket
 
 import uvicorn
@@ -63,6 +64,11 @@ class GracefulServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, serving) -> None:
         super().__init__(config)
         self.serving = serving
+        self.signals: list[int] = []               # the signals that ended it, in order
+
+    def handle_exit(self, sig: int, frame) -> None:
+        self.signals.append(sig)
+        super().handle_exit(sig, frame)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         self.serving.begin_shutdown(self.config.timeout_graceful_shutdown or 0.0)
@@ -71,6 +77,11 @@ class GracefulServer(uvicorn.Server):
 
 def serve(app, serving, header_timeout_s: float = 30.0, **config) -> None:
     """Run `app` until a signal ends it (uvicorn.Config's keyword arguments), with request headers
-    due within `header_timeout_s`."""
+    due within `header_timeout_s`. After the drain the process ends by that signal (status 128 +
+    its number, as a supervisor expects), not with status 0."""
     protocol = type("HeaderDeadlineProtocol", (HeaderDeadline,), {"header_timeout_s": header_timeout_s})
-    GracefulServer(uvicorn.Config(app, http=protocol, **config), serving).run()
+    server = GracefulServer(uvicorn.Config(app, http=protocol, **config), serving)
+    server.run()
+    for sig in reversed(server.signals):       # uvicorn re-raises them itself from 0.29; older ones do not
+        signal.signal(sig, signal.SIG_DFL)
+        signal.raise_signal(sig)

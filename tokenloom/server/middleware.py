@@ -26,6 +26,7 @@ log = logging.getLogger("tokenloom.server")
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 DEFAULT_BODY_TIMEOUT_S = 30.0
+DEFAULT_BODY_DEADLINE_S = 120.0     # a whole body, however steadily it trickles in
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "[::1]")
 
 
@@ -43,12 +44,14 @@ async def _send_error(error: APIError, scope: Scope, send: Send) -> None:
 class BodyReader:
     """ASGI middleware: reads a request's whole body before the app sees it, so that a body over
     `max_bytes` (declared or sent in chunks) is a 413 and a body that stops arriving for
-    `timeout_s` (a slow client, a Content-Length longer than what is sent) is a 408, each in
-    OpenAI's error JSON, instead of holding a worker. The app then reads the buffered body; later
-    receive() calls (the disconnect) go to the client as before."""
+    `timeout_s` (a slow client, a Content-Length longer than what is sent), or that is not all
+    there `deadline_s` after it began (a byte a second never pauses long enough for the first),
+    is a 408, each in OpenAI's error JSON, instead of holding a worker. The app then reads the
+    buffered body; later receive() calls (the disconnect) go to the client as before."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> None:
-        self.app, self.max_bytes, self.timeout_s = app, max_bytes, timeout_s
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+                 deadline_s: float = DEFAULT_BODY_DEADLINE_S) -> None:
+        self.app, self.max_bytes, self.timeout_s, self.deadline_s = app, max_bytes, timeout_s, deadline_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -68,10 +71,14 @@ class BodyReader:
 
     async def _read(self, receive: Receive) -> list[Message]:
         messages, seen = [], 0
+        deadline = time.monotonic() + self.deadline_s
         while True:
+            left = deadline - time.monotonic()
             try:
-                message = await asyncio.wait_for(receive(), self.timeout_s)
+                message = await asyncio.wait_for(receive(), max(0.0, min(self.timeout_s, left)))
             except TimeoutError:
+                if left <= self.timeout_s:
+                    raise APIError(408, f"the request body was not all there within {self.deadline_s:g} s") from None
                 raise APIError(408, f"the request body did not arrive within {self.timeout_s:g} s") from None
             messages.append(message)
             if message["type"] != "http.request":           # the client left: the app will see it
@@ -145,7 +152,9 @@ class AccessLog:
         fields = {"id": getattr(entry, "response_id", None), "method": scope["method"], "path": scope["path"],
                   "status": status, "prompt_tokens": getattr(entry, "prompt_tokens", None),
                   "completion_tokens": getattr(entry, "completion_tokens", None),
-                  "ttft_s": _rounded(getattr(entry, "ttft_s", None)), "total_s": _rounded(seconds)}
+                  "ttft_s": _rounded(getattr(entry, "ttft_s", None)), "total_s": _rounded(seconds),
+                  "client": scope["client"][0] if scope.get("client") else None,
+                  "outcome": getattr(entry, "outcome", None)}
         if self.json_lines:
             log.info(json.dumps({"event": "request"} | fields))
         else:

@@ -3,7 +3,8 @@
 Field names, defaults and ranges follow OpenAI's API reference, plus vLLM's
 extensions (top_k, min_p, repetition_penalty, ignore_eos, min_tokens,
 stop_token_ids). Unknown fields are ignored, as OpenAI's SDKs may send more
-than a server knows. Types are strict: "16", true or 1.5 for an integer and
+than a server knows, and named in a warning and the X-Tokenloom-Ignored-Fields
+response header. Types are strict: "16", true or 1.5 for an integer and
 "0.5" for a number are refused, not coerced. Anything the engine cannot honour
 is an APIError naming the parameter, never a silent default.
 
@@ -15,7 +16,8 @@ dry_penalty_last_n, dry_sequence_breakers, and samplers (the filters' order, a l
 "a;b;c").
 
 Bounds on what one request may ask for (each a 400 naming the parameter beyond
-it): MAX_STOP_STRINGS stop strings of at most MAX_STOP_CHARS characters,
+it): its sequences (prompts x n x beams) the server's --max-seqs-per-request,
+MAX_STOP_STRINGS stop strings of at most MAX_STOP_CHARS characters,
 MAX_STOP_TOKEN_IDS stop token ids, MAX_LOGIT_BIAS logit_bias entries, MAX_WORDS
 bad_words / dry_sequence_breakers of at most MAX_STOP_CHARS characters, seeds in
 [0, 2**64), |length_penalty| <= 10, text free of lone UTF-16 surrogates.
@@ -73,7 +75,7 @@ class _Sampling(BaseModel):
     top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: int | None = Field(default=None, ge=-1)
     min_p: float | None = Field(default=None, ge=0, le=1)
-    n: int = Field(default=1, ge=1, le=16)
+    n: int = Field(default=1, ge=1)           # bounded by the server's --max-seqs-per-request (admission.py)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     seed: int | None = Field(default=None, ge=0, lt=SEED_LIMIT)
@@ -256,7 +258,7 @@ class CompletionRequest(_Sampling):
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = Field(default=None, ge=1, le=16)
+    best_of: int | None = Field(default=None, ge=1)     # beams: bounded as n is
     use_beam_search: bool = False                       # vLLM's extension: beam width = best_of (or n)
     length_penalty: float = Field(default=1.0, ge=-10, le=10)
     early_stopping: bool | Literal["never"] = False

@@ -62,6 +62,7 @@ class Prepared:
     first_token_at: float | None = None   # for the request log (middleware.AccessLog)
     completion_tokens: int = 0
     tool_mode: str = "none"               # chat: none | auto | required (server/chat_tools.py)
+    outcome: str | None = None            # how a stream that began ended short: cut_at_shutdown | failed | client_left
 
     @property
     def prompt_tokens(self) -> int:
@@ -382,9 +383,13 @@ class OpenAIServing:
                                                prepared.choices[index].prompt_ids if first else None)
                         yield chunk([choice])
         except (RequestError, ShuttingDown) as e:    # failed in the engine, or cut at shutdown: say so, then end
+            prepared.outcome = "cut_at_shutdown" if isinstance(e, ShuttingDown) else "failed"
             yield sse((shutting_down(e) if isinstance(e, ShuttingDown) else request_failed(e)).body())
             yield sse("[DONE]")
             return
+        except GeneratorExit:                         # the client left mid-stream (the log says so: status 200)
+            prepared.outcome = "client_left"
+            raise
         if include_usage:
             yield chunk([], R.usage(prepared.prompt_tokens, completion_tokens, cached))
         yield sse("[DONE]")
