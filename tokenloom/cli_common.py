@@ -14,7 +14,8 @@ def engine_flags(p: argparse.ArgumentParser) -> None:
                    help="HF folder (config.json + safetensors + tokenizer.json) or .gguf file; "
                         "default: SmolLM2-135M-Instruct, pulled on first use")
     g.add_argument("-t", "--threads", type=int, default=None, metavar="N",
-                   help="CPU threads (default: torch's choice, one per physical core)")
+                   help="CPU threads, always N (default: one per physical core, fewer while other processes "
+                        "keep cores busy: threads that lose their core stall the others at every step)")
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="where the model runs. auto (default): the GPU where CUDA has one, else the CPU")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
@@ -72,6 +73,7 @@ def _engine_settings(args: argparse.Namespace) -> dict:
     memory = None if args.kv_cache_memory is None else int(args.kv_cache_memory * (1 << 30))
     return dict(device=resolve_device(getattr(args, "device", "cpu")),
                 enforce_eager=getattr(args, "enforce_eager", False), decode_steps=getattr(args, "decode_steps", None),
+                cpu_threads=getattr(args, "threads", None),
                 dtype=args.dtype,
                 max_model_len=args.max_model_len, kv_cache_memory=memory,
                 kv_cache_fraction=args.kv_cache_fraction, enable_prefix_caching=args.enable_prefix_caching,

@@ -512,6 +512,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1        # ranks the model is split over (distributed/); 1: this process alone
     pipeline_parallel_size: int = 1      # stages its layers are split into, one rank each (distributed/pipeline.py)
     enforce_eager: bool = False          # CUDA: no CUDA graphs for decode steps (cuda_graphs.py)
+    cpu_threads: int | None = None       # CPU: None follows the cores other processes leave free (engine/cpu_share.py)
 
     def __post_init__(self) -> None:
         from tokenloom.quant.scheme import parse_quantization
@@ -527,6 +528,8 @@ class EngineConfig:
         self.quantization = parse_quantization(self.quantization)
         if self.kv_cache_dtype not in ("auto", "int8"):
             raise ValueError(f"kv_cache_dtype must be 'auto' or 'int8', got {self.kv_cache_dtype!r}")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ValueError(f"cpu_threads must be >= 1, got {self.cpu_threads}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
 

@@ -41,7 +41,8 @@ def engine_config(model: str | None = None, dtype: str = "auto", device: str = "
                   speculative: str | SpeculativeConfig | None = None, quantization: str | None = None,
                   kv_cache_dtype: str = "auto", kv_cache_contexts: int | None = None,
                   tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
-                  enforce_eager: bool = False, decode_steps: int | None = None) -> EngineConfig:
+                  enforce_eager: bool = False, decode_steps: int | None = None,
+                  cpu_threads: int | None = None) -> EngineConfig:
     """The EngineConfig that LLM(...) with these arguments runs (a torchrun worker rank builds the
     same one to load its share). `decode_steps` None: GPU_DECODE_STEPS on a GPU with CUDA graphs, else 1."""
     if decode_steps is None:
@@ -54,7 +55,7 @@ def engine_config(model: str | None = None, dtype: str = "auto", device: str = "
                         speculative=SpeculativeConfig.parse(speculative) if isinstance(speculative, str)
                         else speculative, quantization=quantization, kv_cache_dtype=kv_cache_dtype,
                         tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
-                        enforce_eager=enforce_eager)
+                        enforce_eager=enforce_eager, cpu_threads=cpu_threads)
 
 
 class LLM:
@@ -68,7 +69,8 @@ class LLM:
     the layers into N stages (tokenloom/distributed/; under torchrun, over its nodes). ``device="cuda"`` runs on
     a GPU, in bfloat16 unless ``dtype`` says otherwise, decode steps replayed from CUDA graphs unless
     ``enforce_eager``; ``decode_steps=N`` lets a step decode N tokens in a row where every running
-    request allows it (default: GPU_DECODE_STEPS on a GPU with graphs, 1 elsewhere)."""
+    request allows it (default: GPU_DECODE_STEPS on a GPU with graphs, 1 elsewhere). On the CPU, steps
+    run on the cores other processes leave free (``cpu_threads=N``: always N threads)."""
 
     def __init__(self, model: str | None = None, dtype: str = "auto", device: str = "cpu",
                  max_model_len: int | None = None, kv_cache_memory: int | None = None,
@@ -77,11 +79,11 @@ class LLM:
                  speculative: str | SpeculativeConfig | None = None, quantization: str | None = None,
                  kv_cache_dtype: str = "auto", kv_cache_contexts: int | None = None, progress: bool = False,
                  tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, enforce_eager: bool = False,
-                 decode_steps: int | None = None) -> None:
+                 decode_steps: int | None = None, cpu_threads: int | None = None) -> None:
         config = engine_config(model, dtype, device, max_model_len, kv_cache_memory, kv_cache_fraction, block_size,
                                enable_prefix_caching, max_num_seqs, max_num_batched_tokens, fair_share_seqs,
                                speculative, quantization, kv_cache_dtype, kv_cache_contexts, tensor_parallel_size,
-                               pipeline_parallel_size, enforce_eager, decode_steps)
+                               pipeline_parallel_size, enforce_eager, decode_steps, cpu_threads)
         self.engine = LLMEngine(config, progress=progress)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 
 from tokenloom.config import EngineConfig, parse_dtype
+from tokenloom.engine.cpu_share import CpuShare
 from tokenloom.kv_cache.block_manager import BlockManager
 from tokenloom.kv_cache.paged import PagedKVCache, kv_bytes_per_token
 from tokenloom.loader.load import LoadedModel
@@ -69,6 +70,19 @@ class EngineCore:
         self.proposer = None if config.speculative is None else SpecProposer.create(
             config.speculative, self.runner, loaded.tokenizer, self.max_model_len, config.dtype, progress)
         self.requests: dict[str, Request] = {}
+        self.cpu_share = self._cpu_share(config)
+
+    @staticmethod
+    def _cpu_share(config: EngineConfig) -> CpuShare | None:
+        """On the CPU, in one process: the thread count that follows the free cores (cpu_share.py),
+        unless `cpu_threads` fixes it."""
+        import torch
+        if torch.device(config.device).type != "cpu" or config.world_size > 1:
+            return None
+        if config.cpu_threads is not None:
+            torch.set_num_threads(config.cpu_threads)
+            return None
+        return CpuShare(torch.get_num_threads())
 
     def _report_cache(self, kv: PagedKVCache) -> None:
         c, per_token = self.cache_config, self.kv_bytes_per_token
@@ -128,6 +142,8 @@ class EngineCore:
     def step(self) -> CoreStep:
         """Propose drafts, schedule, execute, update: one CoreOutput per request that moved."""
         started = time.perf_counter()
+        if self.cpu_share is not None:
+            self.cpu_share.before_step()
         if self.proposer is not None:
             self.proposer.propose_for(self.scheduler.running, self.scheduler.reserve_lookahead)
         sched = self.scheduler.schedule()
@@ -135,6 +151,8 @@ class EngineCore:
             return CoreStep([])
         out = self.runner.execute(sched)
         seconds, used = time.perf_counter() - started, self.block_manager.num_used_blocks   # what the step ran on
+        if self.cpu_share is not None:
+            self.cpu_share.after_step(seconds)
         outputs = self.scheduler.update_from_output(sched, out)
         for o in outputs:
             if o.finished:
