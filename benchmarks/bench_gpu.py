@@ -282,6 +282,51 @@ def section_concurrency(folder: str, vocab: int, levels: list[int]) -> dict:
 
 
 # ---- report --------------------------------------------------------------------------------------
+def table(title: str, header: list[str], rows: list[list[str]]) -> None:
+    """A markdown table under its title: the first column left-aligned, the others right."""
+    log(f"\n{title}\n")
+    log("| " + " | ".join(header) + " |")
+    log("|---|" + "---:|" * (len(header) - 1))
+    for row in rows:
+        log("| " + " | ".join(row) + " |")
+
+
+def report_smollm2(s: dict) -> None:
+    hf = {dtype: s[dtype]["transformers"]["decode_tok_s"] for dtype in ("bfloat16", "float32")}
+    rows = []
+    for dtype in ("bfloat16", "float32"):
+        for eng in ("tokenloom", "transformers"):
+            m = s[dtype][eng]
+            rows.append([dtype, eng, f"{m['decode_tok_s']:.0f}", f"{m['decode_tok_s'] / hf[dtype]:.2f}x",
+                         f"{m['ttft_s'] * 1e3:.1f}", f"{m['graph_replay_ms']:.3f}" if "graph_replay_ms" in m else "-",
+                         str(s[dtype]["same_greedy_prefix"]) if eng == "tokenloom" else "-"])
+    if "bfloat16_eager" in s:
+        e = s["bfloat16_eager"]
+        rows.append(["bfloat16", "tokenloom --enforce-eager", f"{e['decode_tok_s']:.0f}",
+                     f"{e['decode_tok_s'] / hf['bfloat16']:.2f}x", f"{e['ttft_s'] * 1e3:.1f}", "-", "-"])
+    table("SmolLM2-135M shapes, batch 1, prompt 128, 128 new tokens, greedy (medians of 3)",
+          ["dtype", "engine", "decode tok/s", "vs HF", "TTFT ms", "graph replay ms", "greedy = HF (of 32)"], rows)
+
+
+def report_llama1b(r: dict) -> None:
+    hf = r["transformers"]["decode_tok_s"]
+    rows = [[eng, f"{r[eng]['decode_tok_s']:.0f}", f"{r['limit_tok_s']:.0f}",
+             f"{r[eng]['decode_tok_s'] / r['limit_tok_s']:.0%}", f"{r[eng]['decode_tok_s'] / hf:.2f}x"]
+            for eng in ("tokenloom", "transformers")]
+    table("Llama-3.2-1B shapes, bf16, batch 1, prompt 128, 128 new tokens",
+          ["engine", "decode tok/s", "bandwidth limit tok/s", "of limit", "vs HF"], rows)
+
+
+def report_concurrency(c: dict) -> None:
+    rows = [[n, eng, f"{r[eng]['tok_s']:.0f}", f"{r[eng]['tok_s'] / r['transformers']['tok_s']:.1f}x",
+             f"{r[eng]['ttft_p50']:.2f} / {r[eng]['ttft_p99']:.2f}",
+             f"{r[eng]['tpot_p50'] * 1e3:.1f} / {r[eng]['tpot_p99'] * 1e3:.1f}"]
+            for n, r in c.items() for eng in ("tokenloom", "transformers")]
+    table("Concurrent requests, SmolLM2-135M shapes, bf16, prompts 128-512, 128-256 new tokens "
+          "(transformers: one static batch)",
+          ["requests", "engine", "output tok/s", "vs HF", "TTFT p50 / p99 s", "TPOT p50 / p99 ms"], rows)
+
+
 def report(result: dict) -> None:
     log(f"\ndevice: {result['device']}, torch {result['torch']}, transformers {result['transformers']}")
     if "bandwidth" in result:
@@ -289,45 +334,11 @@ def report(result: dict) -> None:
         log(f"copy bandwidth {b['copy_GBps']:.0f} GB/s (read + write), "
             f"bf16 matmul {b['bf16_matmul_TFLOPs']:.0f} TFLOP/s")
     if "smollm2" in result:
-        s = result["smollm2"]
-        log("\nSmolLM2-135M shapes, batch 1, prompt 128, 128 new tokens, greedy (medians of 3)\n")
-        log("| dtype | engine | decode tok/s | vs HF | TTFT ms | graph replay ms | greedy = HF (of 32) |")
-        log("|---|---|---:|---:|---:|---:|---:|")
-        for dtype in ("bfloat16", "float32"):
-            r = s[dtype]
-            for eng in ("tokenloom", "transformers"):
-                m = r[eng]
-                replay = f"{m['graph_replay_ms']:.3f}" if "graph_replay_ms" in m else "-"
-                same = r["same_greedy_prefix"] if eng == "tokenloom" else "-"
-                log(f"| {dtype} | {eng} | {m['decode_tok_s']:.0f} | "
-                    f"{m['decode_tok_s'] / r['transformers']['decode_tok_s']:.2f}x | {m['ttft_s'] * 1e3:.1f} | "
-                    f"{replay} | {same} |")
-        if "bfloat16_eager" in s:
-            e = s["bfloat16_eager"]
-            vs_hf = e['decode_tok_s'] / s['bfloat16']['transformers']['decode_tok_s']
-            log(f"| bfloat16 | tokenloom --enforce-eager | {e['decode_tok_s']:.0f} | {vs_hf:.2f}x | "
-                f"{e['ttft_s'] * 1e3:.1f} | - | - |")
+        report_smollm2(result["smollm2"])
     if "llama1b" in result:
-        r = result["llama1b"]
-        log("\nLlama-3.2-1B shapes, bf16, batch 1, prompt 128, 128 new tokens\n")
-        log("| engine | decode tok/s | bandwidth limit tok/s | of limit | vs HF |")
-        log("|---|---:|---:|---:|---:|")
-        for eng in ("tokenloom", "transformers"):
-            m = r[eng]
-            of_limit = m["decode_tok_s"] / r["limit_tok_s"]
-            vs_hf = m["decode_tok_s"] / r["transformers"]["decode_tok_s"]
-            log(f"| {eng} | {m['decode_tok_s']:.0f} | {r['limit_tok_s']:.0f} | {of_limit:.0%} | {vs_hf:.2f}x |")
+        report_llama1b(result["llama1b"])
     if "concurrency" in result:
-        log("\nConcurrent requests, SmolLM2-135M shapes, bf16, prompts 128-512, 128-256 new tokens "
-            "(transformers: one static batch)\n")
-        log("| requests | engine | output tok/s | vs HF | TTFT p50 / p99 s | TPOT p50 / p99 ms |")
-        log("|---:|---|---:|---:|---:|---:|")
-        for n, r in result["concurrency"].items():
-            for eng in ("tokenloom", "transformers"):
-                m = r[eng]
-                log(f"| {n} | {eng} | {m['tok_s']:.0f} | {m['tok_s'] / r['transformers']['tok_s']:.1f}x | "
-                    f"{m['ttft_p50']:.2f} / {m['ttft_p99']:.2f} | "
-                    f"{m['tpot_p50'] * 1e3:.1f} / {m['tpot_p99'] * 1e3:.1f} |")
+        report_concurrency(result["concurrency"])
     if "smollm2" in result:
         log("\nhost time of a bf16 batch-1 decode of 128 tokens (cProfile, own time):\n")
         log(result["smollm2"]["profile"])
