@@ -180,3 +180,20 @@ def test_cuda_decode_steps_with_graphs_equal_single_eager_steps(tiny_model_dir):
     want = [o.outputs[0].token_ids for o in slow.generate(prompts, params)]
     assert got == want
     assert fast.engine.scheduler.num_steps < slow.engine.scheduler.num_steps / 2
+
+
+@pytest.mark.parametrize("quantize", [None, "Q8_0"])
+def test_cuda_loads_a_gguf_file_dequantized_to_bfloat16(quantize, tiny_model_dir, tmp_path):
+    """A GGUF file on the GPU: its blocks dequantized to bf16 at load (kept as stored on the CPU only),
+    its first greedy token's logprob the float32 CPU run's on the same file, up to bf16 rounding."""
+    from tests.gguf_writer import write_gguf
+    path = tmp_path / "tiny.gguf"
+    write_gguf(tiny_model_dir("llama_gqa"), path, quantize=quantize)
+    gpu = LLM(str(path), device="cuda", kv_cache_memory=8 << 20, max_num_seqs=4)
+    assert gpu.engine.runner.kv_cache.keys[0].dtype == torch.bfloat16
+    assert all(p.dtype == torch.bfloat16 and p.is_cuda for p in gpu.engine.runner.model.parameters())
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=0)
+    cpu = LLM(str(path), kv_cache_memory=8 << 20).generate(PROMPTS, params)
+    for g, c in zip(gpu.generate(PROMPTS, params), cpu):
+        best = [max(out.outputs[0].logprobs[0].values()) for out in (g, c)]          # the greedy token's
+        assert best[0] == pytest.approx(best[1], abs=0.1)
