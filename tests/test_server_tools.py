@@ -1,10 +1,12 @@
 """Tool calling through the real server with the real openai client, on Qwen2.5-Coder-0.5B-Instruct
-(its chat template speaks the hermes format): calls come back valid against their schemas."""
+(its chat template speaks the hermes format) and on the default model (SmolLM2, whose template has no
+tools: the generic format): calls come back valid against their schemas, and replies end after them."""
 
 from __future__ import annotations
 
 import json
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -14,7 +16,6 @@ from tests.server_harness import ThreadedServer
 from tokenloom import hub
 
 QWEN = "qwen2.5-coder-0.5b"
-pytestmark = pytest.mark.skipif(not hub.is_pulled(QWEN), reason=f"`tokenloom pull {QWEN}` has not run")
 
 WEATHER_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"},
                                                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
@@ -25,12 +26,17 @@ TIME_SCHEMA = {"type": "object", "properties": {"timezone": {"type": "string", "
                "required": ["timezone"], "additionalProperties": False}
 CLOCK = {"type": "function", "function": {"name": "get_time", "description": "The local time in an IANA time zone",
                                           "parameters": TIME_SCHEMA}}
-SCHEMAS = {"get_weather": WEATHER_SCHEMA, "get_time": TIME_SCHEMA}
+# WEATHER_SCHEMA (the README's) has no additionalProperties: like llama.cpp, the grammar takes that as false
+SCHEMAS = {"get_weather": {**WEATHER_SCHEMA, "additionalProperties": False}, "get_time": TIME_SCHEMA}
 ASK = [{"role": "user", "content": "What's the weather like in Paris today?"}]
+LISBON = [{"role": "user", "content": "What's the weather like in Lisbon right now?"}]
+TWO_CITIES = [{"role": "user", "content": "What is the weather in Paris and in Tokyo?"}]
 
 
 @pytest.fixture(scope="module")
 def base_url():
+    if not hub.is_pulled(QWEN):
+        pytest.skip(f"`tokenloom pull {QWEN}` has not run")
     from tokenloom import LLM
     from tokenloom.async_engine import AsyncLLMEngine
     from tokenloom.server import build_app
@@ -45,8 +51,39 @@ def client(base_url):
     return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
 
 
+@pytest.fixture(scope="module")
+def smol(smol_llm):
+    """A client of the server over the default model (its name: "smol")."""
+    from tokenloom.async_engine import AsyncLLMEngine
+    from tokenloom.server import build_app
+    with ThreadedServer(build_app(AsyncLLMEngine(smol_llm.engine), "smol")) as url:
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+
+
 def chat(client, **kwargs):
-    return client.chat.completions.create(model="qwen", **{"messages": ASK, "max_tokens": 64, **kwargs})
+    return client.chat.completions.create(**{"model": "qwen", "messages": ASK, "max_tokens": 64, **kwargs})
+
+
+def streamed(client, **kwargs) -> tuple[str, list[tuple[str, str]], str | None]:
+    """The streamed reply as a client reassembles it: (content, [(name, arguments)], finish_reason)."""
+    calls: dict[int, dict] = {}
+    content, finish = "", None
+    for chunk in chat(client, stream=True, **kwargs):
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        finish = chunk.choices[0].finish_reason or finish
+        for tc in delta.tool_calls or []:
+            call = calls.setdefault(tc.index, {"id": tc.id, "name": "", "arguments": ""})
+            call["name"] += (tc.function.name or "") if tc.function else ""
+            call["arguments"] += (tc.function.arguments or "") if tc.function else ""
+    assert all(c["id"].startswith("call_") for c in calls.values())
+    return content, [(c["name"], c["arguments"]) for c in calls.values()], finish
+
+
+def whole(choice) -> tuple[str, list[tuple[str, str]], str | None]:
+    """A whole response's choice in streamed()'s terms."""
+    calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+    return choice.message.content or "", calls, choice.finish_reason
 
 
 def valid_calls(message) -> list[tuple[str, dict]]:
@@ -87,33 +124,74 @@ def test_required_and_named_choice_always_give_schema_valid_arguments(client, to
             assert [name for name, _ in calls] == ["get_time"]          # a named choice: exactly that one call
 
 
-def test_parallel_calls_and_parallel_off(client):
-    ask = [{"role": "user", "content": "What is the weather in Paris and in Tokyo?"}]
-    many = chat(client, messages=ask, tools=[WEATHER], tool_choice="required", temperature=0, max_tokens=120)
-    assert len(valid_calls(many.choices[0].message)) >= 2
-    one = chat(client, messages=ask, tools=[WEATHER], tool_choice="required", temperature=0,
-               parallel_tool_calls=False)
-    assert len(valid_calls(one.choices[0].message)) == 1 and one.choices[0].finish_reason == "tool_calls"
+@pytest.fixture(scope="module")
+def more_calls(base_url) -> dict[str, float]:
+    """A logit_bias that pushes Qwen to open another call whenever the grammar lets it: by itself it
+    writes one call and ends (a second <tool_call> after the first is about e^-23 to it)."""
+    [tool_call] = httpx.post(f"{base_url}/tokenize", json={"prompt": "<tool_call>", "add_special_tokens": False}
+                             ).json()["tokens"]
+    return {str(tool_call): 30.0}
+
+
+def test_parallel_calls_come_back_as_several_tool_calls_whole_and_streamed(client, more_calls):
+    """Calls after calls until max_tokens: the complete ones come back, the one cut short is dropped."""
+    kwargs = dict(messages=TWO_CITIES, tools=[WEATHER], tool_choice="required", temperature=0, max_tokens=120,
+                  logit_bias=more_calls)
+    many = chat(client, **kwargs).choices[0]
+    assert len(valid_calls(many.message)) >= 2 and many.finish_reason == "length"
+    assert many.message.content is None
+    assert streamed(client, **kwargs) == whole(many)
+
+
+@pytest.mark.parametrize("model,tool_choice", [("qwen", "auto"), ("qwen", "required"), ("smol", "required")])
+def test_parallel_off_allows_exactly_one_call_whole_and_streamed(request, model, tool_choice):
+    """parallel_tool_calls false: one call, then the end, even with Qwen pushed to call again."""
+    client = request.getfixturevalue("client" if model == "qwen" else "smol")
+    bias = request.getfixturevalue("more_calls") if model == "qwen" else None
+    kwargs = dict(model=model, messages=TWO_CITIES, tools=[WEATHER, CLOCK], tool_choice=tool_choice, temperature=0,
+                  max_tokens=120, parallel_tool_calls=False, logit_bias=bias)
+    one = chat(client, **kwargs).choices[0]
+    assert len(valid_calls(one.message)) == 1 and one.finish_reason == "tool_calls"
+    assert streamed(client, **kwargs) == whole(one)
 
 
 @pytest.mark.parametrize("tool_choice", ["auto", "required"])
 def test_streamed_deltas_reassemble_to_the_same_calls(client, tool_choice):
     kwargs = dict(tools=[WEATHER, CLOCK], tool_choice=tool_choice, temperature=0, max_tokens=120)
-    whole = chat(client, **kwargs).choices[0]
-    calls: dict[int, dict] = {}
-    content, finish = "", None
-    for chunk in chat(client, stream=True, **kwargs):
-        delta = chunk.choices[0].delta
-        content += delta.content or ""
-        finish = chunk.choices[0].finish_reason or finish
-        for tc in delta.tool_calls or []:
-            call = calls.setdefault(tc.index, {"id": tc.id, "name": "", "arguments": ""})
-            call["name"] += (tc.function.name or "") if tc.function else ""
-            call["arguments"] += (tc.function.arguments or "") if tc.function else ""
-    assert [(c["name"], c["arguments"]) for c in calls.values()] == \
-        [(c.function.name, c.function.arguments) for c in whole.message.tool_calls or []]
-    assert all(c["id"].startswith("call_") for c in calls.values())
-    assert content == (whole.message.content or "") and finish == whole.finish_reason
+    assert streamed(client, **kwargs) == whole(chat(client, **kwargs).choices[0])
+
+
+def test_required_ends_after_its_call_whole_and_streamed(client):
+    """Greedy, the model ends after one call (it writes a newline after </tool_call>, then its end of
+    turn), instead of calling the two tools by turns until max_tokens."""
+    kwargs = dict(messages=LISBON, tools=[WEATHER, CLOCK], tool_choice="required", temperature=0, max_tokens=300)
+    choice = chat(client, **kwargs).choices[0]
+    assert len(valid_calls(choice.message)) == 1 and choice.finish_reason == "tool_calls"
+    assert choice.message.content is None
+    assert streamed(client, **kwargs) == whole(choice)
+
+
+@pytest.mark.parametrize("model", ["qwen", "smol"])
+def test_a_call_cut_by_max_tokens_never_reaches_content_whole_or_streamed(request, model):
+    """The partial call is dropped: finish_reason "length", no tool_calls, the content is the text
+    before the call (none here), never the call's markup."""
+    client = request.getfixturevalue("client" if model == "qwen" else "smol")
+    kwargs = dict(model=model, tools=[WEATHER], tool_choice="required", temperature=0, max_tokens=8)
+    choice = chat(client, **kwargs).choices[0]
+    assert whole(choice) == ("", [], "length")
+    assert streamed(client, **kwargs) == ("", [], "length")
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0), dict(temperature=1.0, seed=1),
+                                      dict(temperature=1.0, seed=2)], ids=["greedy", "seed1", "seed2"])
+def test_default_model_required_calls_follow_the_readme_schema_whole_and_streamed(smol, sampling):
+    """The README's weather tool (no additionalProperties) on the default model: a call with only the
+    declared keys, then the end of the reply."""
+    kwargs = dict(model="smol", tools=[WEATHER], tool_choice="required", max_tokens=128, **sampling)
+    choice = chat(smol, **kwargs).choices[0]
+    assert valid_calls(choice.message) and choice.finish_reason == "tool_calls"
+    assert "<tool_call>" not in (choice.message.content or "")
+    assert streamed(smol, **kwargs) == whole(choice)
 
 
 def test_tool_choice_none_never_calls(client):

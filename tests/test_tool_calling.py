@@ -141,6 +141,31 @@ def test_streamed_malformed_replies_end_as_the_same_text(fmt, text):
     assert content == text
 
 
+# (format, a reply cut by max_tokens, its content, its calls): the partial call, or the partial opening of
+# one, is dropped, and the text before it is the content (never a call's markup)
+CUT = [
+    (HERMES, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par', "", []),
+    (HERMES, 'Let me check.\n<tool_call>\n{"name": "get_wea', "Let me check.", []),
+    (HERMES, 'Let me check. <tool_ca', "Let me check.", []),
+    (HERMES, '```json\n{"name": "get_weather", "arguments": {', "", []),
+    (HERMES, '{\n  "name": "get_wea', "", []),
+    (HERMES, '<tool_call>\n{"name": "a", "arguments": {}}\n</tool_call>\n<tool_', "", [("a", "{}")]),
+    (MISTRAL, '[TOOL_CALLS][{"name": "a", "arguments": {"x": 1}}, {"name"', "", [("a", '{"x": 1}')]),
+    (LLAMA3_JSON, 'Calling it. {"name": "get_ti', "Calling it.", []),
+    (HERMES, "The weather in Paris is ", "The weather in Paris is ", []),        # plain text stays whole
+]
+
+
+@pytest.mark.parametrize("fmt,text,content,calls", CUT)
+def test_a_cut_reply_never_carries_call_markup_whole_or_streamed(fmt, text, content, calls):
+    got_content, got = parse_tool_calls(text, fmt, cut=True)
+    assert (got_content, [(c.name, c.arguments) for c in got]) == (content, calls)
+    for step in (1, 4):
+        streamed_content, streamed, _ = _streamed(text, fmt, list(range(step, len(text), step)), cut=True)
+        assert (streamed_content, [(c["name"], c["arguments"]) for c in streamed]) == (content, calls)
+
+
+
 @pytest.mark.parametrize("template,expected", [
     ("{% for tool in tools %}{{ tool | tojson }}{% endfor %}<tool_call>", HERMES),
     ("{% if tools %}[AVAILABLE_TOOLS]{{ tools }}[/AVAILABLE_TOOLS]{% endif %}[TOOL_CALLS]", MISTRAL),
@@ -238,6 +263,37 @@ CALL = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
 ])
 def test_tool_grammars_admit_valid_calls_only(compiler, mode, parallel, text, ok):
     assert _accepts(compiler, tool_grammar(TOOLS, HERMES, mode, parallel), text) == ok
+
+
+@pytest.mark.parametrize("mode", ["required", "auto"])
+@pytest.mark.parametrize("fmt", [HERMES, LLAMA3_JSON, MISTRAL])
+def test_a_reply_may_end_after_each_complete_call_and_parallel_off_allows_one(compiler, fmt, mode):
+    call = fmt.call_open + f'{{"name": "get_weather", "{fmt.args_key}": {{"city": "Paris"}}}}' + fmt.call_close
+    one = fmt.section_open + call + fmt.section_close
+    two = fmt.section_open + call + fmt.separator + call + fmt.section_close
+    for text in (one, one + "\n", one + "\n\n", two, two + "\n"):   # newlines models write before their end
+        assert _accepts(compiler, tool_grammar(TOOLS, fmt, mode, True), text), text
+    assert not _accepts(compiler, tool_grammar(TOOLS, fmt, mode, True), one + "\n\n\n")
+    assert _accepts(compiler, tool_grammar(TOOLS, fmt, mode, False), one + "\n")
+    assert not _accepts(compiler, tool_grammar(TOOLS, fmt, mode, False), two)
+
+
+OPEN_WEATHER = {"type": "object", "required": ["city"], "properties": {     # no additionalProperties anywhere
+    "city": {"type": "string"}, "where": {"type": "object", "properties": {"country": {"type": "string"}}}}}
+
+
+@pytest.mark.parametrize("parameters,arguments,ok", [
+    (OPEN_WEATHER, '{"city": "Paris"}', True),
+    (OPEN_WEATHER, '{"city": "Paris", "where": {"country": "FR"}}', True),
+    (OPEN_WEATHER, '{"city": "Paris", "type": "string"}', False),                    # an invented key
+    (OPEN_WEATHER, '{"city": "Paris", "where": {"country": "FR", "zip": 1}}', False),  # ... in a nested object
+    ({**OPEN_WEATHER, "additionalProperties": True}, '{"city": "Paris", "type": "string"}', True),   # asked for
+    ({"type": "object"}, '{"city": "Paris", "type": "string"}', True),                # no properties: any object
+])
+def test_a_schema_without_additional_properties_takes_only_its_properties(compiler, parameters, arguments, ok):
+    grammar = tool_grammar([{"name": "get_weather", "parameters": parameters}], HERMES, "required", True)
+    text = f'<tool_call>\n{{"name": "get_weather", "arguments": {arguments}}}\n</tool_call>'
+    assert _accepts(compiler, grammar, text) == ok
 
 
 @pytest.mark.parametrize("fmt", [LLAMA3_JSON, MISTRAL])

@@ -5,6 +5,13 @@
 - ``auto``: the reply is free text, or, once it opens a call (the format's trigger, or for a
   ``bare`` format a reply that starts as a call object), schema-valid calls only. The free text
   may not contain the trigger anywhere, so no branch of the grammar lets an invalid call through.
+
+In both, the reply may end after each complete call (and its section's close), or after one or two
+newlines there: models write them before their end of turn (Qwen2.5-Coder-0.5B one after
+``</tool_call>``, SmolLM2 two), and a grammar that took a newline there only as the separator
+before another call made them call again and again until max_tokens. An object schema that lists
+``properties`` without ``additionalProperties`` takes no other keys (llama.cpp's reading; JSON
+Schema's own lets a small model invent keys until max_tokens).
 """
 
 from __future__ import annotations
@@ -15,6 +22,8 @@ from typing import Any
 
 from tokenloom.structured.grammars import JSON_DEFAULTS
 from tokenloom.tool_calling.formats import CALL_HEAD, CALL_HEAD_PATTERN, CALL_WS, FENCE_CLOSE, FENCE_OPEN, ToolFormat
+
+ENDING_RULE = "ENDING: /\\n{1,2}/"     # what a reply may write after its calls, before it ends (module doc)
 
 
 def _lit(text: str, special: frozenset[str] = frozenset()) -> str:
@@ -47,10 +56,37 @@ def _regex_escape(text: str) -> str:
 
 
 def _schema(parameters: dict[str, Any]) -> str:
-    """A tool's parameters as the %json argument, with the server's whitespace rule unless set."""
-    schema = dict(parameters)
+    """A tool's parameters as the %json argument: objects closed (closed_objects), with the server's
+    whitespace rule unless set."""
+    schema = closed_objects(parameters)
     schema.setdefault("x-guidance", JSON_DEFAULTS)
     return json.dumps(schema)
+
+
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")     # {name: schema}
+_SCHEMA_PLACES = ("items", "prefixItems", "additionalProperties", "anyOf", "oneOf")   # a schema or [schema]
+
+
+def closed_objects(schema: Any) -> Any:
+    """A copy of `schema` in which every object schema that lists ``properties`` and does not say
+    ``additionalProperties`` has it false, as llama.cpp's json-schema-to-grammar reads such a schema
+    (no keys beyond the declared ones), at any depth. Schemas under allOf are left as they are
+    (closing each would leave only the keys they all declare). Anything not a schema comes back as is."""
+    if not isinstance(schema, dict):
+        return schema
+    closed = dict(schema)
+    for key in _SCHEMA_MAPS:
+        if isinstance(closed.get(key), dict):
+            closed[key] = {name: closed_objects(sub) for name, sub in closed[key].items()}
+    for key in _SCHEMA_PLACES:
+        value = closed.get(key)
+        if isinstance(value, list):
+            closed[key] = [closed_objects(sub) for sub in value]
+        elif isinstance(value, dict):
+            closed[key] = closed_objects(value)
+    if isinstance(closed.get("properties"), dict) and "additionalProperties" not in closed:
+        closed["additionalProperties"] = False
+    return closed
 
 
 def _not_containing(pattern: str) -> str:
@@ -70,9 +106,9 @@ def tool_grammar(tools: list[dict[str, Any]], fmt: ToolFormat, mode: str, parall
     `special`: the format's markers that are special tokens of the model (formats.markers)."""
     if mode not in ("auto", "required"):
         raise ValueError(f"tool grammar mode must be auto or required, got {mode!r}")
-    rules = ["%llguidance {}", *_call_rules(tools, fmt, parallel, special)]
+    rules = ["%llguidance {}", ENDING_RULE, *_call_rules(tools, fmt, parallel, special)]
     if mode == "required":
-        rules.append("start: calls")
+        rules.append("start: calls ENDING?")
     else:
         rules += _auto_rules(fmt, parallel, special)
     return "\n".join(rules) + "\n"
@@ -130,5 +166,5 @@ def _auto_rules(fmt: ToolFormat, parallel: bool, special: frozenset[str]) -> lis
               _rule(opened, "TEXT", trigger),
               _rule("after_trigger", rest, "named", _lit(fmt.call_close, special), "more",
                     _lit(fmt.section_close, special)),
-              "start: TEXT | opened after_trigger" + (" | bare" if fmt.bare else "")]
+              "start: TEXT | opened after_trigger ENDING?" + (" | bare ENDING?" if fmt.bare else "")]
     return rules

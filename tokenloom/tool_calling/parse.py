@@ -4,7 +4,9 @@
 seen so far with its name (once complete) and its arguments' JSON text (as much as there is).
 It never raises: text that stops following the format marks the scan ``malformed`` there.
 ``parse_tool_calls`` is the final reading: the calls if every one is complete and well-formed,
-otherwise the whole text as content (a malformed call comes back as text, never an error).
+otherwise the whole text as content (a malformed call comes back as text, never an error); of a
+reply cut short (max_tokens), the complete calls and the text before the calls, never a partial
+call's markup.
 A call's ``arguments`` is the model's own JSON text of the object, so a stream's argument
 deltas concatenate to exactly what a whole response carries.
 """
@@ -261,14 +263,29 @@ def parse_tool_calls(text: str, fmt: ToolFormat, cut: bool = False) -> tuple[str
     """The final reading of a reply: (content, calls). No calls unless every call is complete and
     well-formed; otherwise the whole text is content. Before calls, content loses its trailing
     whitespace; text after them is kept as content, on a line of its own. `cut`: the reply was cut
-    short (max_tokens): a call it ended inside is dropped and the complete ones before it kept."""
+    short (max_tokens): a call it ended inside, or a tail that could have opened one, is dropped
+    (content is the text before it), the complete calls before it are kept."""
     result = scan(text, fmt)
-    if cut and not result.malformed and result.calls and not result.calls[-1].complete:
-        result.calls.pop()
+    if cut and not result.malformed:
+        return _cut_reading(text, result)
     if result.calls_start is None or result.malformed or not result.calls \
             or not all(c.complete for c in result.calls):
         return text, []
+    return _content_around(result), [ToolCall(c.name, c.arguments) for c in result.calls]
+
+
+def _cut_reading(text: str, result: Scan) -> tuple[str, list[ToolCall]]:
+    """parse_tool_calls of a reply cut short that is not malformed (`result`: its scan)."""
+    calls = [ToolCall(c.name, c.arguments) for c in result.calls if c.complete]
+    if result.calls_start is None and len(result.content) == len(text):     # plain text, nothing held back
+        return text, []
+    return _content_around(result), calls
+
+
+def _content_around(result: Scan) -> str:
+    """The content around a reply's calls (or where they would have begun): the text before them
+    without its trailing whitespace, and any text after them on a line of its own."""
     content = result.content.rstrip()
     if result.trailing:
         content = f"{content}\n{result.trailing}" if content else result.trailing
-    return content, [ToolCall(c.name, c.arguments) for c in result.calls]
+    return content

@@ -5,7 +5,9 @@ cannot be the start of a call (a tail that might open one, and trailing whitespa
 each call once it is complete: its header (index, id, name) and its arguments. A call is not
 streamed while it is being written, so a reply cut short inside one (max_tokens) never streams
 half a call, and every streamed call is valid. ``finish()`` says the rest: what the final reading
-(parse_tool_calls) says, so the deltas concatenate to the whole response's content and calls.
+(parse_tool_calls) says, so the deltas concatenate to the whole response's content and calls (the
+content said before is always the start of the final reading's: only a tail that could open a
+call, and whitespace before calls, wait, and those are what a final reading may drop).
 """
 
 from __future__ import annotations
@@ -54,12 +56,8 @@ class ToolCallStream:
         """The rest of the reply, as the final reading has it (`cut`: parse_tool_calls); self.calls
         holds the calls."""
         content, calls = parse_tool_calls(self.text, self.fmt, cut)
-        if not calls:
-            return self._content_upto(len(self.text))
-        delta = Delta()
-        if content[self.content_sent:]:
-            delta.content = content[self.content_sent:]
-            self.content_sent = len(content)
+        delta = Delta(content[self.content_sent:])
+        self.content_sent = max(self.content_sent, len(content))
         self.calls = []
         for index, call in enumerate(calls):
             delta.tool_calls += self._call_deltas(index, call.name, call.arguments)
