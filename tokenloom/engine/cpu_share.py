@@ -59,6 +59,7 @@ class CpuShare:
         self.read, self.clock = read, clock
         self.ticks_per_s = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
         self.threads = max_threads
+        torch.set_num_threads(max_threads)     # set as -t sets it: the same thread pools on a quiet machine
         self.recent: list[float] = []                          # the last steps' seconds
         self.last = (self.clock(), self.read(self.cpus))
 
