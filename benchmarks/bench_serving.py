@@ -34,9 +34,10 @@ import torch
 from _common import RESULTS, finish_plot, parser
 from tqdm import tqdm
 
-from tokenloom import SamplingParams, hub
-from tokenloom.async_engine import AsyncLLMEngine
+from tokenloom import SamplingParams
 from tokenloom.config import CacheConfig, EngineConfig, SchedulerConfig
+from tokenloom.engine.async_engine import AsyncLLMEngine
+from tokenloom.loader import hub
 
 
 @dataclass

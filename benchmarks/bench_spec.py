@@ -25,10 +25,12 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1]))   # tests.helpers
 from _common import RESULTS, parser
 
-from tokenloom import LLM, SamplingParams, hub
-from tokenloom.testing import save_random_draft
+from tests.helpers.draft_model import save_random_draft
+from tokenloom import LLM, SamplingParams
+from tokenloom.loader import hub
 
 STORY = ("Maria opened the bakery at six every morning. She baked bread, croissants and small apple "
          "pies, and by seven the first customers were waiting at the door. Her brother Tom delivered "

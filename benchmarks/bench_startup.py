@@ -40,9 +40,9 @@ def first_token_seconds(cmd: list[str], env: dict | None = None) -> tuple[float,
 
 
 def configurations(args) -> dict[str, tuple[list[str], dict | None]]:
-    from tokenloom import hub
+    from tokenloom.loader import hub
     folder, gguf = hub.pull(), hub.gguf_path(hub.DEFAULT_NAME)
-    ours = [sys.executable, "-m", "tokenloom.cli", "generate", "--temp", "0", "-n", "8", "--no-display-prompt"]
+    ours = [sys.executable, "-m", "tokenloom", "generate", "--temp", "0", "-n", "8", "--no-display-prompt"]
     runs = {"tokenloom (HF folder, float32)": (ours + ["-m", str(folder), PROMPT], None),
             f"tokenloom ({gguf.name})": (ours + ["-m", str(gguf), PROMPT], None)}
     llama_bin = args.llama_bin or os.environ.get("LLAMA_CPP_BIN")

@@ -16,7 +16,8 @@ import time
 
 from _common import RESULTS, parser
 
-from tokenloom import LLM, SamplingParams, hub
+from tokenloom import LLM, SamplingParams
+from tokenloom.loader import hub
 from tokenloom.structured import StructuredOutput
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "role", "skills"],
@@ -45,7 +46,7 @@ def run(llm: LLM, batch: int, constrained: bool, repeats: int) -> dict:
 def engine_costs(llm: LLM) -> dict:
     import llguidance
     import llguidance.torch as lt
-    g = llm.engine.grammars
+    g = llm.engine.core.grammars
     t0 = time.perf_counter()
     g.tokenizer
     setup = time.perf_counter() - t0

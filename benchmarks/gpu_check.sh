@@ -30,12 +30,12 @@ step() {  # name, seconds, command...
   tail -n 4 "$OUT/$name.log"
 }
 if [ "${KERNEL_TESTS:-1}" != 0 ]; then
-  step kernel_tests "${KERNEL_TESTS_S:-180}" $PY -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py
+  step kernel_tests "${KERNEL_TESTS_S:-180}" $PY -m pytest -q -p no:cacheprovider tests/kernels/test_triton_kernels.py
 fi
 step bench "${BENCH_S:-300}" $PY benchmarks/bench_gpu.py --config-dir .gpu/smollm2 --out "$OUT/bench_gpu.json" \
   --only "${SECTIONS:-bandwidth,smollm2,llama1b,concurrency}" --levels "${LEVELS:-64,256}" ${BENCH_ARGS:-}
 if [ "${SKIP_TESTS:-0}" != 1 ]; then   # several workers: most of a test's time is Triton compiling for its shapes
   step gpu_tests "${GPU_TESTS_S:-240}" $PY -m pytest -q -p no:cacheprovider -n "${WORKERS:-6}" tests/test_gpu.py \
-    tests/test_device_sampler.py tests/test_cuda_graphs.py
+    tests/sampling/test_device_sampler.py tests/worker/test_cuda_graphs.py
 fi
 sed -n '/^device:/,$p' "$OUT/bench.log" | head -80

@@ -33,7 +33,7 @@ def _interpreter_scalars_index_under_numpy_2_4() -> None:
 if os.environ.get("TRITON_INTERPRET") == "1":
     _interpreter_scalars_index_under_numpy_2_4()
 
-from tests.browser_harness import browser  # noqa: F401 (a fixture: the playground's tests share one Chromium)
+from tests.helpers.browser_harness import browser  # noqa: F401 (a fixture: the playground's tests share one Chromium)
 
 VOCAB = 320
 
@@ -79,7 +79,7 @@ TINY_CONFIGS = {
     "phi3_partial_rotary": ("Phi3Config", dict(num_attention_heads=4, num_key_value_heads=2, partial_rotary_factor=0.5,
                                                sliding_window=10)),
     # longrope past an original length of 2: the long factors and attention factor at every length
-    # (the short ones: tests/test_rope_scaling.py)
+    # (the short ones: tests/models/test_rope_scaling.py)
     "phi3_longrope": ("Phi3Config", dict(
         num_attention_heads=4, num_key_value_heads=4, original_max_position_embeddings=2,
         rope_scaling={"rope_type": "longrope", "short_factor": [1.0 + i / 8 for i in range(8)],
@@ -160,13 +160,13 @@ def tiny_model_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
     """The prepared SmolLM2 folder (`make test` pulls it first)."""
-    from tokenloom import hub
+    from tokenloom.loader import hub
     return hub.pull()
 
 
 @pytest.fixture(scope="session")
 def default_gguf_path(default_model_dir) -> Path:
-    from tokenloom import hub
+    from tokenloom.loader import hub
     return hub.default_gguf_path()
 
 

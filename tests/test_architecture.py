@@ -1,5 +1,7 @@
-"""The package's structure: no import cycles, and the server reaches the engine only through
-AsyncLLMEngine's public interface (docs/ARCHITECTURE.md)."""
+"""The package's structure (docs/ARCHITECTURE.md): no import cycles; layers import only downward
+(entrypoints above the engine above the worker above models, layers, kernels and the rest); at most
+8 modules directly under tokenloom/; the server reaches the engine only through AsyncLLMEngine's
+public interface."""
 
 from __future__ import annotations
 
@@ -72,9 +74,33 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+# Layers from the top (0) down; a module takes the layer of its longest listed prefix, and
+# everything unlisted (models, layers, attention, kv_cache, quant, kernels, sampling, ...) is the
+# bottom layer. The draft proposer drives a draft model's runner for the engine core; a rank's
+# worker process runs a model runner.
+LAYERS = {
+    "tokenloom.entrypoints": 0, "tokenloom.eval": 0,
+    "tokenloom.engine": 1, "tokenloom.spec_decode.proposer": 1,
+    "tokenloom.worker": 2, "tokenloom.distributed.worker": 2, "tokenloom.distributed.launch": 2,
+    "tokenloom.distributed.rank_main": 2,
+}
+BOTTOM = 3
+FACADES = {"tokenloom", "tokenloom.__main__"}   # the public API: `tokenloom.LLM`, `python -m tokenloom`
+
+
+def layer_of(module: str, layers: dict[str, int] = LAYERS) -> int:
+    matches = [prefix for prefix in layers if module == prefix or module.startswith(prefix + ".")]
+    return layers[max(matches, key=len)] if matches else BOTTOM
+
+
+def upward_imports(graph: dict[str, set[str]], layers: dict[str, int] = LAYERS) -> list[str]:
+    return sorted(f"{module} -> {target}" for module, targets in graph.items() if module not in FACADES
+                  for target in targets if layer_of(target, layers) < layer_of(module, layers))
+
+
 def test_no_import_cycles_in_the_package():
     graph = import_graph()
-    assert "tokenloom.engine.core" in graph and "tokenloom.scheduler" in graph["tokenloom.engine.core"]
+    assert "tokenloom.engine.core" in graph and "tokenloom.engine.scheduler" in graph["tokenloom.engine.core"]
     assert cycles(graph) == []
 
 
@@ -82,16 +108,27 @@ def test_the_cycle_finder_finds_a_cycle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
-def test_lower_layers_do_not_import_the_layers_above():
+def test_layers_import_only_the_layers_below():
     graph = import_graph()
-    below = ["tokenloom.scheduler", "tokenloom.runner", "tokenloom.engine.core", "tokenloom.spec_decode.proposer"]
-    above = {"tokenloom.engine.output_processor", "tokenloom.engine.llm_engine", "tokenloom.llm",
-             "tokenloom.async_engine", "tokenloom.server"}
-    for module in below:
-        assert not graph[module] & above, module
+    assert graph["tokenloom.engine.core"] and graph["tokenloom.worker.model_runner"]
+    assert upward_imports(graph) == []
+
+
+def test_the_layer_check_finds_an_upward_import():
+    graph = {"tokenloom.worker.batch": {"tokenloom.engine.request"},
+             "tokenloom.engine.core": {"tokenloom.worker.batch"},
+             "tokenloom.models.llama": {"tokenloom.distributed.worker"}}
+    assert upward_imports(graph) == ["tokenloom.models.llama -> tokenloom.distributed.worker",
+                                     "tokenloom.worker.batch -> tokenloom.engine.request"]
+
+
+def test_the_top_level_holds_the_public_api_and_at_most_eight_modules():
+    modules = sorted(p.name for p in ROOT.glob("*.py"))
+    assert len(modules) <= 8, modules
+    assert {"__init__.py", "sampling_params.py", "outputs.py"} <= set(modules)
 
 
 def test_the_server_uses_only_the_async_engines_public_interface():
-    for path in (ROOT / "server").glob("*.py"):
+    for path in (ROOT / "entrypoints" / "server").glob("*.py"):
         source = path.read_text()
         assert "engine.engine" not in source and "._engine" not in source, path.name

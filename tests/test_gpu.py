@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.conftest import TINY_CONFIGS
-from tests.hf_reference import hf_greedy, load_hf_reference
+from tests.helpers.hf_reference import hf_greedy, load_hf_reference
 from tokenloom import LLM, SamplingParams
 
 transformers = pytest.importorskip("transformers")
@@ -28,7 +28,7 @@ def hf_on_cuda(folder, dtype: torch.dtype):
 def test_cuda_float32_greedy_matches_hf_on_cuda(arch, tiny_model_dir):
     folder = tiny_model_dir(arch)
     llm = LLM(str(folder), device="cuda", dtype="float32", kv_cache_memory=16 << 20, max_num_seqs=4)
-    assert llm.engine.runner.kv_cache.keys[0].device.type == "cuda"
+    assert llm.engine.core.runner.kv_cache.keys[0].device.type == "cuda"
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
     hf = hf_on_cuda(folder, torch.float32)
     for prompt, result in zip(PROMPTS, llm.generate(PROMPTS, params)):
@@ -45,7 +45,7 @@ def test_cuda_float32_greedy_matches_hf_on_cuda(arch, tiny_model_dir):
 def test_cuda_reduced_precision_tracks_hf_in_the_same_precision(arch, dtype, tiny_model_dir):
     folder = tiny_model_dir(arch)
     llm = LLM(str(folder), dtype=dtype, device="cuda", kv_cache_memory=16 << 20, max_num_seqs=4)
-    assert llm.engine.runner.kv_cache.keys[0].dtype == DTYPES[dtype]
+    assert llm.engine.core.runner.kv_cache.keys[0].dtype == DTYPES[dtype]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0)
     hf = hf_on_cuda(folder, DTYPES[dtype])
     for prompt, result in zip(PROMPTS, llm.generate(PROMPTS, params)):
@@ -59,19 +59,18 @@ def test_cuda_reduced_precision_tracks_hf_in_the_same_precision(arch, dtype, tin
 def test_cuda_quantized_weights_compute_what_the_cpu_fallback_computes(quantization, tiny_model_dir, monkeypatch):
     """On the GPU a quantized layer dequantizes its weight per call and runs a float matmul:
     the same math as the CPU without its kernels (float rounding apart)."""
-    from tokenloom.quant import kernels
-    from tokenloom.scoring import prefill_logits
+    from tokenloom.quant.int8 import kernels
     folder = str(tiny_model_dir("llama_gqa"))
     ids = list(range(3, 40))
     gpu = LLM(folder, device="cuda", dtype="float32", quantization=quantization, kv_cache_memory=8 << 20,
               max_num_seqs=4)
-    got = torch.cat([lg for _, lg in prefill_logits(gpu.engine, ids)]).cpu()
+    got = torch.cat([lg for _, lg in gpu.engine.prefill_logits(ids)]).cpu()
     monkeypatch.setattr(kernels, "available", lambda: False)
-    cpu = LLM(folder, quantization=quantization, kv_cache_memory=8 << 20)
-    want = torch.cat([lg for _, lg in prefill_logits(cpu.engine, ids)])
+    cpu = LLM(folder, device="cpu", quantization=quantization, kv_cache_memory=8 << 20)
+    want = torch.cat([lg for _, lg in cpu.engine.prefill_logits(ids)])
     assert ((got - want).norm() / want.norm()).item() < 1e-4
     ref = LLM(folder, device="cuda", dtype="float32", kv_cache_memory=8 << 20, max_num_seqs=4)
-    float_logits = torch.cat([lg for _, lg in prefill_logits(ref.engine, ids)]).cpu()
+    float_logits = torch.cat([lg for _, lg in ref.engine.prefill_logits(ids)]).cpu()
     assert not torch.allclose(got, float_logits)        # really quantized
 
 
@@ -94,7 +93,7 @@ def test_cuda_structured_output_scoring_and_beam_search(tiny_model_dir):
     from tokenloom.structured import StructuredOutput
     folder = str(tiny_model_dir("llama_gqa"))
     gpu = LLM(folder, device="cuda", dtype="float32", kv_cache_memory=8 << 20, max_num_seqs=4)
-    cpu = LLM(folder, kv_cache_memory=8 << 20)
+    cpu = LLM(folder, device="cpu", kv_cache_memory=8 << 20)
     constrained = SamplingParams(temperature=1.0, seed=0, max_tokens=12,
                                  structured_output=StructuredOutput.regex(r"[ab]{3,6}"))
     for out in gpu.generate([PROMPTS[0]] * 4, [constrained] * 4):   # (decode the ids: this id prompt ends
@@ -113,11 +112,11 @@ def test_cuda_structured_output_scoring_and_beam_search(tiny_model_dir):
 
 def test_cuda_defaults_to_bfloat16_with_decode_graphs(tiny_model_dir):
     llm = LLM(str(tiny_model_dir("llama_gqa")), device="cuda", kv_cache_memory=8 << 20, max_num_seqs=6)
-    assert llm.engine.runner.kv_cache.keys[0].dtype == torch.bfloat16
-    graphs = llm.engine.runner.graphs
+    assert llm.engine.core.runner.kv_cache.keys[0].dtype == torch.bfloat16
+    graphs = llm.engine.core.runner.graphs
     assert graphs is not None and sorted(graphs.graphs) == [1, 2, 4, 6]
     moe = LLM(str(tiny_model_dir("mixtral")), device="cuda", kv_cache_memory=8 << 20, max_num_seqs=4)
-    assert moe.engine.runner.graphs is None                         # its router reads values on the host
+    assert moe.engine.core.runner.graphs is None                         # its router reads values on the host
     out = moe.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 4
 
@@ -132,7 +131,7 @@ def test_cuda_graph_decode_equals_eager_at_every_bucket(arch, dtype, tol, tiny_m
                  enable_prefix_caching=False)
     eager = LLM(folder, device="cuda", dtype=dtype, kv_cache_memory=16 << 20, max_num_seqs=8,
                 enable_prefix_caching=False, enforce_eager=True)
-    assert graphs.engine.runner.graphs is not None and eager.engine.runner.graphs is None
+    assert graphs.engine.core.runner.graphs is not None and eager.engine.core.runner.graphs is None
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
     prompts = [[(7 * i + j) % 300 + 3 for j in range(3 + 5 * i)] for i in range(8)]
     for n in (1, 2, 3, 5, 8):
@@ -179,21 +178,21 @@ def test_cuda_decode_steps_with_graphs_equal_single_eager_steps(tiny_model_dir):
     got = [o.outputs[0].token_ids for o in fast.generate(prompts, params)]
     want = [o.outputs[0].token_ids for o in slow.generate(prompts, params)]
     assert got == want
-    assert fast.engine.scheduler.num_steps < slow.engine.scheduler.num_steps / 2
+    assert fast.engine.core.scheduler.num_steps < slow.engine.core.scheduler.num_steps / 2
 
 
 @pytest.mark.parametrize("quantize", [None, "Q8_0"])
 def test_cuda_loads_a_gguf_file_dequantized_to_bfloat16(quantize, tiny_model_dir, tmp_path):
     """A GGUF file on the GPU: its blocks dequantized to bf16 at load (kept as stored on the CPU only),
     its first greedy token's logprob the float32 CPU run's on the same file, up to bf16 rounding."""
-    from tests.gguf_writer import write_gguf
+    from tests.helpers.gguf_writer import write_gguf
     path = tmp_path / "tiny.gguf"
     write_gguf(tiny_model_dir("llama_gqa"), path, quantize=quantize)
     gpu = LLM(str(path), device="cuda", kv_cache_memory=8 << 20, max_num_seqs=4)
-    assert gpu.engine.runner.kv_cache.keys[0].dtype == torch.bfloat16
-    assert all(p.dtype == torch.bfloat16 and p.is_cuda for p in gpu.engine.runner.model.parameters())
+    assert gpu.engine.core.runner.kv_cache.keys[0].dtype == torch.bfloat16
+    assert all(p.dtype == torch.bfloat16 and p.is_cuda for p in gpu.engine.core.runner.model.parameters())
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=0)
-    cpu = LLM(str(path), kv_cache_memory=8 << 20).generate(PROMPTS, params)
+    cpu = LLM(str(path), device="cpu", kv_cache_memory=8 << 20).generate(PROMPTS, params)
     for g, c in zip(gpu.generate(PROMPTS, params), cpu):
         best = [max(out.outputs[0].logprobs[0].values()) for out in (g, c)]          # the greedy token's
         assert best[0] == pytest.approx(best[1], abs=0.1)

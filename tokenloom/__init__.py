@@ -11,6 +11,6 @@ def __getattr__(name: str):
     # LLM pulls in torch and the model code; import it lazily so that
     # `import tokenloom` stays cheap for the CLI's --help.
     if name == "LLM":
-        from tokenloom.llm import LLM
+        from tokenloom.entrypoints.llm import LLM
         return LLM
     raise AttributeError(name)

@@ -126,7 +126,7 @@ class SamplingParams:
              "must be None or an integer in [1, 100] (candidates listed per step)"),
             ("seed", self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < SEED_LIMIT),
              "must be None or an integer in [0, 2**64)"),
-            ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
+            ("stop", all(isinstance(s, str) and s for s in self.stop or ()), "must be non-empty strings"),
             ("stop_token_ids", all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
              "must be non-negative integers"),
         ] + self._chain_checks()

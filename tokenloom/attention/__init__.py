@@ -1,6 +1,7 @@
-"""Attention over the paged KV cache. ``torch_sdpa`` is the CPU reference backend."""
+"""Attention over the paged KV cache: the op models call and its backends, chosen in one place
+(``backend.py``); torch SDPA (``torch_sdpa.py``) is the reference, the CPU kernels (``cpu_decode``,
+``cpu_prefill``) and the Triton kernels (kernels/triton/) the fast paths."""
 
 from tokenloom.attention.metadata import AttentionMetadata
-from tokenloom.attention.torch_sdpa import paged_attention, reads_past_context
 
-__all__ = ["AttentionMetadata", "paged_attention", "reads_past_context"]
+__all__ = ["AttentionMetadata"]

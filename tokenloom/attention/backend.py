@@ -15,25 +15,26 @@ against this op gets the fastest path the step allows:
   prompt chunks and mixed steps alike; what a CUDA graph captures.
 - ``TorchAttention`` (everything else: bf16/fp16 on the CPU, an int8 cache, long prompts, no
   rope): the same arithmetic from separate ops: q/k norm, rope (fused on CPU float32),
-  ``paged_attention`` (torch SDPA, with the CPU kernels for the rows they take).
+  ``paged_attention`` below: the CPU kernels for the rows they take, torch SDPA
+  (torch_sdpa.py) for the rest.
 
-The CPU two give the same bits where both run (tests/test_attention_backends.py); the Triton
-path is checked against its torch references (tests/test_triton_kernels.py) and against
+The CPU two give the same bits where both run (tests/attention/test_attention_backends.py); the Triton
+path is checked against its torch references (tests/kernels/test_triton_kernels.py) and against
 transformers on a GPU (tests/test_gpu.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
 
-from tokenloom.attention import cpu_decode, cpu_prefill
+from tokenloom.attention import cpu_decode, cpu_prefill, torch_sdpa
 from tokenloom.attention.metadata import AttentionMetadata
-from tokenloom.attention.torch_sdpa import paged_attention
 from tokenloom.kernels import triton as triton_kernels
-from tokenloom.models.layers import apply_rope
+from tokenloom.layers.rope import apply_rope
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +79,7 @@ class StepAttention:
 
     def step_tensors(self) -> list[torch.Tensor] | None:
         """Every per-step tensor the layers' calls read, for a step whose layers may replay from a
-        tape (models/op_tape.py): the same calls for every step of these tensors' shapes, the
+        tape (layers/op_tape.py): the same calls for every step of these tensors' shapes, the
         Python of __call__ deciding nothing from their values. None: this step runs eagerly."""
         return None
 
@@ -128,18 +129,25 @@ class TritonAttention(StepAttention):
 
 
 class KernelAttention(StepAttention):
+    rope: tuple[torch.Tensor, torch.Tensor]         # always given here (kernels_take)
+
     def __init__(self, shape: AttentionShape, meta: AttentionMetadata, kv_cache,
                  rope: tuple[torch.Tensor, torch.Tensor]) -> None:
         super().__init__(shape, meta, kv_cache, rope)
         self.decoding = cpu_decode.decode_rows(meta)
         self.ops = cpu_decode.ops()
+        self.tables: torch.Tensor | None
+        self.ctx: torch.Tensor | None
         self.tables, self.ctx = cpu_decode.decode_inputs(meta) if self.decoding else (None, None)
         self.all_decode = len(self.decoding) == meta.num_seqs
         self.prompts = [] if self.all_decode else cpu_prefill.prefill_rows(meta)
 
     def step_tensors(self) -> list[torch.Tensor] | None:
         """All-decode steps: rope tables, cache slots, block tables, context lengths."""
-        return [*self.rope, self.meta.slot_mapping, self.tables, self.ctx] if self.all_decode else None
+        if not self.all_decode:
+            return None
+        # all decoding: tables and ctx made
+        return cast("list[torch.Tensor]", [*self.rope, self.meta.slot_mapping, self.tables, self.ctx])
 
     def __call__(self, layer: int, qkv: torch.Tensor, norms: QKNorms | None = None) -> torch.Tensor:
         sh, meta = self.shape, self.meta
@@ -177,9 +185,12 @@ class LayerwiseAttention(StepAttention):
     def step_tensors(self) -> list[torch.Tensor] | None:
         """Every op's step tensors, each once (the ops share the step's slots and tables)."""
         parts = [op.step_tensors() for op in self.ops]
-        if any(p is None for p in parts):
-            return None
-        return list({id(t): t for part in parts for t in part}.values())
+        found: dict[int, torch.Tensor] = {}
+        for part in parts:
+            if part is None:
+                return None
+            found.update((id(t), t) for t in part)
+        return list(found.values())
 
 
 def _norm_in_place(qkv: torch.Tensor, norms: QKNorms, sh: AttentionShape) -> None:
@@ -190,6 +201,39 @@ def _norm_in_place(qkv: torch.Tensor, norms: QKNorms, sh: AttentionShape) -> Non
     k = qkv[:, sh.q_size:sh.q_size + sh.kv_size].reshape(T * sh.num_kv_heads, sh.head_dim)
     qkv[:, :sh.q_size] = norms[0](q).view(T, sh.q_size)
     qkv[:, sh.q_size:sh.q_size + sh.kv_size] = norms[1](k).view(T, sh.kv_size)
+
+
+def reads_past_context(kv_cache) -> bool:
+    """Whether attention over `kv_cache` (a PagedKVCache) may read the slots past a sequence's
+    end: torch_sdpa's padded decode batch does (masked, so they must hold zeros, not NaN); where
+    the CPU decode kernel takes every decoding sequence, no reader does (the kernels and the
+    per-sequence SDPA calls read exactly each context), and fresh blocks need no clearing."""
+    probe = torch.empty(0, dtype=kv_cache.dtype, device=kv_cache.device)
+    return not cpu_decode.usable(probe, kv_cache.keys[kv_cache.layers[0]])
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float, window: int | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
+    """Write this step's k/v into the caches, then attend (torch_sdpa.paged_attention's contract):
+    decoding rows on the CPU decode kernel and prompt chunks on the prefill kernel where they take
+    them (CPU, float32), every other sequence in torch SDPA. Returns (T, heads, head_dim)."""
+    torch_sdpa.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    decoding = cpu_decode.decode_rows(meta) if cpu_decode.usable(q, k_cache) else []
+    if decoding and len(decoding) == meta.num_seqs:                     # one query per sequence: q rows = sequences
+        return cpu_decode.attend(q, k_cache, v_cache, meta, decoding, scale, window, softcap)
+    if not decoding and meta.num_seqs > 1 and max(meta.query_lens) == 1 and softcap is None:
+        return torch_sdpa.paged_attention(q, k, v, k_cache, v_cache, meta, scale, window)   # one padded call
+    out = torch.empty_like(q)
+    if decoding:
+        rows = [meta.query_start[i] for i in decoding]
+        out[rows] = cpu_decode.attend(q[rows], k_cache, v_cache, meta, decoding, scale, window, softcap)
+    prompts = cpu_prefill.prefill_rows(meta) if cpu_prefill.usable(q, k_cache) else []
+    if prompts:
+        cpu_prefill.attend_into(out, q, k_cache, v_cache, meta, prompts, scale, window, softcap)
+    return torch_sdpa.paged_attention(q, k, v, k_cache, v_cache, meta, scale, window, softcap, out,
+                                      frozenset(prompts) | frozenset(decoding))
 
 
 def kernels_take(shape: AttentionShape, meta: AttentionMetadata, kv_cache,
@@ -217,5 +261,6 @@ def plan_attention(shape: AttentionShape, meta: AttentionMetadata, kv_cache,
     if triton_kernels.takes_cache(kv_cache):
         return TritonAttention(shape, meta, kv_cache, rope)
     if kernels_take(shape, meta, kv_cache, rope):
+        assert rope is not None                     # kernels_take wants the tables
         return KernelAttention(shape, meta, kv_cache, rope)
     return TorchAttention(shape, meta, kv_cache, rope)

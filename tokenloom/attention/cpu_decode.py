@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from tokenloom import native
 from tokenloom.attention.metadata import AttentionMetadata
+from tokenloom.kernels import native
 
 _SOURCE = Path(__file__).parent / "csrc" / "paged_decode_cpu.cpp"
 BUILDS = (("avx512", "tokenloom_attention512"), ("avx2", "tokenloom_attention"))   # (isa, library), fastest first
@@ -52,7 +52,7 @@ def decode_inputs(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
 def _inputs(meta: AttentionMetadata, seqs: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Padded block tables (S, W) int64 and context lengths (S,) of `seqs`; same for every layer.
     W is a power of two: a growing context changes the step's shapes (and re-records its
-    tape, models/op_tape.py) log2 times, not every block."""
+    tape, layers/op_tape.py) log2 times, not every block."""
     if meta.decode_kernel_inputs is None:
         meta.decode_kernel_inputs = (meta.padded_block_tables(seqs, power_of_two=True),
                                      torch.tensor([meta.context_lens[i] for i in seqs], dtype=torch.int64))

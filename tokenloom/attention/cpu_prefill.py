@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from tokenloom import native
 from tokenloom.attention.metadata import AttentionMetadata
+from tokenloom.kernels import native
 
 _SOURCE = Path(__file__).parent / "csrc" / "paged_prefill_avx512.cpp"
 _BUILDS = (("avx512", "tokenloom_prefill512"),)

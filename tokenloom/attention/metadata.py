@@ -24,7 +24,8 @@ def build_paged_inputs(query_lens: list[int], context_lens: list[int], tables: l
     (pinned and asynchronous on a GPU). tables[i]: sequence i's block ids (at least enough for
     context_lens[i] positions)."""
     S = len(query_lens)
-    starts, offsets, flat = [0], [], []
+    starts, offsets = [0], []
+    flat: list[int] = []
     for q_len, table in zip(query_lens, tables):
         starts.append(starts[-1] + q_len)
         offsets.append(len(flat))

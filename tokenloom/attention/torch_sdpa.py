@@ -1,11 +1,11 @@
-"""Reference paged attention on torch's scaled_dot_product_attention (any device).
+"""Paged attention in torch ops on scaled_dot_product_attention: any device, any dtype, the
+reference the kernels are checked against. Which rows the CPU kernels take instead is decided
+in backend.py, not here.
 
-Prefill chunks run one SDPA call per sequence. On the CPU in float32, every
-one-query (decoding) sequence goes to a compiled kernel reading the blocks in place
-(cpu_decode.py), and on AVX-512 CPUs so do prompt chunks of up to 2048 positions of
-context (cpu_prefill.py). Elsewhere a pure-decode batch runs as one padded call: one gather of every sequence's blocks
-and a mask that hides each sequence's padding, so a sequence still attends to
-exactly its own context whatever its batch companions are.
+Prompt chunks run one SDPA call per sequence. A pure-decode batch runs as one padded call: one
+gather of every sequence's blocks and a mask that hides each sequence's padding, so a sequence
+still attends to exactly its own context whatever its batch companions are (the padded slots are
+read, masked: ``backend.reads_past_context``).
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tokenloom.attention import cpu_decode, cpu_prefill
 from tokenloom.attention.metadata import AttentionMetadata
 from tokenloom.kv_cache.paged import Int8Cache
 
@@ -63,45 +62,27 @@ def _mask(q_len: int, ctx_len: int, window: int | None, device: torch.device) ->
     return allowed
 
 
-def reads_past_context(kv_cache) -> bool:
-    """Whether attention over `kv_cache` (a PagedKVCache) may read the slots past a sequence's
-    end: the padded decode batch below does (masked, so they must hold zeros, not NaN); where
-    the CPU decode kernel takes every decoding sequence, no reader does (the kernels and the
-    per-sequence SDPA calls read exactly each context), and fresh blocks need no clearing."""
-    probe = torch.empty(0, dtype=kv_cache.dtype, device=kv_cache.device)
-    return not cpu_decode.usable(probe, kv_cache.keys[kv_cache.layers[0]])
-
-
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, window: int | None = None,
-                    softcap: float | None = None) -> torch.Tensor:
+                    softcap: float | None = None, out: torch.Tensor | None = None,
+                    skip: frozenset[int] = frozenset()) -> torch.Tensor:
     """Causal attention of this step's queries against each sequence's cached context (its
-    last `window` positions; None: all), scores soft-capped where `softcap` is given.
+    last `window` positions; None: all), scores soft-capped where `softcap` is given, in torch
+    ops only. Does not write the cache: the caller has written this step's k/v (``write_kv``).
 
     q: (T, heads, head_dim); k, v: (T, kv_heads, head_dim); caches:
-    (num_blocks, block_size, kv_heads, head_dim). Writes k/v into the caches first,
-    then returns (T, heads, head_dim).
+    (num_blocks, block_size, kv_heads, head_dim). Returns `out` (T, heads, head_dim; new if
+    None) with the rows of every sequence but those in `skip` (whose rows another kernel fills).
     """
-    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     gqa = q.shape[1] != k.shape[1]
-    decoding = cpu_decode.decode_rows(meta) if cpu_decode.usable(q, k_cache) else []
-    if decoding and len(decoding) == meta.num_seqs:                     # one query per sequence: q rows = sequences
-        return cpu_decode.attend(q, k_cache, v_cache, meta, decoding, scale, window, softcap)
-    if not decoding and meta.num_seqs > 1 and max(meta.query_lens) == 1 and softcap is None:
+    if not skip and meta.num_seqs > 1 and max(meta.query_lens) == 1 and softcap is None:
         return _decode_batch(q, k_cache, v_cache, meta, scale, gqa, window)
-    out = torch.empty_like(q)
-    if decoding:
-        rows = [meta.query_start[i] for i in decoding]
-        out[rows] = cpu_decode.attend(q[rows], k_cache, v_cache, meta, decoding, scale, window, softcap)
-    prompts = cpu_prefill.prefill_rows(meta) if cpu_prefill.usable(q, k_cache) else []
-    if prompts:
-        cpu_prefill.attend_into(out, q, k_cache, v_cache, meta, prompts, scale, window, softcap)
-    done = set(prompts) | set(decoding)
+    out = torch.empty_like(q) if out is None else out
     for i, (start, q_len, ctx_len, table) in enumerate(zip(meta.query_start, meta.query_lens,
                                                            meta.context_lens, meta.block_tables)):
-        if i in done:
-            continue                                                     # done by a kernel above
+        if i in skip:
+            continue
         rows = slice(start, start + q_len)
         if softcap is not None:
             out[rows] = _softcapped_sequence(q[rows], k_cache, v_cache, table, ctx_len, scale, window, softcap)

@@ -13,14 +13,17 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from tokenloom.batch import SeqChunk
-from tokenloom.config import ModelConfig
 from tokenloom.distributed.group import ParallelGroup
 from tokenloom.distributed.shard import TENSOR_PARALLEL_CLASSES, TensorParallelError
+from tokenloom.models.config import ModelConfig
+
+if TYPE_CHECKING:
+    from tokenloom.worker.batch import SeqChunk
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 

@@ -19,11 +19,12 @@ import dataclasses
 import math
 import re
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
-from tokenloom.config import ModelConfig
-from tokenloom.quant.ggml import GGMLTensor
+from tokenloom.models.config import ModelConfig
+from tokenloom.quant.gguf.tensor import GGMLTensor
 
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "w1", "w3")
 ROW_PARALLEL = ("o_proj", "down_proj", "w2")
@@ -98,7 +99,7 @@ class TensorShard:
             return self._even_share(tensor, 0, name)
         if module in ROW_PARALLEL:
             if kind == "bias":
-                return tensor if self.rank == 0 else torch.zeros_like(tensor)
+                return tensor if self.rank == 0 else torch.zeros_like(cast(torch.Tensor, tensor))   # biases: float
             return self._even_share(tensor, 1, name)
         return tensor
 

@@ -20,12 +20,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from tokenloom.config import EngineConfig, parse_dtype
+from tokenloom.config import EngineConfig
 from tokenloom.distributed.errors import ParallelRankError
 from tokenloom.distributed.group import init_group, rank_device, report_stage
 from tokenloom.distributed.layers import parallelize
 from tokenloom.distributed.pipeline import Pipeline, PipelineStage
 from tokenloom.distributed.shard import TensorShard
+from tokenloom.models.config import parse_dtype
 
 
 def threads_per_rank(size: int) -> int:
@@ -50,7 +51,7 @@ def load_share(config: EngineConfig, plan: TensorShard | PipelineStage, group):
     if isinstance(plan, TensorShard):
         parallelize(loaded.model, plan, group, loaded.config)
     else:
-        loaded.model.pipeline = Pipeline(loaded.model, plan, group)
+        loaded.pipeline = Pipeline(loaded.model, plan, group)
     return loaded
 
 
@@ -113,7 +114,7 @@ def worker_main(rank: int, size: int, init_method: str | None, config: EngineCon
 def serve(loaded, group, config: EngineConfig) -> None:
     """Run rank 0's commands until it says stop."""
     from tokenloom.kv_cache.paged import PagedKVCache
-    from tokenloom.runner import ModelRunner
+    from tokenloom.worker.model_runner import ModelRunner
     runner, forwards = None, 0
     while True:
         kind, payload = group.receive()
@@ -122,12 +123,14 @@ def serve(loaded, group, config: EngineConfig) -> None:
             num_blocks, block_size, dtype, kv_dtype = payload
             kv = PagedKVCache(loaded.local_config, num_blocks, block_size, parse_dtype(dtype), config.device, kv_dtype,
                               loaded.kv_layers)
-            runner = ModelRunner(loaded.model, kv, config.device)
+            runner = ModelRunner(loaded.model, kv, config.device, pipeline=loaded.pipeline)
         elif kind == "copy":
+            assert runner is not None             # rank 0 sends "cache" first
             runner.kv_cache.copy_blocks(payload)
         elif kind == "forward":
             forwards += 1
             fault_point(group.rank, f"forward{forwards}")
+            assert runner is not None             # rank 0 sends "cache" first
             runner.forward(payload)
         elif kind == "logits":
             loaded.model.lm_head.serve(*payload)

@@ -12,19 +12,20 @@ import logging
 import time
 from dataclasses import dataclass
 
-from tokenloom.config import EngineConfig, parse_dtype
+from tokenloom.config import EngineConfig
+from tokenloom.engine.core_output import CoreOutput
 from tokenloom.engine.cpu_share import CpuShare
+from tokenloom.engine.request import Request
+from tokenloom.engine.scheduler import Scheduler
 from tokenloom.kv_cache.block_manager import BlockManager
 from tokenloom.kv_cache.paged import PagedKVCache, kv_bytes_per_token
 from tokenloom.loader.load import LoadedModel
-from tokenloom.outputs import CoreOutput
-from tokenloom.request import Request
-from tokenloom.runner import ModelRunner
+from tokenloom.models.config import parse_dtype
 from tokenloom.sampling.vocab import SamplingVocab
 from tokenloom.sampling_params import SamplingParams
-from tokenloom.scheduler import Scheduler
 from tokenloom.spec_decode.proposer import SpecProposer
 from tokenloom.structured.grammars import GrammarCompiler
+from tokenloom.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("tokenloom")
 
@@ -46,13 +47,15 @@ class EngineCore:
     or by ``finish`` (aborts, stop strings matched above).
     """
 
-    def __init__(self, config: EngineConfig, loaded: LoadedModel, progress: bool = False) -> None:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel, progress: bool = False, peers=None) -> None:
+        """`peers`: the group of the other ranks, where the model is split over processes."""
         self.config = config
         self.model_config = loaded.config
         self.max_model_len = loaded.config.max_model_len
         self.eos_token_ids = loaded.eos_token_ids
         logger.info("sampling settings a request leaves out: %s", loaded.sampling_defaults.describe())
         dtype = parse_dtype(config.dtype)
+        assert loaded.local_config is not None          # LoadedModel.__post_init__ fills it
         self.cache_config = loaded.local_config          # a tensor-parallel rank caches its own KV heads only
         self.kv_bytes_per_token = kv_bytes_per_token(self.cache_config, dtype, config.kv_cache_dtype, loaded.kv_layers)
         budget = config.cache.resolve_memory(self.kv_bytes_per_token, self.max_model_len)
@@ -61,7 +64,8 @@ class EngineCore:
         self._report_cache(kv)
         self.block_manager = BlockManager(kv.num_blocks, kv.block_size, config.cache.enable_prefix_caching)
         self.runner = ModelRunner(loaded.model, kv, config.device, cuda_graphs=not config.enforce_eager,
-                                  max_num_seqs=config.scheduler.max_num_seqs, max_model_len=self.max_model_len)
+                                  max_num_seqs=config.scheduler.max_num_seqs, max_model_len=self.max_model_len,
+                                  peers=peers, pipeline=loaded.pipeline)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len, self.runner.decodes_ahead)
         self.reserve_activation_memory()
         self.grammars = GrammarCompiler(loaded.tokenizer.backend.to_str, loaded.config.vocab_size,

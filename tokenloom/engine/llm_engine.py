@@ -7,20 +7,24 @@ Requests in (``add_request``), one ``step()`` at a time, StepDeltas out. The syn
 from __future__ import annotations
 
 import itertools
-import uuid
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
-from tokenloom.allocator import keep_freed_memory
-from tokenloom.batch import SeqChunk
 from tokenloom.config import EngineConfig
 from tokenloom.engine.core import EngineCore
 from tokenloom.engine.output_processor import OutputProcessor
+from tokenloom.engine.request import Request
 from tokenloom.loader import load_model
+from tokenloom.memory.allocator import keep_freed_memory
 from tokenloom.metrics import EngineStats
 from tokenloom.outputs import StepDelta
-from tokenloom.request import Request
 from tokenloom.sampling_params import SamplingParams
+from tokenloom.worker.batch import SeqChunk
+
+if TYPE_CHECKING:
+    from tokenloom.distributed.launch import Ranks
 
 
 class LLMEngine:
@@ -28,8 +32,8 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, progress: bool = False) -> None:
         self.config = config
-        keep_freed_memory()                # large activations reuse mapped pages (allocator.py)
-        self.ranks = None
+        keep_freed_memory()                # large activations reuse mapped pages (memory/allocator.py)
+        self.ranks: Ranks | None = None
         if config.world_size > 1:
             loaded = self._load_parallel(config, progress)
         else:
@@ -38,11 +42,10 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.sampling_defaults = loaded.sampling_defaults    # what a request that leaves settings out gets
         try:
-            self.core = EngineCore(config, loaded, progress)
+            self.core = EngineCore(config, loaded, progress, peers=None if self.ranks is None else self.ranks.group)
             if self.ranks is not None:
                 kv = self.core.runner.kv_cache
                 self.ranks.group.send("cache", (kv.num_blocks, kv.block_size, config.dtype, config.kv_cache_dtype))
-                self.core.runner.peers = self.ranks.group
         except BaseException:
             if self.ranks is not None:
                 self.ranks.stop()             # the ranks started for this engine go with it
@@ -92,20 +95,9 @@ class LLMEngine:
         self.core.eos_token_ids = frozenset(ids)
 
     @property
-    def block_manager(self):
-        return self.core.block_manager
-
-    @property
-    def scheduler(self):
-        return self.core.scheduler
-
-    @property
-    def runner(self):
-        return self.core.runner
-
-    @property
-    def grammars(self):
-        return self.core.grammars
+    def model(self) -> torch.nn.Module:
+        """The loaded model (to inspect: its weights, their formats; the engine owns it)."""
+        return self.core.runner.model
 
     @property
     def requests(self) -> dict[str, Request]:
@@ -118,6 +110,10 @@ class LLMEngine:
 
     def reserve_activation_memory(self) -> bool:
         return self.core.reserve_activation_memory()
+
+    def warm_up_grammars(self) -> None:
+        """Pay the grammar engine's one-time start-up now rather than in the first constrained request."""
+        self.core.grammars.warm_up()
 
     def check_constraint(self, constraint) -> None:
         """ValueError if a structured-output constraint does not compile (compiled once, cached)."""
@@ -139,16 +135,30 @@ class LLMEngine:
             raise ValueError(f"pooling must be mean or last, got {pooling!r}")
         if not token_ids or len(token_ids) > self.max_model_len:
             raise ValueError(f"the input has {len(token_ids)} tokens; this model takes 1 to {self.max_model_len}")
-        blocks, owner = self.core.block_manager, f"embed-{uuid.uuid4().hex}"
-        if not blocks.can_allocate(owner, len(token_ids)):
-            raise RuntimeError("the KV cache has no room for this input now; retry when fewer requests run")
-        blocks.allocate(owner, len(token_ids))
-        try:
-            hidden, _ = self.core.runner.forward([SeqChunk(list(token_ids), 0, blocks.block_ids(owner))])  # (T, hidden)
-        finally:
-            blocks.free(owner)
+        with self.core.block_manager.borrow(len(token_ids)) as block_ids:
+            hidden, _ = self.core.runner.forward([SeqChunk(list(token_ids), 0, block_ids)])   # (T, hidden)
         pooled = hidden.float().mean(0) if pooling == "mean" else hidden[-1].float()            # (hidden,)
         return torch.nn.functional.normalize(pooled, dim=0).tolist()
+
+    @torch.inference_mode()
+    def prefill_logits(self, token_ids: list[int], chunk_size: int = 128) -> Iterator[tuple[int, torch.Tensor]]:
+        """(start, logits) per chunk: float32 logits (len(chunk), vocab) for the positions
+        start .. start + len(chunk) - 1 of `token_ids`, each predicting the next token (full logits,
+        for comparing engines; a scoring request's prompt logprobs are the serving path).
+
+        Runs while the engine is idle (RuntimeError otherwise), in KV blocks borrowed for the call
+        (RuntimeError if they are not free); ValueError past the context. Chunks after the first
+        read the earlier tokens' keys and values from the KV cache, as decoding does."""
+        n = len(token_ids)
+        if n > self.max_model_len:
+            raise ValueError(f"{n} tokens exceed the model's context of {self.max_model_len}")
+        if self.has_unfinished_requests():
+            raise RuntimeError("full logits are computed only while the engine has no requests in flight")
+        runner = self.core.runner
+        with self.core.block_manager.borrow(n) as block_ids:
+            for start in range(0, n, chunk_size):
+                hidden, _ = runner.forward([SeqChunk(token_ids[start:start + chunk_size], start, block_ids)])
+                yield start, runner.model.compute_logits(hidden)                 # (len, vocab)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (the next prompts compute from scratch)."""
@@ -165,12 +175,12 @@ class LLMEngine:
         return self.enqueue(request_id, prompt_token_ids, params)
 
     def enqueue(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                owner: str | None = None) -> Request:
+                client: str | None = None) -> Request:
         """Queue a request whose input ``validate_request`` has accepted (it is not checked again);
-        ValueError if the id is in use. `owner` (a server's client) takes turns with other owners
-        where the scheduler divides steps between them (fair_share.py)."""
+        ValueError if the id is in use. `client` (who it runs for: a server labels each) takes turns with other clients
+        where the scheduler divides steps between them (engine/fair_share.py)."""
         req = Request(request_id, list(prompt_token_ids), params, self.core.eos_token_ids, next(self._arrivals),
-                      owner=owner)
+                      client=client)
         self.core.add(req)
         self.output_processor.add(req)
         return req

@@ -14,12 +14,14 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import cast
 
-from tokenloom.detokenizer import IncrementalDetokenizer
+from tokenloom.engine.core_output import CoreOutput
+from tokenloom.engine.detokenizer import IncrementalDetokenizer
+from tokenloom.engine.request import Request
 from tokenloom.explain.annotate import annotate
 from tokenloom.explain.records import StepRecord
-from tokenloom.outputs import CompletionOutput, CoreOutput, StepDelta, TokenLogprobs, describe_error
-from tokenloom.request import Request
+from tokenloom.outputs import CompletionOutput, StepDelta, TokenLogprobs, describe_error
 from tokenloom.tokenizer import Tokenizer
 
 logger = logging.getLogger("tokenloom")
@@ -58,8 +60,9 @@ class OutputProcessor:
 
     def add(self, request: Request) -> None:
         p = request.params
+        stop = cast("list[str]", p.stop)            # SamplingParams.__post_init__ makes it a list
         self.states[request.request_id] = RequestState(
-            request, IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, p.stop, p.skip_special_tokens))
+            request, IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, stop, p.skip_special_tokens))
 
     def drop(self, request_id: str) -> None:
         self.states.pop(request_id, None)

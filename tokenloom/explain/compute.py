@@ -56,6 +56,7 @@ def explain_row(raw: torch.Tensor, processed: torch.Tensor, constrained: torch.T
     them, after the processors, and after the grammar mask; `chosen`: the token the sampler
     picked; `meta`: the row's metadata (one row); `drawn_from`: the distribution (V,) it was drawn
     from (None: greedy). Lists the top `explain` candidates by adjusted probability, then `chosen`."""
+    assert meta.states is not None             # __post_init__ fills it
     params, state = meta.params[0], meta.states[0]
     cuts = _Cuts(raw.shape[0])
     moved = _replay_processors(raw, meta, cuts)
@@ -72,6 +73,7 @@ def explain_row(raw: torch.Tensor, processed: torch.Tensor, constrained: torch.T
     adjusted = (constrained / (params.temperature if params.temperature > 0 else 1.0)).softmax(-1)
     model = raw.softmax(-1)
     probs = adjusted if drawn_from is None else drawn_from.to(adjusted.dtype)
+    assert params.explain is not None               # only rows that ask are explained
     ids = adjusted.topk(min(params.explain, adjusted.shape[0])).indices.tolist()
     if chosen not in ids:
         ids.append(chosen)

@@ -1,5 +1,7 @@
-"""Device kernels that are not CPU C++: the Triton kernels of the CUDA path (``kernels/triton``).
+"""Kernel plumbing shared by every package: the native C++ build (``native.py``: per-ISA builds cached
+by source hash; ``setup.py`` builds them ahead of time), the headers the C++ kernels share
+(``include/``), and the Triton kernels of the CUDA path (``triton/``).
 
-The CPU's own C++ kernels live in a ``csrc/`` beside the Python that calls them (models/,
-attention/, quant/, sampling/); this package holds what runs on a GPU.
+Each C++ kernel's source lives in a ``csrc/`` beside the Python that calls it (layers/, attention/,
+quant/int8/, quant/gguf/, sampling/).
 """

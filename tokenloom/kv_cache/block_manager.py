@@ -22,12 +22,27 @@ starts after it: it takes the block over if nobody holds it, or else gets a
 fresh block plus a pending copy of the shared one (run by the runner before
 the step's forward, see ``take_copies``), so no one ever writes into a block
 another request still reads.
+
+The scheduler's interface is narrow (``SCHEDULER_INTERFACE``, held by tests/kv_cache): ``lookup``
+a sequence's cached prefix, ``allocate`` room (starting from that prefix), ``commit`` computed
+tokens to the prefix index, ``trim`` and ``release``, the ``pending_copies`` the runner must run,
+and ``borrow`` (a block table outside any request, for embeddings and full-logit scoring). Which
+prompt blocks are still being computed by running sequences (so that a request with the same
+prompt waits a step and hits them instead of computing them twice) is tracked here too.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from dataclasses import dataclass
+import uuid
+from collections import Counter, OrderedDict
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import cast
+
+# What the scheduler may call (tests/kv_cache/test_block_manager.py checks that it calls nothing else).
+SCHEDULER_INTERFACE = frozenset({"lookup", "allocate", "grow_all", "block_ids", "commit", "trim", "release",
+                                 "pending_copies", "copies_done", "fits", "capacity_tokens"})
 
 
 @dataclass(eq=False, slots=True)
@@ -51,6 +66,20 @@ class PrefixCacheStats:
         return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
 
 
+@dataclass(slots=True)
+class PrefixHit:
+    """What ``lookup`` found for a sequence: the cached full blocks it starts from, then a remembered
+    partial block and how many of its slots match. ``num_tokens`` of its tokens need no computing;
+    ``waits`` says its next prompt block is being computed by another sequence right now."""
+
+    blocks: list[Block] = field(default_factory=list)
+    partial: tuple[Block, int] | None = None
+    num_tokens: int = 0
+    num_queried: int = 0                          # tokens looked up (the prefix-cache hit rate's denominator)
+    prompt_hashes: list[int] = field(default_factory=list)   # the full prompt blocks' hashes (caching on)
+    waits: bool = False
+
+
 class BlockManager:
     """Block tables, reference counts, the prefix-cache index and the LRU free queue."""
 
@@ -70,6 +99,10 @@ class BlockManager:
         self._registered: dict[str, int] = {}
         self._partial: dict[tuple, Block] = {}                 # (parent hash, token ids) -> block starting so
         self._copies: list[tuple[Block, Block]] = []           # (shared source, private copy) not yet run
+        # prompt blocks that running sequences have yet to compute: per sequence its prompt hashes and
+        # how many are computed; every uncomputed hash counted once per sequence computing it
+        self._computing: dict[str, tuple[list[int], int]] = {}
+        self._in_flight: Counter[int] = Counter()
         self.stats = PrefixCacheStats()
 
     # ---- queries -------------------------------------------------------------------------
@@ -89,6 +122,108 @@ class BlockManager:
 
     def ref_count(self, block_id: int) -> int:
         return self.blocks[block_id].ref_count
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Tokens the whole cache holds."""
+        return self.num_blocks * self.block_size
+
+    def fits(self, num_tokens: int) -> bool:
+        """Whether one sequence of `num_tokens` fits in the whole cache (when nothing else holds it)."""
+        return self.blocks_needed(num_tokens) <= self.num_blocks
+
+    # ---- the scheduler's interface -------------------------------------------------------
+    def lookup(self, seq_id: str, token_ids: list[int], num_prompt_tokens: int, use_cache: bool = True) -> PrefixHit:
+        """Where `seq_id` (not yet allocated) may start: its longest cached prefix of `token_ids`
+        (none when `use_cache` is False: a scoring request needs logits at every position), and
+        whether its next prompt block is in flight. Changes nothing but hashing memos."""
+        if not self.enable_prefix_caching:
+            return PrefixHit(num_queried=len(token_ids))
+        hits = self.find_cached_prefix(token_ids) if use_cache else []
+        partial = self.find_cached_partial(token_ids, hits) if use_cache else None
+        prompt = self.request_hashes(seq_id, token_ids)[:num_prompt_tokens // self.block_size]
+        waits = use_cache and len(hits) < len(prompt) and self._in_flight[prompt[len(hits)]] > 0
+        computed = len(hits) * self.block_size + (partial[1] if partial else 0)
+        return PrefixHit(hits, partial, computed, len(token_ids), prompt, waits)
+
+    def allocate(self, seq_id: str, num_tokens: int, hit: PrefixHit | None = None) -> list[int] | None:
+        """Grow `seq_id`'s block table to hold `num_tokens` tokens (a new sequence starting from
+        `hit`, its lookup): the table's block ids, or None (nothing changed) if blocks are short.
+        A new sequence with a lookup counts toward the hit rate, and its uncomputed prompt blocks
+        are in flight until ``commit`` passes them or ``release``."""
+        hit = hit or PrefixHit()
+        new = not self._tables.get(seq_id)
+        if not self._allocate(seq_id, num_tokens, hit.blocks, hit.partial):
+            return None
+        if new and hit.num_queried:
+            self.record_lookup(hit.num_queried, hit.num_tokens)
+            first = len(hit.blocks)
+            if first < len(hit.prompt_hashes):
+                self._computing[seq_id] = (hit.prompt_hashes, first)
+                self._in_flight.update(hit.prompt_hashes[first:])
+        return self.block_ids(seq_id)
+
+    def grow_all(self, wants: dict[str, int]) -> dict[str, list[int]] | None:
+        """Grow several sequences at once, each to its token count, or none of them (None) if the
+        free blocks cannot hold all: their new block tables."""
+        more = sum(self.blocks_needed(n) - len(self._tables.get(seq_id, ())) for seq_id, n in wants.items())
+        if more > self.num_free_blocks:
+            return None
+        # counted above: each allocation fits
+        return {seq_id: cast("list[int]", self.allocate(seq_id, n)) for seq_id, n in wants.items()}
+
+    def commit(self, seq_id: str, token_ids: list[int], num_computed_tokens: int) -> None:
+        """`num_computed_tokens` of the sequence's `token_ids` have KV now: index its newly full blocks
+        for prefix hits, and mark its prompt blocks up to there computed."""
+        self.cache_full_blocks(seq_id, token_ids, num_computed_tokens)
+        self._advance_computing(seq_id, num_computed_tokens // self.block_size)
+
+    def release(self, seq_id: str, token_ids: list[int] | None = None, num_computed_tokens: int = 0) -> None:
+        """Drop the sequence's blocks. Given its `token_ids` (a request that ended normally), first
+        index the full blocks of its computed tokens and remember its last partial block, so a
+        later request may start from them."""
+        if token_ids is not None and self._tables.get(seq_id):
+            self.cache_full_blocks(seq_id, token_ids, num_computed_tokens)
+            self.remember_partial(seq_id, token_ids, num_computed_tokens)
+        self._advance_computing(seq_id, None)
+        self.free(seq_id)
+
+    def _advance_computing(self, seq_id: str, num_full_computed: int | None) -> None:
+        """The sequence's prompt blocks below `num_full_computed` are computed (None: it left)."""
+        if seq_id not in self._computing:
+            return
+        hashes, first = self._computing[seq_id]
+        upto = len(hashes) if num_full_computed is None else min(num_full_computed, len(hashes))
+        if upto <= first:
+            return
+        for h in hashes[first:upto]:
+            self._in_flight[h] -= 1
+            if not self._in_flight[h]:
+                del self._in_flight[h]
+        if upto == len(hashes):
+            del self._computing[seq_id]
+        else:
+            self._computing[seq_id] = (hashes, upto)
+
+    def pending_copies(self) -> list[tuple[int, int]]:
+        """The (source, destination) block copies the runner must run before the next forward."""
+        return self.take_copies()
+
+    @contextmanager
+    def borrow(self, num_tokens: int) -> Iterator[list[int]]:
+        """A block table for one sequence of `num_tokens` outside any request (embeddings, full-logit
+        scoring), freed when the block ends; RuntimeError if the free blocks cannot hold it now."""
+        seq_id = f"borrowed-{uuid.uuid4().hex}"
+        block_ids = self.allocate(seq_id, num_tokens)
+        if block_ids is None:
+            raise RuntimeError(f"the KV cache has no room for {num_tokens} tokens now; retry when fewer "
+                               "requests run")
+        try:
+            yield block_ids
+        finally:
+            self.free(seq_id)
+
+    # ---- the parts (the interface above, and unit tests, use them) ------------------------
 
     # ---- prefix cache --------------------------------------------------------------------
     def _chain(self, token_ids: list[int], start_hashes: list[int], num_full: int) -> list[int]:
@@ -179,7 +314,7 @@ class BlockManager:
         self._registered[request_id] = max(num_full, self._registered.get(request_id, 0))
 
     # ---- allocation ----------------------------------------------------------------------
-    def can_allocate(self, request_id: str, num_tokens: int, cached_prefix: list[Block] = (),
+    def can_allocate(self, request_id: str, num_tokens: int, cached_prefix: Sequence[Block] = (),
                      partial: tuple[Block, int] | None = None) -> bool:
         have = len(self._tables.get(request_id, ())) or len(cached_prefix)
         reclaimable = sum(1 for b in cached_prefix if b.ref_count == 0)  # hits sitting in the free queue
@@ -187,8 +322,8 @@ class BlockManager:
             reclaimable += 1                                             # the copy's source, pinned
         return self.blocks_needed(num_tokens) - have <= len(self._free) - reclaimable
 
-    def allocate(self, request_id: str, num_tokens: int, cached_prefix: list[Block] = (),
-                 partial: tuple[Block, int] | None = None) -> bool:
+    def _allocate(self, request_id: str, num_tokens: int, cached_prefix: Sequence[Block] = (),
+                  partial: tuple[Block, int] | None = None) -> bool:
         """Grow the request's table to hold `num_tokens` tokens, starting from `cached_prefix`
         and then the `partial` block (from find_cached_partial) if it has no table yet.
         Returns False (and changes nothing) if blocks are short."""
@@ -200,7 +335,7 @@ class BlockManager:
                 self._take(block)
                 table.append(block)
             if len(self._hashes.get(request_id, ())) < len(cached_prefix):
-                self._hashes[request_id] = [b.hash for b in cached_prefix]
+                self._hashes[request_id] = cast("list[int]", [b.hash for b in cached_prefix])  # cached: all hashed
             self._registered[request_id] = len(cached_prefix)
             if partial is not None:
                 table.append(self._continue_partial(*partial))
@@ -226,6 +361,7 @@ class BlockManager:
         self.stats.partial_hits += 1
         if not self._must_copy(block):
             self._take(block)
+            assert block.partial_keys is not None           # a partial hit is indexed by its keys
             for key in [k for k in block.partial_keys if len(k[1]) > num_tokens]:
                 block.partial_keys.remove(key)
                 del self._partial[key]
@@ -307,6 +443,11 @@ class BlockManager:
             assert (block.ref_count == 0) == (block.block_id in self._free), \
                 f"block {block.block_id}: free-queue membership disagrees with ref_count {block.ref_count}"
         assert len(self._free) + len(holders) == self.num_blocks, "free + used != total"
+        expected: Counter[int] = Counter()
+        for seq_id, (hashes, first) in self._computing.items():
+            assert seq_id in self._tables, f"sequence {seq_id} computes prompt blocks without a table"
+            expected.update(hashes[first:])
+        assert +self._in_flight == expected, "the in-flight prompt blocks disagree with the sequences computing them"
         for h, block in self._cached.items():
             assert block.hash == h and block.key is not None, f"index entry {h} points at a block without it"
         for key, block in self._partial.items():

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenloom.config import ModelConfig
+from tokenloom.models.config import ModelConfig
 
 KV_SCALE_BYTES = 4    # one float32 scale per (token, kv head) in an int8 cache
 

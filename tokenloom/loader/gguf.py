@@ -20,10 +20,10 @@ import torch
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
-from tokenloom.config import UnsupportedModelError
 from tokenloom.loader.gguf_reader import GGUFFormatError, GGUFReader, GGUFTensorInfo
 from tokenloom.loader.safetensors import CheckpointError
-from tokenloom.quant.ggml import KERNEL_TYPES, GGMLTensor, type_name
+from tokenloom.models.config import UnsupportedModelError
+from tokenloom.quant.gguf.tensor import KERNEL_TYPES, GGMLTensor, type_name
 from tokenloom.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -428,7 +428,7 @@ def _sentencepiece_bpe(g: GGUFFile, tokens: list[str]) -> HFTokenizer:
 def _merges_by_score(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
     """Every split of a piece into two pieces of the vocabulary, best-scoring merged piece first."""
     ids = {t: i for i, t in enumerate(tokens)}
-    merges = []
+    merges: list[tuple[float, tuple[str, str]]] = []
     for piece, score in zip(tokens, scores):
         local = [(piece[:k], piece[k:]) for k in range(1, len(piece)) if piece[:k] in ids and piece[k:] in ids]
         local.sort(key=lambda lr: (ids[lr[0]], ids[lr[1]]))

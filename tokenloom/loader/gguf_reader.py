@@ -17,6 +17,7 @@ import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 
@@ -69,13 +70,14 @@ class _FileReads:
     """A read-only descriptor of the file, opened on first use, closed with its reader."""
 
     def __init__(self, path: Path) -> None:
-        self.path, self.fd = path, None
+        self.path = path
+        self.fd: int | None = None
 
     def read_into(self, buffer: np.ndarray, offset: int) -> None:
         if self.fd is None:
             self.fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
             weakref.finalize(self, os.close, self.fd)
-        if os.preadv(self.fd, [buffer], offset) != buffer.nbytes:
+        if os.preadv(self.fd, [buffer], offset) != buffer.nbytes:  # type: ignore[list-item]  # numpy: a buffer
             raise OSError(f"{self.path} ended inside a tensor (truncated since it was opened?)")
 
 
@@ -116,7 +118,7 @@ class GGUFReader:
             key = self._string()
             self.fields[key] = self._value(self._scalar("<I"))
         infos = [self._tensor_info() for _ in range(n_tensors)]
-        alignment = int(self.fields.get("general.alignment", 32))
+        alignment = int(cast(int, self.fields.get("general.alignment", 32)))  # a GGUF integer field
         data_start = -(-self._pos // alignment) * alignment
         self.tensors = [self._tensor(name, dims, kind, offset, data_start) for name, dims, kind, offset in infos]
 

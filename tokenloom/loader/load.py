@@ -12,13 +12,13 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from tokenloom.allocator import release_free_memory
-from tokenloom.config import ModelConfig, parse_dtype
-from tokenloom.distributed.pipeline import PipelineStage
+from tokenloom.distributed.pipeline import Pipeline, PipelineStage
 from tokenloom.distributed.shard import TensorParallelError, TensorShard
 from tokenloom.loader.safetensors import CheckpointError, hf_eos_ids, iter_safetensors, read_json, safetensors_files
 from tokenloom.loader.weights import load_weights
+from tokenloom.memory.allocator import release_free_memory
 from tokenloom.models.base import CausalLM
+from tokenloom.models.config import ModelConfig, parse_dtype
 from tokenloom.models.registry import model_class
 from tokenloom.quant import WeightFormat, parse_quantization, quantize_structure
 from tokenloom.quant.checkpoint import describe_weights, formats_for, gguf_formats, load_saved_state, saved_formats
@@ -56,6 +56,7 @@ class LoadedModel:
     sampling_defaults: SamplingDefaults = FALLBACK
     local_config: ModelConfig | None = None     # a tensor-parallel rank's share (its heads, KV heads); None: config
     kv_layers: range | None = None              # a pipeline stage's layers (whose KV it caches); None: all
+    pipeline: Pipeline | None = None            # a pipeline stage: how its runner hands on each model call
 
     def __post_init__(self) -> None:
         if self.local_config is None:
@@ -168,7 +169,7 @@ def _trimmed(tensors: Iterator, every_bytes: int = 32 << 20) -> Iterator:
             read = 0
 
 
-def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: str = "cpu",
+def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
                max_model_len: int | None = None, progress: bool = False, quantization: str | None = None,
                prepare: bool = True, shard: TensorShard | PipelineStage | None = None) -> LoadedModel:
     """Load weights and tokenizer; every checkpoint tensor must fill exactly one parameter.
@@ -264,5 +265,5 @@ def write_folder_metadata(folder: Path, hf_config: dict, eos_token_ids: set[int]
 
 def _dense(tensor):
     """A checkpoint tensor as float (GGUF blocks dequantized), for a model that keeps none."""
-    from tokenloom.quant.ggml import GGMLTensor
+    from tokenloom.quant.gguf.tensor import GGMLTensor
     return tensor.dequantize() if isinstance(tensor, GGMLTensor) else tensor

@@ -9,7 +9,7 @@ from safetensors.torch import save_file
 
 from tokenloom.loader.load import load_model, write_folder_metadata
 from tokenloom.quant.checkpoint import QUANT_METHOD
-from tokenloom.quant.modules import QuantizedLinear
+from tokenloom.quant.int8.modules import QuantizedLinear
 
 
 def save_quantized(model_path: str | Path, folder: str | Path, quantization: str,

@@ -11,10 +11,10 @@ from collections.abc import Iterable
 import torch
 
 from tokenloom.models.base import CausalLM
-from tokenloom.quant.formats import QuantizedTensor
-from tokenloom.quant.ggml import GGMLTensor
-from tokenloom.quant.ggml_modules import GGMLEmbedding
-from tokenloom.quant.modules import QuantizedEmbedding, quantized_targets
+from tokenloom.quant.gguf.modules import GGMLEmbedding
+from tokenloom.quant.gguf.tensor import GGMLTensor
+from tokenloom.quant.int8.formats import QuantizedTensor
+from tokenloom.quant.int8.modules import QuantizedEmbedding, quantized_targets
 
 
 class WeightMismatchError(ValueError):

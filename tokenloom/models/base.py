@@ -10,8 +10,8 @@ from torch import nn
 
 from tokenloom.attention import AttentionMetadata
 from tokenloom.attention.backend import StepAttention
-from tokenloom.config import ModelConfig
 from tokenloom.kv_cache.paged import PagedKVCache
+from tokenloom.models.config import ModelConfig
 
 
 class CausalLM(nn.Module):
@@ -32,6 +32,7 @@ class CausalLM(nn.Module):
     # Python (a MoE router's .tolist() is): decode steps may replay from a tape (op_tape.py).
     # Only for models whose forward is this class's: embed_and_plan, then run_layers.
     replayable_layers: ClassVar[bool] = False
+    lm_head: nn.Module               # the output projection, which every model sets
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -65,13 +66,13 @@ class CausalLM(nn.Module):
         """Called once after the weights are loaded: CPU-only layout changes.
 
         Every float32 nn.Linear (the output projection included) gets its weight prepacked
-        for this CPU's fastest kernel (models/prepacked.py, with the measurements); on
-        AVX-512 VNNI and AVX2 CPUs int8/int4 weights are re-laid in 16-row panels (quant/panels.py).
-        Then the weights move into 2 MiB pages (huge_pages.py). Forward signatures do not change.
+        for this CPU's fastest kernel (layers/prepacked.py, with the measurements); on
+        AVX-512 VNNI and AVX2 CPUs int8/int4 weights are re-laid in 16-row panels (quant/int8/panels.py).
+        Then the weights move into 2 MiB pages (memory/huge_pages.py). Forward signatures do not change.
         """
-        from tokenloom.huge_pages import move_to_huge_pages
-        from tokenloom.models.prepacked import prepack_linears
-        from tokenloom.quant.modules import use_panels
+        from tokenloom.layers.prepacked import prepack_linears
+        from tokenloom.memory.huge_pages import move_to_huge_pages
+        from tokenloom.quant.int8.modules import use_panels
         prepack_linears(self)
         use_panels(self)
         move_to_huge_pages(self)
@@ -81,8 +82,9 @@ class CausalLM(nn.Module):
         """Compile (or load from torch's cache) the CPU kernels this model's forward will call,
         so their one-time "compiling" messages come while loading, not inside streamed text."""
         from tokenloom.attention import cpu_decode, cpu_prefill
-        from tokenloom.models import fused
-        from tokenloom.quant import QuantizedLinear, kernels
+        from tokenloom.layers import fused
+        from tokenloom.quant import QuantizedLinear
+        from tokenloom.quant.int8 import kernels
         weight = next((p for p in self.parameters() if p.is_floating_point()), None)   # a norm's, at least
         if weight is not None and weight.device.type == "cpu" and weight.dtype == torch.float32:
             fused.build()

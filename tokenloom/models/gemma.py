@@ -19,9 +19,11 @@ import torch
 from torch import nn
 
 from tokenloom.attention.backend import LayerwiseAttention, StepAttention, plan_attention
-from tokenloom.config import ModelConfig
 from tokenloom.kv_cache.paged import PagedKVCache
-from tokenloom.models.layers import GatedMLP, RMSNorm, rope_cos_sin, rope_inv_freq
+from tokenloom.layers.mlp import GatedMLP
+from tokenloom.layers.norms import RMSNorm
+from tokenloom.layers.rope import rope_cos_sin, rope_inv_freq
+from tokenloom.models.config import ModelConfig
 from tokenloom.models.llama import LlamaAttention, LlamaForCausalLM
 
 
@@ -56,8 +58,9 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg)
-        self.register_buffer("local_inv_freq", rope_inv_freq(cfg.local_rope or cfg.rope, cfg.head_dim),
-                             persistent=False)
+        local_rope = cfg.local_rope or cfg.rope
+        assert local_rope is not None                  # rotary positions (LlamaForCausalLM)
+        self.register_buffer("local_inv_freq", rope_inv_freq(local_rope, cfg.head_dim), persistent=False)
         self.attend_of_layer = [int(w is not None) for w in cfg.layer_windows()]   # 1: local (sliding)
 
     def transform_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -68,7 +71,9 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
 
     def init_buffers(self, device: torch.device | str) -> None:
         super().init_buffers(device)
-        self.local_inv_freq = rope_inv_freq(self.config.local_rope or self.config.rope, self.config.head_dim).to(device)
+        local_rope = self.config.local_rope or self.config.rope
+        assert local_rope is not None                  # rotary positions (LlamaForCausalLM)
+        self.local_inv_freq = rope_inv_freq(local_rope, self.config.head_dim).to(device)
 
     def embed_and_plan(self, input_ids, positions, meta, kv_cache: PagedKVCache
                        ) -> tuple[torch.Tensor, StepAttention]:

@@ -6,10 +6,11 @@ import torch
 from torch import nn
 
 from tokenloom.attention.backend import AttentionShape, StepAttention, plan_attention
-from tokenloom.config import ModelConfig
 from tokenloom.kv_cache.paged import PagedKVCache
+from tokenloom.layers.embedding import uninitialized_embedding
+from tokenloom.layers.mlp import activation
 from tokenloom.models.base import CausalLM
-from tokenloom.models.layers import activation, uninitialized_embedding
+from tokenloom.models.config import ModelConfig
 
 
 class GPT2Attention(nn.Module):

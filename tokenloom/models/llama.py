@@ -7,23 +7,22 @@ embeddings (SmolLM2, small Qwens).
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
 
 from tokenloom.attention.backend import AttentionShape, StepAttention, plan_attention
-from tokenloom.config import ModelConfig
 from tokenloom.kv_cache.paged import PagedKVCache
+from tokenloom.layers.embedding import uninitialized_embedding
+from tokenloom.layers.mlp import GatedMLP
+from tokenloom.layers.norms import RMSNorm
+from tokenloom.layers.rope import rope_attention_factor, rope_cos_sin, rope_inv_freq
 from tokenloom.models.base import CausalLM
-from tokenloom.models.layers import (
-    GatedMLP,
-    RMSNorm,
-    rope_attention_factor,
-    rope_cos_sin,
-    rope_inv_freq,
-    uninitialized_embedding,
-)
+from tokenloom.models.config import ModelConfig
+
+if TYPE_CHECKING:
+    from tokenloom.attention.backend import QKNorms
 
 
 class LlamaAttention(nn.Module):
@@ -34,7 +33,7 @@ class LlamaAttention(nn.Module):
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
-        self.norms = None
+        self.norms: QKNorms | None = None
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
@@ -73,11 +72,11 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = uninitialized_embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(decoder_layer(cfg) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.norm: Any = RMSNorm(cfg.hidden_size, cfg.norm_eps)     # StableLM puts a LayerNorm here
 
 
 class LlamaForCausalLM(CausalLM):
-    packed_modules_mapping: ClassVar[dict[str, tuple[str, str]]] = {
+    packed_modules_mapping: ClassVar[dict[str, tuple[str, str | None]]] = {
         "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
         "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up"),
     }
@@ -89,6 +88,7 @@ class LlamaForCausalLM(CausalLM):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg)
+        assert cfg.rope is not None                    # rotary positions (only GPT-2 has none)
         self.model = LlamaModel(cfg, self.decoder_layer)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(cfg.rope, cfg.rotary_dim, cfg.max_model_len), persistent=False)
@@ -99,6 +99,7 @@ class LlamaForCausalLM(CausalLM):
         self.tie_weights()
 
     def init_buffers(self, device: torch.device | str) -> None:
+        assert self.config.rope is not None            # rotary positions (only GPT-2 has none)
         self.inv_freq = rope_inv_freq(self.config.rope, self.config.rotary_dim, self.config.max_model_len).to(device)
 
     def tie_weights(self) -> None:
@@ -111,7 +112,8 @@ class LlamaForCausalLM(CausalLM):
         c = self.config
         q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         if shard_id in ("gate", "up"):
-            inter = self.get_submodule(param_name.rsplit(".", 1)[0]).out_features // 2
+            proj: Any = self.get_submodule(param_name.rsplit(".", 1)[0])     # a linear layer, maybe quantized
+            inter = proj.out_features // 2
             return slice(0, inter) if shard_id == "gate" else slice(inter, 2 * inter)
         return {"q": slice(0, q), "k": slice(q, q + kv), "v": slice(q + kv, q + 2 * kv)}[shard_id]
 
@@ -128,10 +130,11 @@ class LlamaForCausalLM(CausalLM):
 
     def run_layers(self, h: torch.Tensor, attend: StepAttention) -> torch.Tensor:
         h, residual = self.run_layer_range(h, None, attend, range(len(self.model.layers)))
+        assert residual is not None                    # a model has layers
         return self.model.norm.add_forward(h, residual)[0]
 
     def run_layer_range(self, h: torch.Tensor, residual: torch.Tensor | None, attend: StepAttention,
-                        layers: range) -> tuple[torch.Tensor, torch.Tensor]:
+                        layers: range) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Layers `layers` only (a pipeline stage's): (h, residual) in, (h, residual) out, the
         residual add deferred as in LlamaDecoderLayer.forward (None before the first layer)."""
         for i in layers:

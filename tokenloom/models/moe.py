@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenloom.config import ModelConfig
-from tokenloom.models.layers import GatedMLP
+from tokenloom.layers.mlp import GatedMLP
+from tokenloom.models.config import ModelConfig
 from tokenloom.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from tokenloom.models.olmo2 import Olmo2Attention
 
@@ -56,11 +56,13 @@ class SparseMoeBlock(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         moe = cfg.moe
+        assert moe is not None                          # a MoE model's config describes its experts
         self.top_k, self.normalize = moe.top_k, moe.normalize_top_k
         self.gate = Router(cfg.hidden_size, moe.num_experts)
         self.experts = nn.ModuleList(GatedMLP(cfg.hidden_size, moe.intermediate_size, False, cfg.hidden_act)
                                      for _ in range(moe.num_experts))
-        self.shared_expert = self.shared_expert_gate = None
+        self.shared_expert: GatedMLP | None = None
+        self.shared_expert_gate: Router | None = None
         if moe.shared_intermediate_size:
             self.shared_expert = GatedMLP(cfg.hidden_size, moe.shared_intermediate_size, False, cfg.hidden_act)
             self.shared_expert_gate = Router(cfg.hidden_size, 1)
@@ -69,6 +71,7 @@ class SparseMoeBlock(nn.Module):
         weights, experts = route(self.gate(x), self.top_k, self.normalize)     # each (T, k)
         out = self.mix_experts(x, weights, experts)
         if self.shared_expert is not None:
+            assert self.shared_expert_gate is not None  # made with the shared expert
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert.forward(x)
         return out
 
@@ -95,10 +98,11 @@ class SparseMoeBlock(nn.Module):
     def _mix_one_token(self, x: torch.Tensor, weights: list[float], experts: list[int]) -> torch.Tensor:
         """The decode step's single token without the grouping ops (~80 us a layer): its experts
         added in ascending order, as the grouped path (and transformers) adds them."""
-        out = None
+        out: torch.Tensor | None = None
         for expert, weight in sorted(zip(experts, weights)):
             y = self.experts[expert].forward(x) * weight
             out = y if out is None else out + y
+        assert out is not None                          # top_k >= 1 experts
         return out
 
 
@@ -110,6 +114,7 @@ class MoeForCausalLM(LlamaForCausalLM):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg)
+        assert cfg.moe is not None                      # a MoE model's config describes its experts
         for i in cfg.moe.sparse_layers:
             self.model.layers[i].mlp = SparseMoeBlock(cfg)
 

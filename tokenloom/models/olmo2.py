@@ -12,8 +12,9 @@ import torch
 from torch import nn
 
 from tokenloom.attention.backend import StepAttention
-from tokenloom.config import ModelConfig
-from tokenloom.models.layers import GatedMLP, RMSNorm
+from tokenloom.layers.mlp import GatedMLP
+from tokenloom.layers.norms import RMSNorm
+from tokenloom.models.config import ModelConfig
 from tokenloom.models.llama import LlamaAttention, LlamaForCausalLM
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import importlib
 
-from tokenloom.architectures import ARCHITECTURES
-from tokenloom.config import ModelConfig, UnsupportedModelError
+from tokenloom.models.architectures import ARCHITECTURES
 from tokenloom.models.base import CausalLM
+from tokenloom.models.config import ModelConfig, UnsupportedModelError
 
 
 def model_class(config: ModelConfig) -> type[CausalLM]:

@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenloom.attention.backend import StepAttention
-from tokenloom.config import ModelConfig
-from tokenloom.models.layers import GatedMLP
+from tokenloom.layers.mlp import GatedMLP
+from tokenloom.models.config import ModelConfig
 from tokenloom.models.llama import LlamaAttention, LlamaForCausalLM
 
 
@@ -30,7 +30,7 @@ class PerHeadLayerNorm(nn.Module):
         self.norms = nn.ModuleList(nn.LayerNorm(head_dim, eps=eps, bias=False) for _ in range(heads))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = torch.stack([norm.weight for norm in self.norms])                  # (heads, head_dim)
+        weight = torch.stack([norm.weight for norm in self.norms])  # type: ignore[misc]  # torch: items typed Module; (heads, head_dim)
         rows = F.layer_norm(x.view(-1, self.heads, self.head_dim), (self.head_dim,), eps=self.eps)
         return (rows * weight).view(x.shape)
 

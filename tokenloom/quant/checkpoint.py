@@ -19,11 +19,11 @@ from pathlib import Path
 
 import torch
 
-from tokenloom.config import UnsupportedModelError
-from tokenloom.quant.ggml import KERNEL_TYPES, type_name
-from tokenloom.quant.ggml_modules import GGMLEmbedding, GGMLLinear
-from tokenloom.quant.gguf_blocks import exact_format
-from tokenloom.quant.modules import GGML_BLOCKS, QuantizedLinear
+from tokenloom.models.config import UnsupportedModelError
+from tokenloom.quant.gguf.blocks import exact_format
+from tokenloom.quant.gguf.modules import GGMLEmbedding, GGMLLinear
+from tokenloom.quant.gguf.tensor import KERNEL_TYPES, type_name
+from tokenloom.quant.int8.modules import GGML_BLOCKS, QuantizedLinear
 from tokenloom.quant.scheme import WeightFormat
 
 QUANT_METHOD = "tokenloom"

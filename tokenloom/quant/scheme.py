@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tokenloom.quant.formats import INT4_GROUP_SIZES
+from tokenloom.quant.int8.formats import INT4_GROUP_SIZES
 
 CHOICES = ("int8", "int4", "int4-g32", "int4-g64", "int4-g128", "gguf")
 

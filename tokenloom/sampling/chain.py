@@ -147,6 +147,7 @@ def distribution_columns(logits: torch.Tensor, meta: SamplingMetadata) -> tuple[
     groups: dict[tuple[str, ...], list[int]] = {}
     for i, p in enumerate(meta.params):
         groups.setdefault(row_stages(p), []).append(i)
+    assert meta.states is not None             # __post_init__ fills it
     if len(groups) == 1:
         return _run(logits, next(iter(groups)), meta.params, meta.states)
     probs = torch.empty_like(logits)

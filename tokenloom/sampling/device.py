@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from tokenloom.batch import to_device
+from tokenloom.memory.transfer import to_device
 from tokenloom.outputs import TokenLogprobs
 from tokenloom.sampling.logprobs import logprob_entries
 from tokenloom.sampling.metadata import SamplingMetadata
@@ -150,6 +150,6 @@ def sample_on_device(logits: torch.Tensor, meta: SamplingMetadata
             chosen = torch.where(greedy, chosen, drawn)
         else:
             chosen = drawn
-    entries = ([None] * len(params) if raw_logprobs is None
+    entries: list[TokenLogprobs | None] = ([None] * len(params) if raw_logprobs is None
                else logprob_entries(raw_logprobs, chosen, [p.logprobs for p in params]))
     return chosen, entries

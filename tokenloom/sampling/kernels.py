@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-from tokenloom import native
-from tokenloom.models import fused
+from tokenloom.kernels import native
+from tokenloom.layers import fused
 
 _SOURCE = Path(__file__).parent / "csrc" / "select_cpu.cpp"
 TOP_K_SHARE = 16           # row_top_k only for k <= V / TOP_K_SHARE; past that torch.topk's selection wins

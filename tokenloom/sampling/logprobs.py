@@ -15,9 +15,11 @@ def logprob_entries(logprobs: torch.Tensor, chosen: torch.Tensor, top_n: list[in
     if not wanted:
         return [None] * len(top_n)
     widest = max(wanted)
-    top_vals, top_ids = logprobs.topk(widest, dim=-1) if widest else (None, None)
-    top_vals = top_vals.tolist() if widest else None
-    top_ids = top_ids.tolist() if widest else None
+    top_vals: list[list[float]] = []            # read only for rows with n > 0, so when widest > 0
+    top_ids: list[list[int]] = []
+    if widest:
+        vals, ids = logprobs.topk(widest, dim=-1)
+        top_vals, top_ids = vals.tolist(), ids.tolist()
     chosen_ids = chosen.tolist()
     chosen_vals = logprobs.gather(1, chosen[:, None])[:, 0].tolist()
     out: list[TokenLogprobs | None] = []

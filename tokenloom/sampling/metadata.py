@@ -41,6 +41,7 @@ class SamplingMetadata:
 
     def rows(self, index: list[int]) -> SamplingMetadata:
         """The metadata of a subset of rows, in the order given."""
+        assert self.states is not None             # __post_init__ fills it
         return SamplingMetadata([self.params[i] for i in index], [self.prompt_token_ids[i] for i in index],
                                 [self.output_token_ids[i] for i in index], [self.generators[i] for i in index],
                                 [self.eos_token_ids[i] for i in index], [self.states[i] for i in index])

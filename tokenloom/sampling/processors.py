@@ -8,11 +8,12 @@ blocking, repetition/frequency/presence penalties, DRY.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
 import torch
 
 from tokenloom.sampling.bans import bad_word_bans, ngram_bans
-from tokenloom.sampling.dry import dry_penalties
+from tokenloom.sampling.dry import DryBreakers, dry_penalties
 from tokenloom.sampling.metadata import SamplingMetadata
 from tokenloom.sampling.sparse import ban, last_columns
 from tokenloom.sampling.state import dry_enabled
@@ -38,6 +39,7 @@ def apply_min_tokens(logits: torch.Tensor, meta: SamplingMetadata) -> None:
 
 
 def apply_bad_words(logits: torch.Tensor, meta: SamplingMetadata) -> None:
+    assert meta.states is not None             # __post_init__ fills it
     ban(logits, *bad_word_bans(meta.histories(), [s.bad_words_ids for s in meta.states]))
 
 
@@ -81,9 +83,10 @@ def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> None:
 def apply_dry(logits: torch.Tensor, meta: SamplingMetadata) -> None:
     on = [i for i, p in enumerate(meta.params) if dry_enabled(p)]
     histories = meta.histories()
+    assert meta.states is not None             # __post_init__ fills it
+    breakers = cast("list[DryBreakers]", [meta.states[i].dry_breakers for i in on])   # DRY on: resolved
     positions, penalties = dry_penalties(meta.history_matrix()[on].to(logits.device), [histories[i] for i in on],
-                                         [meta.params[i] for i in on], [meta.states[i].dry_breakers for i in on],
-                                         logits.shape[1])
+                                         [meta.params[i] for i in on], breakers, logits.shape[1])
     rows = torch.tensor(on, device=logits.device)[positions // logits.shape[1]]           # local row -> batch row
     logits.view(-1)[rows * logits.shape[1] + positions % logits.shape[1]] -= penalties
 

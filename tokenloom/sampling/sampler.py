@@ -122,6 +122,7 @@ def update_mirostat(meta: SamplingMetadata, chosen_probs: torch.Tensor) -> None:
     if not rows:
         return
     drawn = chosen_probs[rows].tolist()
+    assert meta.states is not None             # __post_init__ fills it
     for i, p_chosen in zip(rows, drawn):
         p, state = meta.params[i], meta.states[i]
         state.mirostat_mu = next_mu(state.mirostat_mu, p_chosen, p.mirostat_tau, p.mirostat_eta)

@@ -9,23 +9,26 @@ sampled). The scheduler verifies them in the next step.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
-from tokenloom.batch import SeqChunk
 from tokenloom.config import SpeculativeConfig
 from tokenloom.kv_cache.paged import PagedKVCache
 from tokenloom.loader import load_model
-from tokenloom.request import Request
-from tokenloom.runner import ModelRunner
 from tokenloom.sampling.chain import greedy_and_distribution
 from tokenloom.sampling.metadata import SamplingMetadata
 from tokenloom.sampling.processors import apply_processors
 from tokenloom.spec_decode.ngram import propose_ngram
 from tokenloom.tokenizer import Tokenizer
+from tokenloom.worker.batch import SeqChunk
+from tokenloom.worker.model_runner import ModelRunner
+
+if TYPE_CHECKING:
+    from tokenloom.engine.request import Request
 
 # (request, number of its positions to hold KV for) -> its block table, or None if they do not fit
-Reserve = Callable[[Request, int], "list[int] | None"]
+Reserve = Callable[["Request", int], "list[int] | None"]
 
 _RECOVERY_PER_STEP = 0.02   # how fast a backed-off request's acceptance estimate climbs back to retry
 
@@ -88,6 +91,7 @@ class DraftModelProposer(SpecProposer):
     def __init__(self, config: SpeculativeConfig, target: ModelRunner, tokenizer: Tokenizer, max_model_len: int,
                  dtype: str, progress: bool = False) -> None:
         super().__init__(config, max_model_len)
+        assert config.draft_model is not None           # SpeculativeConfig requires it for this method
         loaded = load_model(config.draft_model, dtype, target.device, progress=progress)
         vocab = target.model.config.vocab_size
         if loaded.tokenizer.backend.get_vocab() != tokenizer.backend.get_vocab() or loaded.config.vocab_size != vocab:
@@ -120,6 +124,7 @@ class DraftModelProposer(SpecProposer):
                 chunks = [SeqChunk([drafts[r.request_id][-1]], r.num_tokens + i - 1, tables[r.request_id])
                           for r, _ in active]
             hidden, meta = self.runner.forward(chunks)
+            assert meta is not None                     # the draft's runner runs eagerly: no graphs, no pipeline
             rows = [s + q - 1 for s, q in zip(meta.query_start, meta.query_lens)]
             logits = self.runner.model.compute_logits(hidden[rows])             # (B, vocab)
             self._draw(logits, [r for r, _ in active], drafts, probs)
@@ -132,13 +137,14 @@ class DraftModelProposer(SpecProposer):
     def _draw(logits: torch.Tensor, reqs: list[Request], drafts: dict, probs_by_request: dict) -> None:
         """Each request's next draft token, under its own processors (as the target will see it)."""
         meta = SamplingMetadata.for_requests(reqs, [r.output_token_ids + drafts[r.request_id] for r in reqs])
-        argmax, sampled, probs = greedy_and_distribution(apply_processors(logits, meta), meta)   # probs (S, vocab)
-        argmax = argmax.tolist()
+        argmax_rows, sampled, probs = greedy_and_distribution(apply_processors(logits, meta), meta)  # (S, vocab)
+        argmax = argmax_rows.tolist()
         next_sampled = iter(range(len(sampled)))
         for i, r in enumerate(reqs):
             if r.params.greedy:
                 drafts[r.request_id].append(argmax[i])
                 continue
+            assert probs is not None                    # a sampled row: the distributions exist
             q = probs[next(next_sampled)]
             drafts[r.request_id].append(int(torch.multinomial(q, 1, generator=r.generator)))
             probs_by_request[r.request_id].append(q)

@@ -11,17 +11,21 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
 
 import torch
 
 from tokenloom.outputs import TokenLogprobs
-from tokenloom.request import Request
 from tokenloom.sampling.chain import greedy_and_distribution, sampling_distribution
 from tokenloom.sampling.logprobs import logprob_entries
 from tokenloom.sampling.metadata import SamplingMetadata
 from tokenloom.sampling.mirostat import next_mu
 from tokenloom.sampling.processors import apply_processors
 from tokenloom.spec_decode.rejection import accept_greedy, accept_sampled
+
+if TYPE_CHECKING:
+    from tokenloom.engine.request import Request
+    from tokenloom.sampling.state import SamplingState
 
 
 @dataclass(slots=True)
@@ -49,12 +53,13 @@ def _mirostat_distributions(processed: torch.Tensor, meta: SamplingMetadata, dra
     follows the surprise of draft j - 1 in row j - 1's distribution); -> each such request's
     (index in `drafts`) mu per row."""
     starts = [sum(len(d.token_ids) + 1 for d in drafts[:i]) for i in range(len(drafts))]
-    mus = {i: [d.request.sampling_state.mirostat_mu] for i, d in enumerate(drafts)
+    mus = {i: [cast("SamplingState", d.request.sampling_state).mirostat_mu] for i, d in enumerate(drafts)
            if d.request.params.mirostat and not d.request.params.greedy}
     for j in range(max((len(drafts[i].token_ids) + 1 for i in mus), default=0)):
         live = [i for i in mus if j <= len(drafts[i].token_ids)]
         rows = [starts[i] + j for i in live]
         row_meta = meta.rows(rows)
+        assert row_meta.states is not None         # __post_init__ fills it
         row_meta.states = [dataclasses.replace(s, mirostat_mu=mus[i][j]) for i, s in zip(live, row_meta.states)]
         probs[rows] = sampling_distribution(processed[rows], row_meta)
         for i, row in zip(live, rows):
@@ -74,14 +79,16 @@ def verify(logits: torch.Tensor, drafts: list[Draft]) -> list[tuple[list[int], l
     """
     meta = _expanded_metadata(drafts)
     processed = apply_processors(logits, meta)
-    argmax, sampled_rows, sampled_probs = greedy_and_distribution(processed, meta)
-    argmax = argmax.tolist()
+    argmax_rows, sampled_rows, sampled_probs = greedy_and_distribution(processed, meta)
+    argmax = argmax_rows.tolist()
     probs = torch.zeros(0)
     if sampled_rows:
+        assert sampled_probs is not None          # rows to sample: their distributions
         probs = torch.zeros_like(processed)
         probs[sampled_rows] = sampled_probs
     mus = _mirostat_distributions(processed, meta, drafts, probs) if any(p.mirostat for p in meta.params) else {}
-    results, new_mu = [], {}
+    results: list[tuple[list[int], list[TokenLogprobs] | None]] = []
+    new_mu: dict[int, float] = {}
     row = 0
     for i, d in enumerate(drafts):
         k, params = len(d.token_ids), d.request.params
@@ -93,13 +100,15 @@ def verify(logits: torch.Tensor, drafts: list[Draft]) -> list[tuple[list[int], l
             last = len(tokens) - 1                                    # tokens[last] was drawn from row + last
             new_mu[i] = next_mu(mus[i][last], float(probs[row + last, tokens[last]]), params.mirostat_tau,
                                 params.mirostat_eta)
-        logprobs = None
+        logprobs: list[TokenLogprobs] | None = None
         if params.logprobs is not None:
             raw = logits[row:row + len(tokens)].log_softmax(-1)                 # (accepted + 1, V)
             chosen = torch.tensor(tokens, device=logits.device)
-            logprobs = logprob_entries(raw, chosen, [params.logprobs] * len(tokens))
+            logprobs = cast("list[TokenLogprobs]", logprob_entries(raw, chosen, [params.logprobs] * len(tokens)))
         results.append((tokens, logprobs))
         row += k + 1
     for i, mu in new_mu.items():                  # only once every request is through (a retry starts clean)
-        drafts[i].request.sampling_state.mirostat_mu = mu
+        state = drafts[i].request.sampling_state
+        assert state is not None                  # Request.__post_init__ fills it
+        state.mirostat_mu = mu
     return results

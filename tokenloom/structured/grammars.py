@@ -6,20 +6,24 @@ import json
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import llguidance
 
 from tokenloom.structured.spec import StructuredOutput
 
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
+
 # llguidance meters its work in "fuel"; these caps make a pathological schema or regex fail
 # with an error instead of hanging (measured: a 10-property schema compiles in ~3 ms).
-LIMITS = dict(initial_lexer_fuel=2_000_000, step_lexer_fuel=400_000, step_max_items=100_000,
-              max_grammar_size=200_000, max_lexer_states=200_000, verbose_errors=False)
+LIMITS: dict[str, Any] = dict(initial_lexer_fuel=2_000_000, step_lexer_fuel=400_000, step_max_items=100_000,
+                              max_grammar_size=200_000, max_lexer_states=200_000, verbose_errors=False)
 # Whitespace between JSON tokens: none, a space, or one or two newlines and up to 20 indentation
 # characters (llama.cpp's `space` rule). Unbounded, a sampled small model can spend every token it
 # has left on whitespace inside an object and never close it. A schema's own
 # {"x-guidance": {"whitespace_pattern": ...}} wins.
-JSON_DEFAULTS = {"whitespace_pattern": r"( |\n{1,2}[ \t]{0,20})?"}
+JSON_DEFAULTS: JsonCompileOptions = {"whitespace_pattern": r"( |\n{1,2}[ \t]{0,20})?"}
 
 
 class GrammarCompiler:

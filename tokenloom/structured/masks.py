@@ -26,7 +26,7 @@ class MaskStep:
         words = (vocab_size + 31) // 32
         self.bitmask = torch.full((len(matchers), words), -1, dtype=torch.int32)     # (rows, vocab/32): bit = allowed
         pairs = [(m, i) for i, m in enumerate(matchers)]
-        self._done: Future = self._pool.submit(self._executor.unsafe_compute_mask_ptr, pairs,
+        self._done: Future = self._pool.submit(MaskStep._executor.unsafe_compute_mask_ptr, pairs,
                                                self.bitmask.data_ptr(), words * 4, len(matchers))
 
     def apply(self, logits: torch.Tensor, rows: list[int], which: list[int]) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import cast
 
 KINDS = ("json_schema", "json_object", "regex", "grammar")
 
@@ -31,7 +32,8 @@ class StructuredOutput:
     @classmethod
     def json(cls, schema: dict | str | None = None) -> StructuredOutput:
         """A JSON schema, or any JSON object when `schema` is None."""
-        return cls("json_object") if schema is None else cls("json_schema", schema)
+        # a dict schema becomes its JSON text in __post_init__
+        return cls("json_object") if schema is None else cls("json_schema", cast("str", schema))
 
     @classmethod
     def regex(cls, pattern: str) -> StructuredOutput:

@@ -17,6 +17,7 @@ import json
 import re
 import uuid
 from dataclasses import dataclass, field
+from typing import cast
 
 from tokenloom.tool_calling.formats import CALL_HEAD, CALL_HEAD_PATTERN, FENCE_CLOSE, FENCE_OPEN, ToolFormat
 
@@ -84,6 +85,7 @@ def _value_end(text: str, pos: int) -> int | None:
         return _string_end(text, pos)
     if text[pos] not in "[{":
         m = _SCALAR.match(text, pos)
+        assert m is not None                                  # it matches the empty string too
         return m.end() if m.end() < len(text) else None      # a number may still be growing
     depth, i = 0, pos
     while i < len(text):
@@ -105,7 +107,9 @@ def _value_end(text: str, pos: int) -> int | None:
 
 
 def _skip_ws(text: str, pos: int) -> int:
-    return _WS.match(text, pos).end()
+    m = _WS.match(text, pos)
+    assert m is not None                                      # it matches the empty string too
+    return m.end()
 
 
 def _expect(text: str, pos: int, literal: str) -> tuple[int, bool | None]:
@@ -271,12 +275,12 @@ def parse_tool_calls(text: str, fmt: ToolFormat, cut: bool = False) -> tuple[str
     if result.calls_start is None or result.malformed or not result.calls \
             or not all(c.complete for c in result.calls):
         return text, []
-    return _content_around(result), [ToolCall(c.name, c.arguments) for c in result.calls]
+    return _content_around(result), [ToolCall(cast("str", c.name), c.arguments) for c in result.calls]
 
 
 def _cut_reading(text: str, result: Scan) -> tuple[str, list[ToolCall]]:
     """parse_tool_calls of a reply cut short that is not malformed (`result`: its scan)."""
-    calls = [ToolCall(c.name, c.arguments) for c in result.calls if c.complete]
+    calls = [ToolCall(cast("str", c.name), c.arguments) for c in result.calls if c.complete]  # complete: named
     if result.calls_start is None and len(result.content) == len(text):     # plain text, nothing held back
         return text, []
     return _content_around(result), calls

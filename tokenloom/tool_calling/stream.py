@@ -13,6 +13,7 @@ call, and whitespace before calls, wait, and those are what a final reading may 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import cast
 
 from tokenloom.tool_calling.formats import ToolFormat
 from tokenloom.tool_calling.parse import ToolCall, new_call_id, parse_tool_calls, scan
@@ -49,7 +50,7 @@ class ToolCallStream:
         for index, call in enumerate(result.calls):
             if not call.complete:
                 break
-            delta.tool_calls += self._call_deltas(index, call.name, call.arguments)
+            delta.tool_calls += self._call_deltas(index, cast("str", call.name), call.arguments)  # complete: named
         return delta
 
     def finish(self, cut: bool = False) -> Delta:

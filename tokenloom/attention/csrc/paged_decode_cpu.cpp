@@ -21,7 +21,7 @@
 #include <cmath>
 #include <vector>
 
-#include "../../models/csrc/rope_row.h"
+#include "../../kernels/include/rope_row.h"
 #include "paged_rows.h"
 
 extern "C" __m256 Sleef_expf8_u10avx2(__m256);   // in libtorch_cpu (1-ulp exp, 8 lanes)

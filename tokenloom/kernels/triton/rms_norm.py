@@ -59,4 +59,5 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """x, residual (rows, N) -> (rms_norm(residual + x), residual + x)."""
     out, new_residual = _launch(x, residual, weight, eps)
+    assert new_residual is not None     # a residual in: its sum out
     return out, new_residual

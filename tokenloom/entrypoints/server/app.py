@@ -1,0 +1,237 @@
+"""The FastAPI application: routes and OpenAI-shaped errors (the ASGI middlewares in front of
+it, body limits, API key, Host check, request log: middleware.py).
+
+``build_app(engine, model_name)`` is all a caller needs; ``tokenloom serve`` runs
+it under uvicorn. Every error a client can cause comes back as OpenAI's error
+JSON with a 4xx status; an unexpected server fault is a 500 in the same shape
+and never stops the engine.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import weakref
+from collections.abc import AsyncGenerator
+from contextlib import aclosing, asynccontextmanager
+from importlib import resources
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from tokenloom.engine.async_engine import AsyncLLMEngine
+from tokenloom.entrypoints.server.admission import AdmissionLimits
+from tokenloom.entrypoints.server.chat import ChatCompletions
+from tokenloom.entrypoints.server.chat_tools import ChatFeatures
+from tokenloom.entrypoints.server.completions import Completions
+from tokenloom.entrypoints.server.metrics import ServerMetrics
+from tokenloom.entrypoints.server.middleware import (
+    DEFAULT_BODY_DEADLINE_S,
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_MAX_BODY_BYTES,
+    AccessLog,
+    ApiKeyCheck,
+    BodyReader,
+    HostCheck,
+    error_response,
+)
+from tokenloom.entrypoints.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, unknown_fields
+from tokenloom.entrypoints.server.serving import OpenAIServing, request_failed, shutting_down, size_param
+from tokenloom.entrypoints.server.streams import ClientDisconnected, ShuttingDown, unless_disconnected
+from tokenloom.entrypoints.server.utility_routes import add_utility_routes
+from tokenloom.outputs import RequestError
+
+log = logging.getLogger("tokenloom.entrypoints.server")
+
+_ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 408: "timeout_error",
+                413: "invalid_request_error", 429: "rate_limit_error"}
+
+
+def _validation_error(exc: RequestValidationError) -> APIError:
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    if first.get("type") == "json_invalid":
+        return APIError(400, f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}".strip(),
+                        None)
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = loc[0] if loc else None          # the top-level parameter (deeper parts name union members)
+    return APIError(400, f"{param or 'body'}: {first.get('msg', 'invalid value')} (got {first.get('input')!r:.80})",
+                    param)
+
+
+def _client(req, request: Request) -> str:
+    """Who a request is from, for turns between clients: its ``user`` field, else its address."""
+    if req.user:
+        return f"user:{req.user}"
+    return f"addr:{request.client.host if request.client else ''}"
+
+
+async def _releasing(events: AsyncGenerator[str, None], ticket) -> AsyncGenerator[str, None]:
+    """`events`, then the admission ticket released (also when the client leaves mid-stream)."""
+    try:
+        async with aclosing(events):
+            async for event in events:
+                yield event
+    finally:
+        ticket.release()
+
+
+IGNORED_FIELDS_HEADER = "X-Tokenloom-Ignored-Fields"
+
+
+def _ignored_fields_header(req, request: Request) -> dict[str, str]:
+    """A request's unknown fields, named in a warning and in a response header (not silently dropped)."""
+    names = unknown_fields(req)
+    if not names:
+        return {}
+    log.warning("%s: ignored the request fields this server does not know: %s", request.url.path, ", ".join(names))
+    return {IGNORED_FIELDS_HEADER: ", ".join(names)}
+
+
+def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = None,
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+              body_deadline_s: float = DEFAULT_BODY_DEADLINE_S,
+              limits: AdmissionLimits | None = None, allowed_hosts: tuple[str, ...] | None = None,
+              log_json: bool = False, tool_call_parser: str | None = None,
+              reasoning_parser: str | None = None, playground_tools: list[dict] | None = None,
+              model_aliases: tuple[str, ...] = ()) -> FastAPI:
+    """An OpenAI-compatible app over `engine`, serving it as `model_name` (requests may also name it
+    by one of `model_aliases`), admitting work within
+    `limits` (server/admission.py; its defaults when None), answering only requests whose Host is
+    in `allowed_hosts` (None: any), logging a line per request (JSON lines if `log_json`), reading
+    tool calls and reasoning from replies as `tool_call_parser` and `reasoning_parser` say (None or
+    "auto": from the chat template; tool_calling/formats.py and reasoning.py), and offering
+    `playground_tools` (functions, as tool_calling.messages.function_of gives) in the playground."""
+    metrics = ServerMetrics(engine.stats)
+    features = ChatFeatures.for_template(engine.tokenizer.chat_template, tool_call_parser, reasoning_parser)
+    serving = OpenAIServing(engine, model_name, metrics, limits, features, model_aliases)
+    completions, chat = Completions(serving), ChatCompletions(serving)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        # Everything alive at start (model, tokenizer, libraries) out of the cyclic GC's scans: a
+        # full collection over them paused the event loop for 100-300 ms under a large request.
+        gc.freeze()
+        yield
+        await engine.shutdown()
+        engine.close()
+        serving.workers.shutdown(wait=False, cancel_futures=True)
+        serving.long_texts.close()
+
+    # no /docs or /redoc: their pages load scripts from a CDN (the schema is at /openapi.json)
+    app = FastAPI(title="tokenloom", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  description="OpenAI-compatible completions and chat over tokenloom's engine")
+    app.state.serving, app.state.metrics = serving, metrics
+    app.add_middleware(BodyReader, max_bytes=max_body_bytes, timeout_s=body_timeout_s, deadline_s=body_deadline_s)
+    if api_key is not None:
+        app.add_middleware(ApiKeyCheck, api_key=api_key)
+    if allowed_hosts is not None:
+        app.add_middleware(HostCheck, allowed=allowed_hosts)
+    app.add_middleware(AccessLog, json_lines=log_json)          # added last: outermost, sees every answer
+
+    @app.exception_handler(APIError)
+    async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        """Routing and body-parsing errors (404, 405, unparsable bodies) in OpenAI's shape."""
+        message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        if exc.status_code == 404:
+            message = f"no route {request.method} {request.url.path} (the API: /openapi.json)"
+        elif exc.status_code == 405:
+            message = f"{request.method} is not allowed on {request.url.path}"
+        error = APIError(exc.status_code, message, type=_ERROR_TYPES.get(exc.status_code, "invalid_request_error"))
+        response = error_response(error)
+        response.headers.update(exc.headers or {})
+        return response
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(_validation_error(exc))
+
+    @app.exception_handler(ShuttingDown)
+    async def on_shutting_down(request: Request, exc: ShuttingDown) -> JSONResponse:
+        return error_response(shutting_down(exc))
+
+    @app.exception_handler(RequestError)
+    async def on_request_failed(request: Request, exc: RequestError) -> JSONResponse:
+        return error_response(request_failed(exc))
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unexpected error serving %s", request.url.path)
+        return error_response(APIError(500, f"internal error: {exc!r}", type="server_error"))
+
+    playground_file = resources.files("tokenloom.entrypoints.server") / "static" / "playground.html"
+    playground = playground_file.read_text(encoding="utf-8")
+
+    @app.get("/", include_in_schema=False)
+    async def playground_page() -> HTMLResponse:
+        """The web playground: one static page (no outside resources) over the API below."""
+        return HTMLResponse(playground)
+
+    offered = [{"type": "function", "function": f} for f in playground_tools or []]
+
+    @app.get("/playground/settings", include_in_schema=False)
+    async def playground_settings() -> dict[str, Any]:
+        """What the playground starts from: the sampling settings a request that leaves them out
+        gets (sampling/defaults.py), and the tools `serve --tools FILE.json` gave ([] if none)."""
+        defaults = engine.sampling_defaults
+        return {"sampling": defaults.values, "sampling_source": defaults.source, "tools": offered}
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=metrics.content_type)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [serving.model_card()]}
+
+    add_utility_routes(app, serving)
+
+    async def whole(work, prepared, request: Request, shape, headers: dict[str, str] | None = None) -> Response:
+        """Await an admitted request's `work` unless its client leaves (499); ``shape(result)`` is the
+        body. Its admission ticket is released however it ends."""
+        try:
+            return JSONResponse(shape(await unless_disconnected(work, request)), headers=headers)
+        except ClientDisconnected:
+            return Response(status_code=499)
+        finally:
+            prepared.ticket.release()
+
+    async def respond(handler, req, prepared, request: Request):
+        """Run an admitted request, streamed or whole."""
+        headers = _ignored_fields_header(req, request)
+        if req.stream:
+            events = _releasing(handler.stream(req, prepared), prepared.ticket)
+            weakref.finalize(events, prepared.ticket.release)     # a stream cut before its first event
+            return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+        return await whole(serving.run(prepared), prepared, request, lambda outs: handler.response(req, prepared, outs),
+                           headers)
+
+    @app.post("/v1/completions")
+    async def create_completion(req: CompletionRequest, request: Request):
+        client = _client(req, request)
+        prepared = request.state.log = await serving.off_loop(serving.prepare_completion, req, client)
+        if req.use_beam_search:
+            serving.admit(prepared, client, req.beam_width * len(prepared.prompt_ids), "best_of")
+            return await whole(completions.beam_response(req, prepared), prepared, request, lambda body: body,
+                               _ignored_fields_header(req, request))
+        param = size_param(req.n, len(prepared.prompt_ids))
+        return await respond(completions, req, serving.admit(prepared, client, param=param), request)
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(req: ChatCompletionRequest, request: Request):
+        client = _client(req, request)
+        prepared = request.state.log = await serving.off_loop(serving.prepare_chat, req, client)
+        return await respond(chat, req, serving.admit(prepared, client), request)
+
+    return app

@@ -1,0 +1,369 @@
+"""A checkpoint's config translated from Hugging Face (config.json) into ``ModelConfig``, validated
+in ``__post_init__``.
+
+``ModelConfig`` is the engine's normalized view of a checkpoint's config: every
+supported architecture (Llama family, Mistral, Qwen2, Qwen3, GPT-2) is described
+by the same fields, so the model code reads flags instead of architecture names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from tokenloom.models.architectures import BY_MODEL_TYPE, SUPPORTED_ARCHITECTURES
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint describes an architecture or feature tokenloom cannot run."""
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    """Map a user-facing dtype name onto a torch dtype (ValueError if unknown).
+
+    "auto" computes in float32 and keeps a GGUF file's weights as stored.
+    """
+    if isinstance(name, torch.dtype):
+        return name
+    if name == "auto":
+        return torch.float32
+    if name not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {name!r}")
+    return _DTYPES[name]
+
+
+@dataclass(slots=True)
+class RopeConfig:
+    """Rotary embedding parameters (HF ``rope_parameters`` / ``rope_scaling``)."""
+
+    theta: float = 10000.0
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+    # yarn (transformers' _compute_yarn_parameters; None: its defaults)
+    attention_factor: float | None = None
+    beta_fast: float | None = None
+    beta_slow: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
+    # longrope (Phi-3): per-frequency divisors, the long set where the context exceeds the original
+    short_factor: tuple[float, ...] | None = None
+    long_factor: tuple[float, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in SUPPORTED_ROPE_TYPES:
+            raise UnsupportedModelError(
+                f"rope type {self.rope_type!r} is not supported (supported: {SUPPORTED_ROPE_TYPES})")
+        if self.rope_type == "longrope" and (self.short_factor is None or self.long_factor is None):
+            raise ValueError("longrope scaling needs short_factor and long_factor")
+
+
+@dataclass(slots=True)
+class MoeConfig:
+    """A mixture-of-experts MLP: each token runs the `top_k` experts its router scores highest,
+    weighted by their softmax probabilities (renormalized over the chosen ones when
+    `normalize_top_k`), plus a sigmoid-gated shared expert when `shared_intermediate_size`."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int                # each expert's
+    sparse_layers: tuple[int, ...]        # the layers whose MLP is the mixture (the rest dense)
+    normalize_top_k: bool = True
+    shared_intermediate_size: int = 0     # 0: no shared expert (Qwen2-MoE has one)
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"experts per token ({self.top_k}) must be in [1, num_experts={self.num_experts}]")
+        if self.intermediate_size <= 0:
+            raise ValueError(f"expert intermediate size must be positive, got {self.intermediate_size}")
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    """Architecture hyper-parameters shared by every supported model family."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    max_model_len: int
+    norm_eps: float = 1e-6
+    rope: RopeConfig | None = field(default_factory=RopeConfig)
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False      # bias on q/k/v projections (Qwen2)
+    o_proj_bias: bool = False         # bias on the output projection
+    mlp_bias: bool = False
+    qk_norm: bool = False             # RMSNorm on q and k per head (Qwen3)
+    sliding_window: int | None = None
+    # per layer "full_attention" or "sliding_attention" (HF layer_types); None: every layer
+    # slides when sliding_window is set (Mistral)
+    layer_types: tuple[str, ...] | None = None
+    hidden_act: str = "silu"
+    query_pre_attn_scalar: float | None = None   # attention scale = this ** -0.5 (Gemma); None: head_dim
+    local_rope: RopeConfig | None = None         # rope of sliding-window layers where it differs (Gemma 3)
+    final_logit_softcapping: float | None = None
+    attn_logit_softcapping: float | None = None  # attention scores soft-capped (Gemma 2)
+    moe: MoeConfig | None = None                 # mixture-of-experts MLPs (Mixtral, Qwen2/3-MoE)
+    partial_rotary_factor: float = 1.0           # rope turns the first head_dim * this dims of each head
+    parallel_residual: bool = False              # x + attn(ln(x)) + mlp(ln(x)) (StableLM's option)
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise UnsupportedModelError(
+                f"architecture {self.architecture!r} is not supported "
+                f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                     "head_dim", "intermediate_size", "max_model_len"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"ModelConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of "
+                             f"num_kv_heads ({self.num_kv_heads})")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_layers:
+                raise ValueError(f"layer_types names {len(self.layer_types)} layers, the model has {self.num_layers}")
+            unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
+            if unknown:
+                raise UnsupportedModelError(f"layer type(s) {unknown} are not supported (supported: {LAYER_TYPES})")
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def context_limit(self) -> int:
+        """The longest context this model can be run at: its own, or with dynamic rope scaling
+        its own times the factor (the base stretched for the longer context, as vLLM does)."""
+        if self.rope is not None and self.rope.rope_type == "dynamic":
+            return int(self.max_model_len * self.rope.factor)
+        return self.max_model_len
+
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's attention window in positions (None: the whole context)."""
+        if self.sliding_window is None:
+            return (None,) * self.num_layers
+        if self.layer_types is None:
+            return (self.sliding_window,) * self.num_layers
+        return tuple(self.sliding_window if t == "sliding_attention" else None for t in self.layer_types)
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
+        """Build from a HF ``config.json`` dict (transformers 4.x and 5.x spellings)."""
+        arch = _architecture_of(hf)
+        eos = hf.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        common = dict(architecture=arch, vocab_size=hf["vocab_size"], bos_token_id=hf.get("bos_token_id"),
+                      eos_token_ids=eos_ids,
+                      tie_word_embeddings=hf.get("tie_word_embeddings", arch in _TIED_BY_DEFAULT))
+        if arch == "GPT2LMHeadModel":
+            hidden, heads = hf["n_embd"], hf["n_head"]
+            return cls(**common, hidden_size=hidden, num_layers=hf["n_layer"], num_heads=heads,
+                       num_kv_heads=heads, head_dim=hidden // heads,
+                       intermediate_size=hf.get("n_inner") or 4 * hidden,
+                       max_model_len=hf["n_positions"], norm_eps=hf.get("layer_norm_epsilon", 1e-5),
+                       rope=None, attention_bias=True, o_proj_bias=True, mlp_bias=True,
+                       hidden_act=hf.get("activation_function", "gelu_new"))
+        _refuse_unimplemented(hf, arch, _IMPLEMENTED.get(arch, ()))
+        fields = _llama_fields(hf, arch)
+        if arch == "Gemma3ForCausalLM":
+            fields |= _gemma3_fields(hf)
+        if arch == "Gemma2ForCausalLM":
+            fields |= _gemma2_fields(hf)
+        if arch == "StableLmForCausalLM":
+            fields |= _stablelm_fields(hf)
+        if arch in _MOE_ARCHITECTURES:
+            fields["moe"] = _moe_of(hf, arch)
+        return cls(**common, **fields)
+
+
+def _llama_fields(hf: dict[str, Any], arch: str) -> dict[str, Any]:
+    """ModelConfig fields of a Llama-shaped config.json (Llama, Mistral, Qwen2/3, OLMo 2, Gemma 3)."""
+    heads = hf["num_attention_heads"]
+    is_qwen2 = arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
+    sliding, layer_types = _sliding_of(hf, arch)
+    return dict(hidden_size=hf["hidden_size"], num_layers=hf["num_hidden_layers"],
+                num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
+                head_dim=hf.get("head_dim") or hf["hidden_size"] // heads, intermediate_size=hf["intermediate_size"],
+                max_model_len=hf.get("max_position_embeddings", 2048),
+                norm_eps=hf.get("rms_norm_eps", 1e-6), rope=_rope_of(hf),
+                attention_bias=hf.get("qkv_bias", True) if is_qwen2 else hf.get("attention_bias", False),
+                o_proj_bias=(not is_qwen2) and hf.get("attention_bias", False),
+                mlp_bias=hf.get("mlp_bias", False),
+                qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"), sliding_window=sliding,
+                layer_types=layer_types, hidden_act=hf.get("hidden_act", "silu"),
+                partial_rotary_factor=_rope_params(hf).get("partial_rotary_factor",
+                                                           hf.get("partial_rotary_factor") or 1.0))
+
+
+_TIED_BY_DEFAULT = ("GPT2LMHeadModel", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
+_MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM")
+_QWEN_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+
+
+def _moe_of(hf: dict[str, Any], arch: str) -> MoeConfig:
+    """The mixture as transformers builds it: Mixtral mixes every layer and renormalizes its top-k,
+    OLMoE mixes every layer and renormalizes per norm_topk_prob;
+    Qwen2/3-MoE mix every decoder_sparse_step-th layer outside mlp_only_layers, renormalize per
+    norm_topk_prob, and Qwen2-MoE adds a shared expert."""
+    layers = hf["num_hidden_layers"]
+    experts = hf.get("num_local_experts") or hf.get("num_experts") or 0
+    if arch == "MixtralForCausalLM":
+        return MoeConfig(experts, hf.get("num_experts_per_tok", 2), hf["intermediate_size"], tuple(range(layers)))
+    if arch == "OlmoeForCausalLM":
+        return MoeConfig(experts, hf.get("num_experts_per_tok", 8), hf["intermediate_size"], tuple(range(layers)),
+                         normalize_top_k=hf.get("norm_topk_prob", False))
+    step, dense = hf.get("decoder_sparse_step", 1), set(hf.get("mlp_only_layers") or ())
+    sparse = tuple(i for i in range(layers) if i not in dense and experts > 0 and (i + 1) % step == 0)
+    shared = hf.get("shared_expert_intermediate_size", 0) if arch == "Qwen2MoeForCausalLM" else 0
+    return MoeConfig(experts, hf.get("num_experts_per_tok", 1), hf["moe_intermediate_size"], sparse,
+                     normalize_top_k=hf.get("norm_topk_prob", False), shared_intermediate_size=shared)
+
+
+def _gemma3_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """What Gemma 3 reads differently from a Llama config (transformers' Gemma3TextConfig defaults)."""
+    full, local = _gemma3_ropes(hf)
+    return dict(head_dim=hf.get("head_dim", 256), max_model_len=hf.get("max_position_embeddings", 32768),
+                rope=full, local_rope=local, qk_norm=True, sliding_window=hf.get("sliding_window", 4096),
+                layer_types=tuple(_gemma3_layer_types(hf)),
+                hidden_act=hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh",
+                query_pre_attn_scalar=hf.get("query_pre_attn_scalar", 256),
+                final_logit_softcapping=hf.get("final_logit_softcapping"))
+
+
+def _gemma2_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 2 (transformers' Gemma2Config defaults): Gemma 3's layout without q/k norm or a second
+    rope base, with attention scores soft-capped; every other layer slides, the first one included."""
+    layers = hf["num_hidden_layers"]
+    layer_types = hf.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention"
+                                            for i in range(layers)]
+    return dict(head_dim=hf.get("head_dim", 256), max_model_len=hf.get("max_position_embeddings", 8192),
+                sliding_window=hf.get("sliding_window", 4096), layer_types=tuple(layer_types),
+                hidden_act=hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh",
+                query_pre_attn_scalar=hf.get("query_pre_attn_scalar", 256),
+                final_logit_softcapping=hf.get("final_logit_softcapping", 30.0),
+                attn_logit_softcapping=hf.get("attn_logit_softcapping", 50.0))
+
+
+def _stablelm_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """StableLM (transformers' StableLmConfig defaults): LayerNorm epsilon, q/k/v bias and per-head
+    q/k LayerNorm by their own names, a quarter of each head rotated, optional parallel residual."""
+    return dict(norm_eps=hf.get("layer_norm_eps", 1e-5), attention_bias=hf.get("use_qkv_bias", False),
+                qk_norm=hf.get("qk_layernorm", False), parallel_residual=hf.get("use_parallel_residual", False),
+                max_model_len=hf.get("max_position_embeddings", 4096),
+                partial_rotary_factor=_rope_params(hf).get("partial_rotary_factor",
+                                                           hf.get("partial_rotary_factor") or 0.25))
+
+
+# fields an architecture implements among those _refuse_unimplemented checks
+_IMPLEMENTED = {"Gemma3ForCausalLM": ("query_pre_attn_scalar", "final_logit_softcapping"),
+                "Gemma2ForCausalLM": ("query_pre_attn_scalar", "final_logit_softcapping", "attn_logit_softcapping")}
+
+
+# config fields that change a Llama-family forward pass, with the value that leaves it unchanged
+_NEUTRAL_FIELDS = {"attn_logit_softcapping": None, "final_logit_softcapping": None,
+                   "query_pre_attn_scalar": None, "use_qk_norm": False, "logits_scaling": 1.0,
+                   "embedding_multiplier": 1.0, "residual_multiplier": 1.0, "attention_multiplier": None,
+                   "clip_qkv": None}
+
+
+def _refuse_unimplemented(hf: dict[str, Any], arch: str, implemented: tuple[str, ...] = ()) -> None:
+    """An error naming each field that would change the math and is not implemented (never ignored)."""
+    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    params = params if all(not isinstance(v, dict) for v in params.values()) else {}
+    found = {k: hf.get(k, params.get(k)) for k in _NEUTRAL_FIELDS
+             if (k in hf or k in params) and k not in implemented}
+    wrong = {k: v for k, v in found.items() if v != _NEUTRAL_FIELDS[k]}
+    if hf.get("use_bidirectional_attention"):
+        wrong["use_bidirectional_attention"] = True
+    if wrong:
+        raise UnsupportedModelError(f"config field(s) {wrong} change the model's arithmetic and are not "
+                                    f"implemented for {arch}")
+
+
+def _gemma3_layer_types(hf: dict[str, Any]) -> list[str]:
+    """HF's layer_types, else every sliding_window_pattern-th layer full (default 6)."""
+    pattern = hf.get("sliding_window_pattern", 6)
+    return hf.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                                     for i in range(hf["num_hidden_layers"])]
+
+
+def _sliding_of(hf: dict[str, Any], arch: str) -> tuple[int | None, tuple[str, ...] | None]:
+    """(window, per-layer types) as transformers reads them: Qwen2/Qwen3 slide only with
+    use_sliding_window, and then only layers from max_window_layers on, unless the config
+    lists its layer_types."""
+    sliding = hf.get("sliding_window")
+    layer_types = hf.get("layer_types")
+    if arch in _QWEN_ARCHITECTURES:
+        sliding = sliding if hf.get("use_sliding_window", False) else None
+        if layer_types is None and sliding is not None:
+            first = hf.get("max_window_layers", hf["num_hidden_layers"])
+            layer_types = ["sliding_attention" if i >= first else "full_attention"
+                           for i in range(hf["num_hidden_layers"])]
+    return sliding, tuple(layer_types) if layer_types is not None else None
+
+
+def _gemma3_ropes(hf: dict[str, Any]) -> tuple[RopeConfig, RopeConfig]:
+    """(full-attention rope, sliding-window rope): transformers 5's rope_parameters keyed by
+    layer type, or the older rope_theta / rope_scaling / rope_local_base_freq."""
+    params = hf.get("rope_parameters") or {}
+    if "full_attention" in params:
+        full, local = dict(params["full_attention"]), dict(params.get("sliding_attention") or {})
+    else:
+        full = dict(hf.get("rope_scaling") or {}) | {"rope_theta": hf.get("rope_theta", 1_000_000.0)}
+        local = {"rope_theta": hf.get("rope_local_base_freq", 10_000.0)}
+    full.setdefault("rope_theta", 1_000_000.0)
+    local.setdefault("rope_theta", 10_000.0)
+    return _rope_of(hf | {"rope_parameters": full}), _rope_of(hf | {"rope_parameters": local})
+
+
+def _architecture_of(hf: dict[str, Any]) -> str:
+    archs = hf.get("architectures") or []
+    if archs:
+        return archs[0]
+    model_type = hf.get("model_type")
+    if model_type in BY_MODEL_TYPE:
+        return BY_MODEL_TYPE[model_type].hf_name
+    raise UnsupportedModelError(
+        f"config names neither a supported architecture nor model_type (got "
+        f"architectures={archs!r}, model_type={model_type!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+
+
+def _rope_params(hf: dict[str, Any]) -> dict[str, Any]:
+    return dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+
+
+def _rope_of(hf: dict[str, Any]) -> RopeConfig:
+    params = _rope_params(hf)
+    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    rope_type = "longrope" if rope_type == "su" else rope_type          # Phi-3's first configs
+    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings", "attention_factor",
+            "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate")
+    kwargs = {k: params[k] for k in keys if params.get(k) is not None}
+    max_pos = hf.get("max_position_embeddings", 2048)
+    if rope_type == "longrope":        # transformers' _compute_longrope_parameters
+        kwargs.setdefault("original_max_position_embeddings", hf.get("original_max_position_embeddings", max_pos))
+        kwargs.setdefault("factor", max_pos / kwargs["original_max_position_embeddings"])
+        kwargs |= {k: tuple(params[k]) for k in ("short_factor", "long_factor") if params.get(k) is not None}
+    if rope_type == "dynamic":         # stretches past max_position_embeddings (the original length)
+        kwargs["original_max_position_embeddings"] = max_pos
+    if rope_type == "yarn":
+        kwargs.setdefault("original_max_position_embeddings", max_pos)
+        if "factor" not in kwargs:     # DeepSeek-style: the factor is the context's growth
+            kwargs["factor"] = max_pos / kwargs["original_max_position_embeddings"]
+    return RopeConfig(theta=float(theta), rope_type=rope_type, **kwargs)
