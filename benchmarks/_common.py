@@ -45,10 +45,11 @@ def read_bandwidth_gbs(threads: int, mib: int = 512, repeats: int = 9) -> float:
     a `mib` MiB float32 tensor on `threads` threads. Batch-1 decode is bound by it, and on a
     shared machine it moves between sessions (27-29 vs ~36 GB/s on the same kind of VM)."""
     import torch
+
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        x = torch.ones(mib << 18)                              # mib MiB of float32
+        x = torch.ones(mib << 18)  # mib MiB of float32
         x.sum()
         seconds = median_time(x.sum, repeats)
     finally:

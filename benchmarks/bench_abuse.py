@@ -38,8 +38,11 @@ from bench_serving import make_workload
 
 from tokenloom.loader import hub
 
-SCHEMA = {"anyOf": [{"type": "object", "properties": {f"k{i}": {"type": "integer"}}, "required": [f"k{i}"]}
-                    for i in range(5000)]}
+SCHEMA = {
+    "anyOf": [
+        {"type": "object", "properties": {f"k{i}": {"type": "integer"}}, "required": [f"k{i}"]} for i in range(5000)
+    ]
+}
 
 
 def abuses(base: str) -> dict[str, dict]:
@@ -49,7 +52,7 @@ def abuses(base: str) -> dict[str, dict]:
         "4 MB prompt": {"prompt": "Hello world, this is a test. " * 140_000, "max_tokens": 2},
         "anyOf x 5000 schema": {"prompt": "Hi", "max_tokens": 1, "guided_json": SCHEMA},
         "lone surrogate": "LONE",
-        "seed 2**64": {"prompt": "Hi", "max_tokens": 1, "seed": 2 ** 64},
+        "seed 2**64": {"prompt": "Hi", "max_tokens": 1, "seed": 2**64},
         "10^5 stop strings": {"prompt": "Hi", "max_tokens": 1, "stop": [f"s{i}" for i in range(100_000)]},
         "temperature 1e-45": {"prompt": "Hi", "max_tokens": 4, "temperature": 1e-45},
     }
@@ -72,8 +75,14 @@ async def _post(http: httpx.AsyncClient, base: str, content: bytes) -> int:
 
 async def _hog(http: httpx.AsyncClient, base: str, done: asyncio.Event, answers: Counter) -> None:
     """4 prompts x n=16 x 4096 tokens, streamed until the workload ends."""
-    body = {"model": "bench", "prompt": ["Tell me a story"] * 4, "n": 16, "max_tokens": 4096, "ignore_eos": True,
-            "stream": True}
+    body = {
+        "model": "bench",
+        "prompt": ["Tell me a story"] * 4,
+        "n": 16,
+        "max_tokens": 4096,
+        "ignore_eos": True,
+        "stream": True,
+    }
     async with http.stream("POST", f"{base}/v1/completions", json=body) as response:
         answers[f"hog 4 x n=16 x 4096 tokens: {response.status_code}"] += 1
         async for _ in response.aiter_lines():
@@ -85,8 +94,10 @@ async def _slow_body(base: str, answers: Counter) -> None:
     """Content-Length 1000, 10 bytes sent, then nothing: answered 408 after the body timeout."""
     host, port = base.removeprefix("http://").split(":")
     reader, writer = await asyncio.open_connection(host, int(port))
-    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: 1000\r\n\r\n{\"prompt\":")
+    writer.write(
+        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        b'Content-Length: 1000\r\n\r\n{"prompt":'
+    )
     await writer.drain()
     try:
         status = (await asyncio.wait_for(reader.readline(), 60)).decode().split(" ")[1]
@@ -106,8 +117,7 @@ async def _left_beam_search(http: httpx.AsyncClient, base: str, answers: Counter
 
 async def _crowd(http: httpx.AsyncClient, base: str, answers: Counter) -> None:
     body = encoded({"prompt": "Hi", "max_tokens": 64})
-    codes = await asyncio.gather(*(_post(http, base, body) for _ in range(300)),
-                                 return_exceptions=True)
+    codes = await asyncio.gather(*(_post(http, base, body) for _ in range(300)), return_exceptions=True)
     for code in codes:
         answers[f"300 requests at once: {code if isinstance(code, int) else type(code).__name__}"] += 1
 
@@ -124,6 +134,7 @@ async def abuser(base: str, done: asyncio.Event, answers: Counter, skip: set[str
 
         async def one(name: str, body: bytes) -> None:
             answers[f"{name}: {await _post(http, base, body)}"] += 1
+
         bodies = {name: encoded(body) for name, body in abuses(base).items()}
         while not done.is_set():
             round_ = [one(name, body) for name, body in bodies.items()] if "requests" not in skip else []
@@ -157,9 +168,10 @@ async def side_role(role: str, base: str, skip: set[str], abuser_nice: int = 0) 
     done, loop, stdin = asyncio.Event(), asyncio.get_running_loop(), sys.stdin.fileno()
 
     def on_stdin() -> None:
-        if not os.read(stdin, 4096):                             # closed: time to stop
+        if not os.read(stdin, 4096):  # closed: time to stop
             loop.remove_reader(stdin)
             done.set()
+
     loop.add_reader(stdin, on_stdin)
     print("ready", flush=True)
     if role == "abuser":
@@ -177,14 +189,25 @@ async def _start_side(role: str, base: str, skip: set[str], abuser_nice: int) ->
     """The role's process, once it has started (its imports would otherwise share the first
     second of the workload's CPU)."""
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, __file__, "--role", role, "--base", base, "--abuser-nice", str(abuser_nice), "--skip", *skip,
-        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
+        sys.executable,
+        __file__,
+        "--role",
+        role,
+        "--base",
+        base,
+        "--abuser-nice",
+        str(abuser_nice),
+        "--skip",
+        *skip,
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+    )
     await proc.stdout.readline()
     return proc
 
 
 async def _stop_side(proc: asyncio.subprocess.Process) -> dict:
-    out, _ = await proc.communicate(b"")          # stdin closed: the role ends and reports
+    out, _ = await proc.communicate(b"")  # stdin closed: the role ends and reports
     return json.loads(out.decode().strip().splitlines()[-1])
 
 
@@ -193,10 +216,10 @@ async def phase(base: str, reqs, abusive: bool, skip: set[str], abuser_nice: int
     sides = [await _start_side("probe", base, skip, abuser_nice)]
     if abusive:
         sides.append(await _start_side("abuser", base, skip, abuser_nice))
-        await asyncio.sleep(2)                                   # the abuse under way first
+        await asyncio.sleep(2)  # the abuse under way first
     errors = 0
     try:
-        run = await _http_run(base, reqs, 16, users="good")      # 16 clients, each its own user
+        run = await _http_run(base, reqs, 16, users="good")  # 16 clients, each its own user
     except httpx.HTTPError:
         errors, run = 1, None
     reports = [await _stop_side(proc) for proc in sides]
@@ -206,8 +229,11 @@ async def phase(base: str, reqs, abusive: bool, skip: set[str], abuser_nice: int
 def blocks_in_use(base: str) -> float:
     for _ in range(100):
         text = httpx.get(f"{base}/metrics").text
-        values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
-                  if line.startswith("tokenloom_") and " " in line and "{" not in line.split(" ")[0]}
+        values = {
+            line.split(" ")[0]: float(line.split(" ")[1])
+            for line in text.splitlines()
+            if line.startswith("tokenloom_") and " " in line and "{" not in line.split(" ")[0]
+        }
         if values.get("tokenloom_num_requests_running", 0) + values.get("tokenloom_num_requests_waiting", 0) == 0:
             return values.get("tokenloom_kv_cache_blocks_used", float("nan"))
         time.sleep(0.5)
@@ -218,12 +244,21 @@ def main() -> None:
     p = parser(__doc__)
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--port", type=int, default=8123)
-    p.add_argument("--skip", nargs="*", default=[], choices=SIDE_ABUSES,
-                   help="leave these abuses out (to see what each costs): hog, slow (body), beam, crowd (300 "
-                        "requests at once), requests (the single bad requests)")
-    p.add_argument("--abuser-nice", type=int, default=10,
-                   help="niceness of the abuser's process (default 10): on one machine its own CPU, which a remote "
-                        "abuser would not take from the server, slows the engine's steps; 0 to measure that too")
+    p.add_argument(
+        "--skip",
+        nargs="*",
+        default=[],
+        choices=SIDE_ABUSES,
+        help="leave these abuses out (to see what each costs): hog, slow (body), beam, crowd (300 "
+        "requests at once), requests (the single bad requests)",
+    )
+    p.add_argument(
+        "--abuser-nice",
+        type=int,
+        default=10,
+        help="niceness of the abuser's process (default 10): on one machine its own CPU, which a remote "
+        "abuser would not take from the server, slows the engine's steps; 0 to measure that too",
+    )
     p.add_argument("--role", choices=["probe", "abuser"], help=argparse.SUPPRESS)
     p.add_argument("--base", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -236,22 +271,25 @@ def main() -> None:
     reqs = make_workload(args.requests, 0, (16, 64), (32, 32))
     results = {}
     try:
-        asyncio.run(_http_run(base, reqs[:4], 4))                 # warm-up
+        asyncio.run(_http_run(base, reqs[:4], 4))  # warm-up
         for label, abusive in tqdm([("alone", False), ("beside the abuser", True)], desc="phases"):
-            summary, abuser, worst, errors = asyncio.run(phase(base, reqs, abusive, set(args.skip),
-                                                               args.abuser_nice))
-            results[label] = {"clients": summary, "client_errors": errors, "health_worst_s": worst,
-                              "abuser_answers": abuser.get("abuser_answers", {}),
-                              "abuser_cpu_s": abuser.get("abuser_cpu_s")}
+            summary, abuser, worst, errors = asyncio.run(phase(base, reqs, abusive, set(args.skip), args.abuser_nice))
+            results[label] = {
+                "clients": summary,
+                "client_errors": errors,
+                "health_worst_s": worst,
+                "abuser_answers": abuser.get("abuser_answers", {}),
+                "abuser_cpu_s": abuser.get("abuser_cpu_s"),
+            }
         results["kv_blocks_after"] = blocks_in_use(base)
     finally:
         server.terminate()
         server.wait(timeout=60)
     print_report(results, cpu_name())
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "bench_abuse.json").write_text(json.dumps(results | {"cpu": cpu_name(), "skipped": args.skip,
-                                                                    "abuser_nice": args.abuser_nice},
-                                                         indent=2))
+    (RESULTS / "bench_abuse.json").write_text(
+        json.dumps(results | {"cpu": cpu_name(), "skipped": args.skip, "abuser_nice": args.abuser_nice}, indent=2)
+    )
 
 
 def print_report(res: dict, cpu: str) -> None:

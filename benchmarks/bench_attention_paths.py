@@ -24,10 +24,22 @@ from tqdm import tqdm
 from tokenloom import LLM, SamplingParams
 from tokenloom.attention import backend, cpu_decode, cpu_prefill
 
-GEMMA2 = dict(vocab_size=32000, hidden_size=1024, intermediate_size=4096, num_hidden_layers=8,
-              num_attention_heads=8, num_key_value_heads=4, head_dim=128, query_pre_attn_scalar=128,
-              sliding_window=512, attn_logit_softcapping=50.0, max_position_embeddings=4096,
-              bos_token_id=None, eos_token_id=None, pad_token_id=None)
+GEMMA2 = dict(
+    vocab_size=32000,
+    hidden_size=1024,
+    intermediate_size=4096,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=128,
+    query_pre_attn_scalar=128,
+    sliding_window=512,
+    attn_logit_softcapping=50.0,
+    max_position_embeddings=4096,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+)
 
 
 def random_gemma2(folder: Path) -> Path:
@@ -38,8 +50,10 @@ def random_gemma2(folder: Path) -> Path:
 
     import torch
     import transformers
+
     sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
     from conftest import make_tiny_tokenizer
+
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(transformers.Gemma2Config(**GEMMA2), dtype=torch.float32)
     model.save_pretrained(folder)
@@ -56,7 +70,8 @@ def torch_path_only() -> None:
 def measure(llm: LLM, prompt: list[int], new: int, repeats: int) -> dict:
     def run(tokens: int):
         llm.generate([prompt], SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True), use_tqdm=False)
-    run(2)                                                              # warm-up
+
+    run(2)  # warm-up
     prefill = median_time(lambda: run(1), repeats)
     whole = median_time(lambda: run(new + 1), repeats)
     return {"prefill_tok_s": len(prompt) / prefill, "decode_tok_s": new / (whole - prefill)}
@@ -81,8 +96,10 @@ def main() -> None:
     for path, r in results.items():
         print(f"| {path} | {r['prefill_tok_s']:.0f} | {r['decode_tok_s']:.1f} |")
     k, t = results["kernels"], results["torch"]
-    print(f"| kernels / torch | {k['prefill_tok_s'] / t['prefill_tok_s']:.2f}x | "
-          f"{k['decode_tok_s'] / t['decode_tok_s']:.2f}x |")
+    print(
+        f"| kernels / torch | {k['prefill_tok_s'] / t['prefill_tok_s']:.2f}x | "
+        f"{k['decode_tok_s'] / t['decode_tok_s']:.2f}x |"
+    )
     out = RESULTS / "bench_attention_paths.json"
     out.write_text(json.dumps({"model": model, "prompt": args.prompt, "new": args.new, **results}, indent=2))
     print(f"wrote {out}")

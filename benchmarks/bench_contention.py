@@ -28,8 +28,23 @@ BUSY = [sys.executable, "-c", "while True: pass"]
 
 
 def tokenloom_cmd(gguf: str, new_tokens: int, threads: int | None) -> list[str]:
-    cmd = [sys.executable, "-m", "tokenloom", "bench", "-m", gguf, "--json", "--runs", "3",
-           "--new-tokens", str(new_tokens), "--prompt-tokens", "128", "--log-level", "warning"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tokenloom",
+        "bench",
+        "-m",
+        gguf,
+        "--json",
+        "--runs",
+        "3",
+        "--new-tokens",
+        str(new_tokens),
+        "--prompt-tokens",
+        "128",
+        "--log-level",
+        "warning",
+    ]
     return cmd + (["-t", str(threads)] if threads else [])
 
 
@@ -46,8 +61,10 @@ def decode_speed(engine: str, out: str) -> float:
 
 def run_engines(commands: list[tuple[str, list[str]]], timeout: float = 900) -> list[float]:
     """Start every command at once; each one's decode tok/s."""
-    procs = [(engine, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-             for engine, cmd in commands]
+    procs = [
+        (engine, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        for engine, cmd in commands
+    ]
     speeds = []
     for engine, proc in procs:
         out, err = proc.communicate(timeout=timeout)
@@ -70,8 +87,10 @@ def with_busy(n: int, fn):
 
 
 def measure(args) -> dict:
-    engines = {"tokenloom": tokenloom_cmd(args.gguf, args.new_tokens, None),
-               f"tokenloom -t {os.cpu_count()}": tokenloom_cmd(args.gguf, args.new_tokens, os.cpu_count())}
+    engines = {
+        "tokenloom": tokenloom_cmd(args.gguf, args.new_tokens, None),
+        f"tokenloom -t {os.cpu_count()}": tokenloom_cmd(args.gguf, args.new_tokens, os.cpu_count()),
+    }
     if args.llama_bench:
         engines["llama.cpp"] = llama_cmd(args.llama_bench, args.gguf, args.new_tokens)
     scenarios = {"quiet": 0, "1 busy process": 1, "2 busy processes": 2}
@@ -114,6 +133,7 @@ def main() -> None:
     args = p.parse_args()
     if args.gguf is None:
         from tokenloom.loader import hub
+
         hub.pull()
         args.gguf = str(hub.default_gguf_path())
     if args.llama_bench and not Path(args.llama_bench).is_file():
@@ -121,10 +141,13 @@ def main() -> None:
     runs = measure(args)
     table = report(runs, bool(args.llama_bench))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"cpu": cpu_name(), "gguf": args.gguf, "new_tokens": args.new_tokens,
-                                          "runs": runs}, indent=2))
-    print(f"\n{cpu_name()}; {Path(args.gguf).name}, batch 1, decode of {args.new_tokens} tokens after 128, "
-          f"medians of {args.rounds} rounds (x: of the engine's quiet speed; two at once: the slower of the pair)\n")
+    Path(args.out).write_text(
+        json.dumps({"cpu": cpu_name(), "gguf": args.gguf, "new_tokens": args.new_tokens, "runs": runs}, indent=2)
+    )
+    print(
+        f"\n{cpu_name()}; {Path(args.gguf).name}, batch 1, decode of {args.new_tokens} tokens after 128, "
+        f"medians of {args.rounds} rounds (x: of the engine's quiet speed; two at once: the slower of the pair)\n"
+    )
     print(table)
 
 

@@ -42,9 +42,10 @@ def weight_bytes_per_token(model: torch.nn.Module, vocab: int, hidden: int) -> i
     packed = [b for name, b in model.named_buffers() if name.endswith(("packed_weight", "panels"))]
     total = sum(t.numel() * t.element_size() for t in list(tensors.values()) + packed)
     embed = vocab * hidden * 4
-    head = vocab * hidden * 4     # the output projection is read in full (tied or not)
-    head_counted = any(name.startswith("lm_head.") for name, _ in model.named_buffers()) or \
-        not model.config.tie_word_embeddings
+    head = vocab * hidden * 4  # the output projection is read in full (tied or not)
+    head_counted = (
+        any(name.startswith("lm_head.") for name, _ in model.named_buffers()) or not model.config.tie_word_embeddings
+    )
     return total - embed + (0 if head_counted else head)
 
 
@@ -60,7 +61,7 @@ class Tokenloom:
 
     def generate_uncached(self, prompt: list[int], new: int) -> None:
         ids = list(prompt)
-        for _ in range(new):   # every token is a fresh prefill of the whole sequence
+        for _ in range(new):  # every token is a fresh prefill of the whole sequence
             out = self.llm.generate([ids], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
             ids.append(out[0].outputs[0].token_ids[0])
 
@@ -70,12 +71,19 @@ class HF:
 
     def __init__(self, folder: str) -> None:
         import transformers
+
         self.model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
     @torch.inference_mode()
     def _gen(self, prompts, new, use_cache=True):
-        self.model.generate(torch.tensor(prompts), max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                            use_cache=use_cache, pad_token_id=0)
+        self.model.generate(
+            torch.tensor(prompts),
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=False,
+            use_cache=use_cache,
+            pad_token_id=0,
+        )
 
     def generate(self, prompts, new):
         self._gen(prompts, new)
@@ -87,15 +95,19 @@ class HF:
 def measure(engine, args, bar) -> dict:
     prompt = [1000 + i for i in range(args.prompt)]
     r: dict = {}
-    engine.generate([prompt], 4)                                            # warm-up
-    r["ttft_s"] = median_time(lambda: engine.generate([prompt], 1), args.repeats); bar.update()
-    total = median_time(lambda: engine.generate([prompt], args.new), args.repeats); bar.update()
+    engine.generate([prompt], 4)  # warm-up
+    r["ttft_s"] = median_time(lambda: engine.generate([prompt], 1), args.repeats)
+    bar.update()
+    total = median_time(lambda: engine.generate([prompt], args.new), args.repeats)
+    bar.update()
     r["decode_tok_s"] = (args.new - 1) / (total - r["ttft_s"])
     r["e2e_128_s"] = total
-    uncached = median_time(lambda: engine.generate_uncached(prompt, args.new_uncached), 1); bar.update()
+    uncached = median_time(lambda: engine.generate_uncached(prompt, args.new_uncached), 1)
+    bar.update()
     r["uncached_tok_s"] = args.new_uncached / uncached
     batch = [[1000 + 37 * b + i for i in range(args.prompt)] for b in range(args.batch)]
-    t = median_time(lambda: engine.generate(batch, args.new), args.repeats); bar.update()
+    t = median_time(lambda: engine.generate(batch, args.new), args.repeats)
+    bar.update()
     r[f"batch{args.batch}_tok_s"] = args.batch * args.new / t
     r["latency_by_length"] = {}
     for length in args.lengths:
@@ -111,30 +123,41 @@ def measure(engine, args, bar) -> dict:
 
 def print_table(res: dict, args, limit_tok_s: float) -> None:
     ours, hf = res["tokenloom"], res["transformers"]
-    rows = [("batch-1 decode tok/s (KV cache)", "decode_tok_s", True),
-            ("batch-1 time to first token, s", "ttft_s", False),
-            (f"batch-1 tok/s without KV cache ({args.new_uncached} new)", "uncached_tok_s", True),
-            (f"batch-{args.batch} output tok/s", f"batch{args.batch}_tok_s", True)]
-    print(f"\nSmolLM2-135M-Instruct float32, prompt {args.prompt}, {args.new} new tokens, "
-          f"{torch.get_num_threads()} threads, medians of {args.repeats}")
+    rows = [
+        ("batch-1 decode tok/s (KV cache)", "decode_tok_s", True),
+        ("batch-1 time to first token, s", "ttft_s", False),
+        (f"batch-1 tok/s without KV cache ({args.new_uncached} new)", "uncached_tok_s", True),
+        (f"batch-{args.batch} output tok/s", f"batch{args.batch}_tok_s", True),
+    ]
+    print(
+        f"\nSmolLM2-135M-Instruct float32, prompt {args.prompt}, {args.new} new tokens, "
+        f"{torch.get_num_threads()} threads, medians of {args.repeats}"
+    )
     print("| metric | tokenloom | transformers | tokenloom / HF |\n|---|---:|---:|---:|")
     for label, key, higher_better in rows:
         ratio = ours[key] / hf[key] if higher_better else hf[key] / ours[key]
         print(f"| {label} | {ours[key]:.2f} | {hf[key]:.2f} | {ratio:.2f}x |")
-    print(f"\nbandwidth limit for batch-1 decode: {limit_tok_s:.1f} tok/s "
-          f"(tokenloom at {ours['decode_tok_s'] / limit_tok_s:.0%}, transformers at "
-          f"{hf['decode_tok_s'] / limit_tok_s:.0%})")
-    print("\n| context | tokenloom cached ms | tokenloom uncached ms | HF cached ms | HF uncached ms |\n"
-          "|---:|---:|---:|---:|---:|")
+    print(
+        f"\nbandwidth limit for batch-1 decode: {limit_tok_s:.1f} tok/s "
+        f"(tokenloom at {ours['decode_tok_s'] / limit_tok_s:.0%}, transformers at "
+        f"{hf['decode_tok_s'] / limit_tok_s:.0%})"
+    )
+    print(
+        "\n| context | tokenloom cached ms | tokenloom uncached ms | HF cached ms | HF uncached ms |\n"
+        "|---:|---:|---:|---:|---:|"
+    )
     for length in args.lengths:
         a, b = ours["latency_by_length"][length], hf["latency_by_length"][length]
-        print(f"| {length} | {a['cached_ms']:.1f} | {a['uncached_ms']:.1f} | {b['cached_ms']:.1f} "
-              f"| {b['uncached_ms']:.1f} |")
+        print(
+            f"| {length} | {a['cached_ms']:.1f} | {a['uncached_ms']:.1f} | {b['cached_ms']:.1f} "
+            f"| {b['uncached_ms']:.1f} |"
+        )
 
 
 def plot(res: dict, args, path: Path) -> bool:
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -143,10 +166,20 @@ def plot(res: dict, args, path: Path) -> bool:
     for name, style in (("tokenloom", "-"), ("transformers", "--")):
         lat = res[name]["latency_by_length"]
         for kind, marker in (("cached_ms", "o"), ("uncached_ms", "s")):
-            ax.plot(args.lengths, [lat[n][kind] for n in args.lengths], style, marker=marker,
-                    label=f"{name}, {kind.split('_')[0]}")
-    ax.set(xlabel="context length (tokens)", ylabel="ms per generated token", xscale="log", yscale="log",
-           title="Per-token latency: the KV cache keeps it flat (SmolLM2-135M fp32, CPU)")
+            ax.plot(
+                args.lengths,
+                [lat[n][kind] for n in args.lengths],
+                style,
+                marker=marker,
+                label=f"{name}, {kind.split('_')[0]}",
+            )
+    ax.set(
+        xlabel="context length (tokens)",
+        ylabel="ms per generated token",
+        xscale="log",
+        yscale="log",
+        title="Per-token latency: the KV cache keeps it flat (SmolLM2-135M fp32, CPU)",
+    )
     ax.set_xticks(args.lengths, [str(n) for n in args.lengths])
     return finish_plot(fig, ax, path)
 

@@ -44,8 +44,23 @@ PROMPT, NEW = 128, 64
 
 def tokenloom_bench(path: Path, runs: int, prompt: int) -> dict:
     """`tokenloom bench --json` on `path`: batch 1, `prompt` prompt tokens, NEW new tokens."""
-    cmd = [sys.executable, "-m", "tokenloom", "bench", "-m", str(path), "--json", "--runs", str(runs),
-           "--prompt-tokens", str(prompt), "--new-tokens", str(NEW), "--max-model-len", str(PROMPT + NEW)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tokenloom",
+        "bench",
+        "-m",
+        str(path),
+        "--json",
+        "--runs",
+        str(runs),
+        "--prompt-tokens",
+        str(prompt),
+        "--new-tokens",
+        str(NEW),
+        "--max-model-len",
+        str(PROMPT + NEW),
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode != 0:
         raise RuntimeError(f"tokenloom bench failed on {path.name}: {out.stderr[-2000:]}")
@@ -56,15 +71,37 @@ def run_tokenloom(path: Path, runs: int) -> dict:
     """Decode and prefill after a PROMPT-token prompt, peak RSS, and decode from an empty context."""
     r = tokenloom_bench(path, runs, PROMPT)
     empty = tokenloom_bench(path, runs, 1)
-    return {"decode": r["decode_tok_s"], "prefill": r["prefill_tok_s"], "rss_mb": r["peak_rss_bytes"] / 1e6,
-            "decode_empty": empty["decode_tok_s"]}
+    return {
+        "decode": r["decode_tok_s"],
+        "prefill": r["prefill_tok_s"],
+        "rss_mb": r["peak_rss_bytes"] / 1e6,
+        "decode_empty": empty["decode_tok_s"],
+    }
 
 
 def run_llama_cpp(binary: str, path: Path, runs: int, threads: int) -> dict:
     """llama-bench's pp PROMPT (empty context), tg NEW at depth PROMPT (as tokenloom decodes after
     its prompt) and from an empty context, and the process's peak RSS."""
-    cmd = ["/usr/bin/time", "-f", "maxrss_kb=%M", binary, "-m", str(path), "-p", str(PROMPT), "-n", str(NEW),
-           "-d", f"0,{PROMPT}", "-t", str(threads), "-r", str(runs), "-o", "json"]
+    cmd = [
+        "/usr/bin/time",
+        "-f",
+        "maxrss_kb=%M",
+        binary,
+        "-m",
+        str(path),
+        "-p",
+        str(PROMPT),
+        "-n",
+        str(NEW),
+        "-d",
+        f"0,{PROMPT}",
+        "-t",
+        str(threads),
+        "-r",
+        str(runs),
+        "-o",
+        "json",
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode != 0:
         raise RuntimeError(f"llama-bench failed on {path.name}: {out.stderr[-2000:]}")
@@ -74,7 +111,7 @@ def run_llama_cpp(binary: str, path: Path, runs: int, threads: int) -> dict:
             speed["prefill"] = r["avg_ts"]
         elif r["n_gen"]:
             speed["decode" if r["n_depth"] == PROMPT else "decode_empty"] = r["avg_ts"]
-    rss = int(re.search(r"maxrss_kb=(\d+)", out.stderr).group(1)) * 1024 / 1e6     # GNU time's %M is KiB
+    rss = int(re.search(r"maxrss_kb=(\d+)", out.stderr).group(1)) * 1024 / 1e6  # GNU time's %M is KiB
     return speed | {"rss_mb": rss}
 
 
@@ -82,6 +119,7 @@ def metadata_seconds(path: Path) -> dict:
     import gguf
 
     from tokenloom.loader.gguf_reader import GGUFReader
+
     times = {}
     for name, read in (("tokenloom", GGUFReader), ("gguf.GGUFReader", gguf.GGUFReader)):
         start = time.perf_counter()
@@ -120,25 +158,30 @@ def table(results: dict, cpu: str, threads: int) -> str:
     rounds = len(next(iter(results.values()))["rounds"]) if results else 0
     reads = sorted(turn["read_gbs"] for r in results.values() for turn in r["rounds"])
     bandwidth = f"; memory read {reads[0]:.1f}-{reads[-1]:.1f} GB/s (torch sum, 512 MiB)" if reads else ""
-    lines = [f"CPU: {cpu}; {threads} threads{bandwidth}; batch 1, prompt {PROMPT}, {NEW} new tokens; {rounds} "
-             "alternating rounds, medians (ratios: median of the rounds' ratios, range in brackets); decode after "
-             f"the {PROMPT}-token prompt (llama-bench tg{NEW} @ d{PROMPT}) and from an empty context (tg{NEW})", "",
-             f"| file | tokenloom decode tok/s @ d{PROMPT} | llama.cpp | ratio | tokenloom decode @ d0 | llama.cpp "
-             "| ratio | tokenloom prefill tok/s | llama.cpp prefill "
-             "| ratio | tokenloom peak RSS MB | llama.cpp RSS MB | ratio | metadata s (tokenloom / gguf) |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    lines = [
+        f"CPU: {cpu}; {threads} threads{bandwidth}; batch 1, prompt {PROMPT}, {NEW} new tokens; {rounds} "
+        "alternating rounds, medians (ratios: median of the rounds' ratios, range in brackets); decode after "
+        f"the {PROMPT}-token prompt (llama-bench tg{NEW} @ d{PROMPT}) and from an empty context (tg{NEW})",
+        "",
+        f"| file | tokenloom decode tok/s @ d{PROMPT} | llama.cpp | ratio | tokenloom decode @ d0 | llama.cpp "
+        "| ratio | tokenloom prefill tok/s | llama.cpp prefill "
+        "| ratio | tokenloom peak RSS MB | llama.cpp RSS MB | ratio | metadata s (tokenloom / gguf) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
     nan = float("nan")
     for label, r in results.items():
         t, ll, meta = r["tokenloom"], r.get("llama.cpp"), r["metadata_s"]
-        lines.append(f"| {label} | {t['decode']:.1f} | {ll['decode'] if ll else nan:.1f} "
-                     f"| {paired_ratio(r['rounds'], 'decode')} "
-                     f"| {t['decode_empty']:.1f} | {ll['decode_empty'] if ll else nan:.1f} "
-                     f"| {paired_ratio(r['rounds'], 'decode_empty')} "
-                     f"| {t['prefill']:.0f} | {ll['prefill'] if ll else nan:.0f} "
-                     f"| {paired_ratio(r['rounds'], 'prefill')} "
-                     f"| {t['rss_mb']:.0f} | {ll['rss_mb'] if ll else nan:.0f} | "
-                     f"{(t['rss_mb'] / ll['rss_mb']) if ll else nan:.2f}x "
-                     f"| {meta['tokenloom']:.2f} / {meta['gguf.GGUFReader']:.2f} |")
+        lines.append(
+            f"| {label} | {t['decode']:.1f} | {ll['decode'] if ll else nan:.1f} "
+            f"| {paired_ratio(r['rounds'], 'decode')} "
+            f"| {t['decode_empty']:.1f} | {ll['decode_empty'] if ll else nan:.1f} "
+            f"| {paired_ratio(r['rounds'], 'decode_empty')} "
+            f"| {t['prefill']:.0f} | {ll['prefill'] if ll else nan:.0f} "
+            f"| {paired_ratio(r['rounds'], 'prefill')} "
+            f"| {t['rss_mb']:.0f} | {ll['rss_mb'] if ll else nan:.0f} | "
+            f"{(t['rss_mb'] / ll['rss_mb']) if ll else nan:.2f}x "
+            f"| {meta['tokenloom']:.2f} / {meta['gguf.GGUFReader']:.2f} |"
+        )
     return "\n".join(lines)
 
 
@@ -146,6 +189,7 @@ def plot(results: dict, path: Path) -> bool:
     """Decode tok/s per file, both engines, after the prompt (left) and from an empty context (right)."""
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -154,8 +198,10 @@ def plot(results: dict, path: Path) -> bool:
     fig, axes = plt.subplots(1, 2, figsize=(12, 4), sharey=True)
     xs = range(len(labels))
     top = 0.0
-    for ax, key, title in ((axes[0], "decode", f"after a {PROMPT}-token prompt (depth {PROMPT})"),
-                           (axes[1], "decode_empty", "from an empty context (depth 0)")):
+    for ax, key, title in (
+        (axes[0], "decode", f"after a {PROMPT}-token prompt (depth {PROMPT})"),
+        (axes[1], "decode_empty", "from an empty context (depth 0)"),
+    ):
         ours = [results[k]["tokenloom"][key] for k in labels]
         theirs = [results[k].get("llama.cpp", {}).get(key, 0) for k in labels]
         top = max(top, *ours, *theirs)
@@ -163,9 +209,9 @@ def plot(results: dict, path: Path) -> bool:
         ax.bar([x + 0.2 for x in xs], theirs, 0.4, label="llama.cpp")
         ax.set_xticks(list(xs), labels, rotation=15, fontsize=8)
         ax.set_title(f"GGUF blocks kept as stored: {title}", fontsize=10)
-    axes[1].grid(alpha=0.3)                 # finish_plot grids and labels the first
+    axes[1].grid(alpha=0.3)  # finish_plot grids and labels the first
     axes[0].set_ylabel(f"batch-1 decode tok/s ({NEW} tokens)")
-    axes[0].set_ylim(0, top * 1.3)          # room for the legend above the bars
+    axes[0].set_ylim(0, top * 1.3)  # room for the legend above the bars
     return finish_plot(fig, axes[0], path)
 
 
@@ -200,8 +246,9 @@ def main() -> None:
             r["llama.cpp"] = ll
     print(table(results, cpu, args.threads))
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "bench_gguf.json").write_text(json.dumps({"cpu": cpu, "threads": args.threads, "results": results},
-                                                        indent=2))
+    (RESULTS / "bench_gguf.json").write_text(
+        json.dumps({"cpu": cpu, "threads": args.threads, "results": results}, indent=2)
+    )
     plot(results, RESULTS / "gguf_decode.png")
 
 

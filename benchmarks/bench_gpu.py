@@ -37,12 +37,31 @@ from tokenloom import LLM, SamplingParams
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 PROMPT, NEW = 128, 128
-LLAMA_1B = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=2048, intermediate_size=8192,
-                num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
-                vocab_size=128256, rope_theta=500000.0, max_position_embeddings=131072, rms_norm_eps=1e-5,
-                tie_word_embeddings=True, hidden_act="silu", bos_token_id=1, eos_token_id=2,
-                rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
-                              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+LLAMA_1B = dict(
+    architectures=["LlamaForCausalLM"],
+    model_type="llama",
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_hidden_layers=16,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=64,
+    vocab_size=128256,
+    rope_theta=500000.0,
+    max_position_embeddings=131072,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+    hidden_act="silu",
+    bos_token_id=1,
+    eos_token_id=2,
+    rope_scaling={
+        "rope_type": "llama3",
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+)
 
 
 def log(*args) -> None:
@@ -70,6 +89,7 @@ def free() -> None:
 def random_model(config: dict, tokenizer_dir: Path, out: Path, dtype: torch.dtype) -> Path:
     """Random weights of `config` saved as an HF folder with the tokenizer of `tokenizer_dir`."""
     from transformers import AutoConfig, AutoModelForCausalLM
+
     cfg = AutoConfig.for_model(config["model_type"], **{k: v for k, v in config.items() if k != "model_type"})
     torch.manual_seed(0)
     with torch.device("cuda"):
@@ -90,7 +110,7 @@ def prompts_of(vocab: int, n: int, lengths: list[int] | None = None, seed: int =
 
 # ---- measurements --------------------------------------------------------------------------------
 def bandwidth() -> dict:
-    n = 1 << 29                                                      # 1 GiB of bf16
+    n = 1 << 29  # 1 GiB of bf16
     src = torch.randn(n, dtype=torch.bfloat16, device="cuda")
     dst = torch.empty_like(src)
     dst.copy_(src)
@@ -99,20 +119,33 @@ def bandwidth() -> dict:
     b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
     a @ b
     mm = median_time(lambda: a @ b, 10)
-    return {"copy_GBps": 2 * n * 2 / copy / 1e9, "bf16_matmul_TFLOPs": 2 * 8192 ** 3 / mm / 1e12}
+    return {"copy_GBps": 2 * n * 2 / copy / 1e9, "bf16_matmul_TFLOPs": 2 * 8192**3 / mm / 1e12}
 
 
 def tokenloom_decode(folder: str, dtype: str, prompt: list[int], eager: bool = False, **engine) -> dict:
-    llm = LLM(folder, dtype=dtype, device="cuda", kv_cache_memory=2 << 30, enable_prefix_caching=False,
-              max_num_seqs=engine.pop("max_num_seqs", 16), enforce_eager=eager, **engine)
+    llm = LLM(
+        folder,
+        dtype=dtype,
+        device="cuda",
+        kv_cache_memory=2 << 30,
+        enable_prefix_caching=False,
+        max_num_seqs=engine.pop("max_num_seqs", 16),
+        enforce_eager=eager,
+        **engine,
+    )
     one = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
     first = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-    llm.generate([prompt, prompt], one)                                          # warm-up
+    llm.generate([prompt, prompt], one)  # warm-up
     ttft = median_time(lambda: llm.generate([prompt], first))
     total = median_time(lambda: llm.generate([prompt], one))
-    out = {"ttft_s": ttft, "decode_tok_s": (NEW - 1) / (total - ttft), "llm": llm,
-           "tokens": llm.generate([prompt], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))[0]
-           .outputs[0].token_ids}
+    out = {
+        "ttft_s": ttft,
+        "decode_tok_s": (NEW - 1) / (total - ttft),
+        "llm": llm,
+        "tokens": llm.generate([prompt], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))[0]
+        .outputs[0]
+        .token_ids,
+    }
     graphs = llm.engine.core.runner.graphs
     if graphs is not None:
         graph = graphs.graphs[1]
@@ -124,6 +157,7 @@ def tokenloom_decode(folder: str, dtype: str, prompt: list[int], eager: bool = F
 def kernel_profile(llm, top: int = 14) -> str:
     """What one batch-1 decode graph replay spends on the device, by kernel (torch.profiler)."""
     from torch.profiler import ProfilerActivity, profile
+
     graph = llm.engine.core.runner.graphs.graphs[1]
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(10):
@@ -146,17 +180,25 @@ def host_profile(llm, prompt: list[int], top: int = 22) -> str:
 
 def hf_decode(folder: str, dtype: str, prompt: list[int]) -> dict:
     from transformers import AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=DTYPES[dtype]).to("cuda").eval()
     ids = torch.tensor([prompt], device="cuda")
 
     def gen(new):
         with torch.no_grad():
-            return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
-                                  do_sample=False, pad_token_id=0)
+            return model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                pad_token_id=0,
+            )
+
     gen(NEW)
     ttft = median_time(lambda: gen(1))
     total = median_time(lambda: gen(NEW))
-    tokens = gen(32)[0, len(prompt):].tolist()
+    tokens = gen(32)[0, len(prompt) :].tolist()
     return {"ttft_s": ttft, "decode_tok_s": (NEW - 1) / (total - ttft), "tokens": tokens}
 
 
@@ -185,17 +227,22 @@ def section_smollm2(folder: str, vocab: int, with_eager: bool) -> dict:
             rows["profile"] = host_profile(llm, prompt)
             try:
                 rows["kernels"] = kernel_profile(llm)
-            except Exception as e:                    # the profiler is a report, not the benchmark
+            except Exception as e:  # the profiler is a report, not the benchmark
                 rows["kernels"] = f"kernel profile failed: {e!r}"
         del llm
         free()
         hf = hf_decode(folder, dtype, prompt)
         free()
-        rows[dtype] = {"tokenloom": ours, "transformers": hf, "same_greedy_prefix": same_prefix(ours["tokens"],
-                                                                                               hf["tokens"])}
-        log(f"smollm2 {dtype}: tokenloom {ours['decode_tok_s']:.0f} tok/s (graph replay "
+        rows[dtype] = {
+            "tokenloom": ours,
+            "transformers": hf,
+            "same_greedy_prefix": same_prefix(ours["tokens"], hf["tokens"]),
+        }
+        log(
+            f"smollm2 {dtype}: tokenloom {ours['decode_tok_s']:.0f} tok/s (graph replay "
             f"{ours.get('graph_replay_ms', float('nan')):.3f} ms), transformers {hf['decode_tok_s']:.0f} tok/s, "
-            f"greedy same for {rows[dtype]['same_greedy_prefix']} of 32")
+            f"greedy same for {rows[dtype]['same_greedy_prefix']} of 32"
+        )
     if with_eager:
         eager = tokenloom_decode(folder, "bfloat16", prompt, eager=True)
         del eager["llm"]
@@ -215,11 +262,18 @@ def section_llama1b(folder: str, vocab: int, copy_GBps: float) -> dict:
     hf = hf_decode(folder, "bfloat16", prompt)
     free()
     limit = copy_GBps * 1e9 / weights
-    row = {"tokenloom": ours, "transformers": hf, "weight_bytes": weights, "limit_tok_s": limit,
-           "fraction_of_limit": ours["decode_tok_s"] / limit}
-    log(f"llama1b bf16: tokenloom {ours['decode_tok_s']:.0f} tok/s = {row['fraction_of_limit']:.0%} of "
+    row = {
+        "tokenloom": ours,
+        "transformers": hf,
+        "weight_bytes": weights,
+        "limit_tok_s": limit,
+        "fraction_of_limit": ours["decode_tok_s"] / limit,
+    }
+    log(
+        f"llama1b bf16: tokenloom {ours['decode_tok_s']:.0f} tok/s = {row['fraction_of_limit']:.0%} of "
         f"{limit:.0f} (weights {weights / 1e9:.2f} GB / {copy_GBps:.0f} GB/s), transformers "
-        f"{hf['decode_tok_s']:.0f} tok/s")
+        f"{hf['decode_tok_s']:.0f} tok/s"
+    )
     return row
 
 
@@ -229,10 +283,16 @@ def percentile(xs: list[float], q: float) -> float:
 
 
 def tokenloom_concurrent(folder: str, prompts: list[list[int]], news: list[int]) -> dict:
-    llm = LLM(folder, dtype="bfloat16", device="cuda", kv_cache_memory=8 << 30, enable_prefix_caching=False,
-              max_num_seqs=len(prompts))
+    llm = LLM(
+        folder,
+        dtype="bfloat16",
+        device="cuda",
+        kv_cache_memory=8 << 30,
+        enable_prefix_caching=False,
+        max_num_seqs=len(prompts),
+    )
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in news]
-    llm.generate(prompts[:8], params[:8])                                      # warm-up
+    llm.generate(prompts[:8], params[:8])  # warm-up
     started = time.perf_counter()
     outs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - started
@@ -240,14 +300,21 @@ def tokenloom_concurrent(folder: str, prompts: list[list[int]], news: list[int])
     tpot = [o.outputs[0].metrics.tpot for o in outs]
     del llm
     free()
-    return {"tok_s": sum(news) / elapsed, "seconds": elapsed, "ttft_p50": percentile(ttft, 50),
-            "ttft_p99": percentile(ttft, 99), "tpot_p50": percentile(tpot, 50), "tpot_p99": percentile(tpot, 99)}
+    return {
+        "tok_s": sum(news) / elapsed,
+        "seconds": elapsed,
+        "ttft_p50": percentile(ttft, 50),
+        "ttft_p99": percentile(ttft, 99),
+        "tpot_p50": percentile(tpot, 50),
+        "tpot_p99": percentile(tpot, 99),
+    }
 
 
 def hf_static(folder: str, prompts: list[list[int]], news: list[int]) -> dict:
     """One static batch: prompts padded on the left, every row generating max(news) tokens; only
     each request's own tokens count as output."""
     from transformers import AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).to("cuda").eval()
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device="cuda")
@@ -255,14 +322,22 @@ def hf_static(folder: str, prompts: list[list[int]], news: list[int]) -> dict:
 
     def gen(new):
         with torch.no_grad():
-            return model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                                  do_sample=False, pad_token_id=0)
+            return model.generate(
+                ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0
+            )
+
     gen(2)
     ttft = synced(lambda: gen(1))
     elapsed = synced(lambda: gen(max(news)))
     tpot = (elapsed - ttft) / (max(news) - 1)
-    return {"tok_s": sum(news) / elapsed, "seconds": elapsed, "ttft_p50": ttft, "ttft_p99": ttft,
-            "tpot_p50": tpot, "tpot_p99": tpot}
+    return {
+        "tok_s": sum(news) / elapsed,
+        "seconds": elapsed,
+        "ttft_p50": ttft,
+        "ttft_p99": ttft,
+        "tpot_p50": tpot,
+        "tpot_p99": tpot,
+    }
 
 
 def section_concurrency(folder: str, vocab: int, levels: list[int]) -> dict:
@@ -276,8 +351,10 @@ def section_concurrency(folder: str, vocab: int, levels: list[int]) -> dict:
         hf = hf_static(folder, prompts, news)
         free()
         rows[str(n)] = {"tokenloom": ours, "transformers": hf, "ratio": ours["tok_s"] / hf["tok_s"]}
-        log(f"concurrency {n}: tokenloom {ours['tok_s']:.0f} tok/s, transformers static {hf['tok_s']:.0f} tok/s "
-            f"({rows[str(n)]['ratio']:.1f}x)")
+        log(
+            f"concurrency {n}: tokenloom {ours['tok_s']:.0f} tok/s, transformers static {hf['tok_s']:.0f} tok/s "
+            f"({rows[str(n)]['ratio']:.1f}x)"
+        )
     return rows
 
 
@@ -297,42 +374,85 @@ def report_smollm2(s: dict) -> None:
     for dtype in ("bfloat16", "float32"):
         for eng in ("tokenloom", "transformers"):
             m = s[dtype][eng]
-            rows.append([dtype, eng, f"{m['decode_tok_s']:.0f}", f"{m['decode_tok_s'] / hf[dtype]:.2f}x",
-                         f"{m['ttft_s'] * 1e3:.1f}", f"{m['graph_replay_ms']:.3f}" if "graph_replay_ms" in m else "-",
-                         str(s[dtype]["same_greedy_prefix"]) if eng == "tokenloom" else "-"])
+            rows.append(
+                [
+                    dtype,
+                    eng,
+                    f"{m['decode_tok_s']:.0f}",
+                    f"{m['decode_tok_s'] / hf[dtype]:.2f}x",
+                    f"{m['ttft_s'] * 1e3:.1f}",
+                    f"{m['graph_replay_ms']:.3f}" if "graph_replay_ms" in m else "-",
+                    str(s[dtype]["same_greedy_prefix"]) if eng == "tokenloom" else "-",
+                ]
+            )
     if "bfloat16_eager" in s:
         e = s["bfloat16_eager"]
-        rows.append(["bfloat16", "tokenloom --enforce-eager", f"{e['decode_tok_s']:.0f}",
-                     f"{e['decode_tok_s'] / hf['bfloat16']:.2f}x", f"{e['ttft_s'] * 1e3:.1f}", "-", "-"])
-    table("SmolLM2-135M shapes, batch 1, prompt 128, 128 new tokens, greedy (medians of 3)",
-          ["dtype", "engine", "decode tok/s", "vs HF", "TTFT ms", "graph replay ms", "greedy = HF (of 32)"], rows)
+        rows.append(
+            [
+                "bfloat16",
+                "tokenloom --enforce-eager",
+                f"{e['decode_tok_s']:.0f}",
+                f"{e['decode_tok_s'] / hf['bfloat16']:.2f}x",
+                f"{e['ttft_s'] * 1e3:.1f}",
+                "-",
+                "-",
+            ]
+        )
+    table(
+        "SmolLM2-135M shapes, batch 1, prompt 128, 128 new tokens, greedy (medians of 3)",
+        ["dtype", "engine", "decode tok/s", "vs HF", "TTFT ms", "graph replay ms", "greedy = HF (of 32)"],
+        rows,
+    )
 
 
 def report_llama1b(r: dict) -> None:
     hf = r["transformers"]["decode_tok_s"]
-    rows = [[eng, f"{r[eng]['decode_tok_s']:.0f}", f"{r['limit_tok_s']:.0f}",
-             f"{r[eng]['decode_tok_s'] / r['limit_tok_s']:.0%}", f"{r[eng]['decode_tok_s'] / hf:.2f}x"]
-            for eng in ("tokenloom", "transformers")]
-    table("Llama-3.2-1B shapes, bf16, batch 1, prompt 128, 128 new tokens",
-          ["engine", "decode tok/s", "bandwidth limit tok/s", "of limit", "vs HF"], rows)
+    rows = [
+        [
+            eng,
+            f"{r[eng]['decode_tok_s']:.0f}",
+            f"{r['limit_tok_s']:.0f}",
+            f"{r[eng]['decode_tok_s'] / r['limit_tok_s']:.0%}",
+            f"{r[eng]['decode_tok_s'] / hf:.2f}x",
+        ]
+        for eng in ("tokenloom", "transformers")
+    ]
+    table(
+        "Llama-3.2-1B shapes, bf16, batch 1, prompt 128, 128 new tokens",
+        ["engine", "decode tok/s", "bandwidth limit tok/s", "of limit", "vs HF"],
+        rows,
+    )
 
 
 def report_concurrency(c: dict) -> None:
-    rows = [[n, eng, f"{r[eng]['tok_s']:.0f}", f"{r[eng]['tok_s'] / r['transformers']['tok_s']:.1f}x",
-             f"{r[eng]['ttft_p50']:.2f} / {r[eng]['ttft_p99']:.2f}",
-             f"{r[eng]['tpot_p50'] * 1e3:.1f} / {r[eng]['tpot_p99'] * 1e3:.1f}"]
-            for n, r in c.items() for eng in ("tokenloom", "transformers")]
-    table("Concurrent requests, SmolLM2-135M shapes, bf16, prompts 128-512, 128-256 new tokens "
-          "(transformers: one static batch)",
-          ["requests", "engine", "output tok/s", "vs HF", "TTFT p50 / p99 s", "TPOT p50 / p99 ms"], rows)
+    rows = [
+        [
+            n,
+            eng,
+            f"{r[eng]['tok_s']:.0f}",
+            f"{r[eng]['tok_s'] / r['transformers']['tok_s']:.1f}x",
+            f"{r[eng]['ttft_p50']:.2f} / {r[eng]['ttft_p99']:.2f}",
+            f"{r[eng]['tpot_p50'] * 1e3:.1f} / {r[eng]['tpot_p99'] * 1e3:.1f}",
+        ]
+        for n, r in c.items()
+        for eng in ("tokenloom", "transformers")
+    ]
+    table(
+        "Concurrent requests, SmolLM2-135M shapes, bf16, prompts 128-512, 128-256 new tokens "
+        "(transformers: one static batch)",
+        ["requests", "engine", "output tok/s", "vs HF", "TTFT p50 / p99 s", "TPOT p50 / p99 ms"],
+        rows,
+    )
 
 
 def report(result: dict) -> None:
     log(f"\ndevice: {result['device']}, torch {result['torch']}, transformers {result['transformers']}")
     if "bandwidth" in result:
         b = result["bandwidth"]
-        log(f"copy bandwidth {b['copy_GBps']:.0f} GB/s (read + write), "
-            f"bf16 matmul {b['bf16_matmul_TFLOPs']:.0f} TFLOP/s")
+        log(
+            f"copy bandwidth {b['copy_GBps']:.0f} GB/s (read + write), "
+            f"bf16 matmul {b['bf16_matmul_TFLOPs']:.0f} TFLOP/s"
+        )
     if "smollm2" in result:
         report_smollm2(result["smollm2"])
     if "llama1b" in result:
@@ -348,8 +468,9 @@ def report(result: dict) -> None:
 
 def main() -> None:
     p = parser(__doc__)
-    p.add_argument("--config-dir", default=None,
-                   help="SmolLM2 config.json + tokenizer folder (default: the pulled model)")
+    p.add_argument(
+        "--config-dir", default=None, help="SmolLM2 config.json + tokenizer folder (default: the pulled model)"
+    )
     p.add_argument("--only", default="bandwidth,smollm2,llama1b,concurrency", help="sections, comma-separated")
     p.add_argument("--levels", default="64,256", help="concurrency levels")
     p.add_argument("--workdir", default="/tmp/tokenloom-gpu-bench", help="where the random models are written")
@@ -358,14 +479,20 @@ def main() -> None:
     args = p.parse_args()
     if args.config_dir is None:
         from tokenloom.loader import hub
+
         args.config_dir = str(hub.pull())
     import transformers
+
     sections = args.only.split(",")
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
     smol_config = json.loads((Path(args.config_dir) / "config.json").read_text())
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "transformers": transformers.__version__, "random_weights": True}
+    result = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "random_weights": True,
+    }
     copy = None
     if "bandwidth" in sections or "llama1b" in sections:
         result["bandwidth"] = bandwidth()
@@ -376,8 +503,9 @@ def main() -> None:
     if "smollm2" in sections:
         result["smollm2"] = section_smollm2(str(smol), smol_config["vocab_size"], not args.no_eager)
     if "concurrency" in sections:
-        result["concurrency"] = section_concurrency(str(smol), smol_config["vocab_size"],
-                                                    [int(x) for x in args.levels.split(",")])
+        result["concurrency"] = section_concurrency(
+            str(smol), smol_config["vocab_size"], [int(x) for x in args.levels.split(",")]
+        )
     if "llama1b" in sections:
         big = random_model(LLAMA_1B, Path(args.config_dir), work / "llama1b", torch.bfloat16)
         result["llama1b"] = section_llama1b(str(big), LLAMA_1B["vocab_size"], copy)

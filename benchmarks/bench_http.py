@@ -38,21 +38,64 @@ from tokenloom.loader import hub
 
 
 def start_server(model: str, port: int, max_num_seqs: int) -> subprocess.Popen:
-    return _wait_healthy(subprocess.Popen(
-        [sys.executable, "-m", "tokenloom", "serve", "-m", model, "--port", str(port), "--served-model-name",
-         "bench", "--kv-cache-memory", "2", "--no-prefix-caching", "--max-num-seqs", str(max_num_seqs),
-         "--log-level", "warning"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), port)
+    return _wait_healthy(
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tokenloom",
+                "serve",
+                "-m",
+                model,
+                "--port",
+                str(port),
+                "--served-model-name",
+                "bench",
+                "--kv-cache-memory",
+                "2",
+                "--no-prefix-caching",
+                "--max-num-seqs",
+                str(max_num_seqs),
+                "--log-level",
+                "warning",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        ),
+        port,
+    )
 
 
 def start_llama_server(binary: str, model: str, port: int, slots: int, threads: int, slot_ctx: int) -> subprocess.Popen:
     """llama.cpp's server on `model`: `slots` parallel sequences of `slot_ctx` tokens each, no prompt cache reuse;
     its log goes to benchmarks/results/llama_server.log."""
     RESULTS.mkdir(parents=True, exist_ok=True)
-    with open(RESULTS / "llama_server.log", "w") as log:    # the child keeps its own copy of the descriptor
-        return _wait_healthy(subprocess.Popen(
-            [binary, "-m", model, "--port", str(port), "-np", str(slots), "-c", str(slots * slot_ctx),
-             "-t", str(threads), "-tb", str(threads), "--cache-reuse", "0", "--no-webui"],
-            stdout=subprocess.DEVNULL, stderr=log), port)
+    with open(RESULTS / "llama_server.log", "w") as log:  # the child keeps its own copy of the descriptor
+        return _wait_healthy(
+            subprocess.Popen(
+                [
+                    binary,
+                    "-m",
+                    model,
+                    "--port",
+                    str(port),
+                    "-np",
+                    str(slots),
+                    "-c",
+                    str(slots * slot_ctx),
+                    "-t",
+                    str(threads),
+                    "-tb",
+                    str(threads),
+                    "--cache-reuse",
+                    "0",
+                    "--no-webui",
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=log,
+            ),
+            port,
+        )
 
 
 def _wait_healthy(proc: subprocess.Popen, port: int) -> subprocess.Popen:
@@ -67,8 +110,9 @@ def _wait_healthy(proc: subprocess.Popen, port: int) -> subprocess.Popen:
     raise RuntimeError("the server did not come up")
 
 
-async def _http_run(base: str, reqs: list[Req], concurrency: int, users: str | None = None,
-                    extra: dict | None = None) -> Run:
+async def _http_run(
+    base: str, reqs: list[Req], concurrency: int, users: str | None = None, extra: dict | None = None
+) -> Run:
     """`reqs` by `concurrency` streaming clients in a closed loop; with `users`, client i names
     itself f"{users}-{i}" in the requests' `user` field; `extra`: more fields for every body."""
     todo = list(reqs)
@@ -77,15 +121,23 @@ async def _http_run(base: str, reqs: list[Req], concurrency: int, users: str | N
     async def client(http: httpx.AsyncClient, index: int) -> None:
         while todo:
             r = todo.pop(0)
-            body = {"model": "bench", "prompt": r.prompt, "max_tokens": r.out_len, "temperature": 0,
-                    "ignore_eos": True, "stream": True, **(extra or {})}
+            body = {
+                "model": "bench",
+                "prompt": r.prompt,
+                "max_tokens": r.out_len,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+                **(extra or {}),
+            }
             if users:
                 body["user"] = f"{users}-{index}"
             t0 = time.perf_counter()
             first = None
             # a fresh connection per request: llama-server drops kept-alive ones after a stream
-            async with http.stream("POST", f"{base}/v1/completions", json=body,
-                                   headers={"Connection": "close"}) as response:
+            async with http.stream(
+                "POST", f"{base}/v1/completions", json=body, headers={"Connection": "close"}
+            ) as response:
                 response.raise_for_status()
                 async for line in response.aiter_lines():
                     if line.startswith("data:") and first is None:
@@ -101,8 +153,9 @@ async def _http_run(base: str, reqs: list[Req], concurrency: int, users: str | N
     return Run(time.perf_counter() - start, sum(r.out_len for r in reqs), ttft, tpot)
 
 
-def _drive(base: str, warm_up: list[Req], reqs: list[Req], levels: list[int], into: dict, bar: tqdm,
-           extra: dict | None = None) -> None:
+def _drive(
+    base: str, warm_up: list[Req], reqs: list[Req], levels: list[int], into: dict, bar: tqdm, extra: dict | None = None
+) -> None:
     """A warm-up (prompts of its own: none of the workload's is cached by it), then the workload
     at each concurrency against the server at `base`."""
     asyncio.run(_http_run(base, warm_up, 2, extra=extra))
@@ -114,17 +167,20 @@ def _drive(base: str, warm_up: list[Req], reqs: list[Req], levels: list[int], in
 def print_table(res: dict, levels: list[int]) -> None:
     """Each path's numbers at each concurrency; ratios against tokenloom in-process and llama.cpp's server."""
     paths = ["http", "in_process"] + (["llama_server"] if "llama_server" in res else [])
-    print("\n| concurrency | path | output tok/s | / in-process | tokenloom HTTP / llama-server | TTFT median s | "
-          "TTFT p99 s | TPOT median ms | TPOT p99 ms |\n|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+    print(
+        "\n| concurrency | path | output tok/s | / in-process | tokenloom HTTP / llama-server | TTFT median s | "
+        "TTFT p99 s | TPOT median ms | TPOT p99 ms |\n|---:|---|---:|---:|---:|---:|---:|---:|---:|"
+    )
     for c in levels:
         base_tps = res["in_process"][str(c)]["output_tok_s"]
         for path in paths:
             s = res[path][str(c)]
-            vs = (f"{res['http'][str(c)]['output_tok_s'] / s['output_tok_s']:.2f}x"
-                  if path == "llama_server" else "")
-            print(f"| {c} | {path} | {s['output_tok_s']:.1f} | {s['output_tok_s'] / base_tps:.2f} | {vs} | "
-                  f"{s['ttft_median_s']:.2f} | {s['ttft_p99_s']:.2f} | {s['tpot_median_ms']:.0f} | "
-                  f"{s['tpot_p99_ms']:.0f} |")
+            vs = f"{res['http'][str(c)]['output_tok_s'] / s['output_tok_s']:.2f}x" if path == "llama_server" else ""
+            print(
+                f"| {c} | {path} | {s['output_tok_s']:.1f} | {s['output_tok_s'] / base_tps:.2f} | {vs} | "
+                f"{s['ttft_median_s']:.2f} | {s['ttft_p99_s']:.2f} | {s['tpot_median_ms']:.0f} | "
+                f"{s['tpot_p99_ms']:.0f} |"
+            )
 
 
 def main() -> None:
@@ -146,11 +202,24 @@ def main() -> None:
         # tokenloom runs with its prefix cache off.
         with tqdm(total=len(args.concurrency), desc="llama-server", unit="run") as bar:
             for c in args.concurrency:
-                proc = start_llama_server(args.llama_server, folder, args.port, max(args.concurrency), args.threads,
-                                          args.prompt_len[1] + args.output_len[1] + 16)
+                proc = start_llama_server(
+                    args.llama_server,
+                    folder,
+                    args.port,
+                    max(args.concurrency),
+                    args.threads,
+                    args.prompt_len[1] + args.output_len[1] + 16,
+                )
                 try:
-                    _drive(f"http://127.0.0.1:{args.port}", warm_up, reqs, [c], res["llama_server"], bar,
-                           extra={"cache_prompt": False})
+                    _drive(
+                        f"http://127.0.0.1:{args.port}",
+                        warm_up,
+                        reqs,
+                        [c],
+                        res["llama_server"],
+                        bar,
+                        extra={"cache_prompt": False},
+                    )
                 finally:
                     proc.terminate()
                     proc.wait()
@@ -161,10 +230,13 @@ def main() -> None:
         finally:
             proc.terminate()
             proc.wait()
-        config = EngineConfig(folder, cache=CacheConfig(kv_cache_memory=2 << 30, enable_prefix_caching=False),
-                              scheduler=SchedulerConfig(max_num_seqs=max(args.concurrency)))
+        config = EngineConfig(
+            folder,
+            cache=CacheConfig(kv_cache_memory=2 << 30, enable_prefix_caching=False),
+            scheduler=SchedulerConfig(max_num_seqs=max(args.concurrency)),
+        )
         engine = AsyncLLMEngine.from_config(config)
-        run_tokenloom(engine, warm_up, 2)                                     # warm-up
+        run_tokenloom(engine, warm_up, 2)  # warm-up
         for c in args.concurrency:
             res["in_process"][str(c)] = run_tokenloom(engine, reqs, c).summary()
             bar.update()

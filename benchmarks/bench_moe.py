@@ -28,9 +28,20 @@ from tqdm import tqdm
 from tokenloom import LLM, SamplingParams
 from tokenloom.models.moe import route
 
-CONFIG = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2048, num_hidden_layers=8,
-              num_attention_heads=16, num_key_value_heads=4, num_local_experts=8, num_experts_per_tok=2,
-              max_position_embeddings=4096, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+CONFIG = dict(
+    vocab_size=32000,
+    hidden_size=1024,
+    intermediate_size=2048,
+    num_hidden_layers=8,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+    max_position_embeddings=4096,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+)
 
 
 def build_model(folder: Path) -> Path:
@@ -39,6 +50,7 @@ def build_model(folder: Path) -> Path:
         return folder
     import transformers
     from tokenizers import Tokenizer, models
+
     torch.manual_seed(0)
     model = transformers.MixtralForCausalLM(transformers.MixtralConfig(**CONFIG)).eval()
     model.save_pretrained(folder)
@@ -50,13 +62,16 @@ def build_model(folder: Path) -> Path:
 def decode_rates(generate, args) -> dict:
     """generate(prompts, new) -> {decode_tok_s, batch_tok_s}: batch-1 decode excludes the prefill."""
     prompt = [100 + i for i in range(args.prompt)]
-    generate([prompt], 4)                                                        # warm-up
+    generate([prompt], 4)  # warm-up
     first = median_time(lambda: generate([prompt], 1), args.repeats)
     total = median_time(lambda: generate([prompt], args.new), args.repeats)
     batch = [[100 + 37 * b + i for i in range(args.prompt)] for b in range(args.batch)]
     batched = median_time(lambda: generate(batch, args.new), args.repeats)
-    return {"decode_tok_s": (args.new - 1) / (total - first), "batch_tok_s": args.batch * args.new / batched,
-            "decode_step_ms": 1000 * (total - first) / (args.new - 1)}
+    return {
+        "decode_tok_s": (args.new - 1) / (total - first),
+        "batch_tok_s": args.batch * args.new / batched,
+        "decode_step_ms": 1000 * (total - first) / (args.new - 1),
+    }
 
 
 def routing_ms_per_step(llm: LLM, iterations: int = 2000) -> float:
@@ -72,6 +87,7 @@ def routing_ms_per_step(llm: LLM, iterations: int = 2000) -> float:
         def step(block=block):
             weights, chosen = route(block.gate(x), block.top_k, block.normalize)
             block.mix_experts(x, weights, chosen)
+
         for _ in range(50):
             step()
         t0 = time.perf_counter()
@@ -87,16 +103,19 @@ def measure_tokenloom(folder: Path, args) -> tuple[dict, float]:
 
     def generate(prompts, new):
         llm.generate(prompts, SamplingParams(temperature=0, max_tokens=new, ignore_eos=True))
+
     return decode_rates(generate, args), routing_ms_per_step(llm)
 
 
 def measure_transformers(folder: Path, args) -> dict:
     import transformers
+
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
     @torch.inference_mode()
     def generate(prompts, new):
         hf.generate(torch.tensor(prompts), max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+
     return decode_rates(generate, args)
 
 
@@ -118,13 +137,17 @@ def main() -> None:
     ours, theirs = res["tokenloom"], res["transformers"]
     share = res["routing_ms_per_step"] / ours["decode_step_ms"]
     res["config"] = vars(args) | {"model": CONFIG, "threads": torch.get_num_threads(), "torch": torch.__version__}
-    print(f"\nrandom Mixtral-style MoE (hidden 1024, 8 layers, 8 experts x 2048, top-2) float32, prompt "
-          f"{args.prompt}, {args.new} new, {torch.get_num_threads()} threads, medians of {args.repeats}")
+    print(
+        f"\nrandom Mixtral-style MoE (hidden 1024, 8 layers, 8 experts x 2048, top-2) float32, prompt "
+        f"{args.prompt}, {args.new} new, {torch.get_num_threads()} threads, medians of {args.repeats}"
+    )
     print("| metric | tokenloom | transformers | ratio |\n|---|---:|---:|---:|")
     for label, key in (("batch-1 decode tok/s", "decode_tok_s"), (f"batch-{args.batch} output tok/s", "batch_tok_s")):
         print(f"| {label} | {ours[key]:.1f} | {theirs[key]:.1f} | {ours[key] / theirs[key]:.2f}x |")
-    print(f"\ntokenloom decode step {ours['decode_step_ms']:.2f} ms, of which routing "
-          f"{res['routing_ms_per_step']:.3f} ms ({share:.1%}: router matmul, softmax/top-k, grouping by expert)")
+    print(
+        f"\ntokenloom decode step {ours['decode_step_ms']:.2f} ms, of which routing "
+        f"{res['routing_ms_per_step']:.3f} ms ({share:.1%}: router matmul, softmax/top-k, grouping by expert)"
+    )
     (RESULTS / "bench_moe.json").write_text(json.dumps(res, indent=2))
     print(f"json: {RESULTS / 'bench_moe.json'}")
 

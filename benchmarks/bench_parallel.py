@@ -57,11 +57,10 @@ def measure_modes(model: str, steps: int) -> list[dict]:
     for mode, split in tqdm(MODES.items(), desc="parallel modes", unit="mode"):
         llm = LLM(model, dtype="float32", kv_cache_memory=256 << 20, **split)
         try:
-            decode_steps(llm, 1, 4)                                         # warm-up
+            decode_steps(llm, 1, 4)  # warm-up
             for batch in BATCHES:
                 step, comm = decode_steps(llm, batch, steps)
-                rows.append({"mode": mode, "batch": batch, "step_s": step, "comm_s": comm,
-                             "tok_s": batch / step})
+                rows.append({"mode": mode, "batch": batch, "step_s": step, "comm_s": comm, "tok_s": batch / step})
         finally:
             if llm.engine.ranks is not None:
                 llm.engine.ranks.stop()
@@ -83,6 +82,7 @@ def _all_reduce_rank(rank: int, port: int, shm_path: str, results) -> None:
     import torch.distributed as dist
 
     from tokenloom.distributed.shm import SharedMemoryAllReduce
+
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     shm = SharedMemoryAllReduce(shm_path, rank, 2, 60.0)
@@ -90,8 +90,10 @@ def _all_reduce_rank(rank: int, port: int, shm_path: str, results) -> None:
     for hidden in HIDDEN:
         for rows in ROWS:
             x = torch.randn(rows, hidden)
-            out[(hidden, rows)] = (_median_seconds(dist.all_reduce, x),
-                                   _median_seconds(shm.all_reduce, x) if shm.fits(x) else None)
+            out[(hidden, rows)] = (
+                _median_seconds(dist.all_reduce, x),
+                _median_seconds(shm.all_reduce, x) if shm.fits(x) else None,
+            )
     if rank == 0:
         results.put(out)
         shm.remove()
@@ -103,6 +105,7 @@ def measure_all_reduce() -> dict:
     two processes: (gloo, shared memory or None where it does not fit a slot)."""
     from tokenloom.distributed.group import free_port
     from tokenloom.distributed.shm import SharedMemoryAllReduce
+
     context = mp.get_context("spawn")
     results, port, path = context.Queue(), free_port(), SharedMemoryAllReduce.create(2)
     ranks = [context.Process(target=_all_reduce_rank, args=(r, port, path, results)) for r in range(2)]
@@ -119,6 +122,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=16, help="decode steps timed per batch (default: 16)")
     args = p.parse_args()
     from tokenloom.loader import hub
+
     model = args.model or str(hub.pull())
     rows = measure_modes(model, args.steps)
     base = {r["batch"]: r["step_s"] for r in rows if r["mode"] == "tp 1"}
@@ -126,21 +130,34 @@ def main() -> int:
     print("| mode | batch | step (ms) | communication (ms) | compute (ms) | tok/s | vs tp 1 |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['mode']} | {r['batch']} | {r['step_s'] * 1e3:.1f} | {r['comm_s'] * 1e3:.1f} | "
-              f"{(r['step_s'] - r['comm_s']) * 1e3:.1f} | {r['tok_s']:.1f} | {base[r['batch']] / r['step_s']:.2f}x |")
+        print(
+            f"| {r['mode']} | {r['batch']} | {r['step_s'] * 1e3:.1f} | {r['comm_s'] * 1e3:.1f} | "
+            f"{(r['step_s'] - r['comm_s']) * 1e3:.1f} | {r['tok_s']:.1f} | {base[r['batch']] / r['step_s']:.2f}x |"
+        )
     reduce = measure_all_reduce()
-    print(f"\nOne all-reduce between two processes on {cpu_name()}: gloo over loopback (what ranks on two "
-          "machines use, there over their link) and shared memory (ranks on one machine); medians of 200\n")
+    print(
+        f"\nOne all-reduce between two processes on {cpu_name()}: gloo over loopback (what ranks on two "
+        "machines use, there over their link) and shared memory (ranks on one machine); medians of 200\n"
+    )
     print("| hidden | rows | gloo (us) | gloo, 32 layers x 2 (ms) | shared memory (us) | shared memory, 32 x 2 (ms) |")
     print("|---:|---:|---:|---:|---:|---:|")
     for (hidden, n), (gloo, shm) in reduce.items():
         local = ("-", "-") if shm is None else (f"{shm * 1e6:.0f}", f"{64 * shm * 1e3:.2f}")
         print(f"| {hidden} | {n} | {gloo * 1e6:.0f} | {64 * gloo * 1e3:.2f} | {local[0]} | {local[1]} |")
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "parallel.json").write_text(json.dumps(
-        {"cpu": cpu_name(), "model": model, "modes": rows,
-         "all_reduce_s": [{"hidden": h, "rows": n, "gloo": g, "shared_memory": m}
-                          for (h, n), (g, m) in reduce.items()]}, indent=1))
+    (RESULTS / "parallel.json").write_text(
+        json.dumps(
+            {
+                "cpu": cpu_name(),
+                "model": model,
+                "modes": rows,
+                "all_reduce_s": [
+                    {"hidden": h, "rows": n, "gloo": g, "shared_memory": m} for (h, n), (g, m) in reduce.items()
+                ],
+            },
+            indent=1,
+        )
+    )
     return 0
 
 

@@ -27,7 +27,7 @@ import torch
 from _common import RESULTS, cpu_name, finish_plot, parser
 from tqdm import tqdm
 
-CONFIGS = {   # name -> LLM kwargs; "model": "gguf" loads the GGUF file instead of the HF folder
+CONFIGS = {  # name -> LLM kwargs; "model": "gguf" loads the GGUF file instead of the HF folder
     "float32": {},
     "bfloat16": {"dtype": "bfloat16"},
     "int8": {"quantization": "int8"},
@@ -52,12 +52,14 @@ def eval_ids() -> list[int]:
     from tokenloom.eval.scoring import default_eval_text
     from tokenloom.loader import hub
     from tokenloom.tokenizer import Tokenizer
+
     return Tokenizer.from_folder(hub.pull()).encode(default_eval_text())
 
 
 def panel_layers(weights: list[torch.Tensor]) -> list[torch.nn.Module]:
     """PanelLinear over each weight where this CPU runs the AVX-512 kernel; [] elsewhere."""
     from tokenloom.layers.prepacked import PanelLinear
+
     linears = []
     for w in weights:
         linear = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
@@ -71,6 +73,7 @@ def kernel_times(repeats: int = 20) -> dict[str, float]:
     through each weight-only matmul available here, all weights distinct so they stream from DRAM."""
     from tokenloom.quant import quantize_int4, quantize_int8
     from tokenloom.quant.int8 import kernels
+
     shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(n, k, generator=gen) * 0.02 for n, k in shapes]
@@ -86,31 +89,45 @@ def kernel_times(repeats: int = 20) -> dict[str, float]:
         q = quantize_int4(w, 32)
         zeros_scales = torch.stack([q.scales, q.offsets + 8 * q.scales], -1).transpose(0, 1).contiguous()
         from tokenloom.quant.int8.formats import unpack_int4
-        t4.append((torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_int4(q.data).to(torch.int32), 1),
-                   zeros_scales))
+
+        t4.append(
+            (torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_int4(q.data).to(torch.int32), 1), zeros_scales)
+        )
     kernels.available()
     runs = {
-        "float32 oneDNN prepacked (tokenloom's float path without AVX-512)":
-            lambda: [torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
-                     for w, p in zip(weights, packed)],
-        **({"float32 tokenloom panel kernel (its float path with AVX-512)":
-            lambda: [layer(xs[w.shape[1]]) for w, layer in zip(weights, panels)]} if panels else {}),
-        "int8 torch._weight_int8pack_mm": lambda: [torch.ops.aten._weight_int8pack_mm(xs[w.shape[1]], q, s)
-                                                  for w, (q, s) in zip(weights, t8)],
+        "float32 oneDNN prepacked (tokenloom's float path without AVX-512)": lambda: [
+            torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "") for w, p in zip(weights, packed)
+        ],
+        **(
+            {
+                "float32 tokenloom panel kernel (its float path with AVX-512)": lambda: [
+                    layer(xs[w.shape[1]]) for w, layer in zip(weights, panels)
+                ]
+            }
+            if panels
+            else {}
+        ),
+        "int8 torch._weight_int8pack_mm": lambda: [
+            torch.ops.aten._weight_int8pack_mm(xs[w.shape[1]], q, s) for w, (q, s) in zip(weights, t8)
+        ],
         "int4 torch._weight_int4pack_mm_for_cpu (g32)": lambda: [
-            torch.ops.aten._weight_int4pack_mm_for_cpu(xs[w.shape[1]], q, 32, sz) for w, (q, sz) in zip(weights, t4)],
-        "int8 tokenloom kernel": lambda: [kernels.bind(q, None, False)(xs[w.shape[1]])
-                                          for w, q in zip(weights, q8)],
-        "int4 tokenloom kernel (g32)": lambda: [kernels.bind(q, None, False)(xs[w.shape[1]])
-                                                for w, q in zip(weights, q4)],
+            torch.ops.aten._weight_int4pack_mm_for_cpu(xs[w.shape[1]], q, 32, sz) for w, (q, sz) in zip(weights, t4)
+        ],
+        "int8 tokenloom kernel": lambda: [kernels.bind(q, None, False)(xs[w.shape[1]]) for w, q in zip(weights, q8)],
+        "int4 tokenloom kernel (g32)": lambda: [
+            kernels.bind(q, None, False)(xs[w.shape[1]]) for w, q in zip(weights, q4)
+        ],
     }
-    if kernels.panels_available():     # what the engine runs on AVX-512 VNNI CPUs
+    if kernels.panels_available():  # what the engine runs on AVX-512 VNNI CPUs
         from tokenloom.quant.int8 import panels as layout
+
         p8, p4 = [layout.to_panels(q) for q in q8], [layout.to_panels(q) for q in q4]
         runs["int8 tokenloom panel kernel (AVX-512 VNNI)"] = lambda: [
-            kernels.bind(p, None, True)(xs[w.shape[1]]) for w, p in zip(weights, p8)]
+            kernels.bind(p, None, True)(xs[w.shape[1]]) for w, p in zip(weights, p8)
+        ]
         runs["int4 tokenloom panel kernel (g32, AVX-512 VNNI)"] = lambda: [
-            kernels.bind(p, None, True)(xs[w.shape[1]]) for w, p in zip(weights, p4)]
+            kernels.bind(p, None, True)(xs[w.shape[1]]) for w, p in zip(weights, p4)
+        ]
     out = {}
     for name, fn in runs.items():
         try:
@@ -121,7 +138,7 @@ def kernel_times(repeats: int = 20) -> dict[str, float]:
                 fn()
                 times.append(time.perf_counter() - t0)
             out[name] = 1000 * sorted(times)[len(times) // 2]
-        except Exception as e:            # an op missing from this torch build
+        except Exception as e:  # an op missing from this torch build
             print(f"{name}: {e}", file=sys.stderr)
     return out
 
@@ -131,6 +148,7 @@ def worker_tokenloom(name: str, runs: int, part: str) -> dict:
     from tokenloom.eval.bench import measure
     from tokenloom.eval.scoring import perplexity
     from tokenloom.loader import hub
+
     kwargs = dict(CONFIGS[name])
     model = str(hub.default_gguf_path()) if kwargs.pop("model", None) == "gguf" else str(hub.pull())
     llm = LLM(model, kv_cache_memory=256 << 20, enable_prefix_caching=False, **kwargs)
@@ -142,6 +160,7 @@ def worker_tokenloom(name: str, runs: int, part: str) -> dict:
 
 def worker_llama_cpp(name: str, runs: int, part: str) -> dict:
     from tokenloom.loader import hub
+
     path, amx = str(hub.default_gguf_path()), name == "llama.cpp AMX"
     return llama_cpp_perplexity(path, amx) if part == "ppl" else llama_cpp_speed(path, runs, amx)
 
@@ -165,6 +184,7 @@ def open_llama_cpp(path: str, amx: bool = False, **kwargs):
     """
     import llama_cpp.llama_cpp as low
     from llama_cpp import Llama
+
     if amx:
         return Llama(model_path=path, verbose=False, **kwargs | {"n_batch": 1, "n_ubatch": 1, "logits_all": True})
     defaults = low.llama_model_default_params
@@ -173,6 +193,7 @@ def open_llama_cpp(path: str, amx: bool = False, **kwargs):
         params = defaults()
         params.use_extra_bufts = False
         return params
+
     low.llama_model_default_params = without_extra_buffers
     try:
         return Llama(model_path=path, verbose=False, **kwargs)
@@ -187,6 +208,7 @@ def llama_cpp_speed(path: str, runs: int, amx: bool) -> dict:
     import gguf
 
     from tokenloom.eval.bench import peak_rss_bytes
+
     llm = open_llama_cpp(path, amx, n_ctx=1024, n_threads=2, n_threads_batch=2, n_batch=512)
     vocab, gen = llm.n_vocab(), torch.Generator().manual_seed(0)
     prefill, decode, ttft = [], [], []
@@ -206,19 +228,26 @@ def llama_cpp_speed(path: str, runs: int, amx: bool) -> dict:
             prefill.append(PROMPT / (t1 - t0))
             decode.append((NEW - 1) / (t2 - t1))
     file_bytes = sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors)
-    return {"prompt_tokens": PROMPT, "new_tokens": NEW, "prefill_tok_s": statistics.median(prefill),
-            "decode_tok_s": statistics.median(decode), "ttft_s": statistics.median(ttft),
-            "weight_bytes": file_bytes, "bytes_per_token": file_bytes, "peak_rss_bytes": peak_rss_bytes()}
+    return {
+        "prompt_tokens": PROMPT,
+        "new_tokens": NEW,
+        "prefill_tok_s": statistics.median(prefill),
+        "decode_tok_s": statistics.median(decode),
+        "ttft_s": statistics.median(ttft),
+        "weight_bytes": file_bytes,
+        "bytes_per_token": file_bytes,
+        "peak_rss_bytes": peak_rss_bytes(),
+    }
 
 
 def llama_cpp_perplexity(path: str, amx: bool) -> dict:
     scorer = open_llama_cpp(path, amx, n_ctx=WINDOW, n_threads=2, n_batch=WINDOW, logits_all=True)
     ids, nll = eval_ids(), []
     for start in range(0, len(ids) - 1, WINDOW):
-        piece = ids[start:start + WINDOW]
+        piece = ids[start : start + WINDOW]
         scorer.reset()
         scorer.eval(piece)
-        logits = torch.tensor(np.array(scorer.scores[:len(piece) - 1]))
+        logits = torch.tensor(np.array(scorer.scores[: len(piece) - 1]))
         nll.extend((-torch.log_softmax(logits, -1)[torch.arange(len(piece) - 1), torch.tensor(piece[1:])]).tolist())
     return {"perplexity": math.exp(sum(nll) / len(nll)), "tokens_scored": len(nll)}
 
@@ -240,24 +269,29 @@ def median_round(runs: list[dict]) -> dict:
 
 def table(results: dict[str, dict], bandwidth: float) -> str:
     base = results["float32"]
-    lines = ["| engine | weights | decode tok/s | vs tokenloom float32 | bandwidth limit tok/s | % of limit "
-             "| prefill tok/s | weights MB | peak RSS MB | perplexity | vs float32 ppl |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| engine | weights | decode tok/s | vs tokenloom float32 | bandwidth limit tok/s | % of limit "
+        "| prefill tok/s | weights MB | peak RSS MB | perplexity | vs float32 ppl |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for name, r in results.items():
         engine = name if name.startswith("llama.cpp") else "tokenloom"
         weights = "gguf (Q4_1 + Q8_0 blocks)" if name.startswith("llama.cpp") else name
         limit = bandwidth / r["bytes_per_token"]
-        ratio = r['decode_tok_s'] / base['decode_tok_s']
-        lines.append(f"| {engine} | {weights} | {r['decode_tok_s']:.1f} | {ratio:.2f}x "
-                     f"| {limit:.0f} | {100 * r['decode_tok_s'] / limit:.0f}% | {r['prefill_tok_s']:.0f} "
-                     f"| {r['weight_bytes'] / 1e6:.0f} | {r['peak_rss_bytes'] / 1e6:.0f} | {r['perplexity']:.3f} "
-                     f"| {100 * (r['perplexity'] / base['perplexity'] - 1):+.1f}% |")
+        ratio = r["decode_tok_s"] / base["decode_tok_s"]
+        lines.append(
+            f"| {engine} | {weights} | {r['decode_tok_s']:.1f} | {ratio:.2f}x "
+            f"| {limit:.0f} | {100 * r['decode_tok_s'] / limit:.0f}% | {r['prefill_tok_s']:.0f} "
+            f"| {r['weight_bytes'] / 1e6:.0f} | {r['peak_rss_bytes'] / 1e6:.0f} | {r['perplexity']:.3f} "
+            f"| {100 * (r['perplexity'] / base['perplexity'] - 1):+.1f}% |"
+        )
     return "\n".join(lines)
 
 
 def plot(results: dict[str, dict], bandwidth: float, path: Path) -> None:
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -266,8 +300,15 @@ def plot(results: dict[str, dict], bandwidth: float, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(9, 4.5))
     xs = range(len(names))
     ax.bar(xs, [results[n]["decode_tok_s"] for n in names], label="decode tok/s (batch 1)")
-    ax.scatter(xs, [bandwidth / results[n]["bytes_per_token"] for n in names], color="black", marker="_", s=900,
-               label="memory-bandwidth limit", zorder=3)
+    ax.scatter(
+        xs,
+        [bandwidth / results[n]["bytes_per_token"] for n in names],
+        color="black",
+        marker="_",
+        s=900,
+        label="memory-bandwidth limit",
+        zorder=3,
+    )
     ax.set_xticks(list(xs), [n.replace(" (", "\n(") for n in names], fontsize=8)
     ax.set_ylabel("tokens/s")
     ax.set_title(f"SmolLM2-135M batch-1 decode by weight format ({cpu_name()})")
@@ -280,15 +321,22 @@ def main() -> None:
     p.add_argument("--worker", default=None, help=argparse_suppress())
     p.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp")
     p.add_argument("--kernels-only", action="store_true", help="only time the matmul kernels")
-    p.add_argument("--rounds", type=int, default=3,
-                   help="speed is measured in this many rounds over all configurations (the median is "
-                        "reported), so a slow minute of a shared machine does not fall on one configuration")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="speed is measured in this many rounds over all configurations (the median is "
+        "reported), so a slow minute of a shared machine does not fall on one configuration",
+    )
     p.add_argument("--part", default="speed", help=argparse_suppress())
     args = p.parse_args()
     if args.worker:
         torch.set_num_threads(2)
-        out = worker_llama_cpp(args.worker, args.runs, args.part) if args.worker.startswith("llama.cpp") else \
-            worker_tokenloom(args.worker, args.runs, args.part)
+        out = (
+            worker_llama_cpp(args.worker, args.runs, args.part)
+            if args.worker.startswith("llama.cpp")
+            else worker_tokenloom(args.worker, args.runs, args.part)
+        )
         print(json.dumps(out))
         return
     torch.set_num_threads(2)
@@ -312,16 +360,20 @@ def main() -> None:
         if rounds[name] and (ppl := run_worker(name, args.runs, "ppl")) is not None:
             results[name] = median_round(rounds[name]) | ppl
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "bench_quant.json").write_text(json.dumps({"read_bandwidth_bytes_s": bandwidth, "kernel_ms": kernel_ms,
-                                                          "results": results}, indent=2))
+    (RESULTS / "bench_quant.json").write_text(
+        json.dumps({"read_bandwidth_bytes_s": bandwidth, "kernel_ms": kernel_ms, "results": results}, indent=2)
+    )
     plot(results, bandwidth, RESULTS.parent.parent / "docs" / "img" / "quant_decode.png")
-    print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s; prompt {PROMPT}, {NEW} new tokens; median of "
-          f"{args.rounds} rounds, each the median of {args.runs} runs")
+    print(
+        f"read bandwidth {bandwidth / 1e9:.1f} GB/s; prompt {PROMPT}, {NEW} new tokens; median of "
+        f"{args.rounds} rounds, each the median of {args.runs} runs"
+    )
     print(table(results, bandwidth))
 
 
 def argparse_suppress():
     import argparse
+
     return argparse.SUPPRESS
 
 

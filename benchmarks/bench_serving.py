@@ -57,9 +57,15 @@ class Run:
         def pct(xs, q):
             xs = sorted(xs)
             return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
-        return {"output_tok_s": self.output_tokens / self.total_s, "total_s": self.total_s,
-                "ttft_median_s": statistics.median(self.ttft), "ttft_p99_s": pct(self.ttft, 0.99),
-                "tpot_median_ms": 1000 * statistics.median(self.tpot), "tpot_p99_ms": 1000 * pct(self.tpot, 0.99)}
+
+        return {
+            "output_tok_s": self.output_tokens / self.total_s,
+            "total_s": self.total_s,
+            "ttft_median_s": statistics.median(self.ttft),
+            "ttft_p99_s": pct(self.ttft, 0.99),
+            "tpot_median_ms": 1000 * statistics.median(self.tpot),
+            "tpot_p99_ms": 1000 * pct(self.tpot, 0.99),
+        }
 
 
 def add_workload_args(p) -> None:
@@ -96,6 +102,7 @@ async def _tokenloom_run(engine: AsyncLLMEngine, reqs: list[Req], concurrency: i
             ttft.append(first - t0)
             if r.out_len > 1:
                 tpot.append((end - first) / (r.out_len - 1))
+
     start = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(concurrency)))
     return Run(time.perf_counter() - start, sum(r.out_len for r in reqs), ttft, tpot)
@@ -114,6 +121,7 @@ def run_tokenloom(engine: AsyncLLMEngine, reqs: list[Req], concurrency: int) -> 
             return await _tokenloom_run(engine, reqs, concurrency)
         finally:
             await engine.shutdown()
+
     return asyncio.run(main())
 
 
@@ -132,18 +140,26 @@ class _Stamps:
 @torch.inference_mode()
 def run_hf_static(model, reqs: list[Req], concurrency: int) -> Run:
     from transformers import LogitsProcessorList
+
     ttft, tpot = [], []
     start = time.perf_counter()
     for i in range(0, len(reqs), concurrency):
-        batch = reqs[i:i + concurrency]
+        batch = reqs[i : i + concurrency]
         width = max(len(r.prompt) for r in batch)
         ids = torch.tensor([[0] * (width - len(r.prompt)) + r.prompt for r in batch])
         mask = torch.tensor([[0] * (width - len(r.prompt)) + [1] * len(r.prompt) for r in batch])
         new = max(r.out_len for r in batch)
         stamps = _Stamps()
         t0 = time.perf_counter()
-        model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                       logits_processor=LogitsProcessorList([stamps]), pad_token_id=0)
+        model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=False,
+            logits_processor=LogitsProcessorList([stamps]),
+            pad_token_id=0,
+        )
         for r in batch:
             ttft.append(stamps.times[0] - t0)
             if r.out_len > 1:
@@ -155,8 +171,10 @@ def run_hf_static(model, reqs: list[Req], concurrency: int) -> Run:
 @torch.inference_mode()
 def run_hf_continuous(model, reqs: list[Req], concurrency: int) -> Run:
     from transformers import GenerationConfig
-    cfg = GenerationConfig(do_sample=False, max_new_tokens=max(r.out_len for r in reqs), eos_token_id=-1,
-                           pad_token_id=0)
+
+    cfg = GenerationConfig(
+        do_sample=False, max_new_tokens=max(r.out_len for r in reqs), eos_token_id=-1, pad_token_id=0
+    )
     manager = model.init_continuous_batching(generation_config=cfg)
     manager.start()
     ttft, tpot = [], []
@@ -164,10 +182,12 @@ def run_hf_continuous(model, reqs: list[Req], concurrency: int) -> Run:
     todo = list(reqs)
     start = time.perf_counter()
     try:
+
         def submit():
             r = todo.pop(0)
             rid = manager.add_request(r.prompt, max_new_tokens=r.out_len, record_timestamps=True)
             submitted[rid] = (time.perf_counter(), r)
+
         for _ in range(min(concurrency, len(todo))):
             submit()
         for _ in range(len(reqs)):
@@ -188,8 +208,10 @@ def run_hf_continuous(model, reqs: list[Req], concurrency: int) -> Run:
 
 # ---- reporting --------------------------------------------------------------------------------
 def print_tables(res: dict, levels: list[int]) -> None:
-    print("\n| concurrency | engine | output tok/s | vs HF static | TTFT median s | TTFT p99 s | TPOT median ms "
-          "| TPOT p99 ms |")
+    print(
+        "\n| concurrency | engine | output tok/s | vs HF static | TTFT median s | TTFT p99 s | TPOT median ms "
+        "| TPOT p99 ms |"
+    )
     print("|---:|---|---:|---:|---:|---:|---:|---:|")
     for c in levels:
         static = res["transformers_static"].get(str(c))
@@ -198,23 +220,30 @@ def print_tables(res: dict, levels: list[int]) -> None:
             s = res.get(name, {}).get(str(c))
             if not s:
                 continue
-            print(f"| {c} | {name} | {s['output_tok_s']:.1f} | {s['output_tok_s'] / base:.2f}x | "
-                  f"{s['ttft_median_s']:.2f} | {s['ttft_p99_s']:.2f} | {s['tpot_median_ms']:.0f} "
-                  f"| {s['tpot_p99_ms']:.0f} |")
+            print(
+                f"| {c} | {name} | {s['output_tok_s']:.1f} | {s['output_tok_s'] / base:.2f}x | "
+                f"{s['ttft_median_s']:.2f} | {s['ttft_p99_s']:.2f} | {s['tpot_median_ms']:.0f} "
+                f"| {s['tpot_p99_ms']:.0f} |"
+            )
     if "shared_prefix" in res:
         sp = res["shared_prefix"]
         print(f"\nshared prefix ({sp['workload']}):")
-        print("| prefix caching | output tok/s | TTFT median s | TTFT p99 s | prefix-cache hit rate |\n"
-              "|---|---:|---:|---:|---:|")
+        print(
+            "| prefix caching | output tok/s | TTFT median s | TTFT p99 s | prefix-cache hit rate |\n"
+            "|---|---:|---:|---:|---:|"
+        )
         for k in ("on", "off"):
             s = sp[k]
-            print(f"| {k} | {s['output_tok_s']:.1f} | {s['ttft_median_s']:.2f} | {s['ttft_p99_s']:.2f} | "
-                  f"{s['hit_rate']:.0%} |")
+            print(
+                f"| {k} | {s['output_tok_s']:.1f} | {s['ttft_median_s']:.2f} | {s['ttft_p99_s']:.2f} | "
+                f"{s['hit_rate']:.0%} |"
+            )
 
 
 def plot(res: dict, levels: list[int], path: Path) -> bool:
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -224,8 +253,12 @@ def plot(res: dict, levels: list[int], path: Path) -> bool:
         if res.get(name):
             xs = [c for c in levels if str(c) in res[name]]
             ax.plot(xs, [res[name][str(c)]["output_tok_s"] for c in xs], style, label=name)
-    ax.set(xscale="log", xlabel="concurrent requests", ylabel="output tokens/s",
-           title="Throughput vs concurrency (SmolLM2-135M fp32, 2-core CPU)")
+    ax.set(
+        xscale="log",
+        xlabel="concurrent requests",
+        ylabel="output tokens/s",
+        title="Throughput vs concurrency (SmolLM2-135M fp32, 2-core CPU)",
+    )
     ax.set_xticks(levels, [str(c) for c in levels])
     return finish_plot(fig, ax, path)
 
@@ -238,40 +271,61 @@ def main() -> None:
     p.add_argument("--name", default="bench_serving", help="results file stem under benchmarks/results")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="tokenloom's token budget per step")
     p.add_argument("--skip-hf", action="store_true", help="tokenloom only (for A/B runs of its settings)")
-    p.add_argument("--hf-continuous-levels", type=int, nargs="*", default=[16, 64],
-                   help="concurrency levels at which to run transformers' continuous batching (slow on CPU)")
+    p.add_argument(
+        "--hf-continuous-levels",
+        type=int,
+        nargs="*",
+        default=[16, 64],
+        help="concurrency levels at which to run transformers' continuous batching (slow on CPU)",
+    )
     args = p.parse_args()
     folder = args.model or str(hub.pull())
     RESULTS.mkdir(parents=True, exist_ok=True)
     reqs = make_workload(args.requests, args.seed, args.prompt_len, args.output_len)
-    config = EngineConfig(folder, cache=CacheConfig(kv_cache_memory=2 << 30),
-                          scheduler=SchedulerConfig(max_num_seqs=max(args.concurrency),
-                                                    max_num_batched_tokens=args.max_num_batched_tokens))
+    config = EngineConfig(
+        folder,
+        cache=CacheConfig(kv_cache_memory=2 << 30),
+        scheduler=SchedulerConfig(
+            max_num_seqs=max(args.concurrency), max_num_batched_tokens=args.max_num_batched_tokens
+        ),
+    )
     engine = AsyncLLMEngine.from_config(config)
     import transformers
+
     # Every torch call of this process runs on the engine's one thread (AsyncLLMEngine's doc:
     # a second thread with its own OpenMP pool would slow both engines).
     on_engine_thread = engine.run_on_engine_thread
     hf = on_engine_thread(lambda: transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval())
-    res: dict = {"tokenloom": {}, "transformers_static": {}, "transformers_continuous": {},
-                 "config": vars(args) | {"threads": torch.get_num_threads(), "transformers": transformers.__version__}}
-    run_tokenloom(engine, reqs[:2], 2)                                   # warm-up
-    runners = [("tokenloom", lambda c: run_tokenloom(engine, reqs, c)),
-               ("transformers_static", lambda c: on_engine_thread(run_hf_static, hf, reqs, c)),
-               ("transformers_continuous", lambda c: on_engine_thread(run_hf_continuous, hf, reqs, c))]
+    res: dict = {
+        "tokenloom": {},
+        "transformers_static": {},
+        "transformers_continuous": {},
+        "config": vars(args) | {"threads": torch.get_num_threads(), "transformers": transformers.__version__},
+    }
+    run_tokenloom(engine, reqs[:2], 2)  # warm-up
+    runners = [
+        ("tokenloom", lambda c: run_tokenloom(engine, reqs, c)),
+        ("transformers_static", lambda c: on_engine_thread(run_hf_static, hf, reqs, c)),
+        ("transformers_continuous", lambda c: on_engine_thread(run_hf_continuous, hf, reqs, c)),
+    ]
     # transformers' continuous batching runs last: it slows every later run in the process
     # (tokenloom at 64 clients 6.28 -> 6.56 s after one short continuous run, measured). Likely
     # cause, not verified: its manager thread leaves an OpenMP pool behind, and with more OpenMP
     # threads than cores GNU OpenMP's threads sleep between parallel regions.
-    plan = [(c, name, fn) for last in (False, True) for c in args.concurrency for name, fn in runners
-            if (name == "transformers_continuous") == last
-            and (name != "transformers_continuous" or c in args.hf_continuous_levels)
-            and (name == "tokenloom" or not args.skip_hf)]
+    plan = [
+        (c, name, fn)
+        for last in (False, True)
+        for c in args.concurrency
+        for name, fn in runners
+        if (name == "transformers_continuous") == last
+        and (name != "transformers_continuous" or c in args.hf_continuous_levels)
+        and (name == "tokenloom" or not args.skip_hf)
+    ]
     with tqdm(total=len(plan) + (2 if args.shared_prefix else 0), desc="benchmarking", unit="run") as bar:
         for c, name, fn in plan:
             try:
                 res[name][str(c)] = fn(c).summary()
-            except Exception as e:   # e.g. a transformers version without continuous batching
+            except Exception as e:  # e.g. a transformers version without continuous batching
                 res[name][str(c)] = None
                 res.setdefault("errors", []).append(f"{name} at {c}: {e!r}")
             bar.update()
@@ -291,12 +345,16 @@ def shared_prefix_run(folder: str, args, bar) -> dict:
     system = [rng.randrange(1000, 40000) for _ in range(args.shared_prefix)]
     reqs = make_workload(args.requests, args.seed + 2, (16, 48), (8, 32), prefix=system)
     concurrency = 16
-    out = {"workload": f"{args.requests} requests, {args.shared_prefix}-token shared prefix + 16-48 own tokens, "
-                       f"8-32 output tokens, concurrency {concurrency}"}
+    out = {
+        "workload": f"{args.requests} requests, {args.shared_prefix}-token shared prefix + 16-48 own tokens, "
+        f"8-32 output tokens, concurrency {concurrency}"
+    }
     for label, enabled in (("on", True), ("off", False)):
-        config = EngineConfig(folder, cache=CacheConfig(kv_cache_memory=2 << 30, enable_prefix_caching=enabled),
-                              scheduler=SchedulerConfig(max_num_seqs=concurrency,
-                                                        max_num_batched_tokens=args.max_num_batched_tokens))
+        config = EngineConfig(
+            folder,
+            cache=CacheConfig(kv_cache_memory=2 << 30, enable_prefix_caching=enabled),
+            scheduler=SchedulerConfig(max_num_seqs=concurrency, max_num_batched_tokens=args.max_num_batched_tokens),
+        )
         engine = AsyncLLMEngine.from_config(config)
         summary = run_tokenloom(engine, reqs, concurrency).summary()
         summary["hit_rate"] = engine.stats().prefix_cache_hit_rate

@@ -25,20 +25,24 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).parent))
-sys.path.insert(0, str(Path(__file__).parents[1]))   # tests.helpers
+sys.path.insert(0, str(Path(__file__).parents[1]))  # tests.helpers
 from _common import RESULTS, parser
 
 from tests.helpers.draft_model import save_random_draft
 from tokenloom import LLM, SamplingParams
 from tokenloom.loader import hub
 
-STORY = ("Maria opened the bakery at six every morning. She baked bread, croissants and small apple "
-         "pies, and by seven the first customers were waiting at the door. Her brother Tom delivered "
-         "the orders to the cafes in the old town on his bicycle, and in the afternoon the two of them "
-         "planned the next day's baking over a cup of coffee.")
-CODE = ('def total_price(items, tax_rate):\n    total = 0\n    for item in items:\n'
-        '        total = total + item["price"] * item["quantity"]\n    total = total * (1 + tax_rate)\n'
-        '    return round(total, 2)\n')
+STORY = (
+    "Maria opened the bakery at six every morning. She baked bread, croissants and small apple "
+    "pies, and by seven the first customers were waiting at the door. Her brother Tom delivered "
+    "the orders to the cafes in the old town on his bicycle, and in the afternoon the two of them "
+    "planned the next day's baking over a cup of coffee."
+)
+CODE = (
+    "def total_price(items, tax_rate):\n    total = 0\n    for item in items:\n"
+    '        total = total + item["price"] * item["quantity"]\n    total = total * (1 + tax_rate)\n'
+    "    return round(total, 2)\n"
+)
 TASKS = [
     f"Rewrite this text, replacing the name Maria with Anna and Tom with Peter. Change nothing else.\n\n{STORY}",
     f"Rename the function total_price to compute_total and keep everything else the same.\n\n{CODE}",
@@ -65,9 +69,13 @@ def timed(llm: LLM, batches: list[list[list[dict]]], params: SamplingParams) -> 
     drafted = after.spec_draft_tokens - before.spec_draft_tokens
     accepted = after.spec_accepted_tokens - before.spec_accepted_tokens
     steps = after.spec_steps - before.spec_steps
-    return {"tok_s": tokens / seconds, "tokens": tokens, "outputs": outputs,
-            "acceptance": accepted / drafted if drafted else None,
-            "tokens_per_spec_step": (accepted + steps) / steps if steps else None}
+    return {
+        "tok_s": tokens / seconds,
+        "tokens": tokens,
+        "outputs": outputs,
+        "acceptance": accepted / drafted if drafted else None,
+        "tokens_per_spec_step": (accepted + steps) / steps if steps else None,
+    }
 
 
 def main() -> None:
@@ -78,15 +86,17 @@ def main() -> None:
     folder = Path(args.model or hub.pull())
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     convs = [[{"role": "user", "content": t}] for t in TASKS]
-    workloads = {"batch 1": [[c] for c in convs], "8 concurrent": [convs],
-                 "32 concurrent": [convs * 4]}
+    workloads = {"batch 1": [[c] for c in convs], "8 concurrent": [convs], "32 concurrent": [convs * 4]}
     draft_dir = save_random_draft(Path(tempfile.mkdtemp()), folder, vocab_size=49152)
     k = args.k
-    configs = [("plain", None), (f"ngram k={k}", f"ngram,k={k}"),
-               (f"ngram k={k}, forced at any batch", f"ngram,k={k},max_batch=64"),
-               ("draft = target itself, k=3", f"draft={folder},k=3"),
-               ("draft = random 2-layer, k=3", f"draft={draft_dir},k=3,min_acceptance=0"),
-               ("draft = random 2-layer, k=3, fallback", f"draft={draft_dir},k=3")]
+    configs = [
+        ("plain", None),
+        (f"ngram k={k}", f"ngram,k={k}"),
+        (f"ngram k={k}, forced at any batch", f"ngram,k={k},max_batch=64"),
+        ("draft = target itself, k=3", f"draft={folder},k=3"),
+        ("draft = random 2-layer, k=3", f"draft={draft_dir},k=3,min_acceptance=0"),
+        ("draft = random 2-layer, k=3, fallback", f"draft={draft_dir},k=3"),
+    ]
     plan = {"batch 1": [0, 1, 3, 4, 5], "8 concurrent": [0, 1, 3, 4, 5], "32 concurrent": [0, 1, 2]}
     res: dict = {"config": vars(args) | {"threads": torch.get_num_threads()}, "runs": {}}
     llms = {}
@@ -96,7 +106,7 @@ def main() -> None:
                 name, spec = configs[i]
                 if name not in llms:
                     llms[name] = LLM(str(folder), kv_cache_memory=512 << 20, speculative=spec)
-                    timed(llms[name], [[convs[0]]], SamplingParams(temperature=0, max_tokens=4))   # warm-up
+                    timed(llms[name], [[convs[0]]], SamplingParams(temperature=0, max_tokens=4))  # warm-up
                 res["runs"].setdefault(workload, {})[name] = timed(llms[name], workloads[workload], params)
                 bar.update()
     print("\n| workload | decoding | output tok/s | speedup | acceptance | tokens per spec step | same tokens |")
@@ -107,7 +117,7 @@ def main() -> None:
             acc = "-" if r["acceptance"] is None else f"{r['acceptance']:.0%}"
             per = "-" if r["tokens_per_spec_step"] is None else f"{r['tokens_per_spec_step']:.2f}"
             same = "yes" if r["outputs"] == base["outputs"] else "NO"
-            ratio = r['tok_s'] / base['tok_s']
+            ratio = r["tok_s"] / base["tok_s"]
             print(f"| {workload} | {name} | {r['tok_s']:.1f} | {ratio:.2f}x | {acc} | {per} | {same} |")
     for runs in res["runs"].values():
         for r in runs.values():

@@ -28,8 +28,9 @@ PROMPT = "Once upon a time"
 def first_token_seconds(cmd: list[str], env: dict | None = None) -> tuple[float, float, str]:
     """(seconds to the first byte on stdout, seconds to exit, stderr) of one run of `cmd`."""
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                            bufsize=0, env=env)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, bufsize=0, env=env
+    )
     first = os.read(proc.stdout.fileno(), 1)
     first_at = time.perf_counter() - start
     proc.stdout.read()
@@ -41,16 +42,35 @@ def first_token_seconds(cmd: list[str], env: dict | None = None) -> tuple[float,
 
 def configurations(args) -> dict[str, tuple[list[str], dict | None]]:
     from tokenloom.loader import hub
+
     folder, gguf = hub.pull(), hub.gguf_path(hub.DEFAULT_NAME)
     ours = [sys.executable, "-m", "tokenloom", "generate", "--temp", "0", "-n", "8", "--no-display-prompt"]
-    runs = {"tokenloom (HF folder, float32)": (ours + ["-m", str(folder), PROMPT], None),
-            f"tokenloom ({gguf.name})": (ours + ["-m", str(gguf), PROMPT], None)}
+    runs = {
+        "tokenloom (HF folder, float32)": (ours + ["-m", str(folder), PROMPT], None),
+        f"tokenloom ({gguf.name})": (ours + ["-m", str(gguf), PROMPT], None),
+    }
     llama_bin = args.llama_bin or os.environ.get("LLAMA_CPP_BIN")
     if llama_bin and (Path(llama_bin) / "llama-completion").exists():
         env = {**os.environ, "LD_LIBRARY_PATH": llama_bin}
         runs[f"llama.cpp llama-completion ({gguf.name})"] = (
-            [str(Path(llama_bin) / "llama-completion"), "-m", str(gguf), "-p", PROMPT, "-n", "8", "-no-cnv",
-             "--no-display-prompt", "--simple-io", "-t", "2", "--temp", "0"], env)
+            [
+                str(Path(llama_bin) / "llama-completion"),
+                "-m",
+                str(gguf),
+                "-p",
+                PROMPT,
+                "-n",
+                "8",
+                "-no-cnv",
+                "--no-display-prompt",
+                "--simple-io",
+                "-t",
+                "2",
+                "--temp",
+                "0",
+            ],
+            env,
+        )
     return runs
 
 
@@ -67,18 +87,26 @@ def main() -> int:
             for i in range(args.runs + 1):
                 first, total, err = first_token_seconds(cmd, env)
                 compiled |= "compiling" in err
-                if i:                                   # the first run only warms the page cache
+                if i:  # the first run only warms the page cache
                     samples.append((first, total))
                 bar.update()
-            rows.append({"engine": name, "first_token_s": statistics.median(s[0] for s in samples),
-                         "total_s": statistics.median(s[1] for s in samples), "compile_line": compiled})
+            rows.append(
+                {
+                    "engine": name,
+                    "first_token_s": statistics.median(s[0] for s in samples),
+                    "total_s": statistics.median(s[1] for s in samples),
+                    "compile_line": compiled,
+                }
+            )
     base = rows[-1]["first_token_s"]
     print(f"\nWarm start on {cpu_name()}: `generate -n 8`, medians of {args.runs} fresh processes\n")
     print("| engine | first token (s) | whole run (s) | vs last row | compile line |")
     print("|---|---:|---:|---:|---|")
     for r in rows:
-        print(f"| {r['engine']} | {r['first_token_s']:.2f} | {r['total_s']:.2f} | "
-              f"{r['first_token_s'] / base:.1f}x | {'yes' if r['compile_line'] else 'no'} |")
+        print(
+            f"| {r['engine']} | {r['first_token_s']:.2f} | {r['total_s']:.2f} | "
+            f"{r['first_token_s'] / base:.1f}x | {'yes' if r['compile_line'] else 'no'} |"
+        )
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "startup.json").write_text(json.dumps({"cpu": cpu_name(), "runs": args.runs, "rows": rows}, indent=1))
     return 0

@@ -20,10 +20,17 @@ from tokenloom import LLM, SamplingParams
 from tokenloom.loader import hub
 from tokenloom.structured import StructuredOutput
 
-SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "role", "skills"],
-          "properties": {"name": {"type": "string", "maxLength": 24}, "age": {"type": "integer"},
-                         "role": {"enum": ["engineer", "artist", "doctor"]},
-                         "skills": {"type": "array", "items": {"type": "string", "maxLength": 16}, "maxItems": 4}}}
+SCHEMA = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["name", "age", "role", "skills"],
+    "properties": {
+        "name": {"type": "string", "maxLength": 24},
+        "age": {"type": "integer"},
+        "role": {"enum": ["engineer", "artist", "doctor"]},
+        "skills": {"type": "array", "items": {"type": "string", "maxLength": 16}, "maxItems": 4},
+    },
+}
 ASK = [{"role": "user", "content": "Describe a person as JSON: name, age, role and skills."}]
 
 
@@ -32,8 +39,9 @@ def run(llm: LLM, batch: int, constrained: bool, repeats: int) -> dict:
     prompt = llm.tokenizer.encode_chat(ASK)
     rates, ttfts = [], []
     for r in range(repeats + 1):
-        params = [SamplingParams(temperature=0.8, seed=100 * r + i, max_tokens=96, structured_output=so)
-                  for i in range(batch)]
+        params = [
+            SamplingParams(temperature=0.8, seed=100 * r + i, max_tokens=96, structured_output=so) for i in range(batch)
+        ]
         t0 = time.perf_counter()
         outs = llm.generate([prompt] * batch, params)
         dt = time.perf_counter() - t0
@@ -46,6 +54,7 @@ def run(llm: LLM, batch: int, constrained: bool, repeats: int) -> dict:
 def engine_costs(llm: LLM) -> dict:
     import llguidance
     import llguidance.torch as lt
+
     g = llm.engine.core.grammars
     t0 = time.perf_counter()
     g.tokenizer
@@ -66,8 +75,13 @@ def engine_costs(llm: LLM) -> dict:
         lt.fill_next_token_bitmask(matcher, mask, 0)
         matcher.consume_token(tok)
     per_token = (time.perf_counter() - t0) / len(ids)
-    return {"tokenizer_setup_s": setup, "compile_cold_s": cold, "compile_cached_s": cached,
-            "mask_per_token_s": per_token, "llguidance": getattr(llguidance, "__version__", "?")}
+    return {
+        "tokenizer_setup_s": setup,
+        "compile_cold_s": cold,
+        "compile_cached_s": cached,
+        "mask_per_token_s": per_token,
+        "llguidance": getattr(llguidance, "__version__", "?"),
+    }
 
 
 def main() -> None:
@@ -82,15 +96,19 @@ def main() -> None:
         rows.append({"batch": batch, "free": free, "json_schema": json_})
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "bench_structured.json").write_text(json.dumps({"engine": costs, "rows": rows}, indent=2))
-    print(f"llguidance: tokenizer set-up {costs['tokenizer_setup_s'] * 1000:.0f} ms (once per model), schema compile "
-          f"cold {costs['compile_cold_s'] * 1000:.2f} ms, cached {costs['compile_cached_s'] * 1e6:.1f} us, "
-          f"mask {costs['mask_per_token_s'] * 1e6:.0f} us per token")
+    print(
+        f"llguidance: tokenizer set-up {costs['tokenizer_setup_s'] * 1000:.0f} ms (once per model), schema compile "
+        f"cold {costs['compile_cold_s'] * 1000:.2f} ms, cached {costs['compile_cached_s'] * 1e6:.1f} us, "
+        f"mask {costs['mask_per_token_s'] * 1e6:.0f} us per token"
+    )
     print("| batch | output | tokens/s | vs free | TTFT median ms |\n|---:|---|---:|---:|---:|")
     for r in rows:
         for kind in ("free", "json_schema"):
             m = r[kind]
-            print(f"| {r['batch']} | {kind} | {m['tok_s']:.1f} | {m['tok_s'] / r['free']['tok_s']:.2f}x "
-                  f"| {m['ttft_s'] * 1000:.0f} |")
+            print(
+                f"| {r['batch']} | {kind} | {m['tok_s']:.1f} | {m['tok_s'] / r['free']['tok_s']:.2f}x "
+                f"| {m['ttft_s'] * 1000:.0f} |"
+            )
 
 
 if __name__ == "__main__":

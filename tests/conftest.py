@@ -27,6 +27,7 @@ def _interpreter_scalars_index_under_numpy_2_4() -> None:
     def patched(tensor, scope):
         original(tensor, scope)
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
     interpreter._patch_lang_tensor = patched
 
 
@@ -43,82 +44,208 @@ VOCAB = 320
 TINY_CONFIGS = {
     "llama_gqa": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=2)),
     "llama_mqa_tied": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True)),
-    "llama3_rope_scaling": ("LlamaConfig", dict(
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, rope_theta=500000.0,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 32})),
-    "llama_linear_rope_bias": ("LlamaConfig", dict(
-        num_attention_heads=4, num_key_value_heads=4, attention_bias=True, mlp_bias=True,
-        rope_scaling={"rope_type": "linear", "factor": 2.0})),
-    "llama_yarn": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0, rope_scaling={
-        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16})),
-    "mistral_sliding": ("MistralConfig", dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=12,
-                                             head_dim=16)),
+    "llama3_rope_scaling": (
+        "LlamaConfig",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            rope_theta=500000.0,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+        ),
+    ),
+    "llama_linear_rope_bias": (
+        "LlamaConfig",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            attention_bias=True,
+            mlp_bias=True,
+            rope_scaling={"rope_type": "linear", "factor": 2.0},
+        ),
+    ),
+    "llama_yarn": (
+        "LlamaConfig",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            rope_theta=10000.0,
+            rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+        ),
+    ),
+    "mistral_sliding": (
+        "MistralConfig",
+        dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=12, head_dim=16),
+    ),
     "qwen2": ("Qwen2Config", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)),
     # layer 0 attends to everything, layer 1 to the last 6 positions (max_window_layers)
-    "qwen2_window_layers": ("Qwen2Config", dict(num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True,
-                                                sliding_window=6, max_window_layers=1)),
+    "qwen2_window_layers": (
+        "Qwen2Config",
+        dict(
+            num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True, sliding_window=6, max_window_layers=1
+        ),
+    ),
     "qwen3": ("Qwen3Config", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=24)),
     # sliding then full layer, each with its own rope base; scale from query_pre_attn_scalar; soft-capped logits
-    "gemma3": ("Gemma3TextConfig", dict(num_attention_heads=4, num_key_value_heads=1, head_dim=32,
-                                        query_pre_attn_scalar=24, sliding_window=6,
-                                        layer_types=["sliding_attention", "full_attention"],
-                                        final_logit_softcapping=5.0, tie_word_embeddings=True)),
+    "gemma3": (
+        "Gemma3TextConfig",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=32,
+            query_pre_attn_scalar=24,
+            sliding_window=6,
+            layer_types=["sliding_attention", "full_attention"],
+            final_logit_softcapping=5.0,
+            tie_word_embeddings=True,
+        ),
+    ),
     # every layer sparse, top-2 of 4 renormalized
-    "mixtral": ("MixtralConfig", dict(num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
-                                      num_local_experts=4, num_experts_per_tok=2)),
+    "mixtral": (
+        "MixtralConfig",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=64,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+        ),
+    ),
     # 8 experts top-2 not renormalized, a sigmoid-gated shared expert, q/k/v bias
-    "qwen2_moe": ("Qwen2MoeConfig", dict(num_attention_heads=4, num_key_value_heads=2, num_experts=8,
-                                         num_experts_per_tok=2, moe_intermediate_size=32,
-                                         shared_expert_intermediate_size=48, norm_topk_prob=False)),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            norm_topk_prob=False,
+        ),
+    ),
     # layer 0 dense (mlp_only_layers), layer 1 top-3 of 6 renormalized; q/k norm
-    "qwen3_moe": ("Qwen3MoeConfig", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=6,
-                                         num_experts_per_tok=3, moe_intermediate_size=32, norm_topk_prob=True,
-                                         mlp_only_layers=[0])),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            num_experts=6,
+            num_experts_per_tok=3,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            mlp_only_layers=[0],
+        ),
+    ),
     # fused qkv / gate_up checkpoint tensors, half the head rotated, every layer sliding
-    "phi3_partial_rotary": ("Phi3Config", dict(num_attention_heads=4, num_key_value_heads=2, partial_rotary_factor=0.5,
-                                               sliding_window=10)),
+    "phi3_partial_rotary": (
+        "Phi3Config",
+        dict(num_attention_heads=4, num_key_value_heads=2, partial_rotary_factor=0.5, sliding_window=10),
+    ),
     # longrope past an original length of 2: the long factors and attention factor at every length
     # (the short ones: tests/models/test_rope_scaling.py)
-    "phi3_longrope": ("Phi3Config", dict(
-        num_attention_heads=4, num_key_value_heads=4, original_max_position_embeddings=2,
-        rope_scaling={"rope_type": "longrope", "short_factor": [1.0 + i / 8 for i in range(8)],
-                      "long_factor": [1.5 + i / 2 for i in range(8)]})),
-    "llama_dynamic": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=2,
-                                          rope_scaling={"rope_type": "dynamic", "factor": 4.0})),
+    "phi3_longrope": (
+        "Phi3Config",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            original_max_position_embeddings=2,
+            rope_scaling={
+                "rope_type": "longrope",
+                "short_factor": [1.0 + i / 8 for i in range(8)],
+                "long_factor": [1.5 + i / 2 for i in range(8)],
+            },
+        ),
+    ),
+    "llama_dynamic": (
+        "LlamaConfig",
+        dict(num_attention_heads=4, num_key_value_heads=2, rope_scaling={"rope_type": "dynamic", "factor": 4.0}),
+    ),
     # sliding then full layer, attention scores and logits soft-capped (caps small enough to bite)
-    "gemma2": ("Gemma2Config", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=24,
-                                    sliding_window=6, attn_logit_softcapping=3.0, final_logit_softcapping=8.0)),
+    "gemma2": (
+        "Gemma2Config",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            query_pre_attn_scalar=24,
+            sliding_window=6,
+            attn_logit_softcapping=3.0,
+            final_logit_softcapping=8.0,
+        ),
+    ),
     # every layer sparse, top-3 of 8 not renormalized, q/k normed over the whole projection
-    "olmoe": ("OlmoeConfig", dict(num_attention_heads=4, num_key_value_heads=2, intermediate_size=32, num_experts=8,
-                                  num_experts_per_tok=3, norm_topk_prob=False)),
+    "olmoe": (
+        "OlmoeConfig",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=32,
+            num_experts=8,
+            num_experts_per_tok=3,
+            norm_topk_prob=False,
+        ),
+    ),
     "olmo2": ("Olmo2Config", dict(num_attention_heads=4, num_key_value_heads=2)),
     # LayerNorm with bias, a quarter of each head rotated, q/k/v bias, per-head q/k LayerNorm
-    "stablelm": ("StableLmConfig", dict(num_attention_heads=4, num_key_value_heads=2, use_qkv_bias=True,
-                                        qk_layernorm=True)),
+    "stablelm": (
+        "StableLmConfig",
+        dict(num_attention_heads=4, num_key_value_heads=2, use_qkv_bias=True, qk_layernorm=True),
+    ),
     # attention and MLP side by side on one normed input
-    "stablelm_parallel": ("StableLmConfig", dict(num_attention_heads=4, num_key_value_heads=4,
-                                                 use_parallel_residual=True)),
-    "gpt2": ("GPT2Config", dict(n_embd=64, n_layer=2, n_head=4, n_positions=256, vocab_size=VOCAB,
-                                initializer_range=0.2, bos_token_id=None, eos_token_id=None)),
+    "stablelm_parallel": (
+        "StableLmConfig",
+        dict(num_attention_heads=4, num_key_value_heads=4, use_parallel_residual=True),
+    ),
+    "gpt2": (
+        "GPT2Config",
+        dict(
+            n_embd=64,
+            n_layer=2,
+            n_head=4,
+            n_positions=256,
+            vocab_size=VOCAB,
+            initializer_range=0.2,
+            bos_token_id=None,
+            eos_token_id=None,
+        ),
+    ),
 }
 
 
 def _llama_like_kwargs(extra: dict) -> dict:
-    base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                max_position_embeddings=256, initializer_range=0.2, bos_token_id=None, eos_token_id=None,
-                pad_token_id=None, rms_norm_eps=1e-6)
+    base = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        max_position_embeddings=256,
+        initializer_range=0.2,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+        rms_norm_eps=1e-6,
+    )
     return base | extra
 
 
 def make_tiny_tokenizer(folder: Path) -> None:
     """A byte-level BPE tokenizer with < VOCAB tokens, trained on a few sentences."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
     tk = Tokenizer(models.BPE())
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tk.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  special_tokens=["<|end|>"])
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=["<|end|>"]
+    )
     text = ["The quick brown fox jumps over the lazy dog. Once upon a time there was a cat."] * 20
     tk.train_from_iterator(text, trainer)
     tk.save(str(folder / "tokenizer.json"))
@@ -126,6 +253,7 @@ def make_tiny_tokenizer(folder: Path) -> None:
 
 def build_tiny_model(name: str, folder: Path, seed: int = 0) -> Path:
     import transformers
+
     cls_name, extra = TINY_CONFIGS[name]
     cfg_cls = getattr(transformers, cls_name)
     kwargs = extra if cls_name == "GPT2Config" else _llama_like_kwargs(extra)
@@ -154,6 +282,7 @@ def tiny_model_dir(tmp_path_factory):
         if name not in cache:
             cache[name] = build_tiny_model(name, tmp_path_factory.mktemp(name))
         return cache[name]
+
     return get
 
 
@@ -161,12 +290,14 @@ def tiny_model_dir(tmp_path_factory):
 def default_model_dir() -> Path:
     """The prepared SmolLM2 folder (`make test` pulls it first)."""
     from tokenloom.loader import hub
+
     return hub.pull()
 
 
 @pytest.fixture(scope="session")
 def default_gguf_path(default_model_dir) -> Path:
     from tokenloom.loader import hub
+
     return hub.default_gguf_path()
 
 
@@ -174,6 +305,7 @@ def default_gguf_path(default_model_dir) -> Path:
 def smol_llm(default_model_dir):
     """One LLM over the real default model, shared by the tests that only generate."""
     from tokenloom import LLM
+
     return LLM(str(default_model_dir), kv_cache_memory=256 << 20)
 
 

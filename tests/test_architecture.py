@@ -79,13 +79,17 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 # bottom layer. The draft proposer drives a draft model's runner for the engine core; a rank's
 # worker process runs a model runner.
 LAYERS = {
-    "tokenloom.entrypoints": 0, "tokenloom.eval": 0,
-    "tokenloom.engine": 1, "tokenloom.spec_decode.proposer": 1,
-    "tokenloom.worker": 2, "tokenloom.distributed.worker": 2, "tokenloom.distributed.launch": 2,
+    "tokenloom.entrypoints": 0,
+    "tokenloom.eval": 0,
+    "tokenloom.engine": 1,
+    "tokenloom.spec_decode.proposer": 1,
+    "tokenloom.worker": 2,
+    "tokenloom.distributed.worker": 2,
+    "tokenloom.distributed.launch": 2,
     "tokenloom.distributed.rank_main": 2,
 }
 BOTTOM = 3
-FACADES = {"tokenloom", "tokenloom.__main__"}   # the public API: `tokenloom.LLM`, `python -m tokenloom`
+FACADES = {"tokenloom", "tokenloom.__main__"}  # the public API: `tokenloom.LLM`, `python -m tokenloom`
 
 
 def layer_of(module: str, layers: dict[str, int] = LAYERS) -> int:
@@ -94,8 +98,13 @@ def layer_of(module: str, layers: dict[str, int] = LAYERS) -> int:
 
 
 def upward_imports(graph: dict[str, set[str]], layers: dict[str, int] = LAYERS) -> list[str]:
-    return sorted(f"{module} -> {target}" for module, targets in graph.items() if module not in FACADES
-                  for target in targets if layer_of(target, layers) < layer_of(module, layers))
+    return sorted(
+        f"{module} -> {target}"
+        for module, targets in graph.items()
+        if module not in FACADES
+        for target in targets
+        if layer_of(target, layers) < layer_of(module, layers)
+    )
 
 
 def test_no_import_cycles_in_the_package():
@@ -115,11 +124,15 @@ def test_layers_import_only_the_layers_below():
 
 
 def test_the_layer_check_finds_an_upward_import():
-    graph = {"tokenloom.worker.batch": {"tokenloom.engine.request"},
-             "tokenloom.engine.core": {"tokenloom.worker.batch"},
-             "tokenloom.models.llama": {"tokenloom.distributed.worker"}}
-    assert upward_imports(graph) == ["tokenloom.models.llama -> tokenloom.distributed.worker",
-                                     "tokenloom.worker.batch -> tokenloom.engine.request"]
+    graph = {
+        "tokenloom.worker.batch": {"tokenloom.engine.request"},
+        "tokenloom.engine.core": {"tokenloom.worker.batch"},
+        "tokenloom.models.llama": {"tokenloom.distributed.worker"},
+    }
+    assert upward_imports(graph) == [
+        "tokenloom.models.llama -> tokenloom.distributed.worker",
+        "tokenloom.worker.batch -> tokenloom.engine.request",
+    ]
 
 
 def test_the_top_level_holds_the_public_api_and_at_most_eight_modules():

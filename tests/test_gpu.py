@@ -60,10 +60,12 @@ def test_cuda_quantized_weights_compute_what_the_cpu_fallback_computes(quantizat
     """On the GPU a quantized layer dequantizes its weight per call and runs a float matmul:
     the same math as the CPU without its kernels (float rounding apart)."""
     from tokenloom.quant.int8 import kernels
+
     folder = str(tiny_model_dir("llama_gqa"))
     ids = list(range(3, 40))
-    gpu = LLM(folder, device="cuda", dtype="float32", quantization=quantization, kv_cache_memory=8 << 20,
-              max_num_seqs=4)
+    gpu = LLM(
+        folder, device="cuda", dtype="float32", quantization=quantization, kv_cache_memory=8 << 20, max_num_seqs=4
+    )
     got = torch.cat([lg for _, lg in gpu.engine.prefill_logits(ids)]).cpu()
     monkeypatch.setattr(kernels, "available", lambda: False)
     cpu = LLM(folder, device="cpu", quantization=quantization, kv_cache_memory=8 << 20)
@@ -71,7 +73,7 @@ def test_cuda_quantized_weights_compute_what_the_cpu_fallback_computes(quantizat
     assert ((got - want).norm() / want.norm()).item() < 1e-4
     ref = LLM(folder, device="cuda", dtype="float32", kv_cache_memory=8 << 20, max_num_seqs=4)
     float_logits = torch.cat([lg for _, lg in ref.engine.prefill_logits(ids)]).cpu()
-    assert not torch.allclose(got, float_logits)        # really quantized
+    assert not torch.allclose(got, float_logits)  # really quantized
 
 
 def test_cuda_int8_kv_cache_tracks_float(tiny_model_dir):
@@ -91,19 +93,22 @@ def test_cuda_structured_output_scoring_and_beam_search(tiny_model_dir):
     import re
 
     from tokenloom.structured import StructuredOutput
+
     folder = str(tiny_model_dir("llama_gqa"))
     gpu = LLM(folder, device="cuda", dtype="float32", kv_cache_memory=8 << 20, max_num_seqs=4)
     cpu = LLM(folder, device="cpu", kv_cache_memory=8 << 20)
-    constrained = SamplingParams(temperature=1.0, seed=0, max_tokens=12,
-                                 structured_output=StructuredOutput.regex(r"[ab]{3,6}"))
-    for out in gpu.generate([PROMPTS[0]] * 4, [constrained] * 4):   # (decode the ids: this id prompt ends
-        text = gpu.tokenizer.decode(out.outputs[0].token_ids)        # mid-character, which .text completes)
+    constrained = SamplingParams(
+        temperature=1.0, seed=0, max_tokens=12, structured_output=StructuredOutput.regex(r"[ab]{3,6}")
+    )
+    for out in gpu.generate([PROMPTS[0]] * 4, [constrained] * 4):  # (decode the ids: this id prompt ends
+        text = gpu.tokenizer.decode(out.outputs[0].token_ids)  # mid-character, which .text completes)
         assert re.fullmatch(r"[ab]{3,6}", text), text
     scored = SamplingParams(max_tokens=0, prompt_logprobs=2)
     g = gpu.generate([PROMPTS[0]], scored)[0].prompt_logprobs
     c = cpu.generate([PROMPTS[0]], scored)[0].prompt_logprobs
-    assert [e[t] for e, t in zip(g[1:], PROMPTS[0][1:])] == \
-        pytest.approx([e[t] for e, t in zip(c[1:], PROMPTS[0][1:])], abs=1e-3)
+    assert [e[t] for e, t in zip(g[1:], PROMPTS[0][1:])] == pytest.approx(
+        [e[t] for e, t in zip(c[1:], PROMPTS[0][1:])], abs=1e-3
+    )
     gb = gpu.beam_search(PROMPTS[0], beam_width=3, max_tokens=8)
     cb = cpu.beam_search(PROMPTS[0], beam_width=3, max_tokens=8)
     assert [h.token_ids for h in gb] == [h.token_ids for h in cb]
@@ -116,7 +121,7 @@ def test_cuda_defaults_to_bfloat16_with_decode_graphs(tiny_model_dir):
     graphs = llm.engine.core.runner.graphs
     assert graphs is not None and sorted(graphs.graphs) == [1, 2, 4, 6]
     moe = LLM(str(tiny_model_dir("mixtral")), device="cuda", kv_cache_memory=8 << 20, max_num_seqs=4)
-    assert moe.engine.core.runner.graphs is None                         # its router reads values on the host
+    assert moe.engine.core.runner.graphs is None  # its router reads values on the host
     out = moe.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 4
 
@@ -127,22 +132,29 @@ def test_cuda_graph_decode_equals_eager_at_every_bucket(arch, dtype, tol, tiny_m
     """Batches of 1, 2, 3, 5 and 8 sequences (buckets 1, 2, 4, 8, 8: padded rows included) decode
     the same tokens with and without graphs, logprobs within `tol`, up to a near-tie in eager's."""
     folder = str(tiny_model_dir(arch))
-    graphs = LLM(folder, device="cuda", dtype=dtype, kv_cache_memory=16 << 20, max_num_seqs=8,
-                 enable_prefix_caching=False)
-    eager = LLM(folder, device="cuda", dtype=dtype, kv_cache_memory=16 << 20, max_num_seqs=8,
-                enable_prefix_caching=False, enforce_eager=True)
+    graphs = LLM(
+        folder, device="cuda", dtype=dtype, kv_cache_memory=16 << 20, max_num_seqs=8, enable_prefix_caching=False
+    )
+    eager = LLM(
+        folder,
+        device="cuda",
+        dtype=dtype,
+        kv_cache_memory=16 << 20,
+        max_num_seqs=8,
+        enable_prefix_caching=False,
+        enforce_eager=True,
+    )
     assert graphs.engine.core.runner.graphs is not None and eager.engine.core.runner.graphs is None
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
     prompts = [[(7 * i + j) % 300 + 3 for j in range(3 + 5 * i)] for i in range(8)]
     for n in (1, 2, 3, 5, 8):
         for g, e in zip(graphs.generate(prompts[:n], params), eager.generate(prompts[:n], params)):
             go, eo = g.outputs[0], e.outputs[0]
-            margins = [sorted(lp.values())[-1] - sorted(lp.values())[-2] if len(lp) > 1 else 1.0
-                       for lp in eo.logprobs]
+            margins = [sorted(lp.values())[-1] - sorted(lp.values())[-2] if len(lp) > 1 else 1.0 for lp in eo.logprobs]
             k = next((i for i, m in enumerate(margins) if m < 10 * tol), len(margins))
-            assert go.token_ids[:k + 1] == eo.token_ids[:k + 1], n
-            got = [lp[t] for lp, t in zip(go.logprobs[:k + 1], go.token_ids[:k + 1])]
-            want = [lp[t] for lp, t in zip(eo.logprobs[:k + 1], eo.token_ids[:k + 1])]
+            assert go.token_ids[: k + 1] == eo.token_ids[: k + 1], n
+            got = [lp[t] for lp, t in zip(go.logprobs[: k + 1], go.token_ids[: k + 1])]
+            want = [lp[t] for lp, t in zip(eo.logprobs[: k + 1], eo.token_ids[: k + 1])]
             assert got == pytest.approx(want, abs=tol), n
 
 
@@ -152,16 +164,28 @@ def test_cuda_prefix_hits_and_chunked_prefill_match_a_whole_prefill(tiny_model_d
     folder = str(tiny_model_dir("qwen2"))
     prompt = [(5 * j) % 300 + 2 for j in range(70)]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
-    whole = LLM(folder, device="cuda", dtype="float32", kv_cache_memory=16 << 20, max_num_seqs=4,
-                enable_prefix_caching=False).generate([prompt], params)[0].outputs[0]
-    chunked_llm = LLM(folder, device="cuda", dtype="float32", kv_cache_memory=16 << 20, max_num_seqs=4,
-                      max_num_batched_tokens=24)
+    whole = (
+        LLM(
+            folder,
+            device="cuda",
+            dtype="float32",
+            kv_cache_memory=16 << 20,
+            max_num_seqs=4,
+            enable_prefix_caching=False,
+        )
+        .generate([prompt], params)[0]
+        .outputs[0]
+    )
+    chunked_llm = LLM(
+        folder, device="cuda", dtype="float32", kv_cache_memory=16 << 20, max_num_seqs=4, max_num_batched_tokens=24
+    )
     chunked = chunked_llm.generate([prompt], params)[0].outputs[0]
-    hit = chunked_llm.generate([prompt], params)[0].outputs[0]               # the prompt's blocks cached now
+    hit = chunked_llm.generate([prompt], params)[0].outputs[0]  # the prompt's blocks cached now
     for other in (chunked, hit):
         assert other.token_ids == whole.token_ids
-        assert [lp[t] for lp, t in zip(other.logprobs, other.token_ids)] == \
-            pytest.approx([lp[t] for lp, t in zip(whole.logprobs, whole.token_ids)], abs=1e-5)
+        assert [lp[t] for lp, t in zip(other.logprobs, other.token_ids)] == pytest.approx(
+            [lp[t] for lp, t in zip(whole.logprobs, whole.token_ids)], abs=1e-5
+        )
 
 
 def test_cuda_decode_steps_with_graphs_equal_single_eager_steps(tiny_model_dir):
@@ -169,8 +193,15 @@ def test_cuda_decode_steps_with_graphs_equal_single_eager_steps(tiny_model_dir):
     on the device, against one eager step per token (float32): the same greedy and seeded tokens."""
     folder = str(tiny_model_dir("qwen2"))
     fast = LLM(folder, device="cuda", dtype="float32", kv_cache_memory=16 << 20, max_num_seqs=8)
-    slow = LLM(folder, device="cuda", dtype="float32", kv_cache_memory=16 << 20, max_num_seqs=8,
-               enforce_eager=True, decode_steps=1)
+    slow = LLM(
+        folder,
+        device="cuda",
+        dtype="float32",
+        kv_cache_memory=16 << 20,
+        max_num_seqs=8,
+        enforce_eager=True,
+        decode_steps=1,
+    )
     assert fast.engine.config.scheduler.decode_steps == 8
     prompts = [[(3 * i + j) % 300 + 1 for j in range(4 + 6 * i)] for i in range(5)]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (3, 20, 9, 31, 16)]
@@ -186,6 +217,7 @@ def test_cuda_loads_a_gguf_file_dequantized_to_bfloat16(quantize, tiny_model_dir
     """A GGUF file on the GPU: its blocks dequantized to bf16 at load (kept as stored on the CPU only),
     its first greedy token's logprob the float32 CPU run's on the same file, up to bf16 rounding."""
     from tests.helpers.gguf_writer import write_gguf
+
     path = tmp_path / "tiny.gguf"
     write_gguf(tiny_model_dir("llama_gqa"), path, quantize=quantize)
     gpu = LLM(str(path), device="cuda", kv_cache_memory=8 << 20, max_num_seqs=4)
@@ -194,5 +226,5 @@ def test_cuda_loads_a_gguf_file_dequantized_to_bfloat16(quantize, tiny_model_dir
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=0)
     cpu = LLM(str(path), device="cpu", kv_cache_memory=8 << 20).generate(PROMPTS, params)
     for g, c in zip(gpu.generate(PROMPTS, params), cpu):
-        best = [max(out.outputs[0].logprobs[0].values()) for out in (g, c)]          # the greedy token's
+        best = [max(out.outputs[0].logprobs[0].values()) for out in (g, c)]  # the greedy token's
         assert best[0] == pytest.approx(best[1], abs=0.1)

@@ -12,5 +12,6 @@ def __getattr__(name: str):
     # `import tokenloom` stays cheap for the CLI's --help.
     if name == "LLM":
         from tokenloom.entrypoints.llm import LLM
+
         return LLM
     raise AttributeError(name)

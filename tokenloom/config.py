@@ -44,7 +44,7 @@ class CacheConfig:
         if self.kv_cache_fraction is not None:
             return int(self.kv_cache_fraction * available_memory())
         if self.kv_cache_contexts is not None:
-            blocks = -(-max_model_len // self.block_size) * self.kv_cache_contexts + 1     # + the null block
+            blocks = -(-max_model_len // self.block_size) * self.kv_cache_contexts + 1  # + the null block
             return min(1 << 30, blocks * self.block_size * bytes_per_token)
         return 1 << 30
 
@@ -53,10 +53,10 @@ class CacheConfig:
 class SchedulerConfig:
     """How much work one engine step may do."""
 
-    max_num_seqs: int = 64               # running sequences at most
-    max_num_batched_tokens: int = 8192   # tokens computed in one step (prefill + decode)
-    fair_share_seqs: int | None = None   # per-step turns divided between clients (engine/fair_share.py)
-    decode_steps: int = 1                # tokens a step may decode in a row when every request allows it
+    max_num_seqs: int = 64  # running sequences at most
+    max_num_batched_tokens: int = 8192  # tokens computed in one step (prefill + decode)
+    fair_share_seqs: int | None = None  # per-step turns divided between clients (engine/fair_share.py)
+    decode_steps: int = 1  # tokens a step may decode in a row when every request allows it
 
     def __post_init__(self) -> None:
         if self.decode_steps < 1:
@@ -124,21 +124,22 @@ class EngineConfig:
     """Everything the engine needs besides the weights; the CLI maps flags onto these fields."""
 
     model: str
-    dtype: str = "auto"                  # auto: float32 compute, GGUF blocks kept (CUDA: bfloat16); else the weights'
+    dtype: str = "auto"  # auto: float32 compute, GGUF blocks kept (CUDA: bfloat16); else the weights'
     device: str = "cpu"
-    max_model_len: int | None = None     # None: the model's own context length
+    max_model_len: int | None = None  # None: the model's own context length
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig | None = None
-    quantization: str | None = None      # int8 | int4[-g32|-g64|-g128] | gguf (weights); None: float
-    kv_cache_dtype: str = "auto"         # auto (the model's dtype) | int8
-    tensor_parallel_size: int = 1        # ranks the model is split over (distributed/); 1: this process alone
-    pipeline_parallel_size: int = 1      # stages its layers are split into, one rank each (distributed/pipeline.py)
-    enforce_eager: bool = False          # CUDA: no CUDA graphs for decode steps (worker/cuda_graphs.py)
-    cpu_threads: int | None = None       # CPU: None follows the cores other processes leave free (engine/cpu_share.py)
+    quantization: str | None = None  # int8 | int4[-g32|-g64|-g128] | gguf (weights); None: float
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | int8
+    tensor_parallel_size: int = 1  # ranks the model is split over (distributed/); 1: this process alone
+    pipeline_parallel_size: int = 1  # stages its layers are split into, one rank each (distributed/pipeline.py)
+    enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps (worker/cuda_graphs.py)
+    cpu_threads: int | None = None  # CPU: None follows the cores other processes leave free (engine/cpu_share.py)
 
     def __post_init__(self) -> None:
         from tokenloom.quant.scheme import parse_quantization
+
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -147,7 +148,7 @@ class EngineConfig:
             raise ValueError("tensor and pipeline parallelism together are not implemented: give one of them")
         parse_dtype(self.dtype)
         if self.dtype == "auto" and torch.device(self.device).type == "cuda":
-            self.dtype = "bfloat16"          # what GPUs compute fastest (a GGUF file is dequantized to it at load)
+            self.dtype = "bfloat16"  # what GPUs compute fastest (a GGUF file is dequantized to it at load)
         self.quantization = parse_quantization(self.quantization)
         if self.kv_cache_dtype not in ("auto", "int8"):
             raise ValueError(f"kv_cache_dtype must be 'auto' or 'int8', got {self.kv_cache_dtype!r}")

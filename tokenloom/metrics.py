@@ -13,11 +13,11 @@ class RequestMetrics:
     first_token_time: float | None = None
     finish_time: float | None = None
     num_generated: int = 0
-    num_cached_prompt_tokens: int = 0   # prompt tokens served from the prefix cache at admission
+    num_cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache at admission
     num_preemptions: int = 0
-    num_spec_steps: int = 0              # steps that verified drafts for this request
-    num_draft_tokens: int = 0            # draft tokens proposed and verified
-    num_accepted_tokens: int = 0         # of those, accepted
+    num_spec_steps: int = 0  # steps that verified drafts for this request
+    num_draft_tokens: int = 0  # draft tokens proposed and verified
+    num_accepted_tokens: int = 0  # of those, accepted
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -49,13 +49,13 @@ class EngineStats:
     num_waiting: int
     kv_blocks_used: int
     kv_blocks_free: int
-    prefix_cache_hit_rate: float     # cached prompt tokens / prompt tokens looked up
-    prompt_tokens_computed: int      # prompt positions run through the model (prefill, recompute)
-    generated_tokens: int            # tokens sampled
+    prefix_cache_hit_rate: float  # cached prompt tokens / prompt tokens looked up
+    prompt_tokens_computed: int  # prompt positions run through the model (prefill, recompute)
+    generated_tokens: int  # tokens sampled
     num_preemptions: int
-    spec_steps: int = 0              # request-steps that verified drafts
-    spec_draft_tokens: int = 0       # draft tokens verified
-    spec_accepted_tokens: int = 0    # draft tokens accepted
+    spec_steps: int = 0  # request-steps that verified drafts
+    spec_draft_tokens: int = 0  # draft tokens verified
+    spec_accepted_tokens: int = 0  # draft tokens accepted
 
     @property
     def spec_acceptance_rate(self) -> float:

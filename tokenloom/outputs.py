@@ -31,13 +31,13 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None        # "stop" (EOS, stop id or stop string), "length", "abort", "error"
+    finish_reason: str | None  # "stop" (EOS, stop id or stop string), "length", "abort", "error"
     stop_reason: str | int | None = None  # the stop string or stop token id that matched
     logprobs: list[TokenLogprobs] | None = None
     metrics: RequestMetrics | None = None
-    prompt_logprobs: list[TokenLogprobs | None] | None = None   # per prompt token (None for the first)
-    explanation: list[StepRecord] | None = None    # per generated token, when explain was asked
-    error: str | None = None                         # finish_reason "error": what failed
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # per prompt token (None for the first)
+    explanation: list[StepRecord] | None = None  # per generated token, when explain was asked
+    error: str | None = None  # finish_reason "error": what failed
 
 
 @dataclass(slots=True)
@@ -49,10 +49,10 @@ class StepDelta:
     text_delta: str
     finished: bool
     finish_reason: str | None = None
-    completion: CompletionOutput | None = None   # the whole result, on the finishing delta only
-    logprobs: list[TokenLogprobs] | None = None    # the new tokens' logprobs, when the request asked
+    completion: CompletionOutput | None = None  # the whole result, on the finishing delta only
+    logprobs: list[TokenLogprobs] | None = None  # the new tokens' logprobs, when the request asked
     explanation: list[StepRecord] | None = None  # the new tokens' records, when explain was asked
-    error: str | None = None                       # the request failed (finished, finish_reason "error")
+    error: str | None = None  # the request failed (finished, finish_reason "error")
 
 
 @dataclass(slots=True)

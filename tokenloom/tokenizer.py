@@ -30,7 +30,7 @@ class TooManyTokens(ValueError):
         self.count = count
 
 
-LONG_TEXT = 16_384      # characters; above this, encoding releases the GIL (Tokenizer.encode)
+LONG_TEXT = 16_384  # characters; above this, encoding releases the GIL (Tokenizer.encode)
 
 
 def _raise_exception(message: str):
@@ -38,10 +38,12 @@ def _raise_exception(message: str):
 
 
 def _compile_template(source: str) -> jinja2.Template:
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                       extensions=[jinja2.ext.loopcontrols])
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
     env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(
-        x, indent=indent, ensure_ascii=ensure_ascii)
+        x, indent=indent, ensure_ascii=ensure_ascii
+    )
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env.from_string(source)
@@ -61,6 +63,7 @@ def _load_backend(folder: Path) -> HFTokenizer:
     vocab, merges = folder / "vocab.json", folder / "merges.txt"
     if vocab.is_file() and merges.is_file():
         from tokenizers import decoders, models, pre_tokenizers
+
         tk = HFTokenizer(models.BPE.from_file(str(vocab), str(merges)))
         tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tk.decoder = decoders.ByteLevel()
@@ -91,8 +94,13 @@ def folder_chat_template(folder: str | Path, config: dict | None = None) -> str 
 class Tokenizer:
     """A ``tokenizers.Tokenizer`` plus what generation needs from tokenizer_config.json."""
 
-    def __init__(self, backend: HFTokenizer, chat_template: str | None = None,
-                 bos_token: str | None = None, eos_token: str | None = None) -> None:
+    def __init__(
+        self,
+        backend: HFTokenizer,
+        chat_template: str | None = None,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+    ) -> None:
         self.backend = backend
         self.chat_template = chat_template
         self.bos_token = bos_token
@@ -105,8 +113,12 @@ class Tokenizer:
         folder = Path(folder)
         backend = _load_backend(folder)
         config = _tokenizer_config(folder)
-        return cls(backend, folder_chat_template(folder, config), _token_text(config.get("bos_token")),
-                   _token_text(config.get("eos_token")))
+        return cls(
+            backend,
+            folder_chat_template(folder, config),
+            _token_text(config.get("bos_token")),
+            _token_text(config.get("eos_token")),
+        )
 
     @property
     def vocab_size(self) -> int:
@@ -135,17 +147,22 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self.backend.id_to_token(token_id)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            **kwargs: Any) -> str:
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> str:
         """Render a conversation into the prompt text the model was trained on."""
         if self._template is None:
             raise ChatTemplateError("this model has no chat template; use a plain prompt instead")
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise ChatTemplateError(f"message {i} must be a dict with 'role' and 'content', got {m!r}")
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "",
-                                     **kwargs)
+        return self._template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+            **kwargs,
+        )
 
     def encode_chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
         """Chat prompt ids; special tokens come from the template text, not added again."""
@@ -155,7 +172,11 @@ class Tokenizer:
         """Write tokenizer.json and tokenizer_config.json into an HF-style folder."""
         folder = Path(folder)
         self.backend.save(str(folder / "tokenizer.json"))
-        config = {"bos_token": self.bos_token, "eos_token": self.eos_token,
-                  "add_bos_token": add_bos_token, "chat_template": self.chat_template,
-                  "tokenizer_class": "PreTrainedTokenizerFast"}
+        config = {
+            "bos_token": self.bos_token,
+            "eos_token": self.eos_token,
+            "add_bos_token": add_bos_token,
+            "chat_template": self.chat_template,
+            "tokenizer_class": "PreTrainedTokenizerFast",
+        }
         (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))

@@ -28,27 +28,44 @@ def count_runs(monkeypatch) -> list[list[int]]:
     def init(self, shape, meta, *rest):
         steps.append(list(meta.query_lens))
         real_init(self, shape, meta, *rest)
+
     monkeypatch.setattr(backend.KernelAttention, "__init__", init)
     return steps
 
 
-@pytest.mark.parametrize("arch", ["llama_gqa", "mistral_sliding", "llama_linear_rope_bias", "llama_mqa_tied", "qwen3",
-                                  "gemma2", "phi3_partial_rotary", "stablelm"])   # soft-cap; partial rotary
+@pytest.mark.parametrize(
+    "arch",
+    [
+        "llama_gqa",
+        "mistral_sliding",
+        "llama_linear_rope_bias",
+        "llama_mqa_tied",
+        "qwen3",
+        "gemma2",
+        "phi3_partial_rotary",
+        "stablelm",
+    ],
+)  # soft-cap; partial rotary
 @pytest.mark.parametrize("quantization", [None, "int4"])
 def test_decoding_on_the_kernel_backend_gives_the_same_bits(tiny_model_dir, monkeypatch, arch, quantization):
     folder = str(tiny_model_dir(arch))
     steps = count_runs(monkeypatch)
     fast = generate(folder, quantization, batch=3)
-    assert len(steps) >= 9                               # every decode step after the prefill took it
+    assert len(steps) >= 9  # every decode step after the prefill took it
     monkeypatch.setattr(backend, "kernels_take", lambda *a: False)
-    assert fast == generate(folder, quantization, batch=3)    # tokens and logprobs, exactly
+    assert fast == generate(folder, quantization, batch=3)  # tokens and logprobs, exactly
 
 
 def mixed_steps(folder, quantization, chunk):
     """Three requests, the later ones prefilled (in chunks of `chunk` tokens) while the
     earlier decode: greedy tokens and logprobs of each, in order."""
-    llm = LLM(folder, quantization=quantization, kv_cache_memory=8 << 20, max_num_batched_tokens=chunk,
-              enable_prefix_caching=False)
+    llm = LLM(
+        folder,
+        quantization=quantization,
+        kv_cache_memory=8 << 20,
+        max_num_batched_tokens=chunk,
+        enable_prefix_caching=False,
+    )
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
     prompts = [[3, 17, 9, 40, 2] * 4, [7, 7, 1] * 9, [11, 4] * 20]
@@ -64,16 +81,18 @@ def mixed_steps(folder, quantization, chunk):
     return [done[str(i)] for i in range(len(prompts))]
 
 
-@pytest.mark.skipif(not native.cpu_has_avx512(),
-                    reason="prompt chunks take the kernel backend only with the AVX-512 prefill kernel")
+@pytest.mark.skipif(
+    not native.cpu_has_avx512(), reason="prompt chunks take the kernel backend only with the AVX-512 prefill kernel"
+)
 @pytest.mark.parametrize("quantization", [None, "int4"])
 @pytest.mark.parametrize("chunk", [7, 64])
-@pytest.mark.parametrize("arch", ["llama3_rope_scaling", "gemma2"])     # head_dim 32: the prefill kernel takes it
-def test_steps_mixing_decodes_and_prompt_chunks_give_the_same_bits(tiny_model_dir, monkeypatch, arch, quantization,
-                                                                   chunk):
+@pytest.mark.parametrize("arch", ["llama3_rope_scaling", "gemma2"])  # head_dim 32: the prefill kernel takes it
+def test_steps_mixing_decodes_and_prompt_chunks_give_the_same_bits(
+    tiny_model_dir, monkeypatch, arch, quantization, chunk
+):
     folder = str(tiny_model_dir(arch))
     steps = count_runs(monkeypatch)
     fast = mixed_steps(folder, quantization, chunk)
-    assert any(1 in lens and max(lens) > 1 for lens in steps)     # mixed steps took it
+    assert any(1 in lens and max(lens) > 1 for lens in steps)  # mixed steps took it
     monkeypatch.setattr(backend, "kernels_take", lambda *a: False)
     assert fast == mixed_steps(folder, quantization, chunk)

@@ -29,15 +29,16 @@ def scattered_tables(ctx_lens: list[int], seed: int = 0) -> list[torch.Tensor]:
     order = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(seed)).tolist()
     tables, used = [], 0
     for n in ctx_lens:
-        tables.append(torch.tensor(order[used:used + -(-n // BS)]))
+        tables.append(torch.tensor(order[used : used + -(-n // BS)]))
         used += len(tables[-1])
     return tables
 
 
 def meta_for(q_lens, ctx_lens, tables) -> AttentionMetadata:
     starts = [sum(q_lens[:i]) for i in range(len(q_lens))]
-    return AttentionMetadata(torch.zeros(sum(q_lens), dtype=torch.long), starts, list(q_lens), list(ctx_lens),
-                             tables, null_block=NUM_BLOCKS)
+    return AttentionMetadata(
+        torch.zeros(sum(q_lens), dtype=torch.long), starts, list(q_lens), list(ctx_lens), tables, null_block=NUM_BLOCKS
+    )
 
 
 def kernel(q, k, v, meta, scale, window=None, softcap=None) -> torch.Tensor:
@@ -52,9 +53,9 @@ def reference(q, k, v, meta, scale, window=None, softcap=None) -> torch.Tensor:
     out = torch.empty(q.shape, dtype=torch.float64)
     group = q.shape[1] // k.shape[2]
     for start, q_len, ctx, table in zip(meta.query_start, meta.query_lens, meta.context_lens, meta.block_tables):
-        keys = k[table].reshape(-1, *k.shape[2:])[:ctx].double().repeat_interleave(group, 1)   # (ctx, heads, d)
+        keys = k[table].reshape(-1, *k.shape[2:])[:ctx].double().repeat_interleave(group, 1)  # (ctx, heads, d)
         vals = v[table].reshape(-1, *v.shape[2:])[:ctx].double().repeat_interleave(group, 1)
-        scores = torch.einsum("qhd,khd->hqk", q[start:start + q_len].double(), keys) * scale
+        scores = torch.einsum("qhd,khd->hqk", q[start : start + q_len].double(), keys) * scale
         if softcap:
             scores = torch.tanh(scores / softcap) * softcap
         q_pos, k_pos = torch.arange(ctx - q_len, ctx)[:, None], torch.arange(ctx)[None, :]
@@ -62,12 +63,13 @@ def reference(q, k, v, meta, scale, window=None, softcap=None) -> torch.Tensor:
         if window:
             allowed &= k_pos > q_pos - window
         weights = scores.masked_fill(~allowed, -torch.inf).softmax(-1)
-        out[start:start + q_len] = torch.einsum("hqk,khd->qhd", weights, vals)
+        out[start : start + q_len] = torch.einsum("hqk,khd->qhd", weights, vals)
     return out
 
 
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 32), (9, 3, 64), (8, 2, 128), (6, 1, 64), (10, 2, 32),
-                                                     (7, 1, 32), (4, 1, 256)])
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim", [(4, 4, 32), (9, 3, 64), (8, 2, 128), (6, 1, 64), (10, 2, 32), (7, 1, 32), (4, 1, 256)]
+)
 @pytest.mark.parametrize("window", [None, 20, 40])
 def test_kernel_equals_float64_attention(heads, kv_heads, head_dim, window):
     # whole prompts (q_len == ctx), chunks after cached context, lengths around the 16-row tiles;
@@ -77,8 +79,8 @@ def test_kernel_equals_float64_attention(heads, kv_heads, head_dim, window):
     k, v = caches(kv_heads, head_dim)
     meta = meta_for(q_lens, ctx_lens, scattered_tables(ctx_lens))
     q = torch.randn(sum(q_lens), heads, head_dim, generator=torch.Generator().manual_seed(1))
-    got = kernel(q, k, v, meta, head_dim ** -0.5, window)
-    torch.testing.assert_close(got.double(), reference(q, k, v, meta, head_dim ** -0.5, window), atol=2e-6, rtol=1e-5)
+    got = kernel(q, k, v, meta, head_dim**-0.5, window)
+    torch.testing.assert_close(got.double(), reference(q, k, v, meta, head_dim**-0.5, window), atol=2e-6, rtol=1e-5)
 
 
 @pytest.mark.parametrize("window", [None, 20])
@@ -92,7 +94,7 @@ def test_soft_capped_scores_equal_float64_attention(window):
     got = kernel(q, k, v, meta, 0.125, window, softcap=5.0)
     torch.testing.assert_close(got.double(), reference(q, k, v, meta, 0.125, window, softcap=5.0), atol=5e-6, rtol=1e-5)
     uncapped = reference(q, k, v, meta, 0.125, window)
-    assert (got.double() - uncapped).abs().max() > 0.1                # the cap matters at these scores
+    assert (got.double() - uncapped).abs().max() > 0.1  # the cap matters at these scores
 
 
 def test_only_the_listed_sequences_rows_are_written():
@@ -102,7 +104,7 @@ def test_only_the_listed_sequences_rows_are_written():
     q = torch.randn(24, 6, 64)
     out = torch.full_like(q, 7.0)
     cpu_prefill.attend_into(out, q, k, v, meta, [0, 2], 0.125)
-    assert torch.all(out[3] == 7.0)                      # the decoding sequence's row: untouched
+    assert torch.all(out[3] == 7.0)  # the decoding sequence's row: untouched
     assert not torch.any(out[:3] == 7.0) and not torch.any(out[4:] == 7.0)
 
 
@@ -115,10 +117,11 @@ def test_a_prompt_gets_the_same_bits_whole_chunked_or_row_by_row():
     q = torch.randn(n, heads, d, generator=torch.Generator().manual_seed(6))
     whole = kernel(q, k, v, meta_for([n], [n], table), 0.125)
     for cuts in ([0, 7, 64, 65, 190], [0, 100, 190], list(range(0, 191, 19))):
-        parts = [kernel(q[a:b].contiguous(), k, v, meta_for([b - a], [b], table), 0.125)
-                 for a, b in itertools.pairwise(cuts)]
+        parts = [
+            kernel(q[a:b].contiguous(), k, v, meta_for([b - a], [b], table), 0.125) for a, b in itertools.pairwise(cuts)
+        ]
         assert torch.equal(torch.cat(parts), whole), cuts
-    rows = [kernel(q[t:t + 1].contiguous(), k, v, meta_for([1], [t + 1], table), 0.125) for t in range(0, n, 37)]
+    rows = [kernel(q[t : t + 1].contiguous(), k, v, meta_for([1], [t + 1], table), 0.125) for t in range(0, n, 37)]
     assert torch.equal(torch.cat(rows), whole[0:n:37])
 
 
@@ -144,13 +147,15 @@ def test_paged_attention_sends_long_contexts_and_decode_rows_elsewhere(monkeypat
     assert cpu_prefill.prefill_rows(meta) == [0]
     gen = torch.Generator().manual_seed(12)
     q, kn, vn = (torch.randn(sum(q_lens), h, d, generator=gen) for h in (heads, kv_heads, kv_heads))
-    slots = torch.tensor([int(t[p // BS]) * BS + p % BS for t, n, c in zip(tables, q_lens, ctx_lens)
-                          for p in range(c - n, c)])
+    slots = torch.tensor(
+        [int(t[p // BS]) * BS + p % BS for t, n, c in zip(tables, q_lens, ctx_lens) for p in range(c - n, c)]
+    )
     meta.slot_mapping = slots
     kc, vc = k.clone(), v.clone()
-    got = backend.paged_attention(q, kn, vn, kc, vc, meta, d ** -0.5)
-    torch.testing.assert_close(got.double(), reference(q, kc, vc, meta_for(q_lens, ctx_lens, tables), d ** -0.5),
-                               atol=2e-6, rtol=1e-5)
+    got = backend.paged_attention(q, kn, vn, kc, vc, meta, d**-0.5)
+    torch.testing.assert_close(
+        got.double(), reference(q, kc, vc, meta_for(q_lens, ctx_lens, tables), d**-0.5), atol=2e-6, rtol=1e-5
+    )
 
 
 def test_bad_inputs_are_refused():
@@ -159,8 +164,10 @@ def test_bad_inputs_are_refused():
     meta = meta_for([10], [10], scattered_tables([10]))
     tables, starts, lens, ctx = cpu_prefill._inputs(meta, [0])
     with pytest.raises(RuntimeError, match="out of range"):
-        cpu_prefill.ops().paged_prefill(q, k, v, tables, starts, lens, torch.tensor([900]), 0.1, 0, 0.0,
-                                        torch.empty_like(q))
+        cpu_prefill.ops().paged_prefill(
+            q, k, v, tables, starts, lens, torch.tensor([900]), 0.1, 0, 0.0, torch.empty_like(q)
+        )
     with pytest.raises(RuntimeError, match="block id out of range"):
-        cpu_prefill.ops().paged_prefill(q, k, v, torch.full_like(tables, 5000), starts, lens, ctx, 0.1, 0, 0.0,
-                                        torch.empty_like(q))
+        cpu_prefill.ops().paged_prefill(
+            q, k, v, torch.full_like(tables, 5000), starts, lens, ctx, 0.1, 0, 0.0, torch.empty_like(q)
+        )

@@ -30,6 +30,7 @@ def test_concurrent_streams_equal_sync_results(async_engine, smol_llm):
             return await asyncio.gather(*(collect(async_engine, p, params) for p in PROMPTS))
         finally:
             await async_engine.shutdown()
+
     results = asyncio.run(main())
     for prompt, (text, last) in zip(PROMPTS, results):
         expected = smol_llm.generate(prompt, params)[0].outputs[0]
@@ -52,11 +53,12 @@ def test_leaving_a_stream_aborts_and_frees_blocks(async_engine):
                 if seen == 3:
                     break
             await long.aclose()
-            text, last = await other          # the other request is unaffected
+            text, last = await other  # the other request is unaffected
             await asyncio.sleep(0)
             return seen, last
         finally:
             await async_engine.shutdown()
+
     seen, last = asyncio.run(main())
     assert seen == 3 and last.finished and last.completion.finish_reason == "length"
     assert bm.num_free_blocks == bm.num_blocks
@@ -72,6 +74,7 @@ def test_bad_request_raises_without_disturbing_others(async_engine):
             return await collect(async_engine, PROMPTS[2], SamplingParams(temperature=0, max_tokens=5))
         finally:
             await async_engine.shutdown()
+
     text, last = asyncio.run(main())
     assert last.finished and len(last.completion.token_ids) == 5
 
@@ -82,29 +85,34 @@ def test_one_thread_builds_the_engine_and_runs_every_step(default_model_dir):
     import threading
 
     from tokenloom.config import CacheConfig, EngineConfig
+
     built_on, stepped_on = [], set()
 
     def make():
         from tokenloom.engine import LLMEngine
+
         built_on.append(threading.get_ident())
         engine = LLMEngine(EngineConfig(str(default_model_dir), cache=CacheConfig(kv_cache_memory=64 << 20)))
         step = engine.step
         engine.step = lambda: (stepped_on.add(threading.get_ident()), step())[1]
         return engine
+
     engine = AsyncLLMEngine.build(make)
 
     async def main():
         try:
-            return await asyncio.gather(*(collect(engine, p, SamplingParams(temperature=0, max_tokens=4))
-                                          for p in PROMPTS[:2]))
+            return await asyncio.gather(
+                *(collect(engine, p, SamplingParams(temperature=0, max_tokens=4)) for p in PROMPTS[:2])
+            )
         finally:
             await engine.shutdown()
+
     results = asyncio.run(main())
     assert all(last.finished for _, last in results)
     assert stepped_on == set(built_on) and built_on[0] != threading.get_ident()
     assert engine.run_on_engine_thread(threading.get_ident) == built_on[0]
     engine.close()
-    with pytest.raises(RuntimeError):              # the thread is gone
+    with pytest.raises(RuntimeError):  # the thread is gone
         engine.run_on_engine_thread(threading.get_ident)
 
 
@@ -125,20 +133,22 @@ def test_a_request_submitted_on_finishing_joins_the_next_step(async_engine):
 
     async def main():
         try:
-            long = asyncio.ensure_future(collect(async_engine, PROMPTS[0], SamplingParams(
-                temperature=0, max_tokens=40, ignore_eos=True)))
+            long = asyncio.ensure_future(
+                collect(async_engine, PROMPTS[0], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+            )
             await asyncio.sleep(0)
             await closed_loop_client()
-            known_per_step.append(None)                      # the client's last request is done
+            known_per_step.append(None)  # the client's last request is done
             await long
         finally:
             await async_engine.shutdown()
+
     engine.step = counting_step
     try:
         asyncio.run(main())
     finally:
         del engine.step
-    while_client_ran = known_per_step[:known_per_step.index(None)]
+    while_client_ran = known_per_step[: known_per_step.index(None)]
     assert len(while_client_ran) >= 9 and set(while_client_ran) == {2}, while_client_ran
 
 
@@ -147,9 +157,10 @@ def test_prepare_for_serving_builds_the_grammar_tokenizer_and_freezes_the_heap(s
     the GIL inside the first constrained request) and the objects alive now are out of the garbage
     collector's walks (gc.freeze: a full collection walked ~220k of them for ~0.1 s)."""
     import gc
+
     engine = AsyncLLMEngine(smol_llm.engine)
     grammars = smol_llm.engine.core.grammars
-    grammars._tokenizer = None                      # as a fresh engine has it
+    grammars._tokenizer = None  # as a fresh engine has it
     try:
         engine.prepare_for_serving()
         assert grammars._tokenizer is not None

@@ -41,15 +41,15 @@ def machine(monkeypatch):
 def test_the_count_follows_the_free_cores_and_comes_back(machine):
     share = CpuShare(2, read=machine.read, clock=lambda: machine.now)
     share.ticks_per_s = 100
-    machine.run(0.3, ours_cores=2.0, others_cores=0.05)          # quiet: system noise only
+    machine.run(0.3, ours_cores=2.0, others_cores=0.05)  # quiet: system noise only
     share.before_step()
     assert share.threads == 2
-    machine.run(0.3, ours_cores=1.0, others_cores=1.0)           # one busy process beside
+    machine.run(0.3, ours_cores=1.0, others_cores=1.0)  # one busy process beside
     share.before_step()
     assert share.threads == 1 and torch.get_num_threads() == 1
-    machine.run(0.1, ours_cores=1.0, others_cores=1.0)           # not yet time to count again
+    machine.run(0.1, ours_cores=1.0, others_cores=1.0)  # not yet time to count again
     share.before_step()
-    machine.run(0.3, ours_cores=1.0, others_cores=0.0)           # it stopped
+    machine.run(0.3, ours_cores=1.0, others_cores=0.0)  # it stopped
     share.before_step()
     assert share.threads == 2 and torch.get_num_threads() == 2
 
@@ -59,17 +59,18 @@ def test_a_step_that_jumps_is_counted_at_once(machine):
     share.ticks_per_s = 100
     for _ in range(6):
         share.after_step(0.004)
-    machine.run(0.06, ours_cores=1.0, others_cores=1.0)          # under the interval, over the minimum
+    machine.run(0.06, ours_cores=1.0, others_cores=1.0)  # under the interval, over the minimum
     share.before_step()
-    assert share.threads == 2                                    # no jump: waits for the interval
+    assert share.threads == 2  # no jump: waits for the interval
     share.after_step(0.050)
     machine.run(0.06, ours_cores=1.0, others_cores=1.0)
     share.before_step()
     assert share.threads == 1
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux") or len(cpu_share._allowed_cpus()) < 2,
-                    reason="counts /proc/stat on 2+ cores")
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux") or len(cpu_share._allowed_cpus()) < 2, reason="counts /proc/stat on 2+ cores"
+)
 def test_a_real_busy_process_is_seen():
     """A child spinning on a core is counted (at least most of a core busy besides this process)."""
     threads = torch.get_num_threads()

@@ -8,10 +8,21 @@ from tokenloom import LLM, SamplingParams
 
 TARGET = "The three primary colors are"
 OTHERS = [
-    "Once upon a time, there was a little", "def fibonacci(n):", "Paris is", "1, 2, 3, 4,",
-    "The quick brown fox jumps over the lazy dog. " * 6, "Q: What is 2+2?\nA:", "In 1492,",
-    "Dear Sir or Madam, I am writing to", "import numpy as np\nimport torch\n", "The mitochondria is",
-    "Roses are red,", "A B C D E F G", "My favourite food is " * 3, "<html><body>", "Water boils at",
+    "Once upon a time, there was a little",
+    "def fibonacci(n):",
+    "Paris is",
+    "1, 2, 3, 4,",
+    "The quick brown fox jumps over the lazy dog. " * 6,
+    "Q: What is 2+2?\nA:",
+    "In 1492,",
+    "Dear Sir or Madam, I am writing to",
+    "import numpy as np\nimport torch\n",
+    "The mitochondria is",
+    "Roses are red,",
+    "A B C D E F G",
+    "My favourite food is " * 3,
+    "<html><body>",
+    "Water boils at",
     "The capital of Japan is",
 ]
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
@@ -32,6 +43,7 @@ def make_llm(default_model_dir):
     def make(**kwargs):
         kwargs.setdefault("kv_cache_memory", 128 << 20)
         return LLM(str(default_model_dir), **kwargs)
+
     return make
 
 
@@ -45,7 +57,7 @@ def test_alone_equals_among_16_others(make_llm, alone):
     params = [SamplingParams(temperature=0, max_tokens=8 + 3 * i, ignore_eos=True) for i in range(len(OTHERS))]
     for i, (p, sp) in enumerate(zip(OTHERS, params)):
         llm.engine.add_request(f"other{i}", llm.tokenizer.encode(p), sp)
-    out = llm.generate(TARGET, GREEDY)[0]       # joins a batch of 16 running requests
+    out = llm.generate(TARGET, GREEDY)[0]  # joins a batch of 16 running requests
     assert_same(tokens_and_logprobs(out), alone)
 
 
@@ -63,7 +75,7 @@ def test_prefix_cache_hit_equals_miss(make_llm):
     hit = hit_llm.generate(system + "Where is Kenya?", GREEDY)[0]
     common = next(i for i, (a, b) in enumerate(zip(first.prompt_token_ids, hit.prompt_token_ids)) if a != b)
     assert common >= 32
-    assert hit.outputs[0].metrics.num_cached_prompt_tokens == common // 16 * 16   # the full shared blocks
+    assert hit.outputs[0].metrics.num_cached_prompt_tokens == common // 16 * 16  # the full shared blocks
     miss = miss_llm.generate(system + "Where is Kenya?", GREEDY)[0]
     assert miss.outputs[0].metrics.num_cached_prompt_tokens == 0
     assert_same(tokens_and_logprobs(hit), tokens_and_logprobs(miss))
@@ -75,7 +87,7 @@ def test_partial_block_hit_and_its_copy_equal_a_miss(make_llm):
     hit_llm = make_llm()
     miss_llm = make_llm(enable_prefix_caching=False)
     first = miss_llm.generate(TARGET, GREEDY)[0]
-    base = first.prompt_token_ids + first.outputs[0].token_ids[:20]          # 1 full block + 9 tokens
+    base = first.prompt_token_ids + first.outputs[0].token_ids[:20]  # 1 full block + 9 tokens
     assert len(base) % 16 not in (0, 15)
     hit_llm.generate([base], SamplingParams(temperature=0, max_tokens=1))
     continuations = [base + [first.outputs[0].token_ids[20]], base + [11]]
@@ -106,7 +118,7 @@ def test_preempted_equals_uninterrupted(make_llm):
 def test_paged_equals_contiguous(make_llm):
     prompts = [TARGET, OTHERS[1], OTHERS[4]]
     paged = make_llm(block_size=4).generate(prompts, GREEDY)
-    contiguous = make_llm(block_size=1024).generate(prompts, GREEDY)   # one block per request
+    contiguous = make_llm(block_size=1024).generate(prompts, GREEDY)  # one block per request
     for a, b in zip(paged, contiguous):
         assert_same(tokens_and_logprobs(a), tokens_and_logprobs(b))
 

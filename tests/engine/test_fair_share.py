@@ -23,16 +23,16 @@ def _busy_and_quiet(fair_share_seqs: int | None) -> FakeEngine:
 
 
 def test_a_busy_owner_steps_its_share_and_every_sequence_in_turn():
-    e = _busy_and_quiet(fair_share_seqs=4)               # two clients: ceil(4 / 2) = 2 turns each
-    assert len(e.log[0]) == 9                             # the first step admitted everyone (no one ran yet)
+    e = _busy_and_quiet(fair_share_seqs=4)  # two clients: ceil(4 / 2) = 2 turns each
+    assert len(e.log[0]) == 9  # the first step admitted everyone (no one ran yet)
     for _ in range(8):
         e.step()
     stepped = Counter(rid for step in e.log[1:] for rid, _ in step)
     for step in e.log[1:]:
         ids = [rid for rid, _ in step]
-        assert "quiet" in ids and len(ids) == 3           # the quiet client every step, 2 of the busy one's
+        assert "quiet" in ids and len(ids) == 3  # the quiet client every step, 2 of the busy one's
     assert stepped["quiet"] == 8
-    assert all(stepped[f"busy{i}"] == 2 for i in range(8))   # in turn: 8 steps x 2 turns over 8 sequences
+    assert all(stepped[f"busy{i}"] == 2 for i in range(8))  # in turn: 8 steps x 2 turns over 8 sequences
 
 
 def test_one_owner_alone_is_never_held_back():
@@ -51,14 +51,14 @@ def test_without_fair_share_every_running_sequence_steps():
 
 def test_a_busy_owner_admits_one_request_a_step_past_its_share_and_later_owners_pass_the_rest():
     e = _busy_and_quiet(fair_share_seqs=4)
-    for i in range(3):                                    # arrive first; their client's turns are spent
+    for i in range(3):  # arrive first; their client's turns are spent
         e.add(f"busy-late{i}", [7, 8], max_tokens=4, client="busy")
     e.add("newcomer", [9, 9], max_tokens=4, client="new")
     e.step()
     ids = [rid for rid, _ in e.log[-1]]
     assert "newcomer" in ids and "busy-late0" in ids and "busy-late1" not in ids
     e.step()
-    assert "busy-late1" in [rid for rid, _ in e.log[-1]]   # a new request is never stuck behind running ones
+    assert "busy-late1" in [rid for rid, _ in e.log[-1]]  # a new request is never stuck behind running ones
 
 
 def test_every_request_finishes_with_the_same_tokens_as_without_turns():
@@ -89,9 +89,10 @@ def test_real_model_tokens_and_logprobs_do_not_depend_on_turns(llm):
         deltas = engine.step()
         widths.append(len(deltas))
         done.update({d.request_id: d.completion for d in deltas if d.finished})
-    assert max(widths[1:]) < 4                            # turns were taken: never all four in one step
+    assert max(widths[1:]) < 4  # turns were taken: never all four in one step
     for i, ref in enumerate(alone):
         got = done[f"turns-{i}"]
         assert got.token_ids == ref.token_ids
-        assert [lp[t] for lp, t in zip(got.logprobs, got.token_ids)] == \
-            pytest.approx([lp[t] for lp, t in zip(ref.logprobs, ref.token_ids)], abs=1e-5)
+        assert [lp[t] for lp, t in zip(got.logprobs, got.token_ids)] == pytest.approx(
+            [lp[t] for lp, t in zip(ref.logprobs, ref.token_ids)], abs=1e-5
+        )

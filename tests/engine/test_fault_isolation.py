@@ -15,17 +15,26 @@ from tokenloom.engine.output_processor import OutputProcessor
 from tokenloom.engine.scheduler import Scheduler
 from tokenloom.sampling import sampler as sampler_module
 
-PROMPTS = ["Once upon a time, there was a little", "def fibonacci(n):", "Paris is", "1, 2, 3, 4,",
-           "Q: What is 2+2?\nA:", "In 1492,", "Dear Sir or Madam, I am writing to", "Roses are red,"]
-VICTIM = 3                    # index among the 8 prompts
-MARK = 7                      # a logit_bias of 0.0 on this token marks the victim (it changes no logit)
+PROMPTS = [
+    "Once upon a time, there was a little",
+    "def fibonacci(n):",
+    "Paris is",
+    "1, 2, 3, 4,",
+    "Q: What is 2+2?\nA:",
+    "In 1492,",
+    "Dear Sir or Madam, I am writing to",
+    "Roses are red,",
+]
+VICTIM = 3  # index among the 8 prompts
+MARK = 7  # a logit_bias of 0.0 on this token marks the victim (it changes no logit)
 BOOM = "injected failure"
-POISON = 48123                # " fallopian": ends the victim's prompt; no other request holds it
+POISON = 48123  # " fallopian": ends the victim's prompt; no other request holds it
 
 
 def params(victim: bool = False) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1,
-                          logit_bias={MARK: 0.0} if victim else None)
+    return SamplingParams(
+        temperature=0, max_tokens=12, ignore_eos=True, logprobs=1, logit_bias={MARK: 0.0} if victim else None
+    )
 
 
 def is_victim(p: SamplingParams) -> bool:
@@ -34,7 +43,7 @@ def is_victim(p: SamplingParams) -> bool:
 
 def inject(stage: str, monkeypatch, llm: LLM, victim_tokens: list[int]) -> None:
     """Make the victim's part of `stage` raise."""
-    if stage == "forward":                      # the victim's prompt is the only one holding its last token
+    if stage == "forward":  # the victim's prompt is the only one holding its last token
         model, real = llm.engine.core.runner.model, llm.engine.core.runner.model.forward
         poison = victim_tokens[-1]
 
@@ -42,6 +51,7 @@ def inject(stage: str, monkeypatch, llm: LLM, victim_tokens: list[int]) -> None:
             if (input_ids == poison).any():
                 raise RuntimeError(BOOM)
             return real(input_ids, *args)
+
         monkeypatch.setattr(model, "forward", forward)
     elif stage == "sample":
         real = sampler_module.apply_processors
@@ -50,6 +60,7 @@ def inject(stage: str, monkeypatch, llm: LLM, victim_tokens: list[int]) -> None:
             if any(is_victim(p) for p in meta.params):
                 raise RuntimeError(BOOM)
             return real(logits, meta)
+
         monkeypatch.setattr(sampler_module, "apply_processors", processors)
     elif stage == "update":
         real = Scheduler._token_stop
@@ -58,6 +69,7 @@ def inject(stage: str, monkeypatch, llm: LLM, victim_tokens: list[int]) -> None:
             if is_victim(req.params):
                 raise RuntimeError(BOOM)
             return real(self, req)
+
         monkeypatch.setattr(Scheduler, "_token_stop", token_stop)
     else:
         real = OutputProcessor._detokenize
@@ -66,6 +78,7 @@ def inject(stage: str, monkeypatch, llm: LLM, victim_tokens: list[int]) -> None:
             if is_victim(out.request.params) and out.new_token_ids:
                 raise RuntimeError(BOOM)
             return real(self, state, out)
+
         monkeypatch.setattr(OutputProcessor, "_detokenize", detokenize)
 
 
@@ -99,22 +112,24 @@ def test_a_failing_request_fails_alone(llm, uncontested, monkeypatch, stage):
     for (tokens, logprobs), (want_tokens, want_logprobs) in zip(others, uncontested):
         assert tokens == want_tokens
         assert [lp[t] for lp, t in zip(logprobs, tokens)] == pytest.approx(
-            [lp[t] for lp, t in zip(want_logprobs, want_tokens)], abs=1e-4)
+            [lp[t] for lp, t in zip(want_logprobs, want_tokens)], abs=1e-4
+        )
     bm = llm.engine.core.block_manager
     assert bm.num_used_blocks == 0 and not llm.engine.has_unfinished_requests()
     bm.check_integrity()
     monkeypatch.undo()
-    again = llm.generate([prompts[VICTIM]], params())[0].outputs[0]    # the engine still serves it
+    again = llm.generate([prompts[VICTIM]], params())[0].outputs[0]  # the engine still serves it
     assert again.finish_reason == "length" and len(again.token_ids) == 12
 
 
 def test_a_failing_stream_raises_for_its_caller_only(llm, monkeypatch):
     from tokenloom.outputs import RequestError
+
     inject("sample", monkeypatch, llm, [])
     other = llm.engine.add_request("bystander", llm.tokenizer.encode(PROMPTS[0]), params())
     with pytest.raises(RequestError, match=BOOM):
         list(llm.stream(PROMPTS[1], params(victim=True)))
-    assert not other.is_finished                            # still running, untouched
+    assert not other.is_finished  # still running, untouched
     llm.engine.abort("bystander")
     assert llm.engine.core.block_manager.num_used_blocks == 0
 
@@ -123,8 +138,9 @@ def test_a_failing_stream_raises_for_its_caller_only(llm, monkeypatch):
 def test_prompt_logprobs_with_any_max_tokens(llm, max_tokens):
     prompt = llm.tokenizer.encode("The capital of France is Paris, and the capital of Italy is")
     scored = llm.generate([prompt], SamplingParams(max_tokens=0, prompt_logprobs=1))[0].outputs[0].prompt_logprobs
-    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=max_tokens, prompt_logprobs=1,
-                                                ignore_eos=True))[0]
+    out = llm.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=max_tokens, prompt_logprobs=1, ignore_eos=True)
+    )[0]
     got = out.outputs[0].prompt_logprobs
     assert len(got) == len(prompt) and got[0] is None
     for entry, want, token in zip(got[1:], scored[1:], prompt[1:]):
@@ -136,18 +152,26 @@ def test_prompt_logprobs_with_any_max_tokens(llm, max_tokens):
 
 # ---- the server ------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def base_url(llm):
     from tests.helpers.server_harness import ThreadedServer
     from tokenloom.engine.async_engine import AsyncLLMEngine
     from tokenloom.entrypoints.server import build_app
+
     with ThreadedServer(build_app(AsyncLLMEngine(llm.engine), "smol")) as url:
         yield url
 
 
 def completion_body(i: int, stream: bool) -> dict:
-    body = {"model": "smol", "prompt": PROMPTS[i], "max_tokens": 12, "temperature": 0, "ignore_eos": True,
-            "stream": stream}
+    body = {
+        "model": "smol",
+        "prompt": PROMPTS[i],
+        "max_tokens": 12,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": stream,
+    }
     if i == VICTIM:
         body["logit_bias"] = {str(MARK): 0.0}
     return body
@@ -164,8 +188,13 @@ def test_server_a_failing_request_fails_alone(base_url, monkeypatch):
 
     from tests.helpers.server_harness import wait_until_idle
 
-    alone = {i: httpx.post(f"{base_url}/v1/completions", json=completion_body(i, False), timeout=60)
-             .json()["choices"][0]["text"] for i in range(len(PROMPTS)) if i != VICTIM}
+    alone = {
+        i: httpx.post(f"{base_url}/v1/completions", json=completion_body(i, False), timeout=60).json()["choices"][0][
+            "text"
+        ]
+        for i in range(len(PROMPTS))
+        if i != VICTIM
+    }
     inject("sample", monkeypatch, None, [])
 
     async def one(client: httpx.AsyncClient, i: int, stream: bool):
@@ -179,8 +208,7 @@ def test_server_a_failing_request_fails_alone(base_url, monkeypatch):
 
     async def all_at_once(victim_streams: bool):
         async with httpx.AsyncClient(timeout=120) as client:
-            return await asyncio.gather(*(one(client, i, (i % 2 == 0) == victim_streams)
-                                          for i in range(len(PROMPTS))))
+            return await asyncio.gather(*(one(client, i, (i % 2 == 0) == victim_streams) for i in range(len(PROMPTS))))
 
     for victim_streams in (True, False):
         results = asyncio.run(all_at_once(victim_streams))
@@ -204,11 +232,18 @@ def test_server_a_failing_request_fails_alone(base_url, monkeypatch):
 def test_server_echo_logprobs_with_max_tokens_1(base_url):
     """The scoring request evaluation harnesses send answers 200 with the prompt's logprobs."""
     import httpx
-    body = {"model": "smol", "prompt": "The capital of France is", "max_tokens": 1, "echo": True, "logprobs": 1,
-            "temperature": 0}
+
+    body = {
+        "model": "smol",
+        "prompt": "The capital of France is",
+        "max_tokens": 1,
+        "echo": True,
+        "logprobs": 1,
+        "temperature": 0,
+    }
     r = httpx.post(f"{base_url}/v1/completions", json=body, timeout=60)
     assert r.status_code == 200
     logprobs = r.json()["choices"][0]["logprobs"]
     assert logprobs["token_logprobs"][0] is None and all(isinstance(v, float) for v in logprobs["token_logprobs"][1:])
-    assert len(logprobs["tokens"]) == len(logprobs["token_logprobs"]) >= 6      # 5 prompt tokens + 1 generated
+    assert len(logprobs["tokens"]) == len(logprobs["token_logprobs"]) >= 6  # 5 prompt tokens + 1 generated
     assert r.json()["choices"][0]["text"].startswith("The capital of France is")

@@ -8,7 +8,7 @@ from tokenloom import SamplingParams
 from tokenloom.engine.detokenizer import IncrementalDetokenizer
 from tokenloom.engine.stopping import StopStringMatcher
 
-STORY = "Once upon a time, there was a little"   # greedy: " girl named Emma who loved to play in the sun."
+STORY = "Once upon a time, there was a little"  # greedy: " girl named Emma who loved to play in the sun."
 
 
 def feed_all(matcher: StopStringMatcher, deltas: list[str]) -> tuple[list[str], bool]:
@@ -44,8 +44,8 @@ class TestStopStringMatcher:
 
     def test_partial_match_is_held_back_then_released(self):
         m = StopStringMatcher(["abc"])
-        assert m.feed("xxab") == ("xx", False)       # "ab" could start "abc"
-        assert m.feed("d") == ("abd", False)         # it did not
+        assert m.feed("xxab") == ("xx", False)  # "ab" could start "abc"
+        assert m.feed("d") == ("abd", False)  # it did not
         assert m.flush() == ""
 
     def test_partial_match_released_at_end(self):

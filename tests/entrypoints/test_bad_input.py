@@ -37,9 +37,18 @@ def test_unsupported_architecture(tiny_model_dir, tmp_path):
 
 def test_unsupported_architecture_is_named_before_the_weights_are_looked_for(tmp_path):
     """A config.json alone (weights not downloaded yet): what the model is, not 'no safetensors'."""
-    (tmp_path / "config.json").write_text(json.dumps({
-        "architectures": ["FalconForCausalLM"], "vocab_size": 10, "hidden_size": 8, "num_hidden_layers": 1,
-        "num_attention_heads": 2, "intermediate_size": 16}))
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["FalconForCausalLM"],
+                "vocab_size": 10,
+                "hidden_size": 8,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 2,
+                "intermediate_size": 16,
+            }
+        )
+    )
     with pytest.raises(UnsupportedModelError, match="FalconForCausalLM.*not supported"):
         LLM(str(tmp_path))
 
@@ -65,9 +74,18 @@ def test_config_fields_that_change_the_math_are_refused_by_name(tiny_model_dir, 
 
 def test_qwen2_window_applies_only_from_max_window_layers():
     from tokenloom.models.config import ModelConfig
-    hf = dict(architectures=["Qwen2ForCausalLM"], vocab_size=10, hidden_size=8, num_hidden_layers=4,
-              num_attention_heads=2, intermediate_size=16, use_sliding_window=True, sliding_window=5,
-              max_window_layers=3)
+
+    hf = dict(
+        architectures=["Qwen2ForCausalLM"],
+        vocab_size=10,
+        hidden_size=8,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        intermediate_size=16,
+        use_sliding_window=True,
+        sliding_window=5,
+        max_window_layers=3,
+    )
     assert ModelConfig.from_hf(hf).layer_windows() == (None, None, None, 5)
     assert ModelConfig.from_hf(hf | {"use_sliding_window": False}).layer_windows() == (None,) * 4
     assert ModelConfig.from_hf(hf | {"architectures": ["MistralForCausalLM"]}).layer_windows() == (5,) * 4
@@ -98,11 +116,14 @@ def test_file_that_is_not_a_model(tmp_path):
         LLM(str(junk))
 
 
-@pytest.mark.parametrize("edit,message", [
-    ("drop", "missing 1 of the model.s tensors: model.layers.1.self_attn.qkv_proj.weight \\(\\['k'\\]\\)"),
-    ("extra", "'model.layers.0.mystery.weight' matches no parameter"),
-    ("shape", "'model.norm.weight' has shape \\(63,\\), expected \\(64,\\)"),
-])
+@pytest.mark.parametrize(
+    "edit,message",
+    [
+        ("drop", "missing 1 of the model.s tensors: model.layers.1.self_attn.qkv_proj.weight \\(\\['k'\\]\\)"),
+        ("extra", "'model.layers.0.mystery.weight' matches no parameter"),
+        ("shape", "'model.norm.weight' has shape \\(63,\\), expected \\(64,\\)"),
+    ],
+)
 def test_weights_must_match_exactly(tiny_model_dir, tmp_path, edit, message):
     folder = _copy(tiny_model_dir("llama_gqa"), tmp_path)
     tensors = load_file(folder / "model.safetensors")
@@ -139,12 +160,26 @@ def test_token_ids_outside_vocab(tiny_model_dir):
         llm.generate([[5]], SamplingParams(logit_bias={9999: 1.0}))
 
 
-@pytest.mark.parametrize("field,value", [
-    ("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("min_p", 1.5),
-    ("repetition_penalty", 0.0), ("frequency_penalty", 3.0), ("presence_penalty", -2.5),
-    ("max_tokens", 0), ("min_tokens", -1), ("n", 0), ("logprobs", -1), ("seed", "x"), ("stop", [""]),
-    ("stop_token_ids", [-1]),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("temperature", -0.1),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("top_k", -2),
+        ("min_p", 1.5),
+        ("repetition_penalty", 0.0),
+        ("frequency_penalty", 3.0),
+        ("presence_penalty", -2.5),
+        ("max_tokens", 0),
+        ("min_tokens", -1),
+        ("n", 0),
+        ("logprobs", -1),
+        ("seed", "x"),
+        ("stop", [""]),
+        ("stop_token_ids", [-1]),
+    ],
+)
 def test_invalid_sampling_params_name_the_field(field, value):
     with pytest.raises(ValueError, match=f"SamplingParams.{field} "):
         SamplingParams(**{field: value})
@@ -170,6 +205,7 @@ def test_chat_messages_must_have_role_and_content(smol_llm):
 def test_gpt2_style_vocab_and_merges_folder(tiny_model_dir, tmp_path):
     """Folders without tokenizer.json but with vocab.json + merges.txt still load."""
     import transformers
+
     folder = _copy(tiny_model_dir("gpt2"), tmp_path)
     fast = transformers.PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"))
     text = "The quick brown fox jumps"

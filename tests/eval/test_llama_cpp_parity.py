@@ -29,11 +29,12 @@ llama_cpp = pytest.importorskip("llama_cpp")
 
 def llama_cpp_logits(path, ids: list[int]) -> torch.Tensor:
     """llama.cpp's logits (T, vocab) for every position of `ids`, evaluated as one prompt."""
-    model = llama_cpp.Llama(str(path), n_ctx=max(64, len(ids)), n_batch=len(ids), logits_all=True, n_threads=2,
-                            verbose=False)
+    model = llama_cpp.Llama(
+        str(path), n_ctx=max(64, len(ids)), n_batch=len(ids), logits_all=True, n_threads=2, verbose=False
+    )
     try:
         model.eval(ids)
-        return torch.from_numpy(np.array(model.scores[:len(ids)], dtype=np.float32))
+        return torch.from_numpy(np.array(model.scores[: len(ids)], dtype=np.float32))
     finally:
         model.close()
 
@@ -88,8 +89,12 @@ def test_llama_quantize_types_are_as_close_to_float32_as_llama_cpp(kind, tmp_pat
     if llama_quantize() is None:
         pytest.skip("no llama-quantize binary ($LLAMA_QUANTIZE or PATH)")
     from tests import conftest
-    monkeypatch.setitem(conftest.TINY_CONFIGS, "llama_256", ("LlamaConfig", dict(
-        hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)))
+
+    monkeypatch.setitem(
+        conftest.TINY_CONFIGS,
+        "llama_256",
+        ("LlamaConfig", dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)),
+    )
     f32 = write_gguf(conftest.build_tiny_model("llama_256", tmp_path / "hf"), tmp_path / "f32.gguf")
     path = tmp_path / f"{kind}.gguf"
     subprocess.run([llama_quantize(), str(f32), str(path), kind], check=True, capture_output=True)

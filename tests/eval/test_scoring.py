@@ -32,7 +32,7 @@ def test_score_equals_the_sum_of_hf_token_logprobs(smol_llm, hf_model):
     prompt_ids = smol_llm.tokenizer.encode(PROMPT)
     assert result.token_ids == smol_llm.tokenizer.encode(CONTINUATION, add_special_tokens=False)
     want, _ = hf_token_logprobs(hf_model, prompt_ids + result.token_ids)
-    want = want[len(prompt_ids) - 1:]
+    want = want[len(prompt_ids) - 1 :]
     assert result.logprobs == pytest.approx(want.tolist(), abs=1e-4)
     assert result.total == pytest.approx(float(want.sum()), abs=1e-3)
     assert result.total == pytest.approx(sum(result.logprobs))
@@ -60,10 +60,11 @@ def test_scoring_ignores_the_prefix_cache_and_leaves_batch_companions_alone(smol
     first = smol_llm.generate([ids], scored)[0].prompt_logprobs
     gen = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     alone = smol_llm.generate([ids[:6]], gen)[0].outputs[0].token_ids
-    mixed = smol_llm.generate([ids, ids[:6]], [scored, gen])       # second scoring: the prefix is cached
+    mixed = smol_llm.generate([ids, ids[:6]], [scored, gen])  # second scoring: the prefix is cached
     assert mixed[0].prompt_logprobs is not None and len(mixed[0].prompt_logprobs) == len(ids)
-    assert [e[t] for e, t in zip(mixed[0].prompt_logprobs[1:], ids[1:])] == \
-        pytest.approx([e[t] for e, t in zip(first[1:], ids[1:])], abs=1e-5)
+    assert [e[t] for e, t in zip(mixed[0].prompt_logprobs[1:], ids[1:])] == pytest.approx(
+        [e[t] for e, t in zip(first[1:], ids[1:])], abs=1e-5
+    )
     assert mixed[1].outputs[0].token_ids == alone
     assert smol_llm.engine.core.block_manager.num_used_blocks == 0
 
@@ -82,6 +83,7 @@ def test_prompt_logprobs_with_generation_and_bad_values(smol_llm):
 def test_server_echo_logprobs_max_tokens_0_scores_the_prompt(smol_llm):
     from tokenloom.engine.async_engine import AsyncLLMEngine
     from tokenloom.entrypoints.server import build_app
+
     expected = smol_llm.score(PROMPT, CONTINUATION)
     prompt_ids = smol_llm.tokenizer.encode(PROMPT) + expected.token_ids
     with ThreadedServer(build_app(AsyncLLMEngine(smol_llm.engine), "smol")) as url:
@@ -91,16 +93,20 @@ def test_server_echo_logprobs_max_tokens_0_scores_the_prompt(smol_llm):
         assert choice.finish_reason == "length" and resp.usage.completion_tokens == 0
         lp = choice.logprobs
         assert len(lp.tokens) == len(prompt_ids) and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
-        cont = lp.token_logprobs[len(prompt_ids) - len(expected.token_ids):]
+        cont = lp.token_logprobs[len(prompt_ids) - len(expected.token_ids) :]
         assert cont == pytest.approx(expected.logprobs, abs=1e-5)
         assert all(len(t) >= 2 for t in lp.top_logprobs[1:])
-        more = client.completions.create(model="smol", prompt=PROMPT, max_tokens=3, echo=True, logprobs=0,
-                                         temperature=0)
+        more = client.completions.create(
+            model="smol", prompt=PROMPT, max_tokens=3, echo=True, logprobs=0, temperature=0
+        )
         n_prompt = len(smol_llm.tokenizer.encode(PROMPT))
         assert len(more.choices[0].logprobs.tokens) == n_prompt + 3
         assert more.choices[0].text.startswith(PROMPT)
-        for bad, param in [({"max_tokens": 0}, "max_tokens"), ({"max_tokens": 0, "echo": True}, "max_tokens"),
-                           ({"echo": True, "logprobs": 1, "stream": True}, "stream")]:
+        for bad, param in [
+            ({"max_tokens": 0}, "max_tokens"),
+            ({"max_tokens": 0, "echo": True}, "max_tokens"),
+            ({"echo": True, "logprobs": 1, "stream": True}, "stream"),
+        ]:
             with pytest.raises(openai.BadRequestError) as err:
                 client.completions.create(model="smol", prompt="Hi", **({"max_tokens": 4} | bad))
             assert err.value.body["param"] == param

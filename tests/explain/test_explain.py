@@ -33,7 +33,7 @@ def hf_model(default_model_dir):
 
 @torch.no_grad()
 def hf_logits(model, ids: list[int]) -> torch.Tensor:
-    return model(torch.tensor([ids])).logits[0, -1].float()                     # (V,)
+    return model(torch.tensor([ids])).logits[0, -1].float()  # (V,)
 
 
 def hf_stages(logits: torch.Tensor, ids: list[int], p: SamplingParams):
@@ -42,8 +42,11 @@ def hf_stages(logits: torch.Tensor, ids: list[int], p: SamplingParams):
     x = RepetitionPenaltyLogitsProcessor(p.repetition_penalty)(ids_t, logits[None].clone())
     x = TemperatureLogitsWarper(p.temperature)(ids_t, x)
     adjusted, removed = x.clone(), {}
-    for name, warper in (("top_k", TopKLogitsWarper(p.top_k)), ("top_p", TopPLogitsWarper(p.top_p)),
-                         ("min_p", MinPLogitsWarper(p.min_p))):
+    for name, warper in (
+        ("top_k", TopKLogitsWarper(p.top_k)),
+        ("top_p", TopPLogitsWarper(p.top_p)),
+        ("min_p", MinPLogitsWarper(p.min_p)),
+    ):
         after = warper(ids_t, x.clone())
         removed[name] = set((torch.isinf(after) & ~torch.isinf(x))[0].nonzero()[:, 0].tolist())
         x = after
@@ -51,8 +54,17 @@ def hf_stages(logits: torch.Tensor, ids: list[int], p: SamplingParams):
 
 
 def test_sampled_records_equal_hf_processors_and_warpers(smol_llm, hf_model):
-    params = SamplingParams(temperature=0.7, top_k=30, top_p=0.8, min_p=0.05, repetition_penalty=1.3, seed=7,
-                            max_tokens=6, ignore_eos=True, explain=20)
+    params = SamplingParams(
+        temperature=0.7,
+        top_k=30,
+        top_p=0.8,
+        min_p=0.05,
+        repetition_penalty=1.3,
+        seed=7,
+        max_tokens=6,
+        ignore_eos=True,
+        explain=20,
+    )
     out = smol_llm.generate(PROMPT, params)[0]
     prompt, records = out.prompt_token_ids, out.outputs[0].explanation
     assert [r.token_id for r in records] == out.outputs[0].token_ids and len(records) == 6
@@ -79,8 +91,15 @@ def test_sampled_records_equal_hf_processors_and_warpers(smol_llm, hf_model):
 def test_greedy_records_list_softmax_after_penalties_and_bias(smol_llm, hf_model):
     """Frequency/presence penalties and logit bias (no HF class for the first two: by hand)."""
     bias_token = smol_llm.tokenizer.encode(" green")[0]
-    params = SamplingParams(temperature=0, frequency_penalty=0.8, presence_penalty=0.4,
-                            logit_bias={bias_token: 2.5}, max_tokens=5, ignore_eos=True, explain=8)
+    params = SamplingParams(
+        temperature=0,
+        frequency_penalty=0.8,
+        presence_penalty=0.4,
+        logit_bias={bias_token: 2.5},
+        max_tokens=5,
+        ignore_eos=True,
+        explain=8,
+    )
     out = smol_llm.generate(PROMPT, params)[0]
     prompt, tokens = out.prompt_token_ids, out.outputs[0].token_ids
     for i, r in enumerate(out.outputs[0].explanation):
@@ -99,7 +118,7 @@ def test_greedy_records_list_softmax_after_penalties_and_bias(smol_llm, hf_model
 def test_kv_cache_size_follows_the_formula(smol_llm):
     cfg = smol_llm.engine.model_config
     out = smol_llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=4, explain=3))[0]
-    per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4           # float32
+    per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4  # float32
     for i, r in enumerate(out.outputs[0].explanation):
         assert r.kv_tokens == len(out.prompt_token_ids) + i
         assert r.kv_bytes == r.kv_tokens * per_token
@@ -115,8 +134,9 @@ def test_explaining_changes_no_token(smol_llm):
 
 
 def test_grammar_cuts_are_reported(smol_llm):
-    params = SamplingParams(temperature=0, max_tokens=4, explain=10,
-                            structured_output=StructuredOutput.regex("[0-9]{4}"))
+    params = SamplingParams(
+        temperature=0, max_tokens=4, explain=10, structured_output=StructuredOutput.regex("[0-9]{4}")
+    )
     out = smol_llm.generate("The year the war ended was", params)[0].outputs[0]
     assert re.fullmatch("[0-9]{4}", out.text)
     first = out.explanation[0]
@@ -145,6 +165,7 @@ def test_explained_requests_decode_plainly_under_speculation(default_model_dir):
     """Speculative steps verify several tokens at once and would have no record per token:
     an explained request is left out of speculation, and every token gets its record."""
     from tokenloom import LLM
+
     llm = LLM(str(default_model_dir), kv_cache_memory=64 << 20, speculative="ngram,k=4")
     prompt = "a b c d a b c d a b c d a b c"
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)

@@ -19,9 +19,18 @@ def browser():
     if not CHROMIUM.exists():
         pytest.skip("Debian's chromium is not installed (make setup installs it)")
     with sync_api.sync_playwright() as p:
-        b = p.chromium.launch(executable_path=str(CHROMIUM), args=[
-            "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-            "--disable-sync", "--no-first-run", "--disable-quic"])
+        b = p.chromium.launch(
+            executable_path=str(CHROMIUM),
+            args=[
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+                "--no-first-run",
+                "--disable-quic",
+            ],
+        )
         yield b
         b.close()
 
@@ -37,6 +46,7 @@ def offline_page(browser, base_url: str, model_name: str, width: int, height: in
             return route.continue_()
         page.outside.append(route.request.url)
         return route.abort()
+
     page.route("**/*", only_local)
     page.goto(f"{base_url}/")
     page.wait_for_function(f"document.getElementById('model').textContent.includes({model_name!r})")
@@ -55,8 +65,9 @@ def set_controls(page, **values) -> None:
 
 def run_and_wait(page, button: str = "#generate") -> None:
     page.click(button)
-    page.wait_for_function("/^(done|error|stopped)/.test(document.getElementById('status').textContent)",
-                           timeout=60_000)
+    page.wait_for_function(
+        "/^(done|error|stopped)/.test(document.getElementById('status').textContent)", timeout=60_000
+    )
 
 
 def token_texts(page) -> list[str]:

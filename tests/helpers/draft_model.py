@@ -12,9 +12,17 @@ def save_random_draft(folder: Path, tokenizer_from: Path, vocab_size: int, seed:
     that shares the target's tokenizer (and so is accepted by the draft proposer) but guesses badly."""
     import torch
     import transformers
-    config = transformers.LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
-                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                      max_position_embeddings=8192, tie_word_embeddings=True)
+
+    config = transformers.LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(seed)
     transformers.LlamaForCausalLM(config).save_pretrained(folder)
     for name in ("tokenizer.json", "tokenizer_config.json"):

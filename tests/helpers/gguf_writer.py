@@ -19,22 +19,42 @@ import gguf
 import torch
 from safetensors.torch import load_file
 
-GGUF_ARCH = {"LlamaForCausalLM": "llama", "MixtralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-             "Qwen3ForCausalLM": "qwen3", "Qwen2MoeForCausalLM": "qwen2moe", "Qwen3MoeForCausalLM": "qwen3moe",
-             "Olmo2ForCausalLM": "olmo2", "Phi3ForCausalLM": "phi3", "Gemma2ForCausalLM": "gemma2",
-             "OlmoeForCausalLM": "olmoe", "StableLmForCausalLM": "stablelm"}
+GGUF_ARCH = {
+    "LlamaForCausalLM": "llama",
+    "MixtralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen2MoeForCausalLM": "qwen2moe",
+    "Qwen3MoeForCausalLM": "qwen3moe",
+    "Olmo2ForCausalLM": "olmo2",
+    "Phi3ForCausalLM": "phi3",
+    "Gemma2ForCausalLM": "gemma2",
+    "OlmoeForCausalLM": "olmoe",
+    "StableLmForCausalLM": "stablelm",
+}
 
 # HF layer sub-name -> llama.cpp's blk.N.<name>
 _BLOCK = {
-    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-    "mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp",
-    "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
-    "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "mlp.gate": "ffn_gate_inp",
+    "block_sparse_moe.gate": "ffn_gate_inp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
     "post_feedforward_layernorm": "post_ffw_norm",
-    "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",          # Phi-3's fused tensors
+    "self_attn.qkv_proj": "attn_qkv",
+    "mlp.gate_up_proj": "ffn_up",  # Phi-3's fused tensors
 }
 _OLMO2_BLOCK = _BLOCK | {"post_attention_layernorm": "post_attention_norm"}
 _GEMMA_BLOCK = _BLOCK | {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm"}
@@ -48,8 +68,13 @@ def llama_cpp_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(folder: Path, path: Path, quantize: str | None = None, stack_experts: bool = True,
-               extra: dict[str, int | float] | None = None) -> Path:
+def write_gguf(
+    folder: Path,
+    path: Path,
+    quantize: str | None = None,
+    stack_experts: bool = True,
+    extra: dict[str, int | float] | None = None,
+) -> Path:
     """`folder` (config.json, model.safetensors, tokenizer.json) -> GGUF at `path`; matrices as
     `quantize` ("Q8_0", "Q4_0", ...) where their rows fit its blocks, else float32. Experts are
     stacked (ffn_gate_exps) unless `stack_experts` is False: one tensor each (ffn_gate.E, as
@@ -80,10 +105,16 @@ def _write_metadata(w: gguf.GGUFWriter, arch: str, cfg: dict) -> None:
     heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     rope = cfg.get("rope_parameters") or {}
-    ints = {"block_count": cfg["num_hidden_layers"], "context_length": cfg["max_position_embeddings"],
-            "embedding_length": cfg["hidden_size"], "feed_forward_length": cfg["intermediate_size"],
-            "attention.head_count": heads, "attention.head_count_kv": cfg.get("num_key_value_heads") or heads,
-            "attention.key_length": head_dim, "attention.value_length": head_dim}
+    ints = {
+        "block_count": cfg["num_hidden_layers"],
+        "context_length": cfg["max_position_embeddings"],
+        "embedding_length": cfg["hidden_size"],
+        "feed_forward_length": cfg["intermediate_size"],
+        "attention.head_count": heads,
+        "attention.head_count_kv": cfg.get("num_key_value_heads") or heads,
+        "attention.key_length": head_dim,
+        "attention.value_length": head_dim,
+    }
     experts = cfg.get("num_local_experts") or cfg.get("num_experts")
     if experts:
         ints |= {"expert_count": experts, "expert_used_count": cfg["num_experts_per_tok"]}
@@ -94,7 +125,7 @@ def _write_metadata(w: gguf.GGUFWriter, arch: str, cfg: dict) -> None:
     for key, value in ints.items():
         w.add_uint32(f"{arch}.{key}", value)
     w.add_uint32(f"{arch}.rope.dimension_count", int(head_dim * rope.get("partial_rotary_factor", 1.0)))
-    if arch == "stablelm":                             # LayerNorm; conversion's StableLMModel
+    if arch == "stablelm":  # LayerNorm; conversion's StableLMModel
         w.add_float32("stablelm.attention.layer_norm_epsilon", cfg["layer_norm_eps"])
         w.add_bool("stablelm.use_parallel_residual", cfg["use_parallel_residual"])
     else:
@@ -106,12 +137,14 @@ def _write_metadata(w: gguf.GGUFWriter, arch: str, cfg: dict) -> None:
         w.add_uint32("gemma2.attention.sliding_window", cfg["sliding_window"])
         w.add_float32("gemma2.attn_logit_softcapping", cfg["attn_logit_softcapping"])
         w.add_float32("gemma2.final_logit_softcapping", cfg["final_logit_softcapping"])
-    if rope.get("rope_type") == "longrope":            # conversion/phi.py
+    if rope.get("rope_type") == "longrope":  # conversion/phi.py
         original = rope["original_max_position_embeddings"]
         scale = cfg["max_position_embeddings"] / original
         w.add_uint32(f"{arch}.rope.scaling.original_context_length", original)
-        w.add_float32(f"{arch}.rope.scaling.attn_factor",
-                      math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1.0 else 1.0)
+        w.add_float32(
+            f"{arch}.rope.scaling.attn_factor",
+            math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1.0 else 1.0,
+        )
 
 
 def rope_tensors(cfg: dict) -> dict[str, torch.Tensor]:
@@ -119,8 +152,10 @@ def rope_tensors(cfg: dict) -> dict[str, torch.Tensor]:
     Llama 3.1's llama3 scaling precomputed per frequency (conversion/llama.py)."""
     rope = cfg.get("rope_parameters") or {}
     if rope.get("rope_type") == "longrope":
-        return {"rope_factors_long.weight": torch.tensor(rope["long_factor"], dtype=torch.float32),
-                "rope_factors_short.weight": torch.tensor(rope["short_factor"], dtype=torch.float32)}
+        return {
+            "rope_factors_long.weight": torch.tensor(rope["long_factor"], dtype=torch.float32),
+            "rope_factors_short.weight": torch.tensor(rope["short_factor"], dtype=torch.float32),
+        }
     if rope.get("rope_type") != "llama3":
         return {}
     dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
@@ -149,7 +184,7 @@ def _write_tokenizer(w: gguf.GGUFWriter, folder: Path, vocab_size: int) -> None:
     special = {a["content"] for a in tk["added_tokens"] if a.get("special")}
     merges = [m if isinstance(m, str) else " ".join(m) for m in tk["model"]["merges"]]
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt-2")                 # llama.cpp's name for the GPT-2 split
+    w.add_tokenizer_pre("gpt-2")  # llama.cpp's name for the GPT-2 split
     w.add_token_list(tokens)
     w.add_token_types([3 if t in special else 5 if t.startswith("[PAD") else 1 for t in tokens])
     w.add_token_merges(merges)
@@ -160,8 +195,12 @@ def _gguf_tensors(state: dict[str, torch.Tensor], arch: str, cfg: dict, stack_ex
     block = {"olmo2": _OLMO2_BLOCK, "gemma2": _GEMMA_BLOCK}.get(arch, _BLOCK)
     heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
     stacks: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
-    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-           "model.norm.bias": "output_norm.bias", "lm_head.weight": "output.weight"}
+    top = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "model.norm.bias": "output_norm.bias",
+        "lm_head.weight": "output.weight",
+    }
     head_norms: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
     for name, tensor in state.items():
         if m := re.fullmatch(r"model\.layers\.(\d+)\.self_attn\.([qk])_layernorm\.norms\.(\d+)\.weight", name):
@@ -177,10 +216,10 @@ def _gguf_tensors(state: dict[str, torch.Tensor], arch: str, cfg: dict, stack_ex
             if sub == "mlp.shared_expert_gate":
                 tensor = tensor.reshape(-1)
             if arch == "gemma2" and sub.endswith("norm"):
-                tensor = tensor + 1                 # the converter stores Gemma's (1 + w)
+                tensor = tensor + 1  # the converter stores Gemma's (1 + w)
             yield f"blk.{layer}.{block[sub]}.{kind}", tensor
     yield from rope_tensors(cfg).items()
-    for (layer, kind), norms in sorted(head_norms.items()):     # StableLMModel._stack_qk_norm
+    for (layer, kind), norms in sorted(head_norms.items()):  # StableLMModel._stack_qk_norm
         yield f"blk.{layer}.attn_{kind}_norm.weight", torch.stack([norms[h] for h in sorted(norms)])
     for (layer, kind), experts in sorted(stacks.items()):
         if stack_experts:

@@ -22,15 +22,17 @@ def load_hf_reference(folder, dtype: torch.dtype = torch.float32, **kwargs):
     SDPA, which drops what SDPA cannot express: transformers 5.17 ran Gemma 2 through SDPA and
     dropped its attention-score soft-capping (later releases refuse SDPA for Gemma 2)."""
     import transformers
-    return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="eager",
-                                                             **kwargs).eval()
+
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        folder, dtype=dtype, attn_implementation="eager", **kwargs
+    ).eval()
 
 
 @dataclass
 class Reference:
     tokens: list[int]
-    logprobs: list[float]    # chosen-token logprobs
-    margins: list[float]     # top1 - top2 logit per step
+    logprobs: list[float]  # chosen-token logprobs
+    margins: list[float]  # top1 - top2 logit per step
 
 
 @torch.no_grad()
@@ -39,7 +41,7 @@ def hf_greedy(model, prompt: list[int], new_tokens: int) -> Reference:
     out = model(torch.tensor([prompt], device=device), use_cache=True)
     tokens, logprobs, margins = [], [], []
     for _ in range(new_tokens):
-        logits = out.logits[0, -1].float()                   # (vocab,)
+        logits = out.logits[0, -1].float()  # (vocab,)
         token = int(logits.argmax())
         top2 = logits.topk(2).values
         tokens.append(token)
@@ -63,6 +65,7 @@ def gguf_parsed_once() -> Iterator[None]:
     """
     import gguf
     from transformers import modeling_gguf_pytorch_utils as hf_gguf
+
     original_reader, original_load = gguf.GGUFReader, hf_gguf.load_gguf_checkpoint
     readers: dict[tuple[Path, str], object] = {}
     metadata: dict[Path, dict] = {}
@@ -80,6 +83,7 @@ def gguf_parsed_once() -> Iterator[None]:
         if key not in metadata:
             metadata[key] = original_load(path, return_tensors=False)
         return copy.deepcopy(metadata[key])
+
     gguf.GGUFReader, hf_gguf.load_gguf_checkpoint = shared_reader, load_once
     try:
         yield

@@ -68,12 +68,31 @@ class ServeProcess:
     def __init__(self, model_dir, *flags: str) -> None:
         import subprocess
         import sys
+
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen([sys.executable, "-m", "tokenloom", "serve", "-m", str(model_dir),
-                                      "--port", str(self.port), "--max-model-len", "256", "--kv-cache-memory", "0.1",
-                                      "--served-model-name", "smol", *flags],
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tokenloom",
+                "serve",
+                "-m",
+                str(model_dir),
+                "--port",
+                str(self.port),
+                "--max-model-len",
+                "256",
+                "--kv-cache-memory",
+                "0.1",
+                "--served-model-name",
+                "smol",
+                *flags,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         self.printed: list[str] = []
         self.reader = threading.Thread(target=lambda: self.printed.extend(self.proc.stdout), daemon=True)
         self.reader.start()

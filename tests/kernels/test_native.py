@@ -14,11 +14,11 @@ from tokenloom.kernels import native
 def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path):
     lock = tmp_path / "lock"
     lock.write_text("")
-    assert not native.clear_stale_lock(str(tmp_path)) and lock.exists()          # a build may hold it now
+    assert not native.clear_stale_lock(str(tmp_path)) and lock.exists()  # a build may hold it now
     old = time.time() - native.STALE_LOCK_S - 5
     os.utime(lock, (old, old))
     assert native.clear_stale_lock(str(tmp_path)) and not lock.exists()
-    assert not native.clear_stale_lock(str(tmp_path))                            # no lock: nothing to do
+    assert not native.clear_stale_lock(str(tmp_path))  # no lock: nothing to do
 
 
 def test_a_built_library_loads_though_its_folder_holds_a_lock(monkeypatch):
@@ -27,6 +27,7 @@ def test_a_built_library_loads_though_its_folder_holds_a_lock(monkeypatch):
     from torch.utils.cpp_extension import _get_build_directory
 
     from tokenloom.layers import fused
+
     assert fused.build()
     source = fused._SOURCE
     folder = _get_build_directory(native.library_name(source, "avx2"), verbose=False)
@@ -47,8 +48,9 @@ def test_the_build_folder_is_where_torch_builds(monkeypatch, tmp_path):
     """native.build_folder mirrors torch's private _get_build_directory (a built library is loaded
     without importing cpp_extension): the same path by default and under TORCH_EXTENSIONS_DIR."""
     from torch.utils.cpp_extension import _get_build_directory
+
     name = "tokenloom_probe_avx2_0123456789"
-    expected = _get_build_directory(name, verbose=False)          # torch's helper makes the folder
+    expected = _get_build_directory(name, verbose=False)  # torch's helper makes the folder
     os.rmdir(expected)
     assert native.build_folder(name) == expected
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
@@ -62,8 +64,11 @@ def test_a_built_library_loads_without_cpp_extension():
     import sys
 
     from tokenloom.layers import fused
+
     assert fused.build()
-    code = ("import sys; from tokenloom.layers import fused; assert fused.build(); "
-            "print('torch.utils.cpp_extension' in sys.modules, 'setuptools' in sys.modules)")
+    code = (
+        "import sys; from tokenloom.layers import fused; assert fused.build(); "
+        "print('torch.utils.cpp_extension' in sys.modules, 'setuptools' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]

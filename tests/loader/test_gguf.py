@@ -53,18 +53,23 @@ def test_known_answers(gguf_llm):
 def test_prepared_folder_generates_like_the_gguf(default_model_dir, gguf_llm, smol_llm):
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     prompt = "The three primary colors are"
-    assert smol_llm.generate(prompt, params)[0].outputs[0].token_ids == \
-        gguf_llm.generate(prompt, params)[0].outputs[0].token_ids
+    assert (
+        smol_llm.generate(prompt, params)[0].outputs[0].token_ids
+        == gguf_llm.generate(prompt, params)[0].outputs[0].token_ids
+    )
 
 
-@pytest.mark.parametrize("text", [
-    "Once upon a time, there was a little",
-    "   leading spaces and 3.14159 digits",
-    "don't I'll WE'VE they're",
-    "ünïcödé — “quotes” 😀 日本語",
-    "<|im_start|>user\nhi there<|im_end|>\n",
-    "tabs\tand\nnewlines\n",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Once upon a time, there was a little",
+        "   leading spaces and 3.14159 digits",
+        "don't I'll WE'VE they're",
+        "ünïcödé — “quotes” 😀 日本語",
+        "<|im_start|>user\nhi there<|im_end|>\n",
+        "tabs\tand\nnewlines\n",
+    ],
+)
 def test_tokenizer_matches_transformers(hf_gguf, gguf_llm, text):
     tok, _ = hf_gguf
     assert gguf_llm.tokenizer.encode(text) == tok(text).input_ids
@@ -82,16 +87,22 @@ def test_digits_split_like_llama_cpp(gguf_llm):
 
 def test_chat_template_matches_transformers(hf_gguf, gguf_llm):
     tok, _ = hf_gguf
-    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
-            {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "2+2?"}]
-    assert gguf_llm.tokenizer.apply_chat_template(msgs) == \
-        tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    msgs = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello!"},
+        {"role": "user", "content": "2+2?"},
+    ]
+    assert gguf_llm.tokenizer.apply_chat_template(msgs) == tok.apply_chat_template(
+        msgs, tokenize=False, add_generation_prompt=True
+    )
 
 
 def test_unpermute_inverts_llama_cpp_permutation():
     # llama.cpp's convert_hf_to_gguf.py permute(), written out here as the oracle.
     def permute(w, n_head):
         return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
     w = torch.randn(3 * 8, 5)
     assert torch.equal(unpermute_rope_rows(permute(w, 3), 3), w)
     assert not torch.equal(permute(w, 3), w)
@@ -99,6 +110,11 @@ def test_unpermute_inverts_llama_cpp_permutation():
 
 def test_gguf_config_reads_metadata(default_gguf_path):
     cfg = GGUFFile(default_gguf_path).hf_config()
-    assert (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_attention_heads"],
-            cfg["num_key_value_heads"], cfg["vocab_size"]) == (30, 576, 9, 3, 49152)
+    assert (
+        cfg["num_hidden_layers"],
+        cfg["hidden_size"],
+        cfg["num_attention_heads"],
+        cfg["num_key_value_heads"],
+        cfg["vocab_size"],
+    ) == (30, 576, 9, 3, 49152)
     assert cfg["rope_theta"] == 100000.0 and cfg["tie_word_embeddings"] is True

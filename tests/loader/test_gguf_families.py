@@ -19,8 +19,22 @@ from tokenloom import LLM, SamplingParams
 from tokenloom.quant.gguf.modules import GGMLLinear
 from tokenloom.quant.int8.modules import QuantizedLinear
 
-FAMILIES = ["llama_gqa", "llama3_rope_scaling", "qwen2", "qwen3", "olmo2", "phi3_partial_rotary", "phi3_longrope",
-            "gemma2", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "stablelm", "stablelm_parallel"]
+FAMILIES = [
+    "llama_gqa",
+    "llama3_rope_scaling",
+    "qwen2",
+    "qwen3",
+    "olmo2",
+    "phi3_partial_rotary",
+    "phi3_longrope",
+    "gemma2",
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "olmoe",
+    "stablelm",
+    "stablelm_parallel",
+]
 # llama.cpp's GGUF does not store Gemma 2's query_pre_attn_scalar (head_dim is assumed): the
 # folder written out says so too
 GGUF_EXPRESSIBLE = {"gemma2": {"query_pre_attn_scalar": 32}}
@@ -37,7 +51,7 @@ def test_float_gguf_matches_transformers_on_the_hf_folder(arch, tiny_model_dir, 
         cfg = json.loads((folder / "config.json").read_text()) | GGUF_EXPRESSIBLE[arch]
         (folder / "config.json").write_text(json.dumps(cfg))
     path = write_gguf(folder, tmp_path / f"{arch}.gguf", stack_experts=not one_each)
-    llm = LLM(str(path), kv_cache_memory=16 << 20, max_num_batched_tokens=7)     # chunked prefill on
+    llm = LLM(str(path), kv_cache_memory=16 << 20, max_num_batched_tokens=7)  # chunked prefill on
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
     ours = llm.generate(PROMPTS, params)
     hf_model = load_hf_reference(folder)
@@ -53,12 +67,15 @@ def test_quantized_experts_keep_their_blocks(arch, tiny_model_dir, tmp_path):
     path = write_gguf(tiny_model_dir(arch), tmp_path / f"{arch}-q8.gguf", quantize="Q8_0")
     kept = LLM(str(path), kv_cache_memory=16 << 20)
     block = kept.engine.core.runner.model.model.layers[0].mlp
-    assert all(isinstance(e.gate_up_proj, QuantizedLinear | GGMLLinear) and
-               isinstance(e.down_proj, QuantizedLinear | GGMLLinear) for e in block.experts)
-    assert not isinstance(block.gate, QuantizedLinear | GGMLLinear)          # the router stays float
+    assert all(
+        isinstance(e.gate_up_proj, QuantizedLinear | GGMLLinear)
+        and isinstance(e.down_proj, QuantizedLinear | GGMLLinear)
+        for e in block.experts
+    )
+    assert not isinstance(block.gate, QuantizedLinear | GGMLLinear)  # the router stays float
     dequantized = LLM(str(path), kv_cache_memory=16 << 20, dtype="float32").engine.core.runner.model.model.layers[0].mlp
     x = torch.randn(5, block.gate.in_features, generator=torch.Generator().manual_seed(0))
-    for expert, reference in zip(block.experts, dequantized.experts):     # each expert's own stored blocks
+    for expert, reference in zip(block.experts, dequantized.experts):  # each expert's own stored blocks
         got, want = expert.forward(x), reference.forward(x)
         assert (got - want).norm() < 0.03 * want.norm()
     torch.testing.assert_close(block.forward(x), dequantized.forward(x), rtol=0.05, atol=0.05 * x.abs().max().item())
@@ -72,6 +89,7 @@ def test_a_quantized_gguf_prepares_an_hf_folder_of_its_weights(tiny_model_dir, t
     from safetensors.torch import load_file
 
     from tokenloom.loader.load import save_hf_folder
+
     folder = tiny_model_dir("llama_gqa")
     path = write_gguf(folder, tmp_path / "q8.gguf", quantize="Q8_0")
     save_hf_folder(path, tmp_path / "hf", progress=False)
@@ -84,4 +102,4 @@ def test_a_quantized_gguf_prepares_an_hf_folder_of_its_weights(tiny_model_dir, t
         blocks = want.float().reshape(-1, 32) if want.shape[-1] % 32 == 0 else want.float().reshape(1, -1)
         step = blocks.abs().amax(dim=1, keepdim=True) / 127
         err = (got.reshape(blocks.shape) - blocks).abs()
-        assert (err <= step * (0.5 + 127 * 2 ** -11) + 1e-6).all(), name       # + the scale's float16 rounding
+        assert (err <= step * (0.5 + 127 * 2**-11) + 1e-6).all(), name  # + the scale's float16 rounding

@@ -32,7 +32,7 @@ def written(tmp_path_factory):
     for kind, (name, _, _) in KERNEL_TYPES.items():
         raw = random_blocks(kind, 4, 2 * 256)
         tensors[name] = raw
-        w.add_tensor(f"t.{name}", raw, raw_dtype=gguf.GGMLQuantizationType(kind))   # shape from the bytes
+        w.add_tensor(f"t.{name}", raw, raw_dtype=gguf.GGMLQuantizationType(kind))  # shape from the bytes
     w.add_tensor("t.f32", np.arange(12, dtype=np.float32).reshape(3, 4))
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -61,8 +61,9 @@ def test_every_block_type_reads_back_as_written(written):
         assert np.array_equal(got.data.numpy(), raw)
         assert torch.equal(got.dequantize(), reference(info.type, raw, 512))
     f32 = infos["t.f32"]
-    assert f32.shape == (3, 4) and np.array_equal(f32.raw().view(np.float32).reshape(3, 4),
-                                                  np.arange(12, dtype=np.float32).reshape(3, 4))
+    assert f32.shape == (3, 4) and np.array_equal(
+        f32.raw().view(np.float32).reshape(3, 4), np.arange(12, dtype=np.float32).reshape(3, 4)
+    )
 
 
 def test_truncated_and_foreign_files_are_errors(written, tmp_path):
@@ -87,11 +88,18 @@ def test_mixture_of_experts_in_an_unsupported_family_is_refused_by_name(tmp_path
     count is named, before any tensor is read."""
     from tokenloom.loader.gguf import GGUFFile
     from tokenloom.models.config import UnsupportedModelError
+
     path = tmp_path / "moe.gguf"
     w = gguf.GGUFWriter(str(path), "qwen2")
-    for key, value in {"qwen2.block_count": 1, "qwen2.embedding_length": 64, "qwen2.feed_forward_length": 128,
-                       "qwen2.attention.head_count": 4, "qwen2.context_length": 128, "qwen2.expert_count": 8,
-                       "qwen2.expert_used_count": 2}.items():
+    for key, value in {
+        "qwen2.block_count": 1,
+        "qwen2.embedding_length": 64,
+        "qwen2.feed_forward_length": 128,
+        "qwen2.attention.head_count": 4,
+        "qwen2.context_length": 128,
+        "qwen2.expert_count": 8,
+        "qwen2.expert_used_count": 2,
+    }.items():
         w.add_uint32(key, value)
     w.add_tensor("blk.0.ffn_gate_exps.weight", np.zeros((8, 128, 64), dtype=np.float32))
     w.write_header_to_file()
@@ -109,7 +117,7 @@ def _mapped_kib(path) -> int:
         lines = f.readlines()
     for line in lines:
         fields = line.split()
-        if "-" in fields[0] and len(fields) >= 5 and ":" in fields[3]:     # a mapping's header line
+        if "-" in fields[0] and len(fields) >= 5 and ":" in fields[3]:  # a mapping's header line
             inside = len(fields) > 5 and fields[5] == str(path)
         elif inside and fields[0] == "Rss:":
             total += int(fields[1])
@@ -124,10 +132,11 @@ def test_a_parsed_header_and_looked_up_embedding_rows_leave_the_resident_size(tm
     raised the peak resident size for the moment of each lookup). Through the map, the same
     lookups leave the whole table resident."""
     from tokenloom.quant.gguf.modules import GGMLEmbedding
+
     path = tmp_path / "embedding.gguf"
     w = gguf.GGUFWriter(str(path), "llama")
-    w.add_array("tokenizer.ggml.tokens", [f"token-{i:06d}-" + "x" * 40 for i in range(40_000)])   # ~2 MB
-    raw = random_blocks(8, 8192, 256)                                          # Q8_0, 8192 x 272 B: 2.2 MB
+    w.add_array("tokenizer.ggml.tokens", [f"token-{i:06d}-" + "x" * 40 for i in range(40_000)])  # ~2 MB
+    raw = random_blocks(8, 8192, 256)  # Q8_0, 8192 x 272 B: 2.2 MB
     w.add_tensor("token_embd.weight", raw, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -135,7 +144,7 @@ def test_a_parsed_header_and_looked_up_embedding_rows_leave_the_resident_size(tm
     w.close()
     reader = GGUFReader(path)
     assert len(reader.fields["tokenizer.ggml.tokens"]) == 40_000
-    assert _mapped_kib(path) < 64                                              # 2 MB of strings read, dropped
+    assert _mapped_kib(path) < 64  # 2 MB of strings read, dropped
     info = reader.tensors[0]
     expected = reference(8, raw, 256)
 
@@ -144,10 +153,10 @@ def test_a_parsed_header_and_looked_up_embedding_rows_leave_the_resident_size(tm
         emb.load_weight(GGMLTensor(8, torch.from_numpy(info.raw()).view(8192, -1), 256, read_rows))
         for start in range(0, 8192, 512):
             ids = torch.arange(start, start + 512).flip(0)
-            assert torch.equal(emb(ids), expected[start:start + 512].flip(0))
+            assert torch.equal(emb(ids), expected[start : start + 512].flip(0))
         return _mapped_kib(path)
 
     assert look_up_every_row(lambda index: torch.from_numpy(info.read_rows(index.tolist(), 272))) < 64
     with pytest.raises(IndexError, match="row 8192 is out of range for token_embd.weight's 8192 rows"):
         info.read_rows([5, 8192], 272)
-    assert look_up_every_row(None) > 2000                                      # kept: the whole table
+    assert look_up_every_row(None) > 2000  # kept: the whole table

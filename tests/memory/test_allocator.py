@@ -78,7 +78,8 @@ def test_reserved_heap_serves_the_first_large_step_without_page_faults():
     def faults(mode):
         out = subprocess.run([sys.executable, "-c", _FIRST_STEP, mode], capture_output=True, text=True, check=True)
         return int(out.stdout.split()[-1])
-    written = 6000 * (576 * 3 + 960 + 1536) * 4 // resource.getpagesize()   # pages of the first layer alone
+
+    written = 6000 * (576 * 3 + 960 + 1536) * 4 // resource.getpagesize()  # pages of the first layer alone
     plain, reserved = faults("plain"), faults("reserve")
     assert plain > written // 2, f"a fresh heap should fault the step's pages in ({plain} faults, ~{written} pages)"
     assert reserved < plain // 10, f"the reserved heap should serve the step ({reserved} faults vs {plain})"
@@ -86,14 +87,16 @@ def test_reserved_heap_serves_the_first_large_step_without_page_faults():
 
 def test_reserve_refuses_blocks_it_could_not_keep(monkeypatch):
     from tokenloom.memory import allocator
+
     assert allocator.reserve_heap(0) is False
-    assert allocator.reserve_heap(allocator.KEEP_BELOW) is False       # would be mmapped, then unmapped on free
-    monkeypatch.setattr(allocator, "_done", False)                       # settings not in force (opted out)
+    assert allocator.reserve_heap(allocator.KEEP_BELOW) is False  # would be mmapped, then unmapped on free
+    monkeypatch.setattr(allocator, "_done", False)  # settings not in force (opted out)
     assert allocator.reserve_heap(1 << 20) is False
 
 
 def test_applied_once_per_process(monkeypatch):
     from tokenloom.memory import allocator
+
     calls = []
     monkeypatch.setattr(allocator, "_done", None)
     monkeypatch.setattr(allocator, "_apply", lambda: calls.append(1) or True)
@@ -103,6 +106,7 @@ def test_applied_once_per_process(monkeypatch):
 
 def test_opt_out(monkeypatch):
     from tokenloom.memory import allocator
+
     monkeypatch.setenv("TOKENLOOM_KEEP_FREED_MEMORY", "0")
     assert allocator._apply() is False
 
@@ -113,14 +117,15 @@ def test_runner_reserves_for_its_token_budget(monkeypatch):
     import torch
 
     from tokenloom.worker import model_runner as runner
+
     asked = []
     monkeypatch.setattr(runner, "reserve_heap", lambda n: asked.append(n) or True)
     config = types.SimpleNamespace(hidden_size=576, intermediate_size=1536, num_heads=9, num_kv_heads=3, head_dim=64)
     cpu = types.SimpleNamespace(device=torch.device("cpu"), model=types.SimpleNamespace(config=config))
     assert runner.ModelRunner.reserve_activation_memory(cpu, 1000, torch.float32)
-    assert asked == [4 * (576 + 1536 + 15 * 64) * 4 * 1000]      # 4 x (hidden + intermediate + q + 2 kv) floats a token
+    assert asked == [4 * (576 + 1536 + 15 * 64) * 4 * 1000]  # 4 x (hidden + intermediate + q + 2 kv) floats a token
     runner.ModelRunner.reserve_activation_memory(cpu, 10**9, torch.float32)
-    assert asked[-1] == min(runner.KEEP_BELOW // 2, runner.RESERVE_AT_MOST)   # capped: kept resident
+    assert asked[-1] == min(runner.KEEP_BELOW // 2, runner.RESERVE_AT_MOST)  # capped: kept resident
     gpu = types.SimpleNamespace(device=torch.device("cuda"), model=cpu.model)
     assert not runner.ModelRunner.reserve_activation_memory(gpu, 1000, torch.float32)
     assert len(asked) == 2
@@ -131,11 +136,13 @@ def test_engine_reserves_no_more_step_tokens_than_its_kv_cache_holds(tiny_model_
     a one-context cache of 64 tokens reserves for 64, not the 8,192-token step budget."""
     from tokenloom.entrypoints.llm import LLM
     from tokenloom.worker import model_runner as runner
+
     asked = []
-    monkeypatch.setattr(runner.ModelRunner, "reserve_activation_memory",
-                        lambda self, tokens, dtype: asked.append(tokens) or True)
+    monkeypatch.setattr(
+        runner.ModelRunner, "reserve_activation_memory", lambda self, tokens, dtype: asked.append(tokens) or True
+    )
     llm = LLM(str(tiny_model_dir("llama_gqa")), max_model_len=64, kv_cache_contexts=1, max_num_batched_tokens=8192)
     kv_tokens = llm.engine.core.runner.kv_cache.num_tokens
     assert kv_tokens < 8192 and asked == [kv_tokens]
-    big = LLM(str(tiny_model_dir("llama_gqa")), max_num_batched_tokens=512)          # a 1 GiB cache: the budget binds
+    big = LLM(str(tiny_model_dir("llama_gqa")), max_num_batched_tokens=512)  # a 1 GiB cache: the budget binds
     assert asked[-1] == 512 and big.engine.core.runner.kv_cache.num_tokens > 512

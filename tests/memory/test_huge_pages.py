@@ -35,7 +35,7 @@ class Holder(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         g = torch.Generator().manual_seed(0)
-        self.weight = nn.Parameter(torch.randn(1024, 1024, generator=g), requires_grad=False)   # 4 MiB
+        self.weight = nn.Parameter(torch.randn(1024, 1024, generator=g), requires_grad=False)  # 4 MiB
         fused = torch.randn(512, 256, generator=g)
         self.register_buffer("first", fused[:256])
         self.register_buffer("second", fused[256:])
@@ -54,16 +54,16 @@ def test_weights_move_into_one_map_marked_for_huge_pages_keeping_tensors_and_val
     small_at = m.small.data_ptr()
     moved = huge_pages.move_to_huge_pages(m)
     assert moved >= sum(t.numel() * t.element_size() for t in tensors)
-    assert all(torch.equal(t, b) for t, b in zip(tensors, before))          # the same objects, the same values
+    assert all(torch.equal(t, b) for t, b in zip(tensors, before))  # the same objects, the same values
     assert m.weight is m._parameters["weight"] and isinstance(m.weight, nn.Parameter)
     storages = {t.untyped_storage().data_ptr() for t in tensors}
-    assert len(storages) == 1                                               # one arena
-    assert m.second.data_ptr() - m.first.data_ptr() == 256 * 256 * 4         # views of one storage stay so
-    assert m.small.data_ptr() == small_at                                   # under MIN_BYTES: left where it was
+    assert len(storages) == 1  # one arena
+    assert m.second.data_ptr() - m.first.data_ptr() == 256 * 256 * 4  # views of one storage stay so
+    assert m.small.data_ptr() == small_at  # under MIN_BYTES: left where it was
     mapping = smaps_of(m.weight.data_ptr())
-    assert mapping["THPeligible"] == "1"                                    # the kernel may back it with 2 MiB pages
-    assert mapping["mapping"].split()[1] == "rw-p" and "/dev/zero" not in mapping["mapping"]   # private, not shmem
-    m.weight.add_(1)                                                        # still writable, still in place
+    assert mapping["THPeligible"] == "1"  # the kernel may back it with 2 MiB pages
+    assert mapping["mapping"].split()[1] == "rw-p" and "/dev/zero" not in mapping["mapping"]  # private, not shmem
+    m.weight.add_(1)  # still writable, still in place
     assert torch.equal(m.weight, before[0] + 1)
 
 
@@ -80,8 +80,9 @@ def test_nothing_moves_when_turned_off_or_too_small(monkeypatch):
 
 def test_file_maps_and_onednn_tensors_are_not_movable():
     import mmap
+
     region = mmap.mmap(-1, 1 << 20)
-    viewing = torch.frombuffer(region, dtype=torch.uint8)                    # not torch's memory
+    viewing = torch.frombuffer(region, dtype=torch.uint8)  # not torch's memory
     assert not huge_pages.movable(viewing)
     assert huge_pages.movable(torch.empty(1 << 20, dtype=torch.uint8))
     if torch.backends.mkldnn.is_available():
@@ -92,6 +93,7 @@ def test_file_maps_and_onednn_tensors_are_not_movable():
 @pytest.mark.slow
 def test_a_gguf_model_decodes_the_same_tokens_from_huge_pages(default_gguf_path, monkeypatch):
     from tokenloom import LLM, SamplingParams
+
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1)
     prompts = ["Once upon a time", "The capital of France is"]
 
@@ -99,6 +101,7 @@ def test_a_gguf_model_decodes_the_same_tokens_from_huge_pages(default_gguf_path,
         llm = LLM(str(default_gguf_path), kv_cache_memory=32 << 20)
         outs = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)]
         return llm, outs
+
     llm, moved = run()
     head = llm.engine.core.runner.model.lm_head
     assert smaps_of(head.qweight.data_ptr()).get("THPeligible") == "1"
@@ -111,7 +114,7 @@ def test_a_storage_shared_with_a_tensor_left_behind_is_copied_but_never_discarde
     """Pages of an old storage are handed back as they are copied only where the tensors being
     moved are all that hold it: a view outside the model keeps its values."""
     m = Holder()
-    elsewhere = m.weight[3]                                  # a view nobody will move
+    elsewhere = m.weight[3]  # a view nobody will move
     want = elsewhere.clone()
     storage = m.weight.untyped_storage()
     assert not huge_pages._held_only_by(storage, [m.weight])
@@ -127,6 +130,6 @@ def test_copying_with_discard_hands_back_the_old_pages():
     source = torch.ones(4 << 20, dtype=torch.uint8)
     region = torch.empty_like(source)
     huge_pages._copy(source.untyped_storage(), region, 1 << 20, discard=True)
-    assert int(region.sum()) == source.numel()                # the copy is whole
+    assert int(region.sum()) == source.numel()  # the copy is whole
     # the source's pages read back as zeros: all but the part-pages at each 1 MiB piece's ends
     assert int(source.sum()) <= 4 * 2 * 4096

@@ -22,8 +22,8 @@ def test_reduced_precision_answers_like_float32(default_model_dir, smol_llm, dty
     assert out.text == ref.text == "The capital of France is Paris."
     got = [lp[t] for lp, t in zip(out.logprobs, out.token_ids)]
     want = [lp[t] for lp, t in zip(ref.logprobs, ref.token_ids)]
-    assert got == pytest.approx(want, abs=0.25)     # measured: within 0.15 in bf16
-    assert got != pytest.approx(want, abs=1e-6)     # and really computed in reduced precision
+    assert got == pytest.approx(want, abs=0.25)  # measured: within 0.15 in bf16
+    assert got != pytest.approx(want, abs=1e-6)  # and really computed in reduced precision
 
 
 def test_unknown_dtype_is_rejected(default_model_dir):

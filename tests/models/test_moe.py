@@ -9,8 +9,18 @@ from tokenloom.models.moe import SparseMoeBlock, route
 
 
 def _block(experts: int = 8, top_k: int = 2, shared: int = 0) -> SparseMoeBlock:
-    cfg = ModelConfig("MixtralForCausalLM", 64, 32, 1, 4, 2, 8, 16, 128,
-                      moe=MoeConfig(experts, top_k, 16, (0,), shared_intermediate_size=shared))
+    cfg = ModelConfig(
+        "MixtralForCausalLM",
+        64,
+        32,
+        1,
+        4,
+        2,
+        8,
+        16,
+        128,
+        moe=MoeConfig(experts, top_k, 16, (0,), shared_intermediate_size=shared),
+    )
     torch.manual_seed(0)
     block = SparseMoeBlock(cfg)
     for p in block.parameters():
@@ -38,7 +48,7 @@ def test_one_token_path_matches_the_grouped_path():
     x = torch.randn(6, 32)
     together = block.forward(x)
     for t in range(6):
-        torch.testing.assert_close(block.forward(x[t:t + 1]), together[t:t + 1], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(block.forward(x[t : t + 1]), together[t : t + 1], rtol=1e-5, atol=1e-5)
 
 
 def test_routing_weights_are_the_top_k_softmax_probabilities():

@@ -35,8 +35,22 @@ def test_greedy_tokens_and_logprobs_match_hf(arch, tiny_model_dir):
         assert got == pytest.approx(ref.logprobs, abs=1e-4)
 
 
-@pytest.mark.parametrize("arch", ["llama_gqa", "mistral_sliding", "qwen2_window_layers", "gemma3", "olmo2", "gpt2",
-                                  "mixtral", "qwen2_moe", "gemma2", "phi3_longrope", "stablelm"])
+@pytest.mark.parametrize(
+    "arch",
+    [
+        "llama_gqa",
+        "mistral_sliding",
+        "qwen2_window_layers",
+        "gemma3",
+        "olmo2",
+        "gpt2",
+        "mixtral",
+        "qwen2_moe",
+        "gemma2",
+        "phi3_longrope",
+        "stablelm",
+    ],
+)
 def test_batched_equals_one_at_a_time(arch, tiny_model_dir):
     llm = LLM(str(tiny_model_dir(arch)), kv_cache_memory=16 << 20)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
@@ -49,8 +63,21 @@ def test_batched_equals_one_at_a_time(arch, tiny_model_dir):
             assert list(lb.values()) == pytest.approx(list(ls.values()), abs=1e-5)
 
 
-@pytest.mark.parametrize("arch", ["llama_gqa", "mistral_sliding", "qwen2_window_layers", "gemma3", "olmo2",
-                                  "qwen3_moe", "gemma2", "phi3_partial_rotary", "olmoe", "stablelm_parallel"])
+@pytest.mark.parametrize(
+    "arch",
+    [
+        "llama_gqa",
+        "mistral_sliding",
+        "qwen2_window_layers",
+        "gemma3",
+        "olmo2",
+        "qwen3_moe",
+        "gemma2",
+        "phi3_partial_rotary",
+        "olmoe",
+        "stablelm_parallel",
+    ],
+)
 def test_chunked_prefill_equals_whole_prefill(arch, tiny_model_dir):
     folder = str(tiny_model_dir(arch))
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0)
@@ -69,10 +96,10 @@ def test_batched_decode_ignores_garbage_past_each_sequence(tiny_model_dir):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     expected = [llm.generate([p], params)[0].outputs[0].token_ids for p in PROMPTS]
     kv = llm.engine.core.runner.kv_cache
-    for k, v in zip(kv.keys, kv.values):      # every block a request can be given (not the null block)
-        k[:kv.num_blocks].fill_(float("nan"))
-        v[:kv.num_blocks].fill_(float("nan"))
-    llm.engine.core.block_manager.reset_prefix_cache()   # the cached prefixes' contents were just destroyed
+    for k, v in zip(kv.keys, kv.values):  # every block a request can be given (not the null block)
+        k[: kv.num_blocks].fill_(float("nan"))
+        v[: kv.num_blocks].fill_(float("nan"))
+    llm.engine.core.block_manager.reset_prefix_cache()  # the cached prefixes' contents were just destroyed
     assert [r.outputs[0].token_ids for r in llm.generate(PROMPTS, params)] == expected
 
 

@@ -18,8 +18,20 @@ from tokenloom.quant.gguf.tensor import KERNEL_TYPES, GGMLTensor
 from tokenloom.quant.int8.kernels import panels_available as ggml_panels_available
 
 # byte offsets of each type's float16 fields (random bytes there could be inf/nan)
-HALF_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "IQ4_NL": [0],
-               "Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "IQ4_XS": [0]}
+HALF_FIELDS = {
+    "Q4_0": [0],
+    "Q4_1": [0, 2],
+    "Q5_0": [0],
+    "Q5_1": [0, 2],
+    "Q8_0": [0],
+    "IQ4_NL": [0],
+    "Q2_K": [80, 82],
+    "Q3_K": [108],
+    "Q4_K": [0, 2],
+    "Q5_K": [0, 2],
+    "Q6_K": [208],
+    "IQ4_XS": [0],
+}
 TYPES = sorted(KERNEL_TYPES)
 
 
@@ -30,8 +42,8 @@ def random_blocks(kind: int, rows: int, k: int, seed: int = 0) -> np.ndarray:
     raw = rng.integers(0, 256, size=(rows, k // values, nbytes), dtype=np.uint8)
     for at in HALF_FIELDS[name]:
         halves = rng.uniform(-0.05, 0.05, size=(rows, k // values)).astype(np.float16)
-        raw[:, :, at:at + 2] = halves.view(np.uint8).reshape(rows, k // values, 2)
-    if name == "Q8_0":                # codes -127..127, as llama.cpp writes them (-128: panels.fits)
+        raw[:, :, at : at + 2] = halves.view(np.uint8).reshape(rows, k // values, 2)
+    if name == "Q8_0":  # codes -127..127, as llama.cpp writes them (-128: panels.fits)
         codes = raw[:, :, 2:]
         codes[codes == 0x80] = 0x81
     return raw.reshape(rows, -1)
@@ -87,13 +99,13 @@ def test_matmul_matches_dequantized_product(kernel_ops, kind, m):
     out = torch.full((m, n + 5), 7.0)
     kernel_ops.matmul_into(out, 2, xq, k, torch.from_numpy(raw), kind)
     want = x @ reference(kind, raw, k).T
-    torch.testing.assert_close(out[:, 2:2 + n], want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
-    assert torch.all(out[:, :2] == 7.0) and torch.all(out[:, 2 + n:] == 7.0)   # other columns untouched
+    torch.testing.assert_close(out[:, 2 : 2 + n], want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    assert torch.all(out[:, :2] == 7.0) and torch.all(out[:, 2 + n :] == 7.0)  # other columns untouched
 
 
 def test_activation_quantization_error_is_small(kernel_ops):
     """Off the grid, the product stays within int8 activation rounding of the float one."""
-    kind, k = 14, 1024                                   # Q6_K
+    kind, k = 14, 1024  # Q6_K
     raw = random_blocks(kind, 64, k)
     x = torch.randn(2, k)
     out = torch.empty(2, 64)
@@ -120,8 +132,9 @@ needs_panels = pytest.mark.skipif(not gguf_panels.available(), reason="no GGUF p
 
 
 @needs_panels
-@pytest.mark.parametrize("kind", sorted(gguf_panels.LAYOUTS),
-                         ids=[KERNEL_TYPES[t][0] for t in sorted(gguf_panels.LAYOUTS)])
+@pytest.mark.parametrize(
+    "kind", sorted(gguf_panels.LAYOUTS), ids=[KERNEL_TYPES[t][0] for t in sorted(gguf_panels.LAYOUTS)]
+)
 @pytest.mark.parametrize("m", [1, 5])
 def test_panels_hold_the_same_values_and_products(kind, m):
     k, n = 768, 48
@@ -135,12 +148,13 @@ def test_panels_hold_the_same_values_and_products(kind, m):
     panels.matmul_into(out, 16, ggml.ops().quantize_activations(x))
     want = x @ ref.T
     torch.testing.assert_close(out[:, 16:], want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
-    bytes_per_32 = {6: 22, 7: 24, 12: 19, 13: 23, 14: 26.5}[kind]   # the file: 22, 24, 18, 22, 26.25
+    bytes_per_32 = {6: 22, 7: 24, 12: 19, 13: 23, 14: 26.5}[kind]  # the file: 22, 24, 18, 22, 26.25
     assert panels.nbytes == bytes_per_32 * n * k // 32
 
 
-@pytest.mark.parametrize("kind", sorted(gguf_blocks.EXACT_FORMATS),
-                         ids=[KERNEL_TYPES[t][0] for t in sorted(gguf_blocks.EXACT_FORMATS)])
+@pytest.mark.parametrize(
+    "kind", sorted(gguf_blocks.EXACT_FORMATS), ids=[KERNEL_TYPES[t][0] for t in sorted(gguf_blocks.EXACT_FORMATS)]
+)
 def test_exact_conversions_keep_every_value(kind):
     k = 256
     raw = random_blocks(kind, 16, k)
@@ -154,6 +168,7 @@ def test_exact_conversions_keep_every_value(kind):
 def test_one_call_linear_is_the_same_bits_as_its_steps(kind):
     """panel_linear (quantize, product, bias, silu * up in one call) against the ops one by one."""
     from tokenloom.layers import fused
+
     assert fused.build()
     k, n, m = 512, 64, 3
     panels = gguf_panels.to_panels(GGMLTensor(kind, torch.from_numpy(random_blocks(kind, n, k)), k))
@@ -170,25 +185,27 @@ def test_fused_layer_joins_touching_shards_of_one_type_without_changing_outputs(
     """A qkv/gate_up layer loads shard by shard; touching shards of one type become one kernel
     call, and each output column is what the shard alone gives."""
     from tokenloom.quant.gguf.modules import GGMLLinear
+
     k, rows = 256, 32
     raws = [random_blocks(kind, rows, k, seed=i) for i, kind in enumerate(kinds)]
     layer = GGMLLinear(k, rows * len(kinds), bias=False)
-    for i in reversed(range(len(kinds))):                         # out of order, as a file may hold them
+    for i in reversed(range(len(kinds))):  # out of order, as a file may hold them
         layer.load_weight(GGMLTensor(kinds[i], torch.from_numpy(raws[i]), k), slice(i * rows, (i + 1) * rows))
     x = torch.randn(2, k)
     y = layer(x)
     for i, kind in enumerate(kinds):
         alone = GGMLLinear(k, rows, bias=False)
         alone.load_weight(GGMLTensor(kind, torch.from_numpy(raws[i]), k))
-        assert torch.equal(y[:, i * rows:(i + 1) * rows], alone(x))
+        assert torch.equal(y[:, i * rows : (i + 1) * rows], alone(x))
     if ggml.ops() is not None and gguf_panels.available():
         runs = 1 + sum(a != b for a, b in itertools.pairwise(kinds))
         assert len(layer.segments) == runs
 
 
 @needs_panels
-@pytest.mark.parametrize("kind", sorted(gguf_panels.LAYOUTS),
-                         ids=[KERNEL_TYPES[t][0] for t in sorted(gguf_panels.LAYOUTS)])
+@pytest.mark.parametrize(
+    "kind", sorted(gguf_panels.LAYOUTS), ids=[KERNEL_TYPES[t][0] for t in sorted(gguf_panels.LAYOUTS)]
+)
 def test_panel_product_of_a_row_does_not_depend_on_the_batch(kind):
     """Rows go 8 (AVX2) or 4 at a time, then 4, then the rest, through a different loop than a lone
     row (decode): same bits. 15 rows take every pass: 8 + 4 + 3 (AVX2), 4 + 4 + 4 + 3."""
@@ -197,18 +214,20 @@ def test_panel_product_of_a_row_does_not_depend_on_the_batch(kind):
     x = torch.randn(m, k)
     batch = panels.linear(x, None)
     for i in range(m):
-        assert torch.equal(batch[i:i + 1], panels.linear(x[i:i + 1], None)), f"row {i}"
+        assert torch.equal(batch[i : i + 1], panels.linear(x[i : i + 1], None)), f"row {i}"
 
 
 @pytest.mark.skipif(not native.cpu_has_avx512_vnni(), reason="no AVX-512 VNNI on this CPU: one build only")
-@pytest.mark.parametrize("kind", [*sorted(gguf_panels.LAYOUTS), 8, 3],
-                         ids=[KERNEL_TYPES[t][0] for t in [*sorted(gguf_panels.LAYOUTS), 8, 3]])
+@pytest.mark.parametrize(
+    "kind", [*sorted(gguf_panels.LAYOUTS), 8, 3], ids=[KERNEL_TYPES[t][0] for t in [*sorted(gguf_panels.LAYOUTS), 8, 3]]
+)
 def test_the_avx2_panel_kernels_give_the_vnni_builds_bits(kind):
     """The AVX2 build runs each panel as two halves of 8 rows with maddubs + madd where the VNNI
     build runs dpbusd: the same exact int32 dot products and the same float operations per output,
     so the same bits, for a lone row (decode) and a batch (GGUF panels; Q8_0 and Q4_1 as int8 and
     int4 panels)."""
     from tokenloom.quant.int8 import kernels, panels
+
     k, n = 512, 48
     raw = GGMLTensor(kind, torch.from_numpy(random_blocks(kind, n, k)), k)
     outs = {}
@@ -222,9 +241,11 @@ def test_the_avx2_panel_kernels_give_the_vnni_builds_bits(kind):
             assert native.load(kernels._SOURCE, "int8/int4 CPU kernels", isa)
             ops = getattr(torch.ops, "tokenloom_quant" + ("_" + library if library else ""))
             q = panels.to_panels(gguf_blocks.to_quantized(raw))
-            run = (lambda x: ops.panel_linear_int8(x, q.data, q.scales, 32, None, False)) if q.bits == 8 else \
-                (lambda x: ops.panel_linear_int4(x, q.data, q.scales, q.offsets, 32, None, False))  # noqa: B023
-        x = torch.randn(13, k, generator=torch.Generator().manual_seed(kind)) * 3    # 8 + 4 + 1 rows (AVX2)
+            if q.bits == 8:
+                run = lambda x: ops.panel_linear_int8(x, q.data, q.scales, 32, None, False)  # noqa: B023, E731
+            else:
+                run = lambda x: ops.panel_linear_int4(x, q.data, q.scales, q.offsets, 32, None, False)  # noqa: B023, E731
+        x = torch.randn(13, k, generator=torch.Generator().manual_seed(kind)) * 3  # 8 + 4 + 1 rows (AVX2)
         outs[isa] = (run(x[:1].contiguous()), run(x))
     assert torch.equal(outs["avx2"][0], outs["avx512vnni"][0]) and torch.equal(outs["avx2"][1], outs["avx512vnni"][1])
 
@@ -236,7 +257,8 @@ def test_a_whole_head_loads_straight_into_panels_as_the_two_steps_would(kind, mo
     panel layout: the same buffers as loading the row layout and re-laying it (use_panels),
     rows past a chunk boundary included."""
     from tokenloom.quant.int8 import modules, panels
-    monkeypatch.setattr(panels, "_CHUNK_ROWS", 32)               # 80 rows: chunks of 32, 32, 16
+
+    monkeypatch.setattr(panels, "_CHUNK_ROWS", 32)  # 80 rows: chunks of 32, 32, 16
     n, k = 80, 256
     blocks = GGMLTensor(kind, torch.from_numpy(random_blocks(kind, n, k)), k)
     fmt = gguf_blocks.EXACT_FORMATS[kind]
@@ -281,6 +303,7 @@ def test_decode_gives_the_same_bits_whichever_way_it_walks_the_panels(tmp_path):
     import subprocess
     import sys
     from pathlib import Path
+
     root = Path(__file__).resolve().parents[2]
     results = []
     for walk in ("split", "adjacent"):

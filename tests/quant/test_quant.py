@@ -32,7 +32,7 @@ def test_int4_packing_is_ggufs_block_layout():
 def test_rounding_error_is_at_most_half_a_step(bits, group):
     w = torch.randn(16, 256) * 0.05
     q = quantize_int8(w, group) if bits == 8 else quantize_int4(w, group)
-    step = q.scales.repeat_interleave(q.group_size, dim=1)          # (N, K) scale of each element
+    step = q.scales.repeat_interleave(q.group_size, dim=1)  # (N, K) scale of each element
     assert ((w - q.dequantize()).abs() <= step / 2 + 1e-6).all()
     codes = q.data.float() if bits == 8 else unpack_int4(q.data).float()
     assert codes.min() >= (-127 if bits == 8 else 0) and codes.max() <= (127 if bits == 8 else 15)
@@ -54,7 +54,7 @@ def test_kernel_matches_the_dequantized_matmul(fmt, rows):
     q = quantize_int8(w, f.group_size) if f.bits == 8 else quantize_int4(w, f.group_size)
     got = kernels.bind(q, bias, False)(x)
     want = x @ q.dequantize().T + bias
-    assert rel_err(got, want) < (0.01 if f.bits == 8 else 0.03)     # measured: 0.5% / 1-2%
+    assert rel_err(got, want) < (0.01 if f.bits == 8 else 0.03)  # measured: 0.5% / 1-2%
 
 
 @needs_kernels
@@ -65,7 +65,7 @@ def test_kernel_rows_do_not_depend_on_their_batch(bits):
     q = quantize_int8(w) if bits == 8 else quantize_int4(w)
     run = kernels.bind(q, None, False)
     whole = run(x)
-    assert all(torch.equal(whole[i:i + 1], run(x[i:i + 1].contiguous())) for i in range(7))
+    assert all(torch.equal(whole[i : i + 1], run(x[i : i + 1].contiguous())) for i in range(7))
 
 
 @needs_kernels
@@ -76,12 +76,15 @@ def test_vnni_build_gives_the_avx2_builds_bits(bits):
     assert native.load(kernels._SOURCE, "int8/int4 CPU kernels") and kernels._ops() is torch.ops.tokenloom_quant_vnni
     torch.manual_seed(2)
     w, x = torch.randn(96, 320) * 0.05, torch.randn(9, 320) * 4
-    w[:, :32] = torch.where(torch.rand(96, 32) < 0.5, -1.0, 1.0)   # whole blocks at the code extremes
+    w[:, :32] = torch.where(torch.rand(96, 32) < 0.5, -1.0, 1.0)  # whole blocks at the code extremes
     x[:, :32] = torch.where(torch.rand(9, 32) < 0.5, -8.0, 8.0)
     q = quantize_int8(w) if bits == 8 else quantize_int4(w)
     for ops in (torch.ops.tokenloom_quant, torch.ops.tokenloom_quant_vnni):
-        got = ops.linear_int8(x, q.data, q.scales, q.group_size, None) if bits == 8 else \
-            ops.linear_int4(x, q.data, q.scales, q.offsets, q.group_size, None)
+        got = (
+            ops.linear_int8(x, q.data, q.scales, q.group_size, None)
+            if bits == 8
+            else ops.linear_int4(x, q.data, q.scales, q.offsets, q.group_size, None)
+        )
         if ops is torch.ops.tokenloom_quant:
             avx2 = got
     assert torch.equal(got, avx2)
@@ -103,21 +106,21 @@ def reference_activation_codes(x: torch.Tensor):
 def test_activation_codes_match_the_reference_in_every_build():
     """Ties (x.5 at scale 1) round to even, zero blocks get scale 0, a NaN or inf codes as 0: the
     vectorized quantization (AVX2 and AVX-512 builds) against the arithmetic it claims."""
-    assert native.load(kernels._SOURCE, "int8/int4 CPU kernels") and kernels._ops() is not None   # AVX2, fastest
+    assert native.load(kernels._SOURCE, "int8/int4 CPU kernels") and kernels._ops() is not None  # AVX2, fastest
     torch.manual_seed(3)
     x = torch.randn(4, 160) * 4
-    x[:, 32:64] = torch.arange(32) - 15.5                            # halves: ties at scale ...
-    x[:, 32] = 127.0                                                 # ... exactly 1
+    x[:, 32:64] = torch.arange(32) - 15.5  # halves: ties at scale ...
+    x[:, 32] = 127.0  # ... exactly 1
     x[:, 64:96] = 0.0
     x[1, 100], x[2, 130] = float("nan"), float("inf")
-    x[3, 96:128] = torch.randn(32) * 1e-30                           # tiny (subnormal-adjacent) scales
+    x[3, 96:128] = torch.randn(32) * 1e-30  # tiny (subnormal-adjacent) scales
     want = reference_activation_codes(x)
     builds = [torch.ops.tokenloom_quant] + ([torch.ops.tokenloom_quant_vnni] if native.cpu_has_avx512_vnni() else [])
     for ops in builds:
         got = ops.quantize_rows(x)
         for g, w, what in zip(got, want, ("codes", "scales", "code sums")):
             assert torch.equal(g, w), f"{ops}: {what} differ from the reference"
-    assert (want[0][:, 33:64] % 2 == 0).all() and want[0][0, 33] == -14   # ties went to even
+    assert (want[0][:, 33:64] % 2 == 0).all() and want[0][0, 33] == -14  # ties went to even
 
 
 # Relative error of a quantized layer vs the float layer on random inputs, as documented
@@ -139,7 +142,7 @@ def test_quantized_linear_stays_within_its_stated_error(fmt):
     assert got.shape == want.shape == (4, 7, 384)
     err = rel_err(got - linear.bias, want - linear.bias)
     assert err < STATED_ERROR[fmt]
-    assert err > 1e-4          # really quantized
+    assert err > 1e-4  # really quantized
 
 
 def test_a_reloaded_bfloat16_bias_reaches_the_kernel():

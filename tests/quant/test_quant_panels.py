@@ -17,7 +17,7 @@ def quantized(fmt: str, n: int, k: int, seed: int = 0):
     torch.manual_seed(seed)
     f = WeightFormat.parse(fmt)
     w = torch.randn(n, k) * 0.05
-    w[:, :32] = torch.where(torch.rand(n, 32) < 0.5, -1.0, 1.0)      # a block at the code extremes
+    w[:, :32] = torch.where(torch.rand(n, 32) < 0.5, -1.0, 1.0)  # a block at the code extremes
     return quantize_int8(w, f.group_size) if f.bits == 8 else quantize_int4(w, f.group_size)
 
 
@@ -26,11 +26,11 @@ def test_panels_hold_the_same_codes_and_convert_back_exactly(fmt):
     q = quantized(fmt, 48, 256)
     p = panels.to_panels(q)
     assert p.data.numel() == q.data.numel() and p.scales.shape == (3, q.scales.shape[1], 16)
-    if q.bits == 4:     # panel 1, block 2, chunk 3, row 16+5: byte i = codes k | k+4 << 4, k = 64 + 24 + i
+    if q.bits == 4:  # panel 1, block 2, chunk 3, row 16+5: byte i = codes k | k+4 << 4, k = 64 + 24 + i
         codes = panels._codes(q)
         for i in range(4):
             assert p.data[1, 2, 3, 4 * 5 + i] == codes[21, 88 + i] | (codes[21, 92 + i] << 4)
-    else:               # byte i of chunk 3 = code of k = 64 + 12 + i, plus 128
+    else:  # byte i of chunk 3 = code of k = 64 + 12 + i, plus 128
         for i in range(4):
             assert int(p.data[1, 2, 3, 4 * 5 + i]) == int(q.data[21, 76 + i]) + 128
     back = panels.from_panels(p)
@@ -59,10 +59,10 @@ def test_panel_kernel_matches_the_row_kernel_and_the_dequantized_matmul(fmt, row
 @needs_panels
 @pytest.mark.parametrize("fmt", ["int8", "int4-g32"])
 def test_panel_kernel_rows_do_not_depend_on_their_batch(fmt):
-    p = panels.to_panels(quantized(fmt, 208, 576))     # 13 panels: 2-panel passes and a leftover
+    p = panels.to_panels(quantized(fmt, 208, 576))  # 13 panels: 2-panel passes and a leftover
     x = torch.randn(6, 576)
     whole = kernels.bind(p, None, True)(x)
-    assert all(torch.equal(whole[i:i + 1], kernels.bind(p, None, True)(x[i:i + 1].contiguous())) for i in range(6))
+    assert all(torch.equal(whole[i : i + 1], kernels.bind(p, None, True)(x[i : i + 1].contiguous())) for i in range(6))
 
 
 @needs_panels
@@ -72,8 +72,9 @@ def test_gate_up_with_silu_in_the_call_is_the_same_bits_as_the_ops_one_by_one(fm
     """The int8/int4 panel call with silu(gate) * up after it against the product, then fused.silu_mul;
     the layer takes that path (pairs_gate_up) once re-laid as panels."""
     from tokenloom.layers import fused
+
     assert fused.build()
-    q = quantized(fmt, 96, 256, seed=rows)       # 6 panels: gate 3, up 3
+    q = quantized(fmt, 96, 256, seed=rows)  # 6 panels: gate 3, up 3
     torch.manual_seed(rows)
     x, bias = torch.randn(rows, 256), torch.randn(96)
     product = kernels.bind(panels.to_panels(q), bias, True)(x)
@@ -82,10 +83,10 @@ def test_gate_up_with_silu_in_the_call_is_the_same_bits_as_the_ops_one_by_one(fm
     layer = QuantizedLinear(256, 96, True, WeightFormat.parse(fmt))
     layer.load_weight(q.dequantize())
     layer.bias.copy_(bias)
-    assert not layer.pairs_gate_up                      # the row layout has no such call
+    assert not layer.pairs_gate_up  # the row layout has no such call
     layer.use_panels()
     assert layer.pairs_gate_up and torch.equal(layer.silu_mul(x), fused.silu_mul(layer(x)))
-    half = x.bfloat16()                                  # computed in float32, returned in x's dtype
+    half = x.bfloat16()  # computed in float32, returned in x's dtype
     assert torch.equal(layer.silu_mul(half), layer.silu_mul(half.float()).bfloat16())
 
 
@@ -115,7 +116,7 @@ def test_the_native_row_lookup_dequantizes_as_the_torch_one(fmt):
     """kernels.panel_rows (an embedding's lookup) against panels.rows(...).dequantize(): same bits;
     an out-of-range id is an error naming it."""
     q = quantized(fmt, 64, 384, seed=4)
-    q.scales.mul_(torch.where(torch.rand_like(q.scales) < 0.5, 1.0, 4.0))   # varied, still on the float16 grid
+    q.scales.mul_(torch.where(torch.rand_like(q.scales) < 0.5, 1.0, 4.0))  # varied, still on the float16 grid
     p = panels.to_panels(q)
     ids = torch.tensor([0, 63, 21, 16, 21, 40])
     assert torch.equal(kernels.panel_rows(p, ids), panels.rows(p, ids).dequantize())
@@ -135,7 +136,7 @@ def test_quantize_puts_scales_and_offsets_on_the_float16_grid(fmt):
 @needs_panels
 def test_a_layer_whose_scales_float16_cannot_hold_keeps_the_row_layout():
     q = quantized("int4-g32", 32, 256)
-    q.scales = q.scales * (1 + 1e-6)                  # off the float16 grid: float16 would change them
+    q.scales = q.scales * (1 + 1e-6)  # off the float16 grid: float16 would change them
     layer = QuantizedLinear(256, 32, False, WeightFormat.parse("int4"))
     layer.load_weight(q)
     assert not panels.fits(q) and not layer.use_panels()
@@ -154,6 +155,6 @@ def test_an_int8_weight_with_code_minus_128_keeps_the_row_layout():
     layer.load_weight(q)
     assert not panels.fits(q) and not layer.use_panels()
     x = torch.randn(3, 256)
-    x[:, 7] = -3.0                                    # the -128 code meets a negative activation
+    x[:, 7] = -3.0  # the -128 code meets a negative activation
     want = x @ q.dequantize().T
     assert ((layer(x) - want).norm() / want.norm()).item() < 0.01

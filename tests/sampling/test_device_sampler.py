@@ -55,7 +55,7 @@ def test_penalties_equal_the_general_processors(device):
     want = apply_processors(logits.cpu(), metadata(ROWS))
     got = device_path._penalized(logits, meta, settings_of(meta, device)).cpu()
     assert torch.allclose(got, want, atol=1e-6)
-    assert not torch.allclose(got, logits.cpu())                                  # they did something
+    assert not torch.allclose(got, logits.cpu())  # they did something
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -64,22 +64,32 @@ def test_each_sampled_rows_distribution_equals_the_chain(device):
     meta = metadata(sampled)
     logits = random_logits(len(sampled), device, seed=1)
     want = sampling_distribution(logits.cpu(), metadata(sampled))
-    for rows in ([0, 1, 2, 3, 4, 5, 6], [1, 4, 5]):                            # full rows / narrowed to top-k
-        sub = SamplingMetadata([meta.params[i] for i in rows], [meta.prompt_token_ids[i] for i in rows],
-                               [meta.output_token_ids[i] for i in rows], [None] * len(rows),
-                               [frozenset()] * len(rows))
-        probs, columns = device_path._filtered(logits[rows], settings_of(sub, device),
-                                               [p.top_k for p in sub.params], True, True)
-        full = probs if columns is None else torch.zeros(len(rows), V, dtype=probs.dtype,
-                                                         device=probs.device).scatter(1, columns, probs)
+    for rows in ([0, 1, 2, 3, 4, 5, 6], [1, 4, 5]):  # full rows / narrowed to top-k
+        sub = SamplingMetadata(
+            [meta.params[i] for i in rows],
+            [meta.prompt_token_ids[i] for i in rows],
+            [meta.output_token_ids[i] for i in rows],
+            [None] * len(rows),
+            [frozenset()] * len(rows),
+        )
+        probs, columns = device_path._filtered(
+            logits[rows], settings_of(sub, device), [p.top_k for p in sub.params], True, True
+        )
+        full = (
+            probs
+            if columns is None
+            else torch.zeros(len(rows), V, dtype=probs.dtype, device=probs.device).scatter(1, columns, probs)
+        )
         assert torch.allclose(full.cpu(), want[rows], atol=1e-6), rows
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_seed_draws_what_the_general_sampler_draws(device):
     """Same u from the row's generator, same distribution: the same token, seed after seed."""
-    params = [SamplingParams(temperature=1.0, top_k=50, seed=s) for s in range(3)] + \
-             [SamplingParams(temperature=0.8, top_p=0.9, seed=7), SamplingParams(temperature=0)]
+    params = [SamplingParams(temperature=1.0, top_k=50, seed=s) for s in range(3)] + [
+        SamplingParams(temperature=0.8, top_p=0.9, seed=7),
+        SamplingParams(temperature=0),
+    ]
     seeds = [0, 1, 2, 7, None]
     logits = random_logits(len(params), device, seed=2)
     general, on_device = metadata(params, seeds), metadata(params, seeds)
@@ -92,6 +102,7 @@ def test_a_seed_draws_what_the_general_sampler_draws(device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_draws_follow_the_distribution(device):
     from scipy.stats import chisquare
+
     params = SamplingParams(temperature=0.9, top_k=6)
     logits = torch.tensor([[2.0, 1.5, 1.0, 0.5, 0.0, -0.5] + [-1.0] * (V - 6)]).to(device)
     probs = sampling_distribution(logits.cpu(), metadata([params]))[0, :6].double()
@@ -100,18 +111,26 @@ def test_draws_follow_the_distribution(device):
     meta = metadata([params] * n)
     tokens, _ = device_path.sample_on_device(logits.expand(n, V).contiguous(), meta)
     counts = torch.bincount(tokens.cpu(), minlength=V)
-    assert counts[6:].sum() == 0                                                   # top-k held
+    assert counts[6:].sum() == 0  # top-k held
     assert chisquare(counts[:6].double().numpy(), (probs * n).numpy()).pvalue > 1e-3
 
 
 def test_rows_the_device_path_does_not_take():
     assert device_path.row_takes(SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, seed=3), 0)
-    for other in (dict(logit_bias={1: 2.0}), dict(min_tokens=4), dict(no_repeat_ngram_size=2),
-                  dict(dry_multiplier=0.8), dict(mirostat=2), dict(typical_p=0.9), dict(xtc_probability=0.5),
-                  dict(explain=2), dict(samplers=["top_k", "temperature"])):
+    for other in (
+        dict(logit_bias={1: 2.0}),
+        dict(min_tokens=4),
+        dict(no_repeat_ngram_size=2),
+        dict(dry_multiplier=0.8),
+        dict(mirostat=2),
+        dict(typical_p=0.9),
+        dict(xtc_probability=0.5),
+        dict(explain=2),
+        dict(samplers=["top_k", "temperature"]),
+    ):
         assert not device_path.row_takes(SamplingParams(temperature=0.8, **other), 0), other
-    assert device_path.row_takes(SamplingParams(temperature=0.8, min_tokens=4), 4)        # satisfied
-    assert not device_path.takes(torch.zeros(1, V), metadata([SamplingParams()]))          # CPU logits: general
+    assert device_path.row_takes(SamplingParams(temperature=0.8, min_tokens=4), 4)  # satisfied
+    assert not device_path.takes(torch.zeros(1, V), metadata([SamplingParams()]))  # CPU logits: general
 
 
 @pytest.mark.gpu

@@ -40,12 +40,13 @@ def _histories(rows: int, seed: int, alphabet: int = 6, longest: int = 60) -> li
     return [rng.integers(0, alphabet, size=int(rng.integers(1, longest))).tolist() for _ in range(rows)]
 
 
-def _meta(params: list[SamplingParams], histories: list[list[int]] | None = None,
-          states: list[SamplingState] | None = None) -> SamplingMetadata:
+def _meta(
+    params: list[SamplingParams], histories: list[list[int]] | None = None, states: list[SamplingState] | None = None
+) -> SamplingMetadata:
     """Rows whose history is split into prompt (first half) and output (second half)."""
     histories = histories or [[] for _ in params]
-    prompts = [h[:len(h) // 2] for h in histories]
-    outputs = [h[len(h) // 2:] for h in histories]
+    prompts = [h[: len(h) // 2] for h in histories]
+    outputs = [h[len(h) // 2 :] for h in histories]
     n = len(params)
     return SamplingMetadata(params, prompts, outputs, [None] * n, [frozenset()] * n, states)
 
@@ -64,11 +65,11 @@ def test_no_repeat_ngram_equals_hf_for_each_row_of_a_mixed_batch():
     logits = _logits(12, seed=2)
     ours = apply_processors(logits, _meta([SamplingParams(no_repeat_ngram_size=n) for n in sizes], histories))
     for i, (n, h) in enumerate(zip(sizes, histories)):
-        expected = logits[i:i + 1].clone()
+        expected = logits[i : i + 1].clone()
         if n:
             expected = hf.NoRepeatNGramLogitsProcessor(n)(torch.tensor([h]), expected)
-        _same_support(ours[i:i + 1], expected)
-    assert torch.isinf(ours).sum() > 20              # the histories repeat: plenty was banned
+        _same_support(ours[i : i + 1], expected)
+    assert torch.isinf(ours).sum() > 20  # the histories repeat: plenty was banned
 
 
 def test_bad_words_equal_hf_for_each_row():
@@ -79,37 +80,40 @@ def test_bad_words_equal_hf_for_each_row():
     params = [SamplingParams(bad_words=["set"]) for _ in words]
     ours = apply_processors(logits, _meta(params, histories, states))
     for i, (h, w) in enumerate(zip(histories, words)):
-        expected = hf.NoBadWordsLogitsProcessor(w, eos_token_id=V - 1)(torch.tensor([h]), logits[i:i + 1].clone())
-        _same_support(ours[i:i + 1], expected)
+        expected = hf.NoBadWordsLogitsProcessor(w, eos_token_id=V - 1)(torch.tensor([h]), logits[i : i + 1].clone())
+        _same_support(ours[i : i + 1], expected)
     assert torch.isinf(ours[1, [11, 12]]).all() and not torch.isinf(ours[1, 13])
 
 
 def test_repetition_penalty_range_sees_only_the_last_tokens():
     params = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, repetition_penalty_range=3)
     logits = torch.full((1, V), 1.0)
-    meta = SamplingMetadata([params], [[7, 8]], [[9, 9, 10]], [None], [frozenset()])   # last 3: 9 9 10
+    meta = SamplingMetadata([params], [[7, 8]], [[9, 9, 10]], [None], [frozenset()])  # last 3: 9 9 10
     out = apply_processors(logits, meta)[0]
-    assert out[7] == out[8] == 1.0                                   # out of range: untouched
+    assert out[7] == out[8] == 1.0  # out of range: untouched
     assert out[9] == pytest.approx(0.5 - 2 * 0.5) and out[10] == pytest.approx(0.5 - 0.5)
     wide = SamplingMetadata([SamplingParams(repetition_penalty=2.0)], [[7, 8]], [[9]], [None], [frozenset()])
-    assert apply_processors(logits, wide)[0, 7] == 0.5               # range 0: the whole history
+    assert apply_processors(logits, wide)[0, 7] == 0.5  # range 0: the whole history
 
 
 # ---- filters against HF's warpers --------------------------------------------------------------
-@pytest.mark.parametrize("name, warper, values", [
-    ("typical_p", lambda v: hf.TypicalLogitsWarper(mass=v), [0.2, 0.5, 0.9, 0.95, 1.0]),
-    ("epsilon_cutoff", lambda v: hf.EpsilonLogitsWarper(epsilon=v), [1e-4, 3e-3, 0.02, 0.1, 0.0]),
-    ("eta_cutoff", lambda v: hf.EtaLogitsWarper(epsilon=v), [1e-4, 3e-3, 0.02, 0.2, 0.0]),
-])
+@pytest.mark.parametrize(
+    "name, warper, values",
+    [
+        ("typical_p", lambda v: hf.TypicalLogitsWarper(mass=v), [0.2, 0.5, 0.9, 0.95, 1.0]),
+        ("epsilon_cutoff", lambda v: hf.EpsilonLogitsWarper(epsilon=v), [1e-4, 3e-3, 0.02, 0.1, 0.0]),
+        ("eta_cutoff", lambda v: hf.EtaLogitsWarper(epsilon=v), [1e-4, 3e-3, 0.02, 0.2, 0.0]),
+    ],
+)
 def test_truncation_filters_equal_hf_warpers_row_by_row(name, warper, values):
     logits = _logits(len(values), seed=4, banned=5)
     params = [SamplingParams(**{name: v}) for v in values]
     probs = sampling_distribution(logits, _meta(params))
     for i, v in enumerate(values):
-        expected = logits[i:i + 1] if v in (0.0, 1.0) else warper(v)(None, logits[i:i + 1].clone())
-        torch.testing.assert_close(probs[i:i + 1], expected.softmax(-1))
+        expected = logits[i : i + 1] if v in (0.0, 1.0) else warper(v)(None, logits[i : i + 1].clone())
+        torch.testing.assert_close(probs[i : i + 1], expected.softmax(-1))
         assert torch.equal(probs[i] > 0, torch.isfinite(expected[0]))
-    assert (probs[:-1] == 0).sum() > (probs[-1] == 0).sum()          # the filters did cut
+    assert (probs[:-1] == 0).sum() > (probs[-1] == 0).sum()  # the filters did cut
 
 
 # ---- llama.cpp's samplers, restated loop by loop -----------------------------------------------
@@ -134,8 +138,11 @@ def test_top_n_sigma_equals_llama_cpp():
     logits = _logits(len(values), seed=5, banned=4)
     probs = sampling_distribution(logits, _meta([SamplingParams(top_n_sigma=v) for v in values]))
     for i, n in enumerate(values):
-        kept = set(range(V)) - {t for t in range(V) if logits[i, t] == -math.inf} if n == 0 else \
-            _ref_top_n_sigma(logits[i].tolist(), n)
+        kept = (
+            set(range(V)) - {t for t in range(V) if logits[i, t] == -math.inf}
+            if n == 0
+            else _ref_top_n_sigma(logits[i].tolist(), n)
+        )
         assert {t for t in range(V) if probs[i, t] > 0} == kept
     assert (probs[0] > 0).sum() < (probs[2] > 0).sum() < (probs[3] > 0).sum()
 
@@ -165,7 +172,7 @@ def test_xtc_is_the_mixture_of_llama_cpp_cut_and_uncut():
         cut = torch.tensor(_ref_xtc_cut(logits[i].tolist(), threshold)).softmax(-1)
         expected = (1 - chance) * logits[i].softmax(-1) + chance * cut
         torch.testing.assert_close(probs[i], expected)
-    assert probs[1, logits[1].argmax()] == 0                           # probability 1: the top is always cut
+    assert probs[1, logits[1].argmax()] == 0  # probability 1: the top is always cut
 
 
 def _ref_mirostat(logits: list[float], mu: float, version: int) -> dict[int, float]:
@@ -173,7 +180,7 @@ def _ref_mirostat(logits: list[float], mu: float, version: int) -> dict[int, flo
     ranked = _softmax_sorted(logits)
     if version == 2:
         size = next((i for i, (_, p) in enumerate(ranked) if -math.log2(p) > mu), len(ranked)) if ranked else 0
-        kept = ranked[:max(size, 1)]
+        kept = ranked[: max(size, 1)]
     else:
         sum_ti_bi = sum_ti_sq = 0.0
         for i in range(min(99, len(ranked) - 1)):
@@ -183,8 +190,8 @@ def _ref_mirostat(logits: list[float], mu: float, version: int) -> dict[int, flo
             sum_ti_sq += t_i * t_i
         s_hat = sum_ti_bi / sum_ti_sq
         eps_hat = s_hat - 1
-        k = ((eps_hat * 2 ** mu) / (1 - len(logits) ** -eps_hat)) ** (1 / s_hat)
-        kept = ranked[:max(int(k), 1)]
+        k = ((eps_hat * 2**mu) / (1 - len(logits) ** -eps_hat)) ** (1 / s_hat)
+        kept = ranked[: max(int(k), 1)]
     total = sum(p for _, p in kept)
     return {t: p / total for t, p in kept}
 
@@ -193,8 +200,9 @@ def _ref_mirostat(logits: list[float], mu: float, version: int) -> dict[int, flo
 def test_mirostat_equals_llama_cpp_and_moves_mu_by_the_surprise(version):
     taus = [3.0, 5.0, 8.0, 1.0]
     logits = _logits(len(taus), seed=7 + version) / 1.5
-    params = [SamplingParams(mirostat=version, mirostat_tau=t, mirostat_eta=0.2, temperature=0.9, top_k=3)
-              for t in taus]                                   # top_k is replaced by mirostat, as in llama.cpp
+    params = [
+        SamplingParams(mirostat=version, mirostat_tau=t, mirostat_eta=0.2, temperature=0.9, top_k=3) for t in taus
+    ]  # top_k is replaced by mirostat, as in llama.cpp
     states = [SamplingState.initial(p) for p in params]
     meta = _meta(params, states=states)
     probs = sampling_distribution(logits.clone(), meta)
@@ -212,7 +220,7 @@ def test_mirostat_equals_llama_cpp_and_moves_mu_by_the_surprise(version):
 def _ref_dry(context: list[int], p: SamplingParams, breakers: dict[int, list[list[int]]]) -> dict[int, float]:
     """llama_sampler_dry_apply, line by line: {token: penalty}."""
     last_n = len(context) if p.dry_penalty_last_n == -1 else min(len(context), p.dry_penalty_last_n)
-    rat = lambda i: context[len(context) - 1 - i]      # noqa: E731 (the ring buffer's "from the end")
+    rat = lambda i: context[len(context) - 1 - i]  # noqa: E731 (the ring buffer's "from the end")
     if last_n <= p.dry_allowed_length:
         return {}
     rep_limit = last_n
@@ -228,7 +236,7 @@ def _ref_dry(context: list[int], p: SamplingParams, breakers: dict[int, list[lis
         return {}
     count = [0] * last_n
     last = last_n - 1
-    for k in range(1, last_n):                         # the reversed Z-array, as plainly as it gets
+    for k in range(1, last_n):  # the reversed Z-array, as plainly as it gets
         n = 0
         while n + k < last_n and rat(n) == rat(n + k):
             n += 1
@@ -246,7 +254,7 @@ def _ref_dry(context: list[int], p: SamplingParams, breakers: dict[int, list[lis
         exponent = length - p.dry_allowed_length
         if max_exponent > 0:
             exponent = min(exponent, max_exponent)
-        penalties[token] = p.dry_multiplier * p.dry_base ** exponent
+        penalties[token] = p.dry_multiplier * p.dry_base**exponent
     return penalties
 
 
@@ -261,14 +269,25 @@ def _breakers(tails: dict[int, list[list[int]]]) -> DryBreakers:
 def test_dry_equals_llama_cpp_for_each_row_of_a_mixed_batch():
     rng = np.random.default_rng(8)
     contexts = [rng.choice([1, 2, 3, 5], size=int(rng.integers(60, 200))).tolist() for _ in range(6)]
-    contexts += [c[:40] + [0] + c[40:] for c in contexts[:2]]                # a breaker (0) far back
-    contexts.append([1, 2, 3, 5] * 30)                                     # one long loop: clamped exponent
-    contexts.append([1, 2, 3, 7, 4, 1, 2, 3])                              # breaker 4 1 mid-repeat
-    tails = {0: [[]], 4: [[1]]}                                            # 0 alone; 4 followed by 1
-    params = [SamplingParams(dry_multiplier=m, dry_base=b, dry_allowed_length=a, dry_penalty_last_n=n)
-              for m, b, a, n in [(0.8, 1.75, 2, -1), (1.0, 1.1, 3, 50), (0.5, 2.0, 1, -1), (0.8, 1.75, 2, 10),
-                                 (2.0, 1.0, 2, -1), (0.8, 1.75, 4, -1), (0.8, 3.0, 2, 64), (0.3, 1.5, 2, -1),
-                                 (1.0, 3.0, 2, -1), (1.0, 1.75, 2, -1)]]
+    contexts += [c[:40] + [0] + c[40:] for c in contexts[:2]]  # a breaker (0) far back
+    contexts.append([1, 2, 3, 5] * 30)  # one long loop: clamped exponent
+    contexts.append([1, 2, 3, 7, 4, 1, 2, 3])  # breaker 4 1 mid-repeat
+    tails = {0: [[]], 4: [[1]]}  # 0 alone; 4 followed by 1
+    params = [
+        SamplingParams(dry_multiplier=m, dry_base=b, dry_allowed_length=a, dry_penalty_last_n=n)
+        for m, b, a, n in [
+            (0.8, 1.75, 2, -1),
+            (1.0, 1.1, 3, 50),
+            (0.5, 2.0, 1, -1),
+            (0.8, 1.75, 2, 10),
+            (2.0, 1.0, 2, -1),
+            (0.8, 1.75, 4, -1),
+            (0.8, 3.0, 2, 64),
+            (0.3, 1.5, 2, -1),
+            (1.0, 3.0, 2, -1),
+            (1.0, 1.75, 2, -1),
+        ]
+    ]
     states = [SamplingState(dry_breakers=_breakers(tails)) for _ in params]
     logits = torch.zeros(len(params), V)
     out = apply_processors(logits, _meta(params, contexts, states))
@@ -277,8 +296,8 @@ def test_dry_equals_llama_cpp_for_each_row_of_a_mixed_batch():
         for token, penalty in _ref_dry(context, p, tails).items():
             expected[token] = -penalty
         torch.testing.assert_close(out[i], expected, rtol=1e-5, atol=1e-6)
-    assert (out != 0).any(-1).sum() >= 8 and out[8].min() == -3.0 ** 80     # most rows penalized; one clamped
-    assert out[9].nonzero().flatten().tolist() == [7]                     # the repeat reaches back to 4 1 only
+    assert (out != 0).any(-1).sum() >= 8 and out[8].min() == -(3.0**80)  # most rows penalized; one clamped
+    assert out[9].nonzero().flatten().tolist() == [7]  # the repeat reaches back to 4 1 only
 
 
 def test_dry_breakers_from_token_texts_follow_llama_cpp():
@@ -288,8 +307,8 @@ def test_dry_breakers_from_token_texts_follow_llama_cpp():
     # tokens holding a breaker break alone; "ca" and "a" end with "a", which "b" (token 1) completes
     assert found.single.nonzero().flatten().tolist() == [2, 3, 6]
     assert found.tails[4] == ((1,),) and found.tails[0] == ((1,),)
-    assert found.repeat_limit([7, 7, 0, 1, 7, 7]) == 2                    # "a" "b" ends 2 tokens back
-    assert found.repeat_limit([7, 0, 7, 7, 7]) == 5                       # a head whose tail is absent
+    assert found.repeat_limit([7, 7, 0, 1, 7, 7]) == 2  # "a" "b" ends 2 tokens back
+    assert found.repeat_limit([7, 0, 7, 7, 7]) == 5  # a head whose tail is absent
 
 
 # ---- draws follow the claimed distribution ---------------------------------------------------
@@ -298,7 +317,7 @@ DRAWS = 20000
 
 
 def _draws(params: SamplingParams) -> np.ndarray:
-    torch.manual_seed(0)                                    # unseeded rows draw from torch's own stream
+    torch.manual_seed(0)  # unseeded rows draw from torch's own stream
     meta = _meta([params] * DRAWS)
     tokens = Sampler().sample(SMALL.repeat(DRAWS, 1), meta).tokens
     return np.bincount(tokens.numpy(), minlength=len(SMALL))
@@ -328,18 +347,27 @@ def _expected_small(params: SamplingParams) -> np.ndarray:
     if params.epsilon_cutoff:
         x = np.where((p >= params.epsilon_cutoff) | (np.arange(len(x)) == 0), x, -np.inf)
     if params.xtc_probability:
-        cut = np.where((p >= params.xtc_threshold) & (np.arange(len(x)) < (p >= params.xtc_threshold).sum() - 1),
-                       -np.inf, x)
+        cut = np.where(
+            (p >= params.xtc_threshold) & (np.arange(len(x)) < (p >= params.xtc_threshold).sum() - 1), -np.inf, x
+        )
         return (1 - params.xtc_probability) * _numpy_softmax(x) + params.xtc_probability * _numpy_softmax(cut)
     return _numpy_softmax(x)
 
 
-@pytest.mark.parametrize("params", [
-    SamplingParams(typical_p=0.6), SamplingParams(typical_p=0.9, temperature=1.5), SamplingParams(top_n_sigma=1.0),
-    SamplingParams(epsilon_cutoff=0.05), SamplingParams(xtc_probability=0.5, xtc_threshold=0.1),
-    SamplingParams(xtc_probability=1.0, xtc_threshold=0.15, temperature=0.7),
-], ids=lambda p: ",".join(f"{k}={getattr(p, k)}" for k in ("typical_p", "top_n_sigma", "epsilon_cutoff",
-                                                          "xtc_probability", "temperature")))
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(typical_p=0.6),
+        SamplingParams(typical_p=0.9, temperature=1.5),
+        SamplingParams(top_n_sigma=1.0),
+        SamplingParams(epsilon_cutoff=0.05),
+        SamplingParams(xtc_probability=0.5, xtc_threshold=0.1),
+        SamplingParams(xtc_probability=1.0, xtc_threshold=0.15, temperature=0.7),
+    ],
+    ids=lambda p: ",".join(
+        f"{k}={getattr(p, k)}" for k in ("typical_p", "top_n_sigma", "epsilon_cutoff", "xtc_probability", "temperature")
+    ),
+)
 def test_draws_follow_the_distribution_the_chain_claims(params):
     counts, expected = _draws(params), _expected_small(params)
     support = expected > 0
@@ -354,23 +382,26 @@ def test_llama_cpp_order_applies_temperature_after_top_p():
     early = SamplingParams(temperature=3.0, top_p=0.6)
     probs = sampling_distribution(SMALL.repeat(2, 1), _meta([late, early]))
     p = _numpy_softmax(SMALL.numpy().astype(np.float64))
-    nucleus = np.concatenate([[0], np.cumsum(p)[:-1]]) < 0.6               # sorted: a prefix
+    nucleus = np.concatenate([[0], np.cumsum(p)[:-1]]) < 0.6  # sorted: a prefix
     x = np.where(nucleus, SMALL.numpy() / 3.0, -np.inf)
     np.testing.assert_allclose(probs[0].numpy(), _numpy_softmax(x), rtol=1e-5)
-    assert (probs[1] > 0).sum() > (probs[0] > 0).sum()                    # tempering first widens the nucleus
+    assert (probs[1] > 0).sum() > (probs[0] > 0).sum()  # tempering first widens the nucleus
 
 
 # ---- a mixed batch == each row alone -----------------------------------------------------------
-MIXED = [SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=1),
-         SamplingParams(typical_p=0.7, min_p=0.02, seed=2),
-         SamplingParams(top_n_sigma=1.5, xtc_probability=0.5, xtc_threshold=0.05, seed=3),
-         SamplingParams(epsilon_cutoff=0.01, eta_cutoff=0.005, samplers=["eta_cutoff", "temperature"], seed=4),
-         SamplingParams(mirostat=2, mirostat_tau=4.0, seed=5),
-         SamplingParams(mirostat=1, seed=6, no_repeat_ngram_size=2),
-         SamplingParams(temperature=0, dry_multiplier=0.8, no_repeat_ngram_size=3),
-         SamplingParams(dry_multiplier=1.0, dry_allowed_length=3, repetition_penalty=1.3,
-                        repetition_penalty_range=16, seed=7),
-         SamplingParams(bad_words=["x"], top_p=0.5, samplers="top_p;temperature", temperature=1.4, seed=8)]
+MIXED = [
+    SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=1),
+    SamplingParams(typical_p=0.7, min_p=0.02, seed=2),
+    SamplingParams(top_n_sigma=1.5, xtc_probability=0.5, xtc_threshold=0.05, seed=3),
+    SamplingParams(epsilon_cutoff=0.01, eta_cutoff=0.005, samplers=["eta_cutoff", "temperature"], seed=4),
+    SamplingParams(mirostat=2, mirostat_tau=4.0, seed=5),
+    SamplingParams(mirostat=1, seed=6, no_repeat_ngram_size=2),
+    SamplingParams(temperature=0, dry_multiplier=0.8, no_repeat_ngram_size=3),
+    SamplingParams(
+        dry_multiplier=1.0, dry_allowed_length=3, repetition_penalty=1.3, repetition_penalty_range=16, seed=7
+    ),
+    SamplingParams(bad_words=["x"], top_p=0.5, samplers="top_p;temperature", temperature=1.4, seed=8),
+]
 
 
 def _mixed_states() -> list[SamplingState]:
@@ -389,9 +420,14 @@ def test_a_row_in_a_mixed_batch_samples_as_it_would_alone():
 
     def run(rows: list[int]):
         states = _mixed_states()
-        meta = SamplingMetadata([MIXED[i] for i in rows], [histories[i][:5] for i in rows],
-                                [histories[i][5:] for i in rows], [torch.Generator().manual_seed(i) for i in rows],
-                                [frozenset()] * len(rows), [states[i] for i in rows])
+        meta = SamplingMetadata(
+            [MIXED[i] for i in rows],
+            [histories[i][:5] for i in rows],
+            [histories[i][5:] for i in rows],
+            [torch.Generator().manual_seed(i) for i in rows],
+            [frozenset()] * len(rows),
+            [states[i] for i in rows],
+        )
         processed = apply_processors(logits[rows], meta)
         sampled = [j for j, i in enumerate(rows) if not MIXED[i].greedy]
         probs = sampling_distribution(processed[sampled], meta.rows(sampled)) if sampled else None
@@ -410,18 +446,31 @@ def test_a_row_in_a_mixed_batch_samples_as_it_would_alone():
 
 
 # ---- the params --------------------------------------------------------------------------------
-@pytest.mark.parametrize("kwargs, field", [
-    ({"typical_p": 0.0}, "typical_p"), ({"top_n_sigma": -2.0}, "top_n_sigma"),
-    ({"epsilon_cutoff": 1.0}, "epsilon_cutoff"),
-    ({"eta_cutoff": -0.1}, "eta_cutoff"), ({"xtc_probability": 1.5}, "xtc_probability"),
-    ({"xtc_threshold": -0.1}, "xtc_threshold"), ({"mirostat": 3}, "mirostat"), ({"mirostat_tau": 0.0}, "mirostat_tau"),
-    ({"mirostat_eta": 0.0}, "mirostat_eta"), ({"no_repeat_ngram_size": -1}, "no_repeat_ngram_size"),
-    ({"bad_words": [" "]}, "bad_words"), ({"repetition_penalty_range": -5}, "repetition_penalty_range"),
-    ({"dry_multiplier": -1.0}, "dry_multiplier"), ({"dry_base": 0.5}, "dry_base"),
-    ({"dry_allowed_length": 0}, "dry_allowed_length"), ({"dry_penalty_last_n": -2}, "dry_penalty_last_n"),
-    ({"dry_sequence_breakers": [""]}, "dry_sequence_breakers"), ({"samplers": ["top_k", "top_q"]}, "samplers"),
-    ({"samplers": ["top_k", "top_k"]}, "samplers"), ({"samplers": ["top_k", "dry"]}, "samplers"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"typical_p": 0.0}, "typical_p"),
+        ({"top_n_sigma": -2.0}, "top_n_sigma"),
+        ({"epsilon_cutoff": 1.0}, "epsilon_cutoff"),
+        ({"eta_cutoff": -0.1}, "eta_cutoff"),
+        ({"xtc_probability": 1.5}, "xtc_probability"),
+        ({"xtc_threshold": -0.1}, "xtc_threshold"),
+        ({"mirostat": 3}, "mirostat"),
+        ({"mirostat_tau": 0.0}, "mirostat_tau"),
+        ({"mirostat_eta": 0.0}, "mirostat_eta"),
+        ({"no_repeat_ngram_size": -1}, "no_repeat_ngram_size"),
+        ({"bad_words": [" "]}, "bad_words"),
+        ({"repetition_penalty_range": -5}, "repetition_penalty_range"),
+        ({"dry_multiplier": -1.0}, "dry_multiplier"),
+        ({"dry_base": 0.5}, "dry_base"),
+        ({"dry_allowed_length": 0}, "dry_allowed_length"),
+        ({"dry_penalty_last_n": -2}, "dry_penalty_last_n"),
+        ({"dry_sequence_breakers": [""]}, "dry_sequence_breakers"),
+        ({"samplers": ["top_k", "top_q"]}, "samplers"),
+        ({"samplers": ["top_k", "top_k"]}, "samplers"),
+        ({"samplers": ["top_k", "dry"]}, "samplers"),
+    ],
+)
 def test_out_of_range_chain_settings_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=f"SamplingParams.{field} "):
         SamplingParams(**kwargs)
@@ -440,9 +489,16 @@ def test_a_seeded_row_draws_the_same_token_whether_its_batch_narrows_or_not():
     peaked, flat = torch.randn(1, 5000, generator=g) * 4, torch.randn(1, 5000, generator=g) * 0.01
     params = SamplingParams(top_p=0.9, seed=0)
     for seed in range(40):
+
         def draw(logits, seed=seed):
             n = logits.shape[0]
-            meta = SamplingMetadata([params] * n, [[]] * n, [[]] * n,
-                                    [torch.Generator().manual_seed(seed) for _ in range(n)], [frozenset()] * n)
+            meta = SamplingMetadata(
+                [params] * n,
+                [[]] * n,
+                [[]] * n,
+                [torch.Generator().manual_seed(seed) for _ in range(n)],
+                [frozenset()] * n,
+            )
             return Sampler().sample(logits, meta).tokens[0].item()
+
         assert draw(peaked) == draw(torch.cat([peaked, flat]))

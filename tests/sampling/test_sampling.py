@@ -52,7 +52,7 @@ def test_top_k(k):
 
 @pytest.mark.parametrize("top_p", [0.3, 0.6, 0.9])
 def test_top_p(top_p):
-    p = _softmax(LOGITS)                            # LOGITS is sorted, so the nucleus is a prefix
+    p = _softmax(LOGITS)  # LOGITS is sorted, so the nucleus is a prefix
     mass_before = np.concatenate([[0], np.cumsum(p)[:-1]])
     _assert_follows(_draw(SamplingParams(top_p=top_p)), _renorm(p, mass_before < top_p))
 
@@ -105,7 +105,7 @@ def test_min_tokens_bans_eos_and_stop_ids():
     params = SamplingParams(temperature=0, min_tokens=3, stop_token_ids=[1])
     meta = SamplingMetadata([params], [[5]], [[4, 4]], [None], [frozenset({0})])
     tokens = Sampler().sample(torch.tensor(LOGITS[None], dtype=torch.float32), meta).tokens
-    assert tokens.item() == 2     # 0 (EOS) and 1 (stop id) are banned, 2 is the next best
+    assert tokens.item() == 2  # 0 (EOS) and 1 (stop id) are banned, 2 is the next best
 
 
 def test_seed_reproduces_and_ignores_batch_companions():
@@ -116,6 +116,7 @@ def test_seed_reproduces_and_ignores_batch_companions():
         meta = SamplingMetadata(params, [[]] * n, [[]] * n, gens, [frozenset()] * n)
         logits = torch.tensor(np.stack([LOGITS] * n), dtype=torch.float32)
         return [Sampler().sample(logits.clone(), meta).tokens[0].item() for _ in range(seed_rows)]
+
     # A fresh generator per run: the seeded row's draws depend only on its seed.
     assert run(1, 0) == run(1, 5)
     seq = [run(1, c)[0] for c in range(4)]
@@ -129,7 +130,7 @@ def test_logprobs_are_raw_model_logprobs():
     tokens, logprobs = out.tokens, out.logprobs
     raw = np.log(_softmax(LOGITS))
     assert tokens.item() == 5
-    assert set(logprobs[0]) == {0, 1, 2, 5}                      # top 3 plus the chosen token
+    assert set(logprobs[0]) == {0, 1, 2, 5}  # top 3 plus the chosen token
     for t, lp in logprobs[0].items():
         assert lp == pytest.approx(raw[t], abs=1e-5)
 
@@ -137,21 +138,25 @@ def test_logprobs_are_raw_model_logprobs():
 def test_sampler_leaves_the_callers_logits_untouched():
     logits = torch.tensor(np.stack([LOGITS] * 2), dtype=torch.float32)
     before = logits.clone()
-    params = [SamplingParams(temperature=0, logit_bias={3: 10.0}, min_tokens=2, stop_token_ids=[1]),
-              SamplingParams(temperature=0.8, repetition_penalty=1.3, seed=1)]
-    meta = SamplingMetadata(params, [[0], [0]], [[], [2]], [None, torch.Generator().manual_seed(1)],
-                            [frozenset({0})] * 2)
+    params = [
+        SamplingParams(temperature=0, logit_bias={3: 10.0}, min_tokens=2, stop_token_ids=[1]),
+        SamplingParams(temperature=0.8, repetition_penalty=1.3, seed=1),
+    ]
+    meta = SamplingMetadata(
+        params, [[0], [0]], [[], [2]], [None, torch.Generator().manual_seed(1)], [frozenset({0})] * 2
+    )
     Sampler().sample(logits, meta)
     assert torch.equal(logits, before)
 
 
 def test_row_argmax_is_argmax_including_ties_and_nan():
     from tokenloom.sampling.chain import row_argmax
+
     x = torch.randn(5, 1000, generator=torch.Generator().manual_seed(0))
-    x[1, 10] = x[1, 20] = x[1, 30] = 50.0          # ties: the first index wins
-    x[2] = 0.0                                        # a whole row tied
+    x[1, 10] = x[1, 20] = x[1, 30] = 50.0  # ties: the first index wins
+    x[2] = 0.0  # a whole row tied
     x[3, 400] = float("inf")
-    x[4, 7] = float("nan")                            # NaN is the maximum, as for argmax
+    x[4, 7] = float("nan")  # NaN is the maximum, as for argmax
     assert torch.equal(row_argmax(x), x.argmax(dim=-1))
     assert row_argmax(x).tolist()[1:3] == [10, 0]
 
@@ -162,26 +167,28 @@ def test_row_argmax_kernel_is_argmax_across_its_column_ranges(width):
     ranges, NaN in a later range, all -inf rows, -0.0 vs 0.0, short rows and tails."""
     from tokenloom.layers import fused
     from tokenloom.sampling.chain import row_argmax
+
     if not fused.build():
         pytest.skip("fused ops not built")
     g = torch.Generator().manual_seed(width)
     x = torch.randn(7, width, generator=g)
     last = width - 1
-    x[0, 3] = x[0, last] = 9.0                       # a tie between the first and the last range
-    x[1, last] = float("nan")                         # NaN in the last range beats any value
+    x[0, 3] = x[0, last] = 9.0  # a tie between the first and the last range
+    x[1, last] = float("nan")  # NaN in the last range beats any value
     x[2] = float("-inf")
     x[3] = 0.0
-    x[3, 1::2] = -0.0                                 # equal to 0.0: the first index wins
-    x[4, width // 2:] = x[4, :width - width // 2].clone()     # every maximum twice
+    x[3, 1::2] = -0.0  # equal to 0.0: the first index wins
+    x[4, width // 2 :] = x[4, : width - width // 2].clone()  # every maximum twice
     x[5] = torch.randint(0, 2, (width,), generator=g).float()
     assert torch.equal(fused.row_argmax(x), x.argmax(dim=-1))
-    narrower = x[:, 1:]                               # rows apart by more than their width
+    narrower = x[:, 1:]  # rows apart by more than their width
     assert torch.equal(row_argmax(narrower), narrower.argmax(dim=-1))
 
 
 def test_inverse_cdf_draw_follows_the_distribution_and_never_draws_a_zero():
     """Zeros first, between and last; a probability of 1e-6 among them; seeded and unseeded rows."""
     from tokenloom.sampling.sampler import inverse_cdf_draw
+
     p = torch.tensor([0.0, 0.3, 0.0, 1e-6, 0.2, 0.5 - 1e-6, 0.0, 0.0])
     n = DRAWS
     gens = [torch.Generator().manual_seed(i) if i % 2 else None for i in range(n)]
@@ -192,7 +199,7 @@ def test_inverse_cdf_draw_follows_the_distribution_and_never_draws_a_zero():
 def test_inverse_cdf_draw_at_the_top_of_u_takes_the_last_possible_token(monkeypatch):
     """u just below 1 (times a total that rounds) must not run past the last nonzero token."""
     from tokenloom.sampling import sampler
+
     p = torch.tensor([[0.25, 0.75, 0.0, 0.0], [0.1, 0.2, 0.3, 0.4]])
-    monkeypatch.setattr(sampler.torch, "rand", lambda *a, **k: torch.full((a[0], 1), 1 - 2 ** -53,
-                                                                             dtype=torch.float64))
+    monkeypatch.setattr(sampler.torch, "rand", lambda *a, **k: torch.full((a[0], 1), 1 - 2**-53, dtype=torch.float64))
     assert sampler.inverse_cdf_draw(p, [None, None]).tolist() == [1, 3]

@@ -29,26 +29,46 @@ PRETTY = f'{{\n  "name": "get_weather",\n  "arguments": {PRETTY_ARGS}\n}}'
 # (format, reply as a model wrote it, expected content, expected [(name, arguments)])
 RECORDED = [
     # Qwen2.5-Coder-0.5B under the tools grammar (tool_choice required), and its own bare answer
-    (HERMES, f'<tool_call>\n{{"name": "get_weather", "arguments": {WEATHER_ARGS}}}\n</tool_call>', None,
-     [("get_weather", WEATHER_ARGS)]),
+    (
+        HERMES,
+        f'<tool_call>\n{{"name": "get_weather", "arguments": {WEATHER_ARGS}}}\n</tool_call>',
+        None,
+        [("get_weather", WEATHER_ARGS)],
+    ),
     (HERMES, f'{{"name": "get_weather", "arguments": {WEATHER_ARGS}}}', None, [("get_weather", WEATHER_ARGS)]),
-    (HERMES, 'I will check both.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
-             '<tool_call>\n{"name": "get_time", "arguments": {"tz": "Europe/Paris", "fmt": "a } in \\" a string"}}\n'
-             '</tool_call>', "I will check both.",
-     [("get_weather", '{"city": "Paris"}'), ("get_time", '{"tz": "Europe/Paris", "fmt": "a } in \\" a string"}')]),
+    (
+        HERMES,
+        'I will check both.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "get_time", "arguments": {"tz": "Europe/Paris", "fmt": "a } in \\" a string"}}\n'
+        "</tool_call>",
+        "I will check both.",
+        [("get_weather", '{"city": "Paris"}'), ("get_time", '{"tz": "Europe/Paris", "fmt": "a } in \\" a string"}')],
+    ),
     # ... and, asked in other words, the same call fenced as a ```json block (recorded)
-    (HERMES, '```json\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n```', None,
-     [("get_weather", '{"city": "Paris"}')]),
+    (
+        HERMES,
+        '```json\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n```',
+        None,
+        [("get_weather", '{"city": "Paris"}')],
+    ),
     (HERMES, "```python\nprint(1)\n```", "```python\nprint(1)\n```", []),
     (HERMES, "The capital of France is Paris.", "The capital of France is Paris.", []),
-    (HERMES, '{"answer": 42}', '{"answer": 42}', []),                     # JSON that is not a call
+    (HERMES, '{"answer": 42}', '{"answer": 42}', []),  # JSON that is not a call
     # Llama 3.1/3.2 (JSON tool calling, "parameters", calls joined by ;)
-    (LLAMA3_JSON, '{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "get_time", "parameters": {}}',
-     None, [("get_weather", '{"city": "Paris"}'), ("get_time", "{}")]),
+    (
+        LLAMA3_JSON,
+        '{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "get_time", "parameters": {}}',
+        None,
+        [("get_weather", '{"city": "Paris"}'), ("get_time", "{}")],
+    ),
     # Mistral v0.3
-    (MISTRAL, '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, '
-              '{"name": "get_weather", "arguments": {"city": "Lyon"}}]',
-     None, [("get_weather", '{"city": "Paris"}'), ("get_weather", '{"city": "Lyon"}')]),
+    (
+        MISTRAL,
+        '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+        '{"name": "get_weather", "arguments": {"city": "Lyon"}}]',
+        None,
+        [("get_weather", '{"city": "Paris"}'), ("get_weather", '{"city": "Lyon"}')],
+    ),
     # a call with no arguments at all takes none
     (HERMES, '<tool_call>\n{"name": "now"}\n</tool_call>', None, [("now", "{}")]),
     # pretty-printed calls, bare and fenced, as Qwen2.5-Coder-0.5B writes them at temperature 1 (recorded)
@@ -59,12 +79,12 @@ RECORDED = [
 ]
 
 MALFORMED = [
-    (HERMES, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par'),           # cut inside a call
-    (HERMES, '<tool_call>\n{"name": 5, "arguments": {}}\n</tool_call>'),                   # name not a string
-    (HERMES, '<tool_call>\n{"name": "f", "arguments": [1, 2]}\n</tool_call>'),            # arguments not an object
-    (HERMES, '<tool_call>\nnot json at all\n</tool_call>'),
-    (HERMES, '<tool_call>\n{"name": "f", "arguments": {"a": 1,}}\n</tool_call>'),         # invalid JSON
-    (MISTRAL, '[TOOL_CALLS] sorry'),
+    (HERMES, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par'),  # cut inside a call
+    (HERMES, '<tool_call>\n{"name": 5, "arguments": {}}\n</tool_call>'),  # name not a string
+    (HERMES, '<tool_call>\n{"name": "f", "arguments": [1, 2]}\n</tool_call>'),  # arguments not an object
+    (HERMES, "<tool_call>\nnot json at all\n</tool_call>"),
+    (HERMES, '<tool_call>\n{"name": "f", "arguments": {"a": 1,}}\n</tool_call>'),  # invalid JSON
+    (MISTRAL, "[TOOL_CALLS] sorry"),
     (LLAMA3_JSON, '{"name": "f", "parameters": {"a": tru}}'),
 ]
 
@@ -85,8 +105,10 @@ def test_malformed_calls_come_back_as_text(fmt, text):
 
 
 def test_a_reply_cut_inside_a_call_keeps_the_complete_ones():
-    text = ('<tool_call>\n{"name": "a", "arguments": {"x": 1}}\n</tool_call>\n'
-            '<tool_call>\n{"name": "b", "arguments": {"y": ')
+    text = (
+        '<tool_call>\n{"name": "a", "arguments": {"x": 1}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "b", "arguments": {"y": '
+    )
     assert parse_tool_calls(text, HERMES) == (text, [])
     content, calls = parse_tool_calls(text, HERMES, cut=True)
     assert [(c.name, c.arguments) for c in calls] == [("a", '{"x": 1}')] and content == ""
@@ -111,7 +133,7 @@ def _streamed(text: str, fmt, pieces: list[int], cut: bool = False):
 @pytest.mark.parametrize("fmt,text,content,calls", RECORDED)
 def test_streamed_deltas_reassemble_to_the_whole_reading(fmt, text, content, calls):
     whole_content, whole = parse_tool_calls(text, fmt)
-    for step in (1, 2, 3, 7):                      # every character boundary, and coarser pieces
+    for step in (1, 2, 3, 7):  # every character boundary, and coarser pieces
         got_content, got, stream = _streamed(text, fmt, list(range(step, len(text), step)))
         assert [(c["name"], c["arguments"]) for c in got] == [(c.name, c.arguments) for c in whole]
         assert got_content == (whole_content if whole else text)
@@ -122,14 +144,18 @@ def test_streaming_never_shows_a_half_written_trigger_as_content():
     text = 'Sure.<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
     stream = ToolCallStream(HERMES)
     said = "".join(stream.feed(ch).content for ch in text)
-    assert said == "Sure."          # never "Sure.<tool" and the like
+    assert said == "Sure."  # never "Sure.<tool" and the like
 
 
-@pytest.mark.parametrize("fmt,text,said", [
-    (HERMES, PRETTY, ""), (HERMES, f"```json\n{PRETTY}\n```", ""),
-    (LLAMA3_JSON, 'Sure. {\n "name": "get_time", "parameters": {}}', "Sure."),   # content before calls: rstripped
-    (LLAMA3_JSON, 'A set: { "a": 1 }', 'A set: { "a": 1 }'),       # a brace that does not become a call
-])
+@pytest.mark.parametrize(
+    "fmt,text,said",
+    [
+        (HERMES, PRETTY, ""),
+        (HERMES, f"```json\n{PRETTY}\n```", ""),
+        (LLAMA3_JSON, 'Sure. {\n "name": "get_time", "parameters": {}}', "Sure."),  # content before calls: rstripped
+        (LLAMA3_JSON, 'A set: { "a": 1 }', 'A set: { "a": 1 }'),  # a brace that does not become a call
+    ],
+)
 def test_streaming_holds_back_a_pretty_printed_head_until_it_is_known(fmt, text, said):
     stream = ToolCallStream(fmt)
     assert "".join(stream.feed(ch).content for ch in text) + stream.finish().content == said
@@ -146,13 +172,13 @@ def test_streamed_malformed_replies_end_as_the_same_text(fmt, text):
 CUT = [
     (HERMES, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par', "", []),
     (HERMES, 'Let me check.\n<tool_call>\n{"name": "get_wea', "Let me check.", []),
-    (HERMES, 'Let me check. <tool_ca', "Let me check.", []),
+    (HERMES, "Let me check. <tool_ca", "Let me check.", []),
     (HERMES, '```json\n{"name": "get_weather", "arguments": {', "", []),
     (HERMES, '{\n  "name": "get_wea', "", []),
     (HERMES, '<tool_call>\n{"name": "a", "arguments": {}}\n</tool_call>\n<tool_', "", [("a", "{}")]),
     (MISTRAL, '[TOOL_CALLS][{"name": "a", "arguments": {"x": 1}}, {"name"', "", [("a", '{"x": 1}')]),
     (LLAMA3_JSON, 'Calling it. {"name": "get_ti', "Calling it.", []),
-    (HERMES, "The weather in Paris is ", "The weather in Paris is ", []),        # plain text stays whole
+    (HERMES, "The weather in Paris is ", "The weather in Paris is ", []),  # plain text stays whole
 ]
 
 
@@ -165,44 +191,61 @@ def test_a_cut_reply_never_carries_call_markup_whole_or_streamed(fmt, text, cont
         assert (streamed_content, [(c["name"], c["arguments"]) for c in streamed]) == (content, calls)
 
 
-
-@pytest.mark.parametrize("template,expected", [
-    ("{% for tool in tools %}{{ tool | tojson }}{% endfor %}<tool_call>", HERMES),
-    ("{% if tools %}[AVAILABLE_TOOLS]{{ tools }}[/AVAILABLE_TOOLS]{% endif %}[TOOL_CALLS]", MISTRAL),
-    ('{% if tools %}{"name": function name, "parameters": dictionary of argument name and its value}{% endif %}',
-     LLAMA3_JSON),
-    ("{% for m in messages %}{{ m.content }}{% endfor %}", GENERIC),
-    (None, GENERIC),
-])
+@pytest.mark.parametrize(
+    "template,expected",
+    [
+        ("{% for tool in tools %}{{ tool | tojson }}{% endfor %}<tool_call>", HERMES),
+        ("{% if tools %}[AVAILABLE_TOOLS]{{ tools }}[/AVAILABLE_TOOLS]{% endif %}[TOOL_CALLS]", MISTRAL),
+        (
+            '{% if tools %}{"name": function name, "parameters": dictionary of argument name and its value}{% endif %}',
+            LLAMA3_JSON,
+        ),
+        ("{% for m in messages %}{{ m.content }}{% endfor %}", GENERIC),
+        (None, GENERIC),
+    ],
+)
 def test_the_format_is_read_from_the_template(template, expected):
     assert detect_format(template) is expected
 
 
-@pytest.mark.parametrize("text,thinking,reasoning,content", [
-    ("<think>\nThe user greets me.\n</think>\n\nHello!", False, "The user greets me.", "Hello!"),
-    ("The user greets me.\n</think>\n\nHello!", True, "The user greets me.", "Hello!"),   # the prompt opened it
-    ("Hello!", False, None, "Hello!"),
-    ("<think>\nStill thinking when max_tokens", False, "Still thinking when max_tokens", ""),
-    ("a < b, and <thinking> is not a tag", False, None, "a < b, and <thinking> is not a tag"),
-])
+@pytest.mark.parametrize(
+    "text,thinking,reasoning,content",
+    [
+        ("<think>\nThe user greets me.\n</think>\n\nHello!", False, "The user greets me.", "Hello!"),
+        ("The user greets me.\n</think>\n\nHello!", True, "The user greets me.", "Hello!"),  # the prompt opened it
+        ("Hello!", False, None, "Hello!"),
+        ("<think>\nStill thinking when max_tokens", False, "Still thinking when max_tokens", ""),
+        ("a < b, and <thinking> is not a tag", False, None, "a < b, and <thinking> is not a tag"),
+    ],
+)
 def test_reasoning_split_whole_and_streamed(text, thinking, reasoning, content):
     assert split_reasoning(text, thinking) == (reasoning, content)
     for step in (1, 3):
         stream = ReasoningStream(thinking)
-        said = [stream.feed(text[i:i + step]) for i in range(0, len(text), step)] + [stream.finish()]
+        said = [stream.feed(text[i : i + step]) for i in range(0, len(text), step)] + [stream.finish()]
         assert "".join(r for r, _ in said) == (reasoning or "")
         assert "".join(c for _, c in said) == content
 
 
 def test_tools_and_turns_reach_the_template_as_it_expects():
     tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
-    history = [{"role": "user", "content": "Weather in Paris?"},
-               {"role": "assistant", "content": "", "tool_calls": [
-                   {"id": "call_1", "type": "function", "function": {"name": "get_weather",
-                                                                     "arguments": '{"city": "Paris"}'}}]},
-               {"role": "tool", "tool_call_id": "call_1", "content": "18 C"}]
+    history = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C"},
+    ]
     templated = template_messages(history, [function_of(tool, 0)], HERMES)
-    assert templated[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}   # templates apply tojson
+    assert templated[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}  # templates apply tojson
     generic = template_messages(history, [function_of(tool, 0)], GENERIC)
     assert generic[0]["role"] == "system" and "get_weather" in generic[0]["content"]
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in generic[2]["content"]
@@ -212,22 +255,32 @@ def test_tools_and_turns_reach_the_template_as_it_expects():
 
 
 # ---- grammars, on the default model's real tokenizer ----------------------------------------------
-TOOLS = [{"name": "get_weather", "parameters": {"type": "object", "properties": {
-             "city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
-             "required": ["city"], "additionalProperties": False}},
-         {"name": "get_time", "parameters": {"type": "object", "properties": {}}}]
+TOOLS = [
+    {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+    {"name": "get_time", "parameters": {"type": "object", "properties": {}}},
+]
 
 
 @pytest.fixture(scope="module")
 def compiler(default_model_dir):
     from tokenloom.structured.grammars import GrammarCompiler
     from tokenloom.tokenizer import Tokenizer
+
     tok = Tokenizer.from_folder(default_model_dir)
     return GrammarCompiler(tok.backend.to_str, tok.vocab_size, [tok.token_to_id(tok.eos_token)]), tok
 
 
 def _accepts(compiler, grammar: str, text: str) -> bool:
     from tokenloom.structured import StructuredOutput
+
     grammars, tok = compiler
     matcher = grammars.matcher(StructuredOutput.grammar(grammar))
     ids = tok.encode(text, add_special_tokens=False)
@@ -237,30 +290,37 @@ def _accepts(compiler, grammar: str, text: str) -> bool:
 CALL = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
 
 
-@pytest.mark.parametrize("mode,parallel,text,ok", [
-    ("required", True, f"<tool_call>\n{CALL}\n</tool_call>", True),
-    ("required", True, f"<tool_call>\n{CALL}\n</tool_call>\n<tool_call>\n{CALL}\n</tool_call>", True),
-    ("required", False, f"<tool_call>\n{CALL}\n</tool_call>\n<tool_call>\n{CALL}\n</tool_call>", False),
-    ("required", True, "Paris is sunny.", False),
-    ("required", True, '<tool_call>\n{"name": "get_weather", "arguments": {"town": "Paris"}}\n</tool_call>', False),
-    ("required", True, '<tool_call>\n{"name": "get_wether", "arguments": {"city": "Paris"}}\n</tool_call>', False),
-    ("auto", True, "Paris is sunny.", True),
-    ("auto", True, f"Let me look.\n<tool_call>\n{CALL}\n</tool_call>", True),
-    ("auto", True, CALL, True),                                          # the bare form
-    ("auto", True, '{"answer": 42}', True),                              # JSON content is still content
-    ("auto", True, f"```json\n{CALL}\n```", True),                      # a fenced bare call
-    ("auto", True, '```json\n{"name": "get_weather", "arguments": {}}\n```', False),   # ... still checked
-    ("auto", True, "```python\nprint(1)\n```", True),
-    ("auto", True, "Let me look.\n<tool_call>\nthe weather please", False),   # once opened, only a valid call
-    ("auto", True, '{"name": "get_weather", "arguments": {"unit": "kelvin"}}', False),
-    # pretty-printed calls are calls too, held to their schemas; free text cannot be one
-    ("auto", True, '{\n  "name": "get_weather",\n  "arguments": {\n    "city": "Paris"\n  }\n}', True),
-    ("auto", True, '\n```json\n{\n  "name": "get_weather",\n  "arguments": {"city": "Paris"}\n}\n```', True),
-    ("auto", True, 'Look:\n<tool_call>\n{\n  "name" : "get_weather", "arguments": {"city": "Paris"}\n}\n</tool_call>',
-     True),
-    ("auto", True, '{\n  "name": "get_weather",\n  "arguments": {\n    "town": "Paris"\n  }\n}', False),
-    ("required", True, '<tool_call>\n{ "name": "get_time", "arguments": {} }\n</tool_call>', True),
-])
+@pytest.mark.parametrize(
+    "mode,parallel,text,ok",
+    [
+        ("required", True, f"<tool_call>\n{CALL}\n</tool_call>", True),
+        ("required", True, f"<tool_call>\n{CALL}\n</tool_call>\n<tool_call>\n{CALL}\n</tool_call>", True),
+        ("required", False, f"<tool_call>\n{CALL}\n</tool_call>\n<tool_call>\n{CALL}\n</tool_call>", False),
+        ("required", True, "Paris is sunny.", False),
+        ("required", True, '<tool_call>\n{"name": "get_weather", "arguments": {"town": "Paris"}}\n</tool_call>', False),
+        ("required", True, '<tool_call>\n{"name": "get_wether", "arguments": {"city": "Paris"}}\n</tool_call>', False),
+        ("auto", True, "Paris is sunny.", True),
+        ("auto", True, f"Let me look.\n<tool_call>\n{CALL}\n</tool_call>", True),
+        ("auto", True, CALL, True),  # the bare form
+        ("auto", True, '{"answer": 42}', True),  # JSON content is still content
+        ("auto", True, f"```json\n{CALL}\n```", True),  # a fenced bare call
+        ("auto", True, '```json\n{"name": "get_weather", "arguments": {}}\n```', False),  # ... still checked
+        ("auto", True, "```python\nprint(1)\n```", True),
+        ("auto", True, "Let me look.\n<tool_call>\nthe weather please", False),  # once opened, only a valid call
+        ("auto", True, '{"name": "get_weather", "arguments": {"unit": "kelvin"}}', False),
+        # pretty-printed calls are calls too, held to their schemas; free text cannot be one
+        ("auto", True, '{\n  "name": "get_weather",\n  "arguments": {\n    "city": "Paris"\n  }\n}', True),
+        ("auto", True, '\n```json\n{\n  "name": "get_weather",\n  "arguments": {"city": "Paris"}\n}\n```', True),
+        (
+            "auto",
+            True,
+            'Look:\n<tool_call>\n{\n  "name" : "get_weather", "arguments": {"city": "Paris"}\n}\n</tool_call>',
+            True,
+        ),
+        ("auto", True, '{\n  "name": "get_weather",\n  "arguments": {\n    "town": "Paris"\n  }\n}', False),
+        ("required", True, '<tool_call>\n{ "name": "get_time", "arguments": {} }\n</tool_call>', True),
+    ],
+)
 def test_tool_grammars_admit_valid_calls_only(compiler, mode, parallel, text, ok):
     assert _accepts(compiler, tool_grammar(TOOLS, HERMES, mode, parallel), text) == ok
 
@@ -271,25 +331,34 @@ def test_a_reply_may_end_after_each_complete_call_and_parallel_off_allows_one(co
     call = fmt.call_open + f'{{"name": "get_weather", "{fmt.args_key}": {{"city": "Paris"}}}}' + fmt.call_close
     one = fmt.section_open + call + fmt.section_close
     two = fmt.section_open + call + fmt.separator + call + fmt.section_close
-    for text in (one, one + "\n", one + "\n\n", two, two + "\n"):   # newlines models write before their end
+    for text in (one, one + "\n", one + "\n\n", two, two + "\n"):  # newlines models write before their end
         assert _accepts(compiler, tool_grammar(TOOLS, fmt, mode, True), text), text
     assert not _accepts(compiler, tool_grammar(TOOLS, fmt, mode, True), one + "\n\n\n")
     assert _accepts(compiler, tool_grammar(TOOLS, fmt, mode, False), one + "\n")
     assert not _accepts(compiler, tool_grammar(TOOLS, fmt, mode, False), two)
 
 
-OPEN_WEATHER = {"type": "object", "required": ["city"], "properties": {     # no additionalProperties anywhere
-    "city": {"type": "string"}, "where": {"type": "object", "properties": {"country": {"type": "string"}}}}}
+OPEN_WEATHER = {
+    "type": "object",
+    "required": ["city"],
+    "properties": {  # no additionalProperties anywhere
+        "city": {"type": "string"},
+        "where": {"type": "object", "properties": {"country": {"type": "string"}}},
+    },
+}
 
 
-@pytest.mark.parametrize("parameters,arguments,ok", [
-    (OPEN_WEATHER, '{"city": "Paris"}', True),
-    (OPEN_WEATHER, '{"city": "Paris", "where": {"country": "FR"}}', True),
-    (OPEN_WEATHER, '{"city": "Paris", "type": "string"}', False),                    # an invented key
-    (OPEN_WEATHER, '{"city": "Paris", "where": {"country": "FR", "zip": 1}}', False),  # ... in a nested object
-    ({**OPEN_WEATHER, "additionalProperties": True}, '{"city": "Paris", "type": "string"}', True),   # asked for
-    ({"type": "object"}, '{"city": "Paris", "type": "string"}', True),                # no properties: any object
-])
+@pytest.mark.parametrize(
+    "parameters,arguments,ok",
+    [
+        (OPEN_WEATHER, '{"city": "Paris"}', True),
+        (OPEN_WEATHER, '{"city": "Paris", "where": {"country": "FR"}}', True),
+        (OPEN_WEATHER, '{"city": "Paris", "type": "string"}', False),  # an invented key
+        (OPEN_WEATHER, '{"city": "Paris", "where": {"country": "FR", "zip": 1}}', False),  # ... in a nested object
+        ({**OPEN_WEATHER, "additionalProperties": True}, '{"city": "Paris", "type": "string"}', True),  # asked for
+        ({"type": "object"}, '{"city": "Paris", "type": "string"}', True),  # no properties: any object
+    ],
+)
 def test_a_schema_without_additional_properties_takes_only_its_properties(compiler, parameters, arguments, ok):
     grammar = tool_grammar([{"name": "get_weather", "parameters": parameters}], HERMES, "required", True)
     text = f'<tool_call>\n{{"name": "get_weather", "arguments": {arguments}}}\n</tool_call>'

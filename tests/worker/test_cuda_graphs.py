@@ -16,7 +16,7 @@ from tokenloom.kernels.triton.paged_attention import paged_attention
 from tokenloom.worker.batch import SeqChunk, build_batch
 from tokenloom.worker.cuda_graphs import DecodeGraphs, StaticDecodeInputs, StaticLayout, bucket_for, capture_sizes
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")     # CPU: Triton's interpreter
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # CPU: Triton's interpreter
 
 
 def test_buckets_are_powers_of_two_up_to_max_num_seqs():
@@ -37,13 +37,13 @@ def test_static_buffer_holds_the_chunks_and_pads_the_bucket():
     ids, positions, meta = inputs.model_inputs(4)
     assert ids.tolist() == [11, 12, 13, 0]
     assert positions.tolist() == [0, 16, 40, 0]
-    assert meta.slot_mapping.tolist() == [7 * 16, 9 * 16, 8 * 16 + 8, -1]       # padding writes nothing
+    assert meta.slot_mapping.tolist() == [7 * 16, 9 * 16, 8 * 16 + 8, -1]  # padding writes nothing
     paged = meta.paged_inputs()
-    assert paged.seq_lens.tolist() == [1, 17, 41, 0]                            # padding sees nothing
+    assert paged.seq_lens.tolist() == [1, 17, 41, 0]  # padding sees nothing
     assert paged.query_start.tolist() == [0, 1, 2, 3, 4]
     assert paged.block_offsets.tolist() == [0, 1, 3, 0]
-    assert paged.block_ids[:6].tolist() == [7, 3, 9, 2, 5, 8]                  # only the blocks in use
-    inputs.load(CHUNKS[:1], bucket=2)                                          # a smaller step after a larger
+    assert paged.block_ids[:6].tolist() == [7, 3, 9, 2, 5, 8]  # only the blocks in use
+    inputs.load(CHUNKS[:1], bucket=2)  # a smaller step after a larger
     _, _, meta = inputs.model_inputs(2)
     assert meta.slot_mapping.tolist() == [7 * 16, -1]
     assert meta.paged_inputs().seq_lens.tolist() == [1, 0]
@@ -57,8 +57,9 @@ def test_attention_over_the_static_inputs_equals_the_eager_inputs():
     inputs.load(CHUNKS, bucket=4)
     _, _, meta = inputs.model_inputs(4)
     static = paged_attention(q, k_cache, v_cache, meta.paged_inputs(), 0.2)
-    eager = paged_attention(q[:3], k_cache, v_cache,
-                            build_paged_inputs([1, 1, 1], [1, 17, 41], [c.block_ids for c in CHUNKS], DEVICE), 0.2)
+    eager = paged_attention(
+        q[:3], k_cache, v_cache, build_paged_inputs([1, 1, 1], [1, 17, 41], [c.block_ids for c in CHUNKS], DEVICE), 0.2
+    )
     assert torch.equal(static[:3], eager)
     assert not static[3].any()
 
@@ -81,25 +82,29 @@ def test_a_model_over_the_static_inputs_equals_its_eager_run(tiny_model_dir, mon
     same keys and values."""
     from tokenloom.kv_cache.paged import PagedKVCache
     from tokenloom.loader import load_model
+
     loaded = load_model(str(tiny_model_dir("llama_gqa")))
     model, config = loaded.model, loaded.config
     caches = [PagedKVCache(config, 12, 16, torch.float32, "cpu") for _ in range(2)]
     prompts = [SeqChunk(list(range(5, 5 + n)), 0, blocks) for n, blocks in ((1, [7]), (17, [3, 9]), (41, [2, 5, 8]))]
-    for cache in caches:                                                        # the same prompts in both
+    for cache in caches:  # the same prompts in both
         batch = build_batch(prompts, 16, torch.device("cpu"), cache.null_block)
         model(batch.input_ids, batch.positions, batch.meta, cache)
     decode = [SeqChunk([30 + i], len(p.token_ids), p.block_ids) for i, p in enumerate(prompts)]
     batch = build_batch(decode, 16, torch.device("cpu"), caches[0].null_block)
     eager = model(batch.input_ids, batch.positions, batch.meta, caches[0])
     monkeypatch.setattr(triton_kernels, "takes_cache", lambda kv_cache: True)
-    replay = EagerReplay(lambda ids, positions, meta: model(ids, positions, meta, caches[1]), [1, 2, 4], 4, 16,
-                         torch.device("cpu"))
+    replay = EagerReplay(
+        lambda ids, positions, meta: model(ids, positions, meta, caches[1]), [1, 2, 4], 4, 16, torch.device("cpu")
+    )
     replay.capture_all = None
     assert replay.takes(decode) and not replay.takes(prompts)
     got = replay.run(decode)
     assert torch.allclose(got, eager, atol=1e-4)
-    again = replay.run([SeqChunk([0], c.start, c.block_ids) for c in decode],       # ids given on the device
-                       torch.tensor([30, 31, 32]))
+    again = replay.run(
+        [SeqChunk([0], c.start, c.block_ids) for c in decode],  # ids given on the device
+        torch.tensor([30, 31, 32]),
+    )
     assert torch.allclose(again, eager, atol=1e-4)
     for layer in range(config.num_layers):
         assert torch.allclose(caches[0].keys[layer], caches[1].keys[layer], atol=1e-5)

@@ -45,8 +45,8 @@ class AttentionShape:
     num_kv_heads: int
     head_dim: int
     scale: float
-    windows: tuple[int | None, ...] = ()   # per layer: the positions a query sees (None: all); () for all layers
-    softcap: float | None = None           # scores -> tanh(scores / softcap) * softcap before softmax (Gemma 2)
+    windows: tuple[int | None, ...] = ()  # per layer: the positions a query sees (None: all); () for all layers
+    softcap: float | None = None  # scores -> tanh(scores / softcap) * softcap before softmax (Gemma 2)
 
     def window(self, layer: int) -> int | None:
         return self.windows[layer] if self.windows else None
@@ -60,7 +60,7 @@ class AttentionShape:
         return self.num_kv_heads * self.head_dim
 
 
-QKNorms = tuple[nn.Module, nn.Module]       # per-head RMSNorms of q and of k (Qwen3), or None
+QKNorms = tuple[nn.Module, nn.Module]  # per-head RMSNorms of q and of k (Qwen3), or None
 
 
 class StepAttention:
@@ -70,8 +70,9 @@ class StepAttention:
     writes the layer's keys/values of those tokens into the cache.
     """
 
-    def __init__(self, shape: AttentionShape, meta: AttentionMetadata, kv_cache,
-                 rope: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+    def __init__(
+        self, shape: AttentionShape, meta: AttentionMetadata, kv_cache, rope: tuple[torch.Tensor, torch.Tensor] | None
+    ) -> None:
         self.shape, self.meta, self.kv_cache, self.rope = shape, meta, kv_cache, rope
 
     def __call__(self, layer: int, qkv: torch.Tensor, norms: QKNorms | None = None) -> torch.Tensor:
@@ -90,14 +91,15 @@ class TorchAttention(StepAttention):
         q_size, kv_size = sh.q_size, sh.kv_size
         if norms is not None:
             _norm_in_place(qkv, norms, sh)
-        v = qkv[:, q_size + kv_size:].view(T, sh.num_kv_heads, sh.head_dim)
-        qk = qkv[:, :q_size + kv_size].view(T, -1, sh.head_dim)
-        if self.rope is not None:   # q and k side by side: one rotation for both (elementwise, same numbers)
+        v = qkv[:, q_size + kv_size :].view(T, sh.num_kv_heads, sh.head_dim)
+        qk = qkv[:, : q_size + kv_size].view(T, -1, sh.head_dim)
+        if self.rope is not None:  # q and k side by side: one rotation for both (elementwise, same numbers)
             qk = apply_rope(qk, *self.rope)
-        q, k = qk[:, :sh.num_heads], qk[:, sh.num_heads:]                    # (T, heads|kv_heads, head_dim)
+        q, k = qk[:, : sh.num_heads], qk[:, sh.num_heads :]  # (T, heads|kv_heads, head_dim)
         keys, values = self.kv_cache.layer(layer)
-        out = paged_attention(q, k, v, keys, values, self.meta, sh.scale, sh.window(layer),
-                              sh.softcap)                                                # (T, heads, head_dim)
+        out = paged_attention(
+            q, k, v, keys, values, self.meta, sh.scale, sh.window(layer), sh.softcap
+        )  # (T, heads, head_dim)
         return out.reshape(T, q_size)
 
 
@@ -107,11 +109,13 @@ class TritonAttention(StepAttention):
     paged inputs, rope tables), so a CUDA graph of the layers replays it for new values written
     into the same tensors."""
 
-    def __init__(self, shape: AttentionShape, meta: AttentionMetadata, kv_cache,
-                 rope: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+    def __init__(
+        self, shape: AttentionShape, meta: AttentionMetadata, kv_cache, rope: tuple[torch.Tensor, torch.Tensor] | None
+    ) -> None:
         super().__init__(shape, meta, kv_cache, rope)
         from tokenloom.kernels.triton.paged_attention import paged_attention as triton_paged_attention
         from tokenloom.kernels.triton.rope_cache import rope_and_cache
+
         self.attention, self.rope_and_cache = triton_paged_attention, rope_and_cache
         self.inputs = meta.paged_inputs()
 
@@ -122,17 +126,19 @@ class TritonAttention(StepAttention):
         if norms is not None:
             _norm_in_place(qkv, norms, sh)
         keys, values = self.kv_cache.layer(layer)
-        q = self.rope_and_cache(qkv, self.rope, keys, values, self.meta.slot_mapping, sh.num_heads,
-                                sh.num_kv_heads, sh.head_dim)                            # (T, heads, head_dim)
+        q = self.rope_and_cache(
+            qkv, self.rope, keys, values, self.meta.slot_mapping, sh.num_heads, sh.num_kv_heads, sh.head_dim
+        )  # (T, heads, head_dim)
         out = self.attention(q, keys, values, self.inputs, sh.scale, sh.window(layer), sh.softcap)
         return out.view(T, sh.q_size)
 
 
 class KernelAttention(StepAttention):
-    rope: tuple[torch.Tensor, torch.Tensor]         # always given here (kernels_take)
+    rope: tuple[torch.Tensor, torch.Tensor]  # always given here (kernels_take)
 
-    def __init__(self, shape: AttentionShape, meta: AttentionMetadata, kv_cache,
-                 rope: tuple[torch.Tensor, torch.Tensor]) -> None:
+    def __init__(
+        self, shape: AttentionShape, meta: AttentionMetadata, kv_cache, rope: tuple[torch.Tensor, torch.Tensor]
+    ) -> None:
         super().__init__(shape, meta, kv_cache, rope)
         self.decoding = cpu_decode.decode_rows(meta)
         self.ops = cpu_decode.ops()
@@ -157,16 +163,46 @@ class KernelAttention(StepAttention):
         cos, sin = self.rope
         slots, window = meta.slot_mapping, sh.window(layer) or 0
         if self.all_decode:
-            return self.ops.rope_write_decode(qkv, cos, sin, keys, values, slots, self.tables, self.ctx,
-                                              sh.num_heads, sh.scale, window, sh.softcap or 0.0)
+            return self.ops.rope_write_decode(
+                qkv,
+                cos,
+                sin,
+                keys,
+                values,
+                slots,
+                self.tables,
+                self.ctx,
+                sh.num_heads,
+                sh.scale,
+                window,
+                sh.softcap or 0.0,
+            )
         T, n = qkv.shape[0], len(self.decoding)
-        q = self.ops.rope_write(qkv, cos, sin, keys, values, slots, sh.num_heads)   # (T, heads, head_dim)
+        q = self.ops.rope_write(qkv, cos, sin, keys, values, slots, sh.num_heads)  # (T, heads, head_dim)
         out = qkv.new_empty(T, sh.q_size)
         if n:
-            self.ops.paged_decode_out(q[:n], keys, values, self.tables, self.ctx, sh.scale, window,
-                                      sh.softcap or 0.0, out[:n].view(n, sh.num_heads, sh.head_dim))
-        cpu_prefill.attend_into(out.view(T, sh.num_heads, sh.head_dim), q, keys, values, meta, self.prompts,
-                                sh.scale, sh.window(layer), sh.softcap)
+            self.ops.paged_decode_out(
+                q[:n],
+                keys,
+                values,
+                self.tables,
+                self.ctx,
+                sh.scale,
+                window,
+                sh.softcap or 0.0,
+                out[:n].view(n, sh.num_heads, sh.head_dim),
+            )
+        cpu_prefill.attend_into(
+            out.view(T, sh.num_heads, sh.head_dim),
+            q,
+            keys,
+            values,
+            meta,
+            self.prompts,
+            sh.scale,
+            sh.window(layer),
+            sh.softcap,
+        )
         return out
 
 
@@ -197,10 +233,10 @@ def _norm_in_place(qkv: torch.Tensor, norms: QKNorms, sh: AttentionShape) -> Non
     """Per-head RMSNorm of qkv's q and k columns, written back (T, (heads + 2 kv_heads) head_dim);
     each head row is one row of a 2-D norm, so both backends normalize with the same op."""
     T = qkv.shape[0]
-    q = qkv[:, :sh.q_size].reshape(T * sh.num_heads, sh.head_dim)
-    k = qkv[:, sh.q_size:sh.q_size + sh.kv_size].reshape(T * sh.num_kv_heads, sh.head_dim)
-    qkv[:, :sh.q_size] = norms[0](q).view(T, sh.q_size)
-    qkv[:, sh.q_size:sh.q_size + sh.kv_size] = norms[1](k).view(T, sh.kv_size)
+    q = qkv[:, : sh.q_size].reshape(T * sh.num_heads, sh.head_dim)
+    k = qkv[:, sh.q_size : sh.q_size + sh.kv_size].reshape(T * sh.num_kv_heads, sh.head_dim)
+    qkv[:, : sh.q_size] = norms[0](q).view(T, sh.q_size)
+    qkv[:, sh.q_size : sh.q_size + sh.kv_size] = norms[1](k).view(T, sh.kv_size)
 
 
 def reads_past_context(kv_cache) -> bool:
@@ -212,19 +248,26 @@ def reads_past_context(kv_cache) -> bool:
     return not cpu_decode.usable(probe, kv_cache.keys[kv_cache.layers[0]])
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float, window: int | None = None,
-                    softcap: float | None = None) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
     """Write this step's k/v into the caches, then attend (torch_sdpa.paged_attention's contract):
     decoding rows on the CPU decode kernel and prompt chunks on the prefill kernel where they take
     them (CPU, float32), every other sequence in torch SDPA. Returns (T, heads, head_dim)."""
     torch_sdpa.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     decoding = cpu_decode.decode_rows(meta) if cpu_decode.usable(q, k_cache) else []
-    if decoding and len(decoding) == meta.num_seqs:                     # one query per sequence: q rows = sequences
+    if decoding and len(decoding) == meta.num_seqs:  # one query per sequence: q rows = sequences
         return cpu_decode.attend(q, k_cache, v_cache, meta, decoding, scale, window, softcap)
     if not decoding and meta.num_seqs > 1 and max(meta.query_lens) == 1 and softcap is None:
-        return torch_sdpa.paged_attention(q, k, v, k_cache, v_cache, meta, scale, window)   # one padded call
+        return torch_sdpa.paged_attention(q, k, v, k_cache, v_cache, meta, scale, window)  # one padded call
     out = torch.empty_like(q)
     if decoding:
         rows = [meta.query_start[i] for i in decoding]
@@ -232,12 +275,14 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     prompts = cpu_prefill.prefill_rows(meta) if cpu_prefill.usable(q, k_cache) else []
     if prompts:
         cpu_prefill.attend_into(out, q, k_cache, v_cache, meta, prompts, scale, window, softcap)
-    return torch_sdpa.paged_attention(q, k, v, k_cache, v_cache, meta, scale, window, softcap, out,
-                                      frozenset(prompts) | frozenset(decoding))
+    return torch_sdpa.paged_attention(
+        q, k, v, k_cache, v_cache, meta, scale, window, softcap, out, frozenset(prompts) | frozenset(decoding)
+    )
 
 
-def kernels_take(shape: AttentionShape, meta: AttentionMetadata, kv_cache,
-                 rope: tuple[torch.Tensor, torch.Tensor] | None) -> bool:
+def kernels_take(
+    shape: AttentionShape, meta: AttentionMetadata, kv_cache, rope: tuple[torch.Tensor, torch.Tensor] | None
+) -> bool:
     """The step's attention can run on the CPU kernels (see the module doc); the rope tables
     have the activations' dtype and device, and usable() requires float32 on the CPU."""
     if rope is None:
@@ -249,18 +294,21 @@ def kernels_take(shape: AttentionShape, meta: AttentionMetadata, kv_cache,
     decoding = cpu_decode.decode_rows(meta)
     if len(decoding) == meta.num_seqs:
         return True
-    return (cpu_prefill.takes(shape.head_dim, kv_cache.keys[kv_cache.layers[0]])
-            and (not decoding or decoding[-1] == len(decoding) - 1)
-            and len(cpu_prefill.prefill_rows(meta)) == meta.num_seqs - len(decoding))
+    return (
+        cpu_prefill.takes(shape.head_dim, kv_cache.keys[kv_cache.layers[0]])
+        and (not decoding or decoding[-1] == len(decoding) - 1)
+        and len(cpu_prefill.prefill_rows(meta)) == meta.num_seqs - len(decoding)
+    )
 
 
-def plan_attention(shape: AttentionShape, meta: AttentionMetadata, kv_cache,
-                   rope: tuple[torch.Tensor, torch.Tensor] | None) -> StepAttention:
+def plan_attention(
+    shape: AttentionShape, meta: AttentionMetadata, kv_cache, rope: tuple[torch.Tensor, torch.Tensor] | None
+) -> StepAttention:
     """The attention op for this step's layers; `rope`: (cos, sin) (T, 1, head_dim) in the
     activations' dtype, or None (learned positions)."""
     if triton_kernels.takes_cache(kv_cache):
         return TritonAttention(shape, meta, kv_cache, rope)
     if kernels_take(shape, meta, kv_cache, rope):
-        assert rope is not None                     # kernels_take wants the tables
+        assert rope is not None  # kernels_take wants the tables
         return KernelAttention(shape, meta, kv_cache, rope)
     return TorchAttention(shape, meta, kv_cache, rope)

@@ -18,7 +18,7 @@ from tokenloom.attention.metadata import AttentionMetadata
 from tokenloom.kernels import native
 
 _SOURCE = Path(__file__).parent / "csrc" / "paged_decode_cpu.cpp"
-BUILDS = (("avx512", "tokenloom_attention512"), ("avx2", "tokenloom_attention"))   # (isa, library), fastest first
+BUILDS = (("avx512", "tokenloom_attention512"), ("avx2", "tokenloom_attention"))  # (isa, library), fastest first
 
 
 def ops():
@@ -33,8 +33,13 @@ def build() -> bool:
 
 def usable(q: torch.Tensor, k_cache) -> bool:
     """The kernel handles this step: float32 on the CPU, a plain (not int8) cache, and it compiled."""
-    return (q.device.type == "cpu" and q.dtype == torch.float32 and isinstance(k_cache, torch.Tensor)
-            and k_cache.dtype == torch.float32 and build())
+    return (
+        q.device.type == "cpu"
+        and q.dtype == torch.float32
+        and isinstance(k_cache, torch.Tensor)
+        and k_cache.dtype == torch.float32
+        and build()
+    )
 
 
 def decode_rows(meta: AttentionMetadata) -> list[int]:
@@ -54,15 +59,24 @@ def _inputs(meta: AttentionMetadata, seqs: list[int]) -> tuple[torch.Tensor, tor
     W is a power of two: a growing context changes the step's shapes (and re-records its
     tape, layers/op_tape.py) log2 times, not every block."""
     if meta.decode_kernel_inputs is None:
-        meta.decode_kernel_inputs = (meta.padded_block_tables(seqs, power_of_two=True),
-                                     torch.tensor([meta.context_lens[i] for i in seqs], dtype=torch.int64))
+        meta.decode_kernel_inputs = (
+            meta.padded_block_tables(seqs, power_of_two=True),
+            torch.tensor([meta.context_lens[i] for i in seqs], dtype=torch.int64),
+        )
     return meta.decode_kernel_inputs
 
 
-def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-           seqs: list[int], scale: float, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+def attend(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    seqs: list[int],
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
     """q (S, heads, head_dim): the query of each sequence in `seqs` -> (S, heads, head_dim), each
     attending to its last `window` positions (None: all), scores soft-capped by `softcap` if given."""
     tables, ctx = _inputs(meta, seqs)
     return ops().paged_decode(q.contiguous(), k_cache, v_cache, tables, ctx, scale, window or 0, softcap or 0.0)
-

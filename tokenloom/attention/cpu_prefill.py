@@ -37,33 +37,50 @@ def usable(q: torch.Tensor, k_cache) -> bool:
 
 def takes(head_dim: int, k_cache) -> bool:
     """A plain (not int8) float32 CPU cache, head size 32/64/128/256, and the kernel built."""
-    return (isinstance(k_cache, torch.Tensor) and k_cache.device.type == "cpu" and k_cache.dtype == torch.float32
-            and head_dim in (32, 64, 128, 256) and ops() is not None)
+    return (
+        isinstance(k_cache, torch.Tensor)
+        and k_cache.device.type == "cpu"
+        and k_cache.dtype == torch.float32
+        and head_dim in (32, 64, 128, 256)
+        and ops() is not None
+    )
 
 
 def prefill_rows(meta: AttentionMetadata) -> list[int]:
     """The sequences of this step the kernel takes: several queries, context <= MAX_CONTEXT."""
     if meta.prefill_rows_ is None:
-        meta.prefill_rows_ = [i for i, (n, c) in enumerate(zip(meta.query_lens, meta.context_lens))
-                              if n > 1 and c <= MAX_CONTEXT]
+        meta.prefill_rows_ = [
+            i for i, (n, c) in enumerate(zip(meta.query_lens, meta.context_lens)) if n > 1 and c <= MAX_CONTEXT
+        ]
     return meta.prefill_rows_
 
 
 def _inputs(meta: AttentionMetadata, seqs: list[int]) -> tuple[torch.Tensor, ...]:
     """Padded block tables (S, W) and query starts, query lengths, context lengths (S,) int64."""
     if meta.prefill_kernel_inputs is None:
-        per_seq = [torch.tensor([field[i] for i in seqs], dtype=torch.int64)
-                   for field in (meta.query_start, meta.query_lens, meta.context_lens)]
+        per_seq = [
+            torch.tensor([field[i] for i in seqs], dtype=torch.int64)
+            for field in (meta.query_start, meta.query_lens, meta.context_lens)
+        ]
         meta.prefill_kernel_inputs = (meta.padded_block_tables(seqs), *per_seq)
     return meta.prefill_kernel_inputs
 
 
-def attend_into(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: AttentionMetadata, seqs: list[int], scale: float, window: int | None = None,
-                softcap: float | None = None) -> None:
+def attend_into(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    seqs: list[int],
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> None:
     """Write the attention of `seqs`' query rows of q (T, heads, head_dim) into the same rows of
     out (T, heads, head_dim), each query over its last `window` positions (None: all), scores
     soft-capped by `softcap` if given; their keys/values must be in the cache already."""
     tables, starts, lens, ctx = _inputs(meta, seqs)
-    ops().paged_prefill(q.contiguous(), k_cache, v_cache, tables, starts, lens, ctx, scale, window or 0,
-                        softcap or 0.0, out)
+    ops().paged_prefill(
+        q.contiguous(), k_cache, v_cache, tables, starts, lens, ctx, scale, window or 0, softcap or 0.0, out
+    )

@@ -11,15 +11,16 @@ import torch
 class PagedInputs:
     """A step's sequences as the paged-attention kernel reads them (device tensors, int32)."""
 
-    seq_lens: torch.Tensor        # (S,) cached positions of each sequence after this step's writes
-    query_start: torch.Tensor     # (S + 1,) sequence i's queries are rows query_start[i] : query_start[i + 1]
-    block_offsets: torch.Tensor   # (S,) where sequence i's blocks start in block_ids
-    block_ids: torch.Tensor       # (N,) every sequence's block table, one after another
-    max_query_len: int            # the most queries any sequence has (sizes the grid)
+    seq_lens: torch.Tensor  # (S,) cached positions of each sequence after this step's writes
+    query_start: torch.Tensor  # (S + 1,) sequence i's queries are rows query_start[i] : query_start[i + 1]
+    block_offsets: torch.Tensor  # (S,) where sequence i's blocks start in block_ids
+    block_ids: torch.Tensor  # (N,) every sequence's block table, one after another
+    max_query_len: int  # the most queries any sequence has (sizes the grid)
 
 
-def build_paged_inputs(query_lens: list[int], context_lens: list[int], tables: list[list[int]],
-                       device: torch.device) -> PagedInputs:
+def build_paged_inputs(
+    query_lens: list[int], context_lens: list[int], tables: list[list[int]], device: torch.device
+) -> PagedInputs:
     """PagedInputs of a step, built on the host as one int32 buffer and copied in one transfer
     (pinned and asynchronous on a GPU). tables[i]: sequence i's block ids (at least enough for
     context_lens[i] positions)."""
@@ -33,8 +34,7 @@ def build_paged_inputs(query_lens: list[int], context_lens: list[int], tables: l
     host = torch.tensor([*context_lens, *starts, *offsets, *flat], dtype=torch.int32)
     if torch.device(device).type == "cuda":
         host = host.pin_memory().to(device, non_blocking=True)
-    return PagedInputs(host[:S], host[S:2 * S + 1], host[2 * S + 1:3 * S + 1], host[3 * S + 1:],
-                       max(query_lens))
+    return PagedInputs(host[:S], host[S : 2 * S + 1], host[2 * S + 1 : 3 * S + 1], host[3 * S + 1 :], max(query_lens))
 
 
 @dataclass(slots=True)
@@ -47,27 +47,28 @@ class AttentionMetadata:
     the last ``query_lens[i]`` of which are this step's.
     """
 
-    slot_mapping: torch.Tensor      # (T,) int64: flat cache slot (block * block_size + offset) per token
-    query_start: list[int]          # per sequence: first token index in the flattened batch
-    query_lens: list[int]           # per sequence: tokens computed this step
-    context_lens: list[int]         # per sequence: cached tokens after this step (>= query_lens)
+    slot_mapping: torch.Tensor  # (T,) int64: flat cache slot (block * block_size + offset) per token
+    query_start: list[int]  # per sequence: first token index in the flattened batch
+    query_lens: list[int]  # per sequence: tokens computed this step
+    context_lens: list[int]  # per sequence: cached tokens after this step (>= query_lens)
     block_tables: list[torch.Tensor]  # per sequence: (num_blocks_i,) int64 block ids covering context_lens[i] (host)
-    null_block: int = 0             # an always-zero block that pads block tables
+    null_block: int = 0  # an always-zero block that pads block tables
     # What the attention backends derive from the fields above, built at the first layer that
     # needs it and reused by the rest of this step's layers (None until then).
-    decode_rows_: list[int] | None = None           # sequences with one query (cpu_decode.decode_rows)
-    prefill_rows_: list[int] | None = None          # sequences the prefill kernel takes (cpu_prefill)
-    decode_kernel_inputs: tuple[torch.Tensor, torch.Tensor] | None = None   # padded tables (S, W), ctx (S,)
+    decode_rows_: list[int] | None = None  # sequences with one query (cpu_decode.decode_rows)
+    prefill_rows_: list[int] | None = None  # sequences the prefill kernel takes (cpu_prefill)
+    decode_kernel_inputs: tuple[torch.Tensor, torch.Tensor] | None = None  # padded tables (S, W), ctx (S,)
     prefill_kernel_inputs: tuple[torch.Tensor, ...] | None = None  # tables (S, W), starts, lens, ctx (S,)
-    padded_decode_inputs: dict | None = None   # torch path: attention window -> (tables, may-attend mask)
-    paged_inputs_: PagedInputs | None = None   # the Triton path's (paged_inputs); a CUDA graph sets its own
+    padded_decode_inputs: dict | None = None  # torch path: attention window -> (tables, may-attend mask)
+    paged_inputs_: PagedInputs | None = None  # the Triton path's (paged_inputs); a CUDA graph sets its own
 
     def paged_inputs(self) -> PagedInputs:
         """This step's sequences as the Triton paged-attention kernel reads them (built once a step)."""
         if self.paged_inputs_ is None:
             tables = [t.tolist() if isinstance(t, torch.Tensor) else t for t in self.block_tables]
-            self.paged_inputs_ = build_paged_inputs(self.query_lens, self.context_lens, tables,
-                                                    self.slot_mapping.device)
+            self.paged_inputs_ = build_paged_inputs(
+                self.query_lens, self.context_lens, tables, self.slot_mapping.device
+            )
         return self.paged_inputs_
 
     @property
@@ -82,5 +83,5 @@ class AttentionMetadata:
             width = 1 << (width - 1).bit_length()
         tables = torch.full((len(seqs), width), self.null_block, dtype=torch.int64)
         for row, i in enumerate(seqs):
-            tables[row, :len(self.block_tables[i])] = self.block_tables[i]
+            tables[row, : len(self.block_tables[i])] = self.block_tables[i]
         return tables

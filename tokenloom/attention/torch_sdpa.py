@@ -46,7 +46,7 @@ def select_blocks(cache, table: torch.Tensor) -> torch.Tensor:
 def _gather(cache, block_table: torch.Tensor, length: int) -> torch.Tensor:
     """The first `length` cached tokens of a sequence: (kv_heads, length, head_dim)."""
     _, _, kv_heads, head_dim = cache.shape
-    blocks = select_blocks(cache, block_table)                  # (nb, block_size, kv_heads, head_dim)
+    blocks = select_blocks(cache, block_table)  # (nb, block_size, kv_heads, head_dim)
     return blocks.view(-1, kv_heads, head_dim)[:length].transpose(0, 1)
 
 
@@ -62,11 +62,19 @@ def _mask(q_len: int, ctx_len: int, window: int | None, device: torch.device) ->
     return allowed
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float, window: int | None = None,
-                    softcap: float | None = None, out: torch.Tensor | None = None,
-                    skip: frozenset[int] = frozenset()) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+    out: torch.Tensor | None = None,
+    skip: frozenset[int] = frozenset(),
+) -> torch.Tensor:
     """Causal attention of this step's queries against each sequence's cached context (its
     last `window` positions; None: all), scores soft-capped where `softcap` is given, in torch
     ops only. Does not write the cache: the caller has written this step's k/v (``write_kv``).
@@ -79,8 +87,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if not skip and meta.num_seqs > 1 and max(meta.query_lens) == 1 and softcap is None:
         return _decode_batch(q, k_cache, v_cache, meta, scale, gqa, window)
     out = torch.empty_like(q) if out is None else out
-    for i, (start, q_len, ctx_len, table) in enumerate(zip(meta.query_start, meta.query_lens,
-                                                           meta.context_lens, meta.block_tables)):
+    for i, (start, q_len, ctx_len, table) in enumerate(
+        zip(meta.query_start, meta.query_lens, meta.context_lens, meta.block_tables)
+    ):
         if i in skip:
             continue
         rows = slice(start, start + q_len)
@@ -91,45 +100,63 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out
 
 
-def _sdpa_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache, v_cache, table: torch.Tensor,
-                   ctx_len: int, scale: float, window: int | None) -> torch.Tensor:
+def _sdpa_sequence(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache,
+    v_cache,
+    table: torch.Tensor,
+    ctx_len: int,
+    scale: float,
+    window: int | None,
+) -> torch.Tensor:
     """One sequence's chunk through torch SDPA: q (q_len, heads, head_dim), k/v its new keys and
     values (q_len, kv_heads, head_dim), already in the cache -> (q_len, heads, head_dim)."""
     q_len = q.shape[0]
-    qi = q.transpose(0, 1)[None]                                  # (1, heads, q_len, head_dim)
+    qi = q.transpose(0, 1)[None]  # (1, heads, q_len, head_dim)
     # An int8 cache is always read back, so a prompt attends to the same (quantized) keys
     # whether it is prefilled whole, in chunks, or found in the prefix cache.
-    if q_len == ctx_len and not isinstance(k_cache, Int8Cache):   # the whole context is this step's
-        ki, vi = k.transpose(0, 1), v.transpose(0, 1)              # (kv_heads, q_len, head_dim)
+    if q_len == ctx_len and not isinstance(k_cache, Int8Cache):  # the whole context is this step's
+        ki, vi = k.transpose(0, 1), v.transpose(0, 1)  # (kv_heads, q_len, head_dim)
     else:
-        ki = _gather(k_cache, table, ctx_len)                      # (kv_heads, ctx_len, head_dim)
+        ki = _gather(k_cache, table, ctx_len)  # (kv_heads, ctx_len, head_dim)
         vi = _gather(v_cache, table, ctx_len)
     causal_only = q_len == ctx_len and q_len > 1 and (window is None or ctx_len <= window)
     mask = None if causal_only else _mask(q_len, ctx_len, window, q.device)
-    out = F.scaled_dot_product_attention(qi, ki[None], vi[None], attn_mask=mask, is_causal=causal_only,
-                                         scale=scale, enable_gqa=q.shape[1] != k.shape[1])
-    return out[0].transpose(0, 1)                                  # (q_len, heads, head_dim)
+    out = F.scaled_dot_product_attention(
+        qi, ki[None], vi[None], attn_mask=mask, is_causal=causal_only, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+    )
+    return out[0].transpose(0, 1)  # (q_len, heads, head_dim)
 
 
-def _decode_inputs(meta: AttentionMetadata, block_size: int, device: torch.device, window: int | None
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+def _decode_inputs(
+    meta: AttentionMetadata, block_size: int, device: torch.device, window: int | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Padded block tables (B, W) and the may-attend mask (B, 1, 1, W * block_size) of a decode batch."""
-    tables = meta.padded_block_tables(list(range(meta.num_seqs))).to(device)   # padded with the null block (zeros)
+    tables = meta.padded_block_tables(list(range(meta.num_seqs))).to(device)  # padded with the null block (zeros)
     width = tables.shape[1]
-    ctx = torch.tensor(meta.context_lens, device=device)[:, None]             # (B, 1)
-    pos = torch.arange(width * block_size, device=device)[None, :]             # (1, L)
+    ctx = torch.tensor(meta.context_lens, device=device)[:, None]  # (B, 1)
+    pos = torch.arange(width * block_size, device=device)[None, :]  # (1, L)
     allowed = pos < ctx
     if window is not None:
         allowed &= pos >= ctx - window
     return tables, allowed[:, None, None, :]
 
 
-def _decode_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  meta: AttentionMetadata, scale: float, gqa: bool, window: int | None = None) -> torch.Tensor:
+def _decode_batch(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    gqa: bool,
+    window: int | None = None,
+) -> torch.Tensor:
     """One query per sequence: q (B, heads, head_dim) -> (B, heads, head_dim)."""
     B = q.shape[0]
     _, block_size, kv_heads, head_dim = k_cache.shape
-    if meta.padded_decode_inputs is None:          # the same for every layer of this step with this window
+    if meta.padded_decode_inputs is None:  # the same for every layer of this step with this window
         meta.padded_decode_inputs = {}
     if window not in meta.padded_decode_inputs:
         meta.padded_decode_inputs[window] = _decode_inputs(meta, block_size, q.device, window)
@@ -137,23 +164,32 @@ def _decode_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     L = tables.shape[1] * block_size
     # Slots past a sequence's end are zero (the null block, or zeroed at the block's first
     # write), so masked positions cannot inject NaN through 0-weight x value.
-    keys = select_blocks(k_cache, tables).view(B, L, kv_heads, head_dim).transpose(1, 2)   # (B, kv_heads, L, hd)
+    keys = select_blocks(k_cache, tables).view(B, L, kv_heads, head_dim).transpose(1, 2)  # (B, kv_heads, L, hd)
     values = select_blocks(v_cache, tables).view(B, L, kv_heads, head_dim).transpose(1, 2)
-    out = F.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=allowed,
-                                         scale=scale, enable_gqa=gqa)                    # (B, heads, 1, head_dim)
+    out = F.scaled_dot_product_attention(
+        q[:, :, None, :], keys, values, attn_mask=allowed, scale=scale, enable_gqa=gqa
+    )  # (B, heads, 1, head_dim)
     return out[:, :, 0, :]
 
 
-def _softcapped_sequence(q: torch.Tensor, k_cache, v_cache, table: torch.Tensor, ctx_len: int, scale: float,
-                         window: int | None, softcap: float) -> torch.Tensor:
+def _softcapped_sequence(
+    q: torch.Tensor,
+    k_cache,
+    v_cache,
+    table: torch.Tensor,
+    ctx_len: int,
+    scale: float,
+    window: int | None,
+    softcap: float,
+) -> torch.Tensor:
     """Gemma 2's attention for one sequence's chunk where no kernel runs, in transformers' eager
     order: scores = q k^T * scale, tanh(scores / softcap) * softcap, masked, softmax in float32,
     times v. q: (q_len, heads, head_dim) -> (q_len, heads, head_dim)."""
     q_len, group = q.shape[0], q.shape[1] // k_cache.shape[2]
-    qi = q.transpose(0, 1)                                                       # (heads, q_len, head_dim)
-    ki = _gather(k_cache, table, ctx_len).repeat_interleave(group, dim=0)        # (heads, ctx_len, head_dim)
+    qi = q.transpose(0, 1)  # (heads, q_len, head_dim)
+    ki = _gather(k_cache, table, ctx_len).repeat_interleave(group, dim=0)  # (heads, ctx_len, head_dim)
     vi = _gather(v_cache, table, ctx_len).repeat_interleave(group, dim=0)
-    scores = torch.matmul(qi, ki.transpose(1, 2)) * scale                        # (heads, q_len, ctx_len)
+    scores = torch.matmul(qi, ki.transpose(1, 2)) * scale  # (heads, q_len, ctx_len)
     scores = torch.tanh(scores / softcap) * softcap
     mask = _mask(q_len, ctx_len, window, q.device)
     if mask is not None:

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from tokenloom.distributed.errors import ParallelRankError
 
-STEP_TIMEOUT_S = 120.0            # a collective inside a step waits this long for the other ranks
+STEP_TIMEOUT_S = 120.0  # a collective inside a step waits this long for the other ranks
 IDLE_TIMEOUT = timedelta(days=7)  # a worker waits this long for rank 0's next command
 
 
@@ -27,11 +27,11 @@ class ParallelGroup:
 
     rank: int
     size: int
-    step: Any                     # the ProcessGroup of the collectives inside a model call
+    step: Any  # the ProcessGroup of the collectives inside a model call
     comm_seconds: float = 0.0
-    shm: Any = None               # SharedMemoryAllReduce where every rank is on this machine (shm.py)
-    peers: Any = None             # where this process can see its peers' processes: .alive(), .dead_error(stage)
-    store: Any = None             # the rendezvous store (the ranks' start-up stages are keys in it)
+    shm: Any = None  # SharedMemoryAllReduce where every rank is on this machine (shm.py)
+    peers: Any = None  # where this process can see its peers' processes: .alive(), .dead_error(stage)
+    store: Any = None  # the rendezvous store (the ranks' start-up stages are keys in it)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum x over the ranks, in place (x contiguous); returns x."""
@@ -93,8 +93,10 @@ class ParallelGroup:
 
 def _rank_error(e: Exception) -> ParallelRankError:
     first_line = str(e).splitlines()[0] if str(e) else "no message"
-    return ParallelRankError(f"a rank of the split model (tensor or pipeline parallel) stopped answering "
-                             f"({type(e).__name__}: {first_line}); the engine cannot go on without it")
+    return ParallelRankError(
+        f"a rank of the split model (tensor or pipeline parallel) stopped answering "
+        f"({type(e).__name__}: {first_line}); the engine cannot go on without it"
+    )
 
 
 def free_port() -> int:
@@ -104,8 +106,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_group(rank: int, size: int, init_method: str | None, device: str = "cpu", shm_path: str | None = None,
-               peers=None, step_timeout_s: float = STEP_TIMEOUT_S, store=None) -> ParallelGroup:
+def init_group(
+    rank: int,
+    size: int,
+    init_method: str | None,
+    device: str = "cpu",
+    shm_path: str | None = None,
+    peers=None,
+    step_timeout_s: float = STEP_TIMEOUT_S,
+    store=None,
+) -> ParallelGroup:
     """Join the `size` ranks as `rank`, through `store` (a TCPStore rank 0 serves) or at `init_method`
     (env:// under torchrun). Commands always travel over gloo (CPU objects); a step's collectives
     over gloo on the CPU and NCCL on CUDA (written for several GPUs, not run here: the machines at
@@ -121,8 +131,9 @@ def init_group(rank: int, size: int, init_method: str | None, device: str = "cpu
     shm = None
     if shm_path is not None and backend == "gloo":
         from tokenloom.distributed.shm import SharedMemoryAllReduce
+
         shm = SharedMemoryAllReduce(shm_path, rank, size, step_timeout_s, None if peers is None else peers.alive)
-        dist.barrier()                         # every rank has it mapped: the file's name is no longer needed
+        dist.barrier()  # every rank has it mapped: the file's name is no longer needed
         if rank == 0:
             shm.remove()
     return ParallelGroup(rank, size, step, shm=shm, peers=peers, store=store)

@@ -51,8 +51,10 @@ class Ranks:
         deadline = time.monotonic() + start_timeout_s()
         while not self.group.store.check(keys):
             if time.monotonic() > deadline:
-                raise ParallelRankError(f"the other ranks did not load their shares within {start_timeout_s():.0f} s "
-                                        "(see TOKENLOOM_RANK_START_TIMEOUT)")
+                raise ParallelRankError(
+                    f"the other ranks did not load their shares within {start_timeout_s():.0f} s "
+                    "(see TOKENLOOM_RANK_START_TIMEOUT)"
+                )
             time.sleep(POLL_S)
 
     def stop(self) -> None:
@@ -63,7 +65,7 @@ class Ranks:
         self._stopped = True
         try:
             self.group.send("stop")
-        except Exception:      # a dead rank: nothing to tell it
+        except Exception:  # a dead rank: nothing to tell it
             pass
         if self.local is not None:
             self.local.stop()
@@ -79,24 +81,39 @@ def start_ranks(config: EngineConfig, model_config) -> Ranks:
     join in time is a ParallelRankError naming it."""
     size = config.world_size
     if dist.is_initialized():
-        raise RuntimeError("this process already runs a model split over ranks: stop it first "
-                           "(llm.engine.ranks.stop()) or split one model at a time")
+        raise RuntimeError(
+            "this process already runs a model split over ranks: stop it first "
+            "(llm.engine.ranks.stop()) or split one model at a time"
+        )
     joined = torchrun_rank()
     if joined is not None:
         rank, world = joined
         if world != size or rank != 0:
-            raise ValueError(f"torchrun started {world} processes (this one rank {rank}) but the model is split over "
-                             f"{size}: give torchrun --nnodes x --nproc-per-node = the tensor (or pipeline) parallel "
-                             "size")
+            raise ValueError(
+                f"torchrun started {world} processes (this one rank {rank}) but the model is split over "
+                f"{size}: give torchrun --nnodes x --nproc-per-node = the tensor (or pipeline) parallel "
+                "size"
+            )
         return Ranks(init_group(0, world, "env://", config.device))
     threads = threads_per_rank(size)
     shm_path = SharedMemoryAllReduce.create(size) if SharedMemoryAllReduce.usable() else None
     # A store op waits at most this long: a rank that dies inside the group's set-up ends it then.
-    store = dist.TCPStore("127.0.0.1", free_port(), size, is_master=True, timeout=timedelta(seconds=30),
-                          wait_for_workers=False)
-    local = LocalRanks(size, lambda rank: dict(rank=rank, size=size, init_method=None, config=config, threads=threads,
-                                               shm_path=shm_path, model_config=model_config,
-                                               store_addr=("127.0.0.1", store.port)))
+    store = dist.TCPStore(
+        "127.0.0.1", free_port(), size, is_master=True, timeout=timedelta(seconds=30), wait_for_workers=False
+    )
+    local = LocalRanks(
+        size,
+        lambda rank: dict(
+            rank=rank,
+            size=size,
+            init_method=None,
+            config=config,
+            threads=threads,
+            shm_path=shm_path,
+            model_config=model_config,
+            store_addr=("127.0.0.1", store.port),
+        ),
+    )
     torch.set_num_threads(threads)
     try:
         local.wait_for(store, "joined", start_timeout_s())

@@ -64,8 +64,8 @@ class VocabParallelLMHead(nn.Module):
         self._project(self.group.broadcast(torch.empty(shape, dtype=dtype)))
 
     def _project(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        gathered = self.group.gather_columns(self.head(hidden).contiguous())          # (N, size x count)
-        return None if gathered is None else gathered[:, :self.vocab_size]
+        gathered = self.group.gather_columns(self.head(hidden).contiguous())  # (N, size x count)
+        return None if gathered is None else gathered[:, : self.vocab_size]
 
 
 def parallelize(model: nn.Module, shard: TensorShard, group: ParallelGroup, config) -> None:

@@ -49,11 +49,14 @@ class PipelineStage:
 
     def check(self, config: ModelConfig, model_class: type) -> None:
         if model_class.__name__ not in TENSOR_PARALLEL_CLASSES:
-            raise TensorParallelError(f"pipeline parallelism is implemented for Llama, Mistral, Qwen2/3 and their "
-                                      f"MoE models (Qwen2-MoE, Qwen3-MoE, Mixtral), not {config.architecture}")
+            raise TensorParallelError(
+                f"pipeline parallelism is implemented for Llama, Mistral, Qwen2/3 and their "
+                f"MoE models (Qwen2-MoE, Qwen3-MoE, Mixtral), not {config.architecture}"
+            )
         if self.size > config.num_layers:
-            raise TensorParallelError(f"--pipeline-parallel-size {self.size} exceeds the model's "
-                                      f"{config.num_layers} layers")
+            raise TensorParallelError(
+                f"--pipeline-parallel-size {self.size} exceeds the model's {config.num_layers} layers"
+            )
 
     def owns(self, name: str) -> bool:
         """Whether checkpoint tensor `name` is this stage's (its layers'; rank 0: the rest too)."""
@@ -107,9 +110,11 @@ class Pipeline:
             h, residual = self.model.run_layer_range(h, residual, attend, stage.layers)
             sending.append(group.isend(torch.stack([h, residual]), (stage.rank + 1) % stage.size, m))
         finished = None
-        if stage.rank == 0:                                   # the last stage's (hidden, residual), normed
-            finished = [self.model.model.norm.add_forward(*group.recv(self._carrier(b), stage.size - 1, m))[0]
-                        for m, b in enumerate(batches)]
+        if stage.rank == 0:  # the last stage's (hidden, residual), normed
+            finished = [
+                self.model.model.norm.add_forward(*group.recv(self._carrier(b), stage.size - 1, m))[0]
+                for m, b in enumerate(batches)
+            ]
         for work in sending:
             group.wait(work)
         return None if finished is None else torch.cat(finished)

@@ -12,6 +12,7 @@ def main(argv: list[str]) -> None:
     with open(argv[1], "rb") as f:
         kwargs = pickle.load(f)
     from tokenloom.distributed.worker import worker_main
+
     worker_main(**kwargs)
 
 

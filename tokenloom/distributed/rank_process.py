@@ -21,7 +21,7 @@ from pathlib import Path
 
 from tokenloom.distributed.errors import ParallelRankError
 
-POLL_S = 0.05                  # how often rank 0 looks at a stage's keys and at its ranks' processes
+POLL_S = 0.05  # how often rank 0 looks at a stage's keys and at its ranks' processes
 
 
 class RankProcess:
@@ -33,8 +33,12 @@ class RankProcess:
         args.write_bytes(pickle.dumps(worker_kwargs))
         self.log_path = folder / f"rank{rank}.log"
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "tokenloom.distributed.rank_main", str(args)],
-                                         stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "tokenloom.distributed.rank_main", str(args)],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
 
     @property
     def pid(self) -> int:
@@ -84,8 +88,9 @@ class LocalRanks:
         return "; ".join(dead) if dead else "every rank process is running"
 
     def dead_error(self, stage: str) -> ParallelRankError:
-        return ParallelRankError(f"a rank of the split model (tensor or pipeline parallel) stopped answering while "
-                                 f"{stage}: {self.report()}")
+        return ParallelRankError(
+            f"a rank of the split model (tensor or pipeline parallel) stopped answering while {stage}: {self.report()}"
+        )
 
     def wait_for(self, store, stage: str, timeout_s: float) -> None:
         """Until every rank has set its key of `stage` in `store` (worker.report_stage); a rank that
@@ -100,10 +105,13 @@ class LocalRanks:
                 raise self.dead_error(stage)
             if time.monotonic() > deadline:
                 late = ", ".join(f"rank {r}" for r in keys)
-                words = "; ".join(f"rank {p.rank}: {p.last_words(3) or '(no output)'}" for p in self.processes
-                                  if p.rank in keys)
-                raise ParallelRankError(f"{late} did not finish {stage} within {timeout_s:.0f} s (see "
-                                        f"TOKENLOOM_RANK_START_TIMEOUT); last output: {words}")
+                words = "; ".join(
+                    f"rank {p.rank}: {p.last_words(3) or '(no output)'}" for p in self.processes if p.rank in keys
+                )
+                raise ParallelRankError(
+                    f"{late} did not finish {stage} within {timeout_s:.0f} s (see "
+                    f"TOKENLOOM_RANK_START_TIMEOUT); last output: {words}"
+                )
             time.sleep(POLL_S)
 
     def stop(self, timeout_s: float = 10) -> None:

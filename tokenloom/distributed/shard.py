@@ -49,8 +49,10 @@ class TensorShard:
     def check(self, config: ModelConfig, model_class: type) -> None:
         """TensorParallelError naming what does not divide, or the architecture that is not split."""
         if model_class.__name__ not in TENSOR_PARALLEL_CLASSES:
-            raise TensorParallelError(f"tensor parallelism is implemented for Llama, Mistral, Qwen2/3 and their "
-                                      f"MoE models (Qwen2-MoE, Qwen3-MoE, Mixtral), not {config.architecture}")
+            raise TensorParallelError(
+                f"tensor parallelism is implemented for Llama, Mistral, Qwen2/3 and their "
+                f"MoE models (Qwen2-MoE, Qwen3-MoE, Mixtral), not {config.architecture}"
+            )
         sizes = {"num_attention_heads": config.num_heads, "intermediate_size": config.intermediate_size}
         if config.moe is not None:
             sizes["moe intermediate_size"] = config.moe.intermediate_size
@@ -68,7 +70,7 @@ class TensorShard:
         kv = config.num_kv_heads
         if kv >= self.size:
             return self.rank * (kv // self.size), kv // self.size
-        return self.rank * kv // self.size, 1                  # the head this rank's query heads read
+        return self.rank * kv // self.size, 1  # the head this rank's query heads read
 
     def vocab_rows(self, config: ModelConfig) -> tuple[int, int]:
         """(first, count) of the vocabulary rows this rank holds (count: the padded share)."""
@@ -79,12 +81,19 @@ class TensorShard:
         """The config this rank's model is built from: 1/N of the heads and sizes."""
         moe = config.moe
         if moe is not None:
-            moe = dataclasses.replace(moe, intermediate_size=moe.intermediate_size // self.size,
-                                      shared_intermediate_size=moe.shared_intermediate_size // self.size)
-        return dataclasses.replace(config, num_heads=config.num_heads // self.size,
-                                   num_kv_heads=self.kv_heads(config)[1],
-                                   intermediate_size=config.intermediate_size // self.size,
-                                   vocab_size=self.vocab_rows(config)[1], moe=moe)
+            moe = dataclasses.replace(
+                moe,
+                intermediate_size=moe.intermediate_size // self.size,
+                shared_intermediate_size=moe.shared_intermediate_size // self.size,
+            )
+        return dataclasses.replace(
+            config,
+            num_heads=config.num_heads // self.size,
+            num_kv_heads=self.kv_heads(config)[1],
+            intermediate_size=config.intermediate_size // self.size,
+            vocab_size=self.vocab_rows(config)[1],
+            moe=moe,
+        )
 
     def narrow(self, name: str, tensor: torch.Tensor | GGMLTensor, config: ModelConfig) -> torch.Tensor | GGMLTensor:
         """Checkpoint tensor `name` (HF naming) -> this rank's share of it (a view where it can be).
@@ -99,15 +108,16 @@ class TensorShard:
             return self._even_share(tensor, 0, name)
         if module in ROW_PARALLEL:
             if kind == "bias":
-                return tensor if self.rank == 0 else torch.zeros_like(cast(torch.Tensor, tensor))   # biases: float
+                return tensor if self.rank == 0 else torch.zeros_like(cast(torch.Tensor, tensor))  # biases: float
             return self._even_share(tensor, 1, name)
         return tensor
 
     def _even_share(self, tensor, dim: int, name: str):
         size = tensor.shape[dim]
         if size % self.size:
-            raise TensorParallelError(f"checkpoint tensor {name!r}: dimension {dim} ({size}) does not split "
-                                      f"over {self.size} ranks")
+            raise TensorParallelError(
+                f"checkpoint tensor {name!r}: dimension {dim} ({size}) does not split over {self.size} ranks"
+            )
         return _cut(tensor, dim, self.rank * (size // self.size), size // self.size, name)
 
     def _vocab_share(self, tensor, config: ModelConfig):
@@ -118,7 +128,7 @@ class TensorShard:
         if isinstance(rows, GGMLTensor):
             return rows.padded_rows(share)
         padded = torch.zeros((share, *tensor.shape[1:]), dtype=tensor.dtype)
-        padded[:rows.shape[0]] = rows
+        padded[: rows.shape[0]] = rows
         return padded
 
 
@@ -131,11 +141,13 @@ def _cut(tensor, dim: int, start: int, count: int, name: str):
     try:
         return tensor.columns(start, count)
     except ValueError as e:
-        raise TensorParallelError(f"checkpoint tensor {name!r}: {e}, so its {tensor.type_name} blocks cannot be "
-                                  "split between ranks as stored; load the GGUF file with --dtype float32") from e
+        raise TensorParallelError(
+            f"checkpoint tensor {name!r}: {e}, so its {tensor.type_name} blocks cannot be "
+            "split between ranks as stored; load the GGUF file with --dtype float32"
+        ) from e
 
 
 def _module_and_kind(name: str) -> tuple[str, str]:
-    """"model.layers.3.self_attn.q_proj.weight" -> ("q_proj", "weight")."""
+    """ "model.layers.3.self_attn.q_proj.weight" -> ("q_proj", "weight")."""
     parts = re.split(r"\.", name)
     return (parts[-2], parts[-1]) if len(parts) >= 2 else (name, "")

@@ -27,23 +27,24 @@ import torch
 
 from tokenloom.distributed.errors import ParallelRankError
 
-LIVENESS_EVERY_S = 0.01          # a waiting rank asks whether its peers live this often
-FLAG_STRIDE = 8                   # int64s between ranks' sequence numbers (64 bytes: no false sharing)
-SLOT_BYTES = 1 << 20              # per rank and buffer: a (T, hidden) float32 tensor up to 1 MiB
+LIVENESS_EVERY_S = 0.01  # a waiting rank asks whether its peers live this often
+FLAG_STRIDE = 8  # int64s between ranks' sequence numbers (64 bytes: no false sharing)
+SLOT_BYTES = 1 << 20  # per rank and buffer: a (T, hidden) float32 tensor up to 1 MiB
 SPINS_BEFORE_YIELD = 2000
 
 
 class SharedMemoryAllReduce:
     """One mapping of `path` per rank; rank 0 creates it (``create``), the others ``attach``."""
 
-    def __init__(self, path: str, rank: int, size: int, timeout_s: float,
-                 peers_alive: Callable[[], bool] | None = None) -> None:
+    def __init__(
+        self, path: str, rank: int, size: int, timeout_s: float, peers_alive: Callable[[], bool] | None = None
+    ) -> None:
         self.path, self.rank, self.size, self.timeout_s = path, rank, size, timeout_s
         self.peers_alive = peers_alive
         flags_bytes = size * FLAG_STRIDE * 8
         memory = torch.from_file(path, shared=True, size=flags_bytes + 2 * size * SLOT_BYTES, dtype=torch.uint8)
-        self.flags = memory[:flags_bytes].view(torch.int64)                          # (size x FLAG_STRIDE,)
-        self.slots = memory[flags_bytes:].view(2, size, SLOT_BYTES)                  # (buffer, rank, bytes)
+        self.flags = memory[:flags_bytes].view(torch.int64)  # (size x FLAG_STRIDE,)
+        self.slots = memory[flags_bytes:].view(2, size, SLOT_BYTES)  # (buffer, rank, bytes)
         self.seq = 0
 
     @staticmethod
@@ -68,7 +69,7 @@ class SharedMemoryAllReduce:
         self.seq += 1
         buffer = self.slots[self.seq % 2]
         buffer[self.rank, :nbytes].copy_(x.view(-1).view(torch.uint8))
-        self.flags[self.rank * FLAG_STRIDE] = self.seq                                # after the data (x86: in order)
+        self.flags[self.rank * FLAG_STRIDE] = self.seq  # after the data (x86: in order)
         self._wait_for(self.seq)
         parts = [buffer[r, :nbytes].view(x.dtype).view(x.shape) for r in range(self.size)]
         total = parts[0].clone()
@@ -90,8 +91,10 @@ class SharedMemoryAllReduce:
             next_check = now + LIVENESS_EVERY_S if now >= next_check else next_check
             if gone or now > deadline:
                 why = "its process ended" if gone else f"no all-reduce {seq} from it in {self.timeout_s:.0f} s"
-                raise ParallelRankError(f"a rank of the split model (tensor or pipeline parallel) stopped answering "
-                                        f"({why}); the engine cannot go on without it")
+                raise ParallelRankError(
+                    f"a rank of the split model (tensor or pipeline parallel) stopped answering "
+                    f"({why}); the engine cannot go on without it"
+                )
 
     def remove(self) -> None:
         """Delete the file's name (rank 0, once every rank has mapped it: the mappings stay valid, and

@@ -46,8 +46,10 @@ def load_share(config: EngineConfig, plan: TensorShard | PipelineStage, group):
     LoadedModel): tensor parallel, wrapped by layers.parallelize; a pipeline stage, given the
     Pipeline its runner hands each model call to."""
     from tokenloom.loader import load_model
-    loaded = load_model(config.model, config.dtype, config.device, config.max_model_len,
-                        quantization=config.quantization, shard=plan)
+
+    loaded = load_model(
+        config.model, config.dtype, config.device, config.max_model_len, quantization=config.quantization, shard=plan
+    )
     if isinstance(plan, TensorShard):
         parallelize(loaded.model, plan, group, loaded.config)
     else:
@@ -74,15 +76,26 @@ def fault_point(rank: int, stage: str) -> None:
     RANK:stall-STAGE makes it hang there instead."""
     fault = os.environ.get("TOKENLOOM_TEST_RANK_FAULT")
     if fault == f"{rank}:{stage}":
-        print(f"rank {rank}: killed at {stage} (TOKENLOOM_TEST_RANK_FAULT) at {time.time():.3f}", file=sys.stderr,
-              flush=True)
+        print(
+            f"rank {rank}: killed at {stage} (TOKENLOOM_TEST_RANK_FAULT) at {time.time():.3f}",
+            file=sys.stderr,
+            flush=True,
+        )
         os.kill(os.getpid(), signal.SIGKILL)
     if fault == f"{rank}:stall-{stage}":
         time.sleep(3600)
 
 
-def worker_main(rank: int, size: int, init_method: str | None, config: EngineConfig, threads: int | None = None,
-                shm_path: str | None = None, model_config=None, store_addr: tuple[str, int] | None = None) -> None:
+def worker_main(
+    rank: int,
+    size: int,
+    init_method: str | None,
+    config: EngineConfig,
+    threads: int | None = None,
+    shm_path: str | None = None,
+    model_config=None,
+    store_addr: tuple[str, int] | None = None,
+) -> None:
     """The process of rank `rank` of `size`: started by launch.py (with rank 0's store address, the
     shared-memory file of its all-reduces and the model's config rank 0 read), or by torchrun (which
     reads the config here). Reports its start-up stages (joined, loaded) in the store."""
@@ -90,6 +103,7 @@ def worker_main(rank: int, size: int, init_method: str | None, config: EngineCon
     fault_point(rank, "start")
     if model_config is None:
         from tokenloom.loader.load import load_checkpoint
+
         model_config = load_checkpoint(config.model).config
     config = dataclasses.replace(config, device=rank_device(config.device, rank))
     store = None
@@ -103,7 +117,7 @@ def worker_main(rank: int, size: int, init_method: str | None, config: EngineCon
         report_stage(group.store, "loaded", rank)
         serve(loaded, group, config)
     except ParallelRankError:
-        sys.exit(0)                               # rank 0 is gone: so is the engine this rank served
+        sys.exit(0)  # rank 0 is gone: so is the engine this rank served
     finally:
         # Left to the interpreter's exit, gloo's threads can outlive it and abort the process
         # ("terminate called without an active exception", pytorch/pytorch#190489).
@@ -115,22 +129,30 @@ def serve(loaded, group, config: EngineConfig) -> None:
     """Run rank 0's commands until it says stop."""
     from tokenloom.kv_cache.paged import PagedKVCache
     from tokenloom.worker.model_runner import ModelRunner
+
     runner, forwards = None, 0
     while True:
         kind, payload = group.receive()
         if kind == "cache":
             fault_point(group.rank, "cache")
             num_blocks, block_size, dtype, kv_dtype = payload
-            kv = PagedKVCache(loaded.local_config, num_blocks, block_size, parse_dtype(dtype), config.device, kv_dtype,
-                              loaded.kv_layers)
+            kv = PagedKVCache(
+                loaded.local_config,
+                num_blocks,
+                block_size,
+                parse_dtype(dtype),
+                config.device,
+                kv_dtype,
+                loaded.kv_layers,
+            )
             runner = ModelRunner(loaded.model, kv, config.device, pipeline=loaded.pipeline)
         elif kind == "copy":
-            assert runner is not None             # rank 0 sends "cache" first
+            assert runner is not None  # rank 0 sends "cache" first
             runner.kv_cache.copy_blocks(payload)
         elif kind == "forward":
             forwards += 1
             fault_point(group.rank, f"forward{forwards}")
-            assert runner is not None             # rank 0 sends "cache" first
+            assert runner is not None  # rank 0 sends "cache" first
             runner.forward(payload)
         elif kind == "logits":
             loaded.model.lm_head.serve(*payload)

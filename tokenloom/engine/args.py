@@ -23,7 +23,7 @@ import torch
 from tokenloom.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from tokenloom.quant.scheme import CHOICES as QUANT_CHOICES
 
-GPU_DECODE_STEPS = 8    # decode_steps on a GPU with CUDA graphs (one host round trip per 8 tokens)
+GPU_DECODE_STEPS = 8  # decode_steps on a GPU with CUDA graphs (one host round trip per 8 tokens)
 
 
 def _gib(text: str) -> int:
@@ -41,83 +41,144 @@ class EngineArgs:
     is a ValueError naming the option) and resolves the ``auto``/None ones for the device."""
 
     model: str | None = _option(
-        None, "-m", "--model",
+        None,
+        "-m",
+        "--model",
         help="HF folder (config.json + safetensors + tokenizer.json) or .gguf file; default: SmolLM2-135M-Instruct, "
-             "pulled on first use")
+        "pulled on first use",
+    )
     cpu_threads: int | None = _option(
-        None, "-t", "--threads", metavar="N",
+        None,
+        "-t",
+        "--threads",
+        metavar="N",
         help="CPU threads, always N (default: one per physical core, fewer while other processes keep cores busy: "
-             "threads that lose their core stall the others at every step)")
+        "threads that lose their core stall the others at every step)",
+    )
     device: str = _option(
-        "auto", "--device", choices=["auto", "cpu", "cuda"],
-        help="where the model runs. auto (default): the GPU where CUDA has one, else the CPU")
+        "auto",
+        "--device",
+        choices=["auto", "cpu", "cuda"],
+        help="where the model runs. auto (default): the GPU where CUDA has one, else the CPU",
+    )
     dtype: str = _option(
-        "auto", "--dtype", choices=["auto", "float32", "bfloat16", "float16"],
+        "auto",
+        "--dtype",
+        choices=["auto", "float32", "bfloat16", "float16"],
         help="weight and activation dtype. auto (default): on the CPU float32, and a GGUF file's quantized blocks "
-             "kept as stored; on a GPU bfloat16 (a GGUF file dequantized to it at load); float32/bfloat16/float16 "
-             "dequantize a GGUF file to that dtype (bf16/fp16 are slow on most CPUs)")
+        "kept as stored; on a GPU bfloat16 (a GGUF file dequantized to it at load); float32/bfloat16/float16 "
+        "dequantize a GGUF file to that dtype (bf16/fp16 are slow on most CPUs)",
+    )
     enforce_eager: bool = _option(
-        False, "--enforce-eager",
-        help="GPU: run decode steps op by op instead of replaying CUDA graphs captured at start-up")
+        False,
+        "--enforce-eager",
+        help="GPU: run decode steps op by op instead of replaying CUDA graphs captured at start-up",
+    )
     decode_steps: int | None = _option(
-        None, "--decode-steps", metavar="N",
+        None,
+        "--decode-steps",
+        metavar="N",
         help=f"decode up to N tokens per engine step where every running request allows it, each fed back on the "
-             f"device (one host round trip per N tokens; default: {GPU_DECODE_STEPS} on a GPU with CUDA graphs, "
-             "else 1)")
+        f"device (one host round trip per N tokens; default: {GPU_DECODE_STEPS} on a GPU with CUDA graphs, "
+        "else 1)",
+    )
     max_model_len: int | None = _option(
-        None, "-c", "--ctx-size", "--max-model-len", metavar="N",
-        help="context window in tokens (default: the model's; -c/--ctx-size as llama.cpp, --max-model-len as vLLM)")
+        None,
+        "-c",
+        "--ctx-size",
+        "--max-model-len",
+        metavar="N",
+        help="context window in tokens (default: the model's; -c/--ctx-size as llama.cpp, --max-model-len as vLLM)",
+    )
     kv_cache_memory: int | None = _option(
-        None, "--kv-cache-memory", metavar="GIB", type=_gib,
+        None,
+        "--kv-cache-memory",
+        metavar="GIB",
+        type=_gib,
         help="memory for the KV cache in GiB (Python: bytes; default: what --kv-cache-contexts full contexts "
-             "need, at most 1 GiB; or see --kv-cache-fraction)")
+        "need, at most 1 GiB; or see --kv-cache-fraction)",
+    )
     kv_cache_fraction: float | None = _option(
-        None, "--kv-cache-fraction", metavar="F",
-        help="size the KV cache as this fraction of the memory available now")
+        None, "--kv-cache-fraction", metavar="F", help="size the KV cache as this fraction of the memory available now"
+    )
     kv_cache_contexts: int | None = _option(
-        None, "--kv-cache-contexts", metavar="N",
+        None,
+        "--kv-cache-contexts",
+        metavar="N",
         help="without a KV cache budget, size the cache for N full contexts, at most 1 GiB (default: 1 for "
-             "generate, chat and the tools, which run one conversation; serve and Python: 1 GiB)")
+        "generate, chat and the tools, which run one conversation; serve and Python: 1 GiB)",
+    )
     block_size: int = _option(16, "--block-size", metavar="N", help="tokens per KV cache block (default: 16)")
     enable_prefix_caching: bool = _option(
-        True, "--no-prefix-caching", help="do not reuse the KV cache of shared prompt prefixes")
+        True, "--no-prefix-caching", help="do not reuse the KV cache of shared prompt prefixes"
+    )
     kv_cache_dtype: str = _option(
-        "auto", "--kv-cache-dtype", choices=["auto", "int8"],
-        help="int8: store keys/values as int8 with a scale per token and head (half of bf16, a quarter of float32)")
+        "auto",
+        "--kv-cache-dtype",
+        choices=["auto", "int8"],
+        help="int8: store keys/values as int8 with a scale per token and head (half of bf16, a quarter of float32)",
+    )
     max_num_seqs: int = _option(
-        64, "--max-num-seqs", metavar="N", commands=("serve",),
-        help="requests in the running batch at most (default: 64)")
+        64,
+        "--max-num-seqs",
+        metavar="N",
+        commands=("serve",),
+        help="requests in the running batch at most (default: 64)",
+    )
     max_num_batched_tokens: int = _option(
-        8192, "--max-num-batched-tokens", metavar="N", commands=("serve",),
-        help="tokens one engine step computes at most, prompt chunks and decodes together (default: 8192)")
+        8192,
+        "--max-num-batched-tokens",
+        metavar="N",
+        commands=("serve",),
+        help="tokens one engine step computes at most, prompt chunks and decodes together (default: 8192)",
+    )
     fair_share_seqs: int | None = _option(
-        None, "--fair-share-seqs", metavar="N", commands=("serve",),
+        None,
+        "--fair-share-seqs",
+        metavar="N",
+        commands=("serve",),
         help="while several clients run sequences, a step computes at most ceil(N / clients) of each client's "
-             "(the others wait their turn), so one client's many sequences cannot slow every other client's tokens")
+        "(the others wait their turn), so one client's many sequences cannot slow every other client's tokens",
+    )
     speculative: str | SpeculativeConfig | None = _option(
-        None, "--speculative", metavar="SPEC",
+        None,
+        "--speculative",
+        metavar="SPEC",
         help="speculative decoding (lossless): 'ngram,k=4' (prompt lookup) or 'draft=PATH,k=4' (a smaller model with "
-             "the same tokenizer); options max_batch=N (plain decoding above N running requests, default 8), "
-             "min_acceptance=F, ngram_max/ngram_min")
+        "the same tokenizer); options max_batch=N (plain decoding above N running requests, default 8), "
+        "min_acceptance=F, ngram_max/ngram_min",
+    )
     quantization: str | None = _option(
-        None, "--quantization", choices=list(QUANT_CHOICES),
+        None,
+        "--quantization",
+        choices=list(QUANT_CHOICES),
         help="weight-only quantization of every Linear: int8 (per-channel), int4 (groups of 32; int4-g64/-g128 for "
-             "larger groups), gguf (keep a GGUF file's own Q8_0/Q4_0/Q4_1 blocks)")
+        "larger groups), gguf (keep a GGUF file's own Q8_0/Q4_0/Q4_1 blocks)",
+    )
     tensor_parallel_size: int = _option(
-        1, "-tp", "--tensor-parallel-size", metavar="N",
+        1,
+        "-tp",
+        "--tensor-parallel-size",
+        metavar="N",
         help="split the model over N processes (torch.distributed, gloo on CPU): started on this machine, or under "
-             "torchrun (--nnodes, --master-addr) the same command on every node, rank 0 serving (Llama, Mistral, "
-             "Qwen2/3 and their MoE models)")
+        "torchrun (--nnodes, --master-addr) the same command on every node, rank 0 serving (Llama, Mistral, "
+        "Qwen2/3 and their MoE models)",
+    )
     pipeline_parallel_size: int = _option(
-        1, "-pp", "--pipeline-parallel-size", metavar="N",
+        1,
+        "-pp",
+        "--pipeline-parallel-size",
+        metavar="N",
         help="split the model's layers into N stages, one process each, micro-batches in flight (for slow links "
-             "between machines, where it beats tensor parallelism); launched as --tensor-parallel-size")
+        "between machines, where it beats tensor parallelism); launched as --tensor-parallel-size",
+    )
 
     # -- the command line ---------------------------------------------------------------------------
 
     @classmethod
-    def add_cli_args(cls, parser: argparse.ArgumentParser, command: str | None = None,
-                     defaults: dict[str, Any] | None = None) -> None:
+    def add_cli_args(
+        cls, parser: argparse.ArgumentParser, command: str | None = None, defaults: dict[str, Any] | None = None
+    ) -> None:
         """Add the flags `command` shows (those without a ``commands`` list, and those naming it) to
         `parser`, in one "model and engine" group, with `defaults` replacing the fields' own."""
         defaults = defaults or {}
@@ -138,8 +199,14 @@ class EngineArgs:
                 group.add_argument(*meta["flags"], dest=f.name, action=action, default=default, help=help_text)
                 continue
             kwargs = {k: meta[k] for k in ("metavar", "choices") if k in meta}
-            group.add_argument(*meta["flags"], dest=f.name, default=default, help=help_text,
-                               type=meta.get("type", _flag_type(f)), **kwargs)
+            group.add_argument(
+                *meta["flags"],
+                dest=f.name,
+                default=default,
+                help=help_text,
+                type=meta.get("type", _flag_type(f)),
+                **kwargs,
+            )
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
@@ -160,8 +227,16 @@ class EngineArgs:
     def check(self) -> None:
         """The checks that need no model: a ValueError naming the option, before any weights load."""
         self.resolved_device()
-        for name in ("decode_steps", "cpu_threads", "tensor_parallel_size", "pipeline_parallel_size",
-                     "max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_contexts"):
+        for name in (
+            "decode_steps",
+            "cpu_threads",
+            "tensor_parallel_size",
+            "pipeline_parallel_size",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "block_size",
+            "kv_cache_contexts",
+        ):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -171,25 +246,43 @@ class EngineArgs:
     def create_engine_config(self) -> EngineConfig:
         """The validated EngineConfig these options describe (the model name resolved to a path)."""
         from tokenloom.loader.hub import resolve_model
+
         self.check()
         device = self.resolved_device()
         decode_steps = self.decode_steps
         if decode_steps is None:
             decode_steps = GPU_DECODE_STEPS if device == "cuda" and not self.enforce_eager else 1
-        cache = CacheConfig(block_size=self.block_size, kv_cache_memory=self.kv_cache_memory,
-                            kv_cache_fraction=self.kv_cache_fraction,
-                            enable_prefix_caching=self.enable_prefix_caching,
-                            kv_cache_contexts=self.kv_cache_contexts)
-        scheduler = SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
-                                    fair_share_seqs=self.fair_share_seqs, decode_steps=decode_steps)
-        speculative = (SpeculativeConfig.parse(self.speculative) if isinstance(self.speculative, str)
-                       else self.speculative)
-        return EngineConfig(model=resolve_model(self.model), dtype=self.dtype, device=device,
-                            max_model_len=self.max_model_len, cache=cache, scheduler=scheduler,
-                            speculative=speculative, quantization=self.quantization,
-                            kv_cache_dtype=self.kv_cache_dtype, tensor_parallel_size=self.tensor_parallel_size,
-                            pipeline_parallel_size=self.pipeline_parallel_size, enforce_eager=self.enforce_eager,
-                            cpu_threads=self.cpu_threads)
+        cache = CacheConfig(
+            block_size=self.block_size,
+            kv_cache_memory=self.kv_cache_memory,
+            kv_cache_fraction=self.kv_cache_fraction,
+            enable_prefix_caching=self.enable_prefix_caching,
+            kv_cache_contexts=self.kv_cache_contexts,
+        )
+        scheduler = SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            fair_share_seqs=self.fair_share_seqs,
+            decode_steps=decode_steps,
+        )
+        speculative = (
+            SpeculativeConfig.parse(self.speculative) if isinstance(self.speculative, str) else self.speculative
+        )
+        return EngineConfig(
+            model=resolve_model(self.model),
+            dtype=self.dtype,
+            device=device,
+            max_model_len=self.max_model_len,
+            cache=cache,
+            scheduler=scheduler,
+            speculative=speculative,
+            quantization=self.quantization,
+            kv_cache_dtype=self.kv_cache_dtype,
+            tensor_parallel_size=self.tensor_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size,
+            enforce_eager=self.enforce_eager,
+            cpu_threads=self.cpu_threads,
+        )
 
 
 def _flag_type(f: dataclasses.Field) -> Any:

@@ -49,7 +49,7 @@ class AsyncLLMEngine:
         self._queues: dict[str, asyncio.Queue] = {}
         self._pending: list[Callable[[], None]] = []
         self._stepping = False
-        self._engine_turn = asyncio.Lock()      # a step, or another job on the engine (embed)
+        self._engine_turn = asyncio.Lock()  # a step, or another job on the engine (embed)
         self._wake: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
         self._ids = itertools.count()
@@ -125,9 +125,14 @@ class AsyncLLMEngine:
         """End the engine's thread (after shutdown()); the engine stays usable synchronously."""
         self._thread.shutdown(wait=True)
 
-    async def generate(self, prompt: str | list[int], params: SamplingParams,
-                       request_id: str | None = None, validated: bool = False,
-                       client: str | None = None) -> AsyncGenerator[StepDelta, None]:
+    async def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        validated: bool = False,
+        client: str | None = None,
+    ) -> AsyncGenerator[StepDelta, None]:
         """Stream one request's deltas. Raises ValueError at once for input the model cannot take
         (unless the caller has already run ``validate_request`` on it: `validated`), and
         RequestError where the request failed in the engine (the others go on). `client`: the
@@ -183,12 +188,14 @@ class AsyncLLMEngine:
 
     def _submit(self, op: Callable[[], object], request_id: str | None = None) -> None:
         """Run an engine mutation now if no step is running, else right after the step."""
+
         def guarded() -> None:
             try:
                 op()
-            except Exception as e:   # e.g. an add that became invalid: tell its caller
+            except Exception as e:  # e.g. an add that became invalid: tell its caller
                 if request_id in self._queues:
                     self._queues[request_id].put_nowait(e)
+
         if self._stepping:
             self._pending.append(guarded)
         else:
@@ -200,17 +207,17 @@ class AsyncLLMEngine:
         while True:
             if not self.engine.has_unfinished_requests():
                 wake = self._wake
-                assert wake is not None             # _ensure_loop sets it before starting this task
+                assert wake is not None  # _ensure_loop sets it before starting this task
                 wake.clear()
                 await wake.wait()
                 continue
             try:
                 deltas = await self._on_engine(self.engine.step)
-            except ParallelRankError as e:      # a rank of a split model is gone: so is the engine
+            except ParallelRankError as e:  # a rank of a split model is gone: so is the engine
                 self._fail_all(e)
                 self._end_process(e)
                 return
-            except Exception as e:   # a failed step fails the requests in flight, not the engine
+            except Exception as e:  # a failed step fails the requests in flight, not the engine
                 deltas = []
                 self._fail_all(e)
             for delta in deltas:
@@ -252,5 +259,5 @@ class AsyncLLMEngine:
 
 
 def _engine_thread() -> ThreadPoolExecutor:
-    keep_freed_memory()     # before the thread exists, so that it allocates from the kept heap
+    keep_freed_memory()  # before the thread exists, so that it allocates from the kept heap
     return ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenloom-engine")

@@ -55,24 +55,44 @@ class EngineCore:
         self.eos_token_ids = loaded.eos_token_ids
         logger.info("sampling settings a request leaves out: %s", loaded.sampling_defaults.describe())
         dtype = parse_dtype(config.dtype)
-        assert loaded.local_config is not None          # LoadedModel.__post_init__ fills it
-        self.cache_config = loaded.local_config          # a tensor-parallel rank caches its own KV heads only
+        assert loaded.local_config is not None  # LoadedModel.__post_init__ fills it
+        self.cache_config = loaded.local_config  # a tensor-parallel rank caches its own KV heads only
         self.kv_bytes_per_token = kv_bytes_per_token(self.cache_config, dtype, config.kv_cache_dtype, loaded.kv_layers)
         budget = config.cache.resolve_memory(self.kv_bytes_per_token, self.max_model_len)
-        kv = PagedKVCache.from_memory_budget(self.cache_config, budget, config.cache.block_size, dtype, config.device,
-                                             config.kv_cache_dtype, loaded.kv_layers)
+        kv = PagedKVCache.from_memory_budget(
+            self.cache_config,
+            budget,
+            config.cache.block_size,
+            dtype,
+            config.device,
+            config.kv_cache_dtype,
+            loaded.kv_layers,
+        )
         self._report_cache(kv)
         self.block_manager = BlockManager(kv.num_blocks, kv.block_size, config.cache.enable_prefix_caching)
-        self.runner = ModelRunner(loaded.model, kv, config.device, cuda_graphs=not config.enforce_eager,
-                                  max_num_seqs=config.scheduler.max_num_seqs, max_model_len=self.max_model_len,
-                                  peers=peers, pipeline=loaded.pipeline)
+        self.runner = ModelRunner(
+            loaded.model,
+            kv,
+            config.device,
+            cuda_graphs=not config.enforce_eager,
+            max_num_seqs=config.scheduler.max_num_seqs,
+            max_model_len=self.max_model_len,
+            peers=peers,
+            pipeline=loaded.pipeline,
+        )
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len, self.runner.decodes_ahead)
         self.reserve_activation_memory()
-        self.grammars = GrammarCompiler(loaded.tokenizer.backend.to_str, loaded.config.vocab_size,
-                                        sorted(self.eos_token_ids))
+        self.grammars = GrammarCompiler(
+            loaded.tokenizer.backend.to_str, loaded.config.vocab_size, sorted(self.eos_token_ids)
+        )
         self.sampling_vocab = SamplingVocab(loaded.tokenizer, loaded.config.vocab_size)
-        self.proposer = None if config.speculative is None else SpecProposer.create(
-            config.speculative, self.runner, loaded.tokenizer, self.max_model_len, config.dtype, progress)
+        self.proposer = (
+            None
+            if config.speculative is None
+            else SpecProposer.create(
+                config.speculative, self.runner, loaded.tokenizer, self.max_model_len, config.dtype, progress
+            )
+        )
         self.requests: dict[str, Request] = {}
         self.cpu_share = self._cpu_share(config)
 
@@ -81,6 +101,7 @@ class EngineCore:
         """On the CPU, in one process: the thread count that follows the free cores (cpu_share.py),
         unless `cpu_threads` fixes it."""
         import torch
+
         if torch.device(config.device).type != "cpu" or config.world_size > 1:
             return None
         if config.cpu_threads is not None:
@@ -92,11 +113,22 @@ class EngineCore:
         c, per_token = self.cache_config, self.kv_bytes_per_token
         layers = len(kv.layers)
         element_bytes = per_token // (2 * layers * c.num_kv_heads * c.head_dim)
-        element = (f"({c.head_dim} head_dim x 1 B int8 + 4 B scale)" if kv.kv_cache_dtype == "int8"
-                   else f"{c.head_dim} head_dim x {element_bytes} B")
-        logger.info("KV cache: %d tokens (%d blocks x %d) in %.2f GiB; per token 2 x %d layers x %d kv_heads x "
-                    "%s = %d B", kv.num_tokens, kv.num_blocks, kv.block_size,
-                    kv.num_tokens * per_token / 2**30, layers, c.num_kv_heads, element, per_token)
+        element = (
+            f"({c.head_dim} head_dim x 1 B int8 + 4 B scale)"
+            if kv.kv_cache_dtype == "int8"
+            else f"{c.head_dim} head_dim x {element_bytes} B"
+        )
+        logger.info(
+            "KV cache: %d tokens (%d blocks x %d) in %.2f GiB; per token 2 x %d layers x %d kv_heads x %s = %d B",
+            kv.num_tokens,
+            kv.num_blocks,
+            kv.block_size,
+            kv.num_tokens * per_token / 2**30,
+            layers,
+            c.num_kv_heads,
+            element,
+            per_token,
+        )
 
     def reserve_activation_memory(self) -> bool:
         """Grow the heap for one full step's activations now (ModelRunner.reserve_activation_memory):
@@ -111,9 +143,11 @@ class EngineCore:
         ids = prompt_token_ids
         if not ids:
             raise ValueError("prompt is empty: give at least one token")
-        if len(ids) + min(params.max_tokens, 1) > self.max_model_len:   # scoring (max_tokens=0) needs no room
-            raise ValueError(f"prompt has {len(ids)} tokens but the context window is {self.max_model_len} "
-                             "tokens (the prompt must leave room for at least one new token)")
+        if len(ids) + min(params.max_tokens, 1) > self.max_model_len:  # scoring (max_tokens=0) needs no room
+            raise ValueError(
+                f"prompt has {len(ids)} tokens but the context window is {self.max_model_len} "
+                "tokens (the prompt must leave room for at least one new token)"
+            )
         vocab = self.model_config.vocab_size
         bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < vocab)]
         if bad:
@@ -121,7 +155,7 @@ class EngineCore:
         params.check_vocab(vocab)
         self.scheduler.check_fits(len(ids), params.max_tokens)
         if params.structured_output is not None:
-            self.grammars.grammar(params.structured_output)     # compiles (cached); ValueError if invalid
+            self.grammars.grammar(params.structured_output)  # compiles (cached); ValueError if invalid
 
     def add(self, request: Request) -> None:
         """Queue a request built from validated input (``validate``)."""
@@ -154,7 +188,7 @@ class EngineCore:
         if sched.is_empty:
             return CoreStep([])
         out = self.runner.execute(sched)
-        seconds, used = time.perf_counter() - started, self.block_manager.num_used_blocks   # what the step ran on
+        seconds, used = time.perf_counter() - started, self.block_manager.num_used_blocks  # what the step ran on
         if self.cpu_share is not None:
             self.cpu_share.after_step(seconds)
         outputs = self.scheduler.update_from_output(sched, out)

@@ -20,9 +20,9 @@ from collections.abc import Callable
 
 import torch
 
-INTERVAL_S = 0.25      # how often the other processes' use of the cores is counted
-MIN_WINDOW_S = 0.05    # a count needs at least this much time to average over
-JUMP = 2.0             # a step this many times the recent median is counted at once
+INTERVAL_S = 0.25  # how often the other processes' use of the cores is counted
+MIN_WINDOW_S = 0.05  # a count needs at least this much time to average over
+JUMP = 2.0  # a step this many times the recent median is counted at once
 
 
 def _allowed_cpus() -> set[int]:
@@ -46,21 +46,25 @@ def read_proc_ticks(cpus: set[int]) -> tuple[int, int] | None:
         if int(name[3:]) in cpus:
             user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in values[:8])
             busy += user + nice + system + irq + softirq + steal
-    return busy, int(fields[11]) + int(fields[12])          # utime + stime
+    return busy, int(fields[11]) + int(fields[12])  # utime + stime
 
 
 class CpuShare:
     """The step thread's thread count, kept at the cores others leave free (see the module doc)."""
 
-    def __init__(self, max_threads: int, read: Callable[[set[int]], tuple[int, int] | None] = read_proc_ticks,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        max_threads: int,
+        read: Callable[[set[int]], tuple[int, int] | None] = read_proc_ticks,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.max_threads = max_threads
         self.cpus = _allowed_cpus()
         self.read, self.clock = read, clock
         self.ticks_per_s = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
         self.threads = max_threads
-        torch.set_num_threads(max_threads)     # set as -t sets it: the same thread pools on a quiet machine
-        self.recent: list[float] = []                          # the last steps' seconds
+        torch.set_num_threads(max_threads)  # set as -t sets it: the same thread pools on a quiet machine
+        self.recent: list[float] = []  # the last steps' seconds
         self.last = (self.clock(), self.read(self.cpus))
 
     def others_busy(self) -> float | None:
@@ -88,7 +92,7 @@ class CpuShare:
         threads = self.target(others)
         if threads != self.threads:
             self.threads = threads
-            self.recent.clear()                                 # step times change with the count
+            self.recent.clear()  # step times change with the count
             torch.set_num_threads(threads)
 
     def after_step(self, seconds: float) -> None:

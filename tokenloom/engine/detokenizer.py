@@ -20,8 +20,9 @@ class IncrementalDetokenizer:
     (a partial stop-string match that never completed). ``text`` is the output so far.
     """
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], stop: list[str],
-                 skip_special_tokens: bool = True) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_ids: list[int], stop: list[str], skip_special_tokens: bool = True
+    ) -> None:
         self._tokenizer = tokenizer.backend
         # Seed the stream with the prompt's tail so the first output token decodes
         # with its proper leading space/merge context.

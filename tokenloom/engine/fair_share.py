@@ -23,9 +23,9 @@ class FairShare:
     """Per-step turns for ``seqs`` sequences divided between the clients of running requests."""
 
     def __init__(self, seqs: int) -> None:
-        self.seqs = seqs                             # >= 1 (SchedulerConfig checks it)
-        self.share: int | None = None                # this step's turns per client; None: unbounded
-        self.used: Counter = Counter()               # client -> sequences this step computes
+        self.seqs = seqs  # >= 1 (SchedulerConfig checks it)
+        self.share: int | None = None  # this step's turns per client; None: unbounded
+        self.used: Counter = Counter()  # client -> sequences this step computes
         self.admitted_past_share: set[str | None] = set()
 
     def begin(self, running: Iterable[Request]) -> set[int]:
@@ -38,8 +38,12 @@ class FairShare:
         self.share = max(1, -(-self.seqs // len(by_client))) if len(by_client) > 1 else None
         if self.share is None:
             return set()
-        return {id(req) for reqs in by_client.values() if len(reqs) > self.share
-                for req in sorted(reqs, key=lambda r: (r.last_step, r.arrival))[self.share:]}
+        return {
+            id(req)
+            for reqs in by_client.values()
+            if len(reqs) > self.share
+            for req in sorted(reqs, key=lambda r: (r.last_step, r.arrival))[self.share :]
+        }
 
     def may_admit(self, req: Request) -> bool:
         """Whether waiting req may join this step: its client has a turn left, or has not yet

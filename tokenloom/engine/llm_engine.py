@@ -32,15 +32,21 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, progress: bool = False) -> None:
         self.config = config
-        keep_freed_memory()                # large activations reuse mapped pages (memory/allocator.py)
+        keep_freed_memory()  # large activations reuse mapped pages (memory/allocator.py)
         self.ranks: Ranks | None = None
         if config.world_size > 1:
             loaded = self._load_parallel(config, progress)
         else:
-            loaded = load_model(config.model, config.dtype, config.device, config.max_model_len, progress,
-                                quantization=config.quantization)
+            loaded = load_model(
+                config.model,
+                config.dtype,
+                config.device,
+                config.max_model_len,
+                progress,
+                quantization=config.quantization,
+            )
         self.tokenizer = loaded.tokenizer
-        self.sampling_defaults = loaded.sampling_defaults    # what a request that leaves settings out gets
+        self.sampling_defaults = loaded.sampling_defaults  # what a request that leaves settings out gets
         try:
             self.core = EngineCore(config, loaded, progress, peers=None if self.ranks is None else self.ranks.group)
             if self.ranks is not None:
@@ -48,7 +54,7 @@ class LLMEngine:
                 self.ranks.group.send("cache", (kv.num_blocks, kv.block_size, config.dtype, config.kv_cache_dtype))
         except BaseException:
             if self.ranks is not None:
-                self.ranks.stop()             # the ranks started for this engine go with it
+                self.ranks.stop()  # the ranks started for this engine go with it
             raise
         self.output_processor = OutputProcessor(self.tokenizer, self.core.finish, self.core.kv_bytes_per_token)
         self._arrivals = itertools.count()
@@ -62,12 +68,13 @@ class LLMEngine:
         from tokenloom.distributed.worker import load_share, parallel_plan
         from tokenloom.loader.load import load_checkpoint
         from tokenloom.models.registry import model_class
+
         if config.speculative is not None:
             raise TensorParallelError("speculative decoding with a model split over ranks is not implemented")
         checked = load_checkpoint(config.model).config
         plan = parallel_plan(config, 0, checked)
         plan.check(checked, model_class(checked))
-        rank_device(config.device, 0)                         # CUDA: rank 0 on this node's first GPU
+        rank_device(config.device, 0)  # CUDA: rank 0 on this node's first GPU
         self.ranks = start_ranks(config, checked)
         try:
             loaded = load_share(config, plan, self.ranks.group)
@@ -136,8 +143,8 @@ class LLMEngine:
         if not token_ids or len(token_ids) > self.max_model_len:
             raise ValueError(f"the input has {len(token_ids)} tokens; this model takes 1 to {self.max_model_len}")
         with self.core.block_manager.borrow(len(token_ids)) as block_ids:
-            hidden, _ = self.core.runner.forward([SeqChunk(list(token_ids), 0, block_ids)])   # (T, hidden)
-        pooled = hidden.float().mean(0) if pooling == "mean" else hidden[-1].float()            # (hidden,)
+            hidden, _ = self.core.runner.forward([SeqChunk(list(token_ids), 0, block_ids)])  # (T, hidden)
+        pooled = hidden.float().mean(0) if pooling == "mean" else hidden[-1].float()  # (hidden,)
         return torch.nn.functional.normalize(pooled, dim=0).tolist()
 
     @torch.inference_mode()
@@ -157,8 +164,8 @@ class LLMEngine:
         runner = self.core.runner
         with self.core.block_manager.borrow(n) as block_ids:
             for start in range(0, n, chunk_size):
-                hidden, _ = runner.forward([SeqChunk(token_ids[start:start + chunk_size], start, block_ids)])
-                yield start, runner.model.compute_logits(hidden)                 # (len, vocab)
+                hidden, _ = runner.forward([SeqChunk(token_ids[start : start + chunk_size], start, block_ids)])
+                yield start, runner.model.compute_logits(hidden)  # (len, vocab)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (the next prompts compute from scratch)."""
@@ -174,13 +181,15 @@ class LLMEngine:
         self.core.validate(prompt_token_ids, params)
         return self.enqueue(request_id, prompt_token_ids, params)
 
-    def enqueue(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                client: str | None = None) -> Request:
+    def enqueue(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, client: str | None = None
+    ) -> Request:
         """Queue a request whose input ``validate_request`` has accepted (it is not checked again);
         ValueError if the id is in use. `client` (who it runs for: a server labels each) takes turns with other clients
         where the scheduler divides steps between them (engine/fair_share.py)."""
-        req = Request(request_id, list(prompt_token_ids), params, self.core.eos_token_ids, next(self._arrivals),
-                      client=client)
+        req = Request(
+            request_id, list(prompt_token_ids), params, self.core.eos_token_ids, next(self._arrivals), client=client
+        )
         self.core.add(req)
         self.output_processor.add(req)
         return req
@@ -204,7 +213,16 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         s, bm = self.core.scheduler, self.core.block_manager
-        return EngineStats(len(s.running), len(s.waiting), bm.num_used_blocks, bm.num_free_blocks,
-                           bm.stats.hit_rate, s.num_prompt_tokens_computed, s.num_generated_tokens,
-                           s.num_preemptions, spec_steps=s.spec_steps, spec_draft_tokens=s.spec_draft_tokens,
-                           spec_accepted_tokens=s.spec_accepted_tokens)
+        return EngineStats(
+            len(s.running),
+            len(s.waiting),
+            bm.num_used_blocks,
+            bm.num_free_blocks,
+            bm.stats.hit_rate,
+            s.num_prompt_tokens_computed,
+            s.num_generated_tokens,
+            s.num_preemptions,
+            spec_steps=s.spec_steps,
+            spec_draft_tokens=s.spec_draft_tokens,
+            spec_accepted_tokens=s.spec_accepted_tokens,
+        )

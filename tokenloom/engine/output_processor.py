@@ -36,11 +36,11 @@ class RequestState:
 
     request: Request
     detokenizer: IncrementalDetokenizer
-    token_ids: list[int] = field(default_factory=list)           # emitted so far (cut at a stop string)
+    token_ids: list[int] = field(default_factory=list)  # emitted so far (cut at a stop string)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     explanation: list[StepRecord] = field(default_factory=list)
-    string_stop: str | None = None                                # the stop string that ended it
+    string_stop: str | None = None  # the stop string that ended it
 
     @property
     def finish_reason(self) -> str | None:
@@ -60,9 +60,10 @@ class OutputProcessor:
 
     def add(self, request: Request) -> None:
         p = request.params
-        stop = cast("list[str]", p.stop)            # SamplingParams.__post_init__ makes it a list
+        stop = cast("list[str]", p.stop)  # SamplingParams.__post_init__ makes it a list
         self.states[request.request_id] = RequestState(
-            request, IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, stop, p.skip_special_tokens))
+            request, IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, stop, p.skip_special_tokens)
+        )
 
     def drop(self, request_id: str) -> None:
         self.states.pop(request_id, None)
@@ -75,7 +76,7 @@ class OutputProcessor:
         for out in outputs:
             state = self.states.get(out.request.request_id)
             if state is None:
-                continue                                    # aborted meanwhile
+                continue  # aborted meanwhile
             try:
                 delta = self._process_one(state, out, now, step_seconds, kv_blocks_used)
             except Exception as e:
@@ -86,26 +87,40 @@ class OutputProcessor:
                 deltas.append(delta)
         return deltas
 
-    def _process_one(self, state: RequestState, out: CoreOutput, now: float, step_seconds: float,
-                     kv_blocks_used: int) -> StepDelta | None:
+    def _process_one(
+        self, state: RequestState, out: CoreOutput, now: float, step_seconds: float, kv_blocks_used: int
+    ) -> StepDelta | None:
         if out.error is not None:
             logger.warning("request %s failed: %s", out.request.request_id, out.error)
             return self._failed(state, out.error, now)
         if out.prompt_logprobs is not None:
             _record_prompt_logprobs(state, *out.prompt_logprobs)
         if not out.new_token_ids and not out.finished:
-            return None                                     # a prompt chunk: nothing to show yet
+            return None  # a prompt chunk: nothing to show yet
         req = out.request
         if req.metrics.first_token_time is None:
             req.metrics.first_token_time = now
         if out.explanation is not None:
-            annotate(out.explanation, self.tokenizer, req.prompt_token_ids + state.token_ids,
-                     self.kv_bytes_per_token, kv_blocks_used, step_seconds, len(state.token_ids))
+            annotate(
+                out.explanation,
+                self.tokenizer,
+                req.prompt_token_ids + state.token_ids,
+                self.kv_bytes_per_token,
+                kv_blocks_used,
+                step_seconds,
+                len(state.token_ids),
+            )
             state.explanation.append(out.explanation)
         text, kept = self._detokenize(state, out)
-        delta = StepDelta(req.request_id, out.new_token_ids[:kept], text, req.is_finished, state.finish_reason,
-                          logprobs=None if out.logprobs is None else out.logprobs[:kept],
-                          explanation=None if out.explanation is None else [out.explanation])
+        delta = StepDelta(
+            req.request_id,
+            out.new_token_ids[:kept],
+            text,
+            req.is_finished,
+            state.finish_reason,
+            logprobs=None if out.logprobs is None else out.logprobs[:kept],
+            explanation=None if out.explanation is None else [out.explanation],
+        )
         if req.is_finished:
             delta.completion = self._complete(state, now)
         return delta
@@ -120,12 +135,12 @@ class OutputProcessor:
             if out.logprobs is not None:
                 state.logprobs.append(out.logprobs[i])
             last = i == len(out.new_token_ids) - 1
-            stopped_by_token = last and req.finish_reason == "stop" and req.stop_reason == token   # EOS, stop id
+            stopped_by_token = last and req.finish_reason == "stop" and req.stop_reason == token  # EOS, stop id
             text, string_stop = ("", False) if stopped_by_token else detok.push(token)
             texts.append(text)
             if string_stop:
                 state.string_stop = detok.matched_stop
-                self.finish(req.request_id, "stop", detok.matched_stop)   # no-op if it ended in the core
+                self.finish(req.request_id, "stop", detok.matched_stop)  # no-op if it ended in the core
                 return "".join(texts), i + 1
         if req.is_finished:
             texts.append(detok.finish())
@@ -143,14 +158,20 @@ class OutputProcessor:
         m = req.metrics
         m.finish_time = now
         if m.first_token_time is None:
-            m.first_token_time = now                        # scored: the prompt was the work
+            m.first_token_time = now  # scored: the prompt was the work
         m.num_generated, m.num_preemptions = len(state.token_ids), req.num_preemptions
-        return CompletionOutput(0, state.detokenizer.text, state.token_ids,
-                                "error" if error is not None else state.finish_reason,
-                                error if error is not None else state.stop_reason,
-                                state.logprobs if p.logprobs is not None else None, m,
-                                state.prompt_logprobs if p.prompt_logprobs is not None else None,
-                                state.explanation if p.explain else None, error=error)
+        return CompletionOutput(
+            0,
+            state.detokenizer.text,
+            state.token_ids,
+            "error" if error is not None else state.finish_reason,
+            error if error is not None else state.stop_reason,
+            state.logprobs if p.logprobs is not None else None,
+            m,
+            state.prompt_logprobs if p.prompt_logprobs is not None else None,
+            state.explanation if p.explain else None,
+            error=error,
+        )
 
 
 def _record_prompt_logprobs(state: RequestState, first: int, entries: list[TokenLogprobs]) -> None:

@@ -48,29 +48,36 @@ def _by_arrival(r: Request) -> int:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int,
-                 decodes_ahead: Callable[[Request], bool] | None = None) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        block_manager: BlockManager,
+        max_model_len: int,
+        decodes_ahead: Callable[[Request], bool] | None = None,
+    ) -> None:
         """`decodes_ahead(request)`: the runner can decode several of its tokens in a row."""
         self.config = config
         self.decodes_ahead = decodes_ahead
         self.blocks = block_manager
         self.max_model_len = max_model_len
-        self.waiting: list[Request] = []       # sorted by arrival
-        self.running: list[Request] = []       # sorted by arrival
+        self.waiting: list[Request] = []  # sorted by arrival
+        self.running: list[Request] = []  # sorted by arrival
         self.num_preemptions = 0
         self.num_steps = 0
         self.turns = FairShare(config.fair_share_seqs) if config.fair_share_seqs is not None else None
-        self.num_prompt_tokens_computed = 0      # prompt positions run through the model (prefill, recompute)
+        self.num_prompt_tokens_computed = 0  # prompt positions run through the model (prefill, recompute)
         self.num_generated_tokens = 0
-        self.spec_steps = self.spec_draft_tokens = self.spec_accepted_tokens = 0   # summed over requests
+        self.spec_steps = self.spec_draft_tokens = self.spec_accepted_tokens = 0  # summed over requests
 
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
         """ValueError if a request this long could never fit in the whole cache."""
         need = min(num_prompt_tokens + max_tokens, self.max_model_len)
         if not self.blocks.fits(need):
-            raise ValueError(f"request needs up to {need} tokens of KV cache (prompt {num_prompt_tokens} + "
-                             f"max_tokens {max_tokens}) but the whole cache holds "
-                             f"{self.blocks.capacity_tokens}; lower max_tokens or raise --kv-cache-memory")
+            raise ValueError(
+                f"request needs up to {need} tokens of KV cache (prompt {num_prompt_tokens} + "
+                f"max_tokens {max_tokens}) but the whole cache holds "
+                f"{self.blocks.capacity_tokens}; lower max_tokens or raise --kv-cache-memory"
+            )
 
     def add(self, request: Request) -> None:
         """Queue a request (``check_fits`` has accepted its size)."""
@@ -95,7 +102,7 @@ class Scheduler:
             spec = self._take_drafts(req, budget)
             n = min(req.num_tokens - req.num_computed_tokens, budget) + len(spec)
             if not spec and not self._allocate_or_preempt(req, n):
-                break                                  # req itself was the newest: it waits now
+                break  # req itself was the newest: it waits now
             budget -= self._emit(out, req, n, spec)
             i += 1
         if self.num_preemptions == preemptions_before:
@@ -112,14 +119,20 @@ class Scheduler:
         steps = self.config.decode_steps
         for s in out.scheduled:
             req = s.request
-            if (s.num_tokens != 1 or s.spec_token_ids or not s.samples or self.decodes_ahead is None
-                    or not self.decodes_ahead(req)):
+            if (
+                s.num_tokens != 1
+                or s.spec_token_ids
+                or not s.samples
+                or self.decodes_ahead is None
+                or not self.decodes_ahead(req)
+            ):
                 return
             steps = min(steps, req.params.max_tokens - len(req.output_token_ids), self.max_model_len - req.num_tokens)
         if steps <= 1:
             return
-        tables = self.blocks.grow_all({s.request.request_id: s.request.num_computed_tokens + steps
-                                       for s in out.scheduled})
+        tables = self.blocks.grow_all(
+            {s.request.request_id: s.request.num_computed_tokens + steps for s in out.scheduled}
+        )
         if tables is None:
             return
         for s in out.scheduled:
@@ -144,7 +157,7 @@ class Scheduler:
         drafts, req.spec_token_ids = req.spec_token_ids, []
         if not drafts or req.num_tokens - req.num_computed_tokens != 1:
             return []
-        drafts = drafts[:budget - 1]
+        drafts = drafts[: budget - 1]
         if drafts and self.blocks.allocate(req.request_id, req.num_tokens + len(drafts)) is not None:
             return drafts
         return []
@@ -154,13 +167,14 @@ class Scheduler:
         while j < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[j]
             if self.turns is not None and not self.turns.may_admit(req):
-                j += 1                                 # its client has had its turns this step
+                j += 1  # its client has had its turns this step
                 continue
             # a scoring request needs logits at every prompt position: no cached prefix
-            hit = self.blocks.lookup(req.request_id, req.all_token_ids, req.num_prompt_tokens,
-                                     use_cache=req.params.prompt_logprobs is None)
+            hit = self.blocks.lookup(
+                req.request_id, req.all_token_ids, req.num_prompt_tokens, use_cache=req.params.prompt_logprobs is None
+            )
             if hit.waits:
-                break                                  # hit its next block next step instead of computing it twice
+                break  # hit its next block next step instead of computing it twice
             n = min(req.num_tokens - hit.num_tokens, budget)
             if self.blocks.allocate(req.request_id, hit.num_tokens + n, hit) is None:
                 break
@@ -207,21 +221,27 @@ class Scheduler:
             prompt_left = req.num_prompt_tokens - req.num_computed_tokens
             self.num_prompt_tokens_computed += max(0, min(s.num_tokens, prompt_left))
             if req.is_finished:
-                continue                                   # aborted while the step ran
+                continue  # aborted while the step ran
             rid = req.request_id
             tokens, logprobs = results.get(rid, ([], None))
             error = out.errors.get(rid)
             if error is None:
                 try:
                     tokens = self._advance(req, s, tokens)
-                except Exception as e:                     # e.g. a grammar matcher refusing a token
+                except Exception as e:  # e.g. a grammar matcher refusing a token
                     error = describe_error(e)
             if error is not None:
                 self.finish(req, "error", error)
                 outputs.append(CoreOutput(req, [], finished=True, error=error))
                 continue
-            output = CoreOutput(req, tokens, None if logprobs is None else logprobs[:len(tokens)],
-                                out.prompt_logprobs.get(rid), out.explanations.get(rid), req.is_finished)
+            output = CoreOutput(
+                req,
+                tokens,
+                None if logprobs is None else logprobs[: len(tokens)],
+                out.prompt_logprobs.get(rid),
+                out.explanations.get(rid),
+                req.is_finished,
+            )
             if tokens or output.finished or output.prompt_logprobs is not None:
                 outputs.append(output)
         return outputs
@@ -246,14 +266,14 @@ class Scheduler:
             stop = self._token_stop(req)
             if stop is not None:
                 break
-        if s.spec_token_ids or s.decode_steps > 1:       # KV for every token but the newest; room past it back
+        if s.spec_token_ids or s.decode_steps > 1:  # KV for every token but the newest; room past it back
             req.num_computed_tokens = req.num_tokens - 1
             self.blocks.trim(req.request_id, req.num_tokens)
         else:
             req.num_computed_tokens += s.num_tokens
         req.draft_num_computed = min(req.draft_num_computed, req.num_computed_tokens)
         if stop is None and req.params.max_tokens == 0 and req.num_computed_tokens >= req.num_prompt_tokens:
-            stop = ("length", None)                        # scored: the whole prompt is computed
+            stop = ("length", None)  # scored: the whole prompt is computed
         if stop is not None:
             self.finish(req, *stop)
         else:
@@ -263,8 +283,7 @@ class Scheduler:
     def _token_stop(self, req: Request) -> tuple[str, int | None] | None:
         """(finish reason, stop token) if req's newest token ends it: EOS, a stop id, max_tokens,
         the context end, or a grammar that is complete (nothing may follow)."""
-        stop = check_token_stop(req.output_token_ids, req.params, req.eos_token_ids, req.num_tokens,
-                                self.max_model_len)
+        stop = check_token_stop(req.output_token_ids, req.params, req.eos_token_ids, req.num_tokens, self.max_model_len)
         if stop is None and req.matcher is not None and req.matcher.is_stopped():
             stop = ("stop", None)
         return stop
@@ -300,8 +319,7 @@ class Scheduler:
         request.finish_reason = reason
         request.stop_reason = stop_reason
         ended = reason in ("stop", "length")
-        self.blocks.release(request.request_id, request.all_token_ids if ended else None,
-                            request.num_computed_tokens)
+        self.blocks.release(request.request_id, request.all_token_ids if ended else None, request.num_computed_tokens)
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:

@@ -12,8 +12,9 @@ from __future__ import annotations
 from tokenloom.sampling_params import SamplingParams
 
 
-def check_token_stop(output_ids: list[int], params: SamplingParams, eos_ids: frozenset[int],
-                     total_len: int, max_model_len: int) -> tuple[str, int | None] | None:
+def check_token_stop(
+    output_ids: list[int], params: SamplingParams, eos_ids: frozenset[int], total_len: int, max_model_len: int
+) -> tuple[str, int | None] | None:
     """(finish_reason, stop_token) if the last generated token ends the sequence, else None.
 
     `total_len` is prompt + output length. EOS and stop ids only count once
@@ -41,8 +42,8 @@ class StopStringMatcher:
     def __init__(self, stops: list[str]) -> None:
         self.stops = [s for s in stops if s]
         self.max_len = max((len(s) for s in self.stops), default=0)
-        self.text = ""        # everything decoded so far, cut at a match
-        self.emitted = 0      # len of self.text already returned to the caller
+        self.text = ""  # everything decoded so far, cut at a match
+        self.emitted = 0  # len of self.text already returned to the caller
         self.stopped = False
         self.matched: str | None = None  # the stop string that ended the text
 
@@ -80,6 +81,6 @@ class StopStringMatcher:
 
     def _take(self, upto: int) -> str:
         upto = max(upto, self.emitted)
-        out = self.text[self.emitted:upto]
+        out = self.text[self.emitted : upto]
         self.emitted = upto
         return out

@@ -24,26 +24,34 @@ NEG = -1.0e9
 
 @dataclass
 class BeamHypothesis:
-    token_ids: list[int]          # generated tokens (prompt excluded)
-    cumulative_logprob: float     # sum of the tokens' logprobs
-    score: float                  # cumulative_logprob / len(token_ids) ** length_penalty
+    token_ids: list[int]  # generated tokens (prompt excluded)
+    cumulative_logprob: float  # sum of the tokens' logprobs
+    score: float  # cumulative_logprob / len(token_ids) ** length_penalty
     text: str = ""
 
 
 @dataclass
 class _Beam:
-    tokens: list[int]           # generated so far
-    logprob: float              # cumulative
+    tokens: list[int]  # generated so far
+    logprob: float  # cumulative
 
 
-Expansion = tuple[list[list[int]], SamplingParams]      # prompts to run one step for, and their params
+Expansion = tuple[list[list[int]], SamplingParams]  # prompts to run one step for, and their params
 
 
-def beam_search(llm, prompt_ids: list[int], beam_width: int, max_tokens: int, length_penalty: float = 1.0,
-                early_stopping: bool | str = False, n: int | None = None) -> list[BeamHypothesis]:
+def beam_search(
+    llm,
+    prompt_ids: list[int],
+    beam_width: int,
+    max_tokens: int,
+    length_penalty: float = 1.0,
+    early_stopping: bool | str = False,
+    n: int | None = None,
+) -> list[BeamHypothesis]:
     """The `n` (default: beam_width) best hypotheses, best first, on the synchronous LLM."""
-    search = _search(prompt_ids, set(llm.engine.eos_token_ids), beam_width, max_tokens, length_penalty,
-                     early_stopping, n)
+    search = _search(
+        prompt_ids, set(llm.engine.eos_token_ids), beam_width, max_tokens, length_penalty, early_stopping, n
+    )
     try:
         prompts, params = next(search)
         while True:
@@ -52,21 +60,28 @@ def beam_search(llm, prompt_ids: list[int], beam_width: int, max_tokens: int, le
         return _with_text(done.value, llm.tokenizer)
 
 
-async def beam_search_async(engine, prompt_ids: list[int], beam_width: int, max_tokens: int,
-                            length_penalty: float = 1.0, early_stopping: bool | str = False,
-                            n: int | None = None, client: str | None = None) -> list[BeamHypothesis]:
+async def beam_search_async(
+    engine,
+    prompt_ids: list[int],
+    beam_width: int,
+    max_tokens: int,
+    length_penalty: float = 1.0,
+    early_stopping: bool | str = False,
+    n: int | None = None,
+    client: str | None = None,
+) -> list[BeamHypothesis]:
     """The same search over an AsyncLLMEngine (the server): each step's beams run as requests
     among everyone else's (as `client`'s)."""
     import asyncio
     from contextlib import aclosing
 
     async def final(prompt: list[int], params: SamplingParams):
-        async with aclosing(engine.generate(prompt, params, client=client)) as stream:   # cancelled: aborted at once
+        async with aclosing(engine.generate(prompt, params, client=client)) as stream:  # cancelled: aborted at once
             async for delta in stream:
                 if delta.finished:
                     return delta.completion
-    search = _search(prompt_ids, set(engine.eos_token_ids), beam_width, max_tokens, length_penalty,
-                     early_stopping, n)
+
+    search = _search(prompt_ids, set(engine.eos_token_ids), beam_width, max_tokens, length_penalty, early_stopping, n)
     try:
         prompts, params = next(search)
         while True:
@@ -81,8 +96,15 @@ def _with_text(hypotheses: list[BeamHypothesis], tokenizer) -> list[BeamHypothes
     return hypotheses
 
 
-def _search(prompt_ids: list[int], eos: set[int], beam_width: int, max_tokens: int, length_penalty: float,
-            early_stopping: bool | str, n: int | None):
+def _search(
+    prompt_ids: list[int],
+    eos: set[int],
+    beam_width: int,
+    max_tokens: int,
+    length_penalty: float,
+    early_stopping: bool | str,
+    n: int | None,
+):
     """The algorithm, as a generator: yields the step's expansions (prompts + params), is sent
     their CompletionOutputs, returns the n best BeamHypothesis (HF transformers' rules)."""
     n = beam_width if n is None else n
@@ -96,17 +118,20 @@ def _search(prompt_ids: list[int], eos: set[int], beam_width: int, max_tokens: i
     running, improvable = [_Beam([], 0.0)], True
     for step in range(max_tokens):
         outs = yield [prompt_ids + b.tokens for b in running], params
-        candidates = _rank(running, outs)[:keep]                          # best cumulative first
+        candidates = _rank(running, outs)[:keep]  # best cumulative first
         last = step + 1 == max_tokens
         hits = [last or c.tokens[-1] in eos for c in candidates]
         running = [c for c, h in zip(candidates, hits) if not h][:beam_width]
         if improvable and not (early_stopping is True and len(finished) == beam_width):
-            finished += [BeamHypothesis(c.tokens, c.logprob, c.logprob / (step + 1) ** length_penalty)
-                         for rank, (c, h) in enumerate(zip(candidates, hits)) if h and rank < beam_width]
+            finished += [
+                BeamHypothesis(c.tokens, c.logprob, c.logprob / (step + 1) ** length_penalty)
+                for rank, (c, h) in enumerate(zip(candidates, hits))
+                if h and rank < beam_width
+            ]
             finished = sorted(finished, key=lambda f: -f.score)[:beam_width]
         if len(finished) == beam_width and running:
             length = max_tokens if early_stopping == "never" and length_penalty > 0 else step + 1
-            improvable = improvable and running[0].logprob / length ** length_penalty > finished[-1].score
+            improvable = improvable and running[0].logprob / length**length_penalty > finished[-1].score
         if not running or not improvable or (early_stopping is True and len(finished) == beam_width):
             break
     return finished[:n]
@@ -114,6 +139,9 @@ def _search(prompt_ids: list[int], eos: set[int], beam_width: int, max_tokens: i
 
 def _rank(running: list[_Beam], outs: list) -> list[_Beam]:
     """Every running beam's top one-token continuations, ranked by cumulative logprob."""
-    candidates = [_Beam(b.tokens + [token], b.logprob + lp)
-                  for b, out in zip(running, outs) for token, lp in out.logprobs[0].items()]
+    candidates = [
+        _Beam(b.tokens + [token], b.logprob + lp)
+        for b, out in zip(running, outs)
+        for token, lp in out.logprobs[0].items()
+    ]
     return sorted(candidates, key=lambda c: -c.logprob)

@@ -25,8 +25,8 @@ class ScoreResult:
     """LLM.score's answer: the continuation's tokens, each one's log-probability, their sum."""
 
     token_ids: list[int]
-    logprobs: list[float]      # natural log p(token | prompt and the continuation before it)
-    total: float               # log p(continuation | prompt)
+    logprobs: list[float]  # natural log p(token | prompt and the continuation before it)
+    total: float  # log p(continuation | prompt)
 
 
 class LLM:
@@ -70,14 +70,18 @@ class LLM:
             children.append(child)
         return rid, text, ids, children
 
-    def generate(self, prompts: Prompt | list[Prompt], params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: Prompt | list[Prompt],
+        params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
         """Generate for every prompt together (continuous batching); results in prompt order.
         `params` is one SamplingParams for all prompts or a list with one per prompt. A request
         that failed in the engine ends alone: finish_reason "error", the message in ``error``."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        prompts = cast("list[Prompt]", prompts)         # one prompt was wrapped above
+        prompts = cast("list[Prompt]", prompts)  # one prompt was wrapped above
         per_prompt = params if isinstance(params, list) else [params or self.default_sampling_params()] * len(prompts)
         if len(per_prompt) != len(prompts):
             raise ValueError(f"got {len(per_prompt)} SamplingParams for {len(prompts)} prompts")
@@ -91,8 +95,10 @@ class LLM:
                 for c in children:
                     self.engine.abort(c)
             raise
-        return [RequestOutput(rid, text, ids, [_indexed(done[c], i) for i, c in enumerate(children)])
-                for rid, text, ids, children in added]
+        return [
+            RequestOutput(rid, text, ids, [_indexed(done[c], i) for i, c in enumerate(children)])
+            for rid, text, ids, children in added
+        ]
 
     def score(self, prompt: Prompt, continuation: Prompt) -> ScoreResult:
         """log p(continuation | prompt) token by token, in one prefill pass; nothing is generated.
@@ -102,22 +108,32 @@ class LLM:
         (the chain rule).
         """
         _, prompt_ids = self._prompt_ids(prompt)
-        cont_ids = (self.tokenizer.encode(continuation, add_special_tokens=False)
-                    if isinstance(continuation, str) else self._prompt_ids(continuation)[1])
+        cont_ids = (
+            self.tokenizer.encode(continuation, add_special_tokens=False)
+            if isinstance(continuation, str)
+            else self._prompt_ids(continuation)[1]
+        )
         if not prompt_ids or not cont_ids:
             raise ValueError("score() needs at least one prompt token and one continuation token")
         logprobs = score_tokens(self.engine, prompt_ids + cont_ids, start=len(prompt_ids))
         return ScoreResult(cont_ids, logprobs, sum(logprobs))
 
-    def beam_search(self, prompt: Prompt, beam_width: int, max_tokens: int = 16, length_penalty: float = 1.0,
-                    early_stopping: bool | str = False, n: int | None = None) -> list[BeamHypothesis]:
+    def beam_search(
+        self,
+        prompt: Prompt,
+        beam_width: int,
+        max_tokens: int = 16,
+        length_penalty: float = 1.0,
+        early_stopping: bool | str = False,
+        n: int | None = None,
+    ) -> list[BeamHypothesis]:
         """The n (default beam_width) best continuations by beam search, best first, each with its
         tokens, text, cumulative logprob and length-penalized score (see tokenloom/entrypoints/beam_search.py)."""
-        return beam_search(self, self._prompt_ids(prompt)[1], beam_width, max_tokens, length_penalty,
-                           early_stopping, n)
+        return beam_search(self, self._prompt_ids(prompt)[1], beam_width, max_tokens, length_penalty, early_stopping, n)
 
-    def chat(self, messages: Messages | list[Messages], params: SamplingParams | None = None,
-             **template_kwargs: Any) -> list[RequestOutput]:
+    def chat(
+        self, messages: Messages | list[Messages], params: SamplingParams | None = None, **template_kwargs: Any
+    ) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation and generate replies."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.tokenizer.encode_chat(c, **template_kwargs) for c in conversations]
@@ -129,8 +145,7 @@ class LLM:
             if delta.text_delta:
                 yield delta.text_delta
 
-    def stream_deltas(self, prompt: Prompt | Messages, params: SamplingParams | None = None
-                      ) -> Iterator[StepDelta]:
+    def stream_deltas(self, prompt: Prompt | Messages, params: SamplingParams | None = None) -> Iterator[StepDelta]:
         """One sequence's StepDeltas as they come: tokens, text, logprobs and (with
         ``explain=N``) each token's StepRecord; the last one carries the CompletionOutput."""
         params = params or self.default_sampling_params()
@@ -138,7 +153,7 @@ class LLM:
             raise ValueError("stream() produces one sequence; use n=1")
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
             prompt = self.tokenizer.encode_chat(prompt)
-        _, _, _, (child,) = self._add(cast(Prompt, prompt), params)     # chat messages encoded above
+        _, _, _, (child,) = self._add(cast(Prompt, prompt), params)  # chat messages encoded above
         try:
             finished = False
             while not finished:
@@ -158,7 +173,7 @@ class LLM:
             while self.engine.has_unfinished_requests():
                 for delta in self.engine.step():
                     if delta.finished:
-                        assert delta.completion is not None     # a finished delta carries its completion
+                        assert delta.completion is not None  # a finished delta carries its completion
                         done[delta.request_id] = delta.completion
                         bar.update(1)
         return done

@@ -12,8 +12,8 @@ import torch
 
 @dataclass
 class Agreement:
-    same_top1: float          # share of scored positions, 0..1
-    kl_mean: float            # nats per position
+    same_top1: float  # share of scored positions, 0..1
+    kl_mean: float  # nats per position
     kl_p99: float
     positions: int
 
@@ -42,11 +42,11 @@ def agreement(engine, reference, token_ids: list[int], window: int = 512, skip: 
         raise ValueError(f"need window >= 2 and 0 <= skip < window - 1, got window {window}, skip {skip}")
     same, kls = 0, []
     for start in range(0, len(token_ids) - 1, window):
-        piece = token_ids[start:start + window]
+        piece = token_ids[start : start + window]
         if len(piece) < 2:
             break
         for (at, a), (_, b) in zip(engine.prefill_logits(piece), reference.prefill_logits(piece)):
-            rows = slice(max(0, skip - at), len(piece) - 1 - at)    # the last token predicts past the window
+            rows = slice(max(0, skip - at), len(piece) - 1 - at)  # the last token predicts past the window
             top1, kl = compare_logits(b[rows], a[rows])
             same += int(top1.sum())
             kls.append(kl)

@@ -60,7 +60,7 @@ def perplexity(engine, token_ids: list[int], window: int = 512) -> PerplexityRes
     nll: list[float] = []
     windows = 0
     for start in range(0, len(token_ids) - 1, window):
-        piece = token_ids[start:start + window]
+        piece = token_ids[start : start + window]
         if len(piece) < 2:
             break
         nll.extend(-lp for lp in score_tokens(engine, piece))

@@ -68,8 +68,9 @@ def fastest(source: Path, what: str, builds: tuple[tuple[str, str], ...]):
     Remembered per `builds` (library names are unique to their source): callers sit on
     every layer's forward."""
     if builds not in _fastest:
-        _fastest[builds] = next((getattr(torch.ops, library) for isa, library in builds if load(source, what, isa)),
-                                None)
+        _fastest[builds] = next(
+            (getattr(torch.ops, library) for isa, library in builds if load(source, what, isa)), None
+        )
     return _fastest[builds]
 
 
@@ -98,7 +99,7 @@ def library_name(source: Path, isa: str) -> str:
     return f"tokenloom_{source.stem}_{isa}_{hashlib.sha1(_text_with_headers(source)).hexdigest()[:10]}"
 
 
-STALE_LOCK_S = 300      # a build holds its folder's lock for ~15-30 s; one this old was left by a killed process
+STALE_LOCK_S = 300  # a build holds its folder's lock for ~15-30 s; one this old was left by a killed process
 
 
 def _build(source: Path, what: str, isa: str, python_module: bool = False):
@@ -110,16 +111,23 @@ def _build(source: Path, what: str, isa: str, python_module: bool = False):
     name = library_name(source, isa)
     built = os.path.join(build_folder(name), f"{name}.so")
     if os.path.exists(built) and (module := _load_built(built, name, python_module)) is not None:
-        return module              # without importing cpp_extension (and setuptools: ~4 MiB, ~0.1 s)
+        return module  # without importing cpp_extension (and setuptools: ~4 MiB, ~0.1 s)
     from torch.utils.cpp_extension import _get_build_directory
     from torch.utils.cpp_extension import load as build
+
     try:
         # torch builds under <root>/py311_cpu/<name>/ (its private helper names the folder)
         folder = _get_build_directory(name, verbose=False)
         log.info("compiling tokenloom's %s for %s (once, ~15 s)", what, isa)
         clear_stale_lock(folder)
-        module = build(name=name, sources=[str(source)], is_python_module=python_module,
-                       extra_cflags=["-O3", *_ISA_FLAGS[isa], "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+        module = build(
+            name=name,
+            sources=[str(source)],
+            is_python_module=python_module,
+            extra_cflags=["-O3", *_ISA_FLAGS[isa], "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
     except Exception as e:  # no compiler, no ninja, a toolchain error: fall back, say why once
         log.warning("tokenloom's %s (%s) could not be built (%s); using the slower torch fallback", what, isa, e)
         return False
@@ -133,12 +141,19 @@ def build_folder(name: str) -> str:
     root = os.environ.get("TORCH_EXTENSIONS_DIR")
     if root is None:
         from torch import _appdirs
+
         hip, cuda = torch.version.hip, torch.version.cuda
-        accelerator = (f"rocm{hip.replace('.', '')}" if hip is not None
-                       else f"cu{cuda.replace('.', '')}" if cuda is not None else "cpu")
+        accelerator = (
+            f"rocm{hip.replace('.', '')}"
+            if hip is not None
+            else f"cu{cuda.replace('.', '')}"
+            if cuda is not None
+            else "cpu"
+        )
         python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
-        root = os.path.join(os.path.realpath(_appdirs.user_cache_dir(appname="torch_extensions")),
-                            f"{python}_{accelerator}")
+        root = os.path.join(
+            os.path.realpath(_appdirs.user_cache_dir(appname="torch_extensions")), f"{python}_{accelerator}"
+        )
     return os.path.join(root, name)
 
 
@@ -149,8 +164,9 @@ def _load_built(path: str, name: str, python_module: bool):
             torch.ops.load_library(path)
             return True
         import importlib.util
+
         spec = importlib.util.spec_from_file_location(name, path)
-        assert spec is not None and spec.loader is not None     # a file path always gets a spec with a loader
+        assert spec is not None and spec.loader is not None  # a file path always gets a spec with a loader
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         return module

@@ -19,22 +19,32 @@ def kernels() -> list[tuple[str, Callable[[], object]]]:
     from tokenloom.layers import fused, op_tape, prepacked
     from tokenloom.quant.gguf import tensor as ggml
     from tokenloom.quant.int8 import kernels as quant_kernels
-    found = [("paged decode attention", cpu_decode.ops), ("paged prefill attention", cpu_prefill.ops),
-             ("fused decoder ops", fused.build), ("op tape replayer", op_tape.tape_module),
-             ("int8/int4 kernels", quant_kernels.available), ("GGUF block kernels", ggml.ops),
-             ("float32 linear panels", prepacked.build)]
+
+    found = [
+        ("paged decode attention", cpu_decode.ops),
+        ("paged prefill attention", cpu_prefill.ops),
+        ("fused decoder ops", fused.build),
+        ("op tape replayer", op_tape.tape_module),
+        ("int8/int4 kernels", quant_kernels.available),
+        ("GGUF block kernels", ggml.ops),
+        ("float32 linear panels", prepacked.build),
+    ]
     return found
 
 
 def main() -> int:
     import logging
+
     logging.basicConfig(level=logging.INFO, format="tokenloom: %(message)s", stream=sys.stderr)
     for what, build in kernels():
         start = time.perf_counter()
         ok = bool(build())
-        print(f"tokenloom: {what}: {'ready' if ok else 'not built (its slower torch path runs)'} "
-              f"({time.perf_counter() - start:.1f} s)", file=sys.stderr)
-    return 0   # a kernel that cannot be built is not an error: its torch fallback runs (and said why)
+        print(
+            f"tokenloom: {what}: {'ready' if ok else 'not built (its slower torch path runs)'} "
+            f"({time.perf_counter() - start:.1f} s)",
+            file=sys.stderr,
+        )
+    return 0  # a kernel that cannot be built is not an error: its torch fallback runs (and said why)
 
 
 if __name__ == "__main__":

@@ -41,25 +41,38 @@ from dataclasses import dataclass, field
 from typing import cast
 
 # What the scheduler may call (tests/kv_cache/test_block_manager.py checks that it calls nothing else).
-SCHEDULER_INTERFACE = frozenset({"lookup", "allocate", "grow_all", "block_ids", "commit", "trim", "release",
-                                 "pending_copies", "copies_done", "fits", "capacity_tokens"})
+SCHEDULER_INTERFACE = frozenset(
+    {
+        "lookup",
+        "allocate",
+        "grow_all",
+        "block_ids",
+        "commit",
+        "trim",
+        "release",
+        "pending_copies",
+        "copies_done",
+        "fits",
+        "capacity_tokens",
+    }
+)
 
 
 @dataclass(eq=False, slots=True)
 class Block:
     block_id: int
     ref_count: int = 0
-    hash: int | None = None                    # set once the block is full and cached
-    key: tuple | None = None                   # (parent hash, token ids): guards against hash collisions
-    partial_keys: list | None = None           # (parent hash, token ids) of computed prefixes of this block
+    hash: int | None = None  # set once the block is full and cached
+    key: tuple | None = None  # (parent hash, token ids): guards against hash collisions
+    partial_keys: list | None = None  # (parent hash, token ids) of computed prefixes of this block
 
 
 @dataclass(slots=True)
 class PrefixCacheStats:
-    queried_tokens: int = 0     # prompt tokens looked up in the prefix cache
-    hit_tokens: int = 0         # of those, found cached
-    partial_hits: int = 0       # requests that continued a remembered partial block
-    copied_blocks: int = 0      # of those, the ones that had to copy it (someone else held it)
+    queried_tokens: int = 0  # prompt tokens looked up in the prefix cache
+    hit_tokens: int = 0  # of those, found cached
+    partial_hits: int = 0  # requests that continued a remembered partial block
+    copied_blocks: int = 0  # of those, the ones that had to copy it (someone else held it)
 
     @property
     def hit_rate(self) -> float:
@@ -75,8 +88,8 @@ class PrefixHit:
     blocks: list[Block] = field(default_factory=list)
     partial: tuple[Block, int] | None = None
     num_tokens: int = 0
-    num_queried: int = 0                          # tokens looked up (the prefix-cache hit rate's denominator)
-    prompt_hashes: list[int] = field(default_factory=list)   # the full prompt blocks' hashes (caching on)
+    num_queried: int = 0  # tokens looked up (the prefix-cache hit rate's denominator)
+    prompt_hashes: list[int] = field(default_factory=list)  # the full prompt blocks' hashes (caching on)
     waits: bool = False
 
 
@@ -91,14 +104,14 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))  # front: evict first
-        self._cached: dict[int, Block] = {}                     # hash -> block
+        self._cached: dict[int, Block] = {}  # hash -> block
         self._tables: dict[str, list[Block]] = {}
         # per request: the chained hashes of its full blocks (the scheduler's prompt look-ahead may
         # run past what is cached), and how many of its table's blocks are in the prefix index
         self._hashes: dict[str, list[int]] = {}
         self._registered: dict[str, int] = {}
-        self._partial: dict[tuple, Block] = {}                 # (parent hash, token ids) -> block starting so
-        self._copies: list[tuple[Block, Block]] = []           # (shared source, private copy) not yet run
+        self._partial: dict[tuple, Block] = {}  # (parent hash, token ids) -> block starting so
+        self._copies: list[tuple[Block, Block]] = []  # (shared source, private copy) not yet run
         # prompt blocks that running sequences have yet to compute: per sequence its prompt hashes and
         # how many are computed; every uncomputed hash counted once per sequence computing it
         self._computing: dict[str, tuple[list[int], int]] = {}
@@ -141,7 +154,7 @@ class BlockManager:
             return PrefixHit(num_queried=len(token_ids))
         hits = self.find_cached_prefix(token_ids) if use_cache else []
         partial = self.find_cached_partial(token_ids, hits) if use_cache else None
-        prompt = self.request_hashes(seq_id, token_ids)[:num_prompt_tokens // self.block_size]
+        prompt = self.request_hashes(seq_id, token_ids)[: num_prompt_tokens // self.block_size]
         waits = use_cache and len(hits) < len(prompt) and self._in_flight[prompt[len(hits)]] > 0
         computed = len(hits) * self.block_size + (partial[1] if partial else 0)
         return PrefixHit(hits, partial, computed, len(token_ids), prompt, waits)
@@ -216,8 +229,7 @@ class BlockManager:
         seq_id = f"borrowed-{uuid.uuid4().hex}"
         block_ids = self.allocate(seq_id, num_tokens)
         if block_ids is None:
-            raise RuntimeError(f"the KV cache has no room for {num_tokens} tokens now; retry when fewer "
-                               "requests run")
+            raise RuntimeError(f"the KV cache has no room for {num_tokens} tokens now; retry when fewer requests run")
         try:
             yield block_ids
         finally:
@@ -232,7 +244,7 @@ class BlockManager:
         bs = self.block_size
         for i in range(len(hashes), num_full):
             parent = hashes[-1] if hashes else None
-            hashes.append(hash((parent, tuple(token_ids[i * bs:(i + 1) * bs]))))
+            hashes.append(hash((parent, tuple(token_ids[i * bs : (i + 1) * bs]))))
         return hashes
 
     def request_hashes(self, request_id: str, token_ids: list[int]) -> list[int]:
@@ -255,7 +267,7 @@ class BlockManager:
         parent = None
         bs = self.block_size
         for i in range((len(token_ids) - 1) // bs):
-            tokens = tuple(token_ids[i * bs:(i + 1) * bs])
+            tokens = tuple(token_ids[i * bs : (i + 1) * bs])
             block = self._cached.get(hash((parent, tokens)))
             if block is None or block.key != (parent, tokens):
                 break
@@ -271,7 +283,7 @@ class BlockManager:
         start = len(hits) * self.block_size
         parent = hits[-1].hash if hits else None
         for j in range(min(self.block_size - 1, len(token_ids) - 1 - start), 0, -1):
-            block = self._partial.get((parent, tuple(token_ids[start:start + j])))
+            block = self._partial.get((parent, tuple(token_ids[start : start + j])))
             if block is not None:
                 return block, j
         return None
@@ -281,14 +293,13 @@ class BlockManager:
         (call once its full blocks are cached, before freeing it)."""
         table, hashes = self._tables.get(request_id, []), self._hashes.get(request_id, [])
         full, j = divmod(num_computed_tokens, self.block_size)
-        if (not self.enable_prefix_caching or not j or full >= len(table)
-                or full != self._registered.get(request_id, 0)):
+        if not self.enable_prefix_caching or not j or full >= len(table) or full != self._registered.get(request_id, 0):
             return
         block, parent, start = table[full], hashes[full - 1] if full else None, full * self.block_size
         if block.hash is not None:
             return
         for length in range(1, j + 1):
-            key = (parent, tuple(token_ids[start:start + length]))
+            key = (parent, tuple(token_ids[start : start + length]))
             if key not in self._partial:
                 self._partial[key] = block
                 block.partial_keys = (block.partial_keys or []) + [key]
@@ -309,21 +320,31 @@ class BlockManager:
             block = table[i]
             if block.hash is None:
                 block.hash = hashes[i]
-                block.key = (hashes[i - 1] if i else None, tuple(token_ids[i * bs:(i + 1) * bs]))
-                self._cached.setdefault(block.hash, block)   # an equal block already cached stays the index entry
+                block.key = (hashes[i - 1] if i else None, tuple(token_ids[i * bs : (i + 1) * bs]))
+                self._cached.setdefault(block.hash, block)  # an equal block already cached stays the index entry
         self._registered[request_id] = max(num_full, self._registered.get(request_id, 0))
 
     # ---- allocation ----------------------------------------------------------------------
-    def can_allocate(self, request_id: str, num_tokens: int, cached_prefix: Sequence[Block] = (),
-                     partial: tuple[Block, int] | None = None) -> bool:
+    def can_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        cached_prefix: Sequence[Block] = (),
+        partial: tuple[Block, int] | None = None,
+    ) -> bool:
         have = len(self._tables.get(request_id, ())) or len(cached_prefix)
         reclaimable = sum(1 for b in cached_prefix if b.ref_count == 0)  # hits sitting in the free queue
         if partial is not None and self._must_copy(partial[0]) and partial[0].ref_count == 0:
-            reclaimable += 1                                             # the copy's source, pinned
+            reclaimable += 1  # the copy's source, pinned
         return self.blocks_needed(num_tokens) - have <= len(self._free) - reclaimable
 
-    def _allocate(self, request_id: str, num_tokens: int, cached_prefix: Sequence[Block] = (),
-                  partial: tuple[Block, int] | None = None) -> bool:
+    def _allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        cached_prefix: Sequence[Block] = (),
+        partial: tuple[Block, int] | None = None,
+    ) -> bool:
         """Grow the request's table to hold `num_tokens` tokens, starting from `cached_prefix`
         and then the `partial` block (from find_cached_partial) if it has no table yet.
         Returns False (and changes nothing) if blocks are short."""
@@ -361,12 +382,12 @@ class BlockManager:
         self.stats.partial_hits += 1
         if not self._must_copy(block):
             self._take(block)
-            assert block.partial_keys is not None           # a partial hit is indexed by its keys
+            assert block.partial_keys is not None  # a partial hit is indexed by its keys
             for key in [k for k in block.partial_keys if len(k[1]) > num_tokens]:
                 block.partial_keys.remove(key)
                 del self._partial[key]
             return block
-        self._take(block)                                      # pinned until the copy has run
+        self._take(block)  # pinned until the copy has run
         copy = self._take_free()
         self._copies.append((block, copy))
         self.stats.copied_blocks += 1
@@ -416,7 +437,7 @@ class BlockManager:
         block.ref_count -= 1
         if block.ref_count == 0:
             self._free[block.block_id] = None
-            if block.hash is None and not block.partial_keys:   # nothing worth keeping: reuse it first
+            if block.hash is None and not block.partial_keys:  # nothing worth keeping: reuse it first
                 self._free.move_to_end(block.block_id, last=False)
 
     def reset_prefix_cache(self) -> None:
@@ -430,7 +451,7 @@ class BlockManager:
         """Assert every invariant: ref counts match the tables, free + used = total,
         free blocks are exactly those nobody holds, and the index points at matching blocks."""
         holders: dict[int, int] = {}
-        for src, _ in self._copies:                                  # pinned copy sources
+        for src, _ in self._copies:  # pinned copy sources
             holders[src.block_id] = holders.get(src.block_id, 0) + 1
         for rid, table in self._tables.items():
             ids = [b.block_id for b in table]
@@ -438,10 +459,12 @@ class BlockManager:
             for i in ids:
                 holders[i] = holders.get(i, 0) + 1
         for block in self.blocks:
-            assert block.ref_count == holders.get(block.block_id, 0), \
+            assert block.ref_count == holders.get(block.block_id, 0), (
                 f"block {block.block_id}: ref_count {block.ref_count} != {holders.get(block.block_id, 0)} holders"
-            assert (block.ref_count == 0) == (block.block_id in self._free), \
+            )
+            assert (block.ref_count == 0) == (block.block_id in self._free), (
                 f"block {block.block_id}: free-queue membership disagrees with ref_count {block.ref_count}"
+            )
         assert len(self._free) + len(holders) == self.num_blocks, "free + used != total"
         expected: Counter[int] = Counter()
         for seq_id, (hashes, first) in self._computing.items():

@@ -8,11 +8,12 @@ import torch
 
 from tokenloom.models.config import ModelConfig
 
-KV_SCALE_BYTES = 4    # one float32 scale per (token, kv head) in an int8 cache
+KV_SCALE_BYTES = 4  # one float32 scale per (token, kv head) in an int8 cache
 
 
-def kv_bytes_per_token(model: ModelConfig, dtype: torch.dtype, kv_cache_dtype: str = "auto",
-                       layers: range | None = None) -> int:
+def kv_bytes_per_token(
+    model: ModelConfig, dtype: torch.dtype, kv_cache_dtype: str = "auto", layers: range | None = None
+) -> int:
     """2 (K and V) x layers x kv_heads x head_dim x bytes per element (`layers`: those cached here,
     a pipeline stage's; None: all).
 
@@ -33,8 +34,8 @@ class Int8Cache:
     ``x ~= data * scales[..., None]``; reads dequantize to ``dtype``.
     """
 
-    data: torch.Tensor      # (num_blocks + 1, block_size, kv_heads, head_dim) int8
-    scales: torch.Tensor    # (num_blocks + 1, block_size, kv_heads) float32
+    data: torch.Tensor  # (num_blocks + 1, block_size, kv_heads, head_dim) int8
+    scales: torch.Tensor  # (num_blocks + 1, block_size, kv_heads) float32
     dtype: torch.dtype
 
     @property
@@ -45,7 +46,7 @@ class Int8Cache:
         """Quantize x (T, kv_heads, head_dim) into flat slots (T,) (in place)."""
         n, bs, heads, dim = self.data.shape
         x32 = x.float()
-        scale = x32.abs().amax(-1) / 127.0                                      # (T, kv_heads)
+        scale = x32.abs().amax(-1) / 127.0  # (T, kv_heads)
         q = torch.round(x32 / torch.where(scale > 0, scale, 1.0)[..., None]).clamp_(-127, 127)
         self.data.view(n * bs, heads, dim).index_copy_(0, slots, q.to(torch.int8))
         self.scales.view(n * bs, heads).index_copy_(0, slots, scale)
@@ -78,9 +79,16 @@ class PagedKVCache:
     can see past its own end is zero, never stale or NaN.
     """
 
-    def __init__(self, model: ModelConfig, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device | str, kv_cache_dtype: str = "auto",
-                 layers: range | None = None) -> None:
+    def __init__(
+        self,
+        model: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        kv_cache_dtype: str = "auto",
+        layers: range | None = None,
+    ) -> None:
         """`layers`: the layers whose KV this cache holds (a pipeline stage's; None: all); the
         others get empty tensors of the same dtype and never see a block."""
         shape = (num_blocks + 1, block_size, model.num_kv_heads, model.head_dim)
@@ -88,28 +96,40 @@ class PagedKVCache:
         self.num_blocks = num_blocks
         self.null_block = num_blocks
         self.block_size = block_size
-        self.dtype = dtype                      # what attention computes in
+        self.dtype = dtype  # what attention computes in
         self.kv_cache_dtype = kv_cache_dtype
         self.device = torch.device(device)
 
         def layer_cache(i: int):
             size = shape if i in self.layers else (0, *shape[1:])
             if kv_cache_dtype == "int8":
-                return Int8Cache(torch.zeros(size, dtype=torch.int8, device=device),
-                                 torch.zeros(size[:3], dtype=torch.float32, device=device), dtype)
+                return Int8Cache(
+                    torch.zeros(size, dtype=torch.int8, device=device),
+                    torch.zeros(size[:3], dtype=torch.float32, device=device),
+                    dtype,
+                )
             return torch.zeros(size, dtype=dtype, device=device)
+
         self.keys = [layer_cache(i) for i in range(model.num_layers)]
         self.values = [layer_cache(i) for i in range(model.num_layers)]
 
     @classmethod
-    def from_memory_budget(cls, model: ModelConfig, memory_bytes: int, block_size: int,
-                           dtype: torch.dtype, device: torch.device | str,
-                           kv_cache_dtype: str = "auto", layers: range | None = None) -> PagedKVCache:
+    def from_memory_budget(
+        cls,
+        model: ModelConfig,
+        memory_bytes: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        kv_cache_dtype: str = "auto",
+        layers: range | None = None,
+    ) -> PagedKVCache:
         per_block = kv_bytes_per_token(model, dtype, kv_cache_dtype, layers) * block_size
-        num_blocks = memory_bytes // per_block - 1        # one block is the null block
+        num_blocks = memory_bytes // per_block - 1  # one block is the null block
         if num_blocks < 1:
-            raise ValueError(f"kv cache memory {memory_bytes} B holds no block of {block_size} tokens "
-                             f"({per_block} B per block)")
+            raise ValueError(
+                f"kv cache memory {memory_bytes} B holds no block of {block_size} tokens ({per_block} B per block)"
+            )
         return cls(model, num_blocks, block_size, dtype, device, kv_cache_dtype, layers)
 
     @property

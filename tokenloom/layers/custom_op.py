@@ -21,7 +21,7 @@ _FLOAT32 = torch.float32
 class CustomOp(nn.Module):
     """Each call picks the backend from the input's device and dtype, then ``cpu_takes``."""
 
-    _on_cpu_kernels: bool | None = None        # the CPU kernels are built (looked up at the first call)
+    _on_cpu_kernels: bool | None = None  # the CPU kernels are built (looked up at the first call)
 
     def forward(self, x: torch.Tensor, *args):
         if self.uses_cpu_kernels(x) and self.cpu_takes(x):

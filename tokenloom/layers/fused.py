@@ -45,8 +45,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.ops.tokenloom_fused.rms_norm(x, weight, eps)
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """x, residual (T, H) -> (rms_norm(residual + x), residual + x)."""
     return torch.ops.tokenloom_fused.add_rms_norm(x, residual, weight, eps)
 

@@ -51,9 +51,10 @@ class GatedMLP(CustomOp):
 
     def forward_cuda(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up in one Triton kernel between the two matmuls."""
-        gate_up = self.gate_up_proj(x)                                        # (T, 2 intermediate)
+        gate_up = self.gate_up_proj(x)  # (T, 2 intermediate)
         if self.act is F.silu and gate_up.dim() == 2 and gate_up.stride(1) == 1 and triton_kernels.usable(gate_up):
             from tokenloom.kernels.triton.silu_mul import silu_mul
+
             return self.down_proj(silu_mul(gate_up))
         return self._down_of(gate_up)
 
@@ -61,14 +62,14 @@ class GatedMLP(CustomOp):
         return self._down_of(self.gate_up_proj(x))
 
     def _down_of(self, gate_up: torch.Tensor) -> torch.Tensor:
-        gate, up = gate_up.split(self.intermediate, dim=-1)                   # each (T, intermediate)
+        gate, up = gate_up.split(self.intermediate, dim=-1)  # each (T, intermediate)
         return self.down_proj(self.act(gate) * up)
 
     def forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
         proj = self.gate_up_proj
         if isinstance(proj, PanelLinear | GGMLLinear | QuantizedLinear) and proj.pairs_gate_up:
             return self.down_proj.forward(proj.silu_mul(x))
-        gate_up = proj.forward(x)                                             # (T, 2 intermediate)
+        gate_up = proj.forward(x)  # (T, 2 intermediate)
         if gate_up.dim() == 2 and gate_up.stride(1) == 1:
             return self.down_proj.forward(fused.silu_mul(gate_up))
         return self._down_of(gate_up)

@@ -38,6 +38,7 @@ class RMSNorm(CustomOp):
     def forward_cuda(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.stride(1) == 1 and triton_kernels.usable(x):
             from tokenloom.kernels.triton.rms_norm import rms_norm
+
             return rms_norm(x, self.weight, self.eps)
         return self.forward_native(x)
 
@@ -45,9 +46,10 @@ class RMSNorm(CustomOp):
         """x, residual (T, H) -> (norm(residual + x), residual + x)."""
         if x.dim() == 2 and x.stride(1) == 1 and residual.stride(-1) == 1:
             if self.uses_cpu_kernels(x):
-                return fused.add_rms_norm(x, residual, self.weight, self.eps)       # add_forward_cpu
+                return fused.add_rms_norm(x, residual, self.weight, self.eps)  # add_forward_cpu
             if x.is_cuda and triton_kernels.usable(x):
                 from tokenloom.kernels.triton.rms_norm import add_rms_norm
+
                 return add_rms_norm(x, residual, self.weight, self.eps)
         return self.add_forward_native(x, residual)
 

@@ -42,12 +42,12 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).parent / "csrc" / "op_tape.cpp"
-MAX_TAPES = 32                    # distinct step shapes kept (least recently used dropped)
+MAX_TAPES = 32  # distinct step shapes kept (least recently used dropped)
 # A shape is recorded at its third step: a recording costs ~1.3 eager steps, and under
 # continuous batching many batch sizes come once or twice (64 mixed requests on Qwen2.5 at
 # 16 concurrent: recording every new shape cost 2% of throughput).
 RECORD_AT = 3
-TENSOR_LIST = -2                  # an argument's slot: a list of tensors (csrc/op_tape.cpp)
+TENSOR_LIST = -2  # an argument's slot: a list of tensors (csrc/op_tape.cpp)
 
 
 def tape_module():
@@ -77,7 +77,7 @@ class _Recorder(TorchDispatchMode):
 class NotReplayable(Exception):
     """A recording that a tape cannot reproduce; the message says why."""
 
-    output: Any                         # set by record(): the step's output, run eagerly
+    output: Any  # set by record(): the step's output, run eagerly
 
 
 def _storage_key(t: torch.Tensor) -> int:
@@ -122,8 +122,10 @@ class _TapeBuilder:
             self.last_read[slot] = index
             return None, slot
         if _storage_key(value) not in self.owned:
-            raise NotReplayable(f"{func} reads a tensor {tuple(value.shape)} that is neither an input, "
-                                "nor made by the step, nor the model's or the KV cache's")
+            raise NotReplayable(
+                f"{func} reads a tensor {tuple(value.shape)} that is neither an input, "
+                "nor made by the step, nor the model's or the KV cache's"
+            )
         return value, -1
 
     def _argument(self, func, value, index: int, lists: dict[int, Sequence[int]], j: int) -> tuple[Any, int]:
@@ -145,14 +147,26 @@ class _TapeBuilder:
             raise NotReplayable(f"{func} returns {[str(r.type) for r in returns]}: the step's Python reads it")
         lists: dict[int, Sequence[int]] = {}
         values = _schema_values(func, args, kwargs)
-        constants, slots = zip(*(self._argument(func, v, index, lists, j) for j, v in enumerate(values))) \
-            if values else ((), ())
+        constants, slots = (
+            zip(*(self._argument(func, v, index, lists, j) for j, v in enumerate(values))) if values else ((), ())
+        )
         outs = () if not returns else (out,) if len(returns) == 1 else out
-        out_slots = [[self._slot(t) for t in o] if str(r.type) == "List[Tensor]" else self._slot(o)
-                     for r, o in zip(returns, outs)]
+        out_slots = [
+            [self._slot(t) for t in o] if str(r.type) == "List[Tensor]" else self._slot(o)
+            for r, o in zip(returns, outs)
+        ]
         name, overload = func._schema.name, func._overloadname
-        self.calls.append([name, "" if overload == "default" else overload, list(constants), list(slots),
-                           out_slots, [], {j: list(s) for j, s in lists.items()}])
+        self.calls.append(
+            [
+                name,
+                "" if overload == "default" else overload,
+                list(constants),
+                list(slots),
+                out_slots,
+                [],
+                {j: list(s) for j, s in lists.items()},
+            ]
+        )
 
     def _slot(self, tensor: torch.Tensor) -> int:
         """The slot of a result (a new one, or its own where an op returns a tensor it was given)."""
@@ -169,7 +183,7 @@ class _TapeBuilder:
             if slot >= num_inputs and slot != out_slot:
                 self.calls[index][5].append(slot)
         read = set(self.last_read) | {out_slot}
-        kept = lambda s: s if s in read else -1            # noqa: E731
+        kept = lambda s: s if s in read else -1  # noqa: E731
         for call in self.calls:
             call[4] = [[kept(e) for e in s] if isinstance(s, list) else kept(s) for s in call[4]]
         calls = [tuple(c) for c in self.calls]
@@ -187,7 +201,7 @@ def record(body, inputs: list[torch.Tensor], owned: set[int]):
         for func, args, kwargs, out in recorder.calls:
             builder.add(func, args, kwargs, out)
         return output, builder.build(output, len(inputs))
-    except Exception as e:             # the replayer's own checks (an argument it cannot convert) too
+    except Exception as e:  # the replayer's own checks (an argument it cannot convert) too
         refusal = e if isinstance(e, NotReplayable) else NotReplayable(f"{type(e).__name__}: {e}")
         refusal.output = output
         raise refusal from e
@@ -204,23 +218,29 @@ class StepTapes:
         self.model, self.kv_cache = model, kv_cache
         self.tapes: OrderedDict[tuple, Any] = OrderedDict()
         self.refused: set[tuple] = set()
-        self.seen: dict[tuple, int] = {}      # steps run eagerly per shape not yet recorded
+        self.seen: dict[tuple, int] = {}  # steps run eagerly per shape not yet recorded
         self._owned: set[int] | None = None
 
     @staticmethod
     def usable(model) -> bool:
         """The model's layers replay (CausalLM.replayable_layers), tapes are not turned off
         (``TOKENLOOM_NO_TAPES=1``, for A/B runs) and the replayer builds."""
-        return (model.replays_decode_steps() and os.environ.get("TOKENLOOM_NO_TAPES") != "1"
-                and tape_module() is not None)
+        return (
+            model.replays_decode_steps() and os.environ.get("TOKENLOOM_NO_TAPES") != "1" and tape_module() is not None
+        )
 
     def owned(self) -> set[int]:
         """Storages a tape may hold as constants: the model's parameters and buffers, tensors its
         modules hold outside those (``held_tensors()``: GGUF blocks), the KV cache's."""
         if self._owned is None:
             held = [t for m in self.model.modules() if hasattr(m, "held_tensors") for t in m.held_tensors()]
-            tensors = [*self.model.parameters(), *self.model.buffers(), *held, *self.kv_cache.keys,
-                       *self.kv_cache.values]
+            tensors = [
+                *self.model.parameters(),
+                *self.model.buffers(),
+                *held,
+                *self.kv_cache.keys,
+                *self.kv_cache.values,
+            ]
             self._owned = _storages(tensors)
         return self._owned
 
@@ -241,7 +261,7 @@ class StepTapes:
             return self.model.run_layers(h, attend)
         self.seen[key] = self.seen.get(key, 0) + 1
         if self.seen[key] < RECORD_AT:
-            if len(self.seen) > 64 * MAX_TAPES:       # shapes seen once or twice, long ago
+            if len(self.seen) > 64 * MAX_TAPES:  # shapes seen once or twice, long ago
                 self.seen.clear()
             return self.model.run_layers(h, attend)
         try:

@@ -102,14 +102,18 @@ class PackedLinear(_PrepackedLinear):
     def __init__(self, linear: nn.Linear, batch_hint: int = 64) -> None:
         super().__init__(linear)
         weight = linear.weight.detach()
-        self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint),
-                             persistent=False)
+        self.register_buffer(
+            "packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint), persistent=False
+        )
 
     @staticmethod
     def supports(linear: nn.Linear) -> bool:
         """True where oneDNN can take this layer: float32 weights on CPU, oneDNN built in."""
-        return (_float32_cpu(linear) and torch.backends.mkldnn.is_available()
-                and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+        return (
+            _float32_cpu(linear)
+            and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")

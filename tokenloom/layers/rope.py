@@ -29,13 +29,13 @@ def rope_inv_freq(rope: RopeConfig, rotary_dim: int, context_len: int | None = N
         factors = torch.tensor(rope.long_factor if long else rope.short_factor, dtype=torch.float32, device="cpu")
         if factors.numel() != rotary_dim // 2:
             raise ValueError(f"longrope has {factors.numel()} factors; rotary dim {rotary_dim} needs {rotary_dim // 2}")
-        return 1.0 / (factors * rope.theta ** exponents)
+        return 1.0 / (factors * rope.theta**exponents)
     if rope.rope_type == "dynamic":
         original = rope.original_max_position_embeddings
         seq_len = max(context_len or original, original)
         base = rope.theta * ((rope.factor * seq_len / original) - (rope.factor - 1)) ** (rotary_dim / (rotary_dim - 2))
-        return 1.0 / (base ** exponents)
-    inv_freq = 1.0 / (rope.theta ** exponents)
+        return 1.0 / (base**exponents)
+    inv_freq = 1.0 / (rope.theta**exponents)
     if rope.rope_type == "linear":
         return inv_freq / rope.factor
     if rope.rope_type == "llama3":
@@ -52,11 +52,15 @@ def rope_attention_factor(rope: RopeConfig) -> float:
     if rope.attention_factor is not None:
         return rope.attention_factor
     if rope.rope_type == "longrope":
-        return 1.0 if rope.factor <= 1 else \
-            math.sqrt(1 + math.log(rope.factor) / math.log(rope.original_max_position_embeddings))
+        return (
+            1.0
+            if rope.factor <= 1
+            else math.sqrt(1 + math.log(rope.factor) / math.log(rope.original_max_position_embeddings))
+        )
 
     def mscale(scale: float, m: float = 1.0) -> float:
         return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
     if rope.mscale and rope.mscale_all_dim:
         return float(mscale(rope.factor, rope.mscale) / mscale(rope.factor, rope.mscale_all_dim))
     return mscale(rope.factor)
@@ -71,12 +75,13 @@ def _yarn_inv_freq(rope: RopeConfig, dim: int) -> torch.Tensor:
     def correction_dim(rotations: float) -> float:
         turns = rope.original_max_position_embeddings / (rotations * 2 * math.pi)
         return (dim * math.log(turns)) / (2 * math.log(base))
+
     low, high = correction_dim(beta_fast), correction_dim(beta_slow)
     if rope.truncate:
         low, high = math.floor(low), math.ceil(high)
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
-        high += 0.001                                                       # no zero-width ramp
+        high += 0.001  # no zero-width ramp
     ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low), 0, 1)
     pos_freqs = base ** (torch.arange(0, dim, 2, device="cpu").to(dtype=torch.float) / dim)
     extrapolation = 1 - ramp
@@ -96,12 +101,13 @@ def _llama3_scale(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype, scale: float = 1.0
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin(
+    inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype, scale: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables for `positions` (T,) -> each (T, 1, rotary_dim), times `scale` (yarn's
     attention factor) in float32, cast to `dtype`."""
     freqs = positions.float()[:, None] * inv_freq[None, :]  # (T, rotary_dim/2)
-    emb = torch.cat((freqs, freqs), dim=-1)                 # (T, rotary_dim)
+    emb = torch.cat((freqs, freqs), dim=-1)  # (T, rotary_dim)
     cos, sin = emb.cos(), emb.sin()
     if scale != 1.0:
         cos, sin = cos * scale, sin * scale
@@ -116,9 +122,14 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half RoPE: x (T, heads, head_dim), cos/sin (T, 1, rotary_dim); dims past
     rotary_dim (partial rotary, e.g. Phi-4-mini) pass through unturned."""
-    if x.stride(2) == 1 and x.stride(1) == x.shape[2] and cos.is_contiguous() and sin.is_contiguous() \
-            and fused.enabled(x):
-        return fused.rope(x, cos, sin)                  # partial rotary too: the same arithmetic per dim
+    if (
+        x.stride(2) == 1
+        and x.stride(1) == x.shape[2]
+        and cos.is_contiguous()
+        and sin.is_contiguous()
+        and fused.enabled(x)
+    ):
+        return fused.rope(x, cos, sin)  # partial rotary too: the same arithmetic per dim
     rotary = cos.shape[-1]
     if rotary < x.shape[-1]:
         return torch.cat([apply_rope(x[..., :rotary], cos, sin), x[..., rotary:]], dim=-1)

@@ -29,10 +29,14 @@ from tokenloom.tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 
 _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
-_QWEN2_SPLIT = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)")
-_LLAMA3_SPLIT = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+"
-                 r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)")
+_QWEN2_SPLIT = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)"
+)
+_LLAMA3_SPLIT = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)"
+)
 # tokenizer.ggml.pre -> the regexes llama.cpp splits with, applied in order.
 _PRE_TOKENIZER_SPLITS = {
     "gpt2": [_GPT2_SPLIT],
@@ -40,7 +44,7 @@ _PRE_TOKENIZER_SPLITS = {
     "smollm": [r"\p{N}", _GPT2_SPLIT],
     "starcoder": [r"\p{N}", _GPT2_SPLIT],
     "qwen2": [_QWEN2_SPLIT],
-    "stablelm2": [_QWEN2_SPLIT],        # llama.cpp splits StableLM 2's Arcade100k text as Qwen2's
+    "stablelm2": [_QWEN2_SPLIT],  # llama.cpp splits StableLM 2's Arcade100k text as Qwen2's
     "llama-bpe": [_LLAMA3_SPLIT],
 }
 _TOKEN_TYPE_CONTROL, _TOKEN_TYPE_USER_DEFINED = 3, 4
@@ -50,11 +54,20 @@ _FLOAT_TYPES = {0: np.float32, 1: np.float16}
 _BF16 = 30
 
 # a "llama" file with experts is Mixtral (hf_config)
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                  "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM",
-                  "olmo2": "Olmo2ForCausalLM", "stablelm": "StableLmForCausalLM",
-                  "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
-                  "gpt2": "GPT2LMHeadModel"}
+_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen2moe": "Qwen2MoeForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
+    "stablelm": "StableLmForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+    "gpt2": "GPT2LMHeadModel",
+}
 # llama.cpp renormalizes the chosen experts' weights for these (build_moe_ffn's norm_w)
 _NORMALIZED_TOP_K = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False}
 
@@ -64,54 +77,77 @@ _LLAMA_NAMES = {
     "output.weight": "lm_head.weight",
 }
 _LLAMA_BLOCK_NAMES = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
     # mixture of experts (the stacked ffn_*_exps tensors are split per expert in _hf_tensors)
-    "ffn_gate_inp": "mlp.gate", "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
-    "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
-_EXPERTS = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")      # (experts, rows, cols) stacked
+_EXPERTS = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")  # (experts, rows, cols) stacked
 _ROUTER = re.compile(r"blk\.(\d+)\.ffn_gate_inp\.weight")
 _ONE_EXPERT = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight")  # older Mixtral files: one each
-_HEAD_NORMS = re.compile(r"blk\.(\d+)\.attn_([qk])_norm\.weight")       # StableLM: (heads, head_dim) stacked
+_HEAD_NORMS = re.compile(r"blk\.(\d+)\.attn_([qk])_norm\.weight")  # StableLM: (heads, head_dim) stacked
 _ROPE_FACTOR_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 # Phi-3 stores q/k/v and gate/up fused, as tokenloom does
 _PHI3_BLOCK_NAMES = _LLAMA_BLOCK_NAMES | {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 # OLMo 2's norms come after attention and the MLP
-_OLMO2_BLOCK_NAMES = _LLAMA_BLOCK_NAMES | {"post_attention_norm": "post_attention_layernorm",
-                                           "post_ffw_norm": "post_feedforward_layernorm"}
+_OLMO2_BLOCK_NAMES = _LLAMA_BLOCK_NAMES | {
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 # Gemma's four norms a layer (llama.cpp's ffn_norm is the norm before the MLP there)
 _GEMMA_BLOCK_NAMES = _LLAMA_BLOCK_NAMES | {
-    "ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
 _GPT2_NAMES = {
-    "token_embd.weight": "transformer.wte.weight", "position_embd.weight": "transformer.wpe.weight",
-    "output_norm.weight": "transformer.ln_f.weight", "output_norm.bias": "transformer.ln_f.bias",
+    "token_embd.weight": "transformer.wte.weight",
+    "position_embd.weight": "transformer.wpe.weight",
+    "output_norm.weight": "transformer.ln_f.weight",
+    "output_norm.bias": "transformer.ln_f.bias",
     "output.weight": "lm_head.weight",
 }
 _GPT2_BLOCK_NAMES = {
-    "attn_norm": "ln_1", "ffn_norm": "ln_2", "attn_qkv": "attn.c_attn", "attn_output": "attn.c_proj",
-    "ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj",
+    "attn_norm": "ln_1",
+    "ffn_norm": "ln_2",
+    "attn_qkv": "attn.c_attn",
+    "attn_output": "attn.c_proj",
+    "ffn_up": "mlp.c_fc",
+    "ffn_down": "mlp.c_proj",
 }
 
 # StableLM's LayerNorms carry a bias
 _STABLELM_NAMES = _LLAMA_NAMES | {"output_norm.bias": "model.norm.bias"}
 
 # architecture -> (whole-model names, per-block names); Llama's where not listed
-_NAME_TABLES = {"gpt2": (_GPT2_NAMES, _GPT2_BLOCK_NAMES), "gemma3": (_LLAMA_NAMES, _GEMMA_BLOCK_NAMES),
-                "gemma2": (_LLAMA_NAMES, _GEMMA_BLOCK_NAMES),
-                "olmo2": (_LLAMA_NAMES, _OLMO2_BLOCK_NAMES), "phi3": (_LLAMA_NAMES, _PHI3_BLOCK_NAMES),
-                "stablelm": (_STABLELM_NAMES, _LLAMA_BLOCK_NAMES)}
+_NAME_TABLES = {
+    "gpt2": (_GPT2_NAMES, _GPT2_BLOCK_NAMES),
+    "gemma3": (_LLAMA_NAMES, _GEMMA_BLOCK_NAMES),
+    "gemma2": (_LLAMA_NAMES, _GEMMA_BLOCK_NAMES),
+    "olmo2": (_LLAMA_NAMES, _OLMO2_BLOCK_NAMES),
+    "phi3": (_LLAMA_NAMES, _PHI3_BLOCK_NAMES),
+    "stablelm": (_STABLELM_NAMES, _LLAMA_BLOCK_NAMES),
+}
 
 
 def _gemma_query_scalar(cfg: dict, wide_layers: int) -> int:
     """llama.cpp's Gemma attention scale: head_dim, but hidden / heads for the 27B (its layer count)."""
-    return cfg["hidden_size"] // cfg["num_attention_heads"] if cfg["num_hidden_layers"] == wide_layers \
-        else cfg["head_dim"]
+    return (
+        cfg["hidden_size"] // cfg["num_attention_heads"] if cfg["num_hidden_layers"] == wide_layers else cfg["head_dim"]
+    )
 
 
 def _expert_name(layer: int | str, expert: int | str, kind: str) -> str:
@@ -130,8 +166,9 @@ class GGUFFile:
             raise CheckpointError(f"{self.path} is not a readable GGUF file (corrupt or truncated?): {e}") from e
         self.arch = self.field("general.architecture")
         if self.arch not in _ARCHITECTURES:
-            raise UnsupportedModelError(f"GGUF architecture {self.arch!r} is not supported "
-                                        f"(supported: {', '.join(_ARCHITECTURES)})")
+            raise UnsupportedModelError(
+                f"GGUF architecture {self.arch!r} is not supported (supported: {', '.join(_ARCHITECTURES)})"
+            )
         self._hf_config: dict | None = None
 
     def field(self, key: str, default=None):
@@ -153,28 +190,39 @@ class GGUFFile:
 
     def _build_hf_config(self) -> dict:
         tokens = self.field("tokenizer.ggml.tokens") or []
-        cfg = {"architectures": [_ARCHITECTURES[self.arch]], "model_type": self.arch,
-               "vocab_size": self.arch_field("vocab_size", len(tokens)),
-               "bos_token_id": self.field("tokenizer.ggml.bos_token_id"),
-               "eos_token_id": sorted(self.eos_token_ids()),
-               "tie_word_embeddings": "output.weight" not in self.tensor_names}
+        cfg = {
+            "architectures": [_ARCHITECTURES[self.arch]],
+            "model_type": self.arch,
+            "vocab_size": self.arch_field("vocab_size", len(tokens)),
+            "bos_token_id": self.field("tokenizer.ggml.bos_token_id"),
+            "eos_token_id": sorted(self.eos_token_ids()),
+            "tie_word_embeddings": "output.weight" not in self.tensor_names,
+        }
         heads = self.arch_field("attention.head_count")
         if self.arch == "gpt2":
-            return cfg | {"n_embd": self.arch_field("embedding_length"), "n_layer": self.arch_field("block_count"),
-                          "n_head": heads, "n_positions": self.arch_field("context_length"),
-                          "n_inner": self.arch_field("feed_forward_length"),
-                          "layer_norm_epsilon": self.arch_field("attention.layer_norm_epsilon", 1e-5)}
+            return cfg | {
+                "n_embd": self.arch_field("embedding_length"),
+                "n_layer": self.arch_field("block_count"),
+                "n_head": heads,
+                "n_positions": self.arch_field("context_length"),
+                "n_inner": self.arch_field("feed_forward_length"),
+                "layer_norm_epsilon": self.arch_field("attention.layer_norm_epsilon", 1e-5),
+            }
         hidden = self.arch_field("embedding_length")
-        cfg |= {"hidden_size": hidden, "intermediate_size": self.arch_field("feed_forward_length"),
-                "num_hidden_layers": self.arch_field("block_count"), "num_attention_heads": heads,
-                "num_key_value_heads": self.arch_field("attention.head_count_kv", heads),
-                "head_dim": self.arch_field("attention.key_length", hidden // heads),
-                "max_position_embeddings": self.arch_field("context_length"),
-                "rms_norm_eps": self.arch_field("attention.layer_norm_rms_epsilon", 1e-6),
-                "rope_theta": self.arch_field("rope.freq_base", 10000.0)}
+        cfg |= {
+            "hidden_size": hidden,
+            "intermediate_size": self.arch_field("feed_forward_length"),
+            "num_hidden_layers": self.arch_field("block_count"),
+            "num_attention_heads": heads,
+            "num_key_value_heads": self.arch_field("attention.head_count_kv", heads),
+            "head_dim": self.arch_field("attention.key_length", hidden // heads),
+            "max_position_embeddings": self.arch_field("context_length"),
+            "rms_norm_eps": self.arch_field("attention.layer_norm_rms_epsilon", 1e-6),
+            "rope_theta": self.arch_field("rope.freq_base", 10000.0),
+        }
         cfg |= self._rope_fields(cfg)
         if self.arch == "phi3":
-            cfg["sliding_window"] = self.arch_field("attention.sliding_window") or None    # 0: none (Phi-4)
+            cfg["sliding_window"] = self.arch_field("attention.sliding_window") or None  # 0: none (Phi-4)
         if self.arch == "gemma3":
             cfg |= self._gemma3_fields(cfg)
         if self.arch == "gemma2":
@@ -188,19 +236,25 @@ class GGUFFile:
     def _gemma2_fields(self, cfg: dict) -> dict:
         """Gemma 2 as llama.cpp runs it: even layers slide, scores and logits soft-capped, the
         attention scale from head_dim (hidden / heads for the 46-layer 27B)."""
-        return {"sliding_window": self.arch_field("attention.sliding_window", 4096),
-                "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": _gemma_query_scalar(cfg, 46),
-                "attn_logit_softcapping": self.arch_field("attn_logit_softcapping"),
-                "final_logit_softcapping": self.arch_field("final_logit_softcapping")}
+        return {
+            "sliding_window": self.arch_field("attention.sliding_window", 4096),
+            "hidden_activation": "gelu_pytorch_tanh",
+            "query_pre_attn_scalar": _gemma_query_scalar(cfg, 46),
+            "attn_logit_softcapping": self.arch_field("attn_logit_softcapping"),
+            "final_logit_softcapping": self.arch_field("final_logit_softcapping"),
+        }
 
     def _stablelm_fields(self, cfg: dict) -> dict:
         """StableLM's options, read where llama.cpp keeps them: q/k/v bias and per-head q/k norms
         from the tensors present, the rotated share of each head always (its HF default is 0.25)."""
         names = self.tensor_names
-        return {"layer_norm_eps": self.arch_field("attention.layer_norm_epsilon", 1e-5),
-                "use_parallel_residual": bool(self.arch_field("use_parallel_residual", False)),
-                "use_qkv_bias": "blk.0.attn_q.bias" in names, "qk_layernorm": "blk.0.attn_q_norm.weight" in names,
-                "partial_rotary_factor": self.arch_field("rope.dimension_count", cfg["head_dim"]) / cfg["head_dim"]}
+        return {
+            "layer_norm_eps": self.arch_field("attention.layer_norm_epsilon", 1e-5),
+            "use_parallel_residual": bool(self.arch_field("use_parallel_residual", False)),
+            "use_qkv_bias": "blk.0.attn_q.bias" in names,
+            "qk_layernorm": "blk.0.attn_q_norm.weight" in names,
+            "partial_rotary_factor": self.arch_field("rope.dimension_count", cfg["head_dim"]) / cfg["head_dim"],
+        }
 
     def _rope_fields(self, cfg: dict) -> dict:
         """Rope scaling as transformers' configs say it. llama.cpp stores per-frequency divisors as
@@ -216,14 +270,21 @@ class GGUFFile:
         factors = {t.name: t for t in self.reader.tensors if t.name in _ROPE_FACTOR_TENSORS}
         if "rope_freqs.weight" in factors:
             one_set = self._floats(factors["rope_freqs.weight"])
-            fields["rope_scaling"] = {"rope_type": "longrope", "short_factor": one_set, "long_factor": one_set,
-                                      "factor": 1.0, "original_max_position_embeddings": cfg["max_position_embeddings"]}
+            fields["rope_scaling"] = {
+                "rope_type": "longrope",
+                "short_factor": one_set,
+                "long_factor": one_set,
+                "factor": 1.0,
+                "original_max_position_embeddings": cfg["max_position_embeddings"],
+            }
         elif factors:
             fields["rope_scaling"] = {
-                "rope_type": "longrope", "short_factor": self._floats(factors["rope_factors_short.weight"]),
+                "rope_type": "longrope",
+                "short_factor": self._floats(factors["rope_factors_short.weight"]),
                 "long_factor": self._floats(factors["rope_factors_long.weight"]),
                 "original_max_position_embeddings": self.arch_field("rope.scaling.original_context_length"),
-                "attention_factor": self.arch_field("rope.scaling.attn_factor")}
+                "attention_factor": self.arch_field("rope.scaling.attn_factor"),
+            }
         return fields
 
     @staticmethod
@@ -236,31 +297,44 @@ class GGUFFile:
         """Experts as transformers' configs name them; a "llama" file with experts is Mixtral. The
         layers without a router tensor are dense (mlp_only_layers)."""
         if self.arch not in _NORMALIZED_TOP_K:
-            raise UnsupportedModelError(f"{self.path.name}: mixture of experts in a GGUF {self.arch!r} file is not "
-                                        f"supported (supported: {', '.join(_NORMALIZED_TOP_K)})")
+            raise UnsupportedModelError(
+                f"{self.path.name}: mixture of experts in a GGUF {self.arch!r} file is not "
+                f"supported (supported: {', '.join(_NORMALIZED_TOP_K)})"
+            )
         if self.arch_field("expert_weights_scale", 1.0) != 1.0:
-            raise UnsupportedModelError(f"{self.path.name}: expert_weights_scale "
-                                        f"{self.arch_field('expert_weights_scale')} is not supported")
+            raise UnsupportedModelError(
+                f"{self.path.name}: expert_weights_scale {self.arch_field('expert_weights_scale')} is not supported"
+            )
         experts = self.arch_field("expert_count")
         routed = {int(m.group(1)) for t in self.reader.tensors if (m := _ROUTER.fullmatch(t.name))}
-        fields = {"num_local_experts": experts, "num_experts": experts,
-                  "num_experts_per_tok": self.arch_field("expert_used_count"),
-                  "moe_intermediate_size": self.arch_field("expert_feed_forward_length", cfg["intermediate_size"]),
-                  "shared_expert_intermediate_size": self.arch_field("expert_shared_feed_forward_length", 0),
-                  "norm_topk_prob": _NORMALIZED_TOP_K[self.arch],
-                  "mlp_only_layers": [i for i in range(cfg["num_hidden_layers"]) if i not in routed]}
+        fields = {
+            "num_local_experts": experts,
+            "num_experts": experts,
+            "num_experts_per_tok": self.arch_field("expert_used_count"),
+            "moe_intermediate_size": self.arch_field("expert_feed_forward_length", cfg["intermediate_size"]),
+            "shared_expert_intermediate_size": self.arch_field("expert_shared_feed_forward_length", 0),
+            "norm_topk_prob": _NORMALIZED_TOP_K[self.arch],
+            "mlp_only_layers": [i for i in range(cfg["num_hidden_layers"]) if i not in routed],
+        }
         if self.arch == "llama":
-            fields |= {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
-                       "intermediate_size": fields["moe_intermediate_size"]}
+            fields |= {
+                "architectures": ["MixtralForCausalLM"],
+                "model_type": "mixtral",
+                "intermediate_size": fields["moe_intermediate_size"],
+            }
         return fields
 
     def _gemma3_fields(self, cfg: dict) -> dict:
         """What llama.cpp fixes for gemma3 rather than storing: every 6th layer global, the sliding
         layers' rope base 10000, the attention scale from head_dim (hidden / heads for the 62-layer 27B)."""
-        return {"sliding_window": self.arch_field("attention.sliding_window", 4096), "sliding_window_pattern": 6,
-                "rope_local_base_freq": 10_000.0, "hidden_activation": "gelu_pytorch_tanh",
-                "query_pre_attn_scalar": _gemma_query_scalar(cfg, 62),
-                "final_logit_softcapping": self.arch_field("final_logit_softcapping")}
+        return {
+            "sliding_window": self.arch_field("attention.sliding_window", 4096),
+            "sliding_window_pattern": 6,
+            "rope_local_base_freq": 10_000.0,
+            "hidden_activation": "gelu_pytorch_tanh",
+            "query_pre_attn_scalar": _gemma_query_scalar(cfg, 62),
+            "final_logit_softcapping": self.arch_field("final_logit_softcapping"),
+        }
 
     def eos_token_ids(self) -> set[int]:
         keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
@@ -276,25 +350,33 @@ class GGUFFile:
         """
         cfg = self.hf_config()
         for t in self.reader.tensors:
-            if t.name in _ROPE_FACTOR_TENSORS:                 # read into the config (rope_scaling)
+            if t.name in _ROPE_FACTOR_TENSORS:  # read into the config (rope_scaling)
                 continue
             names = self._hf_names(t)
             tensor = self._to_hf_layout(t.name, self._tensor(t), cfg)
-            if self.arch == "stablelm" and _HEAD_NORMS.fullmatch(t.name):    # per-head norms: (heads, head_dim)
+            if self.arch == "stablelm" and _HEAD_NORMS.fullmatch(t.name):  # per-head norms: (heads, head_dim)
                 yield from zip(names, tensor)
             elif len(names) == 1:
                 yield names[0], tensor
-            else:                                            # stacked experts: (experts * rows, cols)
+            else:  # stacked experts: (experts * rows, cols)
                 rows = tensor.shape[0] // len(names)
                 for i, name in enumerate(names):
-                    yield name, tensor.rows(slice(i * rows, (i + 1) * rows)) if isinstance(tensor, GGMLTensor) \
-                        else tensor[i * rows:(i + 1) * rows]
-            t.release_pages()                                # the consumer has copied it (or views it)
+                    yield (
+                        name,
+                        tensor.rows(slice(i * rows, (i + 1) * rows))
+                        if isinstance(tensor, GGMLTensor)
+                        else tensor[i * rows : (i + 1) * rows],
+                    )
+            t.release_pages()  # the consumer has copied it (or views it)
 
     def tensor_types(self) -> dict[str, int]:
         """HF tensor name -> the GGML type it is stored as."""
-        return {name: t.type for t in self.reader.tensors if t.name not in _ROPE_FACTOR_TENSORS
-                for name in self._hf_names(t)}
+        return {
+            name: t.type
+            for t in self.reader.tensors
+            if t.name not in _ROPE_FACTOR_TENSORS
+            for name in self._hf_names(t)
+        }
 
     def _hf_names(self, t: GGUFTensorInfo) -> list[str]:
         """The HF names a file tensor holds: one, or one per expert of a stacked ffn_*_exps tensor,
@@ -310,20 +392,27 @@ class GGUFFile:
 
     def _tensor(self, t: GGUFTensorInfo) -> torch.Tensor | GGMLTensor:
         raw = t.raw()
-        if t.type in KERNEL_TYPES and len(t.shape) in (2, 3):       # 3: stacked experts, rows joined
+        if t.type in KERNEL_TYPES and len(t.shape) in (2, 3):  # 3: stacked experts, rows joined
             rows = int(np.prod(t.shape[:-1]))
             data = torch.from_numpy(raw).view(rows, -1)
             row_bytes = data.shape[1]
-            return GGMLTensor(t.type, data, t.shape[-1],
-                              lambda index: torch.from_numpy(t.read_rows(index.tolist(), row_bytes)))
+            return GGMLTensor(
+                t.type, data, t.shape[-1], lambda index: torch.from_numpy(t.read_rows(index.tolist(), row_bytes))
+            )
         shape = (-1, t.shape[-1]) if len(t.shape) == 3 else t.shape
         if t.type in _FLOAT_TYPES:
             return torch.from_numpy(raw.view(_FLOAT_TYPES[t.type]).astype(np.float32)).view(shape)
         if t.type == _BF16:
             return (torch.from_numpy(raw.view(np.int16).astype(np.int32) << 16).view(torch.float32)).view(shape)
         from gguf import GGMLQuantizationType, quants
-        log.warning("%s: %s blocks have no tokenloom kernel; dequantized to float32 (%.1f MB instead of %.1f MB)",
-                    t.name, type_name(t.type), 4 * np.prod(t.shape) / 1e6, t.nbytes / 1e6)
+
+        log.warning(
+            "%s: %s blocks have no tokenloom kernel; dequantized to float32 (%.1f MB instead of %.1f MB)",
+            t.name,
+            type_name(t.type),
+            4 * np.prod(t.shape) / 1e6,
+            t.nbytes / 1e6,
+        )
         array = quants.dequantize(raw, GGMLQuantizationType(t.type)).reshape(shape)
         return torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
 
@@ -342,17 +431,17 @@ class GGUFFile:
     def _to_hf_layout(self, name: str, tensor, cfg: dict):
         if self.arch == "llama" and re.search(r"\.attn_[qk]\.", name):
             heads = cfg["num_attention_heads"] if ".attn_q." in name else cfg["num_key_value_heads"]
-            if isinstance(tensor, GGMLTensor):   # rows are independent blocks: permute them
+            if isinstance(tensor, GGMLTensor):  # rows are independent blocks: permute them
                 return tensor.rows(unpermute_rope_rows(torch.arange(tensor.shape[0]), heads))
             return unpermute_rope_rows(tensor, heads)
-        if isinstance(tensor, GGMLTensor):       # blocks are (out, in) rows: nn.Linear's layout already
+        if isinstance(tensor, GGMLTensor):  # blocks are (out, in) rows: nn.Linear's layout already
             return tensor
         if self.arch == "gpt2" and tensor.dim() == 2 and re.search(r"\.(attn_qkv|attn_output|ffn_up|ffn_down)\.", name):
             return tensor.t().contiguous()  # back to HF Conv1D's (in, out)
         if self.arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
-            return tensor - 1               # llama.cpp stores Gemma's 1 + w; HF's checkpoints hold w
+            return tensor - 1  # llama.cpp stores Gemma's 1 + w; HF's checkpoints hold w
         if name.endswith("ffn_gate_inp_shexp.weight"):
-            return tensor.view(1, -1)       # llama.cpp stores the shared expert's gate as a vector
+            return tensor.view(1, -1)  # llama.cpp stores the shared expert's gate as a vector
         return tensor
 
     def tokenizer(self) -> Tokenizer:
@@ -369,20 +458,29 @@ def gguf_tokenizer(g: GGUFFile) -> Tokenizer:
     """A ``tokenizers.Tokenizer`` rebuilt from GGUF metadata (byte-level BPE or SentencePiece)."""
     kind = g.field("tokenizer.ggml.model")
     if kind not in ("gpt2", "llama"):
-        raise UnsupportedModelError(f"GGUF tokenizer model {kind!r} is not supported (supported: 'gpt2' "
-                                    "byte-level BPE, 'llama' SentencePiece); load an HF folder with tokenizer.json")
+        raise UnsupportedModelError(
+            f"GGUF tokenizer model {kind!r} is not supported (supported: 'gpt2' "
+            "byte-level BPE, 'llama' SentencePiece); load an HF folder with tokenizer.json"
+        )
     tokens = g.field("tokenizer.ggml.tokens")
     types = g.field("tokenizer.ggml.token_type") or [1] * len(tokens)
     tk = _byte_level_bpe(g, tokens) if kind == "gpt2" else _sentencepiece_bpe(g, tokens)
-    tk.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                           for t, ty in zip(tokens, types) if ty == _TOKEN_TYPE_CONTROL])
-    tk.add_tokens([AddedToken(t, special=False, normalized=False)
-                   for t, ty in zip(tokens, types) if ty == _TOKEN_TYPE_USER_DEFINED])
+    tk.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty == _TOKEN_TYPE_CONTROL]
+    )
+    tk.add_tokens(
+        [
+            AddedToken(t, special=False, normalized=False)
+            for t, ty in zip(tokens, types)
+            if ty == _TOKEN_TYPE_USER_DEFINED
+        ]
+    )
     bos_id, eos_id = g.field("tokenizer.ggml.bos_token_id"), g.field("tokenizer.ggml.eos_token_id")
     bos = tokens[bos_id] if bos_id is not None else None
     if g.field("tokenizer.ggml.add_bos_token", kind == "llama") and bos is not None:
-        tk.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
-                                                          special_tokens=[(bos, bos_id)])
+        tk.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)]
+        )
     eos = tokens[eos_id] if eos_id is not None else None
     return Tokenizer(tk, g.field("tokenizer.chat_template"), bos, eos)
 
@@ -391,16 +489,19 @@ def _byte_level_bpe(g: GGUFFile, tokens: list[str]) -> HFTokenizer:
     """GPT-2 style BPE: llama.cpp's pre-tokenizer regexes, then bytes mapped to unicode."""
     pre = g.field("tokenizer.ggml.pre", "gpt2")
     if pre not in _PRE_TOKENIZER_SPLITS:
-        raise UnsupportedModelError(f"GGUF pre-tokenizer {pre!r} is not supported "
-                                    f"(supported: {', '.join(_PRE_TOKENIZER_SPLITS)})")
+        raise UnsupportedModelError(
+            f"GGUF pre-tokenizer {pre!r} is not supported (supported: {', '.join(_PRE_TOKENIZER_SPLITS)})"
+        )
     merges = [tuple(m.split(" ", 1)) for m in g.field("tokenizer.ggml.merges") or []]
-    tk = HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
-                                ignore_merges=pre == "llama-bpe"))
+    tk = HFTokenizer(
+        models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, ignore_merges=pre == "llama-bpe")
+    )
     if pre == "qwen2":
         tk.normalizer = normalizers.NFC()
     tk.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in _PRE_TOKENIZER_SPLITS[pre]]
-        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
     tk.decoder = decoders.ByteLevel()
     return tk
 
@@ -415,13 +516,23 @@ def _sentencepiece_bpe(g: GGUFFile, tokens: list[str]) -> HFTokenizer:
     if scores is None:
         raise CheckpointError(f"{g.path.name}: SentencePiece tokenizer without tokenizer.ggml.scores")
     unk_id = g.field("tokenizer.ggml.unknown_token_id", 0)
-    tk = HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=_merges_by_score(tokens, scores),
-                                unk_token=tokens[unk_id], fuse_unk=True, byte_fallback=True))
+    tk = HFTokenizer(
+        models.BPE(
+            vocab={t: i for i, t in enumerate(tokens)},
+            merges=_merges_by_score(tokens, scores),
+            unk_token=tokens[unk_id],
+            fuse_unk=True,
+            byte_fallback=True,
+        )
+    )
     prefix = g.field("tokenizer.ggml.add_space_prefix", True)
-    tk.normalizer = normalizers.Sequence(([normalizers.Prepend("\u2581")] if prefix else [])
-                                         + [normalizers.Replace(" ", "\u2581")])
-    tk.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
-                                   + ([decoders.Strip(" ", 1, 0)] if prefix else []))
+    tk.normalizer = normalizers.Sequence(
+        ([normalizers.Prepend("\u2581")] if prefix else []) + [normalizers.Replace(" ", "\u2581")]
+    )
+    tk.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+        + ([decoders.Strip(" ", 1, 0)] if prefix else [])
+    )
     return tk
 
 
@@ -433,5 +544,5 @@ def _merges_by_score(tokens: list[str], scores: list[float]) -> list[tuple[str, 
         local = [(piece[:k], piece[k:]) for k in range(1, len(piece)) if piece[:k] in ids and piece[k:] in ids]
         local.sort(key=lambda lr: (ids[lr[0]], ids[lr[1]]))
         merges.extend((score, lr) for lr in local)
-    merges.sort(key=lambda m: m[0], reverse=True)   # stable: ties keep vocabulary order
+    merges.sort(key=lambda m: m[0], reverse=True)  # stable: ties keep vocabulary order
     return [lr for _, lr in merges]

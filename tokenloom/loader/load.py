@@ -37,13 +37,13 @@ class Checkpoint:
     """A checkpoint translated into HF terms, tensors not yet read."""
 
     hf_config: dict
-    config: ModelConfig                          # hf_config validated: the architecture is one tokenloom runs
+    config: ModelConfig  # hf_config validated: the architecture is one tokenloom runs
     tensors: Iterable[tuple[str, torch.Tensor]]
     num_tensors: int
     tokenizer: Tokenizer
     eos_token_ids: set[int]
-    tensor_types: dict[str, int] | None = None   # GGUF only: HF tensor name -> its GGML type
-    sampling_defaults: SamplingDefaults = FALLBACK   # the model's recommended sampling settings, if any
+    tensor_types: dict[str, int] | None = None  # GGUF only: HF tensor name -> its GGML type
+    sampling_defaults: SamplingDefaults = FALLBACK  # the model's recommended sampling settings, if any
 
 
 @dataclass
@@ -54,9 +54,9 @@ class LoadedModel:
     eos_token_ids: frozenset[int]
     hf_config: dict
     sampling_defaults: SamplingDefaults = FALLBACK
-    local_config: ModelConfig | None = None     # a tensor-parallel rank's share (its heads, KV heads); None: config
-    kv_layers: range | None = None              # a pipeline stage's layers (whose KV it caches); None: all
-    pipeline: Pipeline | None = None            # a pipeline stage: how its runner hands on each model call
+    local_config: ModelConfig | None = None  # a tensor-parallel rank's share (its heads, KV heads); None: config
+    kv_layers: range | None = None  # a pipeline stage's layers (whose KV it caches); None: all
+    pipeline: Pipeline | None = None  # a pipeline stage: how its runner hands on each model call
 
     def __post_init__(self) -> None:
         if self.local_config is None:
@@ -74,8 +74,10 @@ def chat_template_of(path: str | Path) -> str | None:
     path = Path(path).expanduser()
     if path.is_file() and _is_gguf(path):
         from tokenloom.loader.gguf import GGUFFile
+
         return GGUFFile(path).field("tokenizer.chat_template")
     from tokenloom.tokenizer import folder_chat_template
+
     return folder_chat_template(path) if path.is_dir() else None
 
 
@@ -86,37 +88,52 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
     """
     path = Path(path).expanduser()
     if not path.exists():
-        raise FileNotFoundError(f"model path {str(path)!r} does not exist (expected an HF folder with "
-                                "config.json + *.safetensors, a .gguf file, or a model name that "
-                                "`tokenloom list` shows)")
+        raise FileNotFoundError(
+            f"model path {str(path)!r} does not exist (expected an HF folder with "
+            "config.json + *.safetensors, a .gguf file, or a model name that "
+            "`tokenloom list` shows)"
+        )
     if path.is_file():
         if not _is_gguf(path):
             raise CheckpointError(f"{path} is neither a GGUF file nor a folder (no GGUF magic bytes)")
         from tokenloom.loader.gguf import GGUFFile
+
         g = GGUFFile(path)
         if not g.reader.tensors:
-            raise CheckpointError(f"{path} holds a vocabulary only, no weights (llama.cpp ships such files to "
-                                  "test tokenizers): give a GGUF file with the model's weights")
+            raise CheckpointError(
+                f"{path} holds a vocabulary only, no weights (llama.cpp ships such files to "
+                "test tokenizers): give a GGUF file with the model's weights"
+            )
         hf_config = g.hf_config()
-        return Checkpoint(hf_config, ModelConfig.from_hf(hf_config), g.iter_tensors(), len(g.reader.tensors),
-                          g.tokenizer(), g.eos_token_ids(), g.tensor_types(), from_gguf_metadata(g.field))
+        return Checkpoint(
+            hf_config,
+            ModelConfig.from_hf(hf_config),
+            g.iter_tensors(),
+            len(g.reader.tensors),
+            g.tokenizer(),
+            g.eos_token_ids(),
+            g.tensor_types(),
+            from_gguf_metadata(g.field),
+        )
     config_path = path / "config.json"
     if not config_path.is_file():
         raise CheckpointError(f"{path} has no config.json; not an HF model folder")
     hf_config = read_json(config_path)
-    config = ModelConfig.from_hf(hf_config)       # an unsupported model says so before its files are opened
+    config = ModelConfig.from_hf(hf_config)  # an unsupported model says so before its files are opened
     files = safetensors_files(path)
     tokenizer = Tokenizer.from_folder(path)
     eos = hf_eos_ids(path, hf_config)
     eos.update(t for t in [tokenizer.token_to_id(tokenizer.eos_token)] if t is not None)
     generation = path / "generation_config.json"
     defaults = from_generation_config(read_json(generation) if generation.is_file() else None)
-    return Checkpoint(hf_config, config, iter_safetensors(files), _count_tensors(files), tokenizer, eos,
-                      sampling_defaults=defaults)
+    return Checkpoint(
+        hf_config, config, iter_safetensors(files), _count_tensors(files), tokenizer, eos, sampling_defaults=defaults
+    )
 
 
 def _count_tensors(files: list[Path]) -> int:
     from safetensors import safe_open
+
     total = 0
     for f in files:
         try:
@@ -127,9 +144,13 @@ def _count_tensors(files: list[Path]) -> int:
     return total
 
 
-def build_model(config: ModelConfig, dtype: torch.dtype, device: str | torch.device,
-                format_of: Callable[[str], WeightFormat | None] | None = None,
-                trim: Callable[[CausalLM], None] | None = None) -> CausalLM:
+def build_model(
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    format_of: Callable[[str], WeightFormat | None] | None = None,
+    trim: Callable[[CausalLM], None] | None = None,
+) -> CausalLM:
     """An uninitialized model (parameters allocated, not filled) on `device`.
 
     `format_of(module name)` picks a quantized format per nn.Linear (None: float); `trim` drops
@@ -146,12 +167,12 @@ def build_model(config: ModelConfig, dtype: torch.dtype, device: str | torch.dev
     # Module.to_empty's empty_like on meta tensors runs through torch._refs (~0.4 s a load): plain empty instead
     model = model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     model.tie_weights()
-    model.init_buffers(device)      # non-persistent float32 buffers: recomputed after the empty move
+    model.init_buffers(device)  # non-persistent float32 buffers: recomputed after the empty move
     return model.eval()
 
 
 def _progress(tensors: Iterable, total: int, desc: str, show: bool) -> Iterator:
-    show = show and sys.stderr.isatty()              # a bar in a log file is noise: only at a terminal
+    show = show and sys.stderr.isatty()  # a bar in a log file is noise: only at a terminal
     return iter(tqdm(tensors, total=total, desc=desc, unit="tensor", disable=not show, leave=False))
 
 
@@ -169,9 +190,16 @@ def _trimmed(tensors: Iterator, every_bytes: int = 32 << 20) -> Iterator:
             read = 0
 
 
-def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
-               max_model_len: int | None = None, progress: bool = False, quantization: str | None = None,
-               prepare: bool = True, shard: TensorShard | PipelineStage | None = None) -> LoadedModel:
+def load_model(
+    path: str | Path,
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device = "cpu",
+    max_model_len: int | None = None,
+    progress: bool = False,
+    quantization: str | None = None,
+    prepare: bool = True,
+    shard: TensorShard | PipelineStage | None = None,
+) -> LoadedModel:
     """Load weights and tokenizer; every checkpoint tensor must fill exactly one parameter.
 
     A GGUF file keeps its blocks as stored unless a `dtype` other than "auto" (dequantize
@@ -189,13 +217,16 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: str 
     is_gguf = ckpt.tensor_types is not None
     keep_blocks = is_gguf and (quantization == "gguf" or (quantization is None and dtype == "auto"))
     if quantization == "gguf" and ckpt.tensor_types is None:
-        raise ValueError("--quantization gguf keeps a GGUF file's own blocks, but this checkpoint is not a GGUF file; "
-                         "use int8 or int4")
+        raise ValueError(
+            "--quantization gguf keeps a GGUF file's own blocks, but this checkpoint is not a GGUF file; "
+            "use int8 or int4"
+        )
     config = ckpt.config
     if max_model_len is not None:
         if max_model_len > config.context_limit():
-            raise ValueError(f"max_model_len {max_model_len} exceeds the model's context "
-                             f"length {config.context_limit()}")
+            raise ValueError(
+                f"max_model_len {max_model_len} exceeds the model's context length {config.context_limit()}"
+            )
         config.max_model_len = max_model_len
     config.eos_token_ids = tuple(sorted(set(config.eos_token_ids) | ckpt.eos_token_ids))
     saved = saved_formats(ckpt.hf_config, quantization)
@@ -209,16 +240,18 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: str 
     if isinstance(shard, TensorShard):
         shard.check(config, model_class(config))
         if saved is not None:
-            raise TensorParallelError("tensor parallelism over a folder saved quantized is not implemented: load "
-                                      "the original checkpoint with --quantization")
+            raise TensorParallelError(
+                "tensor parallelism over a folder saved quantized is not implemented: load "
+                "the original checkpoint with --quantization"
+            )
         local = shard.local_config(config)
     elif stage is not None:
         stage.check(config, model_class(config))
     model = build_model(local, parse_dtype(dtype), device, format_of, None if stage is None else stage.trim)
-    release_free_memory()      # the tokenizer's and metadata's temporaries
+    release_free_memory()  # the tokenizer's and metadata's temporaries
     tensors = _trimmed(_progress(ckpt.tensors, ckpt.num_tensors, "loading weights", progress))
     if isinstance(shard, TensorShard):
-        dense = not keep_blocks                     # blocks that become float anyway are cut as float
+        dense = not keep_blocks  # blocks that become float anyway are cut as float
         tensors = ((name, shard.narrow(name, _dense(t) if dense else t, config)) for name, t in tensors)
     elif stage is not None:
         tensors = ((name, t) for name, t in tensors if stage.owns(name))
@@ -230,29 +263,42 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: str 
         log.info("GGUF weights: %s", describe_weights(model, ckpt.tensor_types))
     if prepare:
         model.prepare_for_inference()
-    release_free_memory()      # conversion temporaries: gone from the resident size
+    release_free_memory()  # conversion temporaries: gone from the resident size
     if ckpt.tokenizer.vocab_size > config.vocab_size:
-        raise CheckpointError(f"tokenizer has {ckpt.tokenizer.vocab_size} tokens but the model only "
-                              f"{config.vocab_size} embeddings")
-    return LoadedModel(model, config, ckpt.tokenizer, frozenset(config.eos_token_ids), ckpt.hf_config,
-                       ckpt.sampling_defaults, local, None if stage is None else stage.layers)
+        raise CheckpointError(
+            f"tokenizer has {ckpt.tokenizer.vocab_size} tokens but the model only {config.vocab_size} embeddings"
+        )
+    return LoadedModel(
+        model,
+        config,
+        ckpt.tokenizer,
+        frozenset(config.eos_token_ids),
+        ckpt.hf_config,
+        ckpt.sampling_defaults,
+        local,
+        None if stage is None else stage.layers,
+    )
 
 
 def save_hf_folder(path: str | Path, folder: str | Path, progress: bool = True) -> None:
     """Convert any loadable checkpoint (e.g. a GGUF file) into an HF folder of float32 safetensors
     (GGUF blocks dequantized)."""
     from safetensors.torch import save_file
+
     ckpt = load_checkpoint(path)
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    tensors = {name: _dense(t).contiguous() for name, t in
-               _progress(ckpt.tensors, ckpt.num_tensors, f"preparing {Path(path).name}", progress)}
+    tensors = {
+        name: _dense(t).contiguous()
+        for name, t in _progress(ckpt.tensors, ckpt.num_tensors, f"preparing {Path(path).name}", progress)
+    }
     save_file(tensors, str(folder / "model.safetensors"))
     write_folder_metadata(folder, ckpt.hf_config, ckpt.eos_token_ids, ckpt.tokenizer, ckpt.sampling_defaults)
 
 
-def write_folder_metadata(folder: Path, hf_config: dict, eos_token_ids: set[int], tokenizer: Tokenizer,
-                          sampling: SamplingDefaults = FALLBACK) -> None:
+def write_folder_metadata(
+    folder: Path, hf_config: dict, eos_token_ids: set[int], tokenizer: Tokenizer, sampling: SamplingDefaults = FALLBACK
+) -> None:
     """config.json, generation_config.json (with the model's own sampling settings, if it has
     any) and the tokenizer files of an HF folder."""
     (folder / "config.json").write_text(json.dumps(hf_config, indent=2))
@@ -266,4 +312,5 @@ def write_folder_metadata(folder: Path, hf_config: dict, eos_token_ids: set[int]
 def _dense(tensor):
     """A checkpoint tensor as float (GGUF blocks dequantized), for a model that keeps none."""
     from tokenloom.quant.gguf.tensor import GGMLTensor
+
     return tensor.dequantize() if isinstance(tensor, GGMLTensor) else tensor

@@ -33,8 +33,9 @@ def safetensors_files(folder: Path) -> list[Path]:
         return files
     files = sorted(folder.glob("*.safetensors"))
     if not files:
-        hint = " (PyTorch .bin checkpoints are not supported; convert to safetensors)" \
-            if any(folder.glob("*.bin")) else ""
+        hint = (
+            " (PyTorch .bin checkpoints are not supported; convert to safetensors)" if any(folder.glob("*.bin")) else ""
+        )
         raise CheckpointError(f"{folder} holds no *.safetensors weights{hint}")
     return files
 
@@ -44,7 +45,7 @@ def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
     for path in files:
         try:
             with safe_open(str(path), framework="pt") as f:
-                for name in f.keys():   # noqa: SIM118 (safe_open has no __iter__)
+                for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
                     yield name, f.get_tensor(name)
         except SafetensorError as e:
             raise CheckpointError(f"{path} is corrupt or truncated: {e}") from e

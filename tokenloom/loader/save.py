@@ -12,8 +12,9 @@ from tokenloom.quant.checkpoint import QUANT_METHOD
 from tokenloom.quant.int8.modules import QuantizedLinear
 
 
-def save_quantized(model_path: str | Path, folder: str | Path, quantization: str,
-                   progress: bool = True) -> dict[str, str]:
+def save_quantized(
+    model_path: str | Path, folder: str | Path, quantization: str, progress: bool = True
+) -> dict[str, str]:
     """Quantize a checkpoint and save it as a folder that loads again without re-quantizing.
 
     Returns module name -> format name of every quantized layer.
@@ -26,6 +27,5 @@ def save_quantized(model_path: str | Path, folder: str | Path, quantization: str
     save_file(state, str(folder / "model.safetensors"))
     hf_config = dict(loaded.hf_config)
     hf_config["quantization_config"] = {"quant_method": QUANT_METHOD, "scheme": quantization, "modules": modules}
-    write_folder_metadata(folder, hf_config, set(loaded.eos_token_ids), loaded.tokenizer,
-                          loaded.sampling_defaults)
+    write_folder_metadata(folder, hf_config, set(loaded.eos_token_ids), loaded.tokenizer, loaded.sampling_defaults)
     return modules

@@ -33,8 +33,11 @@ def map_name(model: CausalLM | type[CausalLM], name: str) -> tuple[str, str | No
 
 
 def _expected_shards(model: CausalLM, param_name: str) -> set[str | None]:
-    shards = {shard for ckpt_sub, (our_sub, shard) in model.packed_modules_mapping.items()
-              if shard is not None and f".{our_sub}." in param_name}
+    shards = {
+        shard
+        for ckpt_sub, (our_sub, shard) in model.packed_modules_mapping.items()
+        if shard is not None and f".{our_sub}." in param_name
+    }
     return shards or {None}
 
 
@@ -64,9 +67,8 @@ def load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor | Qu
             filled_quantized.setdefault(id(owner), set()).add(shard)
             continue
         if param_name not in params:
-            raise WeightMismatchError(f"checkpoint tensor {name!r} matches no parameter of "
-                                      f"{type(model).__name__}")
-        if isinstance(tensor, GGMLTensor):      # GGUF blocks are rows of nn.Linear's layout already
+            raise WeightMismatchError(f"checkpoint tensor {name!r} matches no parameter of {type(model).__name__}")
+        if isinstance(tensor, GGMLTensor):  # GGUF blocks are rows of nn.Linear's layout already
             tensor = tensor.dequantize()
         else:
             tensor = model.transform_checkpoint_tensor(name, tensor)
@@ -74,14 +76,21 @@ def load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor | Qu
         if shard is not None:
             target = target[model.shard_rows(param_name, shard)]
         if tuple(target.shape) != tuple(tensor.shape):
-            raise WeightMismatchError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
-                                      f"expected {tuple(target.shape)}")
+            raise WeightMismatchError(
+                f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
+            )
         target.copy_(tensor.to(target.dtype))
         filled[param_name].add(shard)
-    missing = [f"{n}" + (f" ({sorted(s - filled[n])})" if s - filled[n] != {None} else "")
-               for n in params if (s := _expected_shards(model, n)) - filled[n]]
-    missing += [n for n, mod in quantized.items() if not _is_tied_embedding(mod)
-                and _expected_shards(model, n) - filled_quantized.get(id(mod), set())]
+    missing = [
+        f"{n}" + (f" ({sorted(s - filled[n])})" if s - filled[n] != {None} else "")
+        for n in params
+        if (s := _expected_shards(model, n)) - filled[n]
+    ]
+    missing += [
+        n
+        for n, mod in quantized.items()
+        if not _is_tied_embedding(mod) and _expected_shards(model, n) - filled_quantized.get(id(mod), set())
+    ]
     if missing:
         listed = ", ".join(missing[:6]) + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
         raise WeightMismatchError(f"checkpoint is missing {len(missing)} of the model's tensors: {listed}")

@@ -35,12 +35,12 @@ import sys
 
 log = logging.getLogger("tokenloom")
 
-_M_TRIM_THRESHOLD = -1     # glibc's mallopt parameter numbers (malloc.h)
+_M_TRIM_THRESHOLD = -1  # glibc's mallopt parameter numbers (malloc.h)
 _M_MMAP_THRESHOLD = -3
 _M_ARENA_MAX = -8
 _MADV_HUGEPAGE = 14
 _HUGE_PAGE = 2 << 20
-KEEP_BELOW = 1 << 30       # blocks under 1 GiB come from the heap; larger ones (the KV cache) still mmap
+KEEP_BELOW = 1 << 30  # blocks under 1 GiB come from the heap; larger ones (the KV cache) still mmap
 _done: bool | None = None
 
 
@@ -73,10 +73,12 @@ def _apply() -> bool:
         return False
     try:
         mallopt = libc().mallopt
-    except (OSError, AttributeError):     # musl and friends have no mallopt
+    except (OSError, AttributeError):  # musl and friends have no mallopt
         return False
-    ok = all(mallopt(param, value) == 1 for param, value in
-             ((_M_ARENA_MAX, 1), (_M_MMAP_THRESHOLD, KEEP_BELOW), (_M_TRIM_THRESHOLD, KEEP_BELOW)))
+    ok = all(
+        mallopt(param, value) == 1
+        for param, value in ((_M_ARENA_MAX, 1), (_M_MMAP_THRESHOLD, KEEP_BELOW), (_M_TRIM_THRESHOLD, KEEP_BELOW))
+    )
     if not ok:
         log.debug("mallopt refused the thresholds; freed activations go back to the OS")
     return ok
@@ -95,10 +97,10 @@ def reserve_heap(nbytes: int) -> bool:
     block = c.malloc(nbytes)
     if not block:
         return False
-    start = -(-block // _HUGE_PAGE) * _HUGE_PAGE          # the whole 2 MiB pages inside the block
+    start = -(-block // _HUGE_PAGE) * _HUGE_PAGE  # the whole 2 MiB pages inside the block
     whole = (block + nbytes - start) // _HUGE_PAGE * _HUGE_PAGE
     if whole > 0:
-        c.madvise(start, whole, _MADV_HUGEPAGE)        # a hint: refused or ignored is fine
+        c.madvise(start, whole, _MADV_HUGEPAGE)  # a hint: refused or ignored is fine
     ctypes.memset(block, 0, nbytes)
     c.free(block)
     return True

@@ -28,15 +28,18 @@ from tokenloom.memory.allocator import libc, release_free_memory
 log = logging.getLogger("tokenloom")
 
 HUGE_PAGE = 2 << 20
-MIN_BYTES = 64 << 10         # smaller storages (norm weights, biases) stay where they are
-_ALIGN = 64                  # each storage starts on a cache line in the arena
+MIN_BYTES = 64 << 10  # smaller storages (norm weights, biases) stay where they are
+_ALIGN = 64  # each storage starts on a cache line in the arena
 _THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
 def available() -> bool:
     """Huge pages can be had for a marked range here (Linux, THP "always" or "madvise", not turned off)."""
-    if os.environ.get("TOKENLOOM_HUGE_PAGES") == "0" or not sys.platform.startswith("linux") \
-            or not hasattr(mmap, "MADV_HUGEPAGE"):
+    if (
+        os.environ.get("TOKENLOOM_HUGE_PAGES") == "0"
+        or not sys.platform.startswith("linux")
+        or not hasattr(mmap, "MADV_HUGEPAGE")
+    ):
         return False
     try:
         with open(_THP_SETTING) as f:
@@ -59,8 +62,12 @@ def model_tensors(model: nn.Module) -> list[torch.Tensor]:
 def movable(t: torch.Tensor) -> bool:
     """A CPU tensor in memory torch allocated (a resizable storage: not a view of a file map or of
     a numpy array, not oneDNN's opaque blocked layout), large enough to be worth moving."""
-    return (t.device.type == "cpu" and not t.is_mkldnn and t.untyped_storage().resizable()
-            and t.untyped_storage().nbytes() >= MIN_BYTES)
+    return (
+        t.device.type == "cpu"
+        and not t.is_mkldnn
+        and t.untyped_storage().resizable()
+        and t.untyped_storage().nbytes() >= MIN_BYTES
+    )
 
 
 def move_to_huge_pages(model: nn.Module, trim_every: int = 16 << 20) -> int:
@@ -84,9 +91,9 @@ def move_to_huge_pages(model: nn.Module, trim_every: int = 16 << 20) -> int:
         for key in list(groups):
             storage, tensors = groups.pop(key)
             nbytes = storage.nbytes()
-            region = arena[base + offset:base + offset + nbytes]
+            region = arena[base + offset : base + offset + nbytes]
             _copy(storage, region, trim_every, discard=_held_only_by(storage, tensors))
-            del storage                                  # the tensors hold the old storage now, and no more
+            del storage  # the tensors hold the old storage now, and no more
             for t in tensors:
                 start = (base + offset) // t.element_size() + t.storage_offset()
                 t.set_(region.untyped_storage(), start, t.size(), t.stride())
@@ -144,5 +151,5 @@ def _arena(nbytes: int) -> tuple[torch.Tensor, int]:
     # private: mmap.mmap(-1, n) alone maps shared memory (shmem), which THP's "enabled" does not cover
     region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     region.madvise(mmap.MADV_HUGEPAGE)
-    arena = torch.frombuffer(region, dtype=torch.uint8)         # holds the map for as long as it lives
+    arena = torch.frombuffer(region, dtype=torch.uint8)  # holds the map for as long as it lives
     return arena, -arena.data_ptr() % HUGE_PAGE

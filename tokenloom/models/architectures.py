@@ -12,27 +12,30 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, slots=True)
 class Architecture:
-    hf_name: str              # config.json "architectures"[0]
-    model_type: str           # config.json "model_type"
-    module: str               # where the implementing CausalLM lives
+    hf_name: str  # config.json "architectures"[0]
+    model_type: str  # config.json "model_type"
+    module: str  # where the implementing CausalLM lives
     class_name: str
 
 
-ARCHITECTURES: dict[str, Architecture] = {a.hf_name: a for a in (
-    Architecture("LlamaForCausalLM", "llama", "tokenloom.models.llama", "LlamaForCausalLM"),
-    Architecture("MistralForCausalLM", "mistral", "tokenloom.models.llama", "LlamaForCausalLM"),
-    Architecture("Qwen2ForCausalLM", "qwen2", "tokenloom.models.llama", "LlamaForCausalLM"),
-    Architecture("Qwen3ForCausalLM", "qwen3", "tokenloom.models.llama", "LlamaForCausalLM"),
-    Architecture("MixtralForCausalLM", "mixtral", "tokenloom.models.moe", "MixtralForCausalLM"),
-    Architecture("Qwen2MoeForCausalLM", "qwen2_moe", "tokenloom.models.moe", "MoeForCausalLM"),
-    Architecture("Qwen3MoeForCausalLM", "qwen3_moe", "tokenloom.models.moe", "MoeForCausalLM"),
-    Architecture("Phi3ForCausalLM", "phi3", "tokenloom.models.phi3", "Phi3ForCausalLM"),
-    Architecture("OlmoeForCausalLM", "olmoe", "tokenloom.models.moe", "OlmoeForCausalLM"),
-    Architecture("Olmo2ForCausalLM", "olmo2", "tokenloom.models.olmo2", "Olmo2ForCausalLM"),
-    Architecture("StableLmForCausalLM", "stablelm", "tokenloom.models.stablelm", "StableLmForCausalLM"),
-    Architecture("Gemma2ForCausalLM", "gemma2", "tokenloom.models.gemma", "Gemma2ForCausalLM"),
-    Architecture("Gemma3ForCausalLM", "gemma3_text", "tokenloom.models.gemma", "Gemma3ForCausalLM"),
-    Architecture("GPT2LMHeadModel", "gpt2", "tokenloom.models.gpt2", "GPT2LMHeadModel"),
-)}
+ARCHITECTURES: dict[str, Architecture] = {
+    a.hf_name: a
+    for a in (
+        Architecture("LlamaForCausalLM", "llama", "tokenloom.models.llama", "LlamaForCausalLM"),
+        Architecture("MistralForCausalLM", "mistral", "tokenloom.models.llama", "LlamaForCausalLM"),
+        Architecture("Qwen2ForCausalLM", "qwen2", "tokenloom.models.llama", "LlamaForCausalLM"),
+        Architecture("Qwen3ForCausalLM", "qwen3", "tokenloom.models.llama", "LlamaForCausalLM"),
+        Architecture("MixtralForCausalLM", "mixtral", "tokenloom.models.moe", "MixtralForCausalLM"),
+        Architecture("Qwen2MoeForCausalLM", "qwen2_moe", "tokenloom.models.moe", "MoeForCausalLM"),
+        Architecture("Qwen3MoeForCausalLM", "qwen3_moe", "tokenloom.models.moe", "MoeForCausalLM"),
+        Architecture("Phi3ForCausalLM", "phi3", "tokenloom.models.phi3", "Phi3ForCausalLM"),
+        Architecture("OlmoeForCausalLM", "olmoe", "tokenloom.models.moe", "OlmoeForCausalLM"),
+        Architecture("Olmo2ForCausalLM", "olmo2", "tokenloom.models.olmo2", "Olmo2ForCausalLM"),
+        Architecture("StableLmForCausalLM", "stablelm", "tokenloom.models.stablelm", "StableLmForCausalLM"),
+        Architecture("Gemma2ForCausalLM", "gemma2", "tokenloom.models.gemma", "Gemma2ForCausalLM"),
+        Architecture("Gemma3ForCausalLM", "gemma3_text", "tokenloom.models.gemma", "Gemma3ForCausalLM"),
+        Architecture("GPT2LMHeadModel", "gpt2", "tokenloom.models.gpt2", "GPT2LMHeadModel"),
+    )
+}
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 BY_MODEL_TYPE = {a.model_type: a for a in ARCHITECTURES.values()}

@@ -27,25 +27,27 @@ class CausalLM(nn.Module):
 
     packed_modules_mapping: ClassVar[dict[str, tuple[str, str | None]]] = {}
     ignored_checkpoint_keys: tuple[str, ...] = ()
-    input_embedding_name: str = ""   # the nn.Embedding a tied output projection shares
+    input_embedding_name: str = ""  # the nn.Embedding a tied output projection shares
     # The layers run the same ops for every step of a given shape, with no data-dependent
     # Python (a MoE router's .tolist() is): decode steps may replay from a tape (op_tape.py).
     # Only for models whose forward is this class's: embed_and_plan, then run_layers.
     replayable_layers: ClassVar[bool] = False
-    lm_head: nn.Module               # the output projection, which every model sets
+    lm_head: nn.Module  # the output projection, which every model sets
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                meta: AttentionMetadata, kv_cache: PagedKVCache) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_cache: PagedKVCache
+    ) -> torch.Tensor:
         """input_ids, positions: (T,) -> final hidden states (T, hidden). Writes the KV cache.
         A model either overrides this or defines its two halves below."""
         return self.run_layers(*self.embed_and_plan(input_ids, positions, meta, kv_cache))
 
-    def embed_and_plan(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                       kv_cache: PagedKVCache) -> tuple[torch.Tensor, StepAttention]:
+    def embed_and_plan(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_cache: PagedKVCache
+    ) -> tuple[torch.Tensor, StepAttention]:
         """The step's embeddings (T, hidden) and its attention op, rope tables planned in."""
         raise NotImplementedError
 
@@ -73,6 +75,7 @@ class CausalLM(nn.Module):
         from tokenloom.layers.prepacked import prepack_linears
         from tokenloom.memory.huge_pages import move_to_huge_pages
         from tokenloom.quant.int8.modules import use_panels
+
         prepack_linears(self)
         use_panels(self)
         move_to_huge_pages(self)
@@ -85,7 +88,8 @@ class CausalLM(nn.Module):
         from tokenloom.layers import fused
         from tokenloom.quant import QuantizedLinear
         from tokenloom.quant.int8 import kernels
-        weight = next((p for p in self.parameters() if p.is_floating_point()), None)   # a norm's, at least
+
+        weight = next((p for p in self.parameters() if p.is_floating_point()), None)  # a norm's, at least
         if weight is not None and weight.device.type == "cpu" and weight.dtype == torch.float32:
             fused.build()
             cpu_decode.build()

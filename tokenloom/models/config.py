@@ -63,7 +63,8 @@ class RopeConfig:
     def __post_init__(self) -> None:
         if self.rope_type not in SUPPORTED_ROPE_TYPES:
             raise UnsupportedModelError(
-                f"rope type {self.rope_type!r} is not supported (supported: {SUPPORTED_ROPE_TYPES})")
+                f"rope type {self.rope_type!r} is not supported (supported: {SUPPORTED_ROPE_TYPES})"
+            )
         if self.rope_type == "longrope" and (self.short_factor is None or self.long_factor is None):
             raise ValueError("longrope scaling needs short_factor and long_factor")
 
@@ -76,10 +77,10 @@ class MoeConfig:
 
     num_experts: int
     top_k: int
-    intermediate_size: int                # each expert's
-    sparse_layers: tuple[int, ...]        # the layers whose MLP is the mixture (the rest dense)
+    intermediate_size: int  # each expert's
+    sparse_layers: tuple[int, ...]  # the layers whose MLP is the mixture (the rest dense)
     normalize_top_k: bool = True
-    shared_intermediate_size: int = 0     # 0: no shared expert (Qwen2-MoE has one)
+    shared_intermediate_size: int = 0  # 0: no shared expert (Qwen2-MoE has one)
 
     def __post_init__(self) -> None:
         if not 1 <= self.top_k <= self.num_experts:
@@ -104,37 +105,44 @@ class ModelConfig:
     norm_eps: float = 1e-6
     rope: RopeConfig | None = field(default_factory=RopeConfig)
     tie_word_embeddings: bool = False
-    attention_bias: bool = False      # bias on q/k/v projections (Qwen2)
-    o_proj_bias: bool = False         # bias on the output projection
+    attention_bias: bool = False  # bias on q/k/v projections (Qwen2)
+    o_proj_bias: bool = False  # bias on the output projection
     mlp_bias: bool = False
-    qk_norm: bool = False             # RMSNorm on q and k per head (Qwen3)
+    qk_norm: bool = False  # RMSNorm on q and k per head (Qwen3)
     sliding_window: int | None = None
     # per layer "full_attention" or "sliding_attention" (HF layer_types); None: every layer
     # slides when sliding_window is set (Mistral)
     layer_types: tuple[str, ...] | None = None
     hidden_act: str = "silu"
-    query_pre_attn_scalar: float | None = None   # attention scale = this ** -0.5 (Gemma); None: head_dim
-    local_rope: RopeConfig | None = None         # rope of sliding-window layers where it differs (Gemma 3)
+    query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5 (Gemma); None: head_dim
+    local_rope: RopeConfig | None = None  # rope of sliding-window layers where it differs (Gemma 3)
     final_logit_softcapping: float | None = None
     attn_logit_softcapping: float | None = None  # attention scores soft-capped (Gemma 2)
-    moe: MoeConfig | None = None                 # mixture-of-experts MLPs (Mixtral, Qwen2/3-MoE)
-    partial_rotary_factor: float = 1.0           # rope turns the first head_dim * this dims of each head
-    parallel_residual: bool = False              # x + attn(ln(x)) + mlp(ln(x)) (StableLM's option)
+    moe: MoeConfig | None = None  # mixture-of-experts MLPs (Mixtral, Qwen2/3-MoE)
+    partial_rotary_factor: float = 1.0  # rope turns the first head_dim * this dims of each head
+    parallel_residual: bool = False  # x + attn(ln(x)) + mlp(ln(x)) (StableLM's option)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise UnsupportedModelError(
-                f"architecture {self.architecture!r} is not supported "
-                f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
-        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
-                     "head_dim", "intermediate_size", "max_model_len"):
+                f"architecture {self.architecture!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+            )
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "intermediate_size",
+            "max_model_len",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"ModelConfig.{name} must be positive, got {getattr(self, name)}")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of "
-                             f"num_kv_heads ({self.num_kv_heads})")
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if self.layer_types is not None:
             if len(self.layer_types) != self.num_layers:
                 raise ValueError(f"layer_types names {len(self.layer_types)} layers, the model has {self.num_layers}")
@@ -167,17 +175,31 @@ class ModelConfig:
         arch = _architecture_of(hf)
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        common = dict(architecture=arch, vocab_size=hf["vocab_size"], bos_token_id=hf.get("bos_token_id"),
-                      eos_token_ids=eos_ids,
-                      tie_word_embeddings=hf.get("tie_word_embeddings", arch in _TIED_BY_DEFAULT))
+        common = dict(
+            architecture=arch,
+            vocab_size=hf["vocab_size"],
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            tie_word_embeddings=hf.get("tie_word_embeddings", arch in _TIED_BY_DEFAULT),
+        )
         if arch == "GPT2LMHeadModel":
             hidden, heads = hf["n_embd"], hf["n_head"]
-            return cls(**common, hidden_size=hidden, num_layers=hf["n_layer"], num_heads=heads,
-                       num_kv_heads=heads, head_dim=hidden // heads,
-                       intermediate_size=hf.get("n_inner") or 4 * hidden,
-                       max_model_len=hf["n_positions"], norm_eps=hf.get("layer_norm_epsilon", 1e-5),
-                       rope=None, attention_bias=True, o_proj_bias=True, mlp_bias=True,
-                       hidden_act=hf.get("activation_function", "gelu_new"))
+            return cls(
+                **common,
+                hidden_size=hidden,
+                num_layers=hf["n_layer"],
+                num_heads=heads,
+                num_kv_heads=heads,
+                head_dim=hidden // heads,
+                intermediate_size=hf.get("n_inner") or 4 * hidden,
+                max_model_len=hf["n_positions"],
+                norm_eps=hf.get("layer_norm_epsilon", 1e-5),
+                rope=None,
+                attention_bias=True,
+                o_proj_bias=True,
+                mlp_bias=True,
+                hidden_act=hf.get("activation_function", "gelu_new"),
+            )
         _refuse_unimplemented(hf, arch, _IMPLEMENTED.get(arch, ()))
         fields = _llama_fields(hf, arch)
         if arch == "Gemma3ForCausalLM":
@@ -196,18 +218,25 @@ def _llama_fields(hf: dict[str, Any], arch: str) -> dict[str, Any]:
     heads = hf["num_attention_heads"]
     is_qwen2 = arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
     sliding, layer_types = _sliding_of(hf, arch)
-    return dict(hidden_size=hf["hidden_size"], num_layers=hf["num_hidden_layers"],
-                num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
-                head_dim=hf.get("head_dim") or hf["hidden_size"] // heads, intermediate_size=hf["intermediate_size"],
-                max_model_len=hf.get("max_position_embeddings", 2048),
-                norm_eps=hf.get("rms_norm_eps", 1e-6), rope=_rope_of(hf),
-                attention_bias=hf.get("qkv_bias", True) if is_qwen2 else hf.get("attention_bias", False),
-                o_proj_bias=(not is_qwen2) and hf.get("attention_bias", False),
-                mlp_bias=hf.get("mlp_bias", False),
-                qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"), sliding_window=sliding,
-                layer_types=layer_types, hidden_act=hf.get("hidden_act", "silu"),
-                partial_rotary_factor=_rope_params(hf).get("partial_rotary_factor",
-                                                           hf.get("partial_rotary_factor") or 1.0))
+    return dict(
+        hidden_size=hf["hidden_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+        intermediate_size=hf["intermediate_size"],
+        max_model_len=hf.get("max_position_embeddings", 2048),
+        norm_eps=hf.get("rms_norm_eps", 1e-6),
+        rope=_rope_of(hf),
+        attention_bias=hf.get("qkv_bias", True) if is_qwen2 else hf.get("attention_bias", False),
+        o_proj_bias=(not is_qwen2) and hf.get("attention_bias", False),
+        mlp_bias=hf.get("mlp_bias", False),
+        qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+        sliding_window=sliding,
+        layer_types=layer_types,
+        hidden_act=hf.get("hidden_act", "silu"),
+        partial_rotary_factor=_rope_params(hf).get("partial_rotary_factor", hf.get("partial_rotary_factor") or 1.0),
+    )
 
 
 _TIED_BY_DEFAULT = ("GPT2LMHeadModel", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
@@ -225,81 +254,116 @@ def _moe_of(hf: dict[str, Any], arch: str) -> MoeConfig:
     if arch == "MixtralForCausalLM":
         return MoeConfig(experts, hf.get("num_experts_per_tok", 2), hf["intermediate_size"], tuple(range(layers)))
     if arch == "OlmoeForCausalLM":
-        return MoeConfig(experts, hf.get("num_experts_per_tok", 8), hf["intermediate_size"], tuple(range(layers)),
-                         normalize_top_k=hf.get("norm_topk_prob", False))
+        return MoeConfig(
+            experts,
+            hf.get("num_experts_per_tok", 8),
+            hf["intermediate_size"],
+            tuple(range(layers)),
+            normalize_top_k=hf.get("norm_topk_prob", False),
+        )
     step, dense = hf.get("decoder_sparse_step", 1), set(hf.get("mlp_only_layers") or ())
     sparse = tuple(i for i in range(layers) if i not in dense and experts > 0 and (i + 1) % step == 0)
     shared = hf.get("shared_expert_intermediate_size", 0) if arch == "Qwen2MoeForCausalLM" else 0
-    return MoeConfig(experts, hf.get("num_experts_per_tok", 1), hf["moe_intermediate_size"], sparse,
-                     normalize_top_k=hf.get("norm_topk_prob", False), shared_intermediate_size=shared)
+    return MoeConfig(
+        experts,
+        hf.get("num_experts_per_tok", 1),
+        hf["moe_intermediate_size"],
+        sparse,
+        normalize_top_k=hf.get("norm_topk_prob", False),
+        shared_intermediate_size=shared,
+    )
 
 
 def _gemma3_fields(hf: dict[str, Any]) -> dict[str, Any]:
     """What Gemma 3 reads differently from a Llama config (transformers' Gemma3TextConfig defaults)."""
     full, local = _gemma3_ropes(hf)
-    return dict(head_dim=hf.get("head_dim", 256), max_model_len=hf.get("max_position_embeddings", 32768),
-                rope=full, local_rope=local, qk_norm=True, sliding_window=hf.get("sliding_window", 4096),
-                layer_types=tuple(_gemma3_layer_types(hf)),
-                hidden_act=hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh",
-                query_pre_attn_scalar=hf.get("query_pre_attn_scalar", 256),
-                final_logit_softcapping=hf.get("final_logit_softcapping"))
+    return dict(
+        head_dim=hf.get("head_dim", 256),
+        max_model_len=hf.get("max_position_embeddings", 32768),
+        rope=full,
+        local_rope=local,
+        qk_norm=True,
+        sliding_window=hf.get("sliding_window", 4096),
+        layer_types=tuple(_gemma3_layer_types(hf)),
+        hidden_act=hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh",
+        query_pre_attn_scalar=hf.get("query_pre_attn_scalar", 256),
+        final_logit_softcapping=hf.get("final_logit_softcapping"),
+    )
 
 
 def _gemma2_fields(hf: dict[str, Any]) -> dict[str, Any]:
     """Gemma 2 (transformers' Gemma2Config defaults): Gemma 3's layout without q/k norm or a second
     rope base, with attention scores soft-capped; every other layer slides, the first one included."""
     layers = hf["num_hidden_layers"]
-    layer_types = hf.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention"
-                                            for i in range(layers)]
-    return dict(head_dim=hf.get("head_dim", 256), max_model_len=hf.get("max_position_embeddings", 8192),
-                sliding_window=hf.get("sliding_window", 4096), layer_types=tuple(layer_types),
-                hidden_act=hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh",
-                query_pre_attn_scalar=hf.get("query_pre_attn_scalar", 256),
-                final_logit_softcapping=hf.get("final_logit_softcapping", 30.0),
-                attn_logit_softcapping=hf.get("attn_logit_softcapping", 50.0))
+    layer_types = hf.get("layer_types") or [
+        "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)
+    ]
+    return dict(
+        head_dim=hf.get("head_dim", 256),
+        max_model_len=hf.get("max_position_embeddings", 8192),
+        sliding_window=hf.get("sliding_window", 4096),
+        layer_types=tuple(layer_types),
+        hidden_act=hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh",
+        query_pre_attn_scalar=hf.get("query_pre_attn_scalar", 256),
+        final_logit_softcapping=hf.get("final_logit_softcapping", 30.0),
+        attn_logit_softcapping=hf.get("attn_logit_softcapping", 50.0),
+    )
 
 
 def _stablelm_fields(hf: dict[str, Any]) -> dict[str, Any]:
     """StableLM (transformers' StableLmConfig defaults): LayerNorm epsilon, q/k/v bias and per-head
     q/k LayerNorm by their own names, a quarter of each head rotated, optional parallel residual."""
-    return dict(norm_eps=hf.get("layer_norm_eps", 1e-5), attention_bias=hf.get("use_qkv_bias", False),
-                qk_norm=hf.get("qk_layernorm", False), parallel_residual=hf.get("use_parallel_residual", False),
-                max_model_len=hf.get("max_position_embeddings", 4096),
-                partial_rotary_factor=_rope_params(hf).get("partial_rotary_factor",
-                                                           hf.get("partial_rotary_factor") or 0.25))
+    return dict(
+        norm_eps=hf.get("layer_norm_eps", 1e-5),
+        attention_bias=hf.get("use_qkv_bias", False),
+        qk_norm=hf.get("qk_layernorm", False),
+        parallel_residual=hf.get("use_parallel_residual", False),
+        max_model_len=hf.get("max_position_embeddings", 4096),
+        partial_rotary_factor=_rope_params(hf).get("partial_rotary_factor", hf.get("partial_rotary_factor") or 0.25),
+    )
 
 
 # fields an architecture implements among those _refuse_unimplemented checks
-_IMPLEMENTED = {"Gemma3ForCausalLM": ("query_pre_attn_scalar", "final_logit_softcapping"),
-                "Gemma2ForCausalLM": ("query_pre_attn_scalar", "final_logit_softcapping", "attn_logit_softcapping")}
+_IMPLEMENTED = {
+    "Gemma3ForCausalLM": ("query_pre_attn_scalar", "final_logit_softcapping"),
+    "Gemma2ForCausalLM": ("query_pre_attn_scalar", "final_logit_softcapping", "attn_logit_softcapping"),
+}
 
 
 # config fields that change a Llama-family forward pass, with the value that leaves it unchanged
-_NEUTRAL_FIELDS = {"attn_logit_softcapping": None, "final_logit_softcapping": None,
-                   "query_pre_attn_scalar": None, "use_qk_norm": False, "logits_scaling": 1.0,
-                   "embedding_multiplier": 1.0, "residual_multiplier": 1.0, "attention_multiplier": None,
-                   "clip_qkv": None}
+_NEUTRAL_FIELDS = {
+    "attn_logit_softcapping": None,
+    "final_logit_softcapping": None,
+    "query_pre_attn_scalar": None,
+    "use_qk_norm": False,
+    "logits_scaling": 1.0,
+    "embedding_multiplier": 1.0,
+    "residual_multiplier": 1.0,
+    "attention_multiplier": None,
+    "clip_qkv": None,
+}
 
 
 def _refuse_unimplemented(hf: dict[str, Any], arch: str, implemented: tuple[str, ...] = ()) -> None:
     """An error naming each field that would change the math and is not implemented (never ignored)."""
     params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     params = params if all(not isinstance(v, dict) for v in params.values()) else {}
-    found = {k: hf.get(k, params.get(k)) for k in _NEUTRAL_FIELDS
-             if (k in hf or k in params) and k not in implemented}
+    found = {k: hf.get(k, params.get(k)) for k in _NEUTRAL_FIELDS if (k in hf or k in params) and k not in implemented}
     wrong = {k: v for k, v in found.items() if v != _NEUTRAL_FIELDS[k]}
     if hf.get("use_bidirectional_attention"):
         wrong["use_bidirectional_attention"] = True
     if wrong:
-        raise UnsupportedModelError(f"config field(s) {wrong} change the model's arithmetic and are not "
-                                    f"implemented for {arch}")
+        raise UnsupportedModelError(
+            f"config field(s) {wrong} change the model's arithmetic and are not implemented for {arch}"
+        )
 
 
 def _gemma3_layer_types(hf: dict[str, Any]) -> list[str]:
     """HF's layer_types, else every sliding_window_pattern-th layer full (default 6)."""
     pattern = hf.get("sliding_window_pattern", 6)
-    return hf.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
-                                     for i in range(hf["num_hidden_layers"])]
+    return hf.get("layer_types") or [
+        "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(hf["num_hidden_layers"])
+    ]
 
 
 def _sliding_of(hf: dict[str, Any], arch: str) -> tuple[int | None, tuple[str, ...] | None]:
@@ -312,8 +376,9 @@ def _sliding_of(hf: dict[str, Any], arch: str) -> tuple[int | None, tuple[str, .
         sliding = sliding if hf.get("use_sliding_window", False) else None
         if layer_types is None and sliding is not None:
             first = hf.get("max_window_layers", hf["num_hidden_layers"])
-            layer_types = ["sliding_attention" if i >= first else "full_attention"
-                           for i in range(hf["num_hidden_layers"])]
+            layer_types = [
+                "sliding_attention" if i >= first else "full_attention" for i in range(hf["num_hidden_layers"])
+            ]
     return sliding, tuple(layer_types) if layer_types is not None else None
 
 
@@ -340,7 +405,8 @@ def _architecture_of(hf: dict[str, Any]) -> str:
         return BY_MODEL_TYPE[model_type].hf_name
     raise UnsupportedModelError(
         f"config names neither a supported architecture nor model_type (got "
-        f"architectures={archs!r}, model_type={model_type!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+        f"architectures={archs!r}, model_type={model_type!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+    )
 
 
 def _rope_params(hf: dict[str, Any]) -> dict[str, Any]:
@@ -351,19 +417,29 @@ def _rope_of(hf: dict[str, Any]) -> RopeConfig:
     params = _rope_params(hf)
     theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default"))
-    rope_type = "longrope" if rope_type == "su" else rope_type          # Phi-3's first configs
-    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings", "attention_factor",
-            "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate")
+    rope_type = "longrope" if rope_type == "su" else rope_type  # Phi-3's first configs
+    keys = (
+        "factor",
+        "low_freq_factor",
+        "high_freq_factor",
+        "original_max_position_embeddings",
+        "attention_factor",
+        "beta_fast",
+        "beta_slow",
+        "mscale",
+        "mscale_all_dim",
+        "truncate",
+    )
     kwargs = {k: params[k] for k in keys if params.get(k) is not None}
     max_pos = hf.get("max_position_embeddings", 2048)
-    if rope_type == "longrope":        # transformers' _compute_longrope_parameters
+    if rope_type == "longrope":  # transformers' _compute_longrope_parameters
         kwargs.setdefault("original_max_position_embeddings", hf.get("original_max_position_embeddings", max_pos))
         kwargs.setdefault("factor", max_pos / kwargs["original_max_position_embeddings"])
         kwargs |= {k: tuple(params[k]) for k in ("short_factor", "long_factor") if params.get(k) is not None}
-    if rope_type == "dynamic":         # stretches past max_position_embeddings (the original length)
+    if rope_type == "dynamic":  # stretches past max_position_embeddings (the original length)
         kwargs["original_max_position_embeddings"] = max_pos
     if rope_type == "yarn":
         kwargs.setdefault("original_max_position_embeddings", max_pos)
-        if "factor" not in kwargs:     # DeepSeek-style: the factor is the context's growth
+        if "factor" not in kwargs:  # DeepSeek-style: the factor is the context's growth
             kwargs["factor"] = max_pos / kwargs["original_max_position_embeddings"]
     return RopeConfig(theta=float(theta), rope_type=rope_type, **kwargs)

@@ -37,8 +37,9 @@ class Gemma3DecoderLayer(nn.Module):
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, cfg.hidden_act)
         self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, attend: StepAttention, layer: int
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, attend: StepAttention, layer: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous layer's normed MLP output (the scaled embeddings for layer 0, with
         residual None) -> (this layer's normed MLP output, the residual stream before it is
         added); each residual add runs inside the next norm (the same sums, one op)."""
@@ -59,9 +60,9 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg)
         local_rope = cfg.local_rope or cfg.rope
-        assert local_rope is not None                  # rotary positions (LlamaForCausalLM)
+        assert local_rope is not None  # rotary positions (LlamaForCausalLM)
         self.register_buffer("local_inv_freq", rope_inv_freq(local_rope, cfg.head_dim), persistent=False)
-        self.attend_of_layer = [int(w is not None) for w in cfg.layer_windows()]   # 1: local (sliding)
+        self.attend_of_layer = [int(w is not None) for w in cfg.layer_windows()]  # 1: local (sliding)
 
     def transform_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """Gemma's norms scale by (1 + w): keep 1 + w, computed in float32 as HF does per call."""
@@ -72,20 +73,21 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     def init_buffers(self, device: torch.device | str) -> None:
         super().init_buffers(device)
         local_rope = self.config.local_rope or self.config.rope
-        assert local_rope is not None                  # rotary positions (LlamaForCausalLM)
+        assert local_rope is not None  # rotary positions (LlamaForCausalLM)
         self.local_inv_freq = rope_inv_freq(local_rope, self.config.head_dim).to(device)
 
-    def embed_and_plan(self, input_ids, positions, meta, kv_cache: PagedKVCache
-                       ) -> tuple[torch.Tensor, StepAttention]:
+    def embed_and_plan(self, input_ids, positions, meta, kv_cache: PagedKVCache) -> tuple[torch.Tensor, StepAttention]:
         """Scaled embeddings (T, hidden); sliding layers attend with the local rope base (Gemma 3)."""
-        h = self.model.embed_tokens(input_ids)                                    # (T, hidden)
-        h = h * torch.tensor(self.config.hidden_size ** 0.5).to(h.dtype)
-        attend_full = plan_attention(self.attention_shape, meta, kv_cache,
-                                     rope_cos_sin(self.inv_freq, positions, h.dtype, self.rope_scale))
-        if self.config.local_rope is None:                                        # Gemma 2: one rope
+        h = self.model.embed_tokens(input_ids)  # (T, hidden)
+        h = h * torch.tensor(self.config.hidden_size**0.5).to(h.dtype)
+        attend_full = plan_attention(
+            self.attention_shape, meta, kv_cache, rope_cos_sin(self.inv_freq, positions, h.dtype, self.rope_scale)
+        )
+        if self.config.local_rope is None:  # Gemma 2: one rope
             return h, attend_full
-        attend_local = plan_attention(self.attention_shape, meta, kv_cache,
-                                      rope_cos_sin(self.local_inv_freq, positions, h.dtype))
+        attend_local = plan_attention(
+            self.attention_shape, meta, kv_cache, rope_cos_sin(self.local_inv_freq, positions, h.dtype)
+        )
         return h, LayerwiseAttention([attend_full, attend_local], self.attend_of_layer)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

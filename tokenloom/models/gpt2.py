@@ -67,7 +67,7 @@ class GPT2LMHeadModel(CausalLM):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg)
         self.transformer = GPT2Transformer(cfg)
-        self.attention_shape = AttentionShape(cfg.num_heads, cfg.num_heads, cfg.head_dim, cfg.head_dim ** -0.5)
+        self.attention_shape = AttentionShape(cfg.num_heads, cfg.num_heads, cfg.head_dim, cfg.head_dim**-0.5)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
 
@@ -80,7 +80,7 @@ class GPT2LMHeadModel(CausalLM):
 
     def forward(self, input_ids, positions, meta, kv_cache: PagedKVCache):
         t = self.transformer
-        h = t.wte(input_ids) + t.wpe(positions)                      # (T, hidden)
+        h = t.wte(input_ids) + t.wpe(positions)  # (T, hidden)
         attend = plan_attention(self.attention_shape, meta, kv_cache, None)
         for i, block in enumerate(t.h):
             h = block(h, attend, i)

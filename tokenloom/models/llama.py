@@ -52,8 +52,9 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, cfg.hidden_act)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, attend: StepAttention, layer: int
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, attend: StepAttention, layer: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous layer's MLP output (the embeddings for layer 0, with residual None);
         returns (this layer's MLP output, the residual stream before it is added). Deferring
         each residual add into the next norm makes it one fused op; the sums are the same.
@@ -72,13 +73,16 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = uninitialized_embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(decoder_layer(cfg) for _ in range(cfg.num_layers))
-        self.norm: Any = RMSNorm(cfg.hidden_size, cfg.norm_eps)     # StableLM puts a LayerNorm here
+        self.norm: Any = RMSNorm(cfg.hidden_size, cfg.norm_eps)  # StableLM puts a LayerNorm here
 
 
 class LlamaForCausalLM(CausalLM):
     packed_modules_mapping: ClassVar[dict[str, tuple[str, str | None]]] = {
-        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
-        "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up"),
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", "gate"),
+        "up_proj": ("gate_up_proj", "up"),
     }
     input_embedding_name = "model.embed_tokens"
     ignored_checkpoint_keys = (r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",)
@@ -88,18 +92,19 @@ class LlamaForCausalLM(CausalLM):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg)
-        assert cfg.rope is not None                    # rotary positions (only GPT-2 has none)
+        assert cfg.rope is not None  # rotary positions (only GPT-2 has none)
         self.model = LlamaModel(cfg, self.decoder_layer)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(cfg.rope, cfg.rotary_dim, cfg.max_model_len), persistent=False)
         self.rope_scale = rope_attention_factor(cfg.rope)
         scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
-        self.attention_shape = AttentionShape(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, scale,
-                                              cfg.layer_windows(), cfg.attn_logit_softcapping)
+        self.attention_shape = AttentionShape(
+            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, scale, cfg.layer_windows(), cfg.attn_logit_softcapping
+        )
         self.tie_weights()
 
     def init_buffers(self, device: torch.device | str) -> None:
-        assert self.config.rope is not None            # rotary positions (only GPT-2 has none)
+        assert self.config.rope is not None  # rotary positions (only GPT-2 has none)
         self.inv_freq = rope_inv_freq(self.config.rope, self.config.rotary_dim, self.config.max_model_len).to(device)
 
     def tie_weights(self) -> None:
@@ -112,13 +117,12 @@ class LlamaForCausalLM(CausalLM):
         c = self.config
         q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         if shard_id in ("gate", "up"):
-            proj: Any = self.get_submodule(param_name.rsplit(".", 1)[0])     # a linear layer, maybe quantized
+            proj: Any = self.get_submodule(param_name.rsplit(".", 1)[0])  # a linear layer, maybe quantized
             inter = proj.out_features // 2
             return slice(0, inter) if shard_id == "gate" else slice(inter, 2 * inter)
         return {"q": slice(0, q), "k": slice(q, q + kv), "v": slice(q + kv, q + 2 * kv)}[shard_id]
 
-    def embed_and_plan(self, input_ids, positions, meta, kv_cache: PagedKVCache
-                       ) -> tuple[torch.Tensor, StepAttention]:
+    def embed_and_plan(self, input_ids, positions, meta, kv_cache: PagedKVCache) -> tuple[torch.Tensor, StepAttention]:
         """The step's embeddings (T, hidden) and its attention op (rope (T, 1, rotary_dim) planned in)."""
         h = self.model.embed_tokens(input_ids)
         return h, self.plan(positions, meta, kv_cache, h.dtype)
@@ -130,11 +134,12 @@ class LlamaForCausalLM(CausalLM):
 
     def run_layers(self, h: torch.Tensor, attend: StepAttention) -> torch.Tensor:
         h, residual = self.run_layer_range(h, None, attend, range(len(self.model.layers)))
-        assert residual is not None                    # a model has layers
+        assert residual is not None  # a model has layers
         return self.model.norm.add_forward(h, residual)[0]
 
-    def run_layer_range(self, h: torch.Tensor, residual: torch.Tensor | None, attend: StepAttention,
-                        layers: range) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def run_layer_range(
+        self, h: torch.Tensor, residual: torch.Tensor | None, attend: StepAttention, layers: range
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Layers `layers` only (a pipeline stage's): (h, residual) in, (h, residual) out, the
         residual add deferred as in LlamaDecoderLayer.forward (None before the first layer)."""
         for i in layers:

@@ -56,11 +56,12 @@ class SparseMoeBlock(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         moe = cfg.moe
-        assert moe is not None                          # a MoE model's config describes its experts
+        assert moe is not None  # a MoE model's config describes its experts
         self.top_k, self.normalize = moe.top_k, moe.normalize_top_k
         self.gate = Router(cfg.hidden_size, moe.num_experts)
-        self.experts = nn.ModuleList(GatedMLP(cfg.hidden_size, moe.intermediate_size, False, cfg.hidden_act)
-                                     for _ in range(moe.num_experts))
+        self.experts = nn.ModuleList(
+            GatedMLP(cfg.hidden_size, moe.intermediate_size, False, cfg.hidden_act) for _ in range(moe.num_experts)
+        )
         self.shared_expert: GatedMLP | None = None
         self.shared_expert_gate: Router | None = None
         if moe.shared_intermediate_size:
@@ -68,7 +69,7 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert_gate = Router(cfg.hidden_size, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, experts = route(self.gate(x), self.top_k, self.normalize)     # each (T, k)
+        weights, experts = route(self.gate(x), self.top_k, self.normalize)  # each (T, k)
         out = self.mix_experts(x, weights, experts)
         if self.shared_expert is not None:
             assert self.shared_expert_gate is not None  # made with the shared expert
@@ -79,11 +80,11 @@ class SparseMoeBlock(nn.Module):
         """x (T, H), weights/experts (T, k) -> (T, H): each expert runs once over its tokens."""
         if x.shape[0] == 1:
             return self._mix_one_token(x, weights[0].tolist(), experts[0].tolist())
-        flat = experts.flatten()                                  # (T k,) row t*k + j: token t's j-th expert
-        order = torch.argsort(flat, stable=True)                  # routed rows grouped by expert
+        flat = experts.flatten()  # (T k,) row t*k + j: token t's j-th expert
+        order = torch.argsort(flat, stable=True)  # routed rows grouped by expert
         counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
-        token_of = order // self.top_k                            # (T k,) the token of each grouped row
-        rows = x.index_select(0, token_of)                        # (T k, H)
+        token_of = order // self.top_k  # (T k,) the token of each grouped row
+        rows = x.index_select(0, token_of)  # (T k, H)
         scale = weights.flatten().index_select(0, order).to(x.dtype)[:, None]
         out = torch.zeros_like(x)
         start = 0
@@ -94,7 +95,6 @@ class SparseMoeBlock(nn.Module):
                 start += n
         return out
 
-
     def _mix_one_token(self, x: torch.Tensor, weights: list[float], experts: list[int]) -> torch.Tensor:
         """The decode step's single token without the grouping ops (~80 us a layer): its experts
         added in ascending order, as the grouped path (and transformers) adds them."""
@@ -102,7 +102,7 @@ class SparseMoeBlock(nn.Module):
         for expert, weight in sorted(zip(experts, weights)):
             y = self.experts[expert].forward(x) * weight
             out = y if out is None else out + y
-        assert out is not None                          # top_k >= 1 experts
+        assert out is not None  # top_k >= 1 experts
         return out
 
 
@@ -110,11 +110,11 @@ class MoeForCausalLM(LlamaForCausalLM):
     """Qwen2-MoE and Qwen3-MoE (checkpoint names ``mlp.gate``, ``mlp.experts.N.{gate,up,down}_proj``,
     ``mlp.shared_expert*``): Llama's forward with a SparseMoeBlock as the MLP of the sparse layers."""
 
-    replayable_layers = False       # a one-token step picks its experts in Python (.tolist())
+    replayable_layers = False  # a one-token step picks its experts in Python (.tolist())
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg)
-        assert cfg.moe is not None                      # a MoE model's config describes its experts
+        assert cfg.moe is not None  # a MoE model's config describes its experts
         for i in cfg.moe.sparse_layers:
             self.model.layers[i].mlp = SparseMoeBlock(cfg)
 
@@ -124,7 +124,9 @@ class MixtralForCausalLM(MoeForCausalLM):
     expert matrices w1 (gate), w3 (up), w2 (down)."""
 
     packed_modules_mapping: ClassVar[dict[str, tuple[str, str | None]]] = LlamaForCausalLM.packed_modules_mapping | {
-        "block_sparse_moe": ("mlp", None), "w1": ("gate_up_proj", "gate"), "w3": ("gate_up_proj", "up"),
+        "block_sparse_moe": ("mlp", None),
+        "w1": ("gate_up_proj", "gate"),
+        "w3": ("gate_up_proj", "up"),
         "w2": ("down_proj", None),
     }
 

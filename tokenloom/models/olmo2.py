@@ -20,15 +20,21 @@ from tokenloom.models.llama import LlamaAttention, LlamaForCausalLM
 
 class Olmo2Attention(LlamaAttention):
     def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__(cfg)                    # cfg.qk_norm is off: these norms span every head
+        super().__init__(cfg)  # cfg.qk_norm is off: these norms span every head
         self.q_norm = RMSNorm(self.q_size, cfg.norm_eps)
         self.k_norm = RMSNorm(self.kv_size, cfg.norm_eps)
 
     def forward(self, x: torch.Tensor, attend: StepAttention, layer: int) -> torch.Tensor:
-        qkv = self.qkv_proj.forward(x)                                   # (T, q_size + 2 kv_size)
-        q, k = qkv[:, :self.q_size], qkv[:, self.q_size:self.q_size + self.kv_size]
-        qkv = torch.cat([self.q_norm.forward(q.contiguous()), self.k_norm.forward(k.contiguous()),
-                         qkv[:, self.q_size + self.kv_size:]], dim=-1)
+        qkv = self.qkv_proj.forward(x)  # (T, q_size + 2 kv_size)
+        q, k = qkv[:, : self.q_size], qkv[:, self.q_size : self.q_size + self.kv_size]
+        qkv = torch.cat(
+            [
+                self.q_norm.forward(q.contiguous()),
+                self.k_norm.forward(k.contiguous()),
+                qkv[:, self.q_size + self.kv_size :],
+            ],
+            dim=-1,
+        )
         return self.o_proj.forward(attend(layer, qkv))
 
 
@@ -40,8 +46,9 @@ class Olmo2DecoderLayer(nn.Module):
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, cfg.hidden_act)
         self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, attend: StepAttention, layer: int
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, attend: StepAttention, layer: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous layer's normed MLP output (the embeddings for layer 0, residual None)
         -> (this layer's normed MLP output, the residual stream before it is added)."""
         stream = x if residual is None else residual + x

@@ -13,6 +13,7 @@ def model_class(config: ModelConfig) -> type[CausalLM]:
     """The CausalLM subclass that implements ``config.architecture``."""
     arch = ARCHITECTURES.get(config.architecture)
     if arch is None:
-        raise UnsupportedModelError(f"architecture {config.architecture!r} is not supported "
-                                    f"(supported: {', '.join(ARCHITECTURES)})")
+        raise UnsupportedModelError(
+            f"architecture {config.architecture!r} is not supported (supported: {', '.join(ARCHITECTURES)})"
+        )
     return getattr(importlib.import_module(arch.module), arch.class_name)

@@ -38,7 +38,7 @@ class PerHeadLayerNorm(nn.Module):
 class StableLmAttention(LlamaAttention):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg)
-        if cfg.qk_norm:                                # LayerNorms per head in place of Qwen3's RMSNorms
+        if cfg.qk_norm:  # LayerNorms per head in place of Qwen3's RMSNorms
             del self.q_norm, self.k_norm
             self.q_layernorm = PerHeadLayerNorm(cfg.num_heads, cfg.head_dim, cfg.norm_eps)
             self.k_layernorm = PerHeadLayerNorm(cfg.num_kv_heads, cfg.head_dim, cfg.norm_eps)

@@ -5,5 +5,15 @@ from tokenloom.quant.int8.formats import QuantizedTensor, quantize, quantize_int
 from tokenloom.quant.int8.modules import QuantizedEmbedding, QuantizedLinear, quantize_structure
 from tokenloom.quant.scheme import CHOICES, WeightFormat, parse_quantization
 
-__all__ = ["CHOICES", "QuantizedEmbedding", "QuantizedLinear", "QuantizedTensor", "WeightFormat",
-           "parse_quantization", "quantize", "quantize_int4", "quantize_int8", "quantize_structure"]
+__all__ = [
+    "CHOICES",
+    "QuantizedEmbedding",
+    "QuantizedLinear",
+    "QuantizedTensor",
+    "WeightFormat",
+    "parse_quantization",
+    "quantize",
+    "quantize_int4",
+    "quantize_int8",
+    "quantize_structure",
+]

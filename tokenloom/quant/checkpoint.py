@@ -51,6 +51,7 @@ def gguf_formats(tensor_types: dict[str, int], tied: bool, model_cls) -> Callabl
     where a shard is a float type or a type without a kernel (dequantized, with a warning).
     An untied embedding keeps its blocks (rows dequantized on lookup)."""
     from tokenloom.loader.weights import map_name
+
     kinds_of: dict[str, list[int]] = {}
     for name, kind in tensor_types.items():
         if name.endswith(".weight"):
@@ -82,8 +83,10 @@ def describe_weights(model: torch.nn.Module, tensor_types: dict[str, int]) -> st
         elif isinstance(mod, torch.nn.Linear):
             counts["float32 linear"] += 1
     stored = Counter(type_name(k) for k in tensor_types.values())
-    return (f"file: {', '.join(f'{n} x{c}' for n, c in stored.most_common())}; layers: "
-            f"{', '.join(f'{n} x{c}' for n, c in counts.most_common())}")
+    return (
+        f"file: {', '.join(f'{n} x{c}' for n, c in stored.most_common())}; layers: "
+        f"{', '.join(f'{n} x{c}' for n, c in counts.most_common())}"
+    )
 
 
 def saved_formats(hf_config: dict, quantization: str | None) -> dict[str, WeightFormat] | None:
@@ -93,17 +96,22 @@ def saved_formats(hf_config: dict, quantization: str | None) -> dict[str, Weight
         return None
     method = qc.get("quant_method")
     if method != QUANT_METHOD:
-        raise UnsupportedModelError(f"checkpoints quantized with {method!r} are not supported; tokenloom "
-                                    "loads float checkpoints, GGUF files and folders it quantized itself")
+        raise UnsupportedModelError(
+            f"checkpoints quantized with {method!r} are not supported; tokenloom "
+            "loads float checkpoints, GGUF files and folders it quantized itself"
+        )
     if quantization is not None and quantization != qc.get("scheme"):
-        raise ValueError(f"this checkpoint is already quantized as {qc.get('scheme')}; "
-                         f"drop --quantization {quantization} (or pass the same scheme)")
+        raise ValueError(
+            f"this checkpoint is already quantized as {qc.get('scheme')}; "
+            f"drop --quantization {quantization} (or pass the same scheme)"
+        )
     return {name: WeightFormat.parse(fmt) for name, fmt in qc["modules"].items()}
 
 
 def load_saved_state(model: torch.nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Copy a saved quantized folder's tensors into the (already quantized) model."""
     from tokenloom.loader.weights import WeightMismatchError
+
     state = dict(tensors)
     result = model.load_state_dict(state, strict=False)
     problems = [f"missing {k}" for k in result.missing_keys] + [f"unexpected {k}" for k in result.unexpected_keys]

@@ -10,8 +10,10 @@ __all__ = ["Sampler", "SamplingMetadata"]
 def __getattr__(name: str):
     if name == "Sampler":
         from tokenloom.sampling.sampler import Sampler
+
         return Sampler
     if name == "SamplingMetadata":
         from tokenloom.sampling.metadata import SamplingMetadata
+
         return SamplingMetadata
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

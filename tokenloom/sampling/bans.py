@@ -32,7 +32,7 @@ def bad_word_bans(histories: list[list[int]], sequences: list[list[list[int]]]) 
     for row, (history, seqs) in enumerate(zip(histories, sequences)):
         for seq in seqs:
             prefix = seq[:-1]
-            if not prefix or (len(history) >= len(prefix) and history[-len(prefix):] == prefix):
+            if not prefix or (len(history) >= len(prefix) and history[-len(prefix) :] == prefix):
                 rows.append(row)
                 tokens.append(seq[-1])
     return rows, tokens
@@ -45,12 +45,12 @@ def ngram_bans(ids: torch.Tensor, lengths: list[int], n: int) -> tuple[list[int]
     L = ids.shape[1]
     if max(n - 1, 1) > L:
         return [], []
-    followers = ids[:, n - 1:]                                              # (R, L - n + 1) each n-gram's last
+    followers = ids[:, n - 1 :]  # (R, L - n + 1) each n-gram's last
     if n == 1:
         match = followers >= 0
     else:
-        prefixes = ids.unfold(1, n - 1, 1)[:, :L - n + 1]                   # (R, L - n + 1, n - 1)
-        tail = ids[:, L - n + 1:]                                           # (R, n - 1) the last n - 1 tokens
+        prefixes = ids.unfold(1, n - 1, 1)[:, : L - n + 1]  # (R, L - n + 1, n - 1)
+        tail = ids[:, L - n + 1 :]  # (R, n - 1) the last n - 1 tokens
         long_enough = torch.tensor([length >= n - 1 for length in lengths], device=ids.device)[:, None]
         match = (prefixes == tail[:, None, :]).all(-1) & long_enough
     rows, at = match.nonzero(as_tuple=True)

@@ -68,16 +68,19 @@ def _mirostat_columns(logits: torch.Tensor, params: list[SamplingParams], states
 
 # stages that can narrow the rows to the columns that survive them:
 # name -> (logits, params, states) -> (logits, columns) | None
-NARROWING = {"top_k": lambda x, ps, _: ranked.top_k_columns(x, [p.top_k for p in ps]),
-             "top_p": lambda x, ps, _: ranked.top_p_columns(x, [p.top_p for p in ps]),
-             "mirostat": _mirostat_columns}
+NARROWING = {
+    "top_k": lambda x, ps, _: ranked.top_k_columns(x, [p.top_k for p in ps]),
+    "top_p": lambda x, ps, _: ranked.top_p_columns(x, [p.top_p for p in ps]),
+    "mirostat": _mirostat_columns,
+}
 
 
-ORDER_KEEPING = frozenset({"temperature", "top_n_sigma"})   # they scale a row, or cut it below a threshold
+ORDER_KEEPING = frozenset({"temperature", "top_n_sigma"})  # they scale a row, or cut it below a threshold
 
 
-def _top_k_first(logits: torch.Tensor, stages: tuple[str, ...], params: list[SamplingParams],
-                 states: list[SamplingState]) -> tuple[torch.Tensor, Columns] | None:
+def _top_k_first(
+    logits: torch.Tensor, stages: tuple[str, ...], params: list[SamplingParams], states: list[SamplingState]
+) -> tuple[torch.Tensor, Columns] | None:
     """`_run` with top-k moved ahead of the temperature and top-n-sigma stages before it, which
     keep a row's order (so top-k keeps the same tokens; with top-n-sigma's cut first or last,
     the survivors are those above both thresholds): narrow the full rows to top-k's columns,
@@ -89,13 +92,14 @@ def _top_k_first(logits: torch.Tensor, stages: tuple[str, ...], params: list[Sam
     narrowed = ranked.top_k_columns(logits, [p.top_k for p in params])
     if narrowed is None:
         return None
-    kept, columns = narrowed                                                    # (R, W) each
+    kept, columns = narrowed  # (R, W) each
     if "top_n_sigma" in stages[:at] and any(p.top_n_sigma > 0 for p in params):
-        kept = kept.masked_fill(kept < filters.top_n_sigma_threshold(logits, [p.top_n_sigma for p in params]),
-                                filters.NEG_INF)
+        kept = kept.masked_fill(
+            kept < filters.top_n_sigma_threshold(logits, [p.top_n_sigma for p in params]), filters.NEG_INF
+        )
     if "temperature" in stages[:at]:
         kept = FILTERS["temperature"](kept, params, states)
-    probs, inner = _run(kept, stages[at + 1:], params, states)
+    probs, inner = _run(kept, stages[at + 1 :], params, states)
     return probs, (columns if inner is None else columns.gather(1, inner))
 
 
@@ -104,7 +108,7 @@ def row_stages(params: SamplingParams) -> tuple[str, ...]:
     return ("temperature", "mirostat") if params.mirostat else params.sampler_order
 
 
-Columns = torch.Tensor | None      # (R, W): which columns of the input each of W entries is; None: all, in order
+Columns = torch.Tensor | None  # (R, W): which columns of the input each of W entries is; None: all, in order
 
 
 def expand(probs: torch.Tensor, columns: Columns, width: int) -> torch.Tensor:
@@ -114,28 +118,37 @@ def expand(probs: torch.Tensor, columns: Columns, width: int) -> torch.Tensor:
     return torch.zeros(probs.shape[0], width, dtype=probs.dtype, device=probs.device).scatter(1, columns, probs)
 
 
-def _run(logits: torch.Tensor, stages: tuple[str, ...], params: list[SamplingParams],
-         states: list[SamplingState]) -> tuple[torch.Tensor, Columns]:
+def _run(
+    logits: torch.Tensor, stages: tuple[str, ...], params: list[SamplingParams], states: list[SamplingState]
+) -> tuple[torch.Tensor, Columns]:
     """logits (R, C) through `stages` -> (probabilities (R, W), their columns of `logits`), XTC as
     the mixture of its branches."""
     if (early := _top_k_first(logits, stages, params, states)) is not None:
         return early
     for at, name in enumerate(stages):
         if name in NARROWING and (narrowed := NARROWING[name](logits, params, states)) is not None:
-            kept, columns = narrowed                                       # (R, W) each
-            probs, inner = _run(kept, stages[at + 1:], params, states)
+            kept, columns = narrowed  # (R, W) each
+            probs, inner = _run(kept, stages[at + 1 :], params, states)
             return probs, (columns if inner is None else columns.gather(1, inner))
         if name == "xtc":
             firing = [i for i, p in enumerate(params) if p.xtc_probability > 0]
             if not firing:
                 continue
-            rest, width = stages[at + 1:], logits.shape[1]
+            rest, width = stages[at + 1 :], logits.shape[1]
             uncut = expand(*_run(logits, rest, params, states), width)
             cut = uncut.clone()
-            cut[firing] = expand(*_run(FILTERS["xtc"](take_rows(logits, firing), [params[i] for i in firing], []), rest,
-                                       [params[i] for i in firing], [states[i] for i in firing]), width)
-            chance = torch.tensor([p.xtc_probability for p in params], dtype=logits.dtype,
-                                  device=logits.device)[:, None]
+            cut[firing] = expand(
+                *_run(
+                    FILTERS["xtc"](take_rows(logits, firing), [params[i] for i in firing], []),
+                    rest,
+                    [params[i] for i in firing],
+                    [states[i] for i in firing],
+                ),
+                width,
+            )
+            chance = torch.tensor([p.xtc_probability for p in params], dtype=logits.dtype, device=logits.device)[
+                :, None
+            ]
             return (1 - chance) * uncut + chance * cut, None
         logits = FILTERS[name](logits, params, states)
     return logits.softmax(-1), None
@@ -147,13 +160,15 @@ def distribution_columns(logits: torch.Tensor, meta: SamplingMetadata) -> tuple[
     groups: dict[tuple[str, ...], list[int]] = {}
     for i, p in enumerate(meta.params):
         groups.setdefault(row_stages(p), []).append(i)
-    assert meta.states is not None             # __post_init__ fills it
+    assert meta.states is not None  # __post_init__ fills it
     if len(groups) == 1:
         return _run(logits, next(iter(groups)), meta.params, meta.states)
     probs = torch.empty_like(logits)
     for stages, rows in groups.items():
-        probs[rows] = expand(*_run(take_rows(logits, rows), stages, [meta.params[i] for i in rows],
-                                   [meta.states[i] for i in rows]), logits.shape[1])
+        probs[rows] = expand(
+            *_run(take_rows(logits, rows), stages, [meta.params[i] for i in rows], [meta.states[i] for i in rows]),
+            logits.shape[1],
+        )
     return probs, None
 
 
@@ -162,8 +177,9 @@ def sampling_distribution(logits: torch.Tensor, meta: SamplingMetadata) -> torch
     return expand(*distribution_columns(logits, meta), logits.shape[1])
 
 
-def greedy_and_distribution(logits: torch.Tensor, meta: SamplingMetadata
-                            ) -> tuple[torch.Tensor, list[int], torch.Tensor | None]:
+def greedy_and_distribution(
+    logits: torch.Tensor, meta: SamplingMetadata
+) -> tuple[torch.Tensor, list[int], torch.Tensor | None]:
     """Processed logits (B, V) -> (argmax (B,), the non-greedy rows, their distributions
     (len(rows), V) or None when every row is greedy)."""
     argmax = row_argmax(logits)

@@ -20,17 +20,21 @@ from tokenloom.sampling_params import SamplingParams
 FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
 OFF = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0}
 LLAMA_CPP = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "repetition_penalty": 1.0}
-_GGUF_KEYS = {"general.sampling.temp": "temperature", "general.sampling.top_k": "top_k",
-              "general.sampling.top_p": "top_p", "general.sampling.min_p": "min_p",
-              "general.sampling.penalty_repeat": "repetition_penalty"}
+_GGUF_KEYS = {
+    "general.sampling.temp": "temperature",
+    "general.sampling.top_k": "top_k",
+    "general.sampling.top_p": "top_p",
+    "general.sampling.min_p": "min_p",
+    "general.sampling.penalty_repeat": "repetition_penalty",
+}
 
 
 @dataclass(frozen=True)
 class SamplingDefaults:
     """The settings a request that leaves them out gets, and where they come from."""
 
-    values: dict[str, float | int]      # every name in FIELDS
-    source: str                         # "generation_config.json", "the GGUF file" or "llama.cpp's defaults"
+    values: dict[str, float | int]  # every name in FIELDS
+    source: str  # "generation_config.json", "the GGUF file" or "llama.cpp's defaults"
 
     def fill(self, given: dict[str, Any]) -> dict[str, Any]:
         """`given` (SamplingParams fields; None: left out) with the left-out FIELDS filled in."""
@@ -43,8 +47,10 @@ class SamplingDefaults:
 
     def describe(self) -> str:
         v = self.values
-        return (f"temperature {v['temperature']:g}, top-k {v['top_k']}, top-p {v['top_p']:g}, min-p {v['min_p']:g}, "
-                f"repetition penalty {v['repetition_penalty']:g} (from {self.source})")
+        return (
+            f"temperature {v['temperature']:g}, top-k {v['top_k']}, top-p {v['top_p']:g}, min-p {v['min_p']:g}, "
+            f"repetition penalty {v['repetition_penalty']:g} (from {self.source})"
+        )
 
 
 FALLBACK = SamplingDefaults(dict(LLAMA_CPP), "llama.cpp's defaults")

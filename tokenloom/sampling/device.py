@@ -39,10 +39,21 @@ NEG_INF = float("-inf")
 
 def row_takes(p: SamplingParams, num_outputs: int) -> bool:
     """This row's settings are all ones the device path computes."""
-    return (not p.logit_bias and (p.min_tokens == 0 or num_outputs >= p.min_tokens) and not p.bad_words
-            and not p.no_repeat_ngram_size and not dry_enabled(p) and not p.explain and not p.mirostat
-            and p.sampler_order == DEFAULT_SAMPLERS and p.typical_p >= 1 and p.top_n_sigma <= 0
-            and p.xtc_probability <= 0 and p.epsilon_cutoff <= 0 and p.eta_cutoff <= 0)
+    return (
+        not p.logit_bias
+        and (p.min_tokens == 0 or num_outputs >= p.min_tokens)
+        and not p.bad_words
+        and not p.no_repeat_ngram_size
+        and not dry_enabled(p)
+        and not p.explain
+        and not p.mirostat
+        and p.sampler_order == DEFAULT_SAMPLERS
+        and p.typical_p >= 1
+        and p.top_n_sigma <= 0
+        and p.xtc_probability <= 0
+        and p.epsilon_cutoff <= 0
+        and p.eta_cutoff <= 0
+    )
 
 
 def takes(logits: torch.Tensor, meta: SamplingMetadata) -> bool:
@@ -53,43 +64,43 @@ def takes(logits: torch.Tensor, meta: SamplingMetadata) -> bool:
 def _penalized(logits: torch.Tensor, meta: SamplingMetadata, settings: torch.Tensor) -> torch.Tensor:
     """logits (B, V) with the rows' penalties applied (a new tensor). settings: (B, 8) on the device."""
     B, V = logits.shape
-    ids = to_device(right_aligned(meta.histories()), logits.device)                           # (B, L)
+    ids = to_device(right_aligned(meta.histories()), logits.device)  # (B, L)
     rep, freq, pres = settings[:, 4:5], settings[:, 5:6], settings[:, 6:7]
     window = settings[:, 7].to(torch.int64)
     window = torch.where(window > 0, window, ids.shape[1])
-    seen = last_columns(ids, window)                                                          # (B, L)
-    column = torch.where(seen, ids, V)                                                        # V: nothing
+    seen = last_columns(ids, window)  # (B, L)
+    column = torch.where(seen, ids, V)  # V: nothing
     was_seen = torch.zeros(B, V + 1, dtype=torch.bool, device=logits.device).scatter_(1, column, True)[:, :V]
     out = torch.where(was_seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
-    outputs = seen & last_columns(ids, to_device(torch.tensor([len(o) for o in meta.output_token_ids]),
-                                                 logits.device))
+    outputs = seen & last_columns(ids, to_device(torch.tensor([len(o) for o in meta.output_token_ids]), logits.device))
     counts = torch.zeros(B, V + 1, dtype=logits.dtype, device=logits.device)
     counts.scatter_add_(1, torch.where(outputs, ids, V), torch.ones_like(ids, dtype=logits.dtype))
     counts = counts[:, :V]
     return out - torch.where(counts > 0, freq * counts + pres, 0.0)
 
 
-def _filtered(logits: torch.Tensor, settings: torch.Tensor, top_k: list[int], top_p_on: bool, min_p_on: bool
-              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _filtered(
+    logits: torch.Tensor, settings: torch.Tensor, top_k: list[int], top_p_on: bool, min_p_on: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Probabilities after top-k, temperature, top-p and min-p: (probs (B, W), their columns (B, W)
     in vocabulary order, or None for all V in order). top_k: the sampled rows' settings (0: off),
     which decide whether the rows can be narrowed to the widest k's columns."""
     columns = None
     x = logits
     widest = min(max(top_k), x.shape[1])
-    if all(k > 0 for k in top_k):                                   # narrow to the widest k's columns
-        x, columns = x.topk(widest, dim=-1)                                           # (B, K) descending
+    if all(k > 0 for k in top_k):  # narrow to the widest k's columns
+        x, columns = x.topk(widest, dim=-1)  # (B, K) descending
     if widest > 0:
-        k = settings[:, 1:2].to(torch.int64)                                          # (B, 1), 0: off
+        k = settings[:, 1:2].to(torch.int64)  # (B, 1), 0: off
         ranked = x if columns is not None else x.topk(widest, dim=-1).values
         kth = ranked.gather(1, (k.clamp(min=1, max=ranked.shape[1]) - 1))
         kth = torch.where(k > 0, kth, NEG_INF)
         x = x.masked_fill(x < kth, NEG_INF)
-    x = x / settings[:, 0:1]                                                          # temperature
+    x = x / settings[:, 0:1]  # temperature
     if top_p_on:
         probs = x.softmax(-1)
         sorted_probs, order = probs.sort(dim=-1, descending=True)
-        above = sorted_probs.cumsum(-1) - sorted_probs                                # mass strictly above
+        above = sorted_probs.cumsum(-1) - sorted_probs  # mass strictly above
         drop_sorted = above >= settings[:, 2:3]
         drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
         x = x.masked_fill(drop, NEG_INF)
@@ -97,7 +108,7 @@ def _filtered(logits: torch.Tensor, settings: torch.Tensor, top_k: list[int], to
         probs = x.softmax(-1)
         x = x.masked_fill(probs < probs.max(-1, keepdim=True).values * settings[:, 3:4], NEG_INF)
     probs = x.softmax(-1)
-    if columns is not None:                                          # vocabulary order, for the draw
+    if columns is not None:  # vocabulary order, for the draw
         columns, order = columns.sort(dim=1)
         probs = probs.gather(1, order)
     return probs, columns
@@ -108,7 +119,7 @@ def _draw(probs: torch.Tensor, columns: torch.Tensor | None, u: torch.Tensor) ->
     cdf = probs.to(torch.float64).cumsum(-1)
     total = cdf[:, -1:]
     target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
-    local = torch.searchsorted(cdf, target, right=True).clamp_(max=cdf.shape[1] - 1)        # (B, 1)
+    local = torch.searchsorted(cdf, target, right=True).clamp_(max=cdf.shape[1] - 1)  # (B, 1)
     return (local if columns is None else columns.gather(1, local))[:, 0]
 
 
@@ -121,13 +132,23 @@ def _host_settings(meta: SamplingMetadata) -> torch.Tensor:
     draws = dict(zip(unseeded, shared))
     for i, (p, g) in enumerate(zip(meta.params, meta.generators)):
         u = 0.0 if p.greedy else (draws[i] if g is None else float(torch.rand(1, generator=g, dtype=torch.float64)))
-        rows.append([1.0 if p.greedy else p.temperature, max(p.top_k, 0), p.top_p, p.min_p, p.repetition_penalty,
-                     p.frequency_penalty, p.presence_penalty, p.repetition_penalty_range, u])
+        rows.append(
+            [
+                1.0 if p.greedy else p.temperature,
+                max(p.top_k, 0),
+                p.top_p,
+                p.min_p,
+                p.repetition_penalty,
+                p.frequency_penalty,
+                p.presence_penalty,
+                p.repetition_penalty_range,
+                u,
+            ]
+        )
     return torch.tensor(rows, dtype=torch.float64)
 
 
-def sample_on_device(logits: torch.Tensor, meta: SamplingMetadata
-                     ) -> tuple[torch.Tensor, list[TokenLogprobs | None]]:
+def sample_on_device(logits: torch.Tensor, meta: SamplingMetadata) -> tuple[torch.Tensor, list[TokenLogprobs | None]]:
     """Float32 logits (B, V) on a GPU whose rows ``takes`` -> (chosen tokens (B,) on the device, per
     row its logprob entries where asked). Nothing waits for the device before the entries."""
     params = meta.params
@@ -140,16 +161,24 @@ def sample_on_device(logits: torch.Tensor, meta: SamplingMetadata
     if penalized:
         logits = _penalized(logits, meta, settings)
     chosen = logits.argmax(-1)
-    if sampled_rows:                                    # greedy rows are drawn too, and their draw dropped
+    if sampled_rows:  # greedy rows are drawn too, and their draw dropped
         sampled = [params[i] for i in sampled_rows]
-        probs, columns = _filtered(logits, settings, [max(p.top_k, 0) for p in sampled],
-                                   any(p.top_p < 1 for p in sampled), any(p.min_p > 0 for p in sampled))
+        probs, columns = _filtered(
+            logits,
+            settings,
+            [max(p.top_k, 0) for p in sampled],
+            any(p.top_p < 1 for p in sampled),
+            any(p.min_p > 0 for p in sampled),
+        )
         drawn = _draw(probs, columns, u)
         if len(sampled_rows) < len(params):
             greedy = to_device(torch.tensor([p.greedy for p in params]), logits.device)
             chosen = torch.where(greedy, chosen, drawn)
         else:
             chosen = drawn
-    entries: list[TokenLogprobs | None] = ([None] * len(params) if raw_logprobs is None
-               else logprob_entries(raw_logprobs, chosen, [p.logprobs for p in params]))
+    entries: list[TokenLogprobs | None] = (
+        [None] * len(params)
+        if raw_logprobs is None
+        else logprob_entries(raw_logprobs, chosen, [p.logprobs for p in params])
+    )
     return chosen, entries

@@ -20,17 +20,17 @@ import torch
 
 from tokenloom.sampling.sparse import last_columns
 
-FLOAT_MAX_LOG = 88.7228391          # log of float32's largest value: the exponent clamp
-MAX_TAIL_TOKENS = 20                # llama.cpp's MAX_SEQ_LEN for a breaker's tail
+FLOAT_MAX_LOG = 88.7228391  # log of float32's largest value: the exponent clamp
+MAX_TAIL_TOKENS = 20  # llama.cpp's MAX_SEQ_LEN for a breaker's tail
 
 
 @dataclass(frozen=True)
 class DryBreakers:
     """A set of sequence breakers in token form (llama.cpp's processed breakers)."""
 
-    single: torch.Tensor                          # (V,) bool: tokens that break on their own
-    heads: torch.Tensor                           # (V,) bool: single, or the head of a longer breaker
-    tails: dict[int, tuple[tuple[int, ...], ...]]   # head token -> the token tails that complete it
+    single: torch.Tensor  # (V,) bool: tokens that break on their own
+    heads: torch.Tensor  # (V,) bool: single, or the head of a longer breaker
+    tails: dict[int, tuple[tuple[int, ...], ...]]  # head token -> the token tails that complete it
 
     @cached_property
     def only_single(self) -> torch.Tensor:
@@ -41,8 +41,9 @@ class DryBreakers:
         return only
 
     @classmethod
-    def build(cls, breakers: Sequence[str], token_texts: Sequence[str],
-              encode: Callable[[str], list[int]]) -> DryBreakers:
+    def build(
+        cls, breakers: Sequence[str], token_texts: Sequence[str], encode: Callable[[str], list[int]]
+    ) -> DryBreakers:
         """`token_texts[i]`: token i's text on its own; `encode`: text -> ids without special tokens."""
         V = len(token_texts)
         tails: dict[int, set[tuple[int, ...]]] = {}
@@ -63,10 +64,10 @@ class DryBreakers:
         hits = torch.nonzero(self.heads[torch.tensor(context)]).flatten().tolist()
         n = len(context)
         for position in reversed(hits):
-            back = n - 1 - position                            # tokens after the head
+            back = n - 1 - position  # tokens after the head
             longest = -1
             for tail in self.tails[context[position]]:
-                if longest < len(tail) <= back and tuple(context[position + 1:position + 1 + len(tail)]) == tail:
+                if longest < len(tail) <= back and tuple(context[position + 1 : position + 1 + len(tail)]) == tail:
                     longest = len(tail)
             if longest >= 0:
                 return back - longest
@@ -100,10 +101,10 @@ def repeat_lengths(context: torch.Tensor, lengths: torch.Tensor, limit: torch.Te
     out = torch.zeros(R, N - 1, dtype=torch.int64, device=context.device)
     alive = torch.ones(R, N - 1, dtype=torch.bool, device=context.device)
     for t in range(min(int(limit.max()), N - 1)):
-        reference = context[:, N - 1 - t]                                  # (R,) t tokens before the last
-        usable = (t < lengths) & (t < limit)                                # (R,)
-        alive[:, :t] = False                                                # j - t would leave the row
-        alive[:, t:] &= (context[:, :N - 1 - t] == reference[:, None]) & usable[:, None]
+        reference = context[:, N - 1 - t]  # (R,) t tokens before the last
+        usable = (t < lengths) & (t < limit)  # (R,)
+        alive[:, :t] = False  # j - t would leave the row
+        alive[:, t:] &= (context[:, : N - 1 - t] == reference[:, None]) & usable[:, None]
         if not alive.any():
             break
         out += alive
@@ -124,8 +125,8 @@ def _repeat_limits(context: torch.Tensor, windows: list[list[int]], breakers: li
     for b in {id(b): b for b in breakers}.values():
         mine = [r for r, other in enumerate(breakers) if other is b]
         ids = context[mine].cpu()
-        hit = (ids >= 0) & b.heads[ids.clamp(min=0)]                                       # (R', N)
-        last = torch.where(hit.any(-1), N - 1 - hit.flip(-1).int().argmax(-1), -1)         # column of the last head
+        hit = (ids >= 0) & b.heads[ids.clamp(min=0)]  # (R', N)
+        last = torch.where(hit.any(-1), N - 1 - hit.flip(-1).int().argmax(-1), -1)  # column of the last head
         simple = b.only_single[ids.gather(1, last.clamp(min=0)[:, None])[:, 0]]
         for r, column, is_simple in zip(mine, last.tolist(), simple.tolist()):
             if column >= 0:
@@ -133,8 +134,9 @@ def _repeat_limits(context: torch.Tensor, windows: list[list[int]], breakers: li
     return limits
 
 
-def dry_penalties(history: torch.Tensor, rows: list[list[int]], params: list, breakers: list[DryBreakers],
-                  vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+def dry_penalties(
+    history: torch.Tensor, rows: list[list[int]], params: list, breakers: list[DryBreakers], vocab: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The DRY penalties of a batch, sparse: (positions (U,) row * vocab + token in the flattened
     (B, V) logits, penalties (U,) float32 to subtract there). `rows[i]`: row i's context (prompt +
     output), `history[i]` the same right-aligned after -1 padding (R, L), `params[i]` its
@@ -142,7 +144,7 @@ def dry_penalties(history: torch.Tensor, rows: list[list[int]], params: list, br
     device = history.device
     windows, live = [], []
     for i, (ids, p) in enumerate(zip(rows, params)):
-        window = ids if p.dry_penalty_last_n < 0 else ids[-p.dry_penalty_last_n:]
+        window = ids if p.dry_penalty_last_n < 0 else ids[-p.dry_penalty_last_n :]
         if len(window) > p.dry_allowed_length:
             windows.append(window)
             live.append(i)
@@ -150,29 +152,30 @@ def dry_penalties(history: torch.Tensor, rows: list[list[int]], params: list, br
     if not live:
         return nothing
     N = max(len(w) for w in windows)
-    context = history[live, history.shape[1] - N:]                           # (R, N) the windows' columns
+    context = history[live, history.shape[1] - N :]  # (R, N) the windows' columns
     context = context.masked_fill(~last_columns(context, torch.tensor([len(w) for w in windows], device=device)), -1)
     limits = _repeat_limits(context, windows, [breakers[i] for i in live])
     keep = [r for r, i in enumerate(live) if limits[r] >= params[i].dry_allowed_length]
     if not keep:
         return nothing
     lengths = [len(windows[r]) for r in keep]
-    limits = [min(limits[r], params[live[r]].dry_allowed_length + _max_exponent(params[live[r]].dry_base))
-              for r in keep]                                                # longer repeats: the same penalty
-    live, context = [live[r] for r in keep], context[keep][:, context.shape[1] - max(lengths):]
+    limits = [
+        min(limits[r], params[live[r]].dry_allowed_length + _max_exponent(params[live[r]].dry_base)) for r in keep
+    ]  # longer repeats: the same penalty
+    live, context = [live[r] for r in keep], context[keep][:, context.shape[1] - max(lengths) :]
     found = repeat_lengths(context, torch.tensor(lengths, device=device), torch.tensor(limits, device=device))
     ps = [params[i] for i in live]
     allowed = torch.tensor([p.dry_allowed_length for p in ps], device=device)[:, None]
     base = torch.tensor([p.dry_base for p in ps], device=device)[:, None]
     multiplier = torch.tensor([p.dry_multiplier for p in ps], device=device)[:, None]
-    r, j = (found >= allowed).nonzero(as_tuple=True)                        # positions j extending a repeat
-    tokens = context[r, j + 1]                                              # the token after each
+    r, j = (found >= allowed).nonzero(as_tuple=True)  # positions j extending a repeat
+    tokens = context[r, j + 1]  # the token after each
     values = multiplier[r, 0] * base[r, 0] ** (found[r, j] - allowed[r, 0]).float()
     breaking = torch.zeros_like(tokens, dtype=torch.bool)
     for b in {id(breakers[i]): breakers[i] for i in live}.values():
         mine = torch.tensor([breakers[i] is b for i in live], device=device)[r]
         breaking |= mine & b.single.to(device)[tokens]
-    penalized = ~breaking                                                   # one-token breakers: never penalized
+    penalized = ~breaking  # one-token breakers: never penalized
     flat = torch.tensor(live, device=device)[r[penalized]] * vocab + tokens[penalized]
     positions, inverse = torch.unique(flat, return_inverse=True)
     penalties = torch.zeros(len(positions), device=device).scatter_reduce(0, inverse, values[penalized], "amax")

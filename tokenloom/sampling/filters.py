@@ -50,13 +50,13 @@ def apply_typical_p(logits: torch.Tensor, mass: list[float]) -> torch.Tensor:
     reaches `mass` (1: off), and every token exactly as far as the last one kept."""
     if all(m >= 1 for m in mass):
         return logits
-    log_p = logits.log_softmax(-1)                                       # (R, V)
-    entropy = -(log_p * log_p.exp()).nansum(-1, keepdim=True)            # (R, 1); 0 x -inf is NaN: skipped
-    distance, order = (-log_p - entropy).abs().sort(dim=-1)              # most typical first
-    cumulative = logits.gather(-1, order).softmax(-1).cumsum(-1)         # (R, V)
+    log_p = logits.log_softmax(-1)  # (R, V)
+    entropy = -(log_p * log_p.exp()).nansum(-1, keepdim=True)  # (R, 1); 0 x -inf is NaN: skipped
+    distance, order = (-log_p - entropy).abs().sort(dim=-1)  # most typical first
+    cumulative = logits.gather(-1, order).softmax(-1).cumsum(-1)  # (R, V)
     last = (cumulative < rows_of(mass, logits)).sum(-1, keepdim=True).clamp(max=logits.shape[-1] - 1)
     remove_sorted = distance > distance.gather(1, last)
-    remove_sorted[:, 0] = False                                          # at least one token
+    remove_sorted[:, 0] = False  # at least one token
     remove = remove_sorted.scatter(1, order, remove_sorted)
     remove[[i for i, m in enumerate(mass) if m >= 1]] = False
     return logits.masked_fill(remove, NEG_INF)
@@ -66,7 +66,7 @@ def top_n_sigma_threshold(logits: torch.Tensor, n: list[float]) -> torch.Tensor:
     """(R, 1): each row's largest logit less n population standard deviations of its finite logits
     (-inf where n is 0: keep all)."""
     if kernels.enabled(logits):
-        stats = kernels.row_finite_stats(logits)                                    # (R, 4)
+        stats = kernels.row_finite_stats(logits)  # (R, 4)
         std, top = stats[:, 2:3], stats[:, 3:4]
     else:
         finite = logits > NEG_INF
@@ -102,7 +102,7 @@ def apply_eta_cutoff(logits: torch.Tensor, eta: list[float]) -> torch.Tensor:
         return logits
     log_p = logits.log_softmax(-1)
     probs = log_p.exp()
-    entropy = -(probs * log_p).nansum(-1, keepdim=True)                  # (R, 1)
+    entropy = -(probs * log_p).nansum(-1, keepdim=True)  # (R, 1)
     epsilon = rows_of(eta, logits)
     threshold = torch.minimum(epsilon, epsilon.sqrt() * torch.exp(-entropy))
     remove = (probs < threshold) & (epsilon > 0)
@@ -114,7 +114,7 @@ def xtc_cut(logits: torch.Tensor, threshold: list[float]) -> torch.Tensor:
     >= threshold, remove all of them but the least likely. Whether it fires is the chain's
     business (it mixes the cut and uncut distributions by xtc_probability)."""
     probs = logits.softmax(-1)
-    above = probs >= rows_of(threshold, logits)                            # (R, V)
+    above = probs >= rows_of(threshold, logits)  # (R, V)
     least_above = probs.masked_fill(~above, math.inf).min(-1, keepdim=True).values
     remove = above & (probs > least_above) & (above.sum(-1, keepdim=True) >= 2)
     return logits.masked_fill(remove, NEG_INF)

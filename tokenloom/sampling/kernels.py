@@ -17,13 +17,18 @@ from tokenloom.kernels import native
 from tokenloom.layers import fused
 
 _SOURCE = Path(__file__).parent / "csrc" / "select_cpu.cpp"
-TOP_K_SHARE = 16           # row_top_k only for k <= V / TOP_K_SHARE; past that torch.topk's selection wins
+TOP_K_SHARE = 16  # row_top_k only for k <= V / TOP_K_SHARE; past that torch.topk's selection wins
 
 
 def enabled(x: torch.Tensor) -> bool:
     """x is float32 CPU (B, V) with unit-stride rows and the kernels are compiled (built on first use)."""
-    return (x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2 and x.stride(1) == 1
-            and native.load(_SOURCE, "sampler selection kernels"))
+    return (
+        x.dtype == torch.float32
+        and x.device.type == "cpu"
+        and x.dim() == 2
+        and x.stride(1) == 1
+        and native.load(_SOURCE, "sampler selection kernels")
+    )
 
 
 def row_finite_stats(x: torch.Tensor) -> torch.Tensor:
@@ -63,7 +68,7 @@ def at_least(x: torch.Tensor, floor: torch.Tensor, width: int) -> tuple[torch.Te
     keep = x >= floor
     if x.shape[0] and int(keep.sum(-1).max()) > width:
         raise ValueError(f"at_least: a row has more than width={width} entries at its floor or above")
-    columns = keep.to(torch.int8).sort(dim=-1, descending=True, stable=True).indices[:, :width]   # kept first
+    columns = keep.to(torch.int8).sort(dim=-1, descending=True, stable=True).indices[:, :width]  # kept first
     values = x.gather(1, columns)
     return values.masked_fill(~keep.gather(1, columns), float("-inf")), columns
 

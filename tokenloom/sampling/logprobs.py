@@ -7,15 +7,16 @@ import torch
 from tokenloom.outputs import TokenLogprobs
 
 
-def logprob_entries(logprobs: torch.Tensor, chosen: torch.Tensor, top_n: list[int | None]
-                    ) -> list[TokenLogprobs | None]:
+def logprob_entries(
+    logprobs: torch.Tensor, chosen: torch.Tensor, top_n: list[int | None]
+) -> list[TokenLogprobs | None]:
     """logprobs (B, V) float32, chosen (B,) int64 -> per row i: {token: logprob} holding chosen[i]
     and the row's top_n[i] most likely tokens; None where top_n[i] is None."""
     wanted = [n for n in top_n if n is not None]
     if not wanted:
         return [None] * len(top_n)
     widest = max(wanted)
-    top_vals: list[list[float]] = []            # read only for rows with n > 0, so when widest > 0
+    top_vals: list[list[float]] = []  # read only for rows with n > 0, so when widest > 0
     top_ids: list[list[int]] = []
     if widest:
         vals, ids = logprobs.topk(widest, dim=-1)

@@ -18,11 +18,11 @@ class SamplingMetadata:
     params: list[SamplingParams]
     prompt_token_ids: list[list[int]]
     output_token_ids: list[list[int]]
-    generators: list[torch.Generator | None]   # per-request RNG when a seed was given
+    generators: list[torch.Generator | None]  # per-request RNG when a seed was given
     eos_token_ids: list[frozenset[int]]
-    states: list[SamplingState] | None = None   # per-request sampler state; None: each row's initial state
-    _histories: list[list[int]] | None = None   # prompt + output per row, made on first use
-    _history_matrix: torch.Tensor | None = None    # the same right-aligned (R, L), made on first use
+    states: list[SamplingState] | None = None  # per-request sampler state; None: each row's initial state
+    _histories: list[list[int]] | None = None  # prompt + output per row, made on first use
+    _history_matrix: torch.Tensor | None = None  # the same right-aligned (R, L), made on first use
 
     def __post_init__(self) -> None:
         if self.states is None:
@@ -35,16 +35,26 @@ class SamplingMetadata:
         """One row per request (a Request may repeat); `output_token_ids` overrides each row's
         output history (speculation: outputs plus the drafts before that row)."""
         outputs = output_token_ids if output_token_ids is not None else [r.output_token_ids for r in requests]
-        return cls([r.params for r in requests], [r.prompt_token_ids for r in requests], outputs,
-                   [r.generator for r in requests], [r.eos_token_ids for r in requests],
-                   [r.sampling_state for r in requests])
+        return cls(
+            [r.params for r in requests],
+            [r.prompt_token_ids for r in requests],
+            outputs,
+            [r.generator for r in requests],
+            [r.eos_token_ids for r in requests],
+            [r.sampling_state for r in requests],
+        )
 
     def rows(self, index: list[int]) -> SamplingMetadata:
         """The metadata of a subset of rows, in the order given."""
-        assert self.states is not None             # __post_init__ fills it
-        return SamplingMetadata([self.params[i] for i in index], [self.prompt_token_ids[i] for i in index],
-                                [self.output_token_ids[i] for i in index], [self.generators[i] for i in index],
-                                [self.eos_token_ids[i] for i in index], [self.states[i] for i in index])
+        assert self.states is not None  # __post_init__ fills it
+        return SamplingMetadata(
+            [self.params[i] for i in index],
+            [self.prompt_token_ids[i] for i in index],
+            [self.output_token_ids[i] for i in index],
+            [self.generators[i] for i in index],
+            [self.eos_token_ids[i] for i in index],
+            [self.states[i] for i in index],
+        )
 
     def histories(self) -> list[list[int]]:
         """Per row: prompt + output token ids (what n-gram blocking, bad words and DRY look at)."""

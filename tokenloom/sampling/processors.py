@@ -23,8 +23,11 @@ def apply_logit_bias(logits: torch.Tensor, meta: SamplingMetadata) -> None:
     rows = [i for i, p in enumerate(meta.params) for _ in (p.logit_bias or {})]
     tokens = [t for p in meta.params for t in (p.logit_bias or {})]
     biases = [b for p in meta.params for b in (p.logit_bias or {}).values()]
-    logits.index_put_((torch.tensor(rows), torch.tensor(tokens)), torch.tensor(biases, dtype=logits.dtype,
-                                                                                device=logits.device), accumulate=True)
+    logits.index_put_(
+        (torch.tensor(rows), torch.tensor(tokens)),
+        torch.tensor(biases, dtype=logits.dtype, device=logits.device),
+        accumulate=True,
+    )
 
 
 def apply_min_tokens(logits: torch.Tensor, meta: SamplingMetadata) -> None:
@@ -39,7 +42,7 @@ def apply_min_tokens(logits: torch.Tensor, meta: SamplingMetadata) -> None:
 
 
 def apply_bad_words(logits: torch.Tensor, meta: SamplingMetadata) -> None:
-    assert meta.states is not None             # __post_init__ fills it
+    assert meta.states is not None  # __post_init__ fills it
     ban(logits, *bad_word_bans(meta.histories(), [s.bad_words_ids for s in meta.states]))
 
 
@@ -63,14 +66,16 @@ def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> None:
     positions in the flattened logits."""
     params, (B, V), flat = meta.params, logits.shape, logits.view(-1)
     rep = _row_values([p.repetition_penalty for p in params], logits)
-    freq, pres = _row_values([p.frequency_penalty for p in params], logits), \
-        _row_values([p.presence_penalty for p in params], logits)
-    ids = meta.history_matrix().to(logits.device)                                        # (B, L)
+    freq, pres = (
+        _row_values([p.frequency_penalty for p in params], logits),
+        _row_values([p.presence_penalty for p in params], logits),
+    )
+    ids = meta.history_matrix().to(logits.device)  # (B, L)
     window = _row_values([p.repetition_penalty_range or ids.shape[1] for p in params], logits, torch.int64)
-    seen = last_columns(ids, window)                                                     # (B, L)
-    positions = torch.arange(B, device=logits.device)[:, None] * V + ids                 # (B, L)
+    seen = last_columns(ids, window)  # (B, L)
+    positions = torch.arange(B, device=logits.device)[:, None] * V + ids  # (B, L)
     if (rep != 1).any():
-        unique = torch.unique(positions[seen])                                           # (U,)
+        unique = torch.unique(positions[seen])  # (U,)
         values, r = flat[unique], rep[unique // V]
         flat[unique] = torch.where(values > 0, values / r, values * r)
     if (freq != 0).any() or (pres != 0).any():
@@ -83,23 +88,31 @@ def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> None:
 def apply_dry(logits: torch.Tensor, meta: SamplingMetadata) -> None:
     on = [i for i, p in enumerate(meta.params) if dry_enabled(p)]
     histories = meta.histories()
-    assert meta.states is not None             # __post_init__ fills it
-    breakers = cast("list[DryBreakers]", [meta.states[i].dry_breakers for i in on])   # DRY on: resolved
-    positions, penalties = dry_penalties(meta.history_matrix()[on].to(logits.device), [histories[i] for i in on],
-                                         [meta.params[i] for i in on], breakers, logits.shape[1])
-    rows = torch.tensor(on, device=logits.device)[positions // logits.shape[1]]           # local row -> batch row
+    assert meta.states is not None  # __post_init__ fills it
+    breakers = cast("list[DryBreakers]", [meta.states[i].dry_breakers for i in on])  # DRY on: resolved
+    positions, penalties = dry_penalties(
+        meta.history_matrix()[on].to(logits.device),
+        [histories[i] for i in on],
+        [meta.params[i] for i in on],
+        breakers,
+        logits.shape[1],
+    )
+    rows = torch.tensor(on, device=logits.device)[positions // logits.shape[1]]  # local row -> batch row
     logits.view(-1)[rows * logits.shape[1] + positions % logits.shape[1]] -= penalties
 
 
-Processor = Callable[[torch.Tensor, SamplingMetadata], None]          # edits its own copy, in place
+Processor = Callable[[torch.Tensor, SamplingMetadata], None]  # edits its own copy, in place
 # (name, does any row use it, the processor), in the order they run
 PROCESSORS: tuple[tuple[str, Callable[[SamplingMetadata], bool], Processor], ...] = (
     ("logit_bias", lambda m: any(p.logit_bias for p in m.params), apply_logit_bias),
     ("min_tokens", lambda m: any(p.min_tokens for p in m.params), apply_min_tokens),
     ("bad_words", lambda m: any(p.bad_words for p in m.params), apply_bad_words),
     ("no_repeat_ngram", lambda m: any(p.no_repeat_ngram_size for p in m.params), apply_no_repeat_ngram),
-    ("penalties", lambda m: any(p.repetition_penalty != 1 or p.frequency_penalty or p.presence_penalty
-                                for p in m.params), apply_penalties),
+    (
+        "penalties",
+        lambda m: any(p.repetition_penalty != 1 or p.frequency_penalty or p.presence_penalty for p in m.params),
+        apply_penalties,
+    ),
     ("dry", lambda m: any(dry_enabled(p) for p in m.params), apply_dry),
 )
 

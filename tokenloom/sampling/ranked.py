@@ -11,14 +11,14 @@ import torch
 from tokenloom.sampling import kernels
 from tokenloom.sampling.filters import NEG_INF, rows_of
 
-NUCLEUS_LOOKS = (256, 2048)     # top-p looks at this many most likely tokens first, then this many, then all
+NUCLEUS_LOOKS = (256, 2048)  # top-p looks at this many most likely tokens first, then this many, then all
 
 
 def _kth_largest(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:
     """(R, 1): each row's k-th largest logit (-inf where k is 0: keep all), from one topk of the widest k."""
     V = logits.shape[-1]
     k = torch.tensor([min(t, V) if t > 0 else 0 for t in top_k], device=logits.device)
-    top = kernels.top_k(logits, int(k.max()))[0]                         # (R, max k), descending
+    top = kernels.top_k(logits, int(k.max()))[0]  # (R, max k), descending
     kth = top.gather(1, (k - 1).clamp(min=0)[:, None])
     return kth.masked_fill((k == 0)[:, None], NEG_INF)
 
@@ -37,8 +37,8 @@ def top_k_columns(logits: torch.Tensor, top_k: list[int]) -> tuple[torch.Tensor,
     W = max(top_k)
     if not all(t > 0 for t in top_k) or logits.shape[-1] <= W:
         return None
-    values, columns = kernels.top_k(logits, W + 1)                        # (R, W + 1) descending
-    kth = values.gather(1, torch.tensor(top_k, device=logits.device)[:, None] - 1)   # -inf: fewer than k finite
+    values, columns = kernels.top_k(logits, W + 1)  # (R, W + 1) descending
+    kth = values.gather(1, torch.tensor(top_k, device=logits.device)[:, None] - 1)  # -inf: fewer than k finite
     if bool(((values[:, W:] == kth) & (kth > NEG_INF)).any()):
         return None
     values, columns = values[:, :W], columns[:, :W]
@@ -49,7 +49,7 @@ def _nucleus_in_top(probs: torch.Tensor, top_p: torch.Tensor, width: int):
     """probs (R, V) -> (the columns (R, W) of each row's `width` most likely tokens, descending;
     whether its nucleus ends among them (R,); which of them to drop (R, W))."""
     top, columns = kernels.top_k(probs, min(width, probs.shape[-1]))
-    before = top.cumsum(-1) - top                                          # mass strictly above each token
+    before = top.cumsum(-1) - top  # mass strictly above each token
     resolved = (before[:, -1:] + top[:, -1:] >= top_p)[:, 0] | (top.shape[1] == probs.shape[-1])
     return columns, resolved, before >= top_p
 
@@ -65,7 +65,7 @@ def apply_top_p(logits: torch.Tensor, top_p: list[float]) -> torch.Tensor:
     for width in (*NUCLEUS_LOOKS, logits.shape[-1]):
         columns, resolved, drop_top = _nucleus_in_top(probs[todo], p[todo], width)
         done = resolved.nonzero().flatten().tolist()
-        drop[[todo[i] for i in done]] = torch.ones_like(drop[:len(done)]).scatter(1, columns[done], drop_top[done])
+        drop[[todo[i] for i in done]] = torch.ones_like(drop[: len(done)]).scatter(1, columns[done], drop_top[done])
         todo = [todo[i] for i in (~resolved).nonzero().flatten().tolist()]
         if not todo:
             break

@@ -47,22 +47,23 @@ def inverse_cdf_draw(probs: torch.Tensor, generators: list[torch.Generator | Non
     for i, g in enumerate(generators):
         if g is not None:
             u[i] = torch.rand(1, generator=g, dtype=torch.float64)
-    cdf = probs.to(torch.float64).cumsum(-1)                                # (B, V)
-    total = cdf[:, -1:]                                                     # (B, 1)
+    cdf = probs.to(torch.float64).cumsum(-1)  # (B, V)
+    total = cdf[:, -1:]  # (B, 1)
     target = torch.minimum(u.to(cdf.device) * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, target, right=True).squeeze(1)           # (B,): below total, so < V
+    return torch.searchsorted(cdf, target, right=True).squeeze(1)  # (B,): below total, so < V
 
 
 @dataclass(slots=True)
 class SamplerOutput:
-    tokens: torch.Tensor                                  # (B,) int64
-    logprobs: list[TokenLogprobs | None]                  # per row, when its request asked
-    explanations: list[StepRecord | None]                 # per row, when its request asked (explain=N)
+    tokens: torch.Tensor  # (B,) int64
+    logprobs: list[TokenLogprobs | None]  # per row, when its request asked
+    explanations: list[StepRecord | None]  # per row, when its request asked (explain=N)
 
 
 class Sampler:
-    def sample(self, logits: torch.Tensor, meta: SamplingMetadata,
-               constrain: Callable[[torch.Tensor], None] | None = None) -> SamplerOutput:
+    def sample(
+        self, logits: torch.Tensor, meta: SamplingMetadata, constrain: Callable[[torch.Tensor], None] | None = None
+    ) -> SamplerOutput:
         """The whole pipeline on float32 logits (B, V).
 
         `constrain` masks disallowed tokens in place (structured output) after the
@@ -75,9 +76,9 @@ class Sampler:
             return SamplerOutput(tokens, logprobs, [None] * meta.num_rows)
         raw_logprobs = logits.log_softmax(-1) if meta.max_logprobs is not None else None
         explained = [i for i, p in enumerate(meta.params) if p.explain]
-        raw = logits[explained]                                           # (E, V) copies: constrain writes
-        logits = apply_processors(logits, meta)                           # in place, maybe into `logits`
-        processed = logits[explained]                                     # (E, V) before the grammar mask
+        raw = logits[explained]  # (E, V) copies: constrain writes
+        logits = apply_processors(logits, meta)  # in place, maybe into `logits`
+        processed = logits[explained]  # (E, V) before the grammar mask
         if constrain is not None:
             constrain(logits)
         chosen = row_argmax(logits)
@@ -87,14 +88,17 @@ class Sampler:
             drawn, drawn_probs, drawn_from = self._draw(logits, meta, rows, explained)
             chosen[rows] = drawn
             update_mirostat(meta.rows(rows), drawn_probs)
-        logprobs = ([None] * meta.num_rows if raw_logprobs is None
-                    else logprob_entries(raw_logprobs, chosen, [p.logprobs for p in meta.params]))
+        logprobs = (
+            [None] * meta.num_rows
+            if raw_logprobs is None
+            else logprob_entries(raw_logprobs, chosen, [p.logprobs for p in meta.params])
+        )
         explanations: list[StepRecord | None] = [None] * meta.num_rows
         for j, i in enumerate(explained):
-            explanations[i] = explain_row(raw[j], processed[j], logits[i], int(chosen[i]), meta.rows([i]),
-                                          drawn_from.get(i))
+            explanations[i] = explain_row(
+                raw[j], processed[j], logits[i], int(chosen[i]), meta.rows([i]), drawn_from.get(i)
+            )
         return SamplerOutput(chosen, logprobs, explanations)
-
 
     @staticmethod
     def _draw(logits: torch.Tensor, meta: SamplingMetadata, rows: list[int], explained: list[int]):
@@ -102,11 +106,11 @@ class Sampler:
         probability (S,), {row: its distribution (V,)} for the explained ones). The draw runs over the
         columns the chain kept, put in vocabulary order first, so a seeded row draws the same token
         however wide its batch's columns are (the running sums match the full row's)."""
-        probs, columns = distribution_columns(take_rows(logits, rows), meta.rows(rows))      # (S, W), (S, W) | None
+        probs, columns = distribution_columns(take_rows(logits, rows), meta.rows(rows))  # (S, W), (S, W) | None
         if columns is not None:
             columns, order = columns.sort(dim=1)
             probs = probs.gather(1, order)
-        local = inverse_cdf_draw(probs, [meta.generators[i] for i in rows])       # (S,)
+        local = inverse_cdf_draw(probs, [meta.generators[i] for i in rows])  # (S,)
         tokens = local if columns is None else columns.gather(1, local[:, None])[:, 0]
         chosen_probs = probs.gather(1, local[:, None])[:, 0]
         asked = set(explained)
@@ -122,7 +126,7 @@ def update_mirostat(meta: SamplingMetadata, chosen_probs: torch.Tensor) -> None:
     if not rows:
         return
     drawn = chosen_probs[rows].tolist()
-    assert meta.states is not None             # __post_init__ fills it
+    assert meta.states is not None  # __post_init__ fills it
     for i, p_chosen in zip(rows, drawn):
         p, state = meta.params[i], meta.states[i]
         state.mirostat_mu = next_mu(state.mirostat_mu, p_chosen, p.mirostat_tau, p.mirostat_eta)

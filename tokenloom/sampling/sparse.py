@@ -16,14 +16,14 @@ def right_aligned(rows: list[list[int]], device=None) -> torch.Tensor:
     out = np.full((len(rows), width), -1, dtype=np.int64)
     for i, r in enumerate(rows):
         if r:
-            out[i, width - len(r):] = r
+            out[i, width - len(r) :] = r
     return torch.from_numpy(out).to(device)
 
 
 def last_columns(ids: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """ids (R, L) right-aligned, counts (R,) -> (R, L) bool: each row's last counts[r] columns that
     hold a token (not padding)."""
-    from_end = torch.arange(ids.shape[1] - 1, -1, -1, device=ids.device)          # (L,) 0 at the last
+    from_end = torch.arange(ids.shape[1] - 1, -1, -1, device=ids.device)  # (L,) 0 at the last
     return (from_end[None, :] < counts[:, None]) & (ids >= 0)
 
 

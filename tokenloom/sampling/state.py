@@ -15,8 +15,8 @@ class SamplingState:
     """One request's sampler state. `mirostat_mu` starts at 2 x tau (llama.cpp) and moves by
     eta x (observed surprise - tau) after each sampled token."""
 
-    bad_words_ids: list[list[int]] = field(default_factory=list)    # token sequences never completed
-    dry_breakers: DryBreakers | None = None                          # None: DRY off
+    bad_words_ids: list[list[int]] = field(default_factory=list)  # token sequences never completed
+    dry_breakers: DryBreakers | None = None  # None: DRY off
     mirostat_mu: float = 0.0
 
     @classmethod

@@ -18,7 +18,7 @@ class SamplingVocab:
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
         self.tokenizer = tokenizer
-        self.vocab_size = vocab_size            # the model's (may exceed the tokenizer's: padding rows)
+        self.vocab_size = vocab_size  # the model's (may exceed the tokenizer's: padding rows)
         self._breakers: dict[tuple[str, ...], DryBreakers] = {}
 
     def encode(self, text: str) -> list[int]:

@@ -13,7 +13,7 @@ def propose_ngram(token_ids: list[int], k: int, ngram_max: int, ngram_min: int) 
     suffix of `token_ids` of length ngram_max..ngram_min; [] if there is none."""
     n_tokens = len(token_ids)
     for n in range(min(ngram_max, n_tokens - 1), ngram_min - 1, -1):
-        suffix = token_ids[n_tokens - n:]
+        suffix = token_ids[n_tokens - n :]
         first = suffix[0]
         # scan right to left for the latest earlier start position i of `suffix`
         i = n_tokens - n - 1
@@ -22,8 +22,8 @@ def propose_ngram(token_ids: list[int], k: int, ngram_max: int, ngram_min: int) 
                 i = _rindex(token_ids, first, i)
             except ValueError:
                 break
-            if token_ids[i:i + n] == suffix:
-                follow = token_ids[i + n:i + n + k]
+            if token_ids[i : i + n] == suffix:
+                follow = token_ids[i + n : i + n + k]
                 if follow:
                     return follow
             i -= 1

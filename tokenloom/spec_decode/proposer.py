@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 # (request, number of its positions to hold KV for) -> its block table, or None if they do not fit
 Reserve = Callable[["Request", int], "list[int] | None"]
 
-_RECOVERY_PER_STEP = 0.02   # how fast a backed-off request's acceptance estimate climbs back to retry
+_RECOVERY_PER_STEP = 0.02  # how fast a backed-off request's acceptance estimate climbs back to retry
 
 
 class SpecProposer:
@@ -39,8 +39,14 @@ class SpecProposer:
         self.max_model_len = max_model_len
 
     @staticmethod
-    def create(config: SpeculativeConfig, target: ModelRunner, tokenizer: Tokenizer, max_model_len: int,
-               dtype: str, progress: bool = False) -> SpecProposer:
+    def create(
+        config: SpeculativeConfig,
+        target: ModelRunner,
+        tokenizer: Tokenizer,
+        max_model_len: int,
+        dtype: str,
+        progress: bool = False,
+    ) -> SpecProposer:
         """The proposer `config` names, for a target model run by `target` with `tokenizer`."""
         if config.method == "ngram":
             return NgramProposer(config, max_model_len)
@@ -49,17 +55,17 @@ class SpecProposer:
     def propose_for(self, running: list[Request], reserve: Reserve) -> None:
         """Set drafts on the running requests that decode next step, unless speculation would not pay."""
         if len(running) > self.config.max_batch:
-            return                                     # compute bound: plain decoding is cheaper
+            return  # compute bound: plain decoding is cheaper
         todo = []
         for r in running:
-            if (r.is_finished or r.num_computed_tokens != r.num_tokens - 1 or r.matcher is not None
-                    or r.params.explain):
-                continue                               # still prefilling, constrained or explained: decoded plainly
+            if r.is_finished or r.num_computed_tokens != r.num_tokens - 1 or r.matcher is not None or r.params.explain:
+                continue  # still prefilling, constrained or explained: decoded plainly
             if r.spec_acceptance < self.config.min_acceptance:
                 r.spec_acceptance += _RECOVERY_PER_STEP  # backed off: decode plainly for a while
                 continue
-            k = min(self.config.k, r.params.max_tokens - len(r.output_token_ids) - 1,
-                    self.max_model_len - r.num_tokens - 1)
+            k = min(
+                self.config.k, r.params.max_tokens - len(r.output_token_ids) - 1, self.max_model_len - r.num_tokens - 1
+            )
             if k > 0:
                 todo.append((r, k))
         if todo:
@@ -88,18 +94,33 @@ class DraftModelProposer(SpecProposer):
     under the request's own processors, kept for the rejection rule.
     """
 
-    def __init__(self, config: SpeculativeConfig, target: ModelRunner, tokenizer: Tokenizer, max_model_len: int,
-                 dtype: str, progress: bool = False) -> None:
+    def __init__(
+        self,
+        config: SpeculativeConfig,
+        target: ModelRunner,
+        tokenizer: Tokenizer,
+        max_model_len: int,
+        dtype: str,
+        progress: bool = False,
+    ) -> None:
         super().__init__(config, max_model_len)
-        assert config.draft_model is not None           # SpeculativeConfig requires it for this method
+        assert config.draft_model is not None  # SpeculativeConfig requires it for this method
         loaded = load_model(config.draft_model, dtype, target.device, progress=progress)
         vocab = target.model.config.vocab_size
         if loaded.tokenizer.backend.get_vocab() != tokenizer.backend.get_vocab() or loaded.config.vocab_size != vocab:
-            raise ValueError(f"draft model {config.draft_model} does not share the target's tokenizer "
-                             f"(vocabularies differ: {loaded.tokenizer.vocab_size} vs {tokenizer.vocab_size})")
+            raise ValueError(
+                f"draft model {config.draft_model} does not share the target's tokenizer "
+                f"(vocabularies differ: {loaded.tokenizer.vocab_size} vs {tokenizer.vocab_size})"
+            )
         target_kv = target.kv_cache
-        kv = PagedKVCache(loaded.config, target_kv.num_blocks, target_kv.block_size,
-                          target_kv.dtype, target.device, target_kv.kv_cache_dtype)
+        kv = PagedKVCache(
+            loaded.config,
+            target_kv.num_blocks,
+            target_kv.block_size,
+            target_kv.dtype,
+            target.device,
+            target_kv.kv_cache_dtype,
+        )
         self.runner = ModelRunner(loaded.model, kv, target.device)
         self.max_len = min(max_model_len, loaded.config.max_model_len)
 
@@ -108,25 +129,28 @@ class DraftModelProposer(SpecProposer):
         batch, tables = [], {}
         for r, k in todo:
             k = min(k, self.max_len - r.num_tokens - 1)
-            table = reserve(r, r.num_tokens + k) if k > 0 else None           # room for the drafts' KV
+            table = reserve(r, r.num_tokens + k) if k > 0 else None  # room for the drafts' KV
             if table is not None:
                 batch.append((r, k))
                 tables[r.request_id] = table
         drafts: dict[str, list[int]] = {r.request_id: [] for r, _ in batch}
         probs: dict[str, list[torch.Tensor]] = {r.request_id: [] for r, _ in batch}
         # pass 0 catches up on every token the draft has not seen; pass i feeds draft i - 1
-        chunks = [SeqChunk(r.all_token_ids[r.draft_num_computed:], r.draft_num_computed, tables[r.request_id])
-                  for r, _ in batch]
+        chunks = [
+            SeqChunk(r.all_token_ids[r.draft_num_computed :], r.draft_num_computed, tables[r.request_id])
+            for r, _ in batch
+        ]
         active = batch
         for i in range(max((k for _, k in batch), default=0)):
             if i > 0:
                 active = [(r, k) for r, k in active if k > i]
-                chunks = [SeqChunk([drafts[r.request_id][-1]], r.num_tokens + i - 1, tables[r.request_id])
-                          for r, _ in active]
+                chunks = [
+                    SeqChunk([drafts[r.request_id][-1]], r.num_tokens + i - 1, tables[r.request_id]) for r, _ in active
+                ]
             hidden, meta = self.runner.forward(chunks)
-            assert meta is not None                     # the draft's runner runs eagerly: no graphs, no pipeline
+            assert meta is not None  # the draft's runner runs eagerly: no graphs, no pipeline
             rows = [s + q - 1 for s, q in zip(meta.query_start, meta.query_lens)]
-            logits = self.runner.model.compute_logits(hidden[rows])             # (B, vocab)
+            logits = self.runner.model.compute_logits(hidden[rows])  # (B, vocab)
             self._draw(logits, [r for r, _ in active], drafts, probs)
         for r, k in batch:
             r.draft_num_computed = r.num_tokens + k - 1
@@ -144,7 +168,7 @@ class DraftModelProposer(SpecProposer):
             if r.params.greedy:
                 drafts[r.request_id].append(argmax[i])
                 continue
-            assert probs is not None                    # a sampled row: the distributions exist
+            assert probs is not None  # a sampled row: the distributions exist
             q = probs[next(next_sampled)]
             drafts[r.request_id].append(int(torch.multinomial(q, 1, generator=r.generator)))
             probs_by_request[r.request_id].append(q)

@@ -30,8 +30,12 @@ def accept_greedy(target_argmax: list[int], draft_tokens: list[int]) -> list[int
     return out
 
 
-def accept_sampled(target_probs: torch.Tensor, draft_tokens: list[int], draft_probs: torch.Tensor | None,
-                   generator: torch.Generator | None = None) -> list[int]:
+def accept_sampled(
+    target_probs: torch.Tensor,
+    draft_tokens: list[int],
+    draft_probs: torch.Tensor | None,
+    generator: torch.Generator | None = None,
+) -> list[int]:
     """Rejection sampling of Leviathan et al. (2023), Algorithm 1.
 
     target_probs: (k + 1, V) p_0..p_k; draft_probs: (k, V) q_0..q_{k-1}, or None when each
@@ -50,15 +54,15 @@ def accept_sampled(target_probs: torch.Tensor, draft_tokens: list[int], draft_pr
         p = target_probs[j]
         q_d = 1.0 if draft_probs is None else float(draft_probs[j, d])
         u = float(torch.rand((), generator=generator))
-        if q_d > 0 and u < float(p[d]) / q_d:                     # accept with prob min(1, p/q)
+        if q_d > 0 and u < float(p[d]) / q_d:  # accept with prob min(1, p/q)
             out.append(d)
             continue
         if draft_probs is None:
             residual = p.clone()
-            residual[d] = 0                                       # max(0, p - one_hot(d))
+            residual[d] = 0  # max(0, p - one_hot(d))
         else:
             residual = (p - draft_probs[j]).clamp_min(0)
-        if float(residual.sum()) <= 0:   # p <= q everywhere yet rejected: only by rounding; fall back to p
+        if float(residual.sum()) <= 0:  # p <= q everywhere yet rejected: only by rounding; fall back to p
             residual = p
         out.append(int(torch.multinomial(residual / residual.sum(), 1, generator=generator)))
         return out

@@ -34,7 +34,7 @@ class Draft:
 
     request: Request
     token_ids: list[int]
-    probs: torch.Tensor | None = None     # (k, V)
+    probs: torch.Tensor | None = None  # (k, V)
 
 
 def _expanded_metadata(drafts: list[Draft]) -> SamplingMetadata:
@@ -47,19 +47,23 @@ def _expanded_metadata(drafts: list[Draft]) -> SamplingMetadata:
     return SamplingMetadata.for_requests(requests, outputs)
 
 
-def _mirostat_distributions(processed: torch.Tensor, meta: SamplingMetadata, drafts: list[Draft],
-                            probs: torch.Tensor) -> dict[int, list[float]]:
+def _mirostat_distributions(
+    processed: torch.Tensor, meta: SamplingMetadata, drafts: list[Draft], probs: torch.Tensor
+) -> dict[int, list[float]]:
     """Fill `probs` at the rows of sampled mirostat requests, position by position (row j's mu
     follows the surprise of draft j - 1 in row j - 1's distribution); -> each such request's
     (index in `drafts`) mu per row."""
     starts = [sum(len(d.token_ids) + 1 for d in drafts[:i]) for i in range(len(drafts))]
-    mus = {i: [cast("SamplingState", d.request.sampling_state).mirostat_mu] for i, d in enumerate(drafts)
-           if d.request.params.mirostat and not d.request.params.greedy}
+    mus = {
+        i: [cast("SamplingState", d.request.sampling_state).mirostat_mu]
+        for i, d in enumerate(drafts)
+        if d.request.params.mirostat and not d.request.params.greedy
+    }
     for j in range(max((len(drafts[i].token_ids) + 1 for i in mus), default=0)):
         live = [i for i in mus if j <= len(drafts[i].token_ids)]
         rows = [starts[i] + j for i in live]
         row_meta = meta.rows(rows)
-        assert row_meta.states is not None         # __post_init__ fills it
+        assert row_meta.states is not None  # __post_init__ fills it
         row_meta.states = [dataclasses.replace(s, mirostat_mu=mus[i][j]) for i, s in zip(live, row_meta.states)]
         probs[rows] = sampling_distribution(processed[rows], row_meta)
         for i, row in zip(live, rows):
@@ -83,7 +87,7 @@ def verify(logits: torch.Tensor, drafts: list[Draft]) -> list[tuple[list[int], l
     argmax = argmax_rows.tolist()
     probs = torch.zeros(0)
     if sampled_rows:
-        assert sampled_probs is not None          # rows to sample: their distributions
+        assert sampled_probs is not None  # rows to sample: their distributions
         probs = torch.zeros_like(processed)
         probs[sampled_rows] = sampled_probs
     mus = _mirostat_distributions(processed, meta, drafts, probs) if any(p.mirostat for p in meta.params) else {}
@@ -93,22 +97,23 @@ def verify(logits: torch.Tensor, drafts: list[Draft]) -> list[tuple[list[int], l
     for i, d in enumerate(drafts):
         k, params = len(d.token_ids), d.request.params
         if params.greedy:
-            tokens = accept_greedy(argmax[row:row + k + 1], d.token_ids)
+            tokens = accept_greedy(argmax[row : row + k + 1], d.token_ids)
         else:
-            tokens = accept_sampled(probs[row:row + k + 1], d.token_ids, d.probs, d.request.generator)
+            tokens = accept_sampled(probs[row : row + k + 1], d.token_ids, d.probs, d.request.generator)
         if i in mus:
-            last = len(tokens) - 1                                    # tokens[last] was drawn from row + last
-            new_mu[i] = next_mu(mus[i][last], float(probs[row + last, tokens[last]]), params.mirostat_tau,
-                                params.mirostat_eta)
+            last = len(tokens) - 1  # tokens[last] was drawn from row + last
+            new_mu[i] = next_mu(
+                mus[i][last], float(probs[row + last, tokens[last]]), params.mirostat_tau, params.mirostat_eta
+            )
         logprobs: list[TokenLogprobs] | None = None
         if params.logprobs is not None:
-            raw = logits[row:row + len(tokens)].log_softmax(-1)                 # (accepted + 1, V)
+            raw = logits[row : row + len(tokens)].log_softmax(-1)  # (accepted + 1, V)
             chosen = torch.tensor(tokens, device=logits.device)
             logprobs = cast("list[TokenLogprobs]", logprob_entries(raw, chosen, [params.logprobs] * len(tokens)))
         results.append((tokens, logprobs))
         row += k + 1
-    for i, mu in new_mu.items():                  # only once every request is through (a retry starts clean)
+    for i, mu in new_mu.items():  # only once every request is through (a retry starts clean)
         state = drafts[i].request.sampling_state
-        assert state is not None                  # Request.__post_init__ fills it
+        assert state is not None  # Request.__post_init__ fills it
         state.mirostat_mu = mu
     return results

@@ -17,8 +17,14 @@ if TYPE_CHECKING:
 
 # llguidance meters its work in "fuel"; these caps make a pathological schema or regex fail
 # with an error instead of hanging (measured: a 10-property schema compiles in ~3 ms).
-LIMITS: dict[str, Any] = dict(initial_lexer_fuel=2_000_000, step_lexer_fuel=400_000, step_max_items=100_000,
-                              max_grammar_size=200_000, max_lexer_states=200_000, verbose_errors=False)
+LIMITS: dict[str, Any] = dict(
+    initial_lexer_fuel=2_000_000,
+    step_lexer_fuel=400_000,
+    step_max_items=100_000,
+    max_grammar_size=200_000,
+    max_lexer_states=200_000,
+    verbose_errors=False,
+)
 # Whitespace between JSON tokens: none, a space, or one or two newlines and up to 20 indentation
 # characters (llama.cpp's `space` rule). Unbounded, a sampled small model can spend every token it
 # has left on whitespace inside an object and never close it. A schema's own
@@ -37,20 +43,22 @@ class GrammarCompiler:
     and 0.4 s for an anyOf of 5,000, time the server's event loop or engine step would wait).
     """
 
-    def __init__(self, tokenizer_json: Callable[[], str], vocab_size: int, eos_token_ids: list[int],
-                 cache_size: int = 128) -> None:
+    def __init__(
+        self, tokenizer_json: Callable[[], str], vocab_size: int, eos_token_ids: list[int], cache_size: int = 128
+    ) -> None:
         self._tokenizer_json, self._vocab_size, self._eos = tokenizer_json, vocab_size, sorted(eos_token_ids)
         self._tokenizer: llguidance.LLTokenizer | None = None
-        self._cache: OrderedDict[StructuredOutput, llguidance.LLMatcher] = OrderedDict()   # pristine matchers
+        self._cache: OrderedDict[StructuredOutput, llguidance.LLMatcher] = OrderedDict()  # pristine matchers
         self._cache_size = cache_size
         self._lock = threading.Lock()
-        self.compiled = 0            # grammars compiled (cache misses), for tests and metrics
+        self.compiled = 0  # grammars compiled (cache misses), for tests and metrics
 
     @property
     def tokenizer(self) -> llguidance.LLTokenizer:
         if self._tokenizer is None:
-            self._tokenizer = llguidance.LLTokenizer(self._tokenizer_json(), n_vocab=self._vocab_size,
-                                                     eos_token=self._eos or None)   # None: its own guess
+            self._tokenizer = llguidance.LLTokenizer(
+                self._tokenizer_json(), n_vocab=self._vocab_size, eos_token=self._eos or None
+            )  # None: its own guess
         return self._tokenizer
 
     def warm_up(self) -> None:
@@ -80,9 +88,13 @@ class GrammarCompiler:
             if spec in self._cache:
                 self._cache.move_to_end(spec)
                 return self._cache[spec]
-        matcher = llguidance.LLMatcher(self.tokenizer, _to_grammar(spec), log_level=0,    # compiles it
-                                       limits=llguidance.LLParserLimits(**LIMITS))
-        if matcher.is_error():         # the error validate_grammar would give, without compiling twice
+        matcher = llguidance.LLMatcher(
+            self.tokenizer,
+            _to_grammar(spec),
+            log_level=0,  # compiles it
+            limits=llguidance.LLParserLimits(**LIMITS),
+        )
+        if matcher.is_error():  # the error validate_grammar would give, without compiling twice
             raise ValueError(f"invalid {spec.kind.replace('_', ' ')}: {matcher.get_error().strip()}")
         with self._lock:
             self.compiled += 1
@@ -102,5 +114,5 @@ def _to_grammar(spec: StructuredOutput) -> str:
         if spec.kind == "regex":
             return M.grammar_from_regex(spec.value)
         return M.grammar_from_lark(spec.value)
-    except (ValueError, TypeError, RuntimeError) as e:      # bad JSON, or a schema llguidance rejects
+    except (ValueError, TypeError, RuntimeError) as e:  # bad JSON, or a schema llguidance rejects
         raise ValueError(f"invalid {spec.kind.replace('_', ' ')}: {e}") from None

@@ -24,10 +24,11 @@ class MaskStep:
         if MaskStep._executor is None:
             MaskStep._executor = llguidance.LLExecutor()
         words = (vocab_size + 31) // 32
-        self.bitmask = torch.full((len(matchers), words), -1, dtype=torch.int32)     # (rows, vocab/32): bit = allowed
+        self.bitmask = torch.full((len(matchers), words), -1, dtype=torch.int32)  # (rows, vocab/32): bit = allowed
         pairs = [(m, i) for i, m in enumerate(matchers)]
-        self._done: Future = self._pool.submit(MaskStep._executor.unsafe_compute_mask_ptr, pairs,
-                                               self.bitmask.data_ptr(), words * 4, len(matchers))
+        self._done: Future = self._pool.submit(
+            MaskStep._executor.unsafe_compute_mask_ptr, pairs, self.bitmask.data_ptr(), words * 4, len(matchers)
+        )
 
     def apply(self, logits: torch.Tensor, rows: list[int], which: list[int]) -> None:
         """logits (B, vocab): mask rows[i] with matcher which[i]'s allowed set (in place)."""
@@ -43,6 +44,6 @@ def apply_bitmask(logits: torch.Tensor, mask: torch.Tensor) -> None:
     r, v = logits.shape
     covered = min(v, 32 * mask.shape[1])
     shifts = torch.arange(32, dtype=torch.int32, device=mask.device)
-    allowed = ((mask.unsqueeze(-1) >> shifts) & 1).view(r, -1)[:, :covered]      # (R, covered)
+    allowed = ((mask.unsqueeze(-1) >> shifts) & 1).view(r, -1)[:, :covered]  # (R, covered)
     logits[:, :covered].masked_fill_(allowed == 0, float("-inf"))
     logits[:, covered:] = float("-inf")

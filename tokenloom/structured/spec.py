@@ -20,12 +20,12 @@ class StructuredOutput:
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"structured output kind must be one of {KINDS}, got {self.kind!r}")
-        if self.kind == "json_schema":      # one text per schema as given (its key order kept): the cache key
+        if self.kind == "json_schema":  # one text per schema as given (its key order kept): the cache key
             try:
                 schema = json.loads(self.value) if isinstance(self.value, str) else self.value
                 object.__setattr__(self, "value", json.dumps(schema, separators=(",", ":")))
             except (ValueError, TypeError):
-                pass                        # not JSON: compiling it reports the error
+                pass  # not JSON: compiling it reports the error
         if not isinstance(self.value, str) or (self.kind != "json_object" and not self.value):
             raise ValueError(f"structured output {self.kind} needs a non-empty value")
 

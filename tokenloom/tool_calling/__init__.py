@@ -11,6 +11,17 @@ from tokenloom.tool_calling.parse import ToolCall, parse_tool_calls
 from tokenloom.tool_calling.reasoning import ReasoningStream, reasoning_enabled, split_reasoning, starts_thinking
 from tokenloom.tool_calling.stream import ToolCallStream
 
-__all__ = ["FORMATS", "ReasoningStream", "ToolCall", "ToolCallStream", "ToolFormat", "detect_format",
-           "parse_tool_calls", "reasoning_enabled", "split_reasoning", "starts_thinking", "tool_format",
-           "tool_grammar"]
+__all__ = [
+    "FORMATS",
+    "ReasoningStream",
+    "ToolCall",
+    "ToolCallStream",
+    "ToolFormat",
+    "detect_format",
+    "parse_tool_calls",
+    "reasoning_enabled",
+    "split_reasoning",
+    "starts_thinking",
+    "tool_format",
+    "tool_grammar",
+]

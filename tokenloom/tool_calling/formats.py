@@ -18,12 +18,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-CALL_HEAD = '{"name": "'      # how every format's call object starts, written compactly
-CALL_WS = r"[ \t\n]{0,24}"    # whitespace a call object may hold between its parts (bounded for the grammar)
+CALL_HEAD = '{"name": "'  # how every format's call object starts, written compactly
+CALL_WS = r"[ \t\n]{0,24}"  # whitespace a call object may hold between its parts (bounded for the grammar)
 # The head as a regex (Python's and llguidance's syntax alike): models pretty-print calls too, as
 # '{\n  "name": "', and the grammars and the parser both take any such head.
 CALL_HEAD_PATTERN = rf'\{{{CALL_WS}"name"{CALL_WS}:{CALL_WS}"'
-FENCE_OPEN, FENCE_CLOSE = "```json\n", "\n```"   # around bare calls, as small models often write them
+FENCE_OPEN, FENCE_CLOSE = "```json\n", "\n```"  # around bare calls, as small models often write them
 
 
 @dataclass(frozen=True)
@@ -31,14 +31,14 @@ class ToolFormat:
     """One family's tool-call syntax (module doc)."""
 
     name: str
-    trigger: str                # text whose appearance opens the calls in free text
+    trigger: str  # text whose appearance opens the calls in free text
     section_open: str = ""
     section_close: str = ""
     call_open: str = ""
     call_close: str = ""
-    separator: str = ""         # between calls, besides whitespace
+    separator: str = ""  # between calls, besides whitespace
     args_key: str = "arguments"
-    bare: bool = False          # a reply made only of call objects (no markers) is calls too
+    bare: bool = False  # a reply made only of call objects (no markers) is calls too
     renders_tools: bool = True  # False: tokenloom writes the tool prompt (the template does not)
 
     @property
@@ -53,13 +53,20 @@ class ToolFormat:
             raise ValueError(f"{self.name}: the trigger {self.trigger!r} must begin the calls {opening!r}")
 
 
-HERMES = ToolFormat("hermes", trigger="<tool_call>", call_open="<tool_call>\n", call_close="\n</tool_call>",
-                    separator="\n", bare=True)
+HERMES = ToolFormat(
+    "hermes", trigger="<tool_call>", call_open="<tool_call>\n", call_close="\n</tool_call>", separator="\n", bare=True
+)
 LLAMA3_JSON = ToolFormat("llama3_json", trigger=CALL_HEAD, separator="; ", args_key="parameters")
-MISTRAL = ToolFormat("mistral", trigger="[TOOL_CALLS]", section_open="[TOOL_CALLS][", section_close="]",
-                     separator=", ")
-GENERIC = ToolFormat("generic", trigger="<tool_call>", call_open="<tool_call>\n", call_close="\n</tool_call>",
-                     separator="\n", bare=True, renders_tools=False)
+MISTRAL = ToolFormat("mistral", trigger="[TOOL_CALLS]", section_open="[TOOL_CALLS][", section_close="]", separator=", ")
+GENERIC = ToolFormat(
+    "generic",
+    trigger="<tool_call>",
+    call_open="<tool_call>\n",
+    call_close="\n</tool_call>",
+    separator="\n",
+    bare=True,
+    renders_tools=False,
+)
 
 FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, GENERIC)}
 

@@ -23,7 +23,7 @@ from typing import Any
 from tokenloom.structured.grammars import JSON_DEFAULTS
 from tokenloom.tool_calling.formats import CALL_HEAD, CALL_HEAD_PATTERN, CALL_WS, FENCE_CLOSE, FENCE_OPEN, ToolFormat
 
-ENDING_RULE = "ENDING: /\\n{1,2}/"     # what a reply may write after its calls, before it ends (module doc)
+ENDING_RULE = "ENDING: /\\n{1,2}/"  # what a reply may write after its calls, before it ends (module doc)
 
 
 def _lit(text: str, special: frozenset[str] = frozenset()) -> str:
@@ -34,10 +34,10 @@ def _lit(text: str, special: frozenset[str] = frozenset()) -> str:
     while rest:
         at = min(((rest.find(m), m) for m in special if m in rest), default=(len(rest), ""))
         if at[0]:
-            parts.append(json.dumps(rest[:at[0]]))
+            parts.append(json.dumps(rest[: at[0]]))
         if at[1]:
             parts.append(at[1])
-        rest = rest[at[0] + len(at[1]):]
+        rest = rest[at[0] + len(at[1]) :]
     return " ".join(parts)
 
 
@@ -63,8 +63,8 @@ def _schema(parameters: dict[str, Any]) -> str:
     return json.dumps(schema)
 
 
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")     # {name: schema}
-_SCHEMA_PLACES = ("items", "prefixItems", "additionalProperties", "anyOf", "oneOf")   # a schema or [schema]
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")  # {name: schema}
+_SCHEMA_PLACES = ("items", "prefixItems", "additionalProperties", "anyOf", "oneOf")  # a schema or [schema]
 
 
 def closed_objects(schema: Any) -> Any:
@@ -99,8 +99,9 @@ def _trigger_pattern(fmt: ToolFormat) -> str:
     return CALL_HEAD_PATTERN if fmt.trigger == CALL_HEAD else _regex_escape(fmt.trigger)
 
 
-def tool_grammar(tools: list[dict[str, Any]], fmt: ToolFormat, mode: str, parallel: bool,
-                 special: frozenset[str] = frozenset()) -> str:
+def tool_grammar(
+    tools: list[dict[str, Any]], fmt: ToolFormat, mode: str, parallel: bool, special: frozenset[str] = frozenset()
+) -> str:
     """The Lark grammar for `tools` ([{"name", "parameters"}] with parameters a JSON schema)
     written in `fmt`; `mode`: "auto" or "required" (a named choice: pass only that tool);
     `special`: the format's markers that are special tokens of the model (formats.markers)."""
@@ -118,9 +119,12 @@ def _call_rules(tools: list[dict[str, Any]], fmt: ToolFormat, parallel: bool, sp
     """HEAD, ARGS, CLOSE: a call object's fixed parts, in any spacing (models pretty-print calls);
     named: what follows HEAD in a call to one of the tools; call, one (with its markers), more (the
     calls after the first), calls (the whole section)."""
-    rules = [f"HEAD: /{CALL_HEAD_PATTERN}/", f'ARGS: /"{CALL_WS},{CALL_WS}"{fmt.args_key}"{CALL_WS}:{CALL_WS}/',
-             f"CLOSE: /{CALL_WS}\\}}/"]
-    for i, tool in enumerate(tools):      # {"name": "NAME", "<args_key>": <schema>}
+    rules = [
+        f"HEAD: /{CALL_HEAD_PATTERN}/",
+        f'ARGS: /"{CALL_WS},{CALL_WS}"{fmt.args_key}"{CALL_WS}:{CALL_WS}/',
+        f"CLOSE: /{CALL_WS}\\}}/",
+    ]
+    for i, tool in enumerate(tools):  # {"name": "NAME", "<args_key>": <schema>}
         rules.append(_rule(f"named_{i}", _lit(tool["name"]), "ARGS", "%json", _schema(tool["parameters"]), "CLOSE"))
     rules.append(_rule("named", " | ".join(f"named_{i}" for i in range(len(tools)))))
     rules.append(_rule("call", "HEAD", "named"))
@@ -148,23 +152,28 @@ def _auto_rules(fmt: ToolFormat, parallel: bool, special: frozenset[str]) -> lis
     """auto: free text that never contains the trigger, or such text, the trigger (matched lazily:
     the first occurrence opens the calls) and the calls; for a bare format also bare call objects."""
     rules = []
-    if fmt.bare:       # call objects, or the same in a ```json fence
+    if fmt.bare:  # call objects, or the same in a ```json fence
         # Leading space, the fence and the call's head are one lexeme: TEXT (which may not begin with them)
         # must die on the very character that completes it, as the lexer does not go back to an earlier,
         # shorter match.
-        rules += [f"BARE_HEAD: /[ \\t\\n]{{0,24}}{CALL_HEAD_PATTERN}/",
-                  f"FENCED_HEAD: /[ \\t\\n]{{0,24}}{_regex_escape(FENCE_OPEN)}{CALL_HEAD_PATTERN}/"]
+        rules += [
+            f"BARE_HEAD: /[ \\t\\n]{{0,24}}{CALL_HEAD_PATTERN}/",
+            f"FENCED_HEAD: /[ \\t\\n]{{0,24}}{_regex_escape(FENCE_OPEN)}{CALL_HEAD_PATTERN}/",
+        ]
         others = f"({_lit(fmt.separator or chr(10))} call)*" if parallel else ""
         rules.append(_rule("bare", "BARE_HEAD named", others, "| FENCED_HEAD named", others, _lit(FENCE_CLOSE)))
-    if fmt.trigger == CALL_HEAD:            # the head itself opens the calls
+    if fmt.trigger == CALL_HEAD:  # the head itself opens the calls
         trigger, rest = "HEAD", ""
     else:
-        trigger, rest = _lit(fmt.trigger, special), _seq(_lit((fmt.section_open + fmt.call_open)[len(fmt.trigger):],
-                                                              special), "HEAD")
-    opened = ("opened" if fmt.trigger in special else "opened[lazy]")    # a special token ends TEXT by itself
-    rules += [_free_text(fmt),
-              _rule(opened, "TEXT", trigger),
-              _rule("after_trigger", rest, "named", _lit(fmt.call_close, special), "more",
-                    _lit(fmt.section_close, special)),
-              "start: TEXT | opened after_trigger ENDING?" + (" | bare ENDING?" if fmt.bare else "")]
+        trigger, rest = (
+            _lit(fmt.trigger, special),
+            _seq(_lit((fmt.section_open + fmt.call_open)[len(fmt.trigger) :], special), "HEAD"),
+        )
+    opened = "opened" if fmt.trigger in special else "opened[lazy]"  # a special token ends TEXT by itself
+    rules += [
+        _free_text(fmt),
+        _rule(opened, "TEXT", trigger),
+        _rule("after_trigger", rest, "named", _lit(fmt.call_close, special), "more", _lit(fmt.section_close, special)),
+        "start: TEXT | opened after_trigger ENDING?" + (" | bare ENDING?" if fmt.bare else ""),
+    ]
     return rules

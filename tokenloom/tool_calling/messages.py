@@ -57,8 +57,9 @@ def _arguments_object(arguments: Any) -> Any:
     return arguments
 
 
-def template_messages(messages: list[dict[str, Any]], functions: list[dict[str, Any]] | None,
-                      fmt: ToolFormat) -> list[dict[str, Any]]:
+def template_messages(
+    messages: list[dict[str, Any]], functions: list[dict[str, Any]] | None, fmt: ToolFormat
+) -> list[dict[str, Any]]:
     """OpenAI-shaped messages (content as text) as the template takes them (module doc);
     `functions`: the tools offered this turn (function_of), or None."""
     if not fmt.renders_tools:
@@ -67,9 +68,10 @@ def template_messages(messages: list[dict[str, Any]], functions: list[dict[str, 
     for m in messages:
         m = dict(m)
         if m.get("tool_calls"):
-            m["tool_calls"] = [{**c, "function": {**c["function"],
-                                                  "arguments": _arguments_object(c["function"]["arguments"])}}
-                               for c in m["tool_calls"]]
+            m["tool_calls"] = [
+                {**c, "function": {**c["function"], "arguments": _arguments_object(c["function"]["arguments"])}}
+                for c in m["tool_calls"]
+            ]
         out.append(m)
     return out
 
@@ -80,11 +82,10 @@ def _call_text(call: dict[str, Any]) -> str:
     return f"<tool_call>\n{body}\n</tool_call>"
 
 
-def _generic_messages(messages: list[dict[str, Any]], functions: list[dict[str, Any]] | None
-                      ) -> list[dict[str, Any]]:
+def _generic_messages(messages: list[dict[str, Any]], functions: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for m in messages:
-        if m["role"] == "tool":          # results: a user turn the model reads them in
+        if m["role"] == "tool":  # results: a user turn the model reads them in
             text = f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"
             if out and out[-1].get("tool_results"):
                 out[-1]["content"] += "\n" + text
@@ -109,8 +110,10 @@ def _generic_messages(messages: list[dict[str, Any]], functions: list[dict[str, 
 def generic_tool_prompt(functions: list[dict[str, Any]]) -> str:
     """The system text that offers `functions` to a model whose template has no tool support."""
     listed = "\n".join(json.dumps({"type": "function", "function": f}) for f in functions)
-    return ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-            f"You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{listed}\n"
-            "</tools>\n\nFor each function call, return a json object with function name and arguments within "
-            "<tool_call></tool_call> XML tags:\n<tool_call>\n"
-            '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
+    return (
+        "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+        f"You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{listed}\n"
+        "</tools>\n\nFor each function call, return a json object with function name and arguments within "
+        "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+        '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+    )

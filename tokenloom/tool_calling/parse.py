@@ -22,8 +22,8 @@ from typing import cast
 from tokenloom.tool_calling.formats import CALL_HEAD, CALL_HEAD_PATTERN, FENCE_CLOSE, FENCE_OPEN, ToolFormat
 
 _WS = re.compile(r"\s*")
-_SCALAR = re.compile(r"[^\s,}\]]*")          # a number, true, false or null
-_HEAD = re.compile(CALL_HEAD_PATTERN)         # a call object's head, in any spacing
+_SCALAR = re.compile(r"[^\s,}\]]*")  # a number, true, false or null
+_HEAD = re.compile(CALL_HEAD_PATTERN)  # a call object's head, in any spacing
 _BARE_HEAD = re.compile(f"({re.escape(FENCE_OPEN)})?{CALL_HEAD_PATTERN}")
 _SQUEEZED_HEAD = CALL_HEAD.replace(" ", "")
 _ARGS_KEYS = ("arguments", "parameters")
@@ -33,18 +33,18 @@ _ARGS_KEYS = ("arguments", "parameters")
 class PartialCall:
     """A call as far as the text goes."""
 
-    name: str | None = None          # once its string is complete
-    arguments: str = ""              # the arguments object's JSON text so far
-    complete: bool = False           # the whole call (object and closing marker) has been read
+    name: str | None = None  # once its string is complete
+    arguments: str = ""  # the arguments object's JSON text so far
+    complete: bool = False  # the whole call (object and closing marker) has been read
 
 
 @dataclass
 class Scan:
-    content: str                     # text before the calls (all of it when there are none)
+    content: str  # text before the calls (all of it when there are none)
     calls: list[PartialCall] = field(default_factory=list)
-    calls_start: int | None = None   # where the calls begin in the text
-    malformed: bool = False          # the text stopped following the format
-    trailing: str = ""               # non-space text after the last complete call (kept as content)
+    calls_start: int | None = None  # where the calls begin in the text
+    malformed: bool = False  # the text stopped following the format
+    trailing: str = ""  # non-space text after the last complete call (kept as content)
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ class ToolCall:
     """A finished call in OpenAI's terms."""
 
     name: str
-    arguments: str                   # JSON text of an object
+    arguments: str  # JSON text of an object
     id: str = field(default_factory=lambda: new_call_id())
 
     def to_openai(self) -> dict:
@@ -85,8 +85,8 @@ def _value_end(text: str, pos: int) -> int | None:
         return _string_end(text, pos)
     if text[pos] not in "[{":
         m = _SCALAR.match(text, pos)
-        assert m is not None                                  # it matches the empty string too
-        return m.end() if m.end() < len(text) else None      # a number may still be growing
+        assert m is not None  # it matches the empty string too
+        return m.end() if m.end() < len(text) else None  # a number may still be growing
     depth, i = 0, pos
     while i < len(text):
         c = text[i]
@@ -108,7 +108,7 @@ def _value_end(text: str, pos: int) -> int | None:
 
 def _skip_ws(text: str, pos: int) -> int:
     m = _WS.match(text, pos)
-    assert m is not None                                      # it matches the empty string too
+    assert m is not None  # it matches the empty string too
     return m.end()
 
 
@@ -119,7 +119,7 @@ def _expect(text: str, pos: int, literal: str) -> tuple[int, bool | None]:
         return _skip_ws(text, pos), True
     start = _skip_ws(text, pos)
     want = literal.strip()
-    got = text[start:start + len(want)]
+    got = text[start : start + len(want)]
     if got == want:
         return start + len(want), True
     return pos, None if want.startswith(got) and start + len(got) == len(text) else False
@@ -139,7 +139,7 @@ def _scan_object(text: str, pos: int, call: PartialCall) -> tuple[int, bool | No
         if i == len(text):
             return pos, None
         if text[i] == "}":
-            call.arguments = call.arguments or "{}"          # a call without arguments takes none
+            call.arguments = call.arguments or "{}"  # a call without arguments takes none
             if call.name is None or not _valid_arguments(call.arguments):
                 return pos, False
             return i + 1, True
@@ -157,7 +157,7 @@ def _scan_object(text: str, pos: int, call: PartialCall) -> tuple[int, bool | No
             return pos, None
         end = _value_end(text, i)
         if key in _ARGS_KEYS and text[i] == "{":
-            call.arguments = text[i:len(text) if end is None else end]     # grows while it streams
+            call.arguments = text[i : len(text) if end is None else end]  # grows while it streams
         if end is None:
             return pos, None
         if key == "name":
@@ -182,14 +182,14 @@ def _valid_arguments(arguments: str) -> bool:
 def _calls_start(text: str, fmt: ToolFormat) -> tuple[int | None, tuple[str, str, str, str, str]]:
     """Where the calls begin, and the texts around them there: (section open, section close, call
     open, call close, separator). None if they have not begun."""
-    if fmt.trigger == CALL_HEAD:    # the head itself opens the calls (llama3_json), in any spacing
+    if fmt.trigger == CALL_HEAD:  # the head itself opens the calls (llama3_json), in any spacing
         head = _HEAD.search(text)
         found = head.start() if head else -1
     else:
         found = text.find(fmt.trigger)
     if found >= 0:
         return found, (fmt.section_open, fmt.section_close, fmt.call_open, fmt.call_close, fmt.separator)
-    if fmt.bare:                    # a reply that is call objects, or one fenced as ```json
+    if fmt.bare:  # a reply that is call objects, or one fenced as ```json
         first = _skip_ws(text, 0)
         bare = _BARE_HEAD.match(text, first)
         if bare:
@@ -206,8 +206,11 @@ def _held_back(text: str, fmt: ToolFormat) -> int:
     """How many characters at the end of `text` could be the start of the calls' opening."""
     if fmt.bare:
         rest = text.lstrip()
-        if FENCE_OPEN.startswith(rest) or _may_grow_into_head(rest) or \
-                (rest.startswith(FENCE_OPEN) and _may_grow_into_head(rest[len(FENCE_OPEN):])):
+        if (
+            FENCE_OPEN.startswith(rest)
+            or _may_grow_into_head(rest)
+            or (rest.startswith(FENCE_OPEN) and _may_grow_into_head(rest[len(FENCE_OPEN) :]))
+        ):
             return len(text)
     if fmt.trigger == CALL_HEAD:
         brace = text.rfind("{")
@@ -222,17 +225,17 @@ def scan(text: str, fmt: ToolFormat) -> Scan:
     """Read `text` as far as it goes (module doc)."""
     start, (section_open, section_close, opening, closing, separator) = _calls_start(text, fmt)
     if start is None:
-        return Scan(text[:len(text) - _held_back(text, fmt)])
+        return Scan(text[: len(text) - _held_back(text, fmt)])
     result = Scan(text[:start], calls_start=start)
     i, ok = _expect(text, start, section_open)
     if not ok:
         result.malformed = ok is False
         return result
     while True:
-        if result.calls:                 # after a call: another, or the end of the section
+        if result.calls:  # after a call: another, or the end of the section
             after_sep, sep_ok = _expect(text, i, separator)
             _, open_ok = _expect(text, after_sep if sep_ok else i, opening or "{")
-            if sep_ok is None or (sep_ok and open_ok is None):    # the text ends inside what comes next
+            if sep_ok is None or (sep_ok and open_ok is None):  # the text ends inside what comes next
                 return result
             if not (sep_ok and open_ok):
                 return _section_end(text, i, section_close, result)
@@ -272,8 +275,7 @@ def parse_tool_calls(text: str, fmt: ToolFormat, cut: bool = False) -> tuple[str
     result = scan(text, fmt)
     if cut and not result.malformed:
         return _cut_reading(text, result)
-    if result.calls_start is None or result.malformed or not result.calls \
-            or not all(c.complete for c in result.calls):
+    if result.calls_start is None or result.malformed or not result.calls or not all(c.complete for c in result.calls):
         return text, []
     return _content_around(result), [ToolCall(cast("str", c.name), c.arguments) for c in result.calls]
 
@@ -281,7 +283,7 @@ def parse_tool_calls(text: str, fmt: ToolFormat, cut: bool = False) -> tuple[str
 def _cut_reading(text: str, result: Scan) -> tuple[str, list[ToolCall]]:
     """parse_tool_calls of a reply cut short that is not malformed (`result`: its scan)."""
     calls = [ToolCall(cast("str", c.name), c.arguments) for c in result.calls if c.complete]  # complete: named
-    if result.calls_start is None and len(result.content) == len(text):     # plain text, nothing held back
+    if result.calls_start is None and len(result.content) == len(text):  # plain text, nothing held back
         return text, []
     return _content_around(result), calls
 

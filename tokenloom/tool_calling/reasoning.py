@@ -8,7 +8,7 @@ reasoning goes to ``reasoning_content``, the rest to ``content``, whole or strea
 from __future__ import annotations
 
 OPEN, CLOSE = "<think>", "</think>"
-PARSERS = ("auto", "none", "think", "qwen3", "deepseek_r1")   # the last three: the same think tags
+PARSERS = ("auto", "none", "think", "qwen3", "deepseek_r1")  # the last three: the same think tags
 
 
 def reasoning_enabled(name: str | None, chat_template: str | None) -> bool:
@@ -33,11 +33,11 @@ def split_reasoning(text: str, thinking: bool = False) -> tuple[str | None, str]
         stripped = text.lstrip()
         if not stripped.startswith(OPEN):
             return None, text
-        text, thinking = stripped[len(OPEN):], True
+        text, thinking = stripped[len(OPEN) :], True
     end = text.find(CLOSE)
     if end < 0:
         return text.strip(), ""
-    return text[:end].strip(), text[end + len(CLOSE):].lstrip()
+    return text[:end].strip(), text[end + len(CLOSE) :].lstrip()
 
 
 class ReasoningStream:
@@ -47,7 +47,7 @@ class ReasoningStream:
     def __init__(self, thinking: bool = False) -> None:
         self.text = ""
         self.thinking = thinking
-        self.sent = (0, 0)                    # characters of (reasoning, content) said
+        self.sent = (0, 0)  # characters of (reasoning, content) said
 
     def feed(self, text_delta: str) -> tuple[str, str]:
         self.text += text_delta
@@ -55,8 +55,8 @@ class ReasoningStream:
         undecided = self._undecided(reasoning)
         if undecided:
             return "", ""
-        if reasoning is not None and CLOSE not in self.text:    # still thinking: hold a partial </think>
-            reasoning = reasoning[:len(reasoning) - _partial_tail(reasoning, CLOSE)].rstrip()
+        if reasoning is not None and CLOSE not in self.text:  # still thinking: hold a partial </think>
+            reasoning = reasoning[: len(reasoning) - _partial_tail(reasoning, CLOSE)].rstrip()
         return self._diff(reasoning or "", content if reasoning is None or CLOSE in self.text else "")
 
     def finish(self) -> tuple[str, str]:
@@ -69,8 +69,12 @@ class ReasoningStream:
 
     def _undecided(self, reasoning: str | None) -> bool:
         """The reply so far could still be opening a think tag (or whitespace before one)."""
-        return reasoning is None and not self.thinking and OPEN.startswith(self.text.lstrip()[:len(OPEN)]) \
+        return (
+            reasoning is None
+            and not self.thinking
+            and OPEN.startswith(self.text.lstrip()[: len(OPEN)])
             and len(self.text.lstrip()) < len(OPEN)
+        )
 
     def _diff(self, reasoning: str, content: str) -> tuple[str, str]:
         r_sent, c_sent = self.sent

@@ -36,15 +36,15 @@ class ToolCallStream:
     def __init__(self, fmt: ToolFormat) -> None:
         self.fmt = fmt
         self.text = ""
-        self.content_sent = 0                 # characters of content said
-        self.ids: list[str] = []              # the id of each call whose header was said
-        self.arguments_sent: list[int] = []   # characters of each call's arguments said
-        self.calls: list[ToolCall] = []       # the final calls (after finish)
+        self.content_sent = 0  # characters of content said
+        self.ids: list[str] = []  # the id of each call whose header was said
+        self.arguments_sent: list[int] = []  # characters of each call's arguments said
+        self.calls: list[ToolCall] = []  # the final calls (after finish)
 
     def feed(self, text_delta: str) -> Delta:
         self.text += text_delta
         result = scan(self.text, self.fmt)
-        if result.malformed:                 # not a call after all: it is all content
+        if result.malformed:  # not a call after all: it is all content
             return self._content_upto(len(self.text))
         delta = self._content_upto(len(result.content.rstrip()))
         for index, call in enumerate(result.calls):
@@ -57,7 +57,7 @@ class ToolCallStream:
         """The rest of the reply, as the final reading has it (`cut`: parse_tool_calls); self.calls
         holds the calls."""
         content, calls = parse_tool_calls(self.text, self.fmt, cut)
-        delta = Delta(content[self.content_sent:])
+        delta = Delta(content[self.content_sent :])
         self.content_sent = max(self.content_sent, len(content))
         self.calls = []
         for index, call in enumerate(calls):
@@ -67,7 +67,7 @@ class ToolCallStream:
 
     def _content_upto(self, end: int) -> Delta:
         """Content up to text[:end] that has not been said yet."""
-        delta = Delta(self.text[self.content_sent:end] if end > self.content_sent else "")
+        delta = Delta(self.text[self.content_sent : end] if end > self.content_sent else "")
         self.content_sent = max(self.content_sent, end)
         return delta
 
@@ -77,9 +77,10 @@ class ToolCallStream:
         if index == len(self.ids):
             self.ids.append(new_call_id())
             self.arguments_sent.append(0)
-            deltas.append({"index": index, "id": self.ids[index], "type": "function",
-                           "function": {"name": name, "arguments": ""}})
-        new = arguments[self.arguments_sent[index]:]
+            deltas.append(
+                {"index": index, "id": self.ids[index], "type": "function", "function": {"name": name, "arguments": ""}}
+            )
+        new = arguments[self.arguments_sent[index] :]
         if new:
             self.arguments_sent[index] = len(arguments)
             deltas.append({"index": index, "function": {"arguments": new}})

@@ -14,17 +14,17 @@ from tokenloom.memory.transfer import to_device
 class SeqChunk:
     """Tokens of one sequence computed in one forward pass."""
 
-    token_ids: list[int]      # the tokens at positions start .. start + len - 1
-    start: int                # position of token_ids[0]
-    block_ids: list[int]      # the sequence's block table (covers start + len tokens)
+    token_ids: list[int]  # the tokens at positions start .. start + len - 1
+    start: int  # position of token_ids[0]
+    block_ids: list[int]  # the sequence's block table (covers start + len tokens)
 
 
 @dataclass(slots=True)
 class Batch:
-    input_ids: torch.Tensor       # (T,) int64
-    positions: torch.Tensor       # (T,) int64
-    meta: AttentionMetadata       # block tables on the host (the attention backends move what they read)
-    fresh_blocks: list[int]       # blocks whose first slot this pass writes (zero them first)
+    input_ids: torch.Tensor  # (T,) int64
+    positions: torch.Tensor  # (T,) int64
+    meta: AttentionMetadata  # block tables on the host (the attention backends move what they read)
+    fresh_blocks: list[int]  # blocks whose first slot this pass writes (zero them first)
 
 
 def build_batch(chunks: list[SeqChunk], block_size: int, device: torch.device, null_block: int) -> Batch:
@@ -45,8 +45,7 @@ def build_batch(chunks: list[SeqChunk], block_size: int, device: torch.device, n
         fresh.extend(table[p // bs] for p in range(-(-c.start // bs) * bs, end, bs))  # first write of a block
         q_lens.append(len(c.token_ids))
         ctx_lens.append(end)
-        tables.append(torch.tensor(table[:-(-end // bs)], dtype=torch.int64))
-    ids_positions_slots = to_device(torch.tensor([ids, positions, slots], dtype=torch.int64), device)   # (3, T)
+        tables.append(torch.tensor(table[: -(-end // bs)], dtype=torch.int64))
+    ids_positions_slots = to_device(torch.tensor([ids, positions, slots], dtype=torch.int64), device)  # (3, T)
     meta = AttentionMetadata(ids_positions_slots[2], starts, q_lens, ctx_lens, tables, null_block=null_block)
     return Batch(ids_positions_slots[0], ids_positions_slots[1], meta, fresh)
-

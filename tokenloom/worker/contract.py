@@ -16,11 +16,11 @@ if TYPE_CHECKING:
 @dataclass(slots=True)
 class ScheduledRequest:
     request: Request
-    num_tokens: int          # tokens of this request computed in this step (prompt chunk or 1)
-    samples: bool            # True when this step reaches the request's last known token
-    block_ids: list[int]     # the request's whole block table after this step's allocation
+    num_tokens: int  # tokens of this request computed in this step (prompt chunk or 1)
+    samples: bool  # True when this step reaches the request's last known token
+    block_ids: list[int]  # the request's whole block table after this step's allocation
     spec_token_ids: list[int] = field(default_factory=list)  # draft tokens verified this step (in num_tokens)
-    decode_steps: int = 1    # tokens decoded in a row (each fed back on the device); KV room for all of them
+    decode_steps: int = 1  # tokens decoded in a row (each fed back on the device); KV room for all of them
 
 
 @dataclass(slots=True)
@@ -43,10 +43,10 @@ class SchedulerOutput:
 class RunnerOutput:
     """What the runner returns: one entry per scheduled request that samples, in batch order."""
 
-    request_ids: list[str]                            # requests that sampled this step
-    sampled_token_ids: list[list[int]]                # per request: its new tokens (accepted drafts + 1)
-    logprobs: list[list[TokenLogprobs] | None]        # per request, per new token: chosen + top-N (if asked)
+    request_ids: list[str]  # requests that sampled this step
+    sampled_token_ids: list[list[int]]  # per request: its new tokens (accepted drafts + 1)
+    logprobs: list[list[TokenLogprobs] | None]  # per request, per new token: chosen + top-N (if asked)
     # request -> (index of the first prompt token scored, entries) for this step's prompt chunk
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
-    explanations: dict[str, StepRecord] = field(default_factory=dict)   # request -> its token's record
-    errors: dict[str, str] = field(default_factory=dict)   # request -> why its part of the step failed
+    explanations: dict[str, StepRecord] = field(default_factory=dict)  # request -> its token's record
+    errors: dict[str, str] = field(default_factory=dict)  # request -> why its part of the step failed

@@ -72,12 +72,20 @@ class StaticLayout:
     def views(self, buf):
         """(ids, positions, slots, seq_lens, query_start, block_offsets, block_ids) views of buf."""
         r = self.rows
-        return (buf[:r], buf[r:2 * r], buf[2 * r:3 * r], buf[3 * r:4 * r], buf[4 * r:5 * r + 1],
-                buf[5 * r + 1:6 * r + 1], buf[6 * r + 1:])
+        return (
+            buf[:r],
+            buf[r : 2 * r],
+            buf[2 * r : 3 * r],
+            buf[3 * r : 4 * r],
+            buf[4 * r : 5 * r + 1],
+            buf[5 * r + 1 : 6 * r + 1],
+            buf[6 * r + 1 :],
+        )
 
 
-def fill_decode_inputs(host: np.ndarray, layout: StaticLayout, chunks: list[SeqChunk], bucket: int,
-                       block_size: int) -> int:
+def fill_decode_inputs(
+    host: np.ndarray, layout: StaticLayout, chunks: list[SeqChunk], bucket: int, block_size: int
+) -> int:
     """Write one-token `chunks` into the host buffer for a replay of `bucket` rows (padding rows:
     slot -1, no context); returns how many leading int32s of the buffer the device needs."""
     n = len(chunks)
@@ -87,7 +95,7 @@ def fill_decode_inputs(host: np.ndarray, layout: StaticLayout, chunks: list[SeqC
     positions[:n] = starts
     slots[:n] = [c.block_ids[p // block_size] * block_size + p % block_size for c, p in zip(chunks, starts)]
     seq_lens[:n] = [p + 1 for p in starts]
-    counts = [p // block_size + 1 for p in starts]                     # blocks covering each context
+    counts = [p // block_size + 1 for p in starts]  # blocks covering each context
     offsets[:n] = np.cumsum([0, *counts[:-1]])
     total = sum(counts)
     if total > len(block_ids):
@@ -107,8 +115,8 @@ class StaticDecodeInputs:
         self.host_buf = torch.zeros(layout.size, dtype=torch.int32, pin_memory=on_gpu)
         self.host = self.host_buf.numpy()
         views = layout.views(self.host)
-        views[2][:] = -1                                                # no row writes the cache
-        views[4][:] = np.arange(len(views[4]))                          # one query per row
+        views[2][:] = -1  # no row writes the cache
+        views[4][:] = np.arange(len(views[4]))  # one query per row
         self.device_buf.copy_(self.host_buf)
         self.copied = torch.cuda.Event() if on_gpu else None
         if self.copied is not None:
@@ -117,9 +125,10 @@ class StaticDecodeInputs:
     def model_inputs(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """(ids, positions, meta) of a `bucket`-row forward: views of the device buffer."""
         ids, positions, slots, seq_lens, query_start, offsets, block_ids = self.layout.views(self.device_buf)
-        paged = PagedInputs(seq_lens[:bucket], query_start[:bucket + 1], offsets[:bucket], block_ids, 1)
-        meta = AttentionMetadata(slots[:bucket], list(range(bucket)), [1] * bucket, [1] * bucket, [],
-                                 paged_inputs_=paged)
+        paged = PagedInputs(seq_lens[:bucket], query_start[: bucket + 1], offsets[:bucket], block_ids, 1)
+        meta = AttentionMetadata(
+            slots[:bucket], list(range(bucket)), [1] * bucket, [1] * bucket, [], paged_inputs_=paged
+        )
         return ids[:bucket], positions[:bucket], meta
 
     def load(self, chunks: list[SeqChunk], bucket: int) -> None:
@@ -160,7 +169,7 @@ class DecodeGraphs:
         ids, positions, meta = self.inputs.model_inputs(bucket)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):               # warm-up: kernels compiled, library handles made
+        with torch.cuda.stream(side):  # warm-up: kernels compiled, library handles made
             for _ in range(2):
                 self.forward(ids, positions, meta)
         torch.cuda.current_stream().wait_stream(side)
@@ -179,11 +188,11 @@ class DecodeGraphs:
         graph's output, valid until the next replay. `input_ids` (n,) on the device, where given,
         replace the chunks' tokens (a copy on the device, after the inputs' upload)."""
         bucket = bucket_for(len(chunks), self.sizes)
-        assert bucket is not None                   # takes(chunks): a bucket holds them
+        assert bucket is not None  # takes(chunks): a bucket holds them
         self.inputs.load(chunks, bucket)
         if input_ids is not None:
-            self.inputs.layout.views(self.inputs.device_buf)[0][:len(chunks)].copy_(input_ids)
-        return self.replay(bucket)[:len(chunks)]
+            self.inputs.layout.views(self.inputs.device_buf)[0][: len(chunks)].copy_(input_ids)
+        return self.replay(bucket)[: len(chunks)]
 
     def replay(self, bucket: int) -> torch.Tensor:
         """Run the `bucket` graph over what the static buffer holds now: its output (bucket, hidden)."""
@@ -195,16 +204,19 @@ def start_decode_graphs(model, kv_cache, max_num_seqs: int, max_model_len: int) 
     """Capture the decode graphs of `model` over `kv_cache`, or None (logged) where its forward cannot
     be captured. Logs the capture's time."""
     if not type(model).replayable_layers:
-        log.info("CUDA graphs off: %s picks experts on the host each step; decode runs eagerly",
-                 type(model).__name__)
+        log.info("CUDA graphs off: %s picks experts on the host each step; decode runs eagerly", type(model).__name__)
         return None
     sizes = capture_sizes(max_num_seqs)
     max_blocks = -(-max_model_len // kv_cache.block_size)
 
     def forward(ids, positions, meta):
         return model(ids, positions, meta, kv_cache)
+
     graphs = DecodeGraphs(forward, sizes, max_blocks, kv_cache.block_size, kv_cache.device)
     seconds = graphs.capture_all()
-    log.info("CUDA graphs: decode captured for batch sizes %s in %.1f s (--enforce-eager: off)",
-             ", ".join(map(str, sizes)), seconds)
+    log.info(
+        "CUDA graphs: decode captured for batch sizes %s in %.1f s (--enforce-eager: off)",
+        ", ".join(map(str, sizes)),
+        seconds,
+    )
     return graphs

@@ -36,12 +36,21 @@ log = logging.getLogger(__name__)
 # The activation heap reserved at start-up stays resident: at most this much (see reserve_activation_memory).
 RESERVE_AT_MOST = 128 << 20
 
+
 class ModelRunner:
     """Owns the model and its KV cache tensors; runs one step of a ragged batch."""
 
-    def __init__(self, model: CausalLM, kv_cache: PagedKVCache, device: torch.device | str,
-                 cuda_graphs: bool = False, max_num_seqs: int = 64, max_model_len: int | None = None,
-                 peers: ParallelGroup | None = None, pipeline: Pipeline | None = None) -> None:
+    def __init__(
+        self,
+        model: CausalLM,
+        kv_cache: PagedKVCache,
+        device: torch.device | str,
+        cuda_graphs: bool = False,
+        max_num_seqs: int = 64,
+        max_model_len: int | None = None,
+        peers: ParallelGroup | None = None,
+        pipeline: Pipeline | None = None,
+    ) -> None:
         """`cuda_graphs`: on a GPU, capture decode steps of up to `max_num_seqs` sequences of up to
         `max_model_len` positions as CUDA graphs now (worker/cuda_graphs.py), where the model allows.
         `peers`: rank 0 of a split model, the group each call is broadcast on; `pipeline`: a pipeline
@@ -56,12 +65,16 @@ class ModelRunner:
         self.peers = peers
         self.pipeline = pipeline
         parallel = getattr(model, "tensor_shard", None) is not None or self.pipeline is not None
-        self.tapes = (StepTapes(model, kv_cache) if self.device.type == "cpu" and StepTapes.usable(model)
-                      and not parallel else None)
+        self.tapes = (
+            StepTapes(model, kv_cache)
+            if self.device.type == "cpu" and StepTapes.usable(model) and not parallel
+            else None
+        )
         self.graphs = None
         if cuda_graphs and self.device.type == "cuda" and not parallel and triton_kernels.takes_cache(kv_cache):
-            self.graphs = start_decode_graphs(model, kv_cache, max_num_seqs,
-                                              max_model_len or model.config.max_model_len)
+            self.graphs = start_decode_graphs(
+                model, kv_cache, max_num_seqs, max_model_len or model.config.max_model_len
+            )
 
     def reserve_activation_memory(self, max_tokens: int, dtype: torch.dtype) -> bool:
         """On the CPU, grow the heap once for the activations of a `max_tokens`-token step, so
@@ -82,14 +95,15 @@ class ModelRunner:
         chunks = []
         for s in sched.scheduled:
             req, start = s.request, s.request.num_computed_tokens
-            tokens = req.token_ids_from(start, s.num_tokens)            # pending tokens, then drafts
+            tokens = req.token_ids_from(start, s.num_tokens)  # pending tokens, then drafts
             if len(tokens) < s.num_tokens:
-                tokens = tokens + s.spec_token_ids[:s.num_tokens - len(tokens)]
+                tokens = tokens + s.spec_token_ids[: s.num_tokens - len(tokens)]
             chunks.append(SeqChunk(tokens, start, s.block_ids))
         return chunks
 
-    def forward(self, chunks: list[SeqChunk], input_ids: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, AttentionMetadata | None]:
+    def forward(
+        self, chunks: list[SeqChunk], input_ids: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, AttentionMetadata | None]:
         """Run the model over `chunks` (writing their KV): hidden states (T, hidden) and the batch
         layout (None where a CUDA graph or a pipeline ran the step). `input_ids` (T,) on the
         device, where given, replace the chunks' token ids (tokens sampled on the device that the
@@ -121,9 +135,17 @@ class ModelRunner:
         (the scheduler's decode_steps): sampled by the device path's settings, with nothing that
         needs the host between tokens (logprobs, penalties over the growing output, a grammar)."""
         p = request.params
-        return (self.peers is None and self.pipeline is None and p.logprobs is None and p.prompt_logprobs is None
-                and request.matcher is None and p.repetition_penalty == 1 and not p.frequency_penalty
-                and not p.presence_penalty and device_sampling.row_takes(p, len(request.output_token_ids)))
+        return (
+            self.peers is None
+            and self.pipeline is None
+            and p.logprobs is None
+            and p.prompt_logprobs is None
+            and request.matcher is None
+            and p.repetition_penalty == 1
+            and not p.frequency_penalty
+            and not p.presence_penalty
+            and device_sampling.row_takes(p, len(request.output_token_ids))
+        )
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
@@ -133,14 +155,17 @@ class ModelRunner:
         if steps > 1 and (ahead := self._decode_ahead(sched, steps)) is not None:
             return ahead
         errors: dict[str, str] = {}
-        constrained = [s.request.matcher for s in sched.scheduled
-                       if s.samples and not s.spec_token_ids and s.request.matcher is not None]
+        constrained = [
+            s.request.matcher
+            for s in sched.scheduled
+            if s.samples and not s.spec_token_ids and s.request.matcher is not None
+        ]
         masks = MaskStep(constrained, self.model.config.vocab_size) if constrained else None  # runs meanwhile
         if sched.block_copies:
             if self.peers is not None:
                 self.peers.send("copy", sched.block_copies)
             self.kv_cache.copy_blocks(sched.block_copies)
-        hidden = self._forward_isolated(sched, errors)                       # (T, hidden)
+        hidden = self._forward_isolated(sched, errors)  # (T, hidden)
         plain, spec, rows_plain, rows_spec = [], [], [], []
         start = 0
         for s in sched.scheduled:
@@ -161,8 +186,9 @@ class ModelRunner:
             self._verify(spec, hidden, rows_spec, results, errors)
         prompt = self._prompt_logprobs(sched, hidden, errors)
         ids = [s.request.request_id for s in sched.scheduled if s.request.request_id in results]
-        return RunnerOutput(ids, [results[i][0] for i in ids], [results[i][1] for i in ids],
-                            prompt, explanations, errors)
+        return RunnerOutput(
+            ids, [results[i][0] for i in ids], [results[i][1] for i in ids], prompt, explanations, errors
+        )
 
     def _decode_ahead(self, sched: SchedulerOutput, steps: int) -> RunnerOutput | None:
         """`steps` one-token steps in a row for every scheduled request, each step's sampled tokens
@@ -176,11 +202,11 @@ class ModelRunner:
             tokens, drawn = None, []
             for j in range(steps):
                 step = chunks if j == 0 else [SeqChunk(c.token_ids, c.start + j, c.block_ids) for c in chunks]
-                hidden = self.forward(step, tokens)[0]                                    # (B, hidden)
+                hidden = self.forward(step, tokens)[0]  # (B, hidden)
                 logits = self.model.compute_logits(hidden)
-                tokens = self.sampler.sample(logits, SamplingMetadata.for_requests(requests)).tokens   # (B,)
+                tokens = self.sampler.sample(logits, SamplingMetadata.for_requests(requests)).tokens  # (B,)
                 drawn.append(tokens)
-            rows = torch.stack(drawn, 1).tolist()                                        # (B, steps)
+            rows = torch.stack(drawn, 1).tolist()  # (B, steps)
         except ParallelRankError:
             raise
         except Exception:
@@ -198,7 +224,7 @@ class ModelRunner:
         try:
             return self.forward(chunks)[0]
         except ParallelRankError:
-            raise                                  # not one request's fault: the engine cannot go on
+            raise  # not one request's fault: the engine cannot go on
         except Exception as batch_error:
             if len(chunks) == 1:
                 errors[sched.scheduled[0].request.request_id] = describe_error(batch_error)
@@ -214,10 +240,18 @@ class ModelRunner:
                 parts.append(torch.zeros(len(chunk.token_ids), self.model.config.hidden_size, device=self.device))
         return torch.cat(parts)
 
-    def _sample(self, plain: list, hidden: torch.Tensor, masks: MaskStep | None, constrained: list,
-                results: dict, explanations: dict, errors: dict[str, str]) -> None:
+    def _sample(
+        self,
+        plain: list,
+        hidden: torch.Tensor,
+        masks: MaskStep | None,
+        constrained: list,
+        results: dict,
+        explanations: dict,
+        errors: dict[str, str],
+    ) -> None:
         """One token for each of `plain`'s requests from its row of hidden (B, hidden)."""
-        logits = self.model.compute_logits(hidden)                          # (B, vocab) float32
+        logits = self.model.compute_logits(hidden)  # (B, vocab) float32
         mask_row = {id(m): j for j, m in enumerate(constrained)}
         requests = [s.request for s in plain]
 
@@ -227,7 +261,7 @@ class ModelRunner:
             if masks is not None and any(r.matcher is not None for r in sub):
                 local = [j for j, r in enumerate(sub) if r.matcher is not None]
                 which = [mask_row[id(sub[j].matcher)] for j in local]
-                constrain = lambda lg: masks.apply(lg, local, which)      # noqa: E731
+                constrain = lambda lg: masks.apply(lg, local, which)  # noqa: E731
             # a retry recomputes its logits: the failed batch may have processed them in place
             rows_logits = logits if len(rows) == len(plain) else self.model.compute_logits(hidden[rows])
             out = self.sampler.sample(rows_logits, SamplingMetadata.for_requests(sub), constrain)
@@ -240,44 +274,51 @@ class ModelRunner:
                 if record is not None:
                     explanations[req.request_id] = record
 
-    def _verify(self, spec: list, hidden: torch.Tensor, rows: list[list[int]], results: dict,
-                errors: dict[str, str]) -> None:
+    def _verify(
+        self, spec: list, hidden: torch.Tensor, rows: list[list[int]], results: dict, errors: dict[str, str]
+    ) -> None:
         """Accept or reject each of `spec`'s drafts against the target's logits at its rows."""
+
         def verify_rows(which: list[int]) -> list:
             flat = [r for i in which for r in rows[i]]
-            logits = self.model.compute_logits(hidden[flat])                 # (sum(k + 1), vocab)
-            drafts = [Draft(spec[i].request, spec[i].spec_token_ids, spec[i].request.spec_draft_probs)
-                      for i in which]
+            logits = self.model.compute_logits(hidden[flat])  # (sum(k + 1), vocab)
+            drafts = [Draft(spec[i].request, spec[i].spec_token_ids, spec[i].request.spec_draft_probs) for i in which]
             return verify(logits, drafts)
+
         requests = [s.request for s in spec]
         for req, got in zip(requests, isolated(requests, verify_rows, errors, seeded=True)):
             if got is not None:
                 results[req.request_id] = got
 
-    def _prompt_logprobs(self, sched: SchedulerOutput, hidden: torch.Tensor, errors: dict[str, str]
-                         ) -> dict[str, tuple[int, list[TokenLogprobs]]]:
+    def _prompt_logprobs(
+        self, sched: SchedulerOutput, hidden: torch.Tensor, errors: dict[str, str]
+    ) -> dict[str, tuple[int, list[TokenLogprobs]]]:
         """Scoring requests' prompt-chunk rows -> logprobs of the prompt tokens they predict."""
         out = {}
         row = 0
         for s in sched.scheduled:
             req, first_row, row = s.request, row, row + s.num_tokens
-            if (req.params.prompt_logprobs is None or req.num_computed_tokens >= req.num_prompt_tokens
-                    or req.request_id in errors):
+            if (
+                req.params.prompt_logprobs is None
+                or req.num_computed_tokens >= req.num_prompt_tokens
+                or req.request_id in errors
+            ):
                 continue
             start = req.num_computed_tokens
             k, targets = chunk_targets(req.prompt_token_ids, start, s.num_tokens)
             if not k:
                 continue
             try:
-                out[req.request_id] = (start + 1, prompt_logprobs(self.model, hidden[first_row:first_row + k],
-                                                                   targets, req.params.prompt_logprobs))
+                out[req.request_id] = (
+                    start + 1,
+                    prompt_logprobs(self.model, hidden[first_row : first_row + k], targets, req.params.prompt_logprobs),
+                )
             except Exception as e:
                 errors[req.request_id] = describe_error(e)
         return out
 
 
-def isolated(requests: list, run: Callable[[list[int]], list], errors: dict[str, str],
-             seeded: bool = False) -> list:
+def isolated(requests: list, run: Callable[[list[int]], list], errors: dict[str, str], seeded: bool = False) -> list:
     """run(indices) -> one result per index, for the whole batch of `requests` at once. Should
     that raise, each request runs alone: those that raise again get an error in `errors` (and
     result None), the others their own results. With `seeded`, seeded requests' generators are

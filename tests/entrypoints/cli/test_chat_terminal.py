@@ -24,10 +24,29 @@ def _ctrl_c_as_on_a_terminal() -> None:
 @pytest.fixture
 def chat(default_model_dir, tmp_path):
     env = {**os.environ, "TOKENLOOM_CACHE": str(tmp_path / "cache"), "TERM": "dumb"}
-    child = pexpect.spawn(sys.executable, ["-m", "tokenloom", "chat", "-m", str(default_model_dir),
-                                           "--temp", "0", "-n", "400", "--ignore-eos", "--max-model-len", "1024"],
-                          cwd=str(tmp_path), env=env, encoding="utf-8", timeout=120, dimensions=(40, 200),
-                          preexec_fn=_ctrl_c_as_on_a_terminal)
+    child = pexpect.spawn(
+        sys.executable,
+        [
+            "-m",
+            "tokenloom",
+            "chat",
+            "-m",
+            str(default_model_dir),
+            "--temp",
+            "0",
+            "-n",
+            "400",
+            "--ignore-eos",
+            "--max-model-len",
+            "1024",
+        ],
+        cwd=str(tmp_path),
+        env=env,
+        encoding="utf-8",
+        timeout=120,
+        dimensions=(40, 200),
+        preexec_fn=_ctrl_c_as_on_a_terminal,
+    )
     child.expect_exact("> ")
     yield child
     child.close(force=True)
@@ -35,31 +54,35 @@ def chat(default_model_dir, tmp_path):
 
 def test_ctrl_c_stops_the_reply_and_keeps_the_conversation(chat, tmp_path):
     chat.sendline("Tell me a long story about a dragon.")
-    chat.expect(r"\w+ \w+ \w+ \w+ \w+")                     # the reply is streaming...
-    chat.sendintr()                                         # ... Ctrl-C
+    chat.expect(r"\w+ \w+ \w+ \w+ \w+")  # the reply is streaming...
+    chat.sendintr()  # ... Ctrl-C
     chat.expect(r"\[stopped; (\d+) tokens")
-    assert int(chat.match.group(1)) < 400                   # cut short, not run to max tokens
-    chat.expect_exact("> ")                                 # still in the session
+    assert int(chat.match.group(1)) < 400  # cut short, not run to max tokens
+    chat.expect_exact("> ")  # still in the session
     chat.sendline("/save talk.json")
     chat.expect_exact("saved 2 messages to talk.json")
     saved = json.loads((tmp_path / "talk.json").read_text())["messages"]
     assert [m["role"] for m in saved] == ["user", "assistant"] and saved[1]["content"].strip()
 
     chat.expect_exact("> ")
-    chat.send("\x1b[A")                                     # Up: the last line comes back...
-    chat.send("\r")                                         # ... and runs again
+    chat.send("\x1b[A")  # Up: the last line comes back...
+    chat.send("\r")  # ... and runs again
     chat.expect_exact("saved 2 messages to talk.json")
 
-    for command, answer in [("/reset", "conversation cleared"), ("/help", "/system TEXT"),
-                            ("/system Be terse.", "system prompt set"), ("/hello", "unknown command /hello")]:
+    for command, answer in [
+        ("/reset", "conversation cleared"),
+        ("/help", "/system TEXT"),
+        ("/system Be terse.", "system prompt set"),
+        ("/hello", "unknown command /hello"),
+    ]:
         chat.expect_exact("> ")
         chat.sendline(command)
         chat.expect_exact(answer)
     chat.expect_exact("> ")
     chat.sendline("/save empty.json")
-    chat.expect_exact("saved 1 messages")                   # reset kept only the new system prompt
+    chat.expect_exact("saved 1 messages")  # reset kept only the new system prompt
     chat.expect_exact("> ")
-    chat.sendeof()                                          # Ctrl-D quits
+    chat.sendeof()  # Ctrl-D quits
     chat.expect(pexpect.EOF)
     chat.close()
     assert chat.exitstatus == 0
@@ -76,11 +99,11 @@ def test_ctrl_c_at_the_prompt_does_not_quit(chat):
 
 
 def test_a_paste_of_several_lines_is_one_message(chat, tmp_path):
-    assert "\x1b[?2004h" in chat.before                     # bracketed paste mode on, before the first prompt
-    chat.send("\x1b[200~Tell me a long story\rabout a dragon.\x1b[201~")   # as the terminal sends a paste...
-    chat.send("\r")                                         # ... then Enter
-    chat.expect_exact("about a dragon.")                    # the echo, not yet the reply
-    chat.expect(r"\w+ \w+ \w+ \w+ \w+")                     # one reply is streaming
+    assert "\x1b[?2004h" in chat.before  # bracketed paste mode on, before the first prompt
+    chat.send("\x1b[200~Tell me a long story\rabout a dragon.\x1b[201~")  # as the terminal sends a paste...
+    chat.send("\r")  # ... then Enter
+    chat.expect_exact("about a dragon.")  # the echo, not yet the reply
+    chat.expect(r"\w+ \w+ \w+ \w+ \w+")  # one reply is streaming
     chat.sendintr()
     chat.expect_exact("[stopped; ")
     chat.expect_exact("> ")
@@ -91,6 +114,6 @@ def test_a_paste_of_several_lines_is_one_message(chat, tmp_path):
     chat.expect_exact("> ")
     chat.sendeof()
     chat.expect(pexpect.EOF)
-    assert "\x1b[?2004l" in chat.before                     # and off again as the chat ends
+    assert "\x1b[?2004l" in chat.before  # and off again as the chat ends
     chat.close()
     assert chat.exitstatus == 0

@@ -12,34 +12,78 @@ from tokenloom.entrypoints.cli.commands import main as cli_main
 
 
 def test_generate_streams_the_continuation(default_model_dir, capsys):
-    rc = cli_main(["generate", "--model", str(default_model_dir), "--temp", "0", "-n", "6",
-                   "Once upon a time, there was a little"])
+    rc = cli_main(
+        [
+            "generate",
+            "--model",
+            str(default_model_dir),
+            "--temp",
+            "0",
+            "-n",
+            "6",
+            "Once upon a time, there was a little",
+        ]
+    )
     assert rc == 0
     assert capsys.readouterr().out.startswith("Once upon a time, there was a little girl named Emma")
 
 
 def test_generate_with_chat_template(default_model_dir, capsys):
-    assert cli_main(["generate", "-m", str(default_model_dir), "--temp", "0", "--chat",
-                     "What is the capital of France?"]) == 0
+    assert (
+        cli_main(["generate", "-m", str(default_model_dir), "--temp", "0", "--chat", "What is the capital of France?"])
+        == 0
+    )
     assert capsys.readouterr().out.strip() == "The capital of France is Paris."
 
 
 def test_generate_explain_prints_a_readable_record_per_token(default_model_dir, capsys):
-    assert cli_main(["generate", "-m", str(default_model_dir), "-n", "6", "--explain", "--temp", "0",
-                     "Once upon a time, there was a little"]) == 0
+    assert (
+        cli_main(
+            [
+                "generate",
+                "-m",
+                str(default_model_dir),
+                "-n",
+                "6",
+                "--explain",
+                "--temp",
+                "0",
+                "Once upon a time, there was a little",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     lines = out.splitlines()
-    assert all(len(line) <= 80 for line in lines) and "\x1b[" not in out     # not a TTY: no colors
+    assert all(len(line) <= 80 for line in lines) and "\x1b[" not in out  # not a TTY: no colors
     steps = [line for line in lines if line[:4].strip().isdigit()]
     assert [int(line[:4]) for line in steps] == list(range(6))
     assert " p 0." in steps[0] and "KV " in steps[0] and "' girl'" in steps[0]
     assert sum(line.startswith("      alt ") for line in lines) == 6
-    assert lines[-1] == "Once upon a time, there was a little girl named Emma who loved to"   # as without --explain
+    assert lines[-1] == "Once upon a time, there was a little girl named Emma who loved to"  # as without --explain
 
 
 def test_generate_explain_full_tabulates_20_candidates(default_model_dir, capsys):
-    assert cli_main(["generate", "-m", str(default_model_dir), "-n", "2", "--explain=full", "--temp", "0.7",
-                     "--top-p", "0.5", "--seed", "1", "Paris is"]) == 0
+    assert (
+        cli_main(
+            [
+                "generate",
+                "-m",
+                str(default_model_dir),
+                "-n",
+                "2",
+                "--explain=full",
+                "--temp",
+                "0.7",
+                "--top-p",
+                "0.5",
+                "--seed",
+                "1",
+                "Paris is",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert out.count("     > ") == 2 and out.count("top_p") >= 2 and "KV blocks in use" in out
     assert all(len(line) <= 80 for line in out.splitlines())
@@ -47,12 +91,14 @@ def test_generate_explain_full_tabulates_20_candidates(default_model_dir, capsys
 
 def test_chat_keeps_the_conversation(default_model_dir, monkeypatch, capsys):
     from tokenloom.entrypoints.cli.chat import ChatSession
+
     seen = []
     original = ChatSession.reply
 
     def spy(self, out=None, **kwargs):
-        seen.append([dict(m) for m in self.history])     # the conversation each turn is generated from
+        seen.append([dict(m) for m in self.history])  # the conversation each turn is generated from
         return original(self, out, **kwargs)
+
     monkeypatch.setattr(ChatSession, "reply", spy)
     monkeypatch.setattr(sys, "stdin", io.StringIO("What is the capital of France?\nAnd of Italy?\n/exit\n"))
     assert cli_main(["chat", "-m", str(default_model_dir), "--temp", "0", "-n", "20"]) == 0
@@ -70,6 +116,7 @@ def test_help(args):
 
 def test_serve_refuses_a_bad_admission_bound_before_loading_the_model(capsys, monkeypatch):
     from tokenloom.entrypoints.cli import commands as cli
+
     monkeypatch.setattr(cli, "make_llm", lambda args: pytest.fail("the model was loaded before the flags were checked"))
     assert cli.main(["serve", "--max-pending-seqs", "0"]) == 2
     assert "admission limit max_pending_seqs must be >= 1, got 0" in capsys.readouterr().err
@@ -79,17 +126,23 @@ def test_serve_refuses_a_bad_admission_bound_before_loading_the_model(capsys, mo
 def test_left_out_sampling_flags_take_llama_cpps_defaults(default_model_dir, capsys):
     from tokenloom import LLM
     from tokenloom.sampling_params import SamplingParams
-    assert cli_main(["generate", "-m", str(default_model_dir), "--seed", "3", "-n", "12", "--no-display-prompt",
-                     "The ocean"]) == 0
+
+    assert (
+        cli_main(
+            ["generate", "-m", str(default_model_dir), "--seed", "3", "-n", "12", "--no-display-prompt", "The ocean"]
+        )
+        == 0
+    )
     captured = capsys.readouterr()
     llm = LLM(str(default_model_dir), max_model_len=256, kv_cache_memory=32 << 20)
     want = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, seed=3, max_tokens=12)
-    assert captured.out.rstrip("\n") == llm.generate("The ocean", want)[0].outputs[0].text     # no prompt echoed
-    assert "tokens, " in captured.err and "tok/s" in captured.err          # the summary line, on stderr
+    assert captured.out.rstrip("\n") == llm.generate("The ocean", want)[0].outputs[0].text  # no prompt echoed
+    assert "tokens, " in captured.err and "tok/s" in captured.err  # the summary line, on stderr
 
 
 def test_version_and_threads(capsys, default_model_dir):
     import torch
+
     with pytest.raises(SystemExit) as exit_:
         cli_main(["--version"])
     assert exit_.value.code == 0 and capsys.readouterr().out.startswith("tokenloom 0.")
@@ -105,43 +158,52 @@ def test_version_and_threads(capsys, default_model_dir):
 def no_model_load(monkeypatch):
     """Any model load fails the test: the error must come before it."""
     from tokenloom.entrypoints.cli import commands as cli
+
     monkeypatch.setattr(cli, "make_llm", lambda args: pytest.fail("the model was loaded before the error"))
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["generate", "   "], "the prompt is empty"),
-    (["generate", "--max-model-len", "256", "word " * 700], "the prompt is 70"),
-    (["generate", "-c", "256", "word " * 700], "but the context is 256"),
-    (["generate", "--ctx-size", "300", "word " * 700], "but the context is 300"),
-    (["generate", "--json-schema", "no-such-schema.json", "Hi"], "--json-schema: no file 'no-such-schema.json'"),
-    (["generate", "--json-schema", "{not json", "Hi"], "--json-schema: invalid JSON"),
-    (["generate", "--grammar", "no-such.lark", "Hi"], "--grammar: cannot read 'no-such.lark'"),
-    (["generate", "-t", "0", "Hi"], "--threads must be a positive integer, got 0"),
-    (["generate", "--decode-steps", "0", "Hi"], "--decode-steps must be a positive integer, got 0"),
-    (["generate", "--explain=foo", "Hi"], "--explain=foo: use --explain (compact) or --explain=compact|full"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["generate", "   "], "the prompt is empty"),
+        (["generate", "--max-model-len", "256", "word " * 700], "the prompt is 70"),
+        (["generate", "-c", "256", "word " * 700], "but the context is 256"),
+        (["generate", "--ctx-size", "300", "word " * 700], "but the context is 300"),
+        (["generate", "--json-schema", "no-such-schema.json", "Hi"], "--json-schema: no file 'no-such-schema.json'"),
+        (["generate", "--json-schema", "{not json", "Hi"], "--json-schema: invalid JSON"),
+        (["generate", "--grammar", "no-such.lark", "Hi"], "--grammar: cannot read 'no-such.lark'"),
+        (["generate", "-t", "0", "Hi"], "--threads must be a positive integer, got 0"),
+        (["generate", "--decode-steps", "0", "Hi"], "--decode-steps must be a positive integer, got 0"),
+        (["generate", "--explain=foo", "Hi"], "--explain=foo: use --explain (compact) or --explain=compact|full"),
+    ],
+)
 def test_bad_input_fails_before_the_model_loads(no_model_load, default_model_dir, capsys, argv, message):
     try:
         code = cli_main([argv[0], "-m", str(default_model_dir), *argv[1:]])
-    except SystemExit as e:            # what argparse-level errors end in
+    except SystemExit as e:  # what argparse-level errors end in
         code = e.code
     assert code == 2 and message in capsys.readouterr().err
 
 
 def test_generate_into_a_closed_pipe_ends_quietly(default_model_dir):
-    cmd = (f"{sys.executable} -m tokenloom generate -m {default_model_dir} --temp 0 -n 200 --ignore-eos "
-           "'Once upon a time' | head -c 20")
+    cmd = (
+        f"{sys.executable} -m tokenloom generate -m {default_model_dir} --temp 0 -n 200 --ignore-eos "
+        "'Once upon a time' | head -c 20"
+    )
     run = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], capture_output=True, text=True, timeout=300)
     assert run.stdout == "Once upon a time, th"[:20] and "Traceback" not in run.stderr and run.returncode == 0
 
 
 def test_the_cli_sizes_the_kv_cache_to_one_context(default_model_dir, caplog):
     import logging
+
     caplog.set_level(logging.INFO, logger="tokenloom")
-    assert cli_main(["generate", "-m", str(default_model_dir), "--max-model-len", "1000", "--temp", "0", "-n", "2",
-                     "Hi"]) == 0
+    assert (
+        cli_main(["generate", "-m", str(default_model_dir), "--max-model-len", "1000", "--temp", "0", "-n", "2", "Hi"])
+        == 0
+    )
     [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("KV cache:")]
-    assert line.startswith("KV cache: 1008 tokens (63 blocks x 16)")    # 1000 tokens in blocks of 16, not 1 GiB
+    assert line.startswith("KV cache: 1008 tokens (63 blocks x 16)")  # 1000 tokens in blocks of 16, not 1 GiB
 
 
 def test_the_cli_and_a_loaded_model_leave_the_server_stack_unimported(default_model_dir):
@@ -150,19 +212,24 @@ def test_the_cli_and_a_loaded_model_leave_the_server_stack_unimported(default_mo
     imports them itself (checked in a fresh process)."""
     import subprocess
     import sys
-    code = ("import sys; from tokenloom.entrypoints.cli import commands; from tokenloom.entrypoints.llm import LLM; "
-            "commands.build_parser(); "
-            f"LLM({str(default_model_dir)!r}, max_model_len=64); "
-            "print(*[m in sys.modules for m in ('fastapi', 'pydantic', 'prometheus_client', 'starlette')]); "
-            "from tokenloom.entrypoints.server import build_app; print('fastapi' in sys.modules)")
+
+    code = (
+        "import sys; from tokenloom.entrypoints.cli import commands; from tokenloom.entrypoints.llm import LLM; "
+        "commands.build_parser(); "
+        f"LLM({str(default_model_dir)!r}, max_model_len=64); "
+        "print(*[m in sys.modules for m in ('fastapi', 'pydantic', 'prometheus_client', 'starlette')]); "
+        "from tokenloom.entrypoints.server import build_app; print('fastapi' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["False"] * 4 + ["True"]
 
 
-def test_a_chat_without_a_template_and_a_port_in_use_fail_before_the_model_loads(no_model_load, tiny_model_dir,
-                                                                                 default_model_dir, capsys):
+def test_a_chat_without_a_template_and_a_port_in_use_fail_before_the_model_loads(
+    no_model_load, tiny_model_dir, default_model_dir, capsys
+):
     import socket
-    base = str(tiny_model_dir("llama_gqa"))                       # a tokenizer without a chat template
+
+    base = str(tiny_model_dir("llama_gqa"))  # a tokenizer without a chat template
     assert cli_main(["generate", "-m", base, "--chat", "Hi"]) == 2
     assert "--chat: the model at" in capsys.readouterr().err
     assert cli_main(["chat", "-m", base]) == 2
@@ -181,10 +248,22 @@ def test_stderr_to_a_file_gets_log_lines_and_no_progress_bars(tiny_model_dir, tm
     import re
     import subprocess
     import sys
+
     log = tmp_path / "stderr.log"
     with open(log, "w") as err:
-        command = [sys.executable, "-m", "tokenloom", "generate", "-m", str(tiny_model_dir("llama_gqa")),
-                   "-n", "2", "--temp", "0", "Hi"]
+        command = [
+            sys.executable,
+            "-m",
+            "tokenloom",
+            "generate",
+            "-m",
+            str(tiny_model_dir("llama_gqa")),
+            "-n",
+            "2",
+            "--temp",
+            "0",
+            "Hi",
+        ]
         done = subprocess.run(command, stdout=subprocess.PIPE, stderr=err, timeout=120)
     text = log.read_text()
     assert done.returncode == 0, text
@@ -216,14 +295,25 @@ def reading(lines: list[str], prompts: list[str]):
         if line is None:
             raise EOFError
         return line
+
     return read
 
 
 def test_chat_takes_a_triple_quote_block_as_one_message():
     from tokenloom.entrypoints.cli.chat import chat_loop
+
     session, prompts = RecordingSession(), []
-    lines = ['"""', "line one", "  /line two, not a command", "line three", '"""',
-             '"""Just one line."""', '"""first', 'last"""', "/exit"]
+    lines = [
+        '"""',
+        "line one",
+        "  /line two, not a command",
+        "line three",
+        '"""',
+        '"""Just one line."""',
+        '"""first',
+        'last"""',
+        "/exit",
+    ]
     assert chat_loop(session, reading(lines, prompts)) == 0
     assert session.turns == ["line one\n  /line two, not a command\nline three", "Just one line.", "first\nlast"]
     assert prompts[:6] == ["> ", "... ", "... ", "... ", "... ", "> "]
@@ -231,18 +321,29 @@ def test_chat_takes_a_triple_quote_block_as_one_message():
 
 def test_chat_takes_a_bracketed_paste_over_several_lines_as_one_message():
     from tokenloom.entrypoints.cli.chat import chat_loop
+
     session, prompts = RecordingSession(), []
-    lines = ["Sum up: \x1b[200~first line", "/second line, not a command", "", "third\x1b[201~ please",
-             "\x1b[200~a paste that ends with a newline", "\x1b[201~", "/exit"]
+    lines = [
+        "Sum up: \x1b[200~first line",
+        "/second line, not a command",
+        "",
+        "third\x1b[201~ please",
+        "\x1b[200~a paste that ends with a newline",
+        "\x1b[201~",
+        "/exit",
+    ]
     assert chat_loop(session, reading(lines, prompts)) == 0
-    assert session.turns == ["Sum up: first line\n/second line, not a command\n\nthird please",
-                             "a paste that ends with a newline\n"]
+    assert session.turns == [
+        "Sum up: first line\n/second line, not a command\n\nthird please",
+        "a paste that ends with a newline\n",
+    ]
 
 
 def test_piped_chat_input_is_a_message_a_line_and_never_turns_bracketed_paste_on(monkeypatch, capsys):
     from tokenloom.entrypoints.cli.chat import chat_loop
+
     session = RecordingSession()
     monkeypatch.setattr(sys, "stdin", io.StringIO('Hello.\nHow are you?\n"""\nline one\nline two\n"""\nBye.\n'))
-    assert chat_loop(session) == 0                          # with input(), as `tokenloom chat < file` runs
+    assert chat_loop(session) == 0  # with input(), as `tokenloom chat < file` runs
     assert session.turns == ["Hello.", "How are you?", "line one\nline two", "Bye."]
     assert "\x1b[?2004" not in capsys.readouterr().out

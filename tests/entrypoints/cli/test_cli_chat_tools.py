@@ -12,9 +12,16 @@ from tokenloom.sampling_params import SamplingParams
 from tokenloom.tool_calling.messages import load_tools
 
 QWEN = "qwen2.5-coder-0.5b"
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Get the current weather in a city",
-                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                                                          "required": ["city"]}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Get the current weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
+]
 
 
 def test_a_bad_tools_file_is_a_clear_error(tmp_path):
@@ -30,6 +37,7 @@ def test_a_bad_tools_file_is_a_clear_error(tmp_path):
 @pytest.mark.skipif(not hub.is_pulled(QWEN), reason=f"`tokenloom pull {QWEN}` has not run")
 def test_chat_shows_the_call_and_sends_the_typed_result_back(tmp_path, capsys):
     from tokenloom import LLM
+
     path = tmp_path / "tools.json"
     path.write_text(json.dumps(TOOLS))
     llm = LLM(str(hub.gguf_path(QWEN)), max_model_len=2048, kv_cache_memory=64 << 20)
@@ -41,7 +49,7 @@ def test_chat_shows_the_call_and_sends_the_typed_result_back(tmp_path, capsys):
         prompts.append(prompt)
         line = next(lines, None)
         if line is None:
-            raise EOFError          # as Ctrl-D
+            raise EOFError  # as Ctrl-D
         return line
 
     assert chat_loop(session, read) == 0
@@ -49,5 +57,9 @@ def test_chat_shows_the_call_and_sends_the_typed_result_back(tmp_path, capsys):
     assert prompts[1] == "result of get_weather> "
     tool_turn = session.history[2]
     assert session.history[1]["tool_calls"][0]["function"]["name"] == "get_weather"
-    assert tool_turn == {"role": "tool", "tool_call_id": session.history[1]["tool_calls"][0]["id"],
-                         "name": "get_weather", "content": "18 degrees Celsius and sunny"}
+    assert tool_turn == {
+        "role": "tool",
+        "tool_call_id": session.history[1]["tool_calls"][0]["id"],
+        "name": "get_weather",
+        "content": "18 degrees Celsius and sunny",
+    }

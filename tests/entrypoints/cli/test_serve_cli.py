@@ -14,19 +14,27 @@ from tests.helpers.server_harness import ServeProcess
 
 
 def test_serve_answers_then_finishes_inflight_stream_on_sigterm(default_model_dir, tmp_path):
-    tools = [{"type": "function", "function": {"name": "get_time", "description": "The time",
-                                               "parameters": {"type": "object", "properties": {}}}}]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_time",
+                "description": "The time",
+                "parameters": {"type": "object", "properties": {}},
+            },
+        }
+    ]
     (tmp_path / "tools.json").write_text(json.dumps(tools))
     with ServeProcess(default_model_dir, "--tools", str(tmp_path / "tools.json")) as served:
         proc, base = served.proc, served.base
         settings = httpx.get(f"{base}/playground/settings").json()
-        assert settings["tools"] == tools                                        # the playground offers them
+        assert settings["tools"] == tools  # the playground offers them
         assert settings["sampling"]["temperature"] == 0.8 and settings["sampling_source"] == "llama.cpp's defaults"
         body = {"model": "smol", "prompt": "Count:", "max_tokens": 24, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as response:
             lines = response.iter_lines()
             first = next(line for line in lines if line.startswith("data:"))
-            os.kill(proc.pid, signal.SIGTERM)          # mid-stream: the request must still complete
+            os.kill(proc.pid, signal.SIGTERM)  # mid-stream: the request must still complete
             rest = [line for line in lines if line.startswith("data:")]
         assert first and rest[-1] == "data: [DONE]"
         assert '"finish_reason": "length"' in rest[-2]
@@ -34,31 +42,36 @@ def test_serve_answers_then_finishes_inflight_stream_on_sigterm(default_model_di
         assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
         log = served.output()
         assert "Traceback" not in log and "Finished server process" in log
-        assert f"playground: {base}/" in log                              # the start-up line names it
-        assert "method=POST path=/v1/completions status=200" in log       # one line per request
+        assert f"playground: {base}/" in log  # the start-up line names it
+        assert "method=POST path=/v1/completions status=200" in log  # one line per request
 
 
 def test_requests_cut_at_shutdown_end_with_an_error_not_a_dropped_connection(default_model_dir):
     import threading
+
     with ServeProcess(default_model_dir, "--shutdown-timeout", "1") as served:
         body = {"model": "smol", "prompt": "Count:", "max_tokens": 200, "ignore_eos": True}
         whole = {}
-        worker = threading.Thread(target=lambda: whole.setdefault(
-            "response", httpx.post(f"{served.base}/v1/completions", json=body, timeout=60)))
+        worker = threading.Thread(
+            target=lambda: whole.setdefault(
+                "response", httpx.post(f"{served.base}/v1/completions", json=body, timeout=60)
+            )
+        )
         worker.start()
-        with httpx.stream("POST", f"{served.base}/v1/completions", json=body | {"stream": True},
-                          timeout=60) as response:
+        with httpx.stream(
+            "POST", f"{served.base}/v1/completions", json=body | {"stream": True}, timeout=60
+        ) as response:
             lines = response.iter_lines()
             next(line for line in lines if line.startswith("data:"))
-            os.kill(served.proc.pid, signal.SIGTERM)      # 200 tokens take longer than the 1 s grace
+            os.kill(served.proc.pid, signal.SIGTERM)  # 200 tokens take longer than the 1 s grace
             rest = [line for line in lines if line.startswith("data:")]
         worker.join()
         assert whole["response"].status_code == 503
         assert whole["response"].json()["error"]["code"] == "server_shutdown"
         assert rest[-1] == "data: [DONE]"
-        error = json.loads(rest[-2][len("data: "):])["error"]
+        error = json.loads(rest[-2][len("data: ") :])["error"]
         assert error["code"] == "server_shutdown" and "shutting down" in error["message"]
-        assert not any('"finish_reason": "length"' in line for line in rest)   # it was cut, not finished
+        assert not any('"finish_reason": "length"' in line for line in rest)  # it was cut, not finished
         served.proc.wait(timeout=60)
 
 
@@ -85,15 +98,18 @@ def test_tokenizing_a_huge_prompt_does_not_block_the_server(default_model_dir, t
     each run in their own process, as deployed: the test process's own threads and collections
     are not the server's."""
     import subprocess
+
     with ServeProcess(default_model_dir) as served:
         body = json.dumps({"prompt": "Hello world, this is a test. " * 140_000, "max_tokens": 2}).encode()
         stop = tmp_path / "stop"
-        probe = subprocess.Popen([sys.executable, "-c", _PROBE, served.base, str(stop)], stdout=subprocess.PIPE,
-                                 text=True)
+        probe = subprocess.Popen(
+            [sys.executable, "-c", _PROBE, served.base, str(stop)], stdout=subprocess.PIPE, text=True
+        )
         try:
             assert probe.stdout.readline().strip() == "ready"
-            response = httpx.post(f"{served.base}/v1/completions", content=body, timeout=120,
-                                  headers={"content-type": "application/json"})
+            response = httpx.post(
+                f"{served.base}/v1/completions", content=body, timeout=120, headers={"content-type": "application/json"}
+            )
         finally:
             stop.touch()
             latencies = json.loads(probe.communicate(timeout=30)[0])
@@ -107,6 +123,7 @@ def _raw(base: str, data: bytes, wait_s: float) -> tuple[bytes, float]:
     """Send `data` on a new connection, then read until the server closes it or `wait_s` passes:
     (what came back, seconds until then)."""
     import socket
+
     host, port = base.removeprefix("http://").split(":")
     started = time.monotonic()
     with socket.create_connection((host, int(port)), timeout=wait_s) as sock:
@@ -126,6 +143,7 @@ def test_slow_headers_are_cut_with_408_and_connections_are_capped(default_model_
         assert answer.startswith(b"HTTP/1.1 408") and b"headers did not arrive" in answer and seconds < 5
         # a kept-alive connection's second request gets the same deadline
         import socket
+
         host, port = served.base.removeprefix("http://").split(":")
         with socket.create_connection((host, int(port)), timeout=10) as sock:
             sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")

@@ -18,6 +18,7 @@ MAX_MODEL_LEN = 512
 @pytest.fixture(scope="module")
 def engine(default_model_dir):
     from tokenloom import LLM
+
     return LLM(str(default_model_dir), max_model_len=MAX_MODEL_LEN, kv_cache_memory=128 << 20).engine
 
 
@@ -25,6 +26,7 @@ def engine(default_model_dir):
 def base_url(engine):
     from tokenloom.engine.async_engine import AsyncLLMEngine
     from tokenloom.entrypoints.server import build_app
+
     with ThreadedServer(build_app(AsyncLLMEngine(engine), "smol")) as url:
         yield url
 
@@ -41,24 +43,37 @@ def test_models_health_and_metrics(client, base_url):
     assert [m.id for m in client.models.list().data] == ["smol"]
     assert httpx.get(f"{base_url}/health").json() == {"status": "ok"}
     text = httpx.get(f"{base_url}/metrics").text
-    for name in ("tokenloom_kv_cache_blocks_free", "tokenloom_prefix_cache_hit_rate",
-                 "tokenloom_time_to_first_token_seconds_bucket", "tokenloom_num_requests_waiting"):
+    for name in (
+        "tokenloom_kv_cache_blocks_free",
+        "tokenloom_prefix_cache_hit_rate",
+        "tokenloom_time_to_first_token_seconds_bucket",
+        "tokenloom_num_requests_waiting",
+    ):
         assert name in text
 
 
 def test_completion_usage_matches_tokens_and_stream_matches_whole(client, engine):
     prompt = "The capital of France is"
-    whole = client.completions.create(model="smol", prompt=prompt, max_tokens=12, logprobs=0,
-                                      extra_body={"ignore_eos": True}, **GREEDY)
+    whole = client.completions.create(
+        model="smol", prompt=prompt, max_tokens=12, logprobs=0, extra_body={"ignore_eos": True}, **GREEDY
+    )
     choice = whole.choices[0]
     assert choice.finish_reason == "length"
     assert whole.usage.prompt_tokens == len(engine.tokenizer.encode(prompt))
     assert whole.usage.completion_tokens == len(choice.logprobs.tokens) == 12
     assert whole.usage.total_tokens == whole.usage.prompt_tokens + 12
     assert whole.id.startswith("cmpl-") and whole.created > 0 and whole.object == "text_completion"
-    chunks = list(client.completions.create(model="smol", prompt=prompt, max_tokens=12, stream=True,
-                                            stream_options={"include_usage": True},
-                                            extra_body={"ignore_eos": True}, **GREEDY))
+    chunks = list(
+        client.completions.create(
+            model="smol",
+            prompt=prompt,
+            max_tokens=12,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+            **GREEDY,
+        )
+    )
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == choice.text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
@@ -83,8 +98,16 @@ def test_chat_whole_and_stream_agree(client, engine):
     whole = client.chat.completions.create(model="smol", messages=messages, max_completion_tokens=20, **GREEDY)
     assert whole.object == "chat.completion" and whole.choices[0].message.role == "assistant"
     assert whole.usage.prompt_tokens == len(engine.tokenizer.encode_chat(messages))
-    chunks = list(client.chat.completions.create(model="smol", messages=messages, max_tokens=20, stream=True,
-                                                 stream_options={"include_usage": True}, **GREEDY))
+    chunks = list(
+        client.chat.completions.create(
+            model="smol",
+            messages=messages,
+            max_tokens=20,
+            stream=True,
+            stream_options={"include_usage": True},
+            **GREEDY,
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == whole.choices[0].message.content
@@ -97,22 +120,37 @@ def test_n_and_seed_reproducible(client):
     second = client.completions.create(**kwargs)
     assert [c.index for c in first.choices] == [0, 1]
     assert [c.text for c in first.choices] == [c.text for c in second.choices]
-    assert first.choices[0].text != first.choices[1].text   # distinct seeds per sample
-    assert 2 <= first.usage.completion_tokens <= 20   # both choices counted, prompt once
+    assert first.choices[0].text != first.choices[1].text  # distinct seeds per sample
+    assert 2 <= first.usage.completion_tokens <= 20  # both choices counted, prompt once
     assert first.usage.prompt_tokens == second.usage.prompt_tokens < 10
 
 
 def test_stop_string_cuts_output_and_never_streams(client):
-    base = client.completions.create(model="smol", prompt="1, 2, 3, 4,", max_tokens=16,
-                                     extra_body={"ignore_eos": True}, **GREEDY).choices[0].text
-    stop = base[len(base) // 2:len(base) // 2 + 2]
+    base = (
+        client.completions.create(
+            model="smol", prompt="1, 2, 3, 4,", max_tokens=16, extra_body={"ignore_eos": True}, **GREEDY
+        )
+        .choices[0]
+        .text
+    )
+    stop = base[len(base) // 2 : len(base) // 2 + 2]
     assert stop.strip()
-    cut = client.completions.create(model="smol", prompt="1, 2, 3, 4,", max_tokens=16, stop=[stop],
-                                    extra_body={"ignore_eos": True}, **GREEDY).choices[0]
-    assert cut.finish_reason == "stop" and cut.text == base[:base.index(stop)]
-    streamed = "".join(c.choices[0].text for c in client.completions.create(
-        model="smol", prompt="1, 2, 3, 4,", max_tokens=16, stop=stop, stream=True,
-        extra_body={"ignore_eos": True}, **GREEDY))
+    cut = client.completions.create(
+        model="smol", prompt="1, 2, 3, 4,", max_tokens=16, stop=[stop], extra_body={"ignore_eos": True}, **GREEDY
+    ).choices[0]
+    assert cut.finish_reason == "stop" and cut.text == base[: base.index(stop)]
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(
+            model="smol",
+            prompt="1, 2, 3, 4,",
+            max_tokens=16,
+            stop=stop,
+            stream=True,
+            extra_body={"ignore_eos": True},
+            **GREEDY,
+        )
+    )
     assert streamed == cut.text
 
 
@@ -122,8 +160,14 @@ def test_logprobs_are_distributions_and_greedy_picks_the_top(client):
     for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
         assert len(top) <= 3 and chosen == pytest.approx(max(top.values()))
         assert sum(math.exp(v) for v in top.values()) <= 1 + 1e-4
-    chat = client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Hi"}],
-                                          max_tokens=5, logprobs=True, top_logprobs=2, **GREEDY)
+    chat = client.chat.completions.create(
+        model="smol",
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=5,
+        logprobs=True,
+        top_logprobs=2,
+        **GREEDY,
+    )
     content = chat.choices[0].logprobs.content
     assert len(content) == chat.usage.completion_tokens
     for entry in content:
@@ -131,29 +175,32 @@ def test_logprobs_are_distributions_and_greedy_picks_the_top(client):
         assert bytes(entry.bytes).decode() == entry.token
 
 
-@pytest.mark.parametrize("kwargs, param", [
-    ({"temperature": -1}, "temperature"),
-    ({"top_p": 0}, "top_p"),
-    ({"max_tokens": 0}, "max_tokens"),
-    ({"max_tokens": MAX_MODEL_LEN}, "max_tokens"),
-    ({"n": 0}, "n"),
-    ({"logprobs": 50}, "logprobs"),
-    ({"extra_body": {"logit_bias": {"abc": 1}}}, "logit_bias"),
-    ({"extra_body": {"logit_bias": {"1": 500}}}, "logit_bias"),
-    ({"extra_body": {"stop_token_ids": [10 ** 9]}}, "stop_token_ids"),
-    ({"extra_body": {"logit_bias": {str(10 ** 9): 1}}}, "logit_bias"),
-    ({"extra_body": {"stop": ["x"] * 65}}, "stop"),
-    ({"extra_body": {"stop": "x" * 1001}}, "stop"),
-    ({"seed": 2 ** 64}, "seed"),
-    ({"seed": -1}, "seed"),
-    ({"extra_body": {"n": "2"}}, "n"),                    # strict types: no coercion
-    ({"extra_body": {"max_tokens": True}}, "max_tokens"),
-    ({"extra_body": {"temperature": "0.5"}}, "temperature"),
-    ({"extra_body": {"stop": [True]}}, "stop"),
-    ({"extra_body": {"use_beam_search": True, "best_of": 2, "length_penalty": 1e308}}, "length_penalty"),
-    ({"prompt": [10 ** 9]}, "prompt"),
-    ({"prompt": "word " * (MAX_MODEL_LEN + 10)}, "prompt"),
-])
+@pytest.mark.parametrize(
+    "kwargs, param",
+    [
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": MAX_MODEL_LEN}, "max_tokens"),
+        ({"n": 0}, "n"),
+        ({"logprobs": 50}, "logprobs"),
+        ({"extra_body": {"logit_bias": {"abc": 1}}}, "logit_bias"),
+        ({"extra_body": {"logit_bias": {"1": 500}}}, "logit_bias"),
+        ({"extra_body": {"stop_token_ids": [10**9]}}, "stop_token_ids"),
+        ({"extra_body": {"logit_bias": {str(10**9): 1}}}, "logit_bias"),
+        ({"extra_body": {"stop": ["x"] * 65}}, "stop"),
+        ({"extra_body": {"stop": "x" * 1001}}, "stop"),
+        ({"seed": 2**64}, "seed"),
+        ({"seed": -1}, "seed"),
+        ({"extra_body": {"n": "2"}}, "n"),  # strict types: no coercion
+        ({"extra_body": {"max_tokens": True}}, "max_tokens"),
+        ({"extra_body": {"temperature": "0.5"}}, "temperature"),
+        ({"extra_body": {"stop": [True]}}, "stop"),
+        ({"extra_body": {"use_beam_search": True, "best_of": 2, "length_penalty": 1e308}}, "length_penalty"),
+        ({"prompt": [10**9]}, "prompt"),
+        ({"prompt": "word " * (MAX_MODEL_LEN + 10)}, "prompt"),
+    ],
+)
 def test_bad_parameters_are_400_naming_the_parameter(client, base_url, kwargs, param):
     args = {"model": "smol", "prompt": "Hi", "max_tokens": 4} | kwargs
     with pytest.raises(openai.BadRequestError) as err:
@@ -167,8 +214,11 @@ def test_unknown_model_malformed_json_and_body_limit(client, base_url):
     with pytest.raises(openai.NotFoundError) as err:
         client.completions.create(model="gpt-9", prompt="Hi", max_tokens=2)
     assert err.value.body["param"] == "model"
-    bad = httpx.post(f"{base_url}/v1/completions", content=b'{"model": "smol", "prompt": ',
-                     headers={"content-type": "application/json"})
+    bad = httpx.post(
+        f"{base_url}/v1/completions",
+        content=b'{"model": "smol", "prompt": ',
+        headers={"content-type": "application/json"},
+    )
     assert bad.status_code == 400 and "JSON" in bad.json()["error"]["message"]
     missing = httpx.post(f"{base_url}/v1/chat/completions", json={"model": "smol"})
     assert missing.status_code == 400 and missing.json()["error"]["param"] == "messages"
@@ -181,6 +231,7 @@ def test_api_key_required_when_set(engine):
 
     from tokenloom.engine.async_engine import AsyncLLMEngine
     from tokenloom.entrypoints.server import build_app
+
     app = build_app(AsyncLLMEngine(engine), "smol", api_key="sekret")
     with TestClient(app) as tc:
         assert tc.get("/v1/models").status_code == 401
@@ -192,8 +243,7 @@ def test_api_key_required_when_set(engine):
 
 def test_32_concurrent_streams_equal_one_at_a_time(client, base_url):
     prompts = [f"Fact number {i}: the" + " very" * (i % 7) for i in range(32)]
-    alone = [client.completions.create(model="smol", prompt=p, max_tokens=8, **GREEDY).choices[0].text
-             for p in prompts]
+    alone = [client.completions.create(model="smol", prompt=p, max_tokens=8, **GREEDY).choices[0].text for p in prompts]
     aclient = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
 
     async def one(p: str) -> str:
@@ -205,14 +255,14 @@ def test_32_concurrent_streams_equal_one_at_a_time(client, base_url):
             return await asyncio.gather(*(one(p) for p in prompts))
         finally:
             await aclient.close()
+
     assert asyncio.run(all_at_once()) == alone
     assert wait_until_idle(base_url) == 0
 
 
 def test_client_gone_mid_stream_frees_its_blocks(base_url):
     before = metric(base_url, "tokenloom_requests_total", 'finish_reason="abort"')
-    body = {"model": "smol", "prompt": "Tell me a long story.", "max_tokens": 400, "stream": True,
-            "ignore_eos": True}
+    body = {"model": "smol", "prompt": "Tell me a long story.", "max_tokens": 400, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", f"{base_url}/v1/completions", json=body) as response:
         lines = response.iter_lines()
         received = [line for _, line in zip(range(6), lines) if line.startswith("data:")]

@@ -22,6 +22,7 @@ def base_url(default_model_dir):
     from tokenloom import LLM
     from tokenloom.engine.async_engine import AsyncLLMEngine
     from tokenloom.entrypoints.server import build_app
+
     engine = LLM(str(default_model_dir), max_model_len=256, kv_cache_memory=64 << 20).engine
     app = build_app(AsyncLLMEngine(engine), "smol", max_body_bytes=6 << 20, body_timeout_s=1.0)
     with ThreadedServer(app) as url:
@@ -54,38 +55,49 @@ def post_raw(base_url: str, path: str, body: bytes) -> httpx.Response:
     return httpx.post(f"{base_url}{path}", content=body, headers={"content-type": "application/json"}, timeout=120)
 
 
-@pytest.mark.parametrize("path, body, param", [
-    ("/v1/completions", b'{"prompt": "a\\ud800b", "max_tokens": 2}', "prompt"),
-    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x\\udfffy"}], "max_tokens": 2}', "messages"),
-    ("/v1/completions", b'{"prompt": "Hi", "max_tokens": 2, "stop": ["\\ud800"]}', "stop"),
-])
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/v1/completions", b'{"prompt": "a\\ud800b", "max_tokens": 2}', "prompt"),
+        (
+            "/v1/chat/completions",
+            b'{"messages": [{"role": "user", "content": "x\\udfffy"}], "max_tokens": 2}',
+            "messages",
+        ),
+        ("/v1/completions", b'{"prompt": "Hi", "max_tokens": 2, "stop": ["\\ud800"]}', "stop"),
+    ],
+)
 def test_lone_surrogates_are_400_naming_the_parameter(base_url, path, body, param):
     assert openai_error(post_raw(base_url, path, body), 400)["param"] == param
     assert_healthy(base_url)
 
 
-@pytest.mark.parametrize("body", [
-    b"\xff\xfe not utf-8",
-    b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}",         # nesting past the parser's depth
-    b'{"prompt": "Hi", "max_tokens": 2',                          # cut short
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"\xff\xfe not utf-8",
+        b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}",  # nesting past the parser's depth
+        b'{"prompt": "Hi", "max_tokens": 2',  # cut short
+    ],
+)
 def test_unparsable_bodies_are_400_in_openai_json(base_url, body):
     openai_error(post_raw(base_url, "/v1/completions", body), 400)
     assert_healthy(base_url)
 
 
 def test_unknown_routes_and_methods_answer_openai_json(base_url):
-    assert httpx.get(f"{base_url}/docs").status_code == 404          # no page that loads a CDN
+    assert httpx.get(f"{base_url}/docs").status_code == 404  # no page that loads a CDN
     assert httpx.get(f"{base_url}/openapi.json").json()["info"]["title"] == "tokenloom"
     assert openai_error(httpx.get(f"{base_url}/v1/nothing-here"), 404)["type"] == "not_found_error"
     openai_error(httpx.get(f"{base_url}/v1/completions"), 405)
-    openai_error(httpx.post(f"{base_url}/v1/completions", json={"max_tokens": 2}), 400)   # no prompt
+    openai_error(httpx.post(f"{base_url}/v1/completions", json={"max_tokens": 2}), 400)  # no prompt
 
 
 def test_a_chunked_body_over_the_limit_is_413(base_url):
     def chunks():
         for _ in range(7):
-            yield b" " * (1 << 20)                                  # 7 MiB > the 6 MiB limit, no length
+            yield b" " * (1 << 20)  # 7 MiB > the 6 MiB limit, no length
+
     response = httpx.post(f"{base_url}/v1/completions", content=chunks(), headers={"content-type": "application/json"})
     assert openai_error(response, 413)
     assert_healthy(base_url)
@@ -111,12 +123,14 @@ def raw_request(base_url: str, head: bytes, body: bytes, wait_s: float) -> bytes
 
 def test_a_body_shorter_than_its_content_length_times_out_with_408(base_url):
     body = b'{"prompt": "Hi"'
-    head = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            b"Content-Length: 500\r\n\r\n")
+    head = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 500\r\n\r\n"
+    )
     started = time.monotonic()
     answer = raw_request(base_url, head, body, wait_s=5)
     assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
-    assert time.monotonic() - started < 3                          # the 1 s body timeout, not forever
+    assert time.monotonic() - started < 3  # the 1 s body timeout, not forever
     assert_healthy(base_url)
 
 
@@ -125,12 +139,15 @@ def test_a_body_trickling_in_is_cut_at_its_deadline(tiny_engine):
     still answers 408, and the server goes on."""
     from tokenloom.engine.async_engine import AsyncLLMEngine
     from tokenloom.entrypoints.server import build_app
+
     app = build_app(AsyncLLMEngine(tiny_engine), "tiny", body_timeout_s=1.0, body_deadline_s=2.0)
     with ThreadedServer(app) as url:
         host, port = url.removeprefix("http://").split(":")
         body = b'{"prompt": "Hi", "max_tokens": 1}' + b" " * 40
-        head = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n")
+        head = (
+            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n"
+        )
         started = time.monotonic()
         with socket.create_connection((host, int(port)), timeout=10) as sock:
             sock.sendall(head)
@@ -138,7 +155,7 @@ def test_a_body_trickling_in_is_cut_at_its_deadline(tiny_engine):
             for byte in body:
                 try:
                     sock.sendall(bytes([byte]))
-                except OSError:                                   # answered and closed meanwhile
+                except OSError:  # answered and closed meanwhile
                     break
                 sock.settimeout(0.3)
                 try:
@@ -158,11 +175,12 @@ def test_a_tiny_temperature_is_greedy_not_garbage(base_url):
         response = httpx.post(f"{base_url}/v1/completions", json=body, timeout=60)
         assert response.status_code == 200, response.text
         return response.json()["choices"][0]["text"]
+
     assert text(1e-45) == text(0) == text(1e-30)
 
 
 def test_the_largest_seed_works_whole_and_streamed(base_url):
-    body = {"prompt": "Once upon a time", "max_tokens": 5, "seed": 2 ** 64 - 1, "n": 2}
+    body = {"prompt": "Once upon a time", "max_tokens": 5, "seed": 2**64 - 1, "n": 2}
     whole = httpx.post(f"{base_url}/v1/completions", json=body, timeout=60)
     assert whole.status_code == 200, whole.text
     with httpx.stream("POST", f"{base_url}/v1/completions", json=body | {"stream": True}, timeout=60) as stream:
@@ -179,15 +197,17 @@ def small_server(default_model_dir):
     from tokenloom.engine.async_engine import AsyncLLMEngine
     from tokenloom.entrypoints.server import build_app
     from tokenloom.entrypoints.server.admission import AdmissionLimits
+
     engine = LLM(str(default_model_dir), max_model_len=256, kv_cache_memory=64 << 20, max_num_seqs=2).engine
-    limits = AdmissionLimits(max_seqs_per_request=4, max_pending_seqs=6, max_running_per_request=2,
-                             default_max_tokens=5)
+    limits = AdmissionLimits(
+        max_seqs_per_request=4, max_pending_seqs=6, max_running_per_request=2, default_max_tokens=5
+    )
     with ThreadedServer(build_app(AsyncLLMEngine(engine), "smol", limits=limits)) as url:
         yield url
 
 
 def test_a_request_past_the_per_request_bound_is_400_naming_n(small_server):
-    body = {"prompt": ["Hi", "there"], "n": 3, "max_tokens": 2}          # 6 sequences > 4
+    body = {"prompt": ["Hi", "there"], "n": 3, "max_tokens": 2}  # 6 sequences > 4
     assert openai_error(httpx.post(f"{small_server}/v1/completions", json=body), 400)["param"] == "n"
     beams = {"prompt": "Hi", "max_tokens": 2, "use_beam_search": True, "best_of": 5}
     assert openai_error(httpx.post(f"{small_server}/v1/completions", json=beams), 400)["param"] == "best_of"
@@ -201,6 +221,7 @@ def test_a_burst_past_the_per_request_bound_is_refused_before_any_tokenizing(tin
 
     from tokenloom.engine.async_engine import AsyncLLMEngine
     from tokenloom.entrypoints.server import build_app
+
     app = build_app(AsyncLLMEngine(tiny_engine), "tiny")
     tokenized = []
     input_ids = app.state.serving.input_ids
@@ -216,8 +237,8 @@ def test_a_burst_past_the_per_request_bound_is_refused_before_any_tokenizing(tin
 def test_a_full_server_answers_429_with_retry_after_then_recovers(small_server):
     long = {"prompt": "Once upon a time", "n": 4, "max_tokens": 200, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{small_server}/v1/completions", json=long, timeout=60) as stream:
-        lines = stream.iter_lines()            # kept: dropping the iterator would close the connection
-        next(lines)                                                        # 4 of 6 pending, running
+        lines = stream.iter_lines()  # kept: dropping the iterator would close the connection
+        next(lines)  # 4 of 6 pending, running
         more = httpx.post(f"{small_server}/v1/completions", json={"prompt": "Hi", "n": 3, "max_tokens": 2})
         error = openai_error(more, 429)
         assert error["type"] == "rate_limit_error" and more.headers["retry-after"] == "1"
@@ -241,12 +262,14 @@ def test_one_large_request_does_not_hold_every_slot(small_server):
     queues behind 2 of them, not all 4, and finishes before the long request (with every long
     sequence queued ahead of it, the engine's 2 slots would serve it last)."""
     import threading
+
     long = {"prompt": "Once upon a time", "n": 4, "max_tokens": 120, "ignore_eos": True}
     finished = {}
 
     def run_long():
         httpx.post(f"{small_server}/v1/completions", json=long, timeout=120)
         finished["long"] = time.monotonic()
+
     worker = threading.Thread(target=run_long)
     worker.start()
     time.sleep(0.5)
@@ -261,6 +284,7 @@ def test_one_large_request_does_not_hold_every_slot(small_server):
 @pytest.fixture(scope="module")
 def tiny_engine(tiny_model_dir):
     from tokenloom import LLM
+
     return LLM(str(tiny_model_dir("llama_gqa")), kv_cache_memory=8 << 20).engine
 
 
@@ -270,6 +294,7 @@ def test_only_allowed_hosts_are_answered(tiny_engine):
     from tokenloom.engine.async_engine import AsyncLLMEngine
     from tokenloom.entrypoints.server import build_app
     from tokenloom.entrypoints.server.middleware import LOCAL_HOSTS
+
     with TestClient(build_app(AsyncLLMEngine(tiny_engine), "tiny", allowed_hosts=LOCAL_HOSTS)) as tc:
         rebound = tc.get("/v1/models", headers={"Host": "evil.example:8000"})
         error = openai_error(rebound, 421)
@@ -284,8 +309,11 @@ def test_one_log_line_per_request(tiny_engine, caplog, log_json):
 
     from tokenloom.engine.async_engine import AsyncLLMEngine
     from tokenloom.entrypoints.server import build_app
-    with TestClient(build_app(AsyncLLMEngine(tiny_engine), "tiny", log_json=log_json)) as tc, \
-            caplog.at_level("INFO", logger="tokenloom.entrypoints.server"):
+
+    with (
+        TestClient(build_app(AsyncLLMEngine(tiny_engine), "tiny", log_json=log_json)) as tc,
+        caplog.at_level("INFO", logger="tokenloom.entrypoints.server"),
+    ):
         ok = tc.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 4, "ignore_eos": True})
         bad = tc.post("/v1/completions", json={"prompt": [5], "max_tokens": "4"})
     assert ok.status_code == 200 and bad.status_code == 400
@@ -307,6 +335,7 @@ def long_mixed_text() -> str:
     """A text over LONG_TEXT characters (the long-text path) with special tokens, tabs, double
     spaces, digits and non-ASCII."""
     from tokenloom.tokenizer import LONG_TEXT
+
     text = "Héllo wörld, <|im_start|>user\ttabs and  spaces 123456 ünïcode. " * (LONG_TEXT // 40)
     assert len(text) > LONG_TEXT
     return text
@@ -316,11 +345,14 @@ def test_long_texts_tokenize_to_the_same_ids_off_the_gil(default_model_dir):
     """Tokenizer.encode's long-text path (encode_batch_fast, releasing the GIL) against the plain
     encode, special tokens and non-ASCII included."""
     from tokenloom.tokenizer import Tokenizer, TooManyTokens
+
     tokenizer = Tokenizer.from_folder(default_model_dir)
     text = long_mixed_text()
     for special in (True, False):
-        assert tokenizer.encode(text, add_special_tokens=special) == \
-            tokenizer.backend.encode(text, add_special_tokens=special).ids
+        assert (
+            tokenizer.encode(text, add_special_tokens=special)
+            == tokenizer.backend.encode(text, add_special_tokens=special).ids
+        )
     count = len(tokenizer.encode(text))
     assert tokenizer.encode(text, limit=count) == tokenizer.encode(text)
     for long_or_short in (text, "Hello there, world"):
@@ -336,6 +368,7 @@ def test_the_servers_long_texts_tokenize_in_a_child_process_to_the_same_ids(defa
     that died is replaced; close ends them all."""
     from tokenloom.entrypoints.server.long_texts import LongTexts
     from tokenloom.tokenizer import Tokenizer, TooManyTokens
+
     tokenizer = Tokenizer.from_folder(default_model_dir)
     texts = LongTexts(tokenizer)
     short = "Hello there, world"
@@ -354,7 +387,7 @@ def test_the_servers_long_texts_tokenize_in_a_child_process_to_the_same_ids(defa
         assert caught.value.count == count
         child.kill()
         child.wait()
-        assert texts.encode(text) == tokenizer.encode(text)         # a new child answers
+        assert texts.encode(text) == tokenizer.encode(text)  # a new child answers
         assert process.child is not child
     finally:
         texts.close()
@@ -365,10 +398,13 @@ def test_a_prompt_past_the_context_is_refused_with_its_exact_token_count(base_ur
     """Told before its ids are listed (Tokenizer.encode's limit), with the same count and message."""
     from tokenloom.loader import hub
     from tokenloom.tokenizer import Tokenizer
-    text = "Hello world, this is a test. " * 2_000                    # 58k characters: the long-text path
+
+    text = "Hello world, this is a test. " * 2_000  # 58k characters: the long-text path
     count = len(Tokenizer.from_folder(hub.default_model_path()).encode(text))
-    for path, body in (("/v1/completions", {"prompt": text, "max_tokens": 2}),
-                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": text}], "max_tokens": 2})):
+    for path, body in (
+        ("/v1/completions", {"prompt": text, "max_tokens": 2}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": text}], "max_tokens": 2}),
+    ):
         error = openai_error(httpx.post(f"{base_url}{path}", json=body, timeout=60), 400)
         assert error["param"] == ("prompt" if path == "/v1/completions" else "messages")
         if path == "/v1/completions":
@@ -380,15 +416,16 @@ def test_beam_search_stops_when_its_client_leaves(base_url):
     """A 200-step beam search whose client gives up after 1 s: the search stops (no step requests
     keep coming) and its blocks are freed."""
     from tests.helpers.server_harness import metric
-    body = {"prompt": "Once upon a time", "max_tokens": 200, "use_beam_search": True, "best_of": 4,
-            "ignore_eos": True}
+
+    body = {"prompt": "Once upon a time", "max_tokens": 200, "use_beam_search": True, "best_of": 4, "ignore_eos": True}
     with pytest.raises(httpx.TimeoutException):
         httpx.post(f"{base_url}/v1/completions", json=body, timeout=1.0)
     time.sleep(1.0)
     seen = []
-    for _ in range(5):                                     # 1 s more of quiet: no new steps were queued
-        seen.append(metric(base_url, "tokenloom_num_requests_running") +
-                     metric(base_url, "tokenloom_num_requests_waiting"))
+    for _ in range(5):  # 1 s more of quiet: no new steps were queued
+        seen.append(
+            metric(base_url, "tokenloom_num_requests_running") + metric(base_url, "tokenloom_num_requests_waiting")
+        )
         time.sleep(0.2)
     assert seen == [0] * 5, seen
     assert_healthy(base_url)
@@ -407,11 +444,13 @@ def test_per_client_turns_bound_each_client_alone_and_are_forgotten_after():
                 order.append(f"{name} in")
                 await asyncio.sleep(seconds)
                 order.append(f"{name} out")
+
         await asyncio.gather(hold("a", "a1", 0.2), hold("a", "a2", 0.01), hold("b", "b1", 0.01))
         return order, len(turns)
+
     order, left = asyncio.run(scenario())
-    assert order.index("b1 in") < order.index("a1 out")        # another client does not wait for a
-    assert order.index("a2 in") > order.index("a1 out")        # a's second waits for its first
+    assert order.index("b1 in") < order.index("a1 out")  # another client does not wait for a
+    assert order.index("a2 in") > order.index("a1 out")  # a's second waits for its first
     assert left == 0
 
 
@@ -431,6 +470,7 @@ def test_a_clients_requests_take_turns_with_each_other():
             async with turns.turn("proxy", request):
                 order.append(f"{request}{i}")
                 await asyncio.sleep(0.01)
+
         fan_outs = [asyncio.create_task(sequence(r, i)) for r in "ABCD" for i in range(6)]
         await asyncio.sleep(0)
         short = asyncio.create_task(sequence("E", 0))
@@ -439,8 +479,9 @@ def test_a_clients_requests_take_turns_with_each_other():
         leaving.cancel()
         await asyncio.gather(*fan_outs, short, return_exceptions=True)
         return order, len(turns)
+
     order, left = asyncio.run(scenario())
-    assert order.index("E0") <= 6       # A0 A1 hold; B, A, C, D take one each, then E (FIFO: last, at 24)
+    assert order.index("E0") <= 6  # A0 A1 hold; B, A, C, D take one each, then E (FIFO: last, at 24)
     assert "F0" not in order and len(order) == 25 and left == 0
 
 
@@ -454,6 +495,7 @@ def test_one_clients_slow_preparation_does_not_hold_every_worker(tiny_engine, mo
     from tokenloom.engine.async_engine import AsyncLLMEngine
     from tokenloom.entrypoints.server import build_app
     from tokenloom.entrypoints.server import serving as serving_module
+
     monkeypatch.setattr(serving_module, "MAX_PREPARING_PER_CLIENT", 2)
     app = build_app(AsyncLLMEngine(tiny_engine), "tiny")
     serving = app.state.serving
@@ -463,10 +505,12 @@ def test_one_clients_slow_preparation_does_not_hold_every_worker(tiny_engine, mo
         if req.user == "slow":
             time.sleep(1.5)
         return prepare(req)
+
     serving.prepare_completion = slow_for_some
     clients, enqueue = [], tiny_engine.enqueue
-    tiny_engine.enqueue = (lambda rid, ids, params, client=None:
-                           clients.append(client) or enqueue(rid, ids, params, client))
+    tiny_engine.enqueue = lambda rid, ids, params, client=None: (
+        clients.append(client) or enqueue(rid, ids, params, client)
+    )
     codes = []
     try:
         with ThreadedServer(app) as url:
@@ -474,6 +518,7 @@ def test_one_clients_slow_preparation_does_not_hold_every_worker(tiny_engine, mo
 
             def post_slow():
                 codes.append(httpx.post(f"{url}/v1/completions", json=body | {"user": "slow"}, timeout=60).status_code)
+
             slow = [threading.Thread(target=post_slow) for _ in range(3)]
             for t in slow:
                 t.start()
@@ -493,14 +538,17 @@ def test_one_clients_slow_preparation_does_not_hold_every_worker(tiny_engine, mo
 def _encoded_abuses() -> dict[str, tuple[bytes, set[int]]]:
     """The issue's single-request abuses (scaled to seconds), encoded before they are sent (the
     client's JSON work is not the server's): name -> (body, the statuses it may get)."""
-    schema = {"anyOf": [{"type": "object", "properties": {f"k{i}": {"type": "integer"}}, "required": [f"k{i}"]}
-                        for i in range(2000)]}
+    schema = {
+        "anyOf": [
+            {"type": "object", "properties": {f"k{i}": {"type": "integer"}}, "required": [f"k{i}"]} for i in range(2000)
+        ]
+    }
     bodies = {
         "burst 2000 prompts x n=16": ({"prompt": ["Hi there"] * 2000, "n": 16, "max_tokens": 1}, {400}),
         "4 MB prompt": ({"prompt": "Hello world, this is a test. " * 140_000, "max_tokens": 2}, {400}),
         "anyOf x 2000 schema": ({"prompt": "Hi", "max_tokens": 1, "guided_json": schema}, {200, 400}),
         "10^5 stop strings": ({"prompt": "Hi", "max_tokens": 1, "stop": [f"s{i}" for i in range(100_000)]}, {400}),
-        "seed 2**64": ({"prompt": "Hi", "max_tokens": 1, "seed": 2 ** 64}, {400}),
+        "seed 2**64": ({"prompt": "Hi", "max_tokens": 1, "seed": 2**64}, {400}),
         "temperature 1e-45": ({"prompt": "Hi", "max_tokens": 4, "temperature": 1e-45}, {200}),
     }
     out = {name: (json.dumps({"model": "smol"} | body).encode(), codes) for name, (body, codes) in bodies.items()}
@@ -514,6 +562,7 @@ ABUSES = _encoded_abuses()
 @pytest.fixture(scope="module")
 def served_process(default_model_dir):
     from tests.helpers.server_harness import ServeProcess
+
     with ServeProcess(default_model_dir) as proc:
         yield proc.base
 
@@ -525,17 +574,20 @@ def test_health_answers_within_100ms_while_an_abuse_is_in_flight(served_process,
     10^5 strings: off the event loop or quick on it). Not here: crowds (the probe would time this
     process's own threads; bench_abuse.py probes from a process of its own)."""
     import threading
+
     answers = []
 
     def post(body: bytes) -> None:
-        r = httpx.post(f"{served_process}/v1/completions", content=body,
-                       headers={"content-type": "application/json"}, timeout=120)
+        r = httpx.post(
+            f"{served_process}/v1/completions", content=body, headers={"content-type": "application/json"}, timeout=120
+        )
         answers.append(r.status_code)
+
     body, allowed = ABUSES[name]
     sender = threading.Thread(target=post, args=(body,))
     latencies = []
     gc.collect()
-    gc.disable()          # a full collection of this test process (models loaded by earlier tests) is not the server's
+    gc.disable()  # a full collection of this test process (models loaded by earlier tests) is not the server's
     try:
         with httpx.Client(timeout=30) as probe:
             sender.start()
@@ -559,12 +611,15 @@ def test_sigterm_mid_stream_ends_by_the_signal_and_logs_the_cut(default_model_di
     import threading
 
     from tests.helpers.server_harness import ServeProcess
+
     lines: list[str] = []
     with ServeProcess(default_model_dir, "--shutdown-timeout", "1") as served:
+
         def stream():
             body = {"prompt": "Once upon a time", "max_tokens": 240, "ignore_eos": True, "stream": True}
             with httpx.stream("POST", f"{served.base}/v1/completions", json=body, timeout=60) as response:
                 lines.extend(response.iter_lines())
+
         reader = threading.Thread(target=stream)
         reader.start()
         deadline = time.monotonic() + 30
@@ -583,13 +638,15 @@ def test_a_trusted_proxy_names_the_client(tiny_model_dir):
     """Behind a proxy on a trusted address, a request is the client X-Forwarded-For names (its turns,
     its log line); from an untrusted peer the header changes nothing."""
     from tests.helpers.server_harness import ServeProcess
+
     folder = tiny_model_dir("llama_gqa")
     body = {"prompt": "Hi", "max_tokens": 1}
     forwarded = {"X-Forwarded-For": "203.0.113.9"}
     for trusted, client in (("127.0.0.1", "203.0.113.9"), ("10.9.9.9", "127.0.0.1")):
         with ServeProcess(folder, "--forwarded-allow-ips", trusted) as served:
-            assert httpx.post(f"{served.base}/v1/completions", json=body, headers=forwarded, timeout=60).status_code \
-                == 200
+            assert (
+                httpx.post(f"{served.base}/v1/completions", json=body, headers=forwarded, timeout=60).status_code == 200
+            )
             served.proc.terminate()
             log = served.output()
         assert re.search(rf"path=/v1/completions status=200 .*client={re.escape(client)}\b", log), log[-1500:]
@@ -603,6 +660,7 @@ def test_n_is_bounded_by_the_servers_one_sequence_bound(tiny_engine):
     from tokenloom.engine.async_engine import AsyncLLMEngine
     from tokenloom.entrypoints.server import build_app
     from tokenloom.entrypoints.server.admission import AdmissionLimits
+
     limits = AdmissionLimits(max_seqs_per_request=24, max_running_per_request=24, max_running_per_client=24)
     with TestClient(build_app(AsyncLLMEngine(tiny_engine), "tiny", limits=limits)) as tc:
         many = tc.post("/v1/completions", json={"prompt": "Hi", "n": 20, "max_tokens": 1})

@@ -9,30 +9,49 @@ from hypothesis import strategies as st
 
 from tests.helpers.server_harness import ThreadedServer, wait_until_idle
 
-junk = st.one_of(st.none(), st.booleans(), st.integers(-10 ** 12, 10 ** 12),
-                 st.floats(allow_nan=False, allow_infinity=False),
-                 st.text(max_size=8), st.lists(st.integers(-5, 60000), max_size=4),
-                 st.dictionaries(st.text(max_size=3), st.integers(-200, 200), max_size=2))
+junk = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(10**12), 10**12),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.text(max_size=8),
+    st.lists(st.integers(-5, 60000), max_size=4),
+    st.dictionaries(st.text(max_size=3), st.integers(-200, 200), max_size=2),
+)
 small = st.one_of(st.integers(-2, 6), junk)
-message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "bot"]),
-                                 "content": st.one_of(st.text(max_size=20), junk)})
+message = st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "system", "assistant", "bot"]), "content": st.one_of(st.text(max_size=20), junk)}
+)
 common = {
     "model": st.one_of(st.just("smol"), junk),
-    "max_tokens": small, "max_completion_tokens": small, "n": st.one_of(st.integers(-1, 3), junk),
-    "temperature": st.one_of(st.floats(-1, 3), junk), "top_p": st.one_of(st.floats(-0.5, 1.5), junk),
-    "top_k": small, "min_p": st.one_of(st.floats(-0.5, 1.5), junk),
-    "seed": st.one_of(st.integers(-2 ** 70, 2 ** 70), junk), "user": st.one_of(st.text(max_size=5), junk),
+    "max_tokens": small,
+    "max_completion_tokens": small,
+    "n": st.one_of(st.integers(-1, 3), junk),
+    "temperature": st.one_of(st.floats(-1, 3), junk),
+    "top_p": st.one_of(st.floats(-0.5, 1.5), junk),
+    "top_k": small,
+    "min_p": st.one_of(st.floats(-0.5, 1.5), junk),
+    "seed": st.one_of(st.integers(-(2**70), 2**70), junk),
+    "user": st.one_of(st.text(max_size=5), junk),
     "stop": st.one_of(st.text(max_size=3), st.lists(st.text(max_size=3), max_size=70), junk),
-    "presence_penalty": st.one_of(st.floats(-3, 3), junk), "frequency_penalty": st.one_of(st.floats(-3, 3), junk),
-    "repetition_penalty": st.one_of(st.floats(-1, 3), junk), "logit_bias": junk, "ignore_eos": junk,
-    "stream": st.booleans(), "stream_options": junk, "min_tokens": small, "stop_token_ids": junk,
+    "presence_penalty": st.one_of(st.floats(-3, 3), junk),
+    "frequency_penalty": st.one_of(st.floats(-3, 3), junk),
+    "repetition_penalty": st.one_of(st.floats(-1, 3), junk),
+    "logit_bias": junk,
+    "ignore_eos": junk,
+    "stream": st.booleans(),
+    "stream_options": junk,
+    "min_tokens": small,
+    "stop_token_ids": junk,
 }
 completion_body = st.fixed_dictionaries(
     {"prompt": st.one_of(st.text(max_size=30), st.lists(st.integers(-3, 60000), max_size=6), junk)},
-    optional=common | {"logprobs": small, "echo": junk, "suffix": junk})
+    optional=common | {"logprobs": small, "echo": junk, "suffix": junk},
+)
 chat_body = st.fixed_dictionaries(
     {"messages": st.one_of(st.lists(message, max_size=3), junk)},
-    optional=common | {"logprobs": junk, "top_logprobs": small, "response_format": junk, "tools": junk})
+    optional=common | {"logprobs": junk, "top_logprobs": small, "response_format": junk, "tools": junk},
+)
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +59,7 @@ def base_url(default_model_dir):
     from tokenloom import LLM
     from tokenloom.engine.async_engine import AsyncLLMEngine
     from tokenloom.entrypoints.server import build_app
+
     engine = LLM(str(default_model_dir), max_model_len=128, kv_cache_memory=64 << 20).engine
     with ThreadedServer(build_app(AsyncLLMEngine(engine), "smol")) as url:
         yield url

@@ -17,15 +17,29 @@ from tokenloom.loader import hub
 
 QWEN = "qwen2.5-coder-0.5b"
 
-WEATHER_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"},
-                                                   "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-                  "required": ["city"]}
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Get the current weather in a city",
-                                            "parameters": WEATHER_SCHEMA}}
-TIME_SCHEMA = {"type": "object", "properties": {"timezone": {"type": "string", "pattern": "^[A-Z][a-z]+/[A-Za-z_]+$"}},
-               "required": ["timezone"], "additionalProperties": False}
-CLOCK = {"type": "function", "function": {"name": "get_time", "description": "The local time in an IANA time zone",
-                                          "parameters": TIME_SCHEMA}}
+WEATHER_SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+    "required": ["city"],
+}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the current weather in a city",
+        "parameters": WEATHER_SCHEMA,
+    },
+}
+TIME_SCHEMA = {
+    "type": "object",
+    "properties": {"timezone": {"type": "string", "pattern": "^[A-Z][a-z]+/[A-Za-z_]+$"}},
+    "required": ["timezone"],
+    "additionalProperties": False,
+}
+CLOCK = {
+    "type": "function",
+    "function": {"name": "get_time", "description": "The local time in an IANA time zone", "parameters": TIME_SCHEMA},
+}
 # WEATHER_SCHEMA (the README's) has no additionalProperties: like llama.cpp, the grammar takes that as false
 SCHEMAS = {"get_weather": {**WEATHER_SCHEMA, "additionalProperties": False}, "get_time": TIME_SCHEMA}
 ASK = [{"role": "user", "content": "What's the weather like in Paris today?"}]
@@ -40,8 +54,9 @@ def base_url():
     from tokenloom import LLM
     from tokenloom.engine.async_engine import AsyncLLMEngine
     from tokenloom.entrypoints.server import build_app
+
     engine = LLM(str(hub.gguf_path(QWEN)), max_model_len=2048, kv_cache_memory=256 << 20).engine
-    offered = [WEATHER["function"]]                     # as `serve --tools FILE.json` offers them in the playground
+    offered = [WEATHER["function"]]  # as `serve --tools FILE.json` offers them in the playground
     with ThreadedServer(build_app(AsyncLLMEngine(engine), "qwen", playground_tools=offered)) as url:
         yield url
 
@@ -56,6 +71,7 @@ def smol(smol_llm):
     """A client of the server over the default model (its name: "smol")."""
     from tokenloom.engine.async_engine import AsyncLLMEngine
     from tokenloom.entrypoints.server import build_app
+
     with ThreadedServer(build_app(AsyncLLMEngine(smol_llm.engine), "smol")) as url:
         yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
 
@@ -104,39 +120,47 @@ def test_weather_round_trip(client):
     [(name, arguments)] = valid_calls(choice.message)
     assert name == "get_weather" and arguments["city"] == "Paris"
     call = choice.message.tool_calls[0]
-    history = ASK + [choice.message.model_dump(exclude_none=True),
-                     {"role": "tool", "tool_call_id": call.id, "content": "18 degrees Celsius and sunny"}]
+    history = ASK + [
+        choice.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "18 degrees Celsius and sunny"},
+    ]
     final = chat(client, messages=history, tools=[WEATHER], tool_choice="none", temperature=0).choices[0]
     assert final.finish_reason == "stop" and not final.message.tool_calls
-    assert "18" in final.message.content          # the answer carries the tool's result
+    assert "18" in final.message.content  # the answer carries the tool's result
 
 
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
 def test_required_and_named_choice_always_give_schema_valid_arguments(client, tool_choice):
     runs = []
-    for seed in (1, 2):                           # 20 sampled replies at temperature 1
-        runs += chat(client, tools=[WEATHER, CLOCK], tool_choice=tool_choice, temperature=1.0, n=10,
-                     seed=seed).choices
+    for seed in (1, 2):  # 20 sampled replies at temperature 1
+        runs += chat(client, tools=[WEATHER, CLOCK], tool_choice=tool_choice, temperature=1.0, n=10, seed=seed).choices
     for choice in runs:
         calls = valid_calls(choice.message)
         assert calls, choice.message
         if isinstance(tool_choice, dict):
-            assert [name for name, _ in calls] == ["get_time"]          # a named choice: exactly that one call
+            assert [name for name, _ in calls] == ["get_time"]  # a named choice: exactly that one call
 
 
 @pytest.fixture(scope="module")
 def more_calls(base_url) -> dict[str, float]:
     """A logit_bias that pushes Qwen to open another call whenever the grammar lets it: by itself it
     writes one call and ends (a second <tool_call> after the first is about e^-23 to it)."""
-    [tool_call] = httpx.post(f"{base_url}/tokenize", json={"prompt": "<tool_call>", "add_special_tokens": False}
-                             ).json()["tokens"]
+    [tool_call] = httpx.post(
+        f"{base_url}/tokenize", json={"prompt": "<tool_call>", "add_special_tokens": False}
+    ).json()["tokens"]
     return {str(tool_call): 30.0}
 
 
 def test_parallel_calls_come_back_as_several_tool_calls_whole_and_streamed(client, more_calls):
     """Calls after calls until max_tokens: the complete ones come back, the one cut short is dropped."""
-    kwargs = dict(messages=TWO_CITIES, tools=[WEATHER], tool_choice="required", temperature=0, max_tokens=120,
-                  logit_bias=more_calls)
+    kwargs = dict(
+        messages=TWO_CITIES,
+        tools=[WEATHER],
+        tool_choice="required",
+        temperature=0,
+        max_tokens=120,
+        logit_bias=more_calls,
+    )
     many = chat(client, **kwargs).choices[0]
     assert len(valid_calls(many.message)) >= 2 and many.finish_reason == "length"
     assert many.message.content is None
@@ -148,8 +172,16 @@ def test_parallel_off_allows_exactly_one_call_whole_and_streamed(request, model,
     """parallel_tool_calls false: one call, then the end, even with Qwen pushed to call again."""
     client = request.getfixturevalue("client" if model == "qwen" else "smol")
     bias = request.getfixturevalue("more_calls") if model == "qwen" else None
-    kwargs = dict(model=model, messages=TWO_CITIES, tools=[WEATHER, CLOCK], tool_choice=tool_choice, temperature=0,
-                  max_tokens=120, parallel_tool_calls=False, logit_bias=bias)
+    kwargs = dict(
+        model=model,
+        messages=TWO_CITIES,
+        tools=[WEATHER, CLOCK],
+        tool_choice=tool_choice,
+        temperature=0,
+        max_tokens=120,
+        parallel_tool_calls=False,
+        logit_bias=bias,
+    )
     one = chat(client, **kwargs).choices[0]
     assert len(valid_calls(one.message)) == 1 and one.finish_reason == "tool_calls"
     assert streamed(client, **kwargs) == whole(one)
@@ -182,8 +214,11 @@ def test_a_call_cut_by_max_tokens_never_reaches_content_whole_or_streamed(reques
     assert streamed(client, **kwargs) == ("", [], "length")
 
 
-@pytest.mark.parametrize("sampling", [dict(temperature=0), dict(temperature=1.0, seed=1),
-                                      dict(temperature=1.0, seed=2)], ids=["greedy", "seed1", "seed2"])
+@pytest.mark.parametrize(
+    "sampling",
+    [dict(temperature=0), dict(temperature=1.0, seed=1), dict(temperature=1.0, seed=2)],
+    ids=["greedy", "seed1", "seed2"],
+)
 def test_default_model_required_calls_follow_the_readme_schema_whole_and_streamed(smol, sampling):
     """The README's weather tool (no additionalProperties) on the default model: a call with only the
     declared keys, then the end of the reply."""
@@ -202,14 +237,17 @@ def test_tool_choice_none_never_calls(client):
         assert not choice.message.content.lstrip().startswith('{"name": "')
 
 
-@pytest.mark.parametrize("kwargs,param", [
-    (dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice"),
-    (dict(tool_choice="required"), "tool_choice"),
-    (dict(tools=[{"type": "function", "function": {"name": "bad name!"}}]), "tools"),
-    (dict(tools=[{"type": "retrieval"}]), "tools"),
-    (dict(tools=[WEATHER], response_format={"type": "json_object"}), "tools"),
-    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}]), "tools"),
-])
+@pytest.mark.parametrize(
+    "kwargs,param",
+    [
+        (dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice"),
+        (dict(tool_choice="required"), "tool_choice"),
+        (dict(tools=[{"type": "function", "function": {"name": "bad name!"}}]), "tools"),
+        (dict(tools=[{"type": "retrieval"}]), "tools"),
+        (dict(tools=[WEATHER], response_format={"type": "json_object"}), "tools"),
+        (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}]), "tools"),
+    ],
+)
 def test_bad_tool_requests_are_400_naming_the_parameter(client, kwargs, param):
     with pytest.raises(openai.BadRequestError) as info:
         chat(client, **kwargs)
@@ -225,18 +263,27 @@ def test_langchain_bind_tools(base_url):
         """Get the current weather in a city."""
         return "18 degrees Celsius and sunny"
 
-    model = langchain_openai.ChatOpenAI(base_url=f"{base_url}/v1", api_key="unused", model="qwen", temperature=0,
-                                        max_tokens=64, max_retries=0)
+    model = langchain_openai.ChatOpenAI(
+        base_url=f"{base_url}/v1", api_key="unused", model="qwen", temperature=0, max_tokens=64, max_retries=0
+    )
     reply = model.bind_tools([get_weather], tool_choice="any").invoke("What's the weather like in Paris today?")
     assert reply.tool_calls and {c["name"] for c in reply.tool_calls} == {"get_weather"}
     assert not reply.invalid_tool_calls and all(isinstance(c["args"]["city"], str) for c in reply.tool_calls)
 
 
 def test_litellm_tool_call(base_url, monkeypatch):
-    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")       # no download at import
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no download at import
     litellm = pytest.importorskip("litellm")
-    reply = litellm.completion(model="openai/qwen", api_base=f"{base_url}/v1", api_key="unused", messages=ASK,
-                               tools=[WEATHER], tool_choice="required", temperature=0, max_tokens=64)
+    reply = litellm.completion(
+        model="openai/qwen",
+        api_base=f"{base_url}/v1",
+        api_key="unused",
+        messages=ASK,
+        tools=[WEATHER],
+        tool_choice="required",
+        temperature=0,
+        max_tokens=64,
+    )
     call = reply.choices[0].message.tool_calls[0]
     assert call.function.name == "get_weather"
     jsonschema.validate(json.loads(call.function.arguments), WEATHER_SCHEMA)
@@ -245,7 +292,7 @@ def test_litellm_tool_call(base_url, monkeypatch):
 def test_playground_shows_the_call_and_sends_the_typed_result_back(browser, base_url):
     page = offline_page(browser, base_url, "qwen", 1200, 900)
     page.wait_for_function("document.getElementById('tools').value.includes('get_weather')")
-    assert "active" in page.get_attribute("#mode-chat", "class")       # tools given: the chat opens first
+    assert "active" in page.get_attribute("#mode-chat", "class")  # tools given: the chat opens first
     set_controls(page, temperature=0, max_tokens=64)
     page.fill("#prompt", ASK[0]["content"])
     run_and_wait(page)

@@ -32,10 +32,10 @@ HELP = """tokenloom chat: type a message and press Enter. Ctrl-C stops a reply; 
   \"\"\"             start a message of several lines; a line ending with \"\"\" sends it
                   (a paste is one message too)"""
 
-PASTE_ON, PASTE_OFF = "\x1b[?2004h", "\x1b[?2004l"      # the terminal's bracketed paste mode
-PASTE_START, PASTE_END = "\x1b[200~", "\x1b[201~"       # around pasted text, once the mode is on
+PASTE_ON, PASTE_OFF = "\x1b[?2004h", "\x1b[?2004l"  # the terminal's bracketed paste mode
+PASTE_START, PASTE_END = "\x1b[200~", "\x1b[201~"  # around pasted text, once the mode is on
 QUOTES = '"""'
-MORE = "... "                                             # the prompt for a message's next line
+MORE = "... "  # the prompt for a message's next line
 
 
 class ChatSession:
@@ -48,7 +48,7 @@ class ChatSession:
         self.system = system
         self.history: list[dict] = self._start()
         self.params = params
-        if functions:          # the server's grammar for tool_choice auto, and its decoding of markers
+        if functions:  # the server's grammar for tool_choice auto, and its decoding of markers
             grammar = tool_constraint(self.mode, self.functions, self.features, llm.engine, parallel=True)
             self.params = dataclasses.replace(params, structured_output=grammar)
         if (functions or self.features.reasoning) and self.features.markers_dropped(llm.tokenizer):
@@ -113,8 +113,9 @@ class ChatSession:
         return reply.tool_calls
 
     def add_result(self, call: dict, result: str) -> None:
-        self.history.append({"role": "tool", "tool_call_id": call["id"], "name": call["function"]["name"],
-                             "content": result})
+        self.history.append(
+            {"role": "tool", "tool_call_id": call["id"], "name": call["function"]["name"], "content": result}
+        )
 
 
 class StopOnCtrlC:
@@ -131,7 +132,7 @@ class StopOnCtrlC:
         try:
             self.previous = signal.signal(signal.SIGINT, self._on_sigint)
             self.installed = True
-        except ValueError:           # not the main thread: Ctrl-C cannot reach us here anyway
+        except ValueError:  # not the main thread: Ctrl-C cannot reach us here anyway
             pass
         return self
 
@@ -139,7 +140,7 @@ class StopOnCtrlC:
         self.hit = True
 
     def __exit__(self, *exc) -> None:
-        if self.installed:           # previous is None where it was not set from Python: the default then
+        if self.installed:  # previous is None where it was not set from Python: the default then
             signal.signal(signal.SIGINT, self.previous if self.previous is not None else signal.SIG_DFL)
 
 
@@ -202,14 +203,14 @@ def _read_block(read, first: str) -> str:
     """The message of a \"\"\" block opened by `first`: its lines up to the first one ending with
     \"\"\" (which may be `first`), newlines kept, the quotes and blank opening/closing lines left out.
     Ctrl-D inside the block raises EOFError (the block is not sent)."""
-    lines = [first.strip()[len(QUOTES):]]
+    lines = [first.strip()[len(QUOTES) :]]
     try:
         while not lines[-1].rstrip().endswith(QUOTES):
             lines.append(_unpaste(read, read(MORE)))
     except EOFError:
         print(f"\n(the unfinished {QUOTES} message was not sent)", file=sys.stderr)
         raise
-    lines[-1] = lines[-1].rstrip()[:-len(QUOTES)]
+    lines[-1] = lines[-1].rstrip()[: -len(QUOTES)]
     return "\n".join(lines).strip("\n")
 
 
@@ -278,7 +279,7 @@ def line_editing(history_file: Path) -> None:
     try:
         import atexit
         import readline
-    except ImportError:              # a Python without readline: plain input()
+    except ImportError:  # a Python without readline: plain input()
         return
     with contextlib.suppress(OSError):
         readline.read_history_file(history_file)
@@ -288,4 +289,5 @@ def line_editing(history_file: Path) -> None:
         with contextlib.suppress(OSError):
             history_file.parent.mkdir(parents=True, exist_ok=True)
             readline.write_history_file(history_file)
+
     atexit.register(save)

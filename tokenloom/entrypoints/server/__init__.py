@@ -25,6 +25,7 @@ def served_names(model_arg: str | None, model_path: str, override: str | None = 
     if override:
         return [override]
     from tokenloom.loader.hub import DEFAULT_NAME, MODELS
+
     pulled: str | None
     if not model_arg:
         pulled = DEFAULT_NAME
@@ -37,6 +38,7 @@ def served_names(model_arg: str | None, model_path: str, override: str | None = 
 def __getattr__(name: str):
     if name == "build_app":
         from tokenloom.entrypoints.server.app import build_app
+
         return build_app
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 

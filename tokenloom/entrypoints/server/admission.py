@@ -26,25 +26,37 @@ from tokenloom.entrypoints.server.errors import APIError
 
 def server_busy(why: str, retry_after_s: int) -> APIError:
     """The 429 of a server that has no room for the request now (OpenAI's rate-limit error)."""
-    return APIError(429, f"the server is busy ({why}): retry after {retry_after_s} s", type="rate_limit_error",
-                    code="server_busy", headers={"Retry-After": str(retry_after_s)})
+    return APIError(
+        429,
+        f"the server is busy ({why}): retry after {retry_after_s} s",
+        type="rate_limit_error",
+        code="server_busy",
+        headers={"Retry-After": str(retry_after_s)},
+    )
 
 
 @dataclass(frozen=True, slots=True)
 class AdmissionLimits:
     """The server's bounds (``tokenloom serve --help`` names the flags)."""
 
-    max_seqs_per_request: int = 64       # prompts x n (x beam width) in one request
-    max_pending_seqs: int = 256          # sequences accepted and not yet finished, all requests together
-    max_pending_tokens: int = 1 << 20    # the prompt tokens of those sequences
-    max_running_per_request: int = 8     # a request's sequences in the engine at once
-    max_running_per_client: int = 16     # a client's sequences in the engine at once, all its requests
-    default_max_tokens: int = 1024       # new tokens for a request that names no max_tokens
-    retry_after_s: int = 1               # what a 429 tells the client to wait
+    max_seqs_per_request: int = 64  # prompts x n (x beam width) in one request
+    max_pending_seqs: int = 256  # sequences accepted and not yet finished, all requests together
+    max_pending_tokens: int = 1 << 20  # the prompt tokens of those sequences
+    max_running_per_request: int = 8  # a request's sequences in the engine at once
+    max_running_per_client: int = 16  # a client's sequences in the engine at once, all its requests
+    default_max_tokens: int = 1024  # new tokens for a request that names no max_tokens
+    retry_after_s: int = 1  # what a 429 tells the client to wait
 
     def __post_init__(self) -> None:
-        for name in ("max_seqs_per_request", "max_pending_seqs", "max_pending_tokens", "max_running_per_request",
-                     "max_running_per_client", "default_max_tokens", "retry_after_s"):
+        for name in (
+            "max_seqs_per_request",
+            "max_pending_seqs",
+            "max_pending_tokens",
+            "max_running_per_request",
+            "max_running_per_client",
+            "default_max_tokens",
+            "retry_after_s",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"admission limit {name} must be >= 1, got {getattr(self, name)}")
 
@@ -54,9 +66,9 @@ class _ClientTurns:
     """One client's turns: how many are held, by which request, and who waits for one."""
 
     held: int = 0
-    users: int = 0                                                 # holders + waiters
-    by_request: dict = field(default_factory=dict)                 # request key -> turns it holds
-    waiting: dict = field(default_factory=dict)                    # request key -> its waiters (futures), in order
+    users: int = 0  # holders + waiters
+    by_request: dict = field(default_factory=dict)  # request key -> turns it holds
+    waiting: dict = field(default_factory=dict)  # request key -> its waiters (futures), in order
 
 
 class PerClientTurns:
@@ -116,11 +128,11 @@ class PerClientTurns:
         if not c.by_request[request]:
             del c.by_request[request]
         while c.waiting and c.held < self.turns:
-            nxt = min(c.waiting, key=lambda r: c.by_request.get(r, 0))     # ties: the least recently served
+            nxt = min(c.waiting, key=lambda r: c.by_request.get(r, 0))  # ties: the least recently served
             queue = c.waiting.pop(nxt)
             granted = queue.pop(0)
             if queue:
-                c.waiting[nxt] = queue                                     # to the back of the ties
+                c.waiting[nxt] = queue  # to the back of the ties
             if not granted.done():
                 self._grant(c, nxt)
                 granted.set_result(None)
@@ -138,7 +150,7 @@ class Ticket:
 
     def __init__(self, admission: Admission, seqs: int, tokens: int, client: str) -> None:
         self.admission, self.seqs, self.tokens, self.client = admission, seqs, tokens, client
-        self.turns = asyncio.Semaphore(admission.limits.max_running_per_request)   # sequences in the engine
+        self.turns = asyncio.Semaphore(admission.limits.max_running_per_request)  # sequences in the engine
         self.released = False
 
     def client_turn(self):
@@ -158,24 +170,33 @@ class Admission:
     def __init__(self, limits: AdmissionLimits) -> None:
         self.limits = limits
         self.pending_seqs = self.pending_tokens = 0
-        self.running = PerClientTurns(limits.max_running_per_client)   # each client's sequences in the engine
+        self.running = PerClientTurns(limits.max_running_per_client)  # each client's sequences in the engine
 
     def check_size(self, seqs: int, param: str) -> None:
         """APIError 400 (naming `param`) for a request of more sequences than one may have; checked
         before its prompts are tokenized and its sequences' parameters built (2,000 prompts x n=16)."""
         if seqs > self.limits.max_seqs_per_request:
-            raise APIError(400, f"this request asks for {seqs} sequences (prompts x n x beams); this server takes "
-                                f"at most {self.limits.max_seqs_per_request} per request", param)
+            raise APIError(
+                400,
+                f"this request asks for {seqs} sequences (prompts x n x beams); this server takes "
+                f"at most {self.limits.max_seqs_per_request} per request",
+                param,
+            )
 
     def admit(self, seqs: int, prompt_tokens: int, param: str, client: str = "") -> Ticket:
         """A ticket for `seqs` sequences holding `prompt_tokens` prompt tokens in all, or an
         APIError: 400 (naming `param`) past the per-request bound, 429 when the server is full."""
         limits = self.limits
         self.check_size(seqs, param)
-        if self.pending_seqs + seqs > limits.max_pending_seqs or \
-                self.pending_tokens + prompt_tokens > limits.max_pending_tokens:
-            raise server_busy(f"{self.pending_seqs} sequences with {self.pending_tokens} prompt tokens pending; at "
-                              f"most {limits.max_pending_seqs} and {limits.max_pending_tokens}", limits.retry_after_s)
+        if (
+            self.pending_seqs + seqs > limits.max_pending_seqs
+            or self.pending_tokens + prompt_tokens > limits.max_pending_tokens
+        ):
+            raise server_busy(
+                f"{self.pending_seqs} sequences with {self.pending_tokens} prompt tokens pending; at "
+                f"most {limits.max_pending_seqs} and {limits.max_pending_tokens}",
+                limits.retry_after_s,
+            )
         self.pending_seqs += seqs
         self.pending_tokens += prompt_tokens
         return Ticket(self, seqs, prompt_tokens, client)

@@ -46,20 +46,27 @@ from tokenloom.outputs import RequestError
 
 log = logging.getLogger("tokenloom.entrypoints.server")
 
-_ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 408: "timeout_error",
-                413: "invalid_request_error", 429: "rate_limit_error"}
+_ERROR_TYPES = {
+    401: "authentication_error",
+    404: "not_found_error",
+    408: "timeout_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+}
 
 
 def _validation_error(exc: RequestValidationError) -> APIError:
     errors = exc.errors()
     first = errors[0] if errors else {}
     if first.get("type") == "json_invalid":
-        return APIError(400, f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}".strip(),
-                        None)
+        return APIError(
+            400, f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}".strip(), None
+        )
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    param = loc[0] if loc else None          # the top-level parameter (deeper parts name union members)
-    return APIError(400, f"{param or 'body'}: {first.get('msg', 'invalid value')} (got {first.get('input')!r:.80})",
-                    param)
+    param = loc[0] if loc else None  # the top-level parameter (deeper parts name union members)
+    return APIError(
+        400, f"{param or 'body'}: {first.get('msg', 'invalid value')} (got {first.get('input')!r:.80})", param
+    )
 
 
 def _client(req, request: Request) -> str:
@@ -91,13 +98,21 @@ def _ignored_fields_header(req, request: Request) -> dict[str, str]:
     return {IGNORED_FIELDS_HEADER: ", ".join(names)}
 
 
-def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
-              body_deadline_s: float = DEFAULT_BODY_DEADLINE_S,
-              limits: AdmissionLimits | None = None, allowed_hosts: tuple[str, ...] | None = None,
-              log_json: bool = False, tool_call_parser: str | None = None,
-              reasoning_parser: str | None = None, playground_tools: list[dict] | None = None,
-              model_aliases: tuple[str, ...] = ()) -> FastAPI:
+def build_app(
+    engine: AsyncLLMEngine,
+    model_name: str,
+    api_key: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+    body_deadline_s: float = DEFAULT_BODY_DEADLINE_S,
+    limits: AdmissionLimits | None = None,
+    allowed_hosts: tuple[str, ...] | None = None,
+    log_json: bool = False,
+    tool_call_parser: str | None = None,
+    reasoning_parser: str | None = None,
+    playground_tools: list[dict] | None = None,
+    model_aliases: tuple[str, ...] = (),
+) -> FastAPI:
     """An OpenAI-compatible app over `engine`, serving it as `model_name` (requests may also name it
     by one of `model_aliases`), admitting work within
     `limits` (server/admission.py; its defaults when None), answering only requests whose Host is
@@ -122,15 +137,21 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
         serving.long_texts.close()
 
     # no /docs or /redoc: their pages load scripts from a CDN (the schema is at /openapi.json)
-    app = FastAPI(title="tokenloom", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
-                  description="OpenAI-compatible completions and chat over tokenloom's engine")
+    app = FastAPI(
+        title="tokenloom",
+        version="0.1.0",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        description="OpenAI-compatible completions and chat over tokenloom's engine",
+    )
     app.state.serving, app.state.metrics = serving, metrics
     app.add_middleware(BodyReader, max_bytes=max_body_bytes, timeout_s=body_timeout_s, deadline_s=body_deadline_s)
     if api_key is not None:
         app.add_middleware(ApiKeyCheck, api_key=api_key)
     if allowed_hosts is not None:
         app.add_middleware(HostCheck, allowed=allowed_hosts)
-    app.add_middleware(AccessLog, json_lines=log_json)          # added last: outermost, sees every answer
+    app.add_middleware(AccessLog, json_lines=log_json)  # added last: outermost, sees every answer
 
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -212,10 +233,11 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
         headers = _ignored_fields_header(req, request)
         if req.stream:
             events = _releasing(handler.stream(req, prepared), prepared.ticket)
-            weakref.finalize(events, prepared.ticket.release)     # a stream cut before its first event
+            weakref.finalize(events, prepared.ticket.release)  # a stream cut before its first event
             return StreamingResponse(events, media_type="text/event-stream", headers=headers)
-        return await whole(serving.run(prepared), prepared, request, lambda outs: handler.response(req, prepared, outs),
-                           headers)
+        return await whole(
+            serving.run(prepared), prepared, request, lambda outs: handler.response(req, prepared, outs), headers
+        )
 
     @app.post("/v1/completions")
     async def create_completion(req: CompletionRequest, request: Request):
@@ -223,8 +245,13 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
         prepared = request.state.log = await serving.off_loop(serving.prepare_completion, req, client)
         if req.use_beam_search:
             serving.admit(prepared, client, req.beam_width * len(prepared.prompt_ids), "best_of")
-            return await whole(completions.beam_response(req, prepared), prepared, request, lambda body: body,
-                               _ignored_fields_header(req, request))
+            return await whole(
+                completions.beam_response(req, prepared),
+                prepared,
+                request,
+                lambda body: body,
+                _ignored_fields_header(req, request),
+            )
         param = size_param(req.n, len(prepared.prompt_ids))
         return await respond(completions, req, serving.admit(prepared, client, param=param), request)
 

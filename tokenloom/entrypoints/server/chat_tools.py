@@ -34,8 +34,9 @@ class ChatFeatures:
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @classmethod
-    def for_template(cls, chat_template: str | None, tool_parser: str | None = None,
-                     reasoning_parser: str | None = None) -> ChatFeatures:
+    def for_template(
+        cls, chat_template: str | None, tool_parser: str | None = None, reasoning_parser: str | None = None
+    ) -> ChatFeatures:
         """From the --tool-call-parser / --reasoning-parser values (None or "auto": from the
         template); ValueError for an unknown name."""
         return cls(tool_format(tool_parser, chat_template), reasoning_enabled(reasoning_parser, chat_template))
@@ -58,10 +59,10 @@ class ChatFeatures:
 class ChatTurn:
     """One request's tools as the serving side needs them."""
 
-    mode: str                                  # none | auto | required
-    functions: list[dict[str, Any]]            # the tools the reply may call
+    mode: str  # none | auto | required
+    functions: list[dict[str, Any]]  # the tools the reply may call
     template_tools: list[dict[str, Any]] | None  # what the template receives as `tools`
-    messages: list[dict[str, Any]]             # the template's input
+    messages: list[dict[str, Any]]  # the template's input
 
 
 def chat_turn(req, features: ChatFeatures) -> ChatTurn:
@@ -70,8 +71,9 @@ def chat_turn(req, features: ChatFeatures) -> ChatTurn:
     return make_turn([m.as_template_input() for m in req.messages], mode, functions, features)
 
 
-def make_turn(messages: list[dict[str, Any]], mode: str, functions: list[dict[str, Any]],
-              features: ChatFeatures) -> ChatTurn:
+def make_turn(
+    messages: list[dict[str, Any]], mode: str, functions: list[dict[str, Any]], features: ChatFeatures
+) -> ChatTurn:
     """OpenAI-shaped `messages` and the `functions` offered under `mode`, as the template takes them
     (tool_choice none: the tools are not offered; calls and results already in the history are
     rendered all the same)."""
@@ -83,8 +85,9 @@ def make_turn(messages: list[dict[str, Any]], mode: str, functions: list[dict[st
     return ChatTurn(mode, functions, template_tools, messages)
 
 
-def tool_constraint(mode: str, functions: list[dict[str, Any]], features: ChatFeatures, engine,
-                    parallel: bool) -> StructuredOutput | None:
+def tool_constraint(
+    mode: str, functions: list[dict[str, Any]], features: ChatFeatures, engine, parallel: bool
+) -> StructuredOutput | None:
     """The grammar that keeps the reply's calls to `functions` valid (tool_calling/grammar.py), or
     under tool_choice none one that keeps it from calling; None without tools."""
     if not functions:

@@ -24,17 +24,28 @@ class Completions:
         choices = []
         for choice, out in zip(prepared.choices, outs):
             prefix = prepared.prompt_texts[choice.prompt_index] if req.echo else ""
-            if req.scores_prompt:   # the prompt's tokens and logprobs first, then the generated ones
+            if req.scores_prompt:  # the prompt's tokens and logprobs first, then the generated ones
                 ids = prepared.prompt_ids[choice.prompt_index] + out.token_ids
                 logprobs = self._logprobs(req, ids, (out.prompt_logprobs or []) + (out.logprobs or []), 0)
             else:
                 logprobs = self._logprobs(req, out.token_ids, out.logprobs, 0)
-            body = {"index": choice.index, "text": prefix + out.text, "logprobs": logprobs,
-                    "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}
+            body = {
+                "index": choice.index,
+                "text": prefix + out.text,
+                "logprobs": logprobs,
+                "finish_reason": out.finish_reason,
+                "stop_reason": out.stop_reason,
+            }
             choices.append(R.with_explanation(body, out.explanation, choice.prompt_ids) if req.explain else body)
         completion_tokens = sum(len(o.token_ids) for o in outs)
-        return R.envelope("text_completion", prepared.response_id, prepared.created, self.serving.model_name,
-                          choices, R.usage(prepared.prompt_tokens, completion_tokens, R.cached_tokens(outs)))
+        return R.envelope(
+            "text_completion",
+            prepared.response_id,
+            prepared.created,
+            self.serving.model_name,
+            choices,
+            R.usage(prepared.prompt_tokens, completion_tokens, R.cached_tokens(outs)),
+        )
 
     async def beam_response(self, req: CompletionRequest, prepared: Prepared) -> dict:
         """use_beam_search: the n best beams of each prompt (beam width best_of or n), best first."""
@@ -43,17 +54,32 @@ class Completions:
         choices: list[dict] = []
         completion_tokens = 0
         for p_index, ids in enumerate(prepared.prompt_ids):
-            beams = await beam_search_async(engine, ids, req.beam_width, max_tokens, req.length_penalty,
-                                            req.early_stopping, req.n, prepared.client)
+            beams = await beam_search_async(
+                engine, ids, req.beam_width, max_tokens, req.length_penalty, req.early_stopping, req.n, prepared.client
+            )
             prefix = prepared.prompt_texts[p_index] if req.echo else ""
             for beam in beams:
                 ended = beam.token_ids[-1] in engine.eos_token_ids
-                choices.append({"index": len(choices), "text": prefix + beam.text, "logprobs": None,
-                                "finish_reason": "stop" if ended else "length", "stop_reason": None,
-                                "cumulative_logprob": beam.cumulative_logprob, "score": beam.score})
+                choices.append(
+                    {
+                        "index": len(choices),
+                        "text": prefix + beam.text,
+                        "logprobs": None,
+                        "finish_reason": "stop" if ended else "length",
+                        "stop_reason": None,
+                        "cumulative_logprob": beam.cumulative_logprob,
+                        "score": beam.score,
+                    }
+                )
                 completion_tokens += len(beam.token_ids)
-        return R.envelope("text_completion", prepared.response_id, prepared.created, self.serving.model_name,
-                          choices, R.usage(prepared.prompt_tokens, completion_tokens))
+        return R.envelope(
+            "text_completion",
+            prepared.response_id,
+            prepared.created,
+            self.serving.model_name,
+            choices,
+            R.usage(prepared.prompt_tokens, completion_tokens),
+        )
 
     def stream(self, req: CompletionRequest, prepared: Prepared) -> AsyncGenerator[str, None]:
         """SSE events: the echoed prompts (if asked), one chunk per delta, usage if asked, [DONE]."""
@@ -68,6 +94,11 @@ class Completions:
         def choice_of(index: int, delta: StepDelta) -> dict:
             logprobs = self._logprobs(req, delta.new_token_ids, delta.logprobs, offsets[index])
             offsets[index] += len(delta.text_delta)
-            return {"index": index, "text": delta.text_delta, "logprobs": logprobs,
-                    "finish_reason": delta.finish_reason if delta.finished else None}
+            return {
+                "index": index,
+                "text": delta.text_delta,
+                "logprobs": logprobs,
+                "finish_reason": delta.finish_reason if delta.finished else None,
+            }
+
         return self.serving.stream_events(prepared, "text_completion", req.include_usage, opening, choice_of)

@@ -11,9 +11,15 @@ from typing import Any
 class APIError(Exception):
     """An error the client caused or must see, rendered as OpenAI's error JSON."""
 
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 type: str = "invalid_request_error", code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        type: str = "invalid_request_error",
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
         self.headers = headers or {}

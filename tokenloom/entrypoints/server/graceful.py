@@ -30,17 +30,17 @@ class HeaderDeadline(H11Protocol):
 
     header_timeout_s = 30.0
 
-    def connection_made(self, transport: asyncio.Transport) -> None:    # type: ignore[override]
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._deadline: asyncio.TimerHandle | None = None
         self._arm()
 
     def data_received(self, data: bytes) -> None:
         if self._deadline is None and (self.cycle is None or self.cycle.response_complete):
-            self._arm()                       # the first bytes of a kept-alive connection's next request
+            self._arm()  # the first bytes of a kept-alive connection's next request
         super().data_received(data)
         if self.cycle is not None and not self.cycle.response_complete and self._deadline is not None:
-            self._deadline.cancel()           # headers complete: the request is the app's now
+            self._deadline.cancel()  # headers complete: the request is the app's now
             self._deadline = None
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -52,11 +52,14 @@ class HeaderDeadline(H11Protocol):
         self._deadline = self.loop.call_later(self.header_timeout_s, self._too_slow)
 
     def _too_slow(self) -> None:
-        error = APIError(408, f"the request headers did not arrive within {self.header_timeout_s:g} s",
-                         type="timeout_error")
+        error = APIError(
+            408, f"the request headers did not arrive within {self.header_timeout_s:g} s", type="timeout_error"
+        )
         body = json.dumps(error.body()).encode()
-        self.transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
-                             b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        self.transport.write(
+            b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
+            b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+        )
         self.transport.close()
 
 
@@ -64,7 +67,7 @@ class GracefulServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, serving) -> None:
         super().__init__(config)
         self.serving = serving
-        self.signals: list[int] = []               # the signals that ended it, in order
+        self.signals: list[int] = []  # the signals that ended it, in order
 
     def handle_exit(self, sig: int, frame) -> None:
         self.signals.append(sig)
@@ -82,6 +85,6 @@ def serve(app, serving, header_timeout_s: float = 30.0, **config) -> None:
     protocol = type("HeaderDeadlineProtocol", (HeaderDeadline,), {"header_timeout_s": header_timeout_s})
     server = GracefulServer(uvicorn.Config(app, http=protocol, **config), serving)
     server.run()
-    for sig in reversed(server.signals):       # uvicorn re-raises them itself from 0.29; older ones do not
+    for sig in reversed(server.signals):  # uvicorn re-raises them itself from 0.29; older ones do not
         signal.signal(sig, signal.SIG_DFL)
         signal.raise_signal(sig)

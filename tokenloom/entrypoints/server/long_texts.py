@@ -49,10 +49,10 @@ class TokenizerProcess:
 
     def _ask(self, text: str, add_special_tokens: bool, limit: int | None) -> tuple[list[int] | None, int]:
         child = self._started()
-        assert child.stdin is not None and child.stdout is not None     # opened with PIPE
+        assert child.stdin is not None and child.stdout is not None  # opened with PIPE
         data = text.encode("utf-8", "surrogatepass")
         child.stdin.write(REQUEST.pack(len(data), -1 if limit is None else limit, add_special_tokens))
-        child.stdin.write(data)               # not joined to the header: no copy of megabytes
+        child.stdin.write(data)  # not joined to the header: no copy of megabytes
         child.stdin.flush()
         status, n = ANSWER.unpack(_read(child.stdout, ANSWER.size))
         if status == TOO_MANY:
@@ -65,9 +65,10 @@ class TokenizerProcess:
 
     def _started(self) -> subprocess.Popen:
         if self.child is None:
-            self.child = subprocess.Popen([sys.executable, "-I", __file__], stdin=subprocess.PIPE,
-                                          stdout=subprocess.PIPE)
-            assert self.child.stdin is not None                             # opened with PIPE
+            self.child = subprocess.Popen(
+                [sys.executable, "-I", __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+            )
+            assert self.child.stdin is not None  # opened with PIPE
             self.child.stdin.write(LENGTH.pack(len(self.tokenizer_json)) + self.tokenizer_json)
             self.child.stdin.flush()
         return self.child
@@ -95,11 +96,12 @@ class LongTexts:
     def encode(self, text: str, add_special_tokens: bool = True, limit: int | None = None) -> list[int]:
         """As Tokenizer.encode (the same ids; TooManyTokens past `limit`)."""
         from tokenloom.tokenizer import LONG_TEXT, TooManyTokens
+
         if len(text) <= LONG_TEXT:
             return self.tokenizer.encode(text, add_special_tokens, limit=limit)
         ids, count = self._process().encode(text, add_special_tokens, limit)
         if ids is None:
-            assert limit is not None            # only a limit makes the process answer TOO_MANY
+            assert limit is not None  # only a limit makes the process answer TOO_MANY
             raise TooManyTokens(count, limit)
         return ids
 
@@ -128,13 +130,14 @@ def _read(stream, size: int) -> bytes:
 def _serve(stdin, stdout) -> None:
     """The child: answer requests until stdin closes (the server ended or closed it)."""
     from tokenizers import Tokenizer
+
     os.nice(10)
     (size,) = LENGTH.unpack(_read(stdin, LENGTH.size))
     tokenizer = Tokenizer.from_str(_read(stdin, size).decode())
     while header := stdin.read(REQUEST.size):
         size, limit, add_special = REQUEST.unpack(header)
         text = _read(stdin, size).decode("utf-8", "surrogatepass")
-        try:           # Tokenizer.encode's long-text path (tokenloom itself is not imported here: torch)
+        try:  # Tokenizer.encode's long-text path (tokenloom itself is not imported here: torch)
             encoding = tokenizer.encode_batch_fast([text], add_special_tokens=bool(add_special))[0]
         except Exception as e:
             message = f"{type(e).__name__}: {e}".encode()

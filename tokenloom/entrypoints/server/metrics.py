@@ -31,13 +31,22 @@ class _EngineCollector(Collector):
             ("tokenloom_num_requests_waiting", "Requests waiting for admission", s.num_waiting),
             ("tokenloom_kv_cache_blocks_used", "KV cache blocks held by requests", s.kv_blocks_used),
             ("tokenloom_kv_cache_blocks_free", "KV cache blocks free (cached or empty)", s.kv_blocks_free),
-            ("tokenloom_kv_cache_usage_ratio", "Fraction of KV cache blocks in use",
-             s.kv_blocks_used / total_blocks if total_blocks else 0.0),
-            ("tokenloom_prefix_cache_hit_rate", "Cached prompt tokens / prompt tokens looked up",
-             s.prefix_cache_hit_rate),
+            (
+                "tokenloom_kv_cache_usage_ratio",
+                "Fraction of KV cache blocks in use",
+                s.kv_blocks_used / total_blocks if total_blocks else 0.0,
+            ),
+            (
+                "tokenloom_prefix_cache_hit_rate",
+                "Cached prompt tokens / prompt tokens looked up",
+                s.prefix_cache_hit_rate,
+            ),
             ("tokenloom_spec_decode_acceptance_rate", "Accepted / verified draft tokens", s.spec_acceptance_rate),
-            ("tokenloom_spec_decode_mean_accepted_per_step", "Tokens produced per speculative request-step",
-             s.spec_mean_accepted_per_step),
+            (
+                "tokenloom_spec_decode_mean_accepted_per_step",
+                "Tokens produced per speculative request-step",
+                s.spec_mean_accepted_per_step,
+            ),
         ]
         for name, doc, value in gauges:
             yield GaugeMetricFamily(name, doc, value=value)
@@ -60,12 +69,21 @@ class ServerMetrics:
 
     def __init__(self, stats: Callable[[], EngineStats]) -> None:
         self.registry = CollectorRegistry()
-        self.requests = Counter("tokenloom_requests", "Requests ended, by finish reason",
-                                ["finish_reason"], registry=self.registry)
-        self.ttft = Histogram("tokenloom_time_to_first_token_seconds", "Time to first token",
-                              buckets=_LATENCY_BUCKETS, registry=self.registry)
-        self.tpot = Histogram("tokenloom_time_per_output_token_seconds", "Mean time per output token after the first",
-                              buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.requests = Counter(
+            "tokenloom_requests", "Requests ended, by finish reason", ["finish_reason"], registry=self.registry
+        )
+        self.ttft = Histogram(
+            "tokenloom_time_to_first_token_seconds",
+            "Time to first token",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.tpot = Histogram(
+            "tokenloom_time_per_output_token_seconds",
+            "Mean time per output token after the first",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
         self.registry.register(_EngineCollector(stats))
 
     def record_finished(self, finish_reason: str | None, metrics: RequestMetrics | None) -> None:

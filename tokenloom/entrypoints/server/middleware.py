@@ -26,7 +26,7 @@ log = logging.getLogger("tokenloom.entrypoints.server")
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 DEFAULT_BODY_TIMEOUT_S = 30.0
-DEFAULT_BODY_DEADLINE_S = 120.0     # a whole body, however steadily it trickles in
+DEFAULT_BODY_DEADLINE_S = 120.0  # a whole body, however steadily it trickles in
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "[::1]")
 
 
@@ -36,8 +36,10 @@ def error_response(error: APIError) -> JSONResponse:
 
 async def _send_error(error: APIError, scope: Scope, send: Send) -> None:
     """Answer with `error` from a middleware (no request body is read)."""
+
     async def nothing() -> Message:
         return {"type": "http.disconnect"}
+
     await error_response(error)(scope, nothing, send)
 
 
@@ -49,8 +51,13 @@ class BodyReader:
     is a 408, each in OpenAI's error JSON, instead of holding a worker. The app then reads the
     buffered body; later receive() calls (the disconnect) go to the client as before."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
-                 deadline_s: float = DEFAULT_BODY_DEADLINE_S) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        max_bytes: int,
+        timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+        deadline_s: float = DEFAULT_BODY_DEADLINE_S,
+    ) -> None:
         self.app, self.max_bytes, self.timeout_s, self.deadline_s = app, max_bytes, timeout_s, deadline_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -67,6 +74,7 @@ class BodyReader:
 
         async def replay() -> Message:
             return next(pending, None) or await receive()
+
         await self.app(scope, replay, send)
 
     async def _read(self, receive: Receive) -> list[Message]:
@@ -81,7 +89,7 @@ class BodyReader:
                     raise APIError(408, f"the request body was not all there within {self.deadline_s:g} s") from None
                 raise APIError(408, f"the request body did not arrive within {self.timeout_s:g} s") from None
             messages.append(message)
-            if message["type"] != "http.request":           # the client left: the app will see it
+            if message["type"] != "http.request":  # the client left: the app will see it
                 return messages
             seen += len(message.get("body", b""))
             if seen > self.max_bytes:
@@ -103,8 +111,16 @@ class ApiKeyCheck:
         if scope["type"] == "http" and scope["path"].startswith("/v1/"):
             given = dict(scope.get("headers") or []).get(b"authorization", b"")
             if not secrets.compare_digest(given, self.expected):
-                return await _send_error(APIError(401, "missing or wrong API key (Authorization: Bearer <key>)",
-                                                  type="authentication_error", code="invalid_api_key"), scope, send)
+                return await _send_error(
+                    APIError(
+                        401,
+                        "missing or wrong API key (Authorization: Bearer <key>)",
+                        type="authentication_error",
+                        code="invalid_api_key",
+                    ),
+                    scope,
+                    send,
+                )
         await self.app(scope, receive, send)
 
 
@@ -119,9 +135,13 @@ class HostCheck:
             host = dict(scope.get("headers") or []).get(b"host", b"").decode("latin-1").lower()
             name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
             if name not in self.allowed:
-                error = APIError(421, f"Host {host!r} is not served here (allowed: {', '.join(sorted(self.allowed))}"
-                                      "; start the server with --allowed-hosts or --api-key)", "Host",
-                                 code="host_not_allowed")
+                error = APIError(
+                    421,
+                    f"Host {host!r} is not served here (allowed: {', '.join(sorted(self.allowed))}"
+                    "; start the server with --allowed-hosts or --api-key)",
+                    "Host",
+                    code="host_not_allowed",
+                )
                 return await _send_error(error, scope, send)
         await self.app(scope, receive, send)
 
@@ -142,6 +162,7 @@ class AccessLog:
             if message["type"] == "http.response.start":
                 status[0] = message["status"]
             await send(message)
+
         try:
             await self.app(scope, receive, recording)
         finally:
@@ -149,12 +170,18 @@ class AccessLog:
 
     def _log(self, scope: Scope, status: int, seconds: float) -> None:
         entry = scope.get("state", {}).get("log")
-        fields = {"id": getattr(entry, "response_id", None), "method": scope["method"], "path": scope["path"],
-                  "status": status, "prompt_tokens": getattr(entry, "prompt_tokens", None),
-                  "completion_tokens": getattr(entry, "completion_tokens", None),
-                  "ttft_s": _rounded(getattr(entry, "ttft_s", None)), "total_s": _rounded(seconds),
-                  "client": scope["client"][0] if scope.get("client") else None,
-                  "outcome": getattr(entry, "outcome", None)}
+        fields = {
+            "id": getattr(entry, "response_id", None),
+            "method": scope["method"],
+            "path": scope["path"],
+            "status": status,
+            "prompt_tokens": getattr(entry, "prompt_tokens", None),
+            "completion_tokens": getattr(entry, "completion_tokens", None),
+            "ttft_s": _rounded(getattr(entry, "ttft_s", None)),
+            "total_s": _rounded(seconds),
+            "client": scope["client"][0] if scope.get("client") else None,
+            "outcome": getattr(entry, "outcome", None),
+        }
         if self.json_lines:
             log.info(json.dumps({"event": "request"} | fields))
         else:

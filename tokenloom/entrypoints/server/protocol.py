@@ -36,14 +36,30 @@ from tokenloom.sampling_params import SEED_LIMIT, SamplingParams
 from tokenloom.structured import StructuredOutput
 from tokenloom.tool_calling.messages import function_of
 
-MAX_STOP_STRINGS = 64          # each is matched against the text after every token
+MAX_STOP_STRINGS = 64  # each is matched against the text after every token
 MAX_STOP_CHARS = 1000
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 1024
-MAX_WORDS = 64                 # bad_words and dry_sequence_breakers, each
-CHAIN_FIELDS = ("typical_p", "top_n_sigma", "epsilon_cutoff", "eta_cutoff", "xtc_probability", "xtc_threshold",
-                "mirostat", "mirostat_tau", "mirostat_eta", "no_repeat_ngram_size", "bad_words", "dry_multiplier",
-                "dry_base", "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers", "samplers")
+MAX_WORDS = 64  # bad_words and dry_sequence_breakers, each
+CHAIN_FIELDS = (
+    "typical_p",
+    "top_n_sigma",
+    "epsilon_cutoff",
+    "eta_cutoff",
+    "xtc_probability",
+    "xtc_threshold",
+    "mirostat",
+    "mirostat_tau",
+    "mirostat_eta",
+    "no_repeat_ngram_size",
+    "bad_words",
+    "dry_multiplier",
+    "dry_base",
+    "dry_allowed_length",
+    "dry_penalty_last_n",
+    "dry_sequence_breakers",
+    "samplers",
+)
 STRICT = ConfigDict(extra="ignore", strict=True)
 # A request's own fields: unknown ones are kept aside (model_extra) so the server can name them.
 REQUEST = ConfigDict(extra="allow", strict=True)
@@ -75,7 +91,7 @@ class _Sampling(BaseModel):
     top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: int | None = Field(default=None, ge=-1)
     min_p: float | None = Field(default=None, ge=0, le=1)
-    n: int = Field(default=1, ge=1)           # bounded by the server's --max-seqs-per-request (admission.py)
+    n: int = Field(default=1, ge=1)  # bounded by the server's --max-seqs-per-request (admission.py)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     seed: int | None = Field(default=None, ge=0, lt=SEED_LIMIT)
@@ -90,10 +106,10 @@ class _Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     response_format: ResponseFormat | None = None
-    guided_json: dict[str, Any] | str | None = None      # vLLM's extensions
+    guided_json: dict[str, Any] | str | None = None  # vLLM's extensions
     guided_regex: str | None = None
-    guided_grammar: str | None = None                    # Lark syntax
-    explain: int | None = Field(default=None, ge=1, le=100)   # tokenloom: per-token StepRecords, N candidates
+    guided_grammar: str | None = None  # Lark syntax
+    explain: int | None = Field(default=None, ge=1, le=100)  # tokenloom: per-token StepRecords, N candidates
     # the rest of the sampler chain (SamplingParams checks the ranges and names the field)
     typical_p: float | None = None
     top_n_sigma: float | None = None
@@ -107,7 +123,7 @@ class _Sampling(BaseModel):
     no_repeat_ngram_size: int | None = None
     bad_words: list[str] | None = None
     repetition_penalty_range: int | None = None
-    repeat_last_n: int | None = None                     # llama-server's name (and penalty_last_n)
+    repeat_last_n: int | None = None  # llama-server's name (and penalty_last_n)
     penalty_last_n: int | None = None
     dry_multiplier: float | None = None
     dry_base: float | None = None
@@ -119,24 +135,43 @@ class _Sampling(BaseModel):
     def check_limits(self) -> None:
         """The request's size bounds (module doc), checked before anything else reads it."""
         stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
-        limits = [("stop", len(stops) <= MAX_STOP_STRINGS, f"at most {MAX_STOP_STRINGS} stop strings"),
-                  ("stop", all(len(s) <= MAX_STOP_CHARS for s in stops),
-                   f"stop strings of at most {MAX_STOP_CHARS} characters"),
-                  ("stop_token_ids", len(self.stop_token_ids or ()) <= MAX_STOP_TOKEN_IDS,
-                   f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids"),
-                  ("logit_bias", len(self.logit_bias or ()) <= MAX_LOGIT_BIAS,
-                   f"at most {MAX_LOGIT_BIAS} logit_bias entries")]
+        limits = [
+            ("stop", len(stops) <= MAX_STOP_STRINGS, f"at most {MAX_STOP_STRINGS} stop strings"),
+            (
+                "stop",
+                all(len(s) <= MAX_STOP_CHARS for s in stops),
+                f"stop strings of at most {MAX_STOP_CHARS} characters",
+            ),
+            (
+                "stop_token_ids",
+                len(self.stop_token_ids or ()) <= MAX_STOP_TOKEN_IDS,
+                f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids",
+            ),
+            (
+                "logit_bias",
+                len(self.logit_bias or ()) <= MAX_LOGIT_BIAS,
+                f"at most {MAX_LOGIT_BIAS} logit_bias entries",
+            ),
+        ]
         for name in ("bad_words", "dry_sequence_breakers"):
             words = getattr(self, name) or []
-            limits.append((name, len(words) <= MAX_WORDS and all(len(w) <= MAX_STOP_CHARS for w in words),
-                           f"at most {MAX_WORDS} {name} of at most {MAX_STOP_CHARS} characters"))
+            limits.append(
+                (
+                    name,
+                    len(words) <= MAX_WORDS and all(len(w) <= MAX_STOP_CHARS for w in words),
+                    f"at most {MAX_WORDS} {name} of at most {MAX_STOP_CHARS} characters",
+                )
+            )
         for param, ok, rule in limits:
             if not ok:
                 raise APIError(400, f"{param}: this server takes {rule}", param)
         where = lone_surrogate(self.model_dump(exclude_none=True))
         if where is not None:
-            raise APIError(400, f"{where} holds a lone UTF-16 surrogate (e.g. \\ud800 without its pair): "
-                                "text must be valid Unicode", where.split(".")[0].split("[")[0])
+            raise APIError(
+                400,
+                f"{where} holds a lone UTF-16 surrogate (e.g. \\ud800 without its pair): text must be valid Unicode",
+                where.split(".")[0].split("[")[0],
+            )
 
     def structured_output(self) -> tuple[StructuredOutput | None, str]:
         """The constraint asked for (at most one) and the parameter that asked."""
@@ -171,41 +206,68 @@ class _Sampling(BaseModel):
     def _chain_settings(self) -> dict[str, Any]:
         """The chain's fields that were given, the penalty window under any of its three names."""
         given = {name: getattr(self, name) for name in CHAIN_FIELDS if getattr(self, name) is not None}
-        windows = {name: value for name in ("repetition_penalty_range", "repeat_last_n", "penalty_last_n")
-                   if (value := getattr(self, name)) is not None}
+        windows = {
+            name: value
+            for name in ("repetition_penalty_range", "repeat_last_n", "penalty_last_n")
+            if (value := getattr(self, name)) is not None
+        }
         if len(windows) > 1:
             raise APIError(400, f"give one of {', '.join(windows)}, not several", list(windows)[1])
         for name, window in windows.items():
             if name != "repetition_penalty_range" and window < -1:
-                raise APIError(400, f"{name} must be -1 (the whole context), 0 (no penalties) or a token count",
-                               name)
+                raise APIError(400, f"{name} must be -1 (the whole context), 0 (no penalties) or a token count", name)
             if name == "repetition_penalty_range":
                 given[name] = window
-            elif window == 0:                                # llama.cpp: 0 turns the penalties off
+            elif window == 0:  # llama.cpp: 0 turns the penalties off
                 given.update(repetition_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0)
             else:
                 given["repetition_penalty_range"] = 0 if window == -1 else window
         return given
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None,
-                        structured_output: StructuredOutput | None = None,
-                        defaults: SamplingDefaults = FALLBACK) -> SamplingParams:
+    def sampling_params(
+        self,
+        max_tokens: int,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
+        structured_output: StructuredOutput | None = None,
+        defaults: SamplingDefaults = FALLBACK,
+    ) -> SamplingParams:
         """SamplingParams for one choice, constrained by `structured_output` (what structured_output()
         gave, or the tools' grammar), settings left out taken from `defaults` (the model's, else
         llama.cpp's); ValueError from SamplingParams becomes a 400 naming the field."""
         if isinstance(self.stop, list) and any(not s for s in self.stop):
             raise APIError(400, "stop strings must be non-empty", "stop")
-        set_fields = defaults.fill({name: getattr(self, name) for name in
-                                    ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
-                                     "frequency_penalty", "repetition_penalty")})
+        set_fields = defaults.fill(
+            {
+                name: getattr(self, name)
+                for name in (
+                    "temperature",
+                    "top_p",
+                    "top_k",
+                    "min_p",
+                    "presence_penalty",
+                    "frequency_penalty",
+                    "repetition_penalty",
+                )
+            }
+        )
         set_fields.update(self._chain_settings())
         try:
             return SamplingParams(
-                **set_fields, max_tokens=max_tokens, min_tokens=min(self.min_tokens, max_tokens),
-                stop=self.stop, stop_token_ids=self.stop_token_ids or [], seed=self.seed,
-                logit_bias=self._logit_bias(), ignore_eos=self.ignore_eos, logprobs=logprobs,
-                prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens, explain=self.explain,
-                structured_output=structured_output)
+                **set_fields,
+                max_tokens=max_tokens,
+                min_tokens=min(self.min_tokens, max_tokens),
+                stop=self.stop,
+                stop_token_ids=self.stop_token_ids or [],
+                seed=self.seed,
+                logit_bias=self._logit_bias(),
+                ignore_eos=self.ignore_eos,
+                logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
+                skip_special_tokens=self.skip_special_tokens,
+                explain=self.explain,
+                structured_output=structured_output,
+            )
         except ValueError as e:
             raise APIError(400, str(e), param_named_in(str(e))) from None
 
@@ -223,14 +285,14 @@ def lone_surrogate(value: Any, path: str = "") -> str | None:
     try:
         json.dumps(value, ensure_ascii=False).encode("utf-8")
         return None
-    except (TypeError, ValueError):        # a surrogate (UnicodeEncodeError), or not plain JSON values
+    except (TypeError, ValueError):  # a surrogate (UnicodeEncodeError), or not plain JSON values
         return _surrogate_path(value, path)
 
 
 def _surrogate_path(value: Any, path: str) -> str | None:
     if isinstance(value, str):
         try:
-            value.encode("utf-8")                     # C speed, also for a 4 MB prompt
+            value.encode("utf-8")  # C speed, also for a 4 MB prompt
             return None
         except UnicodeEncodeError:
             return path
@@ -254,12 +316,12 @@ class CompletionRequest(_Sampling):
     """POST /v1/completions."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=0)    # 0: score the prompt (with echo + logprobs)
+    max_tokens: int | None = Field(default=16, ge=0)  # 0: score the prompt (with echo + logprobs)
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = Field(default=None, ge=1)     # beams: bounded as n is
-    use_beam_search: bool = False                       # vLLM's extension: beam width = best_of (or n)
+    best_of: int | None = Field(default=None, ge=1)  # beams: bounded as n is
+    use_beam_search: bool = False  # vLLM's extension: beam width = best_of (or n)
     length_penalty: float = Field(default=1.0, ge=-10, le=10)
     early_stopping: bool | Literal["never"] = False
 
@@ -269,20 +331,25 @@ class CompletionRequest(_Sampling):
         if self.use_beam_search:
             self._check_beam_search()
         elif self.best_of is not None and self.best_of != self.n:
-            raise APIError(400, "best_of other than n needs use_beam_search (sampled best_of is not supported)",
-                           "best_of")
+            raise APIError(
+                400, "best_of other than n needs use_beam_search (sampled best_of is not supported)", "best_of"
+            )
         if self.max_tokens == 0 and not self.scores_prompt:
-            raise APIError(400, "max_tokens must be >= 1 (0 only with echo and logprobs: scoring the prompt)",
-                           "max_tokens")
+            raise APIError(
+                400, "max_tokens must be >= 1 (0 only with echo and logprobs: scoring the prompt)", "max_tokens"
+            )
         if self.scores_prompt and self.stream:
             raise APIError(400, "echo with logprobs (prompt logprobs) is not supported when streaming", "stream")
 
     def _check_beam_search(self) -> None:
         if self.best_of is not None and self.best_of < self.n:
             raise APIError(400, f"best_of ({self.best_of}) must be >= n ({self.n})", "best_of")
-        for name, bad in [("stream", self.stream), ("logprobs", self.logprobs is not None),
-                          ("explain", self.explain is not None),
-                          ("max_tokens", self.max_tokens == 0)]:
+        for name, bad in [
+            ("stream", self.stream),
+            ("logprobs", self.logprobs is not None),
+            ("explain", self.explain is not None),
+            ("max_tokens", self.max_tokens == 0),
+        ]:
             if bad:
                 raise APIError(400, f"{name} is not supported with use_beam_search", name)
 
@@ -321,7 +388,7 @@ class TextPart(BaseModel):
 class FunctionCall(BaseModel):
     model_config = STRICT
     name: str
-    arguments: str                       # JSON text, as OpenAI sends it
+    arguments: str  # JSON text, as OpenAI sends it
 
 
 class ToolCallMessage(BaseModel):
@@ -339,8 +406,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
-    tool_calls: list[ToolCallMessage] | None = None       # assistant: the calls it made
-    tool_call_id: str | None = None                      # tool: the call this is the result of
+    tool_calls: list[ToolCallMessage] | None = None  # assistant: the calls it made
+    tool_call_id: str | None = None  # tool: the call this is the result of
 
     def as_template_input(self) -> dict[str, Any]:
         content = self.content
@@ -362,7 +429,7 @@ class FunctionDefinition(BaseModel):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: bool | None = None           # arguments always follow the schema here
+    strict: bool | None = None  # arguments always follow the schema here
 
 
 class ToolDefinition(BaseModel):
@@ -382,7 +449,7 @@ class NamedToolChoice(BaseModel):
     function: NamedFunction
 
 
-MAX_TOOLS = 128                          # OpenAI's own bound
+MAX_TOOLS = 128  # OpenAI's own bound
 RESERVED_TEMPLATE_KWARGS = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token")
 
 
@@ -397,8 +464,8 @@ class ChatCompletionRequest(_Sampling):
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
-    metadata: dict[str, str] | None = None                 # accepted, stored nowhere
-    chat_template_kwargs: dict[str, Any] | None = None     # vLLM's extension (e.g. enable_thinking)
+    metadata: dict[str, str] | None = None  # accepted, stored nowhere
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's extension (e.g. enable_thinking)
 
     def check_supported(self) -> None:
         if self.top_logprobs is not None and not self.logprobs:
@@ -429,8 +496,9 @@ class ChatCompletionRequest(_Sampling):
         if isinstance(choice, NamedToolChoice):
             named = [f for f in functions if f["name"] == choice.function.name]
             if not named:
-                raise APIError(400, f"tool_choice names {choice.function.name!r}, which is not among the tools",
-                               "tool_choice")
+                raise APIError(
+                    400, f"tool_choice names {choice.function.name!r}, which is not among the tools", "tool_choice"
+                )
             return "required", named
         return choice or "auto", functions
 
@@ -446,8 +514,9 @@ def _from_response_format(rf: ResponseFormat):
     if rf.type == "json_object":
         return lambda: StructuredOutput.json()
     if rf.type != "json_schema":
-        raise APIError(400, f"response_format type must be text, json_object or json_schema, got {rf.type!r}",
-                       "response_format")
+        raise APIError(
+            400, f"response_format type must be text, json_object or json_schema, got {rf.type!r}", "response_format"
+        )
     spec = (rf.model_extra or {}).get("json_schema")
     if not isinstance(spec, dict) or not isinstance(spec.get("schema"), (dict, str)):
         raise APIError(400, "response_format json_schema needs {'name': ..., 'schema': {...}}", "response_format")

@@ -11,8 +11,11 @@ from tokenloom.tokenizer import Tokenizer
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
     """OpenAI's usage; `cached_tokens`: prompt tokens served from the prefix cache, if known."""
-    body: dict = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                  "total_tokens": prompt_tokens + completion_tokens}
+    body: dict = {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
     if cached_tokens is not None:
         body["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
     return body
@@ -23,11 +26,11 @@ def cached_tokens(outs: list) -> int:
     return sum(o.metrics.num_cached_prompt_tokens for o in outs if o is not None and o.metrics is not None)
 
 
-def envelope(kind: str, response_id: str, created: int, model: str, choices: list[dict],
-             usage_counts: dict | None = None) -> dict[str, Any]:
+def envelope(
+    kind: str, response_id: str, created: int, model: str, choices: list[dict], usage_counts: dict | None = None
+) -> dict[str, Any]:
     """The fields every response and chunk carries around its choices."""
-    body: dict[str, Any] = {"id": response_id, "object": kind, "created": created, "model": model,
-                            "choices": choices}
+    body: dict[str, Any] = {"id": response_id, "object": kind, "created": created, "model": model, "choices": choices}
     if usage_counts is not None:
         body["usage"] = usage_counts
     return body
@@ -60,14 +63,15 @@ class LogprobFormatter:
     def text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def completion(self, token_ids: list[int], logprobs: list[TokenLogprobs], top_n: int,
-                   text_offset: int) -> dict[str, list]:
+    def completion(
+        self, token_ids: list[int], logprobs: list[TokenLogprobs], top_n: int, text_offset: int
+    ) -> dict[str, list]:
         """Legacy completions shape: parallel lists, top_logprobs as {token text: logprob}."""
         out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for token, lp in zip(token_ids, logprobs):
             text = self.text(token)
             out["tokens"].append(text)
-            out["token_logprobs"].append(None if lp is None else lp[token])   # None: a prompt's first token
+            out["token_logprobs"].append(None if lp is None else lp[token])  # None: a prompt's first token
             out["top_logprobs"].append(None if lp is None else {self.text(t): v for t, v in _top(lp, top_n)})
             out["text_offset"].append(text_offset)
             text_offset += len(text)

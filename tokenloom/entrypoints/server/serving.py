@@ -58,12 +58,12 @@ class Prepared:
     prompt_texts: list[str]
     prompt_ids: list[list[int]]
     choices: list[Choice]
-    ticket: Ticket | None = None         # its admission (serving.admit); released when it ends
+    ticket: Ticket | None = None  # its admission (serving.admit); released when it ends
     started: float = field(default_factory=time.perf_counter)
-    first_token_at: float | None = None   # for the request log (middleware.AccessLog)
+    first_token_at: float | None = None  # for the request log (middleware.AccessLog)
     completion_tokens: int = 0
-    tool_mode: str = "none"               # chat: none | auto | required (server/chat_tools.py)
-    outcome: str | None = None            # how a stream that began ended short: cut_at_shutdown | failed | client_left
+    tool_mode: str = "none"  # chat: none | auto | required (server/chat_tools.py)
+    outcome: str | None = None  # how a stream that began ended short: cut_at_shutdown | failed | client_left
 
     @property
     def prompt_tokens(self) -> int:
@@ -86,9 +86,9 @@ class Prepared:
                 self.first_token_at = time.perf_counter()
 
 
-PREPARE_WORKERS = 2            # threads that tokenize, template and compile grammars
+PREPARE_WORKERS = 2  # threads that tokenize, template and compile grammars
 PREPARE_WORKERS_PER_CLIENT = 1  # of those, what one client's requests use at once (the rest wait)
-MAX_PREPARING = 64             # requests being prepared or waiting for a worker, at most
+MAX_PREPARING = 64  # requests being prepared or waiting for a worker, at most
 MAX_PREPARING_PER_CLIENT = 32  # of those, one client's: its burst leaves the others room
 PREPARE_TIMEOUT_S = 30.0
 
@@ -101,7 +101,7 @@ def _lower_priority() -> None:
     from the running batch (measured: decode time per token 4x with it at normal priority)."""
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
-    except (AttributeError, OSError):       # not Linux, or not permitted: normal priority
+    except (AttributeError, OSError):  # not Linux, or not permitted: normal priority
         pass
 
 
@@ -118,21 +118,28 @@ def sse(data: dict | str) -> str:
 class OpenAIServing:
     """Shared by /v1/completions and /v1/chat/completions."""
 
-    def __init__(self, engine: AsyncLLMEngine, model_name: str, metrics: ServerMetrics,
-                 limits: AdmissionLimits | None = None, chat_features: ChatFeatures | None = None,
-                 model_aliases: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        engine: AsyncLLMEngine,
+        model_name: str,
+        metrics: ServerMetrics,
+        limits: AdmissionLimits | None = None,
+        chat_features: ChatFeatures | None = None,
+        model_aliases: tuple[str, ...] = (),
+    ) -> None:
         self.engine = engine
         self.chat_features = chat_features or ChatFeatures.for_template(engine.tokenizer.chat_template)
         self.admission = Admission(limits or AdmissionLimits())
-        self.workers = ThreadPoolExecutor(PREPARE_WORKERS, thread_name_prefix="tokenloom-prepare",
-                                          initializer=_lower_priority)
-        self.cut = asyncio.Event()           # set when a graceful shutdown's time is up (begin_shutdown)
+        self.workers = ThreadPoolExecutor(
+            PREPARE_WORKERS, thread_name_prefix="tokenloom-prepare", initializer=_lower_priority
+        )
+        self.cut = asyncio.Event()  # set when a graceful shutdown's time is up (begin_shutdown)
         self.preparing = 0
         self.preparing_turns = PerClientTurns(PREPARE_WORKERS_PER_CLIENT)
         self.tokenizer = engine.tokenizer
-        self.long_texts = LongTexts(self.tokenizer)     # closed with the workers (app.py's lifespan)
+        self.long_texts = LongTexts(self.tokenizer)  # closed with the workers (app.py's lifespan)
         self.model_name = model_name
-        self.model_names = frozenset((model_name, *model_aliases))   # what a request's `model` may say
+        self.model_names = frozenset((model_name, *model_aliases))  # what a request's `model` may say
         self.max_model_len = engine.max_model_len
         self.metrics = metrics
         self.fmt = R.LogprobFormatter(self.tokenizer)
@@ -141,27 +148,42 @@ class OpenAIServing:
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in self.model_names:
             also = sorted(self.model_names - {self.model_name})
-            raise APIError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}"
-                                + (f" (also named {', '.join(map(repr, also))})" if also else ""),
-                           "model", type="not_found_error", code="model_not_found")
+            raise APIError(
+                404,
+                f"the model {name!r} does not exist; this server serves {self.model_name!r}"
+                + (f" (also named {', '.join(map(repr, also))})" if also else ""),
+                "model",
+                type="not_found_error",
+                code="model_not_found",
+            )
 
-    def _max_tokens(self, requested: int | None, prompt_len: int, prompt_param: str,
-                    max_tokens_param: str = "max_tokens") -> int:
+    def _max_tokens(
+        self, requested: int | None, prompt_len: int, prompt_param: str, max_tokens_param: str = "max_tokens"
+    ) -> int:
         room = self.max_model_len - prompt_len
         if room < 1:
             raise self.prompt_too_long(prompt_len, prompt_param)
-        if requested is None:                                     # the server's default, within the room
+        if requested is None:  # the server's default, within the room
             return min(room, self.admission.limits.default_max_tokens)
         if requested > room:
-            raise APIError(400, f"this model's context length is {self.max_model_len} tokens: {prompt_len} in the "
-                                f"prompt leave room for {room}, but {max_tokens_param} is {requested}",
-                           max_tokens_param)
+            raise APIError(
+                400,
+                f"this model's context length is {self.max_model_len} tokens: {prompt_len} in the "
+                f"prompt leave room for {room}, but {max_tokens_param} is {requested}",
+                max_tokens_param,
+            )
         return requested
 
     def model_card(self) -> dict:
         """The model as /v1/models lists it."""
-        return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "tokenloom",
-                "max_model_len": self.max_model_len, "default_max_tokens": self.admission.limits.default_max_tokens}
+        return {
+            "id": self.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "tokenloom",
+            "max_model_len": self.max_model_len,
+            "default_max_tokens": self.admission.limits.default_max_tokens,
+        }
 
     def check_token_ids(self, ids: list[int], param: str) -> None:
         vocab = self.engine.vocab_size
@@ -170,8 +192,11 @@ class OpenAIServing:
             raise APIError(400, f"token ids {bad[:5]} are outside the vocabulary (size {vocab})", param)
 
     def prompt_too_long(self, prompt_len: int, param: str) -> APIError:
-        return APIError(400, f"the prompt has {prompt_len} tokens but this model's context length is "
-                             f"{self.max_model_len}; shorten it", param)
+        return APIError(
+            400,
+            f"the prompt has {prompt_len} tokens but this model's context length is {self.max_model_len}; shorten it",
+            param,
+        )
 
     def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
         """`text`'s token ids; APIError where they cannot leave room for one new token (told before
@@ -193,10 +218,17 @@ class OpenAIServing:
             raise APIError(400, "the prompt is empty", param)
         return ids
 
-    def _prepare(self, req: CompletionRequest | ChatCompletionRequest, prefix: str, prompts: list[str | list[int]],
-                 prompt_param: str, max_tokens: int | None, logprobs: int | None,
-                 max_tokens_param: str = "max_tokens",
-                 constraint: tuple[StructuredOutput | None, str] | None = None) -> Prepared:
+    def _prepare(
+        self,
+        req: CompletionRequest | ChatCompletionRequest,
+        prefix: str,
+        prompts: list[str | list[int]],
+        prompt_param: str,
+        max_tokens: int | None,
+        logprobs: int | None,
+        max_tokens_param: str = "max_tokens",
+        constraint: tuple[StructuredOutput | None, str] | None = None,
+    ) -> Prepared:
         """Validate `req` and make its choices; `constraint`: (structured output, the parameter it
         comes from) in place of the request's own (the tools' grammar)."""
         structured, constraint_param = constraint or req.structured_output()
@@ -210,14 +242,18 @@ class OpenAIServing:
         choices: list[Choice] = []
         for p_index, prompt in enumerate(prompts):
             ids = self.input_ids(prompt, prompt_param)
-            base = req.sampling_params(self._max_tokens(max_tokens, len(ids), prompt_param, max_tokens_param),
-                                       logprobs, req.logprobs if getattr(req, "scores_prompt", False) else None,
-                                       structured, self.engine.sampling_defaults)
+            base = req.sampling_params(
+                self._max_tokens(max_tokens, len(ids), prompt_param, max_tokens_param),
+                logprobs,
+                req.logprobs if getattr(req, "scores_prompt", False) else None,
+                structured,
+                self.engine.sampling_defaults,
+            )
             for sample in range(req.n):
                 params = base.for_sample(sample)
                 try:
                     self.engine.validate_request(ids, params)
-                except ValueError as e:       # the params' own field when it names one (logit_bias ids)
+                except ValueError as e:  # the params' own field when it names one (logit_bias ids)
                     raise APIError(400, str(e), param_named_in(str(e)) or prompt_param) from None
                 choices.append(Choice(len(choices), p_index, ids, params))
             texts.append(prompt if isinstance(prompt, str) else self.tokenizer.decode(ids, skip_special_tokens=False))
@@ -230,8 +266,9 @@ class OpenAIServing:
         self._check_request(req, len(prompts), "prompt")
         return self._prepare(req, "cmpl", prompts, "prompt", req.max_tokens, req.logprobs)
 
-    def _check_request(self, req: CompletionRequest | ChatCompletionRequest, num_prompts: int,
-                       prompt_param: str) -> None:
+    def _check_request(
+        self, req: CompletionRequest | ChatCompletionRequest, num_prompts: int, prompt_param: str
+    ) -> None:
         """What can be refused before any tokenizing or templating."""
         self.check_model(req.model)
         req.check_supported()
@@ -243,30 +280,41 @@ class OpenAIServing:
         turn = chat_turn(req, self.chat_features)
         constraint = req.structured_output()
         if constraint[0] is None:
-            tools_grammar = tool_constraint(turn.mode, turn.functions, self.chat_features, self.engine,
-                                            req.parallel_calls)
+            tools_grammar = tool_constraint(
+                turn.mode, turn.functions, self.chat_features, self.engine, req.parallel_calls
+            )
             constraint = (tools_grammar, "tools") if tools_grammar is not None else constraint
         elif turn.mode != "none":
-            raise APIError(400, "tools with response_format or guided_* are not supported together: the "
-                                "tools' grammar already constrains the reply (or set tool_choice none)", "tools")
+            raise APIError(
+                400,
+                "tools with response_format or guided_* are not supported together: the "
+                "tools' grammar already constrains the reply (or set tool_choice none)",
+                "tools",
+            )
         if (turn.mode != "none" or self.chat_features.reasoning) and self.chat_features.markers_dropped(self.tokenizer):
             req = req.model_copy(update={"skip_special_tokens": False})
         prompt = self.chat_prompt(req, turn=turn)
         ids = self.encode(prompt, "messages", add_special_tokens=False)
         max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        prepared = self._prepare(req, "chatcmpl", [ids], "messages", req.requested_max_tokens(), req.num_logprobs(),
-                                 max_param, constraint)
+        prepared = self._prepare(
+            req, "chatcmpl", [ids], "messages", req.requested_max_tokens(), req.num_logprobs(), max_param, constraint
+        )
         prepared.prompt_texts = [prompt]
         prepared.tool_mode = turn.mode
         return prepared
 
-    def chat_prompt(self, req: ChatCompletionRequest, add_generation_prompt: bool = True,
-                    turn: ChatTurn | None = None) -> str:
+    def chat_prompt(
+        self, req: ChatCompletionRequest, add_generation_prompt: bool = True, turn: ChatTurn | None = None
+    ) -> str:
         """The request's conversation (and tools) rendered by the model's chat template."""
         turn = turn or chat_turn(req, self.chat_features)
         try:
-            return self.tokenizer.apply_chat_template(turn.messages, add_generation_prompt=add_generation_prompt,
-                                                      tools=turn.template_tools, **(req.chat_template_kwargs or {}))
+            return self.tokenizer.apply_chat_template(
+                turn.messages,
+                add_generation_prompt=add_generation_prompt,
+                tools=turn.template_tools,
+                **(req.chat_template_kwargs or {}),
+            )
         except (ChatTemplateError, jinja2.TemplateError, TypeError) as e:
             raise APIError(400, f"the chat template rejected the messages: {e}", "messages") from None
 
@@ -278,20 +326,29 @@ class OpenAIServing:
         PREPARE_TIMEOUT_S, waiting included (a worker finishes that one and drops it).
         429 also when the client has MAX_PREPARING_PER_CLIENT requests there already."""
         if self.preparing >= MAX_PREPARING:
-            raise server_busy(f"{self.preparing} requests are being prepared (tokenized, templated)",
-                              self.admission.limits.retry_after_s)
+            raise server_busy(
+                f"{self.preparing} requests are being prepared (tokenized, templated)",
+                self.admission.limits.retry_after_s,
+            )
         if self.preparing_turns.users(client) >= MAX_PREPARING_PER_CLIENT:
-            raise server_busy(f"this client has {MAX_PREPARING_PER_CLIENT} requests being prepared already",
-                              self.admission.limits.retry_after_s)
+            raise server_busy(
+                f"this client has {MAX_PREPARING_PER_CLIENT} requests being prepared already",
+                self.admission.limits.retry_after_s,
+            )
         self.preparing += 1
+
         async def prepare_in_turn() -> Prepared:
             async with self.preparing_turns.turn(client):
                 return await asyncio.get_running_loop().run_in_executor(self.workers, prepare, req)
-        try:           # wait_for, not asyncio.timeout (3.11+): the turn's wait counts too
+
+        try:  # wait_for, not asyncio.timeout (3.11+): the turn's wait counts too
             return await asyncio.wait_for(prepare_in_turn(), PREPARE_TIMEOUT_S)
         except asyncio.TimeoutError:
-            raise APIError(408, f"preparing the request (tokenizing, chat template, grammar) took over "
-                                f"{PREPARE_TIMEOUT_S:g} s", type="timeout_error") from None
+            raise APIError(
+                408,
+                f"preparing the request (tokenizing, chat template, grammar) took over {PREPARE_TIMEOUT_S:g} s",
+                type="timeout_error",
+            ) from None
         finally:
             self.preparing -= 1
 
@@ -309,24 +366,30 @@ class OpenAIServing:
         """One choice's engine stream, once one of its request's turns is free (admission.py);
         records its metrics when it ends (aborted: 'abort')."""
         ticket = prepared.ticket
-        async with (ticket.turns if ticket is not None else nullcontext(),       # the request's turn, then
-                    ticket.client_turn() if ticket is not None else nullcontext(),  # the client's,
-                    aclosing(self._run_choice(prepared, choice)) as stream):     # then it runs
+        async with (
+            ticket.turns if ticket is not None else nullcontext(),  # the request's turn, then
+            ticket.client_turn() if ticket is not None else nullcontext(),  # the client's,
+            aclosing(self._run_choice(prepared, choice)) as stream,
+        ):  # then it runs
             async for delta in stream:
                 yield delta
 
     async def _run_choice(self, prepared: Prepared, choice: Choice) -> AsyncGenerator[StepDelta, None]:
         finished = False
         try:
-            stream = self.engine.generate(choice.prompt_ids, choice.params, validated=True,   # in _prepare
-                                          request_id=f"{prepared.response_id}-{choice.index}",
-                                          client=prepared.client)
+            stream = self.engine.generate(
+                choice.prompt_ids,
+                choice.params,
+                validated=True,  # in _prepare
+                request_id=f"{prepared.response_id}-{choice.index}",
+                client=prepared.client,
+            )
             async with aclosing(stream):
                 async for delta in stream:
                     prepared.count(delta)
                     if delta.finished:
                         finished = True
-                        assert delta.completion is not None     # a finished delta carries its completion
+                        assert delta.completion is not None  # a finished delta carries its completion
                         self.metrics.record_finished(delta.finish_reason, delta.completion.metrics)
                     yield delta
         except RequestError:
@@ -355,15 +418,22 @@ class OpenAIServing:
             async for index, delta in stream:
                 if delta.finished:
                     outs[index] = delta.completion
-        return outs   # type: ignore[return-value]
+        return outs  # type: ignore[return-value]
 
-    async def stream_events(self, prepared: Prepared, kind: str, include_usage: bool, opening: list[dict],
-                            choice_of: Callable[[int, StepDelta], dict]) -> AsyncGenerator[str, None]:
+    async def stream_events(
+        self,
+        prepared: Prepared,
+        kind: str,
+        include_usage: bool,
+        opening: list[dict],
+        choice_of: Callable[[int, StepDelta], dict],
+    ) -> AsyncGenerator[str, None]:
         """The SSE stream of one response: a chunk per opening choice dict, then one per delta
         that carries text, logprobs or the finish (``choice_of(index, delta)`` shapes it), a
         usage chunk if asked, and ``data: [DONE]``. Should the request fail in the engine, or the
         server cut it at shutdown, an error event (OpenAI's error shape) and ``data: [DONE]`` end
         the stream instead."""
+
         def chunk(choices: list[dict], usage: dict | None = None) -> str:
             body = R.envelope(kind, prepared.response_id, prepared.created, self.model_name, choices)
             if include_usage:
@@ -374,7 +444,7 @@ class OpenAIServing:
             yield chunk([choice])
         completion_tokens = cached = 0
         explained = bool(prepared.choices[0].params.explain)
-        unseen = {c.index for c in prepared.choices}          # choices yet to receive their prompt ids
+        unseen = {c.index for c in prepared.choices}  # choices yet to receive their prompt ids
         try:
             async with aclosing(self.deltas(prepared)) as stream:
                 async for index, delta in stream:
@@ -386,15 +456,16 @@ class OpenAIServing:
                         if explained:
                             first = index in unseen
                             unseen.discard(index)
-                            R.with_explanation(choice, delta.explanation,
-                                               prepared.choices[index].prompt_ids if first else None)
+                            R.with_explanation(
+                                choice, delta.explanation, prepared.choices[index].prompt_ids if first else None
+                            )
                         yield chunk([choice])
-        except (RequestError, ShuttingDown) as e:    # failed in the engine, or cut at shutdown: say so, then end
+        except (RequestError, ShuttingDown) as e:  # failed in the engine, or cut at shutdown: say so, then end
             prepared.outcome = "cut_at_shutdown" if isinstance(e, ShuttingDown) else "failed"
             yield sse((shutting_down(e) if isinstance(e, ShuttingDown) else request_failed(e)).body())
             yield sse("[DONE]")
             return
-        except GeneratorExit:                         # the client left mid-stream (the log says so: status 200)
+        except GeneratorExit:  # the client left mid-stream (the log says so: status 200)
             prepared.outcome = "client_left"
             raise
         if include_usage:

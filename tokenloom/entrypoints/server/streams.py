@@ -22,8 +22,9 @@ class ShuttingDown(Exception):
     """The server's graceful shutdown is ending: requests still running are cut."""
 
 
-async def merge(streams: list[AsyncGenerator[T, None]], cut: asyncio.Event | None = None
-                ) -> AsyncGenerator[tuple[int, T], None]:
+async def merge(
+    streams: list[AsyncGenerator[T, None]], cut: asyncio.Event | None = None
+) -> AsyncGenerator[tuple[int, T], None]:
     """Interleave several async streams as (stream index, item), in arrival order.
 
     An exception in any stream is re-raised here, and ShuttingDown once `cut` is set; leaving
@@ -37,7 +38,7 @@ async def merge(streams: list[AsyncGenerator[T, None]], cut: asyncio.Event | Non
                 async for item in stream:
                     queue.put_nowait((index, item))
             queue.put_nowait((index, _DONE))
-        except Exception as e:   # surfaced to the consumer, which stops everything
+        except Exception as e:  # surfaced to the consumer, which stops everything
             queue.put_nowait((index, e))
 
     async def watch(event: asyncio.Event) -> None:

@@ -27,7 +27,7 @@ class TokenizeRequest(BaseModel):
     model_config = STRICT
     model: str | None = None
     prompt: str | None = None
-    messages: list[dict[str, Any]] | None = None        # chat messages, templated first
+    messages: list[dict[str, Any]] | None = None  # chat messages, templated first
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
@@ -45,7 +45,7 @@ class EmbeddingRequest(BaseModel):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(default=None, ge=1)
     user: str | None = None
-    pooling: Literal["mean", "last"] = "mean"            # tokenloom's extension
+    pooling: Literal["mean", "last"] = "mean"  # tokenloom's extension
 
 
 def _inputs(req: EmbeddingRequest) -> list[str | list[int]]:
@@ -56,7 +56,7 @@ def _inputs(req: EmbeddingRequest) -> list[str | list[int]]:
 
 
 def _encoded(vector: list[float], encoding_format: str) -> list[float] | str:
-    if encoding_format == "base64":            # little-endian float32, as OpenAI's SDKs decode it
+    if encoding_format == "base64":  # little-endian float32, as OpenAI's SDKs decode it
         return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
     return vector
 
@@ -79,8 +79,12 @@ def add_utility_routes(app: FastAPI, serving: OpenAIServing) -> None:
                 chat = ChatCompletionRequest.model_validate({"messages": req.messages})
             except ValidationError as e:
                 raise APIError(400, f"messages: {e.errors()[0]['msg']}", "messages") from None
-            ids = await serving.off_loop(lambda _: serving.tokenizer.encode(
-                serving.chat_prompt(chat, req.add_generation_prompt), add_special_tokens=False), req)
+            ids = await serving.off_loop(
+                lambda _: serving.tokenizer.encode(
+                    serving.chat_prompt(chat, req.add_generation_prompt), add_special_tokens=False
+                ),
+                req,
+            )
         else:
             ids = await serving.off_loop(lambda r: serving.tokenizer.encode(r.prompt, r.add_special_tokens), req)
         return {"count": len(ids), "max_model_len": serving.max_model_len, "tokens": ids}
@@ -104,9 +108,13 @@ def add_utility_routes(app: FastAPI, serving: OpenAIServing) -> None:
                 vector = await serving.engine.embed(ids, req.pooling)
             except ValueError as e:
                 raise APIError(400, str(e), "input") from None
-            except RuntimeError as e:          # no KV room now
+            except RuntimeError as e:  # no KV room now
                 raise server_busy(str(e), serving.admission.limits.retry_after_s) from None
             data.append({"object": "embedding", "index": index, "embedding": _encoded(vector, req.encoding_format)})
         tokens = sum(len(ids) for ids in token_lists)
-        return {"object": "list", "data": data, "model": serving.model_name,
-                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+        return {
+            "object": "list",
+            "data": data,
+            "model": serving.model_name,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        }

@@ -22,6 +22,7 @@ def importable() -> bool:
     if _importable is None:
         try:
             import triton  # noqa: F401
+
             _importable = True
         except ImportError:
             _importable = False

@@ -28,6 +28,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(T, inter, dtype=gate_up.dtype, device=gate_up.device)
     if T:
         block = 1024
-        _silu_mul_kernel[(T, triton.cdiv(inter, block))](gate_up, out, gate_up.stride(0), out.stride(0), inter,
-                                                         BLOCK=block, num_warps=4)
+        _silu_mul_kernel[(T, triton.cdiv(inter, block))](
+            gate_up, out, gate_up.stride(0), out.stride(0), inter, BLOCK=block, num_warps=4
+        )
     return out

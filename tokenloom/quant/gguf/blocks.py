@@ -24,8 +24,13 @@ from tokenloom.quant.int8.formats import QuantizedTensor
 from tokenloom.quant.scheme import WeightFormat
 
 Q4_0, Q4_1, Q5_0, Q8_0, IQ4_NL = 2, 3, 6, 8, 20
-EXACT_FORMATS = {Q8_0: WeightFormat(8, 32), Q5_0: WeightFormat(8, 32), IQ4_NL: WeightFormat(8, 32),
-                 Q4_0: WeightFormat(4, 32), Q4_1: WeightFormat(4, 32)}
+EXACT_FORMATS = {
+    Q8_0: WeightFormat(8, 32),
+    Q5_0: WeightFormat(8, 32),
+    IQ4_NL: WeightFormat(8, 32),
+    Q4_0: WeightFormat(4, 32),
+    Q4_1: WeightFormat(4, 32),
+}
 _IQ4NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
 
 
@@ -43,12 +48,12 @@ def to_quantized(t: GGMLTensor) -> QuantizedTensor:
         raise ValueError(f"{t.type_name} is not a tokenloom format as it stands")
     rows = t.shape[0]
     raw = t.data.cpu().numpy()
-    blocks = raw.reshape(rows, t.in_features // 32, -1)                          # (rows, nb, bytes)
+    blocks = raw.reshape(rows, t.in_features // 32, -1)  # (rows, nb, bytes)
     d = torch.from_numpy(half_field(blocks, 0))
     if t.kind == Q8_0:
         codes = blocks[:, :, 2:].view(np.int8)
     elif t.kind == Q5_0:
-        unsigned, _, _ = gguf_panels.decode(t.kind, raw, t.in_features)           # (rows, K) 0..31
+        unsigned, _, _ = gguf_panels.decode(t.kind, raw, t.in_features)  # (rows, K) 0..31
         codes = (unsigned.astype(np.int16) - 16).astype(np.int8)
     elif t.kind == IQ4_NL:
         codes = _IQ4NL_VALUES[nibbles(blocks)]

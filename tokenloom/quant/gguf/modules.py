@@ -26,7 +26,7 @@ class QuantizedSegment:
     """A GGUF tensor held as a tokenloom int8/int4 panel tensor (values unchanged)."""
 
     def __init__(self, q: QuantizedTensor, kind: int, type_name: str, shape: tuple[int, int]) -> None:
-        self.q, self.kind, self.type_name, self.shape = q, kind, type_name, shape   # q in the panel layout
+        self.q, self.kind, self.type_name, self.shape = q, kind, type_name, shape  # q in the panel layout
         self._run = kernels.bind(q, None, True)
 
     @classmethod
@@ -43,7 +43,7 @@ class QuantizedSegment:
         return [t for t in (self.q.data, self.q.scales, self.q.offsets) if t is not None]
 
     def matmul_into(self, out: torch.Tensor, col0: int, x: torch.Tensor) -> None:
-        out[:, col0:col0 + self.shape[0]] = self._run(x)
+        out[:, col0 : col0 + self.shape[0]] = self._run(x)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool = False) -> torch.Tensor:
         """x (M, K) float32 contiguous -> x @ w.T + bias (M, N) in one call, or with `silu_mul`
@@ -56,9 +56,14 @@ class QuantizedSegment:
         a, b = self.q, other.q
         if (a.bits, a.group_size, self.kind, self.shape[1]) != (b.bits, b.group_size, other.kind, other.shape[1]):
             return None
-        cat = lambda x, y: None if x is None else torch.cat([x, y])       # noqa: E731
-        merged = QuantizedTensor(a.bits, torch.cat([a.data, b.data]), torch.cat([a.scales, b.scales]),
-                                 cat(a.offsets, b.offsets), a.group_size)
+        cat = lambda x, y: None if x is None else torch.cat([x, y])  # noqa: E731
+        merged = QuantizedTensor(
+            a.bits,
+            torch.cat([a.data, b.data]),
+            torch.cat([a.scales, b.scales]),
+            cat(a.offsets, b.offsets),
+            a.group_size,
+        )
         return QuantizedSegment(merged, self.kind, self.type_name, (self.shape[0] + other.shape[0], self.shape[1]))
 
     def rows(self, index: torch.Tensor) -> torch.Tensor:
@@ -82,8 +87,11 @@ def _merge_adjacent(segments: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
     for col0, segment in segments:
         if merged:
             prev0, prev = merged[-1]
-            joined = prev.followed_by(segment) if type(prev) is type(segment) and hasattr(prev, "followed_by") \
-                and prev0 + prev.shape[0] == col0 else None
+            joined = (
+                prev.followed_by(segment)
+                if type(prev) is type(segment) and hasattr(prev, "followed_by") and prev0 + prev.shape[0] == col0
+                else None
+            )
             if joined is not None:
                 merged[-1] = (prev0, joined)
                 continue
@@ -104,13 +112,20 @@ def _rows(segment, index: torch.Tensor) -> torch.Tensor:
 class GGMLLinear(nn.Module):
     """A Linear layer whose weight is one or more GGUF tensors, each a segment of output rows."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str | None = None) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.segments: list[tuple[int, Any]] = []     # (first output column, segment), sorted
-        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False) \
-            if bias else None
+        self.segments: list[tuple[int, Any]] = []  # (first output column, segment), sorted
+        self.bias = (
+            nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None
+        )
 
     def load_weight(self, tensor: GGMLTensor, rows: slice | None = None) -> None:
         """Take `tensor` as the weight's rows `rows` (all rows when None), values unchanged."""
@@ -153,11 +168,11 @@ class GGMLLinear(nn.Module):
         return [s.type_name + ("" if isinstance(s, GGMLTensor) else " panels") for _, s in self.segments]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = float_rows(x, self.in_features)                                 # (M, in)
+        x2 = float_rows(x, self.in_features)  # (M, in)
         kernels = ops()
         only = self.segments[0][1] if len(self.segments) == 1 else None
         if kernels is not None and x2.device.type == "cpu" and isinstance(only, (QuantizedSegment, GGUFPanels)):
-            y = only.linear(x2, self.bias)                                    # one call, bias included
+            y = only.linear(x2, self.bias)  # one call, bias included
         else:
             y = self._segments_forward(x2, kernels)
             if self.bias is not None:
@@ -178,18 +193,21 @@ class GGMLLinear(nn.Module):
         return y
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"types={'+'.join(self.types) or 'unloaded'}, bias={self.bias is not None}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"types={'+'.join(self.types) or 'unloaded'}, bias={self.bias is not None}"
+        )
 
 
 class GGMLEmbedding(nn.Module):
     """An embedding table of GGUF blocks (its own, or the rows of a tied GGMLLinear)."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype,
-                 tied: GGMLLinear | None = None) -> None:
+    def __init__(
+        self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype, tied: GGMLLinear | None = None
+    ) -> None:
         super().__init__()
         self.num_embeddings, self.embedding_dim, self.dtype = num_embeddings, embedding_dim, dtype
-        self._tied = [tied] if tied is not None else []   # a list: not registered, not saved twice
+        self._tied = [tied] if tied is not None else []  # a list: not registered, not saved twice
         self.weight_q: GGMLTensor | None = None
 
     def load_weight(self, tensor: GGMLTensor, rows: slice | None = None) -> None:
@@ -205,7 +223,7 @@ class GGMLEmbedding(nn.Module):
         if self._tied:
             rows = self._tied[0].rows(flat)
         else:
-            assert self.weight_q is not None            # load_weight has run
+            assert self.weight_q is not None  # load_weight has run
             rows = self.weight_q.rows(flat).dequantize()
         return rows.to(self.dtype).to(ids.device).view(*ids.shape, self.embedding_dim)
 

@@ -21,9 +21,13 @@ from tokenloom.quant.gguf.tensor import KERNEL_TYPES, GGMLTensor, ops
 PANEL = 16
 Q5_0, Q5_1, Q4_K, Q5_K, Q6_K = 6, 7, 12, 13, 14
 # type -> (high bit planes, zero point, per-16 scales, offsets, scale dtype: K-quants' integer sub-scales)
-LAYOUTS = {Q5_0: (1, 16, False, False, torch.float16), Q5_1: (1, 0, False, True, torch.float16),
-           Q4_K: (0, 0, False, True, torch.uint8), Q5_K: (1, 0, False, True, torch.uint8),
-           Q6_K: (2, 32, True, False, torch.int8)}
+LAYOUTS = {
+    Q5_0: (1, 16, False, False, torch.float16),
+    Q5_1: (1, 0, False, True, torch.float16),
+    Q4_K: (0, 0, False, True, torch.uint8),
+    Q5_K: (1, 0, False, True, torch.uint8),
+    Q6_K: (2, 32, True, False, torch.int8),
+}
 K_QUANTS = (Q4_K, Q5_K, Q6_K)
 _CHUNK_ROWS = 256
 
@@ -31,10 +35,10 @@ _CHUNK_ROWS = 256
 @dataclass
 class GGUFPanels:
     kind: int
-    lo: torch.Tensor                 # (P, K/32, 4, 64) uint8
-    hi: torch.Tensor | None          # (P, K/32, planes, 64) uint8
-    scale: torch.Tensor              # (P, K/32, 16) or (P, K/32, 2, 16)
-    offset: torch.Tensor | None      # like scale
+    lo: torch.Tensor  # (P, K/32, 4, 64) uint8
+    hi: torch.Tensor | None  # (P, K/32, planes, 64) uint8
+    scale: torch.Tensor  # (P, K/32, 16) or (P, K/32, 2, 16)
+    offset: torch.Tensor | None  # like scale
     in_features: int
     dsup: torch.Tensor | None = None  # K-quants: (P, K/256, 16) float32 super-block scales d
     msup: torch.Tensor | None = None  # Q4_K, Q5_K: (P, K/256, 16) float32 super-block mins -dmin
@@ -55,41 +59,50 @@ class GGUFPanels:
         return [t for t in (self.lo, self.hi, self.scale, self.offset, self.dsup, self.msup) if t is not None]
 
     def matmul_into(self, out: torch.Tensor, col0: int, xq: torch.Tensor) -> None:
-        ops().panel_matmul_into(out, col0, xq, self.in_features, self.kind, self.lo, self.hi, self.scale, self.offset,
-                                self.dsup, self.msup)
+        ops().panel_matmul_into(
+            out, col0, xq, self.in_features, self.kind, self.lo, self.hi, self.scale, self.offset, self.dsup, self.msup
+        )
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool = False) -> torch.Tensor:
         """x (M, K) float32 contiguous -> x @ w.T + bias (M, N) in one call, or with `silu_mul`
         silu(gate) * up (M, N/2) for a gate_up weight (gate rows first)."""
-        return ops().panel_linear(x, self.kind, self.lo, self.hi, self.scale, self.offset, self.dsup, self.msup,
-                                  bias, silu_mul)
+        return ops().panel_linear(
+            x, self.kind, self.lo, self.hi, self.scale, self.offset, self.dsup, self.msup, bias, silu_mul
+        )
 
     def followed_by(self, other: GGUFPanels) -> GGUFPanels | None:
         """These rows then `other`'s as one tensor (one kernel call for both), or None where the
         two differ in type or width. Rows are independent, so each output is unchanged."""
         if other.kind != self.kind or other.in_features != self.in_features:
             return None
-        cat = lambda a, b: None if a is None else torch.cat([a, b])      # noqa: E731
-        return GGUFPanels(self.kind, cat(self.lo, other.lo), cat(self.hi, other.hi), cat(self.scale, other.scale),
-                          cat(self.offset, other.offset), self.in_features, cat(self.dsup, other.dsup),
-                          cat(self.msup, other.msup))
+        cat = lambda a, b: None if a is None else torch.cat([a, b])  # noqa: E731
+        return GGUFPanels(
+            self.kind,
+            cat(self.lo, other.lo),
+            cat(self.hi, other.hi),
+            cat(self.scale, other.scale),
+            cat(self.offset, other.offset),
+            self.in_features,
+            cat(self.dsup, other.dsup),
+            cat(self.msup, other.msup),
+        )
 
     def rows(self, index: torch.Tensor) -> torch.Tensor:
         """float32 (len(index), K): rows `index` dequantized (an embedding lookup)."""
         planes, zero, per16, _, _ = LAYOUTS[self.kind]
         p, nb = self.lo.shape[:2]
         panel, lane = index // PANEL, index % PANEL
-        lo = self.lo.view(p, nb, 4, PANEL, 4)[panel, :, :, lane]              # (L, nb, c, i)
-        codes = torch.stack([lo & 0x0F, lo >> 4], dim=3).int()               # (L, nb, c, h, i)
-        shifts = torch.arange(8, dtype=torch.int32).view(4, 2, 1)             # bit 2c + h
+        lo = self.lo.view(p, nb, 4, PANEL, 4)[panel, :, :, lane]  # (L, nb, c, i)
+        codes = torch.stack([lo & 0x0F, lo >> 4], dim=3).int()  # (L, nb, c, h, i)
+        shifts = torch.arange(8, dtype=torch.int32).view(4, 2, 1)  # bit 2c + h
         for j in range(planes):
-            hi = self.hi.view(p, nb, planes, PANEL, 4)[panel, :, j, lane].int()   # (L, nb, i)
+            hi = self.hi.view(p, nb, planes, PANEL, 4)[panel, :, j, lane].int()  # (L, nb, i)
             codes |= ((hi[:, :, None, None, :] >> shifts) & 1) << (4 + j)
         w = codes.reshape(len(index), nb, 32).float() - zero
         scale = (self.scale[panel, :, :, lane] if per16 else self.scale[panel, :, lane]).float()  # (L, nb[, 2])
         offset = None if self.offset is None else self.offset[panel, :, lane].float()
-        if self.dsup is not None:                                             # K-quants: times d (and -dmin)
-            d = self.dsup[panel, :, lane].repeat_interleave(8, dim=1)         # (L, nb)
+        if self.dsup is not None:  # K-quants: times d (and -dmin)
+            d = self.dsup[panel, :, lane].repeat_interleave(8, dim=1)  # (L, nb)
             scale = scale * (d[..., None] if per16 else d)
             if offset is not None:
                 offset = offset * self.msup[panel, :, lane].repeat_interleave(8, dim=1)
@@ -141,14 +154,14 @@ def _pack_codes(codes: np.ndarray, planes: int) -> tuple[torch.Tensor, torch.Ten
     """(N, K) uint8 codes -> lo (P, nb, 4, 64) and hi (P, nb, planes, 64) as the kernel reads them.
     All in uint8: a chunk's temporaries are a few times its codes, not int32/int64 copies of them."""
     n, k = codes.shape
-    c = codes.reshape(n // PANEL, PANEL, k // 32, 4, 2, 4)                     # [p, n, b, c, h, i]
-    lo = (c[..., 0, :] & 0x0F) | ((c[..., 1, :] & 0x0F) << 4)                   # [p, n, b, c, i]
+    c = codes.reshape(n // PANEL, PANEL, k // 32, 4, 2, 4)  # [p, n, b, c, h, i]
+    lo = (c[..., 0, :] & 0x0F) | ((c[..., 1, :] & 0x0F) << 4)  # [p, n, b, c, i]
     lo = torch.from_numpy(np.ascontiguousarray(lo.transpose(0, 2, 3, 1, 4)).reshape(n // PANEL, k // 32, 4, 64))
     if not planes:
         return lo, None
-    hi = np.empty((n // PANEL, k // 32, planes, PANEL, 4), dtype=np.uint8)     # [p, b, j, n, i]
+    hi = np.empty((n // PANEL, k // 32, planes, PANEL, 4), dtype=np.uint8)  # [p, b, j, n, i]
     for j in range(planes):
-        bits = ((c >> (4 + j)) & 1).transpose(0, 2, 1, 5, 3, 4)                # [p, b, n, i, c, h]: bit 2c + h
+        bits = ((c >> (4 + j)) & 1).transpose(0, 2, 1, 5, 3, 4)  # [p, b, n, i, c, h]: bit 2c + h
         hi[:, :, j] = np.packbits(bits.reshape(*bits.shape[:4], 8), axis=-1, bitorder="little")[..., 0]
     return lo, torch.from_numpy(hi.reshape(n // PANEL, k // 32, planes, 64))
 
@@ -157,8 +170,10 @@ def _sides(values, per16: bool, dtype: torch.dtype) -> tuple[torch.Tensor, torch
     """decode's scales (or offsets) side by side: (P, nb, 16) or (P, nb, 2, 16) in `dtype`, and
     for a K-quant's (sub, super) pair its super-block factors (P, nb/8, 16) float32."""
     sub, sup = values if isinstance(values, tuple) else (values, None)
-    return (_side_by_side(torch.from_numpy(sub), per16).to(dtype),
-            None if sup is None else _side_by_side(torch.from_numpy(sup), False))
+    return (
+        _side_by_side(torch.from_numpy(sub), per16).to(dtype),
+        None if sup is None else _side_by_side(torch.from_numpy(sup), False),
+    )
 
 
 def _side_by_side(x: torch.Tensor, per16: bool) -> torch.Tensor:
@@ -170,7 +185,7 @@ def _side_by_side(x: torch.Tensor, per16: bool) -> torch.Tensor:
 
 def half_field(blocks: np.ndarray, at: int) -> np.ndarray:
     """(..., bytes) blocks -> their float16 field at byte `at`, as float32 (...)."""
-    return np.ascontiguousarray(blocks[..., at:at + 2]).view(np.float16)[..., 0].astype(np.float32)
+    return np.ascontiguousarray(blocks[..., at : at + 2]).view(np.float16)[..., 0].astype(np.float32)
 
 
 def nibbles(blocks: np.ndarray) -> np.ndarray:
@@ -196,28 +211,28 @@ def decode(kind: int, raw: np.ndarray, k: int) -> tuple[np.ndarray, object, obje
     rows = raw.shape[0]
     if kind in (Q5_0, Q5_1):
         blocks = raw.reshape(rows, k // 32, -1)
-        qh = np.ascontiguousarray(blocks[:, :, -20:-16]).view(np.uint32)            # (rows, nb, 1)
+        qh = np.ascontiguousarray(blocks[:, :, -20:-16]).view(np.uint32)  # (rows, nb, 1)
         high = (((qh >> np.arange(32, dtype=np.uint32)) & 1) << 4).astype(np.uint8)
         codes = nibbles(blocks) | high
         offsets = half_field(blocks, 2) if kind == Q5_1 else None
         return codes.reshape(rows, k), half_field(blocks, 0), offsets
-    blocks = raw.reshape(rows, k // 256, -1)                                        # (rows, nsb, bytes)
+    blocks = raw.reshape(rows, k // 256, -1)  # (rows, nsb, bytes)
     if kind in (Q4_K, Q5_K):
-        d, dmin = half_field(blocks, 0), half_field(blocks, 2)                     # (rows, nsb)
+        d, dmin = half_field(blocks, 0), half_field(blocks, 2)  # (rows, nsb)
         sc, mn = _k4_scales(blocks[..., 4:16])
-        qs = blocks[..., -128:].reshape(rows, -1, 4, 32)                            # (rows, nsb, pair, l)
-        codes = np.stack([qs & 0x0F, qs >> 4], axis=3)                              # (rows, nsb, pair, half, l)
+        qs = blocks[..., -128:].reshape(rows, -1, 4, 32)  # (rows, nsb, pair, l)
+        codes = np.stack([qs & 0x0F, qs >> 4], axis=3)  # (rows, nsb, pair, half, l)
         if kind == Q5_K:
-            qh = blocks[..., 16:48]                                                 # (rows, nsb, l)
+            qh = blocks[..., 16:48]  # (rows, nsb, l)
             bits = (qh[:, :, None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1  # (rows, nsb, s, l)
             codes = codes | (bits.reshape(rows, -1, 4, 2, 32) << 4)
         return codes.reshape(rows, k), (sc.reshape(rows, -1), d), (mn.reshape(rows, -1), -dmin)
     if kind == Q6_K:
-        ql = blocks[..., 0:128].reshape(rows, -1, 2, 2, 32)                         # (rows, nsb, n, j&1, l)
-        low = np.stack([ql & 0x0F, ql >> 4], axis=3)                                # (rows, nsb, n, j>>1, j&1, l)
-        qh = blocks[..., 128:192].reshape(rows, -1, 2, 1, 32)                       # (rows, nsb, n, 1, l)
-        high = (qh >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3              # (rows, nsb, n, j, l)
+        ql = blocks[..., 0:128].reshape(rows, -1, 2, 2, 32)  # (rows, nsb, n, j&1, l)
+        low = np.stack([ql & 0x0F, ql >> 4], axis=3)  # (rows, nsb, n, j>>1, j&1, l)
+        qh = blocks[..., 128:192].reshape(rows, -1, 2, 1, 32)  # (rows, nsb, n, 1, l)
+        high = (qh >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3  # (rows, nsb, n, j, l)
         codes = low.reshape(rows, -1, 2, 4, 32) | (high << 4)
-        sc = np.ascontiguousarray(blocks[..., 192:208]).view(np.int8)                 # (rows, nsb, 16)
+        sc = np.ascontiguousarray(blocks[..., 192:208]).view(np.int8)  # (rows, nsb, 16)
         return codes.reshape(rows, k), (sc.reshape(rows, -1, 2), half_field(blocks, 208)), None
     raise ValueError(f"GGML type {kind} has no panel layout")

@@ -27,9 +27,20 @@ _SOURCE = Path(__file__).parent / "csrc" / "ggml_cpu.cpp"
 _BUILDS = (("avx512vnni", "tokenloom_ggml_vnni"), ("avx2", "tokenloom_ggml"))
 
 # GGML type id -> (name, values per block, bytes per block), for the types the kernels run.
-KERNEL_TYPES = {2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24),
-                8: ("Q8_0", 32, 34), 10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110), 12: ("Q4_K", 256, 144),
-                13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210), 20: ("IQ4_NL", 32, 18), 23: ("IQ4_XS", 256, 136)}
+KERNEL_TYPES = {
+    2: ("Q4_0", 32, 18),
+    3: ("Q4_1", 32, 20),
+    6: ("Q5_0", 32, 22),
+    7: ("Q5_1", 32, 24),
+    8: ("Q8_0", 32, 34),
+    10: ("Q2_K", 256, 84),
+    11: ("Q3_K", 256, 110),
+    12: ("Q4_K", 256, 144),
+    13: ("Q5_K", 256, 176),
+    14: ("Q6_K", 256, 210),
+    20: ("IQ4_NL", 32, 18),
+    23: ("IQ4_XS", 256, 136),
+}
 
 
 def ops():
@@ -39,6 +50,7 @@ def ops():
 
 def type_name(kind: int) -> str:
     from gguf import GGMLQuantizationType
+
     try:
         return GGMLQuantizationType(kind).name
     except ValueError:
@@ -64,8 +76,9 @@ class GGMLTensor:
             raise ValueError(f"GGML type {type_name(self.kind)} has no kernel")
         _, values, nbytes = KERNEL_TYPES[self.kind]
         if self.in_features % values or self.data.shape[1] != self.in_features // values * nbytes:
-            raise ValueError(f"{self.type_name} rows of {self.data.shape[1]} bytes do not hold "
-                             f"{self.in_features} values")
+            raise ValueError(
+                f"{self.type_name} rows of {self.data.shape[1]} bytes do not hold {self.in_features} values"
+            )
 
     @property
     def type_name(self) -> str:
@@ -98,9 +111,11 @@ class GGMLTensor:
         """Input columns [start, start + count) of every row: whole blocks only (ValueError else)."""
         _, values, nbytes = KERNEL_TYPES[self.kind]
         if start % values or count % values:
-            raise ValueError(f"{self.type_name} blocks hold {values} values: columns {start}..{start + count} "
-                             "do not fall on block boundaries")
-        data = self.data[:, start // values * nbytes:(start + count) // values * nbytes]
+            raise ValueError(
+                f"{self.type_name} blocks hold {values} values: columns {start}..{start + count} "
+                "do not fall on block boundaries"
+            )
+        data = self.data[:, start // values * nbytes : (start + count) // values * nbytes]
         return GGMLTensor(self.kind, data, count)
 
     def padded_rows(self, rows: int) -> GGMLTensor:
@@ -114,5 +129,6 @@ class GGMLTensor:
         if kernels is not None and self.data.device.type == "cpu":
             return kernels.dequantize(self.data.contiguous(), self.kind, self.in_features)
         from gguf import GGMLQuantizationType, quants
+
         array = quants.dequantize(self.data.cpu().numpy(), GGMLQuantizationType(self.kind))
         return torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32)).view(self.shape).to(self.data.device)

@@ -32,10 +32,10 @@ INT4_GROUP_SIZES = (32, 64, 128)
 
 @dataclass
 class QuantizedTensor:
-    bits: int                       # 8 or 4
-    data: torch.Tensor              # int8 (N, K) or uint8 (N, K/2)
-    scales: torch.Tensor            # float32 (N, K / group); float16 in the panel layout
-    offsets: torch.Tensor | None    # like scales for int4, None for int8
+    bits: int  # 8 or 4
+    data: torch.Tensor  # int8 (N, K) or uint8 (N, K/2)
+    scales: torch.Tensor  # float32 (N, K / group); float16 in the panel layout
+    offsets: torch.Tensor | None  # like scales for int4, None for int8
     group_size: int
 
     @property
@@ -49,8 +49,13 @@ class QuantizedTensor:
     def rows(self, index: torch.Tensor | slice) -> QuantizedTensor:
         """The rows `index` (a slice or a 1-D index tensor) as a QuantizedTensor."""
         pick = (lambda t: t[index]) if isinstance(index, slice) else (lambda t: t.index_select(0, index))
-        return QuantizedTensor(self.bits, pick(self.data), pick(self.scales),
-                               None if self.offsets is None else pick(self.offsets), self.group_size)
+        return QuantizedTensor(
+            self.bits,
+            pick(self.data),
+            pick(self.scales),
+            None if self.offsets is None else pick(self.offsets),
+            self.group_size,
+        )
 
     def dequantize(self) -> torch.Tensor:
         """float32 (N, K)."""
@@ -64,8 +69,10 @@ class QuantizedTensor:
     def to(self, device: torch.device | str) -> QuantizedTensor:
         def move(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.to(device)
-        return QuantizedTensor(self.bits, self.data.to(device), self.scales.to(device), move(self.offsets),
-                               self.group_size)
+
+        return QuantizedTensor(
+            self.bits, self.data.to(device), self.scales.to(device), move(self.offsets), self.group_size
+        )
 
 
 def cat_rows(parts: list[QuantizedTensor]) -> QuantizedTensor:
@@ -74,8 +81,9 @@ def cat_rows(parts: list[QuantizedTensor]) -> QuantizedTensor:
     if any((p.bits, p.group_size, p.shape[1]) != (first.bits, first.group_size, first.shape[1]) for p in parts):
         raise ValueError("cannot concatenate quantized tensors of different formats")
     offsets = None if first.offsets is None else torch.cat(cast("list[torch.Tensor]", [p.offsets for p in parts]))
-    return QuantizedTensor(first.bits, torch.cat([p.data for p in parts]),
-                           torch.cat([p.scales for p in parts]), offsets, first.group_size)
+    return QuantizedTensor(
+        first.bits, torch.cat([p.data for p in parts]), torch.cat([p.scales for p in parts]), offsets, first.group_size
+    )
 
 
 def quantize_int8(w: torch.Tensor, group_size: int | None = None) -> QuantizedTensor:
@@ -84,7 +92,7 @@ def quantize_int8(w: torch.Tensor, group_size: int | None = None) -> QuantizedTe
     group = k if group_size is None else group_size
     _check_group(k, group)
     g = w.float().reshape(n, k // group, group)
-    scales = to_half_grid(g.abs().amax(-1) / 127.0)                     # (N, groups)
+    scales = to_half_grid(g.abs().amax(-1) / 127.0)  # (N, groups)
     inv = torch.where(scales > 0, 1.0 / scales, torch.zeros_like(scales))
     q = torch.round(g * inv[..., None]).clamp_(-127, 127).to(torch.int8)
     return QuantizedTensor(8, q.reshape(n, k).contiguous(), scales.contiguous(), None, group)
@@ -95,7 +103,7 @@ def quantize_int4(w: torch.Tensor, group_size: int = 32) -> QuantizedTensor:
     n, k = w.shape
     _check_group(k, group_size)
     g = w.float().reshape(n, k // group_size, group_size)
-    lo, hi = g.amin(-1), g.amax(-1)                                     # (N, groups)
+    lo, hi = g.amin(-1), g.amax(-1)  # (N, groups)
     scales, lo = to_half_grid((hi - lo) / 15.0), to_half_grid(lo)
     inv = torch.where(scales > 0, 1.0 / scales, torch.zeros_like(scales))
     q = torch.round((g - lo[..., None]) * inv[..., None]).clamp_(0, 15).to(torch.uint8)

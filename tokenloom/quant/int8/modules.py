@@ -29,17 +29,26 @@ from tokenloom.quant.scheme import WeightFormat
 
 log = logging.getLogger(__name__)
 
-GGML_BLOCKS = "ggml"   # a format_of answer: keep the GGUF file's blocks (GGMLLinear / GGMLEmbedding)
+GGML_BLOCKS = "ggml"  # a format_of answer: keep the GGUF file's blocks (GGMLLinear / GGMLEmbedding)
+
 
 class QuantizedLinear(nn.Module):
     """A Linear layer whose weight is int8 or int4 (buffers ``qweight``, ``scales``, ``offsets``)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, fmt: WeightFormat,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        fmt: WeightFormat,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
         super().__init__()
         if not self.supports(in_features, fmt):
-            raise ValueError(f"{fmt.name} needs in_features divisible by the group size and by {BLOCK}, "
-                             f"got {in_features}")
+            raise ValueError(
+                f"{fmt.name} needs in_features divisible by the group size and by {BLOCK}, got {in_features}"
+            )
         self.in_features, self.out_features, self.fmt = in_features, out_features, fmt
         self.group_size = fmt.group_size or in_features
         groups = in_features // self.group_size
@@ -48,11 +57,12 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("scales", torch.empty(out_features, groups, dtype=torch.float32, device=device))
         offsets = torch.empty(out_features, groups, dtype=torch.float32, device=device) if fmt.bits == 4 else None
         self.register_buffer("offsets", offsets)
-        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False) \
-            if bias else None
-        self.panel_layout = False   # buffers hold the panel layout (use_panels) instead of the row layout
-        self._kernel = None         # (M, in) float32 -> (M, out) with this weight bound; False: no CPU kernel
-        self._silu_kernel = None    # the same with silu(gate) * up after it (silu_mul)
+        self.bias = (
+            nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None
+        )
+        self.panel_layout = False  # buffers hold the panel layout (use_panels) instead of the row layout
+        self._kernel = None  # (M, in) float32 -> (M, out) with this weight bound; False: no CPU kernel
+        self._silu_kernel = None  # the same with silu(gate) * up after it (silu_mul)
 
     @staticmethod
     def supports(in_features: int, fmt: WeightFormat) -> bool:
@@ -75,8 +85,12 @@ class QuantizedLinear(nn.Module):
 
     def use_panels(self) -> bool:
         """Re-lay the weight for the panel kernels where they run; True if it did."""
-        if self.panel_layout or self.qweight.device.type != "cpu" or not kernels.panels_available() \
-                or not panels.fits(self.stored_q):
+        if (
+            self.panel_layout
+            or self.qweight.device.type != "cpu"
+            or not kernels.panels_available()
+            or not panels.fits(self.stored_q)
+        ):
             return self.panel_layout
         self._take_panels(panels.to_panels(self.stored_q))
         return True
@@ -118,16 +132,16 @@ class QuantizedLinear(nn.Module):
         self._kernel = self._silu_kernel = None
 
     def _apply(self, fn, recurse=True):
-        self._forget_kernels()       # .to() / .float() may replace the buffers the kernels hold
+        self._forget_kernels()  # .to() / .float() may replace the buffers the kernels hold
         return super()._apply(fn, recurse)
 
     def _load_from_state_dict(self, *args, **kwargs):
-        self._forget_kernels()       # a float32 copy of a bfloat16 bias would go stale
+        self._forget_kernels()  # a float32 copy of a bfloat16 bias would go stale
         super()._load_from_state_dict(*args, **kwargs)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
-        if self.panel_layout:                        # checkpoints always hold the row layout
+        if self.panel_layout:  # checkpoints always hold the row layout
             rows = self.weight_q
             destination[prefix + "qweight"], destination[prefix + "scales"] = rows.data, rows.scales
             if rows.offsets is not None:
@@ -149,8 +163,11 @@ class QuantizedLinear(nn.Module):
             raise RuntimeError("load weights before use_panels() re-lays them")
         rows = rows if rows is not None else slice(None)
         target = self.weight_q.rows(rows)
-        if not (isinstance(tensor, QuantizedTensor) and tensor.bits == self.fmt.bits
-                and tensor.group_size == self.group_size):
+        if not (
+            isinstance(tensor, QuantizedTensor)
+            and tensor.bits == self.fmt.bits
+            and tensor.group_size == self.group_size
+        ):
             dense = tensor.dequantize() if isinstance(tensor, QuantizedTensor) else tensor
             if tuple(dense.shape) != target.shape:
                 raise ValueError(f"weight shape {tuple(dense.shape)} does not match {target.shape}")
@@ -168,8 +185,7 @@ class QuantizedLinear(nn.Module):
 
         The same values as load_weight + use_panels, without a whole row-layout copy beside
         the panels (a 151,936-row Q8_0 head: ~300 MB of load-time peak)."""
-        if self.panel_layout or tensor.shape != (self.out_features, self.in_features) \
-                or not kernels.panels_available():
+        if self.panel_layout or tensor.shape != (self.out_features, self.in_features) or not kernels.panels_available():
             return False
         packed = panels.from_row_chunks(lambda rows: to_quantized(tensor.rows(rows)), self.out_features)
         if packed is None:
@@ -181,7 +197,7 @@ class QuantizedLinear(nn.Module):
         # (M, in) already: no reshape and view around the kernel (two of a decode layer's ~16
         # op calls per projection; each costs a replayed tape a dispatcher call)
         flat = x.dim() == 2
-        x2 = x if flat else x.reshape(-1, self.in_features)                # (M, in)
+        x2 = x if flat else x.reshape(-1, self.in_features)  # (M, in)
         if self._kernel is None:
             self._kernel = self._bind_kernel()
         if self._kernel and x2.device.type == "cpu":
@@ -194,8 +210,10 @@ class QuantizedLinear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"format={self.fmt.name}, bias={self.bias is not None}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"format={self.fmt.name}, bias={self.bias is not None}"
+        )
 
 
 class QuantizedEmbedding(nn.Module):
@@ -207,7 +225,7 @@ class QuantizedEmbedding(nn.Module):
 
     def __init__(self, tied: QuantizedLinear, dtype: torch.dtype) -> None:
         super().__init__()
-        self._tied = [tied]          # a list: not registered as a submodule, not saved twice
+        self._tied = [tied]  # a list: not registered as a submodule, not saved twice
         self.dtype = dtype
 
     def load_weight(self, tensor: torch.Tensor | QuantizedTensor, rows: slice | None = None) -> None:
@@ -215,15 +233,20 @@ class QuantizedEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         tied, flat = self._tied[0], ids.reshape(-1)
-        if tied.panel_layout and tied._kernels_here():      # one native call (~15 torch ops otherwise)
+        if tied.panel_layout and tied._kernels_here():  # one native call (~15 torch ops otherwise)
             rows = kernels.panel_rows(tied.stored_q, flat)
         else:
-            rows = tied.rows_q(flat).dequantize()                   # (numel, hidden)
+            rows = tied.rows_q(flat).dequantize()  # (numel, hidden)
         return rows.to(self.dtype).view(*ids.shape, -1)
 
 
-def quantize_structure(model: nn.Module, format_of: Callable[[str], WeightFormat | str | None],
-                       embedding_name: str, tied: bool, dtype: torch.dtype) -> list[str]:
+def quantize_structure(
+    model: nn.Module,
+    format_of: Callable[[str], WeightFormat | str | None],
+    embedding_name: str,
+    tied: bool,
+    dtype: torch.dtype,
+) -> list[str]:
     """Swap every nn.Linear that `format_of(name)` gives a format for; returns the swapped names.
 
     Call on a model built on the meta device, before its tensors are allocated. ``GGML_BLOCKS``
@@ -236,21 +259,30 @@ def quantize_structure(model: nn.Module, format_of: Callable[[str], WeightFormat
         if not isinstance(mod, nn.Linear) or (fmt := format_of(name)) is None:
             continue
         if fmt == GGML_BLOCKS:
-            model.set_submodule(name, GGMLLinear(mod.in_features, mod.out_features, mod.bias is not None, dtype,
-                                                 device=mod.weight.device))
+            model.set_submodule(
+                name,
+                GGMLLinear(mod.in_features, mod.out_features, mod.bias is not None, dtype, device=mod.weight.device),
+            )
             swapped.append(name)
             continue
         if not QuantizedLinear.supports(mod.in_features, fmt):
             log.warning("%s stays float: in_features %d does not fit %s", name, mod.in_features, fmt.name)
             continue
-        model.set_submodule(name, QuantizedLinear(mod.in_features, mod.out_features, mod.bias is not None,
-                                                  fmt, dtype, device=mod.weight.device))
+        model.set_submodule(
+            name,
+            QuantizedLinear(
+                mod.in_features, mod.out_features, mod.bias is not None, fmt, dtype, device=mod.weight.device
+            ),
+        )
         swapped.append(name)
     embedding = model.get_submodule(embedding_name)
     if tied and "lm_head" in swapped:
         head = model.get_submodule("lm_head")
-        tied_embedding = GGMLEmbedding(embedding.num_embeddings, embedding.embedding_dim, dtype, head) \
-            if isinstance(head, GGMLLinear) else QuantizedEmbedding(head, dtype)
+        tied_embedding = (
+            GGMLEmbedding(embedding.num_embeddings, embedding.embedding_dim, dtype, head)
+            if isinstance(head, GGMLLinear)
+            else QuantizedEmbedding(head, dtype)
+        )
         model.set_submodule(embedding_name, tied_embedding)
     elif not tied and format_of(embedding_name) == GGML_BLOCKS:
         model.set_submodule(embedding_name, GGMLEmbedding(embedding.num_embeddings, embedding.embedding_dim, dtype))
@@ -264,5 +296,8 @@ def use_panels(model: nn.Module) -> int:
 
 def quantized_targets(model: nn.Module) -> dict[str, QuantizedLinear | QuantizedEmbedding]:
     """Checkpoint weight name ('<module>.weight') -> the quantized module that loads it."""
-    return {f"{name}.weight": mod for name, mod in model.named_modules()
-            if isinstance(mod, (QuantizedLinear, QuantizedEmbedding, GGMLLinear, GGMLEmbedding))}
+    return {
+        f"{name}.weight": mod
+        for name, mod in model.named_modules()
+        if isinstance(mod, (QuantizedLinear, QuantizedEmbedding, GGMLLinear, GGMLEmbedding))
+    }

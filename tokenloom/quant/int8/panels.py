@@ -35,8 +35,11 @@ def fits(t: QuantizedTensor) -> bool:
     """The panel kernels take this tensor: whole panels of 16 output rows, float16 scales, and
     int8 codes in -127..127, as ``quantize`` and llama.cpp's Q8_0 give them (the AVX2 kernel
     multiplies a code by an activation's sign, which -128 does not survive)."""
-    return t.shape[0] % PANEL == 0 and all(on_half_grid(x) for x in (t.scales, t.offsets) if x is not None) \
+    return (
+        t.shape[0] % PANEL == 0
+        and all(on_half_grid(x) for x in (t.scales, t.offsets) if x is not None)
         and (t.bits == 4 or not bool((t.data == -128).any()))
+    )
 
 
 def _codes(t: QuantizedTensor) -> torch.Tensor:
@@ -59,9 +62,10 @@ def _row_by_row(x: torch.Tensor) -> torch.Tensor:
 def to_panels(t: QuantizedTensor) -> QuantizedTensor:
     """Row layout -> panel layout (same format, shapes as in the module docstring)."""
     if not fits(t):
-        raise ValueError(f"the panel layout needs a multiple of {PANEL} output rows and float16 scales, "
-                         f"got {t.shape[0]} rows")
-    return cast(QuantizedTensor, from_row_chunks(t.rows, t.shape[0]))     # fits(t): so does each chunk
+        raise ValueError(
+            f"the panel layout needs a multiple of {PANEL} output rows and float16 scales, got {t.shape[0]} rows"
+        )
+    return cast(QuantizedTensor, from_row_chunks(t.rows, t.shape[0]))  # fits(t): so does each chunk
 
 
 def from_row_chunks(read: Callable[[slice], QuantizedTensor], n: int) -> QuantizedTensor | None:
@@ -69,21 +73,24 @@ def from_row_chunks(read: Callable[[slice], QuantizedTensor], n: int) -> Quantiz
     a chunk of rows at a time: temporaries stay small for a vocabulary head, and a source in another
     layout (GGUF blocks) is never converted whole beside the panels. None where a chunk does not
     fit the panel layout (`fits`)."""
-    whole: list[Any] | None = None          # the panel buffers (None for absent offsets)
+    whole: list[Any] | None = None  # the panel buffers (None for absent offsets)
     chunk: QuantizedTensor | None = None
     for start in range(0, n, _CHUNK_ROWS):
         rows = slice(start, min(n, start + _CHUNK_ROWS))
         chunk = read(rows)
         if not fits(chunk):
             return None
-        parts = (_panel_bytes(chunk), _side_by_side(chunk.scales),
-                 None if chunk.offsets is None else _side_by_side(chunk.offsets))
-        if whole is None:                   # (P, ...) buffers shaped as the first chunk's panels
+        parts = (
+            _panel_bytes(chunk),
+            _side_by_side(chunk.scales),
+            None if chunk.offsets is None else _side_by_side(chunk.offsets),
+        )
+        if whole is None:  # (P, ...) buffers shaped as the first chunk's panels
             whole = [None if part is None else part.new_empty((n // PANEL, *part.shape[1:])) for part in parts]
         for buffer, part in zip(whole, parts):
             if buffer is not None:
-                buffer[start // PANEL:rows.stop // PANEL] = part
-    assert whole is not None and chunk is not None      # n > 0 rows: one chunk at least
+                buffer[start // PANEL : rows.stop // PANEL] = part
+    assert whole is not None and chunk is not None  # n > 0 rows: one chunk at least
     return QuantizedTensor(chunk.bits, whole[0], whole[1], whole[2], chunk.group_size)
 
 
@@ -95,16 +102,16 @@ def _panel_bytes(t: QuantizedTensor) -> torch.Tensor:
     n, k = t.shape
     p, nb = n // PANEL, k // BLOCK
     if t.bits == 4:
-        c = _codes(t).view(p, PANEL, nb, 4, 2, 4)                        # [p, n, b, c, half, i]
+        c = _codes(t).view(p, PANEL, nb, 4, 2, 4)  # [p, n, b, c, half, i]
         return (c[..., 0, :] | (c[..., 1, :] << 4)).permute(0, 2, 3, 1, 4).reshape(p, nb, 4, 64)
-    c = (_codes(t).to(torch.int16) + 128).to(torch.uint8).view(p, PANEL, nb, 8, 4)   # [p, n, b, c, i]
+    c = (_codes(t).to(torch.int16) + 128).to(torch.uint8).view(p, PANEL, nb, 8, 4)  # [p, n, b, c, i]
     return c.permute(0, 2, 3, 1, 4).reshape(p, nb, 8, 64)
 
 
 def _row_bytes(b: torch.Tensor, bits: int) -> torch.Tensor:
     """(L, K/32, chunks, 4) panel bytes of L output rows -> their (L, K) row-layout data."""
     n, nb = b.shape[:2]
-    if bits == 4:                                                      # [n, b, c, i]; k = 32b + 8c + 4 half + i
+    if bits == 4:  # [n, b, c, i]; k = 32b + 8c + 4 half + i
         return pack_int4(torch.stack([b & 0x0F, b >> 4], dim=3).reshape(n, nb * BLOCK))
     return (b.reshape(n, nb * BLOCK).to(torch.int16) - 128).to(torch.int8)
 
@@ -114,8 +121,7 @@ def from_panels(t: QuantizedTensor) -> QuantizedTensor:
     p, nb, chunks = t.data.shape[:3]
     b = t.data.view(p, nb, chunks, PANEL, 4).permute(0, 3, 1, 2, 4).reshape(p * PANEL, nb, chunks, 4)
     offsets = None if t.offsets is None else _row_by_row(t.offsets)
-    return QuantizedTensor(t.bits, _row_bytes(b, t.bits).contiguous(), _row_by_row(t.scales), offsets,
-                           t.group_size)
+    return QuantizedTensor(t.bits, _row_bytes(b, t.bits).contiguous(), _row_by_row(t.scales), offsets, t.group_size)
 
 
 def rows(t: QuantizedTensor, index: torch.Tensor) -> QuantizedTensor:
@@ -125,7 +131,8 @@ def rows(t: QuantizedTensor, index: torch.Tensor) -> QuantizedTensor:
     """
     p, nb, chunks = t.data.shape[:3]
     panel, lane = index // PANEL, index % PANEL
-    b = t.data.view(p, nb, chunks, PANEL, 4)[panel, :, :, lane]             # (L, nb, chunks, 4)
+    b = t.data.view(p, nb, chunks, PANEL, 4)[panel, :, :, lane]  # (L, nb, chunks, 4)
     offsets = None if t.offsets is None else t.offsets[panel, :, lane].float()
-    return QuantizedTensor(t.bits, _row_bytes(b, t.bits).contiguous(), t.scales[panel, :, lane].float(), offsets,
-                           t.group_size)
+    return QuantizedTensor(
+        t.bits, _row_bytes(b, t.bits).contiguous(), t.scales[panel, :, lane].float(), offsets, t.group_size
+    )
