@@ -297,19 +297,8 @@ def cmd_rm(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from tokenloom import __version__
-
-    parser = argparse.ArgumentParser(
-        prog="tokenloom",
-        description="Fast, hackable LLM inference.",
-        epilog=_EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("--version", action="version", version=f"tokenloom {__version__}")
-    sub = parser.add_subparsers(
-        dest="command", required=True, metavar="{generate,chat,serve,pull,list,rm,eval-ppl,bench,quantize}"
-    )
+def _add_generate(sub) -> None:
+    """`generate`: one prompt's completion streamed."""
     gen = sub.add_parser(
         "generate",
         help="stream a completion of one prompt",
@@ -336,6 +325,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="print only the generated text, not the prompt before it",
     )
     gen.set_defaults(func=cmd_generate)
+
+
+def _add_chat(sub) -> None:
+    """`chat`: a conversation kept between turns."""
     chat = sub.add_parser(
         "chat",
         help="interactive chat that keeps the conversation",
@@ -351,6 +344,10 @@ def build_parser() -> argparse.ArgumentParser:
     engine_flags(chat)
     sampling_flags(chat)
     chat.set_defaults(func=cmd_chat)
+
+
+def _add_serve(sub) -> None:
+    """`serve`: the HTTP server's flags, its admission bounds and the engine's."""
     serve = sub.add_parser(
         "serve",
         help="OpenAI-compatible HTTP server (completions, chat, metrics)",
@@ -419,6 +416,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     engine_flags(serve, "serve", defaults={"fair_share_seqs": 32})  # many requests: the 1 GiB KV cache
     serve.set_defaults(func=cmd_serve)
+
+
+def _add_model_store(sub) -> None:
+    """`pull`, `list` and `rm`: the models fetched by name."""
     from tokenloom.loader.hub import DEFAULT_NAME, MODELS
 
     pull = sub.add_parser(
@@ -444,6 +445,26 @@ def build_parser() -> argparse.ArgumentParser:
     rm = sub.add_parser("rm", help="delete a pulled model from the cache")
     rm.add_argument("name", choices=list(MODELS), metavar="NAME", help=f"one of {', '.join(MODELS)}")
     rm.set_defaults(func=cmd_rm)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `tokenloom` command line: one subparser per command, each with --log-level."""
+    from tokenloom import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="tokenloom",
+        description="Fast, hackable LLM inference.",
+        epilog=_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"tokenloom {__version__}")
+    sub = parser.add_subparsers(
+        dest="command", required=True, metavar="{generate,chat,serve,pull,list,rm,eval-ppl,bench,quantize}"
+    )
+    _add_generate(sub)
+    _add_chat(sub)
+    _add_serve(sub)
+    _add_model_store(sub)
     add_commands(sub)
     for command in sub.choices.values():
         command.add_argument(
