@@ -230,31 +230,11 @@ def load_model(
         config.max_model_len = max_model_len
     config.eos_token_ids = tuple(sorted(set(config.eos_token_ids) | ckpt.eos_token_ids))
     saved = saved_formats(ckpt.hf_config, quantization)
-    if saved is not None:
-        format_of = saved.get
-    elif keep_blocks:
-        format_of = gguf_formats(ckpt.tensor_types, config.tie_word_embeddings, model_class(config))
-    else:
-        format_of = formats_for(quantization, model_class(config))
-    local, stage = config, shard if isinstance(shard, PipelineStage) else None
-    if isinstance(shard, TensorShard):
-        shard.check(config, model_class(config))
-        if saved is not None:
-            raise TensorParallelError(
-                "tensor parallelism over a folder saved quantized is not implemented: load "
-                "the original checkpoint with --quantization"
-            )
-        local = shard.local_config(config)
-    elif stage is not None:
-        stage.check(config, model_class(config))
+    format_of = _format_of(ckpt, quantization, saved, keep_blocks)
+    local, stage = _this_ranks_share(config, shard, quantized_folder=saved is not None)
     model = build_model(local, parse_dtype(dtype), device, format_of, None if stage is None else stage.trim)
     release_free_memory()  # the tokenizer's and metadata's temporaries
-    tensors = _trimmed(_progress(ckpt.tensors, ckpt.num_tensors, "loading weights", progress))
-    if isinstance(shard, TensorShard):
-        dense = not keep_blocks  # blocks that become float anyway are cut as float
-        tensors = ((name, shard.narrow(name, _dense(t) if dense else t, config)) for name, t in tensors)
-    elif stage is not None:
-        tensors = ((name, t) for name, t in tensors if stage.owns(name))
+    tensors = _share_of_tensors(ckpt, config, shard, keep_blocks, progress)
     if saved is not None:
         load_saved_state(model, tensors)
     else:
@@ -278,6 +258,48 @@ def load_model(
         local,
         None if stage is None else stage.layers,
     )
+
+
+def _format_of(ckpt: Checkpoint, quantization: str | None, saved: dict | None, keep_blocks: bool):
+    """Parameter name -> the weight format it is built in: a quantized folder's own, a GGUF file's
+    blocks kept, or what `quantization` asks for."""
+    if saved is not None:
+        return saved.get
+    if keep_blocks:
+        return gguf_formats(ckpt.tensor_types, ckpt.config.tie_word_embeddings, model_class(ckpt.config))
+    return formats_for(quantization, model_class(ckpt.config))
+
+
+def _this_ranks_share(
+    config: ModelConfig, shard: TensorShard | PipelineStage | None, quantized_folder: bool
+) -> tuple[ModelConfig, PipelineStage | None]:
+    """The config this process builds its model from (a tensor-parallel rank's share) and its
+    pipeline stage, each plan checked against the model first."""
+    if isinstance(shard, TensorShard):
+        shard.check(config, model_class(config))
+        if quantized_folder:
+            raise TensorParallelError(
+                "tensor parallelism over a folder saved quantized is not implemented: load "
+                "the original checkpoint with --quantization"
+            )
+        return shard.local_config(config), None
+    if shard is not None:
+        shard.check(config, model_class(config))
+    return config, shard
+
+
+def _share_of_tensors(
+    ckpt: Checkpoint, config: ModelConfig, shard: TensorShard | PipelineStage | None, keep_blocks: bool, progress: bool
+):
+    """(name, tensor) of the checkpoint as this process loads them: a tensor-parallel rank's cut of
+    each, a pipeline stage's own tensors only, or all of them."""
+    tensors = _trimmed(_progress(ckpt.tensors, ckpt.num_tensors, "loading weights", progress))
+    if isinstance(shard, TensorShard):
+        dense = not keep_blocks  # blocks that become float anyway are cut as float
+        return ((name, shard.narrow(name, _dense(t) if dense else t, config)) for name, t in tensors)
+    if shard is not None:
+        return ((name, t) for name, t in tensors if shard.owns(name))
+    return tensors
 
 
 def save_hf_folder(path: str | Path, folder: str | Path, progress: bool = True) -> None:
