@@ -126,7 +126,7 @@ def test_a_bad_value_names_its_option(option, value):
 
 
 def test_a_bad_flag_is_named_as_the_command_line_spells_it():
-    with pytest.raises(ValueError, match="^--decode-steps must be a positive integer, got 0"):
+    with pytest.raises(ValueError, match="^--decode-steps must be >= 1, got 0"):
         check_engine_flags(parse("generate", "hi", "--decode-steps", "0"))
     with pytest.raises(ValueError, match="speculative"):
         check_engine_flags(parse("generate", "hi", "--speculative", "lookahead"))
@@ -137,3 +137,9 @@ def test_an_unknown_option_is_a_type_error_before_any_load():
 
     with pytest.raises(TypeError, match="max_seqs"):
         LLM("no/such/model", max_seqs=4)
+
+
+@pytest.mark.parametrize(("option", "value"), [("max_num_seqs", True), ("decode_steps", 2.0), ("block_size", "16")])
+def test_an_option_of_the_wrong_type_is_a_type_error(option, value):
+    with pytest.raises(TypeError, match=f"{option} must be an integer"):
+        EngineArgs(**{option: value}).check()

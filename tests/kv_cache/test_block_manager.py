@@ -153,7 +153,7 @@ def test_a_finished_requests_partial_block_is_taken_over_without_a_copy(bm):
     partial = bm.find_cached_partial(want, hits)
     assert [b.block_id for b in hits] == [0] and partial[0].block_id == 1 and partial[1] == 2
     assert bm.allocate("b", 7, PrefixHit(hits, partial))
-    assert bm.block_ids("b") == [0, 1] and bm.take_copies() == []
+    assert bm.block_ids("b") == [0, 1] and bm.pending_copies() == []
     assert bm.stats.partial_hits == 1 and bm.stats.copied_blocks == 0
 
 
@@ -166,11 +166,11 @@ def test_a_partial_block_someone_holds_is_copied_before_anyone_writes(bm):
     assert bm.block_ids("b") == [0, 1]
     copy = bm.block_ids("c")[1]
     assert bm.block_ids("c")[0] == 0 and copy not in (0, 1)
-    assert bm.take_copies() == [(1, copy)]
+    assert bm.pending_copies() == [(1, copy)]
     assert bm.ref_count(1) == 2  # b, and the pending copy's pin
     bm.check_integrity()
     bm.copies_done()
-    assert bm.ref_count(1) == 1 and bm.take_copies() == []
+    assert bm.ref_count(1) == 1 and bm.pending_copies() == []
     assert bm.stats.copied_blocks == 1
 
 

@@ -225,29 +225,24 @@ class EngineArgs:
         return self.device
 
     def check(self) -> None:
-        """The checks that need no model: a ValueError naming the option, before any weights load."""
-        self.resolved_device()
-        for name in (
-            "decode_steps",
-            "cpu_threads",
-            "tensor_parallel_size",
-            "pipeline_parallel_size",
-            "max_num_seqs",
-            "max_num_batched_tokens",
-            "block_size",
-            "kv_cache_contexts",
-        ):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if isinstance(self.speculative, str):
-            SpeculativeConfig.parse(self.speculative)
+        """The checks that need no model, before any weights load: a TypeError for an option of the
+        wrong type, a ValueError naming the option for a bad value (the configs' own checks)."""
+        self._configs()
 
     def create_engine_config(self) -> EngineConfig:
         """The validated EngineConfig these options describe (the model name resolved to a path)."""
         from tokenloom.loader.hub import resolve_model
 
-        self.check()
+        config = self._configs()
+        config.model = resolve_model(self.model)
+        return config
+
+    def _configs(self) -> EngineConfig:
+        """The configs, each validated by its ``__post_init__``, the model not yet resolved."""
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if str(f.type).startswith("int") and value is not None and (type(value) is not int):
+                raise TypeError(f"{f.name} must be an integer, got {value!r}")
         device = self.resolved_device()
         decode_steps = self.decode_steps
         if decode_steps is None:
@@ -269,7 +264,7 @@ class EngineArgs:
             SpeculativeConfig.parse(self.speculative) if isinstance(self.speculative, str) else self.speculative
         )
         return EngineConfig(
-            model=resolve_model(self.model),
+            model=self.model or "",
             dtype=self.dtype,
             device=device,
             max_model_len=self.max_model_len,

@@ -20,7 +20,7 @@ token ids).
 A later request whose tokens continue that prefix (a beam, a chat's next turn)
 starts after it: it takes the block over if nobody holds it, or else gets a
 fresh block plus a pending copy of the shared one (run by the runner before
-the step's forward, see ``take_copies``), so no one ever writes into a block
+the step's forward, see ``pending_copies``), so no one ever writes into a block
 another request still reads.
 
 The scheduler's interface is narrow (``SCHEDULER_INTERFACE``, held by tests/kv_cache): ``lookup``
@@ -218,10 +218,6 @@ class BlockManager:
         else:
             self._computing[seq_id] = (hashes, upto)
 
-    def pending_copies(self) -> list[tuple[int, int]]:
-        """The (source, destination) block copies the runner must run before the next forward."""
-        return self.take_copies()
-
     @contextmanager
     def borrow(self, num_tokens: int) -> Iterator[list[int]]:
         """A block table for one sequence of `num_tokens` outside any request (embeddings, full-logit
@@ -393,8 +389,8 @@ class BlockManager:
         self.stats.copied_blocks += 1
         return copy
 
-    def take_copies(self) -> list[tuple[int, int]]:
-        """The (source, destination) block copies to run before the next forward."""
+    def pending_copies(self) -> list[tuple[int, int]]:
+        """The (source, destination) block copies the runner must run before the next forward."""
         return [(src.block_id, dst.block_id) for src, dst in self._copies]
 
     def copies_done(self) -> None:

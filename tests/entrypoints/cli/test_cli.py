@@ -172,8 +172,8 @@ def no_model_load(monkeypatch):
         (["generate", "--json-schema", "no-such-schema.json", "Hi"], "--json-schema: no file 'no-such-schema.json'"),
         (["generate", "--json-schema", "{not json", "Hi"], "--json-schema: invalid JSON"),
         (["generate", "--grammar", "no-such.lark", "Hi"], "--grammar: cannot read 'no-such.lark'"),
-        (["generate", "-t", "0", "Hi"], "--threads must be a positive integer, got 0"),
-        (["generate", "--decode-steps", "0", "Hi"], "--decode-steps must be a positive integer, got 0"),
+        (["generate", "-t", "0", "Hi"], "--threads must be >= 1, got 0"),
+        (["generate", "--decode-steps", "0", "Hi"], "--decode-steps must be >= 1, got 0"),
         (["generate", "--explain=foo", "Hi"], "--explain=foo: use --explain (compact) or --explain=compact|full"),
     ],
 )
