@@ -123,7 +123,32 @@ def build_app(
     metrics = ServerMetrics(engine.stats)
     features = ChatFeatures.for_template(engine.tokenizer.chat_template, tool_call_parser, reasoning_parser)
     serving = OpenAIServing(engine, model_name, metrics, limits, features, model_aliases)
-    completions, chat = Completions(serving), ChatCompletions(serving)
+
+    # no /docs or /redoc: their pages load scripts from a CDN (the schema is at /openapi.json)
+    app = FastAPI(
+        title="tokenloom",
+        version="0.1.0",
+        lifespan=_lifespan(engine, serving),
+        docs_url=None,
+        redoc_url=None,
+        description="OpenAI-compatible completions and chat over tokenloom's engine",
+    )
+    app.state.serving, app.state.metrics = serving, metrics
+    app.add_middleware(BodyReader, max_bytes=max_body_bytes, timeout_s=body_timeout_s, deadline_s=body_deadline_s)
+    if api_key is not None:
+        app.add_middleware(ApiKeyCheck, api_key=api_key)
+    if allowed_hosts is not None:
+        app.add_middleware(HostCheck, allowed=allowed_hosts)
+    app.add_middleware(AccessLog, json_lines=log_json)  # added last: outermost, sees every answer
+    _add_error_handlers(app)
+    _add_info_routes(app, serving, metrics, playground_tools or [])
+    add_utility_routes(app, serving)
+    _add_generation_routes(app, serving)
+    return app
+
+
+def _lifespan(engine: AsyncLLMEngine, serving: OpenAIServing):
+    """The app's lifespan: the heap frozen at start, the engine and the server's workers closed at the end."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -136,22 +161,12 @@ def build_app(
         serving.workers.shutdown(wait=False, cancel_futures=True)
         serving.long_texts.close()
 
-    # no /docs or /redoc: their pages load scripts from a CDN (the schema is at /openapi.json)
-    app = FastAPI(
-        title="tokenloom",
-        version="0.1.0",
-        lifespan=lifespan,
-        docs_url=None,
-        redoc_url=None,
-        description="OpenAI-compatible completions and chat over tokenloom's engine",
-    )
-    app.state.serving, app.state.metrics = serving, metrics
-    app.add_middleware(BodyReader, max_bytes=max_body_bytes, timeout_s=body_timeout_s, deadline_s=body_deadline_s)
-    if api_key is not None:
-        app.add_middleware(ApiKeyCheck, api_key=api_key)
-    if allowed_hosts is not None:
-        app.add_middleware(HostCheck, allowed=allowed_hosts)
-    app.add_middleware(AccessLog, json_lines=log_json)  # added last: outermost, sees every answer
+    return lifespan
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error a client can cause as OpenAI's error JSON with its 4xx status; anything else a 500
+    in the same shape (logged, the engine untouched)."""
 
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -187,21 +202,23 @@ def build_app(
         log.exception("unexpected error serving %s", request.url.path)
         return error_response(APIError(500, f"internal error: {exc!r}", type="server_error"))
 
+
+def _add_info_routes(app: FastAPI, serving: OpenAIServing, metrics: ServerMetrics, tools: list[dict]) -> None:
+    """The playground page and its settings, /health, /metrics and /v1/models."""
     playground_file = resources.files("tokenloom.entrypoints.server") / "static" / "playground.html"
     playground = playground_file.read_text(encoding="utf-8")
+    offered = [{"type": "function", "function": f} for f in tools]
 
     @app.get("/", include_in_schema=False)
     async def playground_page() -> HTMLResponse:
         """The web playground: one static page (no outside resources) over the API below."""
         return HTMLResponse(playground)
 
-    offered = [{"type": "function", "function": f} for f in playground_tools or []]
-
     @app.get("/playground/settings", include_in_schema=False)
     async def playground_settings() -> dict[str, Any]:
         """What the playground starts from: the sampling settings a request that leaves them out
         gets (sampling/defaults.py), and the tools `serve --tools FILE.json` gave ([] if none)."""
-        defaults = engine.sampling_defaults
+        defaults = serving.engine.sampling_defaults
         return {"sampling": defaults.values, "sampling_source": defaults.source, "tools": offered}
 
     @app.get("/health")
@@ -216,28 +233,33 @@ def build_app(
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [serving.model_card()]}
 
-    add_utility_routes(app, serving)
 
-    async def whole(work, prepared, request: Request, shape, headers: dict[str, str] | None = None) -> Response:
-        """Await an admitted request's `work` unless its client leaves (499); ``shape(result)`` is the
-        body. Its admission ticket is released however it ends."""
-        try:
-            return JSONResponse(shape(await unless_disconnected(work, request)), headers=headers)
-        except ClientDisconnected:
-            return Response(status_code=499)
-        finally:
-            prepared.ticket.release()
+async def _whole(work, prepared, request: Request, shape, headers: dict[str, str] | None = None) -> Response:
+    """Await an admitted request's `work` unless its client leaves (499); ``shape(result)`` is the
+    body. Its admission ticket is released however it ends."""
+    try:
+        return JSONResponse(shape(await unless_disconnected(work, request)), headers=headers)
+    except ClientDisconnected:
+        return Response(status_code=499)
+    finally:
+        prepared.ticket.release()
 
-    async def respond(handler, req, prepared, request: Request):
-        """Run an admitted request, streamed or whole."""
-        headers = _ignored_fields_header(req, request)
-        if req.stream:
-            events = _releasing(handler.stream(req, prepared), prepared.ticket)
-            weakref.finalize(events, prepared.ticket.release)  # a stream cut before its first event
-            return StreamingResponse(events, media_type="text/event-stream", headers=headers)
-        return await whole(
-            serving.run(prepared), prepared, request, lambda outs: handler.response(req, prepared, outs), headers
-        )
+
+async def _respond(serving: OpenAIServing, handler, req, prepared, request: Request) -> Response:
+    """Run an admitted request, streamed or whole."""
+    headers = _ignored_fields_header(req, request)
+    if req.stream:
+        events = _releasing(handler.stream(req, prepared), prepared.ticket)
+        weakref.finalize(events, prepared.ticket.release)  # a stream cut before its first event
+        return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+    return await _whole(
+        serving.run(prepared), prepared, request, lambda outs: handler.response(req, prepared, outs), headers
+    )
+
+
+def _add_generation_routes(app: FastAPI, serving: OpenAIServing) -> None:
+    """POST /v1/completions (beam search included) and /v1/chat/completions, whole or streamed."""
+    completions, chat = Completions(serving), ChatCompletions(serving)
 
     @app.post("/v1/completions")
     async def create_completion(req: CompletionRequest, request: Request):
@@ -245,20 +267,13 @@ def build_app(
         prepared = request.state.log = await serving.off_loop(serving.prepare_completion, req, client)
         if req.use_beam_search:
             serving.admit(prepared, client, req.beam_width * len(prepared.prompt_ids), "best_of")
-            return await whole(
-                completions.beam_response(req, prepared),
-                prepared,
-                request,
-                lambda body: body,
-                _ignored_fields_header(req, request),
-            )
+            headers = _ignored_fields_header(req, request)
+            return await _whole(completions.beam_response(req, prepared), prepared, request, lambda body: body, headers)
         param = size_param(req.n, len(prepared.prompt_ids))
-        return await respond(completions, req, serving.admit(prepared, client, param=param), request)
+        return await _respond(serving, completions, req, serving.admit(prepared, client, param=param), request)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(req: ChatCompletionRequest, request: Request):
         client = _client(req, request)
         prepared = request.state.log = await serving.off_loop(serving.prepare_chat, req, client)
-        return await respond(chat, req, serving.admit(prepared, client), request)
-
-    return app
+        return await _respond(serving, chat, req, serving.admit(prepared, client), request)
