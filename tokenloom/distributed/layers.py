@@ -3,11 +3,16 @@ after each row-parallel block, the vocabulary-parallel embedding and the gathere
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any, cast
+
 import torch
 from torch import nn
 
 from tokenloom.distributed.group import ParallelGroup
 from tokenloom.distributed.shard import TensorShard
+
+if TYPE_CHECKING:
+    from tokenloom.models.llama import LlamaForCausalLM
 
 
 class AllReduced(nn.Module):
@@ -52,12 +57,14 @@ class VocabParallelLMHead(nn.Module):
 
     @property
     def weight(self) -> torch.Tensor:
-        return self.head.weight
+        return cast(torch.Tensor, self.head.weight)  # a Linear's parameter
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """Rank 0: hidden (N, H) -> logits (N, V)."""
         self.group.send("logits", (tuple(hidden.shape), hidden.dtype))
-        return self._project(self.group.broadcast(hidden.contiguous()))
+        logits = self._project(self.group.broadcast(hidden.contiguous()))
+        assert logits is not None  # rank 0 gathers the logits
+        return logits
 
     def serve(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
         """Another rank: take part in rank 0's forward."""
@@ -74,11 +81,15 @@ def parallelize(model: nn.Module, shard: TensorShard, group: ParallelGroup, conf
     attention's o_proj and each MLP or MoE block, the vocabulary-parallel embedding and LM head.
     The model's ``config`` becomes the whole model's (what the runner reads: vocabulary, hidden
     size), ``local_config`` its own share's."""
-    for layer in model.model.layers:
+    llama = cast("LlamaForCausalLM", model)  # shard.check() admitted the Llama family only
+    layer: Any  # a decoder layer, whose o_proj and mlp change type here
+    for layer in llama.model.layers:
         layer.self_attn.o_proj = AllReduced(layer.self_attn.o_proj, group)
         layer.mlp = AllReduced(layer.mlp, group)
     first, _ = shard.vocab_rows(config)
-    model.model.embed_tokens = VocabParallelEmbedding(model.model.embed_tokens, first, group)
-    model.lm_head = VocabParallelLMHead(model.lm_head, config.vocab_size, group)
-    model.local_config, model.config = model.config, config
-    model.tensor_shard = shard
+    body: nn.Module = llama.model  # a plain Module: its embedding changes type here
+    body.embed_tokens = VocabParallelEmbedding(llama.model.embed_tokens, first, group)
+    llama.lm_head = VocabParallelLMHead(llama.lm_head, config.vocab_size, group)
+    # Module.__setattr__ takes any value; torch annotates it Tensor | Module
+    llama.local_config, llama.config = llama.config, config  # type: ignore[assignment]
+    llama.tensor_shard = shard  # type: ignore[assignment]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -23,6 +23,7 @@ from tokenloom.distributed.shard import TENSOR_PARALLEL_CLASSES, TensorParallelE
 from tokenloom.models.config import ModelConfig
 
 if TYPE_CHECKING:
+    from tokenloom.models.llama import LlamaForCausalLM
     from tokenloom.worker.batch import SeqChunk
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
@@ -65,13 +66,15 @@ class PipelineStage:
 
     def trim(self, model: nn.Module) -> None:
         """Drop what this stage does not hold from a model not yet materialized (on "meta")."""
+        llama = cast("LlamaForCausalLM", model)  # check() admits the Llama family only
         for i in range(self.num_layers):
             if i not in self.layers:
-                model.model.layers[i] = nn.Identity()
+                llama.model.layers[i] = nn.Identity()
         if self.rank != 0:
-            model.model.embed_tokens = nn.Identity()
-            model.model.norm = nn.Identity()
-            model.lm_head = nn.Identity()
+            body: nn.Module = llama.model  # a plain Module: its submodules change type here
+            body.embed_tokens = nn.Identity()
+            body.norm = nn.Identity()
+            llama.lm_head = nn.Identity()
 
 
 def micro_batches(chunks: list[SeqChunk], count: int) -> list[list[SeqChunk]]:
@@ -91,7 +94,8 @@ class Pipeline:
     """One rank's part of every model call (ModelRunner.forward hands it the step's chunks)."""
 
     def __init__(self, model: nn.Module, stage: PipelineStage, group: ParallelGroup) -> None:
-        self.model, self.stage, self.group = model, stage, group
+        # stage.check() admitted the Llama family only
+        self.model, self.stage, self.group = cast("LlamaForCausalLM", model), stage, group
         self.dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
 
     def forward(self, runner, chunks: list[SeqChunk]) -> torch.Tensor | None:
@@ -108,6 +112,7 @@ class Pipeline:
                 h, residual = group.recv(self._carrier(batch), stage.rank - 1, m)
             attend = self.model.plan(batch.positions, batch.meta, runner.kv_cache, self.dtype)
             h, residual = self.model.run_layer_range(h, residual, attend, stage.layers)
+            assert residual is not None  # a stage has at least one layer (check())
             sending.append(group.isend(torch.stack([h, residual]), (stage.rank + 1) % stage.size, m))
         finished = None
         if stage.rank == 0:  # the last stage's (hidden, residual), normed

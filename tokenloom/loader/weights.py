@@ -7,6 +7,7 @@ that no tensor fills, and a shape mismatch are all errors that name the tensor.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import cast
 
 import torch
 
@@ -33,7 +34,7 @@ def map_name(model: CausalLM | type[CausalLM], name: str) -> tuple[str, str | No
 
 
 def _expected_shards(model: CausalLM, param_name: str) -> set[str | None]:
-    shards = {
+    shards: set[str | None] = {
         shard
         for ckpt_sub, (our_sub, shard) in model.packed_modules_mapping.items()
         if shard is not None and f".{our_sub}." in param_name
@@ -71,6 +72,7 @@ def load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor | Qu
         if isinstance(tensor, GGMLTensor):  # GGUF blocks are rows of nn.Linear's layout already
             tensor = tensor.dequantize()
         else:
+            assert isinstance(tensor, torch.Tensor)  # QuantizedTensors fill quantized modules only
             tensor = model.transform_checkpoint_tensor(name, tensor)
         target = params[param_name].data
         if shard is not None:
@@ -82,7 +84,7 @@ def load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor | Qu
         target.copy_(tensor.to(target.dtype))
         filled[param_name].add(shard)
     missing = [
-        f"{n}" + (f" ({sorted(s - filled[n])})" if s - filled[n] != {None} else "")
+        f"{n}" + (f" ({sorted(cast('set[str]', s - filled[n]))})" if s - filled[n] != {None} else "")
         for n in params
         if (s := _expected_shards(model, n)) - filled[n]
     ]

@@ -16,6 +16,7 @@ import json
 from collections import Counter
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -61,7 +62,7 @@ def gguf_formats(tensor_types: dict[str, int], tied: bool, model_cls) -> Callabl
     for module, kinds in kinds_of.items():
         if all(k in KERNEL_TYPES for k in kinds):
             exact = {exact_format(k) for k in kinds}
-            plan[module] = exact.pop() if len(exact) == 1 and None not in exact else GGML_BLOCKS
+            plan[module] = cast(WeightFormat, exact.pop()) if len(exact) == 1 and None not in exact else GGML_BLOCKS
     embedding = model_cls.input_embedding_name
     if embedding in plan:
         if tied:
@@ -79,6 +80,7 @@ def describe_weights(model: torch.nn.Module, tensor_types: dict[str, int]) -> st
         elif isinstance(mod, GGMLLinear):
             counts["+".join(dict.fromkeys(mod.types))] += 1
         elif isinstance(mod, GGMLEmbedding) and not mod._tied:
+            assert mod.weight_q is not None  # an untied embedding holds its own blocks, loaded
             counts[f"embedding {mod.weight_q.type_name} (rows on lookup)"] += 1
         elif isinstance(mod, torch.nn.Linear):
             counts["float32 linear"] += 1

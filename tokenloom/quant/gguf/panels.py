@@ -75,12 +75,18 @@ class GGUFPanels:
         two differ in type or width. Rows are independent, so each output is unchanged."""
         if other.kind != self.kind or other.in_features != self.in_features:
             return None
-        cat = lambda a, b: None if a is None else torch.cat([a, b])  # noqa: E731
+
+        def cat(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
+            if a is None:
+                return None
+            assert b is not None  # the same kind: the same tensors
+            return torch.cat([a, b])
+
         return GGUFPanels(
             self.kind,
-            cat(self.lo, other.lo),
+            torch.cat([self.lo, other.lo]),
             cat(self.hi, other.hi),
-            cat(self.scale, other.scale),
+            torch.cat([self.scale, other.scale]),
             cat(self.offset, other.offset),
             self.in_features,
             cat(self.dsup, other.dsup),
@@ -96,6 +102,7 @@ class GGUFPanels:
         codes = torch.stack([lo & 0x0F, lo >> 4], dim=3).int()  # (L, nb, c, h, i)
         shifts = torch.arange(8, dtype=torch.int32).view(4, 2, 1)  # bit 2c + h
         for j in range(planes):
+            assert self.hi is not None  # a layout with bit planes has them
             hi = self.hi.view(p, nb, planes, PANEL, 4)[panel, :, j, lane].int()  # (L, nb, i)
             codes |= ((hi[:, :, None, None, :] >> shifts) & 1) << (4 + j)
         w = codes.reshape(len(index), nb, 32).float() - zero
@@ -105,6 +112,7 @@ class GGUFPanels:
             d = self.dsup[panel, :, lane].repeat_interleave(8, dim=1)  # (L, nb)
             scale = scale * (d[..., None] if per16 else d)
             if offset is not None:
+                assert self.msup is not None  # a K-quant with offsets has their super-block mins
                 offset = offset * self.msup[panel, :, lane].repeat_interleave(8, dim=1)
         w = w * (scale.repeat_interleave(16, dim=-1) if per16 else scale[..., None])
         if offset is not None:
@@ -139,13 +147,16 @@ def to_panels(t: GGMLTensor) -> GGUFPanels:
         sl = slice(start // PANEL, stop // PANEL)
         lo[sl], hi_part = _pack_codes(codes, planes)
         if hi is not None:
+            assert hi_part is not None  # planes > 0
             hi[sl] = hi_part
         scale[sl], sup = _sides(s, per16, dtype)
         if dsup is not None:
+            assert sup is not None  # a K-quant's scales come with their super-block factors
             dsup[sl] = sup
         if offset is not None:
             offset[sl], sup = _sides(o, per16, dtype)
             if msup is not None:
+                assert sup is not None  # likewise its offsets
                 msup[sl] = sup
     return GGUFPanels(t.kind, lo, hi, scale, offset, k, dsup, msup)
 
@@ -155,8 +166,8 @@ def _pack_codes(codes: np.ndarray, planes: int) -> tuple[torch.Tensor, torch.Ten
     All in uint8: a chunk's temporaries are a few times its codes, not int32/int64 copies of them."""
     n, k = codes.shape
     c = codes.reshape(n // PANEL, PANEL, k // 32, 4, 2, 4)  # [p, n, b, c, h, i]
-    lo = (c[..., 0, :] & 0x0F) | ((c[..., 1, :] & 0x0F) << 4)  # [p, n, b, c, i]
-    lo = torch.from_numpy(np.ascontiguousarray(lo.transpose(0, 2, 3, 1, 4)).reshape(n // PANEL, k // 32, 4, 64))
+    packed = (c[..., 0, :] & 0x0F) | ((c[..., 1, :] & 0x0F) << 4)  # [p, n, b, c, i]
+    lo = torch.from_numpy(np.ascontiguousarray(packed.transpose(0, 2, 3, 1, 4)).reshape(n // PANEL, k // 32, 4, 64))
     if not planes:
         return lo, None
     hi = np.empty((n // PANEL, k // 32, planes, PANEL, 4), dtype=np.uint8)  # [p, b, j, n, i]
@@ -212,8 +223,8 @@ def decode(kind: int, raw: np.ndarray, k: int) -> tuple[np.ndarray, object, obje
     if kind in (Q5_0, Q5_1):
         blocks = raw.reshape(rows, k // 32, -1)
         qh = np.ascontiguousarray(blocks[:, :, -20:-16]).view(np.uint32)  # (rows, nb, 1)
-        high = (((qh >> np.arange(32, dtype=np.uint32)) & 1) << 4).astype(np.uint8)
-        codes = nibbles(blocks) | high
+        high: np.ndarray = (((qh >> np.arange(32, dtype=np.uint32)) & 1) << 4).astype(np.uint8)
+        codes: np.ndarray = nibbles(blocks) | high
         offsets = half_field(blocks, 2) if kind == Q5_1 else None
         return codes.reshape(rows, k), half_field(blocks, 0), offsets
     blocks = raw.reshape(rows, k // 256, -1)  # (rows, nsb, bytes)
