@@ -129,10 +129,11 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True, limit: int | None = None) -> list[int]:
         """Token ids of `text`. Long texts go through encode_batch_fast, which lets go of the GIL while
-        it works and keeps no offsets (encode holds the GIL: a 4 MB prompt froze every other thread
-        for 2.3 s; encode_batch's full Encoding then took 93 ms, GIL held, to free); the same ids.
+        it works and keeps no offsets (encode holds the GIL for the whole text, freezing every other
+        thread; encode_batch's full Encoding holds it again while it is freed); the same ids.
         With `limit`, a text of more tokens raises TooManyTokens before its ids become a Python list
-        (a 4 MB prompt's 1.1M ids: 20 ms of GIL to build, 5 more to free)."""
+        (a 4 MB prompt's 1.1M ids hold the GIL to build and again to free; figures in
+        docs/BENCHMARKS.md, 'Measurements behind design choices')."""
         if len(text) > LONG_TEXT:
             encoding = self.backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0]
         else:

@@ -20,8 +20,9 @@ from tokenloom.kernels import native
 _SOURCE = Path(__file__).parent / "csrc" / "paged_prefill_avx512.cpp"
 _BUILDS = (("avx512", "tokenloom_prefill512"),)
 
-# Longest context the kernel takes: up to 2048 positions it is 1-2x faster than torch's flash
-# attention; at 4096 it is 0.77x (measured on the 2-core Xeon, see the kernel's header).
+# Longest context the kernel takes: up to it the kernel is faster than torch's flash attention,
+# beyond it torch is (see the kernel's header; docs/BENCHMARKS.md, 'Measurements behind design
+# choices').
 MAX_CONTEXT = 2048
 
 

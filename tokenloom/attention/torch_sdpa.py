@@ -34,8 +34,8 @@ def write_kv(k_cache, v_cache, k: torch.Tensor, v: torch.Tensor, slot_mapping: t
 def select_blocks(cache, table: torch.Tensor) -> torch.Tensor:
     """cache[table] for a block table of any shape -> (*table.shape, block_size, kv_heads, head_dim).
 
-    index_select on the flat table: measured 2x faster than advanced indexing on CPU. A table on
-    the host is moved to the cache's device first.
+    index_select on the flat table: faster than advanced indexing on CPU (docs/BENCHMARKS.md,
+    'Measurements behind design choices'). A table on the host is moved to the cache's device first.
     """
     table = table.to(cache.data.device if isinstance(cache, Int8Cache) else cache.device)
     if isinstance(cache, Int8Cache):

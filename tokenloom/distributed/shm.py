@@ -1,13 +1,13 @@
 """All-reduce through shared memory, for ranks on one machine.
 
-gloo's all-reduce between two processes on one machine costs ~0.4 ms however small the tensor
-(its threads sleep and wake on each of the ring's messages); tensor parallelism runs two per
-layer, so on a 24-layer model that is 20 ms a step of nothing but waiting. Here each rank copies
-its tensor into its own slot of a file mapped by every rank (in /dev/shm), raises its sequence
-number, waits (spinning, then yielding) until every rank's number has reached the same one, and
-adds the slots in rank order: every rank computes the same sum, bit for bit. Two buffers
-alternate, so a rank writing call n + 2 cannot overwrite what another rank still reads of call
-n (it has seen that rank reach n + 1).
+gloo's all-reduce between two processes on one machine has a fixed latency however small the
+tensor (its threads sleep and wake on each of the ring's messages); tensor parallelism runs two
+per layer, so a 24-layer model's step waits through 48 of them (docs/BENCHMARKS.md, 'Measurements
+behind design choices'). Here each rank copies its tensor into its own slot of a file mapped by
+every rank (in /dev/shm), raises its sequence number, waits (spinning, then yielding) until every
+rank's number has reached the same one, and adds the slots in rank order: every rank computes the
+same sum, bit for bit. Two buffers alternate, so a rank writing call n + 2 cannot overwrite what
+another rank still reads of call n (it has seen that rank reach n + 1).
 
 Tensors over the slot size go through gloo instead. A rank that stops raising its number makes
 the others' wait end in ParallelRankError: at once where `peers_alive` says a peer process is

@@ -10,9 +10,9 @@ One thread, always the same one, runs every step, and ideally built the engine t
 (``build`` / ``from_config``). The reason is OpenMP: every thread that runs parallel
 torch work gets its own OpenMP thread pool, and once the pools hold more threads than
 there are cores, GNU OpenMP stops spinning between parallel regions and puts its
-workers to sleep, so each of a step's ~400 small parallel regions pays a wake-up.
-Measured on a 2-core machine: a batch-1 decode step 34 ms on the thread that built
-the model, 47 ms on a second thread.
+workers to sleep, so each of a step's ~400 small parallel regions pays a wake-up: a
+batch-1 decode step is markedly slower on a second thread than on the one that built
+the model (docs/BENCHMARKS.md, 'Measurements behind design choices').
 """
 
 from __future__ import annotations
@@ -96,10 +96,11 @@ class AsyncLLMEngine:
 
     def prepare_for_serving(self) -> None:
         """Work a long-running server does once before its first request rather than during one:
-        the grammar tokenizer is built (~0.5 s holding the GIL: at the first constrained request
-        it froze the event loop that long), and every object alive now moves out of the garbage
-        collector's view (``gc.freeze``): a full collection walked the ~220k objects of torch,
-        the model and the tokenizer for ~0.1 s each time, again holding the GIL."""
+        the grammar tokenizer is built (it holds the GIL throughout: at the first constrained
+        request it froze the event loop that long), and every object alive now moves out of the
+        garbage collector's view (``gc.freeze``): a full collection walked the ~220k objects of
+        torch, the model and the tokenizer each time, again holding the GIL (docs/BENCHMARKS.md,
+        'Measurements behind design choices')."""
         self.engine.warm_up_grammars()
         gc.collect()
         gc.freeze()

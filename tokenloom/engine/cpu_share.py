@@ -2,9 +2,10 @@
 
 A step splits each operation over OpenMP threads that meet at a barrier after it (a few hundred
 times a step). When another process takes one of the cores, the thread that lost it stalls every
-barrier until the scheduler gives it a time slice back: on a 2-core machine a 2-thread decode
-fell from ~260 to 70 tok/s beside one busy process, and to 0.8 beside a second tokenloom, where
-one thread kept ~158. So the engine counts, every ``INTERVAL_S`` of steps, the CPU time the rest
+barrier until the scheduler gives it a time slice back: a decode on as many threads as cores
+slows several-fold beside one busy process and all but stops beside a second tokenloom, where
+one thread fewer keeps over half its quiet speed (docs/BENCHMARKS.md, 'Measurements behind
+design choices'). So the engine counts, every ``INTERVAL_S`` of steps, the CPU time the rest
 of the machine used on the cores this process may run on (``/proc/stat`` less this process's own,
 ``/proc/self/stat``), and runs its next steps on the cores left: at least one, at most its
 maximum. A step that takes over ``JUMP`` times the recent ones has it counted again at once.

@@ -111,7 +111,7 @@ def _build(source: Path, what: str, isa: str, python_module: bool = False):
     name = library_name(source, isa)
     built = os.path.join(build_folder(name), f"{name}.so")
     if os.path.exists(built) and (module := _load_built(built, name, python_module)) is not None:
-        return module  # without importing cpp_extension (and setuptools: ~4 MiB, ~0.1 s)
+        return module  # without importing cpp_extension (and setuptools, a heavy import)
     from torch.utils.cpp_extension import _get_build_directory
     from torch.utils.cpp_extension import load as build
 

@@ -1,13 +1,14 @@
 """Decode steps replayed from a tape of op calls: the layer stack in one native call.
 
-At batch 1 a 30-layer model's decode step is ~500 op calls, and from Python each costs ~3-4 us
-before its kernel starts: on SmolLM2-135M about as long as the quantized kernels themselves.
+At batch 1 a 30-layer model's decode step is ~500 op calls, and from Python each pays
+interpreter and argument-parsing time before its kernel starts: on SmolLM2-135M about as long
+as the quantized kernels themselves (docs/BENCHMARKS.md, 'Measurements behind design choices').
 A tape is recorded once per step shape from one eager run of ``model.run_layers`` under a
 dispatch mode (every op call with its arguments and results), then replayed by
 ``csrc/op_tape.cpp``: the same kernels on the same arguments in the same order, so the same
-bits, with ~0.5 us per call and the GIL released for the whole stack (the server's event
-loop runs meanwhile). This is what CUDA graphs do for a GPU, at the level of dispatcher
-calls instead of kernel launches.
+bits, with a fraction of that overhead per call and the GIL released for the whole stack (the
+server's event loop runs meanwhile). This is what CUDA graphs do for a GPU, at the level of
+dispatcher calls instead of kernel launches.
 
 What a tape may bake in, and the checks that keep it honest (any failure: no tape, the step
 runs eagerly, and the reason is logged once):
@@ -43,9 +44,9 @@ log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).parent / "csrc" / "op_tape.cpp"
 MAX_TAPES = 32  # distinct step shapes kept (least recently used dropped)
-# A shape is recorded at its third step: a recording costs ~1.3 eager steps, and under
-# continuous batching many batch sizes come once or twice (64 mixed requests on Qwen2.5 at
-# 16 concurrent: recording every new shape cost 2% of throughput).
+# A shape is recorded at its third step: a recording costs more than an eager step, and under
+# continuous batching many batch sizes come once or twice, so recording every new shape cost
+# throughput (docs/BENCHMARKS.md, 'Measurements behind design choices').
 RECORD_AT = 3
 TENSOR_LIST = -2  # an argument's slot: a list of tensors (csrc/op_tape.cpp)
 
@@ -65,7 +66,7 @@ class _Recorder(TorchDispatchMode):
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
         """No dynamo guard around __torch_dispatch__: its wrapper imports torch._dynamo on the first
-        recording (~1 s inside the first decode step; tokenloom never compiles here)."""
+        recording (a heavy import, paid inside the first decode step; tokenloom never compiles here)."""
         return False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

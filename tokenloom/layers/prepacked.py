@@ -52,9 +52,9 @@ class PanelLinear(_PrepackedLinear):
     """nn.Linear over a weight packed in panels of 16 output columns, (ceil(out/16), in, 16).
 
     Chosen over PackedLinear wherever it builds (AVX-512 or AVX2) because decode-sized calls
-    (1-64 rows) read the weight once at near DRAM bandwidth: on the 2-core AVX2 EPYC, SmolLM2's
-    float32 decode 27 -> 49-67 tok/s; 128-row calls within 6% of oneDNN either way
-    (docs/BENCHMARKS.md has the measurements).
+    (1-64 rows) read the weight once at near DRAM bandwidth, so float32 decode runs markedly
+    faster, while 128-row calls stay even with oneDNN (docs/BENCHMARKS.md, 'Measurements behind
+    design choices').
     A row's output is the same bits whichever rows share the call; ``silu_mul`` (a gated
     MLP's gate_up) gives the same bits as ``forward`` followed by ``fused.silu_mul``.
     """
@@ -92,10 +92,8 @@ class PackedLinear(_PrepackedLinear):
 
     ``x (..., in) -> (..., out)`` through ``mkldnn._linear_pointwise``, which reads the
     prepacked weight directly: no per-call weight packing (what MKL's sgemm does for
-    every call) and no dense<->mkldnn conversion of activations. Measured on the 2-core
-    AVX2 CPU over SmolLM2-135M's 30 layers of projections (424 MB, read from DRAM):
-    1 row 24-29 ms (F.linear 45-52, x @ W_t 35), 16 rows 28-45 ms (F.linear 73),
-    64 rows 88-97 ms (F.linear 116), 512 rows 590-615 ms (F.linear 771).
+    every call) and no dense<->mkldnn conversion of activations: faster than F.linear at every
+    row count measured, 1 to 512 (docs/BENCHMARKS.md, 'Measurements behind design choices').
     The dense weight is dropped after packing (a tied weight stays with its embedding).
     """
 

@@ -1,6 +1,6 @@
 """A GGUF file's metadata and tensor table, read straight from a memory map.
 
-``gguf.GGUFReader`` builds a numpy view per metadata element, which takes ~10 s for a
+``gguf.GGUFReader`` builds a numpy view per metadata element, which is slow for a
 262k-token vocabulary; this reader parses the header with ``struct`` (string arrays in one
 pass, numeric arrays as one ``numpy.frombuffer``) and leaves tensor bytes in the map:
 ``GGUFTensorInfo.raw()`` is a zero-copy uint8 view of one tensor's bytes, read from disk

@@ -22,6 +22,7 @@ from tokenloom.models.config import ModelConfig, parse_dtype
 from tokenloom.models.registry import model_class
 from tokenloom.quant import WeightFormat, parse_quantization, quantize_structure
 from tokenloom.quant.checkpoint import describe_weights, formats_for, gguf_formats, load_saved_state, saved_formats
+from tokenloom.quant.gguf.tensor import GGMLTensor
 from tokenloom.sampling.defaults import FALLBACK, SamplingDefaults, from_generation_config, from_gguf_metadata
 from tokenloom.tokenizer import Tokenizer
 
@@ -38,7 +39,7 @@ class Checkpoint:
 
     hf_config: dict
     config: ModelConfig  # hf_config validated: the architecture is one tokenloom runs
-    tensors: Iterable[tuple[str, torch.Tensor]]
+    tensors: Iterable[tuple[str, torch.Tensor | GGMLTensor]]
     num_tensors: int
     tokenizer: Tokenizer
     eos_token_ids: set[int]
@@ -164,7 +165,7 @@ def build_model(
         quantize_structure(model, format_of, cls.input_embedding_name, config.tie_word_embeddings, dtype)
     if trim is not None:
         trim(model)
-    # Module.to_empty's empty_like on meta tensors runs through torch._refs (~0.4 s a load): plain empty instead
+    # Module.to_empty's empty_like on meta tensors runs through torch._refs (slow, every load): plain empty instead
     model = model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     model.tie_weights()
     model.init_buffers(device)  # non-persistent float32 buffers: recomputed after the empty move
@@ -240,6 +241,7 @@ def load_model(
     else:
         load_weights(model, tensors)
     if keep_blocks:
+        assert ckpt.tensor_types is not None  # blocks are kept from a GGUF file only
         log.info("GGUF weights: %s", describe_weights(model, ckpt.tensor_types))
     if prepare:
         model.prepare_for_inference()
@@ -266,6 +268,7 @@ def _format_of(ckpt: Checkpoint, quantization: str | None, saved: dict | None, k
     if saved is not None:
         return saved.get
     if keep_blocks:
+        assert ckpt.tensor_types is not None  # blocks are kept from a GGUF file only
         return gguf_formats(ckpt.tensor_types, ckpt.config.tie_word_embeddings, model_class(ckpt.config))
     return formats_for(quantization, model_class(ckpt.config))
 

@@ -4,7 +4,8 @@ glibc serves allocations above its mmap threshold (at most 32 MiB by default) wi
 fresh ``mmap`` and unmaps them on free. A prefill step of a few thousand tokens
 allocates several such tensors per layer (the gate/up projection of 6.7k tokens is
 82 MB), so every layer touches hundreds of MB of new pages and pays a page fault,
-and a zeroed page, per 4 KiB: measured on SmolLM2, ~20% of a 6.7k-token prefill.
+and a zeroed page, per 4 KiB: a sizeable share of a long prefill (docs/BENCHMARKS.md,
+'Measurements behind design choices').
 Raising the mmap and trim thresholds makes such blocks come from (and go back to)
 the heap, so the next step reuses pages that are already mapped. The cost is that
 the resident size stays at the largest step's working set instead of shrinking
@@ -13,15 +14,14 @@ after it, as with the tcmalloc/jemalloc set-ups that CPU inference guides recomm
 Threads other than the main one allocate from their own arenas, whose heaps are at most
 64 MiB: a larger block there is mmapped whatever the threshold. So the arena count is
 capped at one, and this must run before the engine's thread first allocates (the async
-engine applies it before starting that thread). Measured on a thread: 308k page faults
-per four layer-sized steps by default, 147k with the thresholds alone, 0 with one arena.
+engine applies it before starting that thread). On a thread, the thresholds alone left about
+half of the default's page faults, one arena none.
 
 A process-wide setting: it also serves any other torch code in the same process.
 
-The first step of a new, larger size still grows the heap into fresh pages (SmolLM2's first
-6.4k-token prefill: 118k page faults, 4.8 s against 4.25 s for the same step again; a fault
-costs ~5-10 us on this VM). ``reserve_heap`` pays that once at start-up instead, and in
-2 MiB pages where the kernel grants them (400 MB: 0.06 s, against ~1 s in 4 KiB pages).
+The first step of a new, larger size still grows the heap into fresh pages, and is slower than
+the same step again by the cost of their page faults. ``reserve_heap`` pays that once at start-up
+instead, and in 2 MiB pages where the kernel grants them (far faster than in 4 KiB pages).
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def keep_freed_memory() -> bool:
 @functools.cache
 def libc() -> ctypes.CDLL:
     """The C library (raises OSError where there is none to load); found once (find_library runs
-    ldconfig in a subprocess: ~10 ms a call), with the pointer-taking calls used here declared:
+    ldconfig in a subprocess on every call), with the pointer-taking calls used here declared:
     malloc, free, madvise."""
     c = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     c.malloc.restype = ctypes.c_void_p

@@ -2,10 +2,8 @@
 
 Batch-1 decode streams every weight from memory once a step. In 4 KiB pages that is a TLB
 miss every 4 KiB, each a page walk, and under a hypervisor a two-level one; in 2 MiB pages
-the whole model is a few dozen TLB entries. Measured on the 2-core AVX2 VM, SmolLM2-135M's
-121 int8 panel products of a Q8_0 decode step (141 MB) in C++, 2 threads, the two placements
-alternating 40 times: median 4.88 -> 4.41 ms a step (29.3 -> 32.4 GB/s; three runs, each
-faster by 10-17%).
+the whole model is a few dozen TLB entries, and a decode step's weight-streaming products run
+measurably faster (docs/BENCHMARKS.md, 'Measurements behind design choices').
 
 Linux grants such pages to ranges marked ``MADV_HUGEPAGE`` when transparent huge pages are
 "always" or "madvise" (the usual default); with "never", or off Linux, nothing moves.

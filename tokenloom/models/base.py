@@ -68,7 +68,7 @@ class CausalLM(nn.Module):
         """Called once after the weights are loaded: CPU-only layout changes.
 
         Every float32 nn.Linear (the output projection included) gets its weight prepacked
-        for this CPU's fastest kernel (layers/prepacked.py, with the measurements); on
+        for this CPU's fastest kernel (layers/prepacked.py says why); on
         AVX-512 VNNI and AVX2 CPUs int8/int4 weights are re-laid in 16-row panels (quant/int8/panels.py).
         Then the weights move into 2 MiB pages (memory/huge_pages.py). Forward signatures do not change.
         """

@@ -96,7 +96,7 @@ class SparseMoeBlock(nn.Module):
         return out
 
     def _mix_one_token(self, x: torch.Tensor, weights: list[float], experts: list[int]) -> torch.Tensor:
-        """The decode step's single token without the grouping ops (~80 us a layer): its experts
+        """The decode step's single token without the grouping ops (a fixed cost per layer): its experts
         added in ascending order, as the grouped path (and transformers) adds them."""
         out: torch.Tensor | None = None
         for expert, weight in sorted(zip(experts, weights)):

@@ -15,8 +15,9 @@ Greedy rows (temperature 0) take the argmax of the processed logits; no filter a
 Speed: top-k (moved ahead of temperature and top-n-sigma, which keep a row's order), and top-p
 when every row's nucleus lies in its 256 most likely tokens, narrow the rows to the columns that
 survive (40 of 49,152 for top-k 40), so the filters after them and the
-final softmax work on those only; a full sort of the vocabulary (110 ms for 64 rows of 49,152 on
-two cores) runs only for a row whose nucleus is wider.
+final softmax work on those only; a full sort of the vocabulary (far costlier than a selection:
+docs/BENCHMARKS.md, 'Measurements behind design choices') runs only for a row whose nucleus is
+wider.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The sampler's vectorized float32 CPU passes over logit rows (``csrc/select_cpu.cpp``): the
 finite logits' statistics top-n-sigma cuts by, each row's k largest logits, its log-sum-exp, and
 how many of its logits reach a floor and which. Each reads the row once or twice and allocates nothing of
-its size (torch's logsumexp makes four passes and two row-sized temporaries: 2 ms for 64 rows
-of 49,152 on two cores, this 0.3). Used only where
+its size (torch's logsumexp makes four passes and two row-sized temporaries, several times
+slower: docs/BENCHMARKS.md, 'Measurements behind design choices'). Used only where
 ``enabled(x)``: float32 CPU rows of unit stride with the kernels compiled; elsewhere the
 callers take plain torch (same results up to float rounding and the order of tied entries).
 """
@@ -76,9 +76,9 @@ def at_least(x: torch.Tensor, floor: torch.Tensor, width: int) -> tuple[torch.Te
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """x (B, V) -> (B,) int64: argmax over the last dim (the first index among equal maxima, NaN
     the maximum, like torch.argmax). Float32 CPU rows: the fused decoder ops' kernel, in which
-    each core scans the columns its half of the LM head just wrote (16 x 49152: 35 us, ~0.45 ms
-    for max() in a serving step); else max(), on the CPU 3x faster than argmax (16 x 49152: 173
-    vs 524 us)."""
+    each core scans the columns its half of the LM head just wrote (much cheaper than max() in a
+    serving step); else max(), on the CPU faster than argmax (docs/BENCHMARKS.md, 'Measurements
+    behind design choices')."""
     if x.dim() == 2 and x.shape[1] > 0 and x.stride(1) == 1 and fused.enabled(x):
         return fused.row_argmax(x)
     return x.max(dim=-1).indices

@@ -1,7 +1,8 @@
 """Top-k and top-p: filters that keep a row's most likely tokens. Both find them without sorting
-the vocabulary where they can (a sort of 64 rows of 49,152 takes 110 ms on two cores; a selection of
-the widest k, 0.5 ms: kernels.top_k), and both can narrow the rows to the columns that survive, so the rest of
-the chain works on those only (``*_columns``: (logits (R, W), their columns (R, W)) or None).
+the vocabulary where they can (a selection of the widest k, kernels.top_k, costs a small fraction of
+a full sort: docs/BENCHMARKS.md, 'Measurements behind design choices'), and both can narrow the
+rows to the columns that survive, so the rest of the chain works on those only (``*_columns``:
+(logits (R, W), their columns (R, W)) or None).
 """
 
 from __future__ import annotations

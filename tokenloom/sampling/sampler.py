@@ -11,8 +11,9 @@ Steps, in order:
    asked); renormalize and draw by inverting the cumulative distribution: one uniform u per row, the first token
    whose float64 running sum of p exceeds u x the total (exact up to float64
    rounding, without a device sync; one random number per row where the exponential
-   race argmax(p / E) draws one per vocabulary entry: 1 ms a row on a 49k vocabulary
-   on a CPU, 60 ms a step at batch 64). Seeded rows draw u from their own generator,
+   race argmax(p / E) draws one per vocabulary entry, a visible share of a CPU step at
+   large batches: docs/BENCHMARKS.md, 'Measurements behind design choices'). Seeded rows
+   draw u from their own generator,
    so a seed reproduces its output whatever else is in the batch;
 5. mirostat rows move their mu by the chosen token's surprise.
 """

@@ -10,8 +10,9 @@ import torch
 
 def right_aligned(rows: list[list[int]], device=None) -> torch.Tensor:
     """Ragged token lists -> (R, longest) int64, each row's tokens at its end after -1 padding (so
-    the last tokens of every row share columns). Built in numpy: a list per row converts 7x faster
-    than one nested list through torch.tensor."""
+    the last tokens of every row share columns). Built in numpy: a list per row converts faster
+    than one nested list through torch.tensor (docs/BENCHMARKS.md, 'Measurements behind design
+    choices')."""
     width = max((len(r) for r in rows), default=0)
     out = np.full((len(rows), width), -1, dtype=np.int64)
     for i, r in enumerate(rows):
@@ -29,7 +30,8 @@ def last_columns(ids: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
 
 def take_rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
     """x[rows] along dim 0: x itself where rows are all of them in order, else one index_select
-    (x[list] takes torch's general gather: 4 ms for 64 rows of 49,152 floats, index_select 0.4).
+    (x[list] takes torch's general gather, much slower than index_select: docs/BENCHMARKS.md,
+    'Measurements behind design choices').
     On a GPU the index travels pinned and asynchronously (no wait for the device's queued work)."""
     if rows == list(range(x.shape[0])):
         return x

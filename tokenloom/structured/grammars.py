@@ -16,7 +16,8 @@ if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
 
 # llguidance meters its work in "fuel"; these caps make a pathological schema or regex fail
-# with an error instead of hanging (measured: a 10-property schema compiles in ~3 ms).
+# with an error instead of hanging (an ordinary schema compiles quickly: docs/BENCHMARKS.md,
+# 'Measurements behind design choices').
 LIMITS: dict[str, Any] = dict(
     initial_lexer_fuel=2_000_000,
     step_lexer_fuel=400_000,
@@ -35,12 +36,13 @@ JSON_DEFAULTS: JsonCompileOptions = {"whitespace_pattern": r"( |\n{1,2}[ \t]{0,2
 class GrammarCompiler:
     """Turns StructuredOutput into llguidance matchers for one tokenizer.
 
-    The tokenizer's token trie is built on first use (~0.5 s), from the JSON text that
+    The tokenizer's token trie is built on first use, from the JSON text that
     `tokenizer_json()` makes then (a 151k-token vocabulary's text and trie hold ~33 MB that a
     process never asked for structured output need not). A grammar is compiled once into a
-    pristine matcher kept in an LRU cache; each request gets a ``deep_copy`` of it (~50 us,
-    where building a matcher from the grammar text again takes 16 ms for a 10-property schema
-    and 0.4 s for an anyOf of 5,000, time the server's event loop or engine step would wait).
+    pristine matcher kept in an LRU cache; each request gets a ``deep_copy`` of it, orders of
+    magnitude cheaper than building a matcher from the grammar text again, time the server's
+    event loop or engine step would wait (docs/BENCHMARKS.md, 'Measurements behind design
+    choices').
     """
 
     def __init__(

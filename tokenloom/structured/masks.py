@@ -13,8 +13,8 @@ class MaskStep:
     apply(): wait for them and set disallowed tokens' logits to -inf in those rows.
 
     llguidance.torch is not used: importing it compiles nothing but imports torch._dynamo and
-    inductor for its ``torch.compile`` decorator (~3 s holding the GIL: a server's event loop
-    froze that long at its first constrained request), and its compiled kernel would compile
+    inductor for its ``torch.compile`` decorator (holding the GIL throughout: a server's event
+    loop froze that long at its first constrained request), and its compiled kernel would compile
     on the first step. The bit unpacking below is a few torch ops."""
 
     _pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenloom-masks")

@@ -60,7 +60,8 @@ class ModelRunner:
         self.device = torch.device(device)
         self.sampler = Sampler()
         # Blocks are cleared on their first write only where a reader looks past a sequence's
-        # end (60 index_fill calls, ~1 ms, in most steps of a float32 SmolLM2 batch otherwise).
+        # end (60 index_fill calls in most steps of a float32 SmolLM2 batch otherwise, a cost
+        # worth avoiding: docs/BENCHMARKS.md, 'Measurements behind design choices').
         self.zero_fresh_blocks = reads_past_context(kv_cache)
         self.peers = peers
         self.pipeline = pipeline

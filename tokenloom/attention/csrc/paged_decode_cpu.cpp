@@ -103,7 +103,8 @@ inline void cap_heads(float* scores, int64_t n, int64_t h0, int64_t h1, const Sh
 
 // Ask for slot rows [t0, t1) of `rows` (bytes [first, first + bytes) of each) ahead of use: the
 // slots are scattered in 16-position blocks, where the hardware prefetcher loses the stream,
-// and without this the kernel waits on DRAM latency (measured ~10 GB/s of a ~35 GB/s machine).
+// and without this the kernel waits on DRAM latency, reading at a fraction of the machine's
+// bandwidth (docs/BENCHMARKS.md, 'Measurements behind design choices').
 template <int Locality = 3>
 inline void prefetch_rows(const std::vector<const float*>& rows, int64_t t0, int64_t t1, int64_t bytes,
                           int64_t first = 0) {
@@ -234,9 +235,9 @@ void values_into(const float* w, const Rows& rows, int64_t n, int64_t g0, int64_
 
 
 // A sequence shared by a team of threads (attend_team) from this many attended positions; a
-// shorter one is split by kv head. SmolLM2-135M (9 heads, 3 kv heads of 64), 2 threads, one
-// process, interleaved (per layer), AVX-512: 16 positions 7.1 us shared against 6.8 split, 64:
-// 10.0 / 10.1, 140: 15.3 / 18.1, 176: 17.2 / 22.6.
+// shorter one is split by kv head. Around this length the two cost the same; below it
+// splitting is slightly faster, above it sharing wins by more as the context grows (SmolLM2-135M,
+// 2 threads; docs/BENCHMARKS.md, 'Measurements behind design choices').
 constexpr int64_t TEAM_MIN_POSITIONS = 64;
 
 // scores[h * n + t] = q_h . k_t * scale for heads [h0, h1) and the 8 positions from t0 (clipped

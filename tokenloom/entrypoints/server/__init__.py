@@ -2,7 +2,7 @@
 
 ``build_app`` is imported on first use: the CLI reads serve's flag defaults from this package
 (admission.py) on every command, and FastAPI, pydantic and prometheus-client (~20 MiB of the
-resident size, ~0.2 s) belong only to ``serve``.
+resident size, and their import time) belong only to ``serve``.
 """
 
 from __future__ import annotations

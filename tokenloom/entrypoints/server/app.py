@@ -153,7 +153,7 @@ def _lifespan(engine: AsyncLLMEngine, serving: OpenAIServing):
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         # Everything alive at start (model, tokenizer, libraries) out of the cyclic GC's scans: a
-        # full collection over them paused the event loop for 100-300 ms under a large request.
+        # full collection over them pauses the event loop for a noticeable time under a large request.
         gc.freeze()
         yield
         await engine.shutdown()

@@ -1,9 +1,10 @@
 """Long texts tokenized in a child process, so that the server's GIL never waits on them.
 
 Why a process: tokenizing itself lets go of the GIL (Tokenizer.encode), but freeing a 4 MB
-prompt's Encoding (1.1M token strings) holds it for ~5 ms of CPU, and the prepare worker that
-holds it runs at nice 10: beside two busy threads (the engine's decode) those 5 ms took 67 ms,
-and the event loop waited for the GIL all that time (/health 0.11-0.28 s in CI). In a child,
+prompt's Encoding (1.1M token strings) holds it, and the prepare worker that holds it runs at
+nice 10: beside two busy threads (the engine's decode) the free took many times its CPU time,
+and the event loop waited for the GIL all that time (/health answered late; docs/BENCHMARKS.md,
+'Measurements behind design choices'). In a child,
 the server's threads never wait on a long text; the child runs at nice 10 as the workers do.
 
 This file is also the child: ``python -I long_texts.py`` (run by path, so that it imports the
@@ -87,7 +88,7 @@ class LongTexts:
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
-        # at start-up, not in a nice-10 worker: to_str holds the GIL (tens of ms; 0.3 s starved)
+        # at start-up, not in a nice-10 worker: to_str holds the GIL, far longer when starved of CPU
         self.tokenizer_json = tokenizer.backend.to_str().encode()
         self.local = threading.local()
         self.processes: list[TokenizerProcess] = []

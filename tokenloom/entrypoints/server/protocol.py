@@ -281,7 +281,8 @@ def lone_surrogate(value: Any, path: str = "") -> str | None:
     surrogate, which JSON can carry but no tokenizer can encode; None if there is none.
 
     One C-speed pass over every string first: walking 10^5 stop strings or an anyOf of 5,000
-    schemas in Python took ~0.1 s of GIL for every such request, surrogate or not."""
+    schemas in Python held the GIL for a noticeable time on every such request, surrogate or
+    not (docs/BENCHMARKS.md, 'Measurements behind design choices')."""
     try:
         json.dumps(value, ensure_ascii=False).encode("utf-8")
         return None

@@ -92,13 +92,15 @@ MAX_PREPARING = 64  # requests being prepared or waiting for a worker, at most
 MAX_PREPARING_PER_CLIENT = 32  # of those, one client's: its burst leaves the others room
 PREPARE_TIMEOUT_S = 30.0
 
-_Req = TypeVar("_Req", CompletionRequest, ChatCompletionRequest)
+_Req = TypeVar("_Req")
+_Result = TypeVar("_Result")
 
 
 def _lower_priority() -> None:
     """Run this worker thread at nice 10 (Linux: a thread is a task with its own nice value): a
     client's 4 MB prompt then tokenizes on the cores the engine leaves, instead of taking one
-    from the running batch (measured: decode time per token 4x with it at normal priority)."""
+    from the running batch (at normal priority it slowed the batch's decode several-fold:
+    docs/BENCHMARKS.md, 'Measurements behind design choices')."""
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
     except (AttributeError, OSError):  # not Linux, or not permitted: normal priority
@@ -318,7 +320,7 @@ class OpenAIServing:
         except (ChatTemplateError, jinja2.TemplateError, TypeError) as e:
             raise APIError(400, f"the chat template rejected the messages: {e}", "messages") from None
 
-    async def off_loop(self, prepare: Callable[[_Req], Prepared], req: _Req, client: str = "") -> Prepared:
+    async def off_loop(self, prepare: Callable[[_Req], _Result], req: _Req, client: str = "") -> _Result:
         """``prepare(req)`` on the worker pool: the event loop keeps serving others meanwhile.
         A client's requests take PREPARE_WORKERS_PER_CLIENT workers at most (one client's 4 MB
         prompts or huge schemas wait for each other, not every other client behind them). 429
@@ -337,7 +339,7 @@ class OpenAIServing:
             )
         self.preparing += 1
 
-        async def prepare_in_turn() -> Prepared:
+        async def prepare_in_turn() -> _Result:
             async with self.preparing_turns.turn(client):
                 return await asyncio.get_running_loop().run_in_executor(self.workers, prepare, req)
 

@@ -49,7 +49,8 @@ inline int32_t hsum8(__m256i v) {
 #endif
 
 // quantize_block_scalar, 16 (AVX-512) or 8 (AVX2) values at a time: a decode step quantizes
-// ~120 activation rows on its critical path, ~2 us each one value at a time. max(|v|, m)
+// ~120 activation rows on its critical path, a visible share of the step one value at a time
+// (docs/BENCHMARKS.md, 'Measurements behind design choices'). max(|v|, m)
 // keeps m where v is NaN, as std::max(m, |v|) does; the maximum does not depend on order.
 inline float quantize_block(const float* v, int8_t* q, int32_t halves[2]) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -94,14 +95,12 @@ inline float quantize_block(const float* v, int8_t* q, int32_t halves[2]) {
 //   SPLIT: the range cut in two halves walked side by side (panels p and p + half), two
 //          sequential streams left to the hardware prefetcher;
 //   ADJACENT: two neighbouring panels at a time, with software prefetch 1 KB ahead.
-// Measured, SmolLM2-135M's 121 int8 projections and head in sequence (143 MB, from memory, 2
-// threads): AMD EPYC Zen 4 (twenty-third session) SPLIT 3.9 ms, one panel at a time 4.6,
-// ADJACENT 6.0. The Intel Xeon of earlier sessions was fastest ADJACENT (docs/BENCHMARKS.md).
+// On an AMD CPU SPLIT measured fastest (one panel at a time next, ADJACENT last); on an Intel
+// CPU ADJACENT did (docs/BENCHMARKS.md, 'Measurements behind design choices').
 // So: SPLIT on AMD, ADJACENT elsewhere; TOKENLOOM_DECODE_WALK=split or adjacent overrides (to
 // measure). The int8/int4 panels' batched calls (a few rows, each panel pair computing every
-// row) walk the same way: a Qwen2.5 gate_up shape, 16 copies, SPLIT against ADJACENT: 2 rows
-// 4.6-5.3 ms vs 5.3-6.7, 16 rows 11.6-11.9 vs 12.8. The same bits either way: each panel's
-// arithmetic does not depend on its neighbours.
+// row) walk the same way (SPLIT measured faster there too). The same bits either way: each
+// panel's arithmetic does not depend on its neighbours.
 enum class DecodeWalk { SPLIT, ADJACENT };
 
 inline DecodeWalk decode_walk() {

@@ -170,8 +170,9 @@ def paged_attention(
     rows = 16 if inputs.max_query_len == 1 else 64  # rows a program computes (tl.dot: at least 16)
     block_q = max(1, rows // block_g)
     # Positions per iteration: each iteration waits on a gather of block ids, then the tile's
-    # loads, so a decode program's time is mostly its iteration count (on an H100, 32 positions
-    # a tile cost ~11 us a layer at 128-256 positions of context, a third of a 135M model's step).
+    # loads, so a decode program's time is mostly its iteration count (with 32 positions a tile,
+    # attention was a large share of a 135M model's step: docs/BENCHMARKS.md, 'Measurements behind
+    # design choices').
     block_d = next_power_of_2(max(head_dim, 16))
     block_n = 64 if block_d <= 128 else 32
     grid = (inputs.seq_lens.shape[0], triton.cdiv(inputs.max_query_len, block_q), kv_heads)

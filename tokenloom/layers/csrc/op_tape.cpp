@@ -1,12 +1,12 @@
 // A recorded sequence of dispatcher calls, replayed from C++ with the GIL released.
 //
 // A decode step at batch 1 is ~500 small op calls (16 per layer of a 30-layer model); from
-// Python each costs ~3-4 us of interpreter and argument parsing before its kernel starts,
-// about as much as the kernels themselves on a small model (docs/BENCHMARKS.md). The tape
-// (built by tokenloom/layers/op_tape.py from one eager run under a dispatch mode) holds each
-// call's operator handle and its arguments as IValues; a replay pushes them on a stack and
-// calls the boxed kernel (~0.3-1 us), so the same kernels run on the same arguments in the
-// same order: the same bits as the eager forward.
+// Python each pays interpreter and argument-parsing time before its kernel starts, about as
+// much as the kernels themselves on a small model (docs/BENCHMARKS.md, 'Measurements behind
+// design choices'). The tape (built by tokenloom/layers/op_tape.py from one eager run under a
+// dispatch mode) holds each call's operator handle and its arguments as IValues; a replay
+// pushes them on a stack and calls the boxed kernel (a fraction of that overhead), so the same
+// kernels run on the same arguments in the same order: the same bits as the eager forward.
 //
 // Values: slot i holds a tensor the step produces or takes as input (the inputs: slots 0..n-1). Argument j of call c is
 // either a constant IValue (weights, the KV cache, shapes, scalars), slot `arg_slots[c][j]`, or

@@ -116,8 +116,9 @@ at::Tensor pack(const at::Tensor& w) {
 // group of k steps, `per16` lines per 16 k steps: as many as spread all lines over the sweep's
 // later blocks, at most 4 (one line per 4 k steps; faster rates were slower at 16-48 rows).
 // A fixed rate keeps the branch predictable: spreading the lines one by one over all blocks
-// (Bresenham-style) mispredicted about once per fetch and slowed every block ~8%, which ate the
-// gain above 160 rows. The rate is computed once per sweep.
+// (Bresenham-style) mispredicted about once per fetch and slowed every block, which ate the
+// gain above 160 rows (docs/BENCHMARKS.md, 'Measurements behind design choices'). The rate is
+// computed once per sweep.
 struct Prefetch {
   const char* next[2] = {nullptr, nullptr};  // next line to fetch per range
   int64_t left[2] = {0, 0};                  // lines still to fetch per range
@@ -272,18 +273,18 @@ constexpr auto kBlock = block_kernels_upto<KIND>(std::make_integer_sequence<int,
 // 14 rows share one pass over the weights (at decode sizes the weights stream from DRAM once
 // while all rows' FMAs run); larger calls use 8-row blocks against 3 panels (12 rows against
 // 1 gate + 1 up panel for Glu): fewer loads per FMA once the weights sit in cache. (Glu in 6-row blocks against 2 + 2 panels was
-// ~1% slower with the unrolled k loop: 120 layer projections at 144 rows 78.8 vs 78.1 ms, 512
-// rows 262.5 vs 258.9; 14-row blocks and 6-, 12- or 14-row dense blocks were no better.)
+// slightly slower with the unrolled k loop; 14-row blocks and 6-, 12- or 14-row dense blocks
+// were no better: docs/BENCHMARKS.md, 'Measurements behind design choices'.)
 template <Kind KIND>
 inline int64_t block_rows(int64_t M) { return M <= kMaxRows<KIND> ? M : kPrefillRows<KIND>; }
 
 // The next sweep's panels are fetched by calls of several row blocks, whatever their size. A
-// one-block call fetches its own panels ahead instead (the next sweep's as well cost 1-4 ms per
-// 120 projections at 4-14 rows). With a fixed interval, fetching cost 2-6% from 512 rows (when
-// x no longer leaves L2 room for two sweeps' panels), so it stopped at 256 rows; at the rate
-// spread over the sweep (one line per 16 k steps there) it gains 0.5-2%: 384 rows 200.7 ->
-// 196.8 ms, 1536 rows 777 -> 772. (A per-k L1 fetch the micro kernel used to issue cost 3-8%
-// at 190+ rows.)
+// one-block call fetches its own panels ahead instead (fetching the next sweep's as well made
+// 4-14-row calls slower). With a fixed interval, fetching cost time from 512 rows (when x no
+// longer leaves L2 room for two sweeps' panels), so it stopped at 256 rows; at the rate spread
+// over the sweep (one line per 16 k steps there) it gains a little at large sizes. (A per-k L1
+// fetch the micro kernel used to issue cost time at 190+ rows.) Figures: docs/BENCHMARKS.md,
+// 'Measurements behind design choices'.
 
 // Row blocks [r0, r1) x output panels [c0, c1). The first block fetches its panels ahead of
 // its loads; with several blocks, the blocks also fetch panels [c1, c2) (the next sweep's)

@@ -4,17 +4,18 @@
 in x's dtype, with its weight stored as a QuantizedTensor (formats.py). On an AVX2
 CPU it runs the compiled kernels; anywhere else (GPU, other CPUs) it dequantizes
 the weight per call and runs a float matmul: same numbers, no speed-up.
-The kernel serves every batch size: measured on the 2-core AVX2 machine against
-dequantize + float GEMM, it wins from 1 to 128 rows (int8, 3072 x 576: 0.37 vs 7.7 ms
-at 8 rows, 6.0 vs 12.7 ms at 128). Where the panel kernels run (AVX-512 VNNI, AVX2) ``use_panels`` re-lays the
-weight in 16-row panels (quant/int8/panels.py) for kernels that take 16 output columns per
-instruction; ``weight_q`` and saved checkpoints keep the row layout either way.
+The kernel serves every batch size: against dequantize + float GEMM it wins from 1 to 128
+rows (docs/BENCHMARKS.md, 'Measurements behind design choices'). Where the panel kernels run
+(AVX-512 VNNI, AVX2) ``use_panels`` re-lays the weight in 16-row panels (quant/int8/panels.py)
+for kernels that take 16 output columns per instruction; ``weight_q`` and saved checkpoints
+keep the row layout either way.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Literal, cast
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +35,9 @@ GGML_BLOCKS = "ggml"  # a format_of answer: keep the GGUF file's blocks (GGMLLin
 
 class QuantizedLinear(nn.Module):
     """A Linear layer whose weight is int8 or int4 (buffers ``qweight``, ``scales``, ``offsets``)."""
+
+    _kernel: Callable[[torch.Tensor], torch.Tensor] | Literal[False] | None
+    _silu_kernel: Callable[[torch.Tensor], torch.Tensor] | Literal[False] | None
 
     def __init__(
         self,
@@ -111,6 +115,7 @@ class QuantizedLinear(nn.Module):
         in x's dtype, computed in float32; the same bits as forward then fused.silu_mul."""
         if self._silu_kernel is None:
             self._silu_kernel = self._bind_kernel(silu_mul=True)
+        assert self._silu_kernel  # callers check pairs_gate_up: the kernels run here
         y = self._silu_kernel(float_rows(x, self.in_features)).to(x.dtype)
         return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features // 2)
 
@@ -177,6 +182,7 @@ class QuantizedLinear(nn.Module):
         target.data.copy_(tensor.data)
         target.scales.copy_(tensor.scales)
         if target.offsets is not None:
+            assert tensor.offsets is not None  # int4 like the target: it has offsets
             target.offsets.copy_(tensor.offsets)
 
     def _load_blocks_as_panels(self, tensor: GGMLTensor) -> bool:
@@ -265,6 +271,7 @@ def quantize_structure(
             )
             swapped.append(name)
             continue
+        assert isinstance(fmt, WeightFormat)  # GGML_BLOCKS is the one string format_of gives
         if not QuantizedLinear.supports(mod.in_features, fmt):
             log.warning("%s stays float: in_features %d does not fit %s", name, mod.in_features, fmt.name)
             continue
@@ -275,13 +282,13 @@ def quantize_structure(
             ),
         )
         swapped.append(name)
-    embedding = model.get_submodule(embedding_name)
+    embedding = cast(nn.Embedding, model.get_submodule(embedding_name))  # the loop swaps Linears only
     if tied and "lm_head" in swapped:
         head = model.get_submodule("lm_head")
         tied_embedding = (
             GGMLEmbedding(embedding.num_embeddings, embedding.embedding_dim, dtype, head)
             if isinstance(head, GGMLLinear)
-            else QuantizedEmbedding(head, dtype)
+            else QuantizedEmbedding(cast(QuantizedLinear, head), dtype)
         )
         model.set_submodule(embedding_name, tied_embedding)
     elif not tied and format_of(embedding_name) == GGML_BLOCKS:
@@ -294,7 +301,7 @@ def use_panels(model: nn.Module) -> int:
     return sum(m.use_panels() for m in model.modules() if isinstance(m, QuantizedLinear))
 
 
-def quantized_targets(model: nn.Module) -> dict[str, QuantizedLinear | QuantizedEmbedding]:
+def quantized_targets(model: nn.Module) -> dict[str, QuantizedLinear | QuantizedEmbedding | GGMLLinear | GGMLEmbedding]:
     """Checkpoint weight name ('<module>.weight') -> the quantized module that loads it."""
     return {
         f"{name}.weight": mod

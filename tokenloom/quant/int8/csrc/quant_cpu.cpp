@@ -166,7 +166,7 @@ struct Activations {       // raw views of QuantizedActivations
 #ifdef __AVX512VNNI__
 constexpr int64_t PREFETCH_BYTES = 4096;  // one page ahead: the distance that measured fastest (docs/BENCHMARKS.md)
 #else
-constexpr int64_t PREFETCH_BYTES = 384;   // tuned on Zen 3 (AVX2)
+constexpr int64_t PREFETCH_BYTES = 384;   // the distance that measured fastest on AVX2 (docs/BENCHMARKS.md)
 #endif
 
 template <bool INT4>
@@ -285,9 +285,8 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& q, const at::Tenso
 // reads 20 bytes, not 24). Same codes and scale values as the row layout.
 // Each column's block dot product is exact in int32, then scaled in float per block and per
 // group; a row's result does not depend on the other rows in the call.
-// Measured on the 2-core Xeon over SmolLM2-135M's 121 projections at one row (noisy, +-15%):
-// 4 panels / 4 KB ahead: int4 5.2 ms, int8 5.8; 2 panels / 1 KB ahead: int4 3.6-4.4, int8 5.5-5.8
-// (row kernels: int4 ~5.9, int8 ~6.1).
+// At one row, 2 panels a pass with 1 KB prefetch measured faster than 4 with 4 KB, and both
+// faster than the row kernels (docs/BENCHMARKS.md, 'Measurements behind design choices').
 constexpr int PANELS = 2;      // panels per pass (their weight streams run side by side: walk_panels)
 constexpr int64_t PANEL_PREFETCH_BYTES = 1024;
 
@@ -407,8 +406,8 @@ inline void panel_block_dots(const uint8_t* qb, int64_t pstride, const int32_t* 
       d[h] = _mm256_add_epi32(d[h], _mm256_madd_epi16(_mm256_maddubs_epi16(ax, signed_w), ones));
       // Without this GCC re-associates the eight chunks' sums into a tree whose partial sums
       // spill to the stack (16 ymm registers); the running chain stays in one register. The
-      // int32 sum is exact, so the order does not change the bits. AVX2 AMD EPYC, SmolLM2
-      // gate_up shape, one thread: 20 -> 38 GB/s from L2.
+      // int32 sum is exact, so the order does not change the bits. It reads from L2 markedly
+      // faster (docs/BENCHMARKS.md, 'Measurements behind design choices').
       asm("" : "+x"(d[h]));
     }
   }
