@@ -397,6 +397,7 @@ def test_gguf_blocks_that_a_split_would_cut_are_an_error_naming_the_tensor():
         TensorShard(1, 4).narrow("model.layers.0.self_attn.o_proj.weight", q8, config)
 
 
+@pytest.mark.serial  # a liveness interval timed in seconds: the machine to itself under pytest -n
 def test_shared_memory_all_reduce_sums_bit_for_bit_and_notices_a_dead_peer(tmp_path):
     """Two ranks (threads here, processes in the engine) on one file: each gets the same sum, in
     rank order, for tensors of several shapes and dtypes in a row (the two buffers alternate);

@@ -62,6 +62,7 @@ def gguf_parsed_once() -> Iterator[None]:
     machine. The reader is read-only after construction, so one per path serves every caller,
     and a metadata-only load (``return_tensors=False``) is answered from the first one's result
     (a deep copy, as callers may change it): the same tensors and metadata, less than half the time.
+    The reader itself slices a plain array over the mapped file (_reader_over_plain_array).
     """
     import gguf
     from transformers import modeling_gguf_pytorch_utils as hf_gguf
@@ -73,7 +74,7 @@ def gguf_parsed_once() -> Iterator[None]:
     def shared_reader(path, mode="r"):
         key = (Path(path).resolve(), mode)
         if key not in readers:
-            readers[key] = original_reader(path, mode)
+            readers[key] = _reader_over_plain_array(original_reader, path, mode)
         return readers[key]
 
     def load_once(path, return_tensors=False, **kwargs):
@@ -89,3 +90,23 @@ def gguf_parsed_once() -> Iterator[None]:
         yield
     finally:
         gguf.GGUFReader, hf_gguf.load_gguf_checkpoint = original_reader, original_load
+
+
+def _reader_over_plain_array(reader_class, path, mode: str):
+    """``reader_class(path, mode)`` with its ``data`` a plain ndarray view of the np.memmap it maps.
+
+    The reader parses metadata by slicing ``data`` a few times per value, ~10M slices for a
+    262k-token vocabulary; a memmap slice runs memmap.__array_finalize__ in Python each time, a
+    plain view of the same mapping does not (the same bytes, a third of the time)."""
+    import numpy as np
+
+    memmap = np.memmap
+
+    def plain_view(*args, **kwargs):
+        return memmap(*args, **kwargs).view(np.ndarray)  # the view keeps the mapping alive
+
+    np.memmap = plain_view  # type: ignore[misc]
+    try:
+        return reader_class(path, mode)
+    finally:
+        np.memmap = memmap  # type: ignore[misc]

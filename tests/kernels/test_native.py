@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import time
 
+import pytest
 import torch
 
 from tokenloom.kernels import native
@@ -21,6 +22,7 @@ def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path):
     assert not native.clear_stale_lock(str(tmp_path))  # no lock: nothing to do
 
 
+@pytest.mark.serial  # times a load, and puts a lock in the shared build folder
 def test_a_built_library_loads_though_its_folder_holds_a_lock(monkeypatch):
     """The fused decoder ops are built by now (the suite builds them); with a lock in their build
     folder, as a killed build leaves it, loading them again returns at once instead of waiting."""

@@ -10,7 +10,6 @@ from tokenloom import LLM, SamplingParams
 from tokenloom.eval.agreement import agreement, whole_windows
 from tokenloom.eval.scoring import default_eval_text
 from tokenloom.loader import hub
-from tokenloom.loader.load import load_model
 from tokenloom.quant.gguf.modules import GGMLEmbedding, GGMLLinear
 from tokenloom.quant.int8.modules import QuantizedEmbedding, QuantizedLinear
 
@@ -25,22 +24,28 @@ def quantized_layers(model) -> tuple[int, list[str]]:
     return quantized, floats
 
 
+@pytest.fixture(scope="module")
+def qwen_kept():
+    """Qwen2.5-Coder Q4_K_M with its blocks kept, shared by the tests that read it."""
+    return LLM(str(hub.gguf_path(QWEN)), kv_cache_memory=32 << 20)
+
+
 @needs_qwen
-def test_qwen_q4_k_m_keeps_every_tensor():
-    loaded = load_model(hub.gguf_path(QWEN))
-    quantized, floats = quantized_layers(loaded.model)
+def test_qwen_q4_k_m_keeps_every_tensor(qwen_kept):
+    model = qwen_kept.engine.core.runner.model
+    quantized, floats = quantized_layers(model)
     assert floats == []
     assert quantized == 24 * 4 + 1  # qkv, o, gate_up, down per layer + lm_head
-    assert isinstance(loaded.model.model.embed_tokens, GGMLEmbedding)
-    kept = {t for m in loaded.model.modules() if isinstance(m, GGMLLinear) for t in m.types}
+    assert isinstance(model.model.embed_tokens, GGMLEmbedding)
+    kept = {t for m in model.modules() if isinstance(m, GGMLLinear) for t in m.types}
     assert {t.split()[0] for t in kept} >= {"Q5_0", "Q6_K", "Q4_K", "Q8_0"}
 
 
 @needs_qwen
-def test_qwen_greedy_text_matches_float32_dequantized():
+def test_qwen_greedy_text_matches_float32_dequantized(qwen_kept):
     prompt = "def fibonacci(n):"
     params = SamplingParams(max_tokens=24, temperature=0)
-    kept = LLM(str(hub.gguf_path(QWEN)), kv_cache_memory=32 << 20).generate([prompt], params)[0]
+    kept = qwen_kept.generate([prompt], params)[0]
     full = LLM(str(hub.gguf_path(QWEN)), dtype="float32", kv_cache_memory=32 << 20).generate([prompt], params)[0]
     # int8 activations against float32 ones: the first tokens agree, the text stays code
     same = next(
@@ -54,14 +59,12 @@ def test_qwen_greedy_text_matches_float32_dequantized():
 def test_default_gguf_kept_as_blocks_agrees_with_float32(default_gguf_path):
     """SmolLM2 Q4_1 + Q8_0: teacher-forced next tokens of the blocks-kept model against the
     float32 dequantized one (same weights; only the int8 activations differ)."""
-    kept = load_model(default_gguf_path)
-    full = load_model(default_gguf_path, dtype="float32")
-    quantized, floats = quantized_layers(kept.model)
-    assert floats == [] and quantized == 30 * 4 + 1
-    assert isinstance(kept.model.model.embed_tokens, (QuantizedEmbedding, GGMLEmbedding))
-    del kept, full
     path = str(default_gguf_path)
     a, b = (LLM(path, dtype=dtype, kv_cache_memory=32 << 20) for dtype in ("auto", "float32"))
+    kept = a.engine.core.runner.model
+    quantized, floats = quantized_layers(kept)
+    assert floats == [] and quantized == 30 * 4 + 1
+    assert isinstance(kept.model.embed_tokens, (QuantizedEmbedding, GGMLEmbedding))
     ids = a.tokenizer.encode(default_eval_text())[:600]
     result = agreement(a.engine, b.engine, ids, window=300)
     assert result.positions == 598

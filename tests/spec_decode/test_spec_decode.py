@@ -90,14 +90,10 @@ def _spec_llm(default_model_dir, spec):
     return LLM(str(default_model_dir), kv_cache_memory=128 << 20, speculative=spec)
 
 
-@pytest.mark.parametrize("proposer", ["ngram", "draft_self", "draft_random"])
-def test_greedy_speculation_is_token_identical(plain_llm, default_model_dir, tiny_draft_for_default, proposer):
-    spec = {
-        "ngram": "ngram,k=4",
-        "draft_self": f"draft={default_model_dir},k=3",
-        "draft_random": f"draft={tiny_draft_for_default},k=3",
-    }[proposer]
-    llm = _spec_llm(default_model_dir, spec)
+@pytest.fixture(scope="module")
+def greedy_cases(plain_llm):
+    """(params, plain outputs of PROMPTS) for each greedy case: computed once, compared against
+    every proposer."""
     base = plain_llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=30))[0].outputs[0]
     stop = base.text[len(base.text) // 2 : len(base.text) // 2 + 4]  # lands inside an accepted run
     params = [
@@ -114,8 +110,18 @@ def test_greedy_speculation_is_token_identical(plain_llm, default_model_dir, tin
             repetition_penalty=1.1,
         ),
     ]
-    for p in params:
-        expected = [o.outputs[0] for o in plain_llm.generate(PROMPTS, p)]
+    return [(p, [o.outputs[0] for o in plain_llm.generate(PROMPTS, p)]) for p in params]
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "draft_self", "draft_random"])
+def test_greedy_speculation_is_token_identical(greedy_cases, default_model_dir, tiny_draft_for_default, proposer):
+    spec = {
+        "ngram": "ngram,k=4",
+        "draft_self": f"draft={default_model_dir},k=3",
+        "draft_random": f"draft={tiny_draft_for_default},k=3",
+    }[proposer]
+    llm = _spec_llm(default_model_dir, spec)
+    for p, expected in greedy_cases:
         batched = [o.outputs[0] for o in llm.generate(PROMPTS, p)]
         alone = [llm.generate(prompt, p)[0].outputs[0] for prompt in PROMPTS]
         for e, b, a in zip(expected, batched, alone):

@@ -9,6 +9,7 @@ import sys
 import time
 
 import httpx
+import pytest
 
 from tests.helpers.server_harness import ServeProcess
 
@@ -90,6 +91,7 @@ print(json.dumps(latencies))
 """
 
 
+@pytest.mark.serial  # times /health beside the tokenizing: the machine to itself under pytest -n
 def test_tokenizing_a_huge_prompt_does_not_block_the_server(default_model_dir, tmp_path):
     """A 4 MB prompt takes seconds to tokenize (then a 400: longer than the context); /health keeps
     answering within 100 ms meanwhile. (With the tokenizing in a nice-10 thread of the server, a

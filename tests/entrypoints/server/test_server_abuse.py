@@ -16,6 +16,9 @@ import pytest
 
 from tests.helpers.server_harness import ThreadedServer, wait_until_idle
 
+# latency and timeout assertions: the machine to itself under pytest -n (tests/helpers/turns.py)
+pytestmark = pytest.mark.serial
+
 
 @pytest.fixture(scope="module")
 def base_url(default_model_dir):
