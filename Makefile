@@ -39,11 +39,11 @@ test-models: setup
 	$(VENV)/bin/tokenloom pull qwen2.5-coder-0.5b >/dev/null \
 	  || echo "could not pull qwen2.5-coder-0.5b: its tests will be skipped"
 
-# Two workers, a whole file each at a time, longest files first (tests/conftest.py LONGEST_FILES);
-# tests marked serial run alone (tests/helpers/turns.py).
+# Two workers, a whole file each at a time (xdist starts the files with most tests first); tests
+# marked serial run alone (tests/helpers/turns.py).
 TEST_WORKERS ?= 2
 test: setup lint test-models
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 bench: setup
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[bench]'

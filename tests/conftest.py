@@ -310,36 +310,7 @@ def smol_llm(default_model_dir):
     return LLM(str(default_model_dir), kv_cache_memory=256 << 20)
 
 
-# The files whose tests take longest, longest first (an estimate: a file left out only starts
-# later). `make test` runs the suite on two workers that each take a whole file at a time, in this
-# order (pytest -n 2 --dist loadfile --no-loadscope-reorder): the short files then even out the
-# end, where one long file last would run alone.
-LONGEST_FILES = (
-    "tests/spec_decode/test_spec_decode.py",
-    "tests/loader/test_gguf_real.py",
-    "tests/entrypoints/server/test_server_tools.py",
-    "tests/distributed/test_tensor_parallel.py",
-    "tests/models/test_parity_hf.py",
-    "tests/entrypoints/server/test_server_abuse.py",
-    "tests/engine/test_engine_invariance.py",
-    "tests/sampling/test_sampler_chain_engine.py",
-    "tests/entrypoints/cli/test_serve_cli.py",
-    "tests/entrypoints/cli/test_cli.py",
-    "tests/quant/test_quant_model.py",
-    "tests/entrypoints/server/test_server_fuzz.py",
-    "tests/entrypoints/cli/test_chat_terminal.py",
-    "tests/entrypoints/server/test_playground.py",
-    "tests/loader/test_gguf.py",
-    "tests/entrypoints/server/test_server.py",
-    "tests/memory/test_allocator.py",
-    "tests/engine/test_fault_isolation.py",
-    "tests/entrypoints/cli/test_cli_chat_tools.py",
-)
-
-
 def pytest_collection_modifyitems(config, items):
-    rank = {path: i for i, path in enumerate(LONGEST_FILES)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: file order kept
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
