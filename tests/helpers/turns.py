@@ -25,7 +25,9 @@ from pathlib import Path
 import pytest
 import torch
 
-CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+from tokenloom.engine.cpu_share import _allowed_cpus
+
+CORES = len(_allowed_cpus())  # the cores this process may run on, as the engine counts them
 
 
 def _lock_folder() -> Path:
