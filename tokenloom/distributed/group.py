@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -18,6 +19,7 @@ from tokenloom.distributed.errors import ParallelRankError
 
 STEP_TIMEOUT_S = 120.0  # a collective inside a step waits this long for the other ranks
 IDLE_TIMEOUT = timedelta(days=7)  # a worker waits this long for rank 0's next command
+EXIT_GRACE_S = 2.0  # after a failed collective, how long to wait for a dying rank's exit to show
 
 
 @dataclass
@@ -84,11 +86,22 @@ class ParallelGroup:
         try:
             return collective(*args, **kwargs)
         except (RuntimeError, dist.DistError) as e:
-            if self.peers is not None and not self.peers.alive():
+            if self.peers is not None and not _alive_after(self.peers.alive, EXIT_GRACE_S):
                 raise self.peers.dead_error("in a collective") from e
             raise _rank_error(e) from e
         finally:
             self.comm_seconds += time.perf_counter() - start
+
+
+def _alive_after(alive: Callable[[], bool], grace_s: float) -> bool:
+    """Whether `alive()` still holds after up to `grace_s`: a rank's sockets close as it exits, a
+    moment before its exit can be seen, so a broken link waits that long to learn who died."""
+    deadline = time.monotonic() + grace_s
+    while alive():
+        if time.monotonic() > deadline:
+            return True
+        time.sleep(0.02)
+    return False
 
 
 def _rank_error(e: Exception) -> ParallelRankError:
