@@ -152,6 +152,23 @@ def test_panels_hold_the_same_values_and_products(kind, m):
     assert panels.nbytes == bytes_per_32 * n * k // 32
 
 
+@needs_panels
+@pytest.mark.parametrize(
+    "kind", sorted(gguf_panels.LAYOUTS), ids=[KERNEL_TYPES[t][0] for t in sorted(gguf_panels.LAYOUTS)]
+)
+def test_the_cpp_relay_writes_the_numpy_relays_bits(kind):
+    """Loads re-lay in C++; builds without the kernels in numpy. 272 rows: numpy's two chunks."""
+    k, n = 512, 272
+    raw = random_blocks(kind, n, k, seed=7)
+    t = GGMLTensor(kind, torch.from_numpy(raw), k)
+    cpp, numpy_relay = gguf_panels.to_panels(t), gguf_panels.to_panels(t, in_cpp=False)
+    assert len(cpp.tensors()) == len(numpy_relay.tensors())
+    for a, b in zip(cpp.tensors(), numpy_relay.tensors()):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    index = torch.arange(0, n, 13)
+    assert torch.equal(numpy_relay.rows(index), reference(kind, raw, k)[index])
+
+
 @pytest.mark.parametrize(
     "kind", sorted(gguf_blocks.EXACT_FORMATS), ids=[KERNEL_TYPES[t][0] for t in sorted(gguf_blocks.EXACT_FORMATS)]
 )

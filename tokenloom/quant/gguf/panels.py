@@ -130,8 +130,9 @@ def fits(t: GGMLTensor) -> bool:
     return t.kind in LAYOUTS and t.shape[0] % PANEL == 0 and available()
 
 
-def to_panels(t: GGMLTensor) -> GGUFPanels:
-    """Re-lay `t` (a type in LAYOUTS, rows a multiple of 16) a chunk of rows at a time."""
+def to_panels(t: GGMLTensor, in_cpp: bool = True) -> GGUFPanels:
+    """Re-lay `t` (a type in LAYOUTS, rows a multiple of 16): in one C++ pass where the GGUF
+    kernels are built and `in_cpp`, else in numpy a chunk of rows at a time. The same bits."""
     planes, _, per16, offs, dtype = LAYOUTS[t.kind]
     n, k = t.shape
     p, nb = n // PANEL, k // 32
@@ -141,24 +142,34 @@ def to_panels(t: GGMLTensor) -> GGUFPanels:
     offset = torch.empty_like(scale) if offs else None
     dsup = torch.empty(p, nb // 8, PANEL) if t.kind in K_QUANTS else None
     msup = torch.empty_like(dsup) if dsup is not None and offs else None
-    for start in range(0, n, _CHUNK_ROWS):
-        stop = min(n, start + _CHUNK_ROWS)
-        codes, s, o = decode(t.kind, t.data[start:stop].numpy(), k)
-        sl = slice(start // PANEL, stop // PANEL)
-        lo[sl], hi_part = _pack_codes(codes, planes)
-        if hi is not None:
-            assert hi_part is not None  # planes > 0
-            hi[sl] = hi_part
-        scale[sl], sup = _sides(s, per16, dtype)
-        if dsup is not None:
-            assert sup is not None  # a K-quant's scales come with their super-block factors
-            dsup[sl] = sup
-        if offset is not None:
-            offset[sl], sup = _sides(o, per16, dtype)
-            if msup is not None:
-                assert sup is not None  # likewise its offsets
-                msup[sl] = sup
-    return GGUFPanels(t.kind, lo, hi, scale, offset, k, dsup, msup)
+    panels = GGUFPanels(t.kind, lo, hi, scale, offset, k, dsup, msup)
+    kernels = ops()
+    if in_cpp and kernels is not None and hasattr(kernels, "relay_panels"):  # csrc/panel_relay.h
+        kernels.relay_panels(t.data, t.kind, k, lo, hi, scale, offset, dsup, msup)
+    else:
+        for start in range(0, n, _CHUNK_ROWS):
+            _relay_rows_in_numpy(t, start, min(n, start + _CHUNK_ROWS), panels)
+    return panels
+
+
+def _relay_rows_in_numpy(t: GGMLTensor, start: int, stop: int, out: GGUFPanels) -> None:
+    """Rows start..stop of `t` (multiples of 16) into their panels of `out`."""
+    planes, _, per16, _, dtype = LAYOUTS[t.kind]
+    codes, s, o = decode(t.kind, t.data[start:stop].numpy(), t.shape[1])
+    sl = slice(start // PANEL, stop // PANEL)
+    out.lo[sl], hi_part = _pack_codes(codes, planes)
+    if out.hi is not None:
+        assert hi_part is not None  # planes > 0
+        out.hi[sl] = hi_part
+    out.scale[sl], sup = _sides(s, per16, dtype)
+    if out.dsup is not None:
+        assert sup is not None  # a K-quant's scales come with their super-block factors
+        out.dsup[sl] = sup
+    if out.offset is not None:
+        out.offset[sl], sup = _sides(o, per16, dtype)
+        if out.msup is not None:
+            assert sup is not None  # likewise its offsets
+            out.msup[sl] = sup
 
 
 def _pack_codes(codes: np.ndarray, planes: int) -> tuple[torch.Tensor, torch.Tensor | None]:

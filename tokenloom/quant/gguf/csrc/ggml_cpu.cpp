@@ -18,6 +18,7 @@
 
 #include "../../../kernels/include/int8_dot.h"
 #include "../../../kernels/include/silu_mul_row.h"
+#include "panel_relay.h"
 
 namespace {
 
@@ -890,6 +891,8 @@ TORCH_LIBRARY(TOKENLOOM_GGML_LIBRARY, m) {
         "Tensor scale, Tensor? offset, Tensor? dsup, Tensor? msup) -> ()");
   m.def("panel_linear(Tensor x, int type, Tensor lo, Tensor? hi, Tensor scale, Tensor? offset, Tensor? dsup, "
         "Tensor? msup, Tensor? bias, bool silu_mul) -> Tensor");
+  m.def("relay_panels(Tensor raw, int type, int K, Tensor(a!) lo, Tensor(b!)? hi, Tensor(c!) scale, "
+        "Tensor(d!)? offset, Tensor(e!)? dsup, Tensor(f!)? msup) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(TOKENLOOM_GGML_LIBRARY, CPU, m) {
@@ -898,4 +901,5 @@ TORCH_LIBRARY_IMPL(TOKENLOOM_GGML_LIBRARY, CPU, m) {
   m.impl("dequantize", &dequantize);
   m.impl("panel_matmul_into", &panel_matmul_into);
   m.impl("panel_linear", &panel_linear);
+  m.impl("relay_panels", &tokenloom_relay::relay_panels);
 }
