@@ -537,12 +537,18 @@ def _sentencepiece_bpe(g: GGUFFile, tokens: list[str]) -> HFTokenizer:
 
 
 def _merges_by_score(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
-    """Every split of a piece into two pieces of the vocabulary, best-scoring merged piece first."""
+    """Every split of a piece into two pieces of the vocabulary, best-scoring merged piece first;
+    ties in vocabulary order, a piece's splits by (left id, right id)."""
     ids = {t: i for i, t in enumerate(tokens)}
-    merges: list[tuple[float, tuple[str, str]]] = []
-    for piece, score in zip(tokens, scores):
-        local = [(piece[:k], piece[k:]) for k in range(1, len(piece)) if piece[:k] in ids and piece[k:] in ids]
-        local.sort(key=lambda lr: (ids[lr[0]], ids[lr[1]]))
-        merges.extend((score, lr) for lr in local)
-    merges.sort(key=lambda m: m[0], reverse=True)  # stable: ties keep vocabulary order
-    return [lr for _, lr in merges]
+    get = ids.get
+    pieces, lefts, rights = [], [], []
+    for i, piece in enumerate(tokens):
+        for k in range(1, len(piece)):
+            left = get(piece[:k])
+            if left is not None and (right := get(piece[k:])) is not None:
+                pieces.append(i)
+                lefts.append(left)
+                rights.append(right)
+    p, left_ids, right_ids = np.array(pieces, dtype=np.int64), np.array(lefts), np.array(rights)
+    order = np.lexsort((right_ids, left_ids, p, -np.asarray(scores, dtype=np.float64)[p]))  # last key first
+    return [(tokens[a], tokens[b]) for a, b in zip(left_ids[order].tolist(), right_ids[order].tolist())]
