@@ -7,7 +7,7 @@ change the argmax), so the reference is exactly "argmax of HF's logits".
 from __future__ import annotations
 
 import contextlib
-import copy
+import pickle
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +38,7 @@ class Reference:
 @torch.no_grad()
 def hf_greedy(model, prompt: list[int], new_tokens: int) -> Reference:
     device = next(model.parameters()).device
-    out = model(torch.tensor([prompt], device=device), use_cache=True)
+    out = model(torch.tensor([prompt], device=device), use_cache=True, logits_to_keep=1)  # the last position's
     tokens, logprobs, margins = [], [], []
     for _ in range(new_tokens):
         logits = out.logits[0, -1].float()  # (vocab,)
@@ -58,16 +58,22 @@ def gguf_parsed_once() -> Iterator[None]:
 
     ``from_pretrained(gguf_file=...)`` builds a fresh ``gguf.GGUFReader`` and converts every
     metadata value for the config, again for the weights, and again for the tokenizer; for
-    Gemma-3's 262k-token vocabulary each reader takes ~14 s and each conversion ~11 s on a 2-core
-    machine. The reader is read-only after construction, so one per path serves every caller,
+    Gemma-3's 262k-token vocabulary each reader and each conversion takes seconds. The reader
+    is read-only after construction, so one per path serves every caller,
     and a metadata-only load (``return_tensors=False``) is answered from the first one's result
-    (a deep copy, as callers may change it): the same tensors and metadata, less than half the time.
-    The reader itself slices a plain array over the mapped file (_reader_over_plain_array).
+    (a deep copy, as callers may change it): the same tensors and metadata, in less time.
+    The reader itself slices a plain array over the mapped file (_reader_over_plain_array), and
+    the tensor-name map that transformers builds anew for each of a model's ~300 submodules
+    (``gguf.get_tensor_name_map``) is built once per (architecture, layers): it is
+    only read after construction.
     """
+    import functools
+
     import gguf
     from transformers import modeling_gguf_pytorch_utils as hf_gguf
 
     original_reader, original_load = gguf.GGUFReader, hf_gguf.load_gguf_checkpoint
+    original_name_map = gguf.get_tensor_name_map
     readers: dict[tuple[Path, str], object] = {}
     metadata: dict[Path, dict] = {}
 
@@ -83,13 +89,15 @@ def gguf_parsed_once() -> Iterator[None]:
         key = Path(path).resolve()
         if key not in metadata:
             metadata[key] = original_load(path, return_tensors=False)
-        return copy.deepcopy(metadata[key])
+        return pickle.loads(pickle.dumps(metadata[key]))  # a deep copy: deepcopy takes seconds here
 
     gguf.GGUFReader, hf_gguf.load_gguf_checkpoint = shared_reader, load_once
+    gguf.get_tensor_name_map = functools.cache(original_name_map)
     try:
         yield
     finally:
         gguf.GGUFReader, hf_gguf.load_gguf_checkpoint = original_reader, original_load
+        gguf.get_tensor_name_map = original_name_map
 
 
 def _reader_over_plain_array(reader_class, path, mode: str):
