@@ -34,6 +34,29 @@ def _interpreter_scalars_index_under_numpy_2_4() -> None:
 if os.environ.get("TRITON_INTERPRET") == "1":
     _interpreter_scalars_index_under_numpy_2_4()
 
+
+def _one_ssl_context_per_setting_for_every_httpx_client() -> None:
+    """The tests build hundreds of httpx clients (``httpx.get``/``post`` build one per call, and the
+    openai client one each), and httpx loads the CA bundle into a new SSL context for each, which
+    costs more than the local request it sends. An SSL context may be shared across clients, so one
+    per (verify, cert, trust_env) serves them all."""
+    from httpx._transports import default
+
+    original, contexts = default.create_ssl_context, {}
+
+    def shared(verify=True, cert=None, trust_env=True):
+        if not isinstance(verify, (bool, str)) or not isinstance(cert, (str, type(None))):
+            return original(verify=verify, cert=cert, trust_env=trust_env)  # a caller's own context
+        key = (verify, cert, trust_env)
+        if key not in contexts:
+            contexts[key] = original(verify=verify, cert=cert, trust_env=trust_env)
+        return contexts[key]
+
+    default.create_ssl_context = shared
+
+
+_one_ssl_context_per_setting_for_every_httpx_client()
+
 from tests.helpers.browser_harness import browser  # noqa: F401 (a fixture: the playground's tests share one Chromium)
 from tests.helpers.turns import pytest_runtest_protocol  # noqa: F401 (a hook: serial tests run alone under xdist)
 

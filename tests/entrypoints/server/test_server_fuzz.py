@@ -59,17 +59,25 @@ def base_url(default_model_dir):
     from tokenloom import LLM
     from tokenloom.engine.async_engine import AsyncLLMEngine
     from tokenloom.entrypoints.server import build_app
+    from tokenloom.entrypoints.server.admission import AdmissionLimits
 
     engine = LLM(str(default_model_dir), max_model_len=128, kv_cache_memory=64 << 20).engine
-    with ThreadedServer(build_app(AsyncLLMEngine(engine), "smol")) as url:
+    limits = AdmissionLimits(default_max_tokens=16)  # a body without max_tokens: 16 tokens, not the context's rest
+    with ThreadedServer(build_app(AsyncLLMEngine(engine), "smol", limits=limits)) as url:
         yield url
+
+
+@pytest.fixture(scope="module")
+def client():
+    with httpx.Client() as shared:  # one for every example: building a client costs more than a request
+        yield shared
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(endpoint=st.sampled_from(["completions", "chat/completions"]), data=st.data())
-def test_no_input_gets_a_5xx_or_leaks_blocks(base_url, endpoint, data):
+def test_no_input_gets_a_5xx_or_leaks_blocks(base_url, client, endpoint, data):
     body = data.draw(completion_body if endpoint == "completions" else chat_body)
-    response = httpx.post(f"{base_url}/v1/{endpoint}", json=body, timeout=60)
+    response = client.post(f"{base_url}/v1/{endpoint}", json=body, timeout=60)
     assert response.status_code < 500, (body, response.text)
     if response.status_code >= 400:
         error = response.json()["error"]
