@@ -7,7 +7,7 @@ machine to itself. Each test's whole run (setup, call, teardown) holds a turn:
 - an ordinary test a shared turn, running beside other ordinary tests with its share of the cores
   as torch's thread count;
 - a ``serial`` test an exclusive turn, with every core: it waits for the running tests to end,
-  and no new test starts until it is done.
+  and no new test starts until it is done (nor until the serial tests that follow it are).
 
 The turns are two ``flock`` files, a turnstile in front of a readers-writer lock, so a waiting
 serial test is not starved by ordinary tests that keep starting. Without xdist nothing waits.
@@ -48,28 +48,49 @@ def _locked(path: Path, mode: int) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def turn(serial: bool, workers: int) -> Iterator[None]:
-    """Hold a test's turn: exclusive with every core if `serial`, else shared with this worker's
-    share of the cores."""
+def _exclusive() -> Iterator[None]:
     folder = _lock_folder()
-    turnstile, readers = folder / "turnstile", folder / "readers"
-    if serial:
-        with _locked(turnstile, fcntl.LOCK_EX), _locked(readers, fcntl.LOCK_EX):
-            torch.set_num_threads(CORES)
-            yield
-        return
-    with _locked(turnstile, fcntl.LOCK_EX):
+    with _locked(folder / "turnstile", fcntl.LOCK_EX), _locked(folder / "readers", fcntl.LOCK_EX):
+        torch.set_num_threads(CORES)
+        yield
+
+
+@contextlib.contextmanager
+def _shared(workers: int) -> Iterator[None]:
+    folder = _lock_folder()
+    with _locked(folder / "turnstile", fcntl.LOCK_EX):
         pass  # wait behind a serial test that is queued or running
-    with _locked(readers, fcntl.LOCK_SH):
+    with _locked(folder / "readers", fcntl.LOCK_SH):
         torch.set_num_threads(max(1, CORES // workers))
         yield
 
 
+_held: contextlib.ExitStack | None = None  # this worker's exclusive turn, kept from one serial test to the next
+
+
+def _is_serial(item: pytest.Item | None) -> bool:
+    return item is not None and item.get_closest_marker("serial") is not None
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    """Each test's run in its turn: a serial test's exclusive turn is kept while the next test is
+    serial too (else each would wait again for the other workers' running tests to end)."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers < 2:
         yield
         return
-    with turn(item.get_closest_marker("serial") is not None, workers):
+    if not _is_serial(item):
+        with _shared(workers):
+            yield
+        return
+    global _held
+    if _held is None:
+        _held = contextlib.ExitStack()
+        _held.enter_context(_exclusive())
+    try:
         yield
+    finally:
+        if not _is_serial(nextitem):
+            _held.close()
+            _held = None
