@@ -271,12 +271,19 @@ def listing() -> list[dict]:
 
 
 def resolve_model(model: str | None) -> str:
-    """A user's --model: a path as given, a pullable name (pulled on first use), or the
-    default model's HF folder when None."""
+    """A user's --model: a path as given, a pullable name (pulled on first use), a Hugging Face
+    Hub name (ORG/REPO[:TAG][@REVISION], fetched on first use: loader/hf_hub.py), or the default
+    model's HF folder when None."""
+    from tokenloom.loader import hf_hub
+
     if not model:
         return str(pull())
     if model in MODELS and not Path(model).exists():
         if not gguf_path(model).is_file():
             pull(model)
         return str(gguf_path(model))
+    if hf_hub.is_hub_name(model):
+        name = hf_hub.parse_name(model)
+        assert name is not None  # is_hub_name parsed it
+        return str(hf_hub.fetch(name))
     return model

@@ -20,15 +20,18 @@ def served_model_name(model_path: str) -> str:
 
 def served_names(model_arg: str | None, model_path: str, override: str | None = None) -> list[str]:
     """The ids a request may name the model by, the one /v1/models lists first: `override`
-    (--served-model-name) alone, else the name it was pulled by (`--model NAME`, or the default
-    model's) and the file or folder name."""
+    (--served-model-name) alone, else the name it was pulled by (`--model NAME`, a Hub name as
+    given, or the default model's) and the file or folder name."""
     if override:
         return [override]
+    from tokenloom.loader.hf_hub import is_hub_name
     from tokenloom.loader.hub import DEFAULT_NAME, MODELS
 
     pulled: str | None
     if not model_arg:
         pulled = DEFAULT_NAME
+    elif is_hub_name(model_arg):
+        pulled = model_arg
     else:
         pulled = model_arg if model_arg in MODELS and not Path(model_arg).exists() else None
     stem = served_model_name(model_path)
