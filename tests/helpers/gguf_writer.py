@@ -74,15 +74,18 @@ def write_gguf(
     quantize: str | None = None,
     stack_experts: bool = True,
     extra: dict[str, int | float] | None = None,
+    split_max_tensors: int = 0,
 ) -> Path:
     """`folder` (config.json, model.safetensors, tokenizer.json) -> GGUF at `path`; matrices as
     `quantize` ("Q8_0", "Q4_0", ...) where their rows fit its blocks, else float32. Experts are
     stacked (ffn_gate_exps) unless `stack_experts` is False: one tensor each (ffn_gate.E, as
     the first Mixtral GGUFs were written). `extra`: more metadata keys (ints as uint32, floats
-    as float32), e.g. general.sampling.*."""
+    as float32), e.g. general.sampling.*. `split_max_tensors`: shards of at most that many
+    tensors, named PATH-0000i-of-0000N.gguf as llama.cpp's gguf-split names them (the first
+    shard's path is returned)."""
     cfg = json.loads((folder / "config.json").read_text())
     arch = GGUF_ARCH[cfg["architectures"][0]]
-    w = gguf.GGUFWriter(str(path), arch)
+    w = gguf.GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors)
     _write_metadata(w, arch, cfg)
     for key, value in (extra or {}).items():
         (w.add_uint32 if isinstance(value, int) else w.add_float32)(key, value)
@@ -98,7 +101,7 @@ def write_gguf(
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    return path
+    return w.format_shard_names(Path(path))[0]
 
 
 def _write_metadata(w: gguf.GGUFWriter, arch: str, cfg: dict) -> None:

@@ -118,3 +118,27 @@ def test_gguf_config_reads_metadata(default_gguf_path):
         cfg["vocab_size"],
     ) == (30, 576, 9, 3, 49152)
     assert cfg["rope_theta"] == 100000.0 and cfg["tie_word_embeddings"] is True
+
+
+def test_a_split_gguf_loads_as_one_file_from_its_first_shard(tiny_model_dir, tmp_path):
+    """llama.cpp's gguf-split shards (NAME-0000i-of-0000N.gguf) side by side: the same model as the
+    whole file; another shard, or a shard missing, is an error naming what to do."""
+    from tests.helpers.gguf_writer import write_gguf
+    from tokenloom.loader.safetensors import CheckpointError
+
+    folder = tiny_model_dir("llama_gqa")
+    whole = write_gguf(folder, tmp_path / "m.gguf", quantize="Q8_0")
+    first = write_gguf(folder, tmp_path / "m-Q8_0.gguf", quantize="Q8_0", split_max_tensors=8)
+    assert first.name == "m-Q8_0-00001-of-00003.gguf"  # 21 tensors, 8 a shard
+    names = [[t.name for t in GGUFFile(p).tensors] for p in (first, whole)]
+    assert names[0] == names[1] and len(names[0]) == 21
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    runs = [
+        LLM(str(p), kv_cache_memory=8 << 20).generate(["hello there"], params)[0].outputs[0] for p in (first, whole)
+    ]
+    assert runs[0].token_ids == runs[1].token_ids
+    with pytest.raises(CheckpointError, match=r"one shard of a split GGUF of 3: open its first shard"):
+        GGUFFile(tmp_path / "m-Q8_0-00002-of-00003.gguf")
+    (tmp_path / "m-Q8_0-00003-of-00003.gguf").unlink()
+    with pytest.raises(CheckpointError, match=r"split in 3 shards and m-Q8_0-00003-of-00003.gguf is missing"):
+        GGUFFile(first)

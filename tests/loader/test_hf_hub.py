@@ -59,11 +59,14 @@ def hub_repos(tiny_model_dir, tmp_path_factory):
     made = tmp_path_factory.mktemp("hub_files")
     q8 = write_gguf(folder, made / "tiny-Q8_0.gguf", quantize="Q8_0")
     q4 = write_gguf(folder, made / "tiny-Q4_0.gguf", quantize="Q4_0")
+    (made / "split").mkdir()
+    write_gguf(folder, made / "split" / "tiny-Q8_0.gguf", quantize="Q8_0", split_max_tensors=8)
     hf_files = Repo.from_folder(folder).files
     repos = {
         "tl/tiny": Repo(hf_files | {"pytorch_model.bin": b"a .bin copy nobody should fetch"}),
         "tl/tiny-GGUF": Repo({"README.md": b"# tiny", q8.name: q8.read_bytes(), q4.name: q4.read_bytes()}),
         "tl/gated": Repo(hf_files, gated_token="hf_secret"),
+        "tl/split-GGUF": Repo.from_folder(made / "split"),
         "tl/pytorch-only": Repo({"config.json": hf_files["config.json"], "pytorch_model.bin": b"weights"}),
     }
     return repos, folder, q8
@@ -100,6 +103,15 @@ def test_a_gguf_repo_by_tag_fetches_that_quant_alone(hub, hub_repos):
     assert {p for _, p, _ in fake.requests} == {"tiny-Q8_0.gguf"}
     with pytest.raises(HubError, match=r"several GGUF quants; name one as tl/tiny-GGUF:TAG \(tags: Q4_0, Q8_0\)"):
         hf_hub.fetch(parse_name("tl/tiny-GGUF"))
+
+
+def test_a_split_gguf_is_fetched_whole_and_loads_as_one_model(hub, hub_repos):
+    first = hf_hub.fetch(parse_name("tl/split-GGUF:q8_0"))
+    assert first.name == "tiny-Q8_0-00001-of-00003.gguf"
+    assert sorted(p.name for p in first.parent.glob("*.gguf")) == [
+        f"tiny-Q8_0-0000{i}-of-00003.gguf" for i in (1, 2, 3)
+    ]
+    assert _tokens("tl/split-GGUF") == _tokens(str(hub_repos[2]))
 
 
 def test_a_download_cut_half_way_resumes_from_where_it_stopped(hub):

@@ -155,21 +155,52 @@ def _expert_name(layer: int | str, expert: int | str, kind: str) -> str:
     return f"model.layers.{layer}.mlp.experts.{expert}.{kind}_proj.weight"
 
 
+_SHARD = re.compile(r"(.+)-(\d{5})-of-(\d{5})\.gguf")
+
+
+def _read(path: Path) -> GGUFReader:
+    try:
+        return GGUFReader(path)
+    except (GGUFFormatError, OSError) as e:
+        raise CheckpointError(f"{path} is not a readable GGUF file (corrupt or truncated?): {e}") from e
+
+
 class GGUFFile:
-    """An opened GGUF file: metadata fields and tensors (memory-mapped, read on demand)."""
+    """An opened GGUF file: metadata fields and tensors (memory-mapped, read on demand); a split
+    model's shards are read as one file."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        try:
-            self.reader = GGUFReader(self.path)
-        except (GGUFFormatError, OSError) as e:
-            raise CheckpointError(f"{self.path} is not a readable GGUF file (corrupt or truncated?): {e}") from e
+        self.reader = _read(self.path)
+        shards = self._other_shards()  # before the architecture: a later shard does not name it
         self.arch = self.field("general.architecture")
         if self.arch not in _ARCHITECTURES:
             raise UnsupportedModelError(
                 f"GGUF architecture {self.arch!r} is not supported (supported: {', '.join(_ARCHITECTURES)})"
             )
+        self.tensors = [t for reader in [self.reader, *shards] for t in reader.tensors]
         self._hf_config: dict | None = None
+
+    def _other_shards(self) -> list[GGUFReader]:
+        """A split model's shards after this first one (``NAME-0000i-of-0000N.gguf`` side by side,
+        as llama.cpp's gguf-split writes them; metadata is the first shard's)."""
+        count = self.field("split.count", 1) or 1
+        if count <= 1:
+            return []
+        name = _SHARD.fullmatch(self.path.name)
+        if self.field("split.no", 0) != 0 or name is None:
+            raise CheckpointError(
+                f"{self.path.name} is one shard of a split GGUF of {count}: open its first shard "
+                f"(...-00001-of-{count:05d}.gguf)"
+            )
+        paths = [self.path.with_name(f"{name[1]}-{i:05d}-of-{count:05d}.gguf") for i in range(2, count + 1)]
+        missing = [p.name for p in paths if not p.is_file()]
+        if missing:
+            raise CheckpointError(
+                f"{self.path.name} is split in {count} shards and {', '.join(missing)} "
+                f"{'is' if len(missing) == 1 else 'are'} missing beside it"
+            )
+        return [_read(p) for p in paths]
 
     def field(self, key: str, default=None):
         return self.reader.fields.get(key, default)
@@ -179,7 +210,7 @@ class GGUFFile:
 
     @property
     def tensor_names(self) -> set[str]:
-        return {t.name for t in self.reader.tensors}
+        return {t.name for t in self.tensors}
 
     def hf_config(self) -> dict:
         """The equivalent HF config.json (built once per file: it reads the rope factor tensors and
@@ -267,7 +298,7 @@ class GGUFFile:
         scaling = self.arch_field("rope.scaling.type")
         if scaling not in (None, "none"):
             fields["rope_scaling"] = {"rope_type": scaling, "factor": self.arch_field("rope.scaling.factor", 1.0)}
-        factors = {t.name: t for t in self.reader.tensors if t.name in _ROPE_FACTOR_TENSORS}
+        factors = {t.name: t for t in self.tensors if t.name in _ROPE_FACTOR_TENSORS}
         if "rope_freqs.weight" in factors:
             one_set = self._floats(factors["rope_freqs.weight"])
             fields["rope_scaling"] = {
@@ -306,7 +337,7 @@ class GGUFFile:
                 f"{self.path.name}: expert_weights_scale {self.arch_field('expert_weights_scale')} is not supported"
             )
         experts = self.arch_field("expert_count")
-        routed = {int(m.group(1)) for t in self.reader.tensors if (m := _ROUTER.fullmatch(t.name))}
+        routed = {int(m.group(1)) for t in self.tensors if (m := _ROUTER.fullmatch(t.name))}
         fields = {
             "num_local_experts": experts,
             "num_experts": experts,
@@ -349,7 +380,7 @@ class GGUFFile:
         it and what it costs.
         """
         cfg = self.hf_config()
-        for t in self.reader.tensors:
+        for t in self.tensors:
             if t.name in _ROPE_FACTOR_TENSORS:  # read into the config (rope_scaling)
                 continue
             names = self._hf_names(t)
@@ -371,12 +402,7 @@ class GGUFFile:
 
     def tensor_types(self) -> dict[str, int]:
         """HF tensor name -> the GGML type it is stored as."""
-        return {
-            name: t.type
-            for t in self.reader.tensors
-            if t.name not in _ROPE_FACTOR_TENSORS
-            for name in self._hf_names(t)
-        }
+        return {name: t.type for t in self.tensors if t.name not in _ROPE_FACTOR_TENSORS for name in self._hf_names(t)}
 
     def _hf_names(self, t: GGUFTensorInfo) -> list[str]:
         """The HF names a file tensor holds: one, or one per expert of a stacked ffn_*_exps tensor,

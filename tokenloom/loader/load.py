@@ -100,7 +100,7 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
         from tokenloom.loader.gguf import GGUFFile
 
         g = GGUFFile(path)
-        if not g.reader.tensors:
+        if not g.tensors:
             raise CheckpointError(
                 f"{path} holds a vocabulary only, no weights (llama.cpp ships such files to "
                 "test tokenizers): give a GGUF file with the model's weights"
@@ -110,7 +110,7 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
             hf_config,
             ModelConfig.from_hf(hf_config),
             g.iter_tensors(),
-            len(g.reader.tensors),
+            len(g.tensors),
             g.tokenizer(),
             g.eos_token_ids(),
             g.tensor_types(),
