@@ -182,3 +182,32 @@ def test_the_cli_and_the_server_take_hub_names(hub, hub_repos, capsys):
     assert "no model tl/nothing on the Hub" in err and "Traceback" not in err
     path = str(hf_hub.fetch(parse_name("tl/tiny-GGUF:Q8_0")))
     assert served_names("tl/tiny-GGUF:Q8_0", path) == ["tl/tiny-GGUF:Q8_0", "tiny-Q8_0"]
+
+
+def test_pull_list_and_rm_take_hub_names(hub, capsys):
+    from tokenloom.entrypoints.cli import main as cli_main
+
+    assert cli_main(["pull", "tl/tiny-GGUF:Q4_0"]) == 0
+    assert cli_main(["pull", "tl/tiny"]) == 0
+    assert cli_main(["pull", "tl/gated", "--hf-token", "hf_secret"]) == 0
+    capsys.readouterr()
+    assert cli_main(["list"]) == 0
+    listed = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line.startswith("tl/")}
+    assert set(listed) == {"tl/tiny-GGUF:Q4_0", "tl/tiny", "tl/gated"}
+    assert cli_main(["rm", "tl/tiny-GGUF:Q4_0"]) == 0 and cli_main(["rm", "tl/tiny"]) == 0
+    capsys.readouterr()
+    assert cli_main(["list"]) == 0
+    assert [line.split()[0] for line in capsys.readouterr().out.splitlines() if line.startswith("tl/")] == ["tl/gated"]
+    with pytest.raises(SystemExit):  # argparse's usage error, naming both kinds of name
+        cli_main(["pull", "no-such-model"])
+    assert "or a Hugging Face Hub name ORG/REPO[:QUANT]" in capsys.readouterr().err
+
+
+def test_the_engine_flags_carry_a_token_to_a_gated_repo(hub, capsys):
+    from tokenloom.entrypoints.cli import main as cli_main
+
+    argv = ["generate", "-m", "tl/gated", "--temp", "0", "-n", "3", PROMPT]
+    assert cli_main(argv) != 0
+    assert "tl/gated is gated" in capsys.readouterr().err
+    assert cli_main([*argv, "--hf-token", "hf_secret"]) == 0
+    assert capsys.readouterr().out.startswith(PROMPT)

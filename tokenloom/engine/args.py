@@ -44,8 +44,16 @@ class EngineArgs:
         None,
         "-m",
         "--model",
-        help="HF folder (config.json + safetensors + tokenizer.json) or .gguf file; default: SmolLM2-135M-Instruct, "
-        "pulled on first use",
+        help="HF folder (config.json + safetensors + tokenizer.json), .gguf file, a name `tokenloom list` shows, or "
+        "a Hugging Face Hub name: ORG/REPO, ORG/REPO:QUANT (a GGUF repo's Q4_K_M, Q8_0, ...), with @REVISION; "
+        "fetched on first use. Default: SmolLM2-135M-Instruct",
+    )
+    hf_token: str | None = _option(
+        None,
+        "--hf-token",
+        metavar="TOKEN",
+        help="a Hugging Face token for gated and private Hub repos (default: $HF_TOKEN, or the one "
+        "`huggingface-cli login` saved)",
     )
     cpu_threads: int | None = _option(
         None,
@@ -234,7 +242,7 @@ class EngineArgs:
         from tokenloom.loader.hub import resolve_model
 
         config = self._configs()
-        config.model = resolve_model(self.model)
+        config.model = resolve_model(self.model, token=self.hf_token)
         return config
 
     def _configs(self) -> EngineConfig:

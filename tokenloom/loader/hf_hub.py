@@ -129,9 +129,9 @@ def offline() -> bool:
     return flag.strip().upper() in ("1", "ON", "YES", "TRUE")
 
 
-def fetch(name: HubName, token: str | None = None) -> Path:
-    """Download what `name` needs into the Hub cache (files already there are not fetched again)
-    -> the GGUF file (a split model's first shard) or the HF model folder."""
+def fetch(name: HubName, token: str | None = None, force: bool = False) -> Path:
+    """Download what `name` needs into the Hub cache (files already there are not fetched again,
+    unless `force`) -> the GGUF file (a split model's first shard) or the HF model folder."""
     import huggingface_hub
 
     try:
@@ -147,6 +147,7 @@ def fetch(name: HubName, token: str | None = None) -> Path:
                 endpoint=endpoint(),
                 cache_dir=cache_folder(),
                 local_files_only=cached,
+                force_download=force and not cached,
             )
             for f in wanted
         ]
@@ -260,3 +261,55 @@ def _hub_error(name: HubName, e: Exception) -> HubError:
     if _is_network_error(e):
         return _not_cached(name, e)
     return HubError(f"fetching {name} from {endpoint()} failed: {type(e).__name__}: {e}")
+
+
+def cached_models() -> list[dict]:
+    """The Hub models in the cache, one entry per GGUF quant or HF folder: name (as `--model`
+    takes it), size in bytes, and where."""
+    import huggingface_hub
+
+    try:
+        repos = huggingface_hub.scan_cache_dir(cache_folder()).repos
+    except Exception:  # no cache yet
+        return []
+    found = []
+    for repo in sorted((r for r in repos if r.repo_type == "model"), key=lambda r: r.repo_id):
+        files = {str(f.file_path.relative_to(rev.snapshot_path)): f for rev in repo.revisions for f in rev.files}
+        for tag, paths in gguf_tags(list(files)).items():
+            found.append(_entry(f"{repo.repo_id}:{tag}", [files[p] for p in paths]))
+        if "config.json" in files and any(p.endswith(".safetensors") for p in files):
+            found.append(_entry(repo.repo_id, [f for p, f in files.items() if not p.endswith(".gguf")]))
+    return found
+
+
+def _entry(name: str, files: list) -> dict:
+    return {"name": name, "size": sum(f.size_on_disk for f in files), "path": str(files[0].file_path.parent)}
+
+
+def remove(text: str) -> list[Path]:
+    """Delete Hub model `text` from the cache: one quant's files for ORG/REPO:TAG, the whole repo
+    for ORG/REPO; returns what was removed (nothing where it was not cached)."""
+    import shutil
+
+    import huggingface_hub
+
+    name = parse_name(text)
+    if name is None:
+        return []
+    try:
+        repos = [r for r in huggingface_hub.scan_cache_dir(cache_folder()).repos if r.repo_id == name.repo_id]
+    except Exception:
+        return []
+    removed: list[Path] = []
+    for repo in repos:
+        if not name.tag:
+            shutil.rmtree(repo.repo_path)
+            removed.append(Path(repo.repo_path))
+            continue
+        for rev in repo.revisions:
+            files = {str(f.file_path.relative_to(rev.snapshot_path)): f for f in rev.files}
+            for path in gguf_tags(list(files)).get(name.tag.upper(), []):
+                for gone in (files[path].file_path, files[path].blob_path):
+                    Path(gone).unlink(missing_ok=True)
+                    removed.append(Path(gone))
+    return removed

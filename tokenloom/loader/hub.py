@@ -270,10 +270,10 @@ def listing() -> list[dict]:
     ]
 
 
-def resolve_model(model: str | None) -> str:
+def resolve_model(model: str | None, token: str | None = None) -> str:
     """A user's --model: a path as given, a pullable name (pulled on first use), a Hugging Face
     Hub name (ORG/REPO[:TAG][@REVISION], fetched on first use: loader/hf_hub.py), or the default
-    model's HF folder when None."""
+    model's HF folder when None. `token`: for gated and private Hub repos (else HF_TOKEN)."""
     from tokenloom.loader import hf_hub
 
     if not model:
@@ -285,5 +285,5 @@ def resolve_model(model: str | None) -> str:
     if hf_hub.is_hub_name(model):
         name = hf_hub.parse_name(model)
         assert name is not None  # is_hub_name parsed it
-        return str(hf_hub.fetch(name))
+        return str(hf_hub.fetch(name, token=token))
     return model

