@@ -59,3 +59,67 @@ def wait_until_idle(base_url: str, timeout: float = 15.0) -> float:
             if busy == 0 or time.monotonic() > deadline:
                 return metric(base_url, "tokenloom_kv_cache_blocks_used", text=page)
             time.sleep(0.02)
+
+
+class ServeProcess:
+    """``with ServeProcess(model_dir, *flags) as proc:`` runs `tokenloom serve` as users run it (a
+    subprocess on a free port, model served as 'smol') until it answers /health; ``proc.base``
+    is its URL, ``proc.proc`` the Popen, killed on exit if still alive. What it prints (stdout and
+    stderr, a line per request among it) is read as it comes, so that a full pipe never blocks
+    the server (64 KiB: ~1,000 request lines); ``output()`` gives it once the server has ended."""
+
+    def __init__(self, model_dir, *flags: str) -> None:
+        import subprocess
+        import sys
+
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tokenloom",
+                "serve",
+                "-m",
+                str(model_dir),
+                "--port",
+                str(self.port),
+                "--max-model-len",
+                "256",
+                "--kv-cache-memory",
+                "0.1",
+                "--served-model-name",
+                "smol",
+                *flags,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        self.printed: list[str] = []
+        self.reader = threading.Thread(target=lambda: self.printed.extend(self.proc.stdout), daemon=True)
+        self.reader.start()
+
+    def output(self, timeout: float = 60) -> str:
+        """Everything the server printed, once it has ended (waits up to `timeout` s for that)."""
+        self.proc.wait(timeout=timeout)
+        self.reader.join(timeout=timeout)
+        return "".join(self.printed)
+
+    def __enter__(self) -> ServeProcess:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(f"{self.base}/health", timeout=1).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.__exit__()
+                raise RuntimeError(f"tokenloom serve did not start: {self.output()}")
+            time.sleep(0.2)
+
+    def __exit__(self, *exc) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
