@@ -19,6 +19,7 @@ def kernels() -> list[tuple[str, Callable[[], object]]]:
     from tokenloom.layers import fused, op_tape, prepacked
     from tokenloom.quant.gguf import tensor as ggml
     from tokenloom.quant.int8 import kernels as quant_kernels
+    from tokenloom.sampling import kernels as sampler_kernels
 
     found = [
         ("paged decode attention", cpu_decode.ops),
@@ -28,6 +29,7 @@ def kernels() -> list[tuple[str, Callable[[], object]]]:
         ("int8/int4 kernels", quant_kernels.available),
         ("GGUF block kernels", ggml.ops),
         ("float32 linear panels", prepacked.build),
+        ("sampler selection kernels", sampler_kernels.build),
     ]
     return found
 

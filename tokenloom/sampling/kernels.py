@@ -22,13 +22,13 @@ TOP_K_SHARE = 16  # row_top_k only for k <= V / TOP_K_SHARE; past that torch.top
 
 def enabled(x: torch.Tensor) -> bool:
     """x is float32 CPU (B, V) with unit-stride rows and the kernels are compiled (built on first use)."""
-    return (
-        x.dtype == torch.float32
-        and x.device.type == "cpu"
-        and x.dim() == 2
-        and x.stride(1) == 1
-        and native.load(_SOURCE, "sampler selection kernels")
-    )
+    return x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2 and x.stride(1) == 1 and build()
+
+
+def build() -> bool:
+    """Compile (once, ~15 s; `make setup` does it ahead) and register the kernels: False where they
+    cannot be built here."""
+    return native.load(_SOURCE, "sampler selection kernels")
 
 
 def row_finite_stats(x: torch.Tensor) -> torch.Tensor:
