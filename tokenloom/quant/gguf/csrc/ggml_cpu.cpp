@@ -74,15 +74,7 @@ inline __m256i lookup_iq4nl(__m256i idx) {
   return _mm256_shuffle_epi8(_mm256_set_m128i(t, t), idx);
 }
 
-inline void scale_min_k4(int j, const uint8_t* q, int& sc, int& m) {
-  if (j < 4) {
-    sc = q[j] & 63;
-    m = q[j + 4] & 63;
-  } else {
-    sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
-    m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-  }
-}
+using tokenloom_relay::scale_min_k4;  // Q4_K / Q5_K sub-block scales and mins (panel_relay.h)
 
 // The 16 signed 6-bit scales of a Q3_K block (ggml's kmask unpacking), minus 32.
 inline int q3k_scale(const uint8_t* s, int i) {

@@ -31,7 +31,8 @@ inline uint16_t half_bits(const uint8_t* p) {
 inline float half_value(const uint8_t* p) { return _cvtsh_ss(half_bits(p)); }
 
 // Q4_K / Q5_K: the 6-bit scale and min of sub-block s (0..7) from the 12 packed bytes q.
-inline void scale_min_k4(int s, const uint8_t* q, uint8_t& sc, uint8_t& mn) {
+template <typename T>
+inline void scale_min_k4(int s, const uint8_t* q, T& sc, T& mn) {
   if (s < 4) {
     sc = q[s] & 63;
     mn = q[s + 4] & 63;
