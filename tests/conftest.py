@@ -39,7 +39,8 @@ def _one_ssl_context_per_setting_for_every_httpx_client() -> None:
     """The tests build hundreds of httpx clients (``httpx.get``/``post`` build one per call, and the
     openai client one each), and httpx loads the CA bundle into a new SSL context for each, which
     costs more than the local request it sends. An SSL context may be shared across clients, so one
-    per (verify, cert, trust_env) serves them all."""
+    per (verify, cert, trust_env) serves them all (the tests speak plain HTTP to local servers; a
+    shared context would carry one client's ALPN setting to the next, which HTTPS with http2 minds)."""
     from httpx._transports import default
 
     original, contexts = default.create_ssl_context, {}

@@ -80,11 +80,14 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
     if workers < 2:
         yield
         return
+    global _held
     if not _is_serial(item):
+        if _held is not None:  # a serial test expected this one to be serial too (another dist mode)
+            _held.close()
+            _held = None
         with _shared(workers):
             yield
         return
-    global _held
     if _held is None:
         _held = contextlib.ExitStack()
         _held.enter_context(_exclusive())

@@ -50,6 +50,15 @@ def test_tags_are_read_from_file_names_and_chosen_as_llama_cpp_does():
         choose_gguf(files, HubName("o/r", "Q2_K"))
     with pytest.raises(HubError, match=r"several GGUF quants; name one as o/r:TAG \(tags: Q4_0, Q8_0\)"):
         choose_gguf(["m-Q8_0.gguf", "m-Q4_0.gguf"], HubName("o/r"))
+    with pytest.raises(HubError, match=r"o/r:Q4_K_M matches several GGUF files in o/r: m-Q4_K_M-imat.gguf, m-Q4_K"):
+        choose_gguf(["m-Q4_K_M.gguf", "m-Q4_K_M-imat.gguf"], HubName("o/r", "Q4_K_M"))
+    untagged = ["Llama-3-8B-fp16.gguf", "weird-00001-of-00002.gguf", "weird-00002-of-00002.gguf", "plain.gguf"]
+    assert gguf_tags(untagged) == {
+        "FP16": ["Llama-3-8B-fp16.gguf"],
+        "PLAIN": ["plain.gguf"],
+        "WEIRD": ["weird-00001-of-00002.gguf", "weird-00002-of-00002.gguf"],
+    }
+    assert choose_gguf(untagged, HubName("o/r", "weird")) == untagged[1:3]  # as `list` names it, any case
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +77,14 @@ def hub_repos(tiny_model_dir, tmp_path_factory):
         "tl/gated": Repo(hf_files, gated_token="hf_secret"),
         "tl/split-GGUF": Repo.from_folder(made / "split"),
         "tl/pytorch-only": Repo({"config.json": hf_files["config.json"], "pytorch_model.bin": b"weights"}),
+        "tl/sharded": Repo(
+            {k: v for k, v in hf_files.items() if k != "model.safetensors"}
+            | {
+                "model-00001-of-00001.safetensors": hf_files["model.safetensors"],
+                "model.safetensors.index.json": b'{"weight_map": {"w": "model-00001-of-00001.safetensors"}}',
+                "consolidated.safetensors": b"a second copy in another layout, not to fetch",
+            }
+        ),
     }
     return repos, folder, q8
 
@@ -95,6 +112,21 @@ def test_an_hf_repo_by_name_fetches_the_folder_and_generates_as_it(hub, hub_repo
     assert "pytorch_model.bin" not in {p for _, p, _ in fake.requests}  # safetensors only
     assert _tokens("tl/tiny") == _tokens(str(hub_repos[1]))
     assert hf_hub.cached_names() == ["tl/tiny"]
+
+
+def test_a_sharded_repo_fetches_the_shards_its_index_names_only(hub):
+    fake, _ = hub
+    folder = hf_hub.fetch(parse_name("tl/sharded"))
+    assert (folder / "model-00001-of-00001.safetensors").is_file()
+    assert "consolidated.safetensors" not in {p for _, p, _ in fake.requests}
+
+
+def test_a_missing_local_path_is_not_sent_to_the_hub(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models").mkdir()
+    for path in ["models/llama", "llama/model.gguf", "org/x.safetensors"]:
+        assert not hf_hub.is_hub_name(path), path
+    assert hf_hub.is_hub_name("org/llama")
 
 
 def test_a_gguf_repo_by_tag_fetches_that_quant_alone(hub, hub_repos):
@@ -211,3 +243,6 @@ def test_the_engine_flags_carry_a_token_to_a_gated_repo(hub, capsys):
     assert "tl/gated is gated" in capsys.readouterr().err
     assert cli_main([*argv, "--hf-token", "hf_secret"]) == 0
     assert capsys.readouterr().out.startswith(PROMPT)
+    long_prompt = "word " * 1000  # checked against the context before the load: the model is read with the token
+    assert cli_main([*argv[:-1], long_prompt, "--hf-token", "hf_secret"]) != 0
+    assert "the prompt is 5000 tokens, but the context is 256" in capsys.readouterr().err

@@ -167,6 +167,9 @@ def test_the_cpp_relay_writes_the_numpy_relays_bits(kind):
         assert a.dtype == b.dtype and torch.equal(a, b)
     index = torch.arange(0, n, 13)
     assert torch.equal(numpy_relay.rows(index), reference(kind, raw, k)[index])
+    wide = torch.from_numpy(np.concatenate([raw, raw[:, :7]], axis=1))  # rows a strided view of wider ones
+    strided = gguf_panels.to_panels(GGMLTensor(kind, wide[:, : raw.shape[1]], k))
+    assert all(torch.equal(a, b) for a, b in zip(strided.tensors(), cpp.tensors()))
 
 
 @pytest.mark.parametrize(

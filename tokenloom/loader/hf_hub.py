@@ -15,6 +15,7 @@ progress bars and resumable downloads. Every failure is a ``HubError`` saying wh
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from dataclasses import dataclass
@@ -24,7 +25,10 @@ _PREFIXES = ("https://huggingface.co/", "http://huggingface.co/", "huggingface.c
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 DEFAULT_TAG = "Q4_K_M"
 # A GGUF file's quant tag: ggml type names as llama-quantize writes them into file names.
-_TAG = re.compile(r"(?<![A-Za-z0-9])(I?Q\d_[A-Z0-9_]*?|Q\d+|BF16|F16|F32|MXFP4(?:_MOE)?|TQ\d_\d)(?=[.\-/]|$)", re.I)
+_TAG = re.compile(
+    r"(?<![A-Za-z0-9])(I?Q\d_[A-Z0-9_]*?|Q\d+|BF16|F16|FP16|F32|MXFP4(?:_MOE)?|TQ\d_\d)(?=[.\-/]|$)", re.I
+)
+_INDEX = "model.safetensors.index.json"
 _SPLIT = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
 # The files an HF model folder needs besides its weights.
 _FOLDER_FILES = re.compile(
@@ -62,8 +66,12 @@ def parse_name(text: str) -> HubName | None:
 
 
 def is_hub_name(text: str) -> bool:
-    """A name to fetch from the Hub: it parses as one and is not a path that exists here."""
-    return parse_name(text) is not None and not Path(text).exists()
+    """A name to fetch from the Hub: it parses as one and is not a path here (one that exists,
+    a file name with a weights suffix, or one under a folder that exists)."""
+    path = Path(text)
+    if path.exists() or path.suffix in (".gguf", ".safetensors") or (path.parent.is_dir() and str(path.parent) != "."):
+        return False
+    return parse_name(text) is not None
 
 
 def gguf_tags(files: list[str]) -> dict[str, list[str]]:
@@ -75,7 +83,9 @@ def gguf_tags(files: list[str]) -> dict[str, list[str]]:
         if not base.endswith(".gguf") or base.lower().startswith("mmproj"):
             continue
         found = _TAG.findall(path)
-        tags.setdefault(found[-1].upper() if found else base[: -len(".gguf")], []).append(path)
+        tags.setdefault(found[-1].upper() if found else _SPLIT.sub(".gguf", base)[: -len(".gguf")].upper(), []).append(
+            path
+        )
     return tags
 
 
@@ -87,12 +97,21 @@ def choose_gguf(files: list[str], name: HubName) -> list[str]:
         chosen = tags.get(name.tag.upper())
         if chosen is None:
             raise HubError(f"{name.repo_id} has no GGUF tagged {name.tag!r}; its tags: {listed}")
-        return chosen
+        return _one_model(chosen, name)
     if DEFAULT_TAG in tags:
-        return tags[DEFAULT_TAG]
+        return _one_model(tags[DEFAULT_TAG], name)
     if len(tags) == 1:
-        return next(iter(tags.values()))
+        return _one_model(next(iter(tags.values())), name)
     raise HubError(f"{name.repo_id} holds several GGUF quants; name one as {name.repo_id}:TAG (tags: {listed})")
+
+
+def _one_model(files: list[str], name: HubName) -> list[str]:
+    """`files` if they are one model (one file, or the shards of one split), else a HubError
+    naming them: a tag the file names share (Model-Q4_K_M.gguf and Model-Q4_K_M-imat.gguf)."""
+    one_split = all(_SPLIT.search(f) for f in files) and len({_SPLIT.sub("", f) for f in files}) == 1
+    if len(files) == 1 or one_split:
+        return files
+    raise HubError(f"{name} matches several GGUF files in {name.repo_id}: {', '.join(files)}; name a tag of one")
 
 
 def folder_files(files: list[str], repo_id: str) -> list[str]:
@@ -136,12 +155,11 @@ def fetch(name: HubName, token: str | None = None, force: bool = False) -> Path:
 
     try:
         files, cached = _repo_files(name, token)
-        as_gguf = name.tag or (gguf_tags(files) and not any(f.endswith(".safetensors") for f in files))
-        wanted = choose_gguf(files, name) if as_gguf else folder_files(files, name.repo_id)
-        paths = [
-            huggingface_hub.hf_hub_download(
+
+        def download(filename: str) -> str:
+            return huggingface_hub.hf_hub_download(
                 name.repo_id,
-                f,
+                filename,
                 revision=name.revision,
                 token=token,
                 endpoint=endpoint(),
@@ -149,8 +167,13 @@ def fetch(name: HubName, token: str | None = None, force: bool = False) -> Path:
                 local_files_only=cached,
                 force_download=force and not cached,
             )
-            for f in wanted
-        ]
+
+        as_gguf = name.tag or (gguf_tags(files) and not any(f.endswith(".safetensors") for f in files))
+        wanted = choose_gguf(files, name) if as_gguf else folder_files(files, name.repo_id)
+        if _INDEX in wanted:  # only the shards the index names (not also a consolidated copy)
+            shards = set(json.loads(Path(download(_INDEX)).read_text())["weight_map"].values())
+            wanted = [f for f in wanted if not f.endswith(".safetensors") or f in shards]
+        paths = [download(f) for f in wanted]
     except HubError:
         raise
     except Exception as e:  # huggingface_hub's errors, the network's, the disk's
@@ -187,6 +210,7 @@ def _repo_files(name: HubName, token: str | None) -> tuple[list[str], bool]:
 def _cached_files(name: HubName) -> list[str] | None:
     """The files of `name`'s cached snapshot (relative paths), or None where none is cached."""
     import huggingface_hub
+    from huggingface_hub import errors
 
     try:
         folder = Path(
@@ -194,6 +218,8 @@ def _cached_files(name: HubName) -> list[str] | None:
                 name.repo_id, revision=name.revision, cache_dir=cache_folder(), local_files_only=True
             )
         )
+    except errors.IncompleteSnapshotError as e:  # some files of the revision cached, not all: enough here
+        folder = Path(e.snapshot_path)
     except Exception:
         return None
     return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
@@ -246,8 +272,8 @@ def _hub_error(name: HubName, e: Exception) -> HubError:
         )
     if isinstance(e, errors.RepositoryNotFoundError):
         return HubError(
-            f"no model {name.repo_id} on the Hub ({endpoint()}): check the name; a private repo "
-            "needs HF_TOKEN (or --hf-token)"
+            f"no model {name.repo_id} on the Hub ({endpoint()}), and no such local path: check the name; "
+            "a private repo needs HF_TOKEN (or --hf-token)"
         )
     if isinstance(e, errors.RevisionNotFoundError):
         return HubError(f"{name.repo_id} has no revision {name.revision!r} ({page})")

@@ -61,7 +61,7 @@ def check_chat_template_early(args: argparse.Namespace, flag: str = "--chat") ->
     from tokenloom.loader.hub import resolve_model
     from tokenloom.loader.load import chat_template_of
 
-    path = resolve_model(args.model)
+    path = resolve_model(args.model, token=getattr(args, "hf_token", None))
     if chat_template_of(path) is None:
         raise ValueError(
             f"{flag}: the model at {path} has no chat template (a base model?); give it a plain "
@@ -97,7 +97,7 @@ def check_prompt_early(args: argparse.Namespace, prompt: str) -> None:
     from tokenloom.loader.hub import resolve_model
     from tokenloom.loader.load import load_checkpoint
 
-    ckpt = load_checkpoint(resolve_model(args.model))
+    ckpt = load_checkpoint(resolve_model(args.model, token=getattr(args, "hf_token", None)))
     context = args.max_model_len or ckpt.config.max_model_len
     tokens = len(ckpt.tokenizer.encode(prompt))
     if tokens >= context:

@@ -98,7 +98,9 @@ def cmd_quantize(args: argparse.Namespace) -> int:
 
     if not args.quantization:
         raise ValueError("quantize needs --quantization (int8, int4, int4-g64, int4-g128 or gguf)")
-    modules = save_quantized(resolve_model(args.model), args.output, args.quantization)
+    modules = save_quantized(
+        resolve_model(args.model, token=getattr(args, "hf_token", None)), args.output, args.quantization
+    )
     print(
         f"saved {len(modules)} quantized layers ({args.quantization}) to {args.output}; "
         f"load it with: tokenloom generate -m {args.output}",
