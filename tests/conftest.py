@@ -59,7 +59,10 @@ def _one_ssl_context_per_setting_for_every_httpx_client() -> None:
 _one_ssl_context_per_setting_for_every_httpx_client()
 
 from tests.helpers.browser_harness import browser  # noqa: F401 (a fixture: the playground's tests share one Chromium)
-from tests.helpers.turns import pytest_runtest_protocol  # noqa: F401 (a hook: serial tests run alone under xdist)
+from tests.helpers.turns import (
+    pytest_runtest_protocol,  # noqa: F401 (a hook: serial tests run alone under xdist)
+    serial_tests_last_in_their_file,
+)
 
 VOCAB = 320
 
@@ -335,6 +338,7 @@ def smol_llm(default_model_dir):
 
 
 def pytest_collection_modifyitems(config, items):
+    serial_tests_last_in_their_file(items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

@@ -72,6 +72,15 @@ def _is_serial(item: pytest.Item | None) -> bool:
     return item is not None and item.get_closest_marker("serial") is not None
 
 
+def serial_tests_last_in_their_file(items: list[pytest.Item]) -> None:
+    """Reorder `items` in place: within each file, its serial tests after the others (each group
+    in its own order), so that they run back to back in one exclusive turn."""
+    files: dict[str, int] = {}
+    for item in items:
+        files.setdefault(item.nodeid.split("::")[0], len(files))
+    items.sort(key=lambda item: (files[item.nodeid.split("::")[0]], _is_serial(item)))
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
     """Each test's run in its turn: a serial test's exclusive turn is kept while the next test is

@@ -16,8 +16,9 @@ import pytest
 
 from tests.helpers.server_harness import ThreadedServer, wait_until_idle
 
-# latency and timeout assertions: the machine to itself under pytest -n (tests/helpers/turns.py)
-pytestmark = pytest.mark.serial
+# the tests that assert a latency or a timeout (most check /health within 100 ms after their
+# abuse): the machine to themselves under pytest -n (tests/helpers/turns.py)
+SERIAL = pytest.mark.serial
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +59,7 @@ def post_raw(base_url: str, path: str, body: bytes) -> httpx.Response:
     return httpx.post(f"{base_url}{path}", content=body, headers={"content-type": "application/json"}, timeout=120)
 
 
+@SERIAL
 @pytest.mark.parametrize(
     "path, body, param",
     [
@@ -75,6 +77,7 @@ def test_lone_surrogates_are_400_naming_the_parameter(base_url, path, body, para
     assert_healthy(base_url)
 
 
+@SERIAL
 @pytest.mark.parametrize(
     "body",
     [
@@ -96,6 +99,7 @@ def test_unknown_routes_and_methods_answer_openai_json(base_url):
     openai_error(httpx.post(f"{base_url}/v1/completions", json={"max_tokens": 2}), 400)  # no prompt
 
 
+@SERIAL
 def test_a_chunked_body_over_the_limit_is_413(base_url):
     def chunks():
         for _ in range(7):
@@ -124,6 +128,7 @@ def raw_request(base_url: str, head: bytes, body: bytes, wait_s: float) -> bytes
         return answer
 
 
+@SERIAL
 def test_a_body_shorter_than_its_content_length_times_out_with_408(base_url):
     body = b'{"prompt": "Hi"'
     head = (
@@ -154,6 +159,7 @@ def _read_whole_response(sock: socket.socket, answer: bytes) -> bytes:
         answer += chunk
 
 
+@SERIAL
 def test_a_body_trickling_in_is_cut_at_its_deadline(tiny_engine):
     """A byte every 0.3 s never pauses for the 1 s body timeout; the whole-body deadline (2 s here)
     still answers 408, and the server goes on."""
@@ -200,6 +206,7 @@ def test_a_tiny_temperature_is_greedy_not_garbage(base_url):
     assert text(1e-45) == text(0) == text(1e-30)
 
 
+@SERIAL
 def test_the_largest_seed_works_whole_and_streamed(base_url):
     body = {"prompt": "Once upon a time", "max_tokens": 5, "seed": 2**64 - 1, "n": 2}
     whole = httpx.post(f"{base_url}/v1/completions", json=body, timeout=60)
@@ -227,6 +234,7 @@ def small_server(default_model_dir):
         yield url
 
 
+@SERIAL
 def test_a_request_past_the_per_request_bound_is_400_naming_n(small_server):
     body = {"prompt": ["Hi", "there"], "n": 3, "max_tokens": 2}  # 6 sequences > 4
     assert openai_error(httpx.post(f"{small_server}/v1/completions", json=body), 400)["param"] == "n"
@@ -255,6 +263,7 @@ def test_a_burst_past_the_per_request_bound_is_refused_before_any_tokenizing(tin
     assert tokenized == []
 
 
+@SERIAL
 def test_a_full_server_answers_429_with_retry_after_then_recovers(small_server):
     long = {"prompt": "Once upon a time", "n": 4, "max_tokens": 200, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{small_server}/v1/completions", json=long, timeout=60) as stream:
@@ -278,6 +287,7 @@ def test_requests_without_max_tokens_get_the_server_default(small_server):
     assert usage["completion_tokens"] == 5
 
 
+@SERIAL
 def test_one_large_request_does_not_hold_every_slot(small_server):
     """4 long sequences of one request take their turns 2 at a time, so a later short request
     queues behind 2 of them, not all 4, and finishes before the long request (with every long
@@ -415,6 +425,7 @@ def test_the_servers_long_texts_tokenize_in_a_child_process_to_the_same_ids(defa
     assert child.poll() is not None and process.child is None
 
 
+@SERIAL
 def test_a_prompt_past_the_context_is_refused_with_its_exact_token_count(base_url):
     """Told before its ids are listed (Tokenizer.encode's limit), with the same count and message."""
     from tokenloom.loader import hub
@@ -433,6 +444,7 @@ def test_a_prompt_past_the_context_is_refused_with_its_exact_token_count(base_ur
     assert_healthy(base_url)
 
 
+@SERIAL
 def test_beam_search_stops_when_its_client_leaves(base_url):
     """A 200-step beam search whose client gives up after 1 s: the search stops (no step requests
     keep coming) and its blocks are freed."""
@@ -452,6 +464,7 @@ def test_beam_search_stops_when_its_client_leaves(base_url):
     assert_healthy(base_url)
 
 
+@SERIAL
 def test_per_client_turns_bound_each_client_alone_and_are_forgotten_after():
     import asyncio
 
@@ -475,6 +488,7 @@ def test_per_client_turns_bound_each_client_alone_and_are_forgotten_after():
     assert left == 0
 
 
+@SERIAL
 def test_a_clients_requests_take_turns_with_each_other():
     """One client (one address behind a proxy, say), two turns: four requests of 6 sequences each
     arrive first, then a short one. A freed turn goes to the request holding fewest, so the short
@@ -506,6 +520,7 @@ def test_a_clients_requests_take_turns_with_each_other():
     assert "F0" not in order and len(order) == 25 and left == 0
 
 
+@SERIAL
 def test_one_clients_slow_preparation_does_not_hold_every_worker(tiny_engine, monkeypatch):
     """Requests of a client whose preparation takes 1.5 s each (a 4 MB prompt, a huge schema) use
     one worker between them, so another client's request is prepared and answered at once, not
@@ -588,6 +603,7 @@ def served_process(default_model_dir):
         yield proc.base
 
 
+@SERIAL
 @pytest.mark.parametrize("name", list(ABUSES))
 def test_health_answers_within_100ms_while_an_abuse_is_in_flight(served_process, name):
     """`tokenloom serve` as users run it; /health timed every 10 ms from the moment the abuse is
@@ -625,6 +641,7 @@ def test_health_answers_within_100ms_while_an_abuse_is_in_flight(served_process,
     assert_healthy(served_process)
 
 
+@SERIAL
 def test_sigterm_mid_stream_ends_by_the_signal_and_logs_the_cut(default_model_dir):
     """A stream still running when the graceful shutdown's time is up ends with an error event and
     [DONE]; its log line says status 200 *and* that it was cut; the process ends by SIGTERM."""
