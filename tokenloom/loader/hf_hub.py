@@ -239,15 +239,26 @@ def _is_network_error(e: BaseException) -> bool:
     return isinstance(e, tuple(kinds))
 
 
-def cached_names() -> list[str]:
-    """The Hub repos with files in the cache, as ORG/REPO."""
+def _cached_repos() -> list:
+    """huggingface_hub's view of the model repos in the cache (CachedRepoInfo), by repo id; none
+    where there is no cache yet."""
     import huggingface_hub
 
     try:
         repos = huggingface_hub.scan_cache_dir(cache_folder()).repos
-        return sorted(r.repo_id for r in repos if r.repo_type == "model")
-    except Exception:  # no cache yet
+    except Exception:  # no cache folder yet
         return []
+    return sorted((r for r in repos if r.repo_type == "model"), key=lambda r: r.repo_id)
+
+
+def _snapshot_files(revision) -> dict:
+    """A cached revision's files by their path in the repo (CachedFileInfo each)."""
+    return {str(f.file_path.relative_to(revision.snapshot_path)): f for f in revision.files}
+
+
+def cached_names() -> list[str]:
+    """The Hub repos with files in the cache, as ORG/REPO."""
+    return [r.repo_id for r in _cached_repos()]
 
 
 def _not_cached(name: HubName, unreachable: Exception | None) -> HubError:
@@ -292,15 +303,9 @@ def _hub_error(name: HubName, e: Exception) -> HubError:
 def cached_models() -> list[dict]:
     """The Hub models in the cache, one entry per GGUF quant or HF folder: name (as `--model`
     takes it), size in bytes, and where."""
-    import huggingface_hub
-
-    try:
-        repos = huggingface_hub.scan_cache_dir(cache_folder()).repos
-    except Exception:  # no cache yet
-        return []
     found = []
-    for repo in sorted((r for r in repos if r.repo_type == "model"), key=lambda r: r.repo_id):
-        files = {str(f.file_path.relative_to(rev.snapshot_path)): f for rev in repo.revisions for f in rev.files}
+    for repo in _cached_repos():
+        files = {path: f for rev in repo.revisions for path, f in _snapshot_files(rev).items()}
         for tag, paths in gguf_tags(list(files)).items():
             found.append(_entry(f"{repo.repo_id}:{tag}", [files[p] for p in paths]))
         if "config.json" in files and any(p.endswith(".safetensors") for p in files):
@@ -317,23 +322,17 @@ def remove(text: str) -> list[Path]:
     for ORG/REPO; returns what was removed (nothing where it was not cached)."""
     import shutil
 
-    import huggingface_hub
-
     name = parse_name(text)
     if name is None:
         return []
-    try:
-        repos = [r for r in huggingface_hub.scan_cache_dir(cache_folder()).repos if r.repo_id == name.repo_id]
-    except Exception:
-        return []
     removed: list[Path] = []
-    for repo in repos:
+    for repo in (r for r in _cached_repos() if r.repo_id == name.repo_id):
         if not name.tag:
             shutil.rmtree(repo.repo_path)
             removed.append(Path(repo.repo_path))
             continue
         for rev in repo.revisions:
-            files = {str(f.file_path.relative_to(rev.snapshot_path)): f for f in rev.files}
+            files = _snapshot_files(rev)
             for path in gguf_tags(list(files)).get(name.tag.upper(), []):
                 for gone in (files[path].file_path, files[path].blob_path):
                     Path(gone).unlink(missing_ok=True)
