@@ -91,8 +91,8 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
     if not path.exists():
         raise FileNotFoundError(
             f"model path {str(path)!r} does not exist (expected an HF folder with "
-            "config.json + *.safetensors, a .gguf file, or a model name that "
-            "`tokenloom list` shows)"
+            "config.json + *.safetensors, a .gguf file, a model name that "
+            "`tokenloom list` shows, or a Hugging Face Hub name ORG/REPO[:QUANT])"
         )
     if path.is_file():
         if not _is_gguf(path):
