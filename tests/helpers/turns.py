@@ -68,6 +68,13 @@ def _shared(workers: int) -> Iterator[None]:
 _held: contextlib.ExitStack | None = None  # this worker's exclusive turn, kept from one serial test to the next
 
 
+def _release_exclusive() -> None:
+    global _held
+    if _held is not None:
+        _held.close()
+        _held = None
+
+
 def _is_serial(item: pytest.Item | None) -> bool:
     return item is not None and item.get_closest_marker("serial") is not None
 
@@ -91,9 +98,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
         return
     global _held
     if not _is_serial(item):
-        if _held is not None:  # a serial test expected this one to be serial too (another dist mode)
-            _held.close()
-            _held = None
+        _release_exclusive()  # held where a serial test expected this one to be serial too (another dist mode)
         with _shared(workers):
             yield
         return
@@ -104,5 +109,4 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
         yield
     finally:
         if not _is_serial(nextitem):
-            _held.close()
-            _held = None
+            _release_exclusive()
