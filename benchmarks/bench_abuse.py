@@ -265,7 +265,7 @@ def main() -> None:
     if args.role:
         asyncio.run(side_role(args.role, args.base, set(args.skip), args.abuser_nice))
         return
-    model = args.model or str(hub.default_model_path())
+    model = args.model or str(hub.float32_folder())
     server = start_server(model, args.port, 64)
     base = f"http://127.0.0.1:{args.port}"
     reqs = make_workload(args.requests, 0, (16, 64), (32, 32))

@@ -193,7 +193,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--lengths", type=int, nargs="+", default=[32, 128, 512, 1024])
     args = p.parse_args()
-    folder = args.model or str(hub.pull())
+    folder = args.model or str(hub.float32_folder())
     RESULTS.mkdir(parents=True, exist_ok=True)
     res = {}
     with tqdm(total=2 * (4 + len(args.lengths)), desc="benchmarking", unit="task") as bar:

@@ -480,7 +480,7 @@ def main() -> None:
     if args.config_dir is None:
         from tokenloom.loader import hub
 
-        args.config_dir = str(hub.pull())
+        args.config_dir = str(hub.float32_folder())
     import transformers
 
     sections = args.only.split(",")

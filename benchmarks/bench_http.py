@@ -190,7 +190,7 @@ def main() -> None:
     p.add_argument("--llama-server", default=None, help="llama.cpp's llama-server binary (needs a GGUF --model)")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = p.parse_args()
-    folder = args.model or str(hub.pull())
+    folder = args.model or str(hub.float32_folder())
     reqs = make_workload(args.requests, 0, args.prompt_len, args.output_len)
     warm_up = make_workload(2, 1, args.prompt_len, args.output_len)
     res: dict = {"http": {}, "in_process": {}, "config": vars(args)}

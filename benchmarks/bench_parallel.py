@@ -123,7 +123,7 @@ def main() -> int:
     args = p.parse_args()
     from tokenloom.loader import hub
 
-    model = args.model or str(hub.pull())
+    model = args.model or str(hub.float32_folder())
     rows = measure_modes(model, args.steps)
     base = {r["batch"]: r["step_s"] for r in rows if r["mode"] == "tp 1"}
     print(f"\nDecode steps on {cpu_name()}, {model}, float32 (medians; ranks share the machine's cores)\n")

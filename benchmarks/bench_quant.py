@@ -53,7 +53,7 @@ def eval_ids() -> list[int]:
     from tokenloom.loader import hub
     from tokenloom.tokenizer import Tokenizer
 
-    return Tokenizer.from_folder(hub.pull()).encode(default_eval_text())
+    return Tokenizer.from_folder(hub.float32_folder()).encode(default_eval_text())
 
 
 def panel_layers(weights: list[torch.Tensor]) -> list[torch.nn.Module]:
@@ -150,7 +150,7 @@ def worker_tokenloom(name: str, runs: int, part: str) -> dict:
     from tokenloom.loader import hub
 
     kwargs = dict(CONFIGS[name])
-    model = str(hub.default_gguf_path()) if kwargs.pop("model", None) == "gguf" else str(hub.pull())
+    model = str(hub.default_gguf_path()) if kwargs.pop("model", None) == "gguf" else str(hub.float32_folder())
     llm = LLM(model, kv_cache_memory=256 << 20, enable_prefix_caching=False, **kwargs)
     if part == "speed":
         return measure(llm, PROMPT, NEW, runs).as_dict()

@@ -167,7 +167,7 @@ def main() -> int:
     from tokenloom.loader import hub
 
     torch.set_num_threads(2)
-    llm = LLM(args.model or str(hub.pull()), kv_cache_memory=512 << 20)
+    llm = LLM(args.model or str(hub.float32_folder()), kv_cache_memory=512 << 20)
     history = llm.engine.tokenizer.encode(TEXT.read_text(), add_special_tokens=False)[:256]
     logits = model_logits(llm, history, 64)  # (64, V)
     steps = {b: decode_step_seconds(llm, history[:128], b) for b in tqdm((1, 64), desc="decode steps", unit="batch")}

@@ -279,7 +279,7 @@ def main() -> None:
         help="concurrency levels at which to run transformers' continuous batching (slow on CPU)",
     )
     args = p.parse_args()
-    folder = args.model or str(hub.pull())
+    folder = args.model or str(hub.float32_folder())
     RESULTS.mkdir(parents=True, exist_ok=True)
     reqs = make_workload(args.requests, args.seed, args.prompt_len, args.output_len)
     config = EngineConfig(

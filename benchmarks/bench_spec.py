@@ -83,7 +83,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--k", type=int, default=4)
     args = p.parse_args()
-    folder = Path(args.model or hub.pull())
+    folder = Path(args.model or hub.float32_folder())
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     convs = [[{"role": "user", "content": t}] for t in TASKS]
     workloads = {"batch 1": [[c] for c in convs], "8 concurrent": [convs], "32 concurrent": [convs * 4]}

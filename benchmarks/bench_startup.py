@@ -43,7 +43,7 @@ def first_token_seconds(cmd: list[str], env: dict | None = None) -> tuple[float,
 def configurations(args) -> dict[str, tuple[list[str], dict | None]]:
     from tokenloom.loader import hub
 
-    folder, gguf = hub.pull(), hub.gguf_path(hub.DEFAULT_NAME)
+    folder, gguf = hub.float32_folder(), hub.pull()
     ours = [sys.executable, "-m", "tokenloom", "generate", "--temp", "0", "-n", "8", "--no-display-prompt"]
     runs = {
         "tokenloom (HF folder, float32)": (ours + ["-m", str(folder), PROMPT], None),

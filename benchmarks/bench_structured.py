@@ -88,7 +88,7 @@ def main() -> None:
     p = parser(__doc__)
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args()
-    llm = LLM(args.model or str(hub.pull()), kv_cache_memory=512 << 20, enable_prefix_caching=False)
+    llm = LLM(args.model or str(hub.float32_folder()), kv_cache_memory=512 << 20, enable_prefix_caching=False)
     costs = engine_costs(llm)
     rows = []
     for batch in (1, 16):

@@ -316,17 +316,19 @@ def tiny_model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
-    """The prepared SmolLM2 folder (`make test` pulls it first)."""
+    """The default model (SmolLM2) as an HF folder of float32 weights, for parity with
+    transformers (`make test` prepares it first)."""
     from tokenloom.loader import hub
 
-    return hub.pull()
+    return hub.float32_folder()
 
 
 @pytest.fixture(scope="session")
-def default_gguf_path(default_model_dir) -> Path:
+def default_gguf_path() -> Path:
+    """The default model's GGUF file, as pulled (Q4_1 blocks)."""
     from tokenloom.loader import hub
 
-    return hub.default_gguf_path()
+    return hub.pull()
 
 
 @pytest.fixture(scope="session")

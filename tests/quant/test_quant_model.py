@@ -53,11 +53,15 @@ def test_greedy_tokens_mostly_match_float(
     assert same / total >= min_agreement
 
 
-def test_gguf_blocks_keep_the_files_footprint(default_gguf_path):
+@pytest.mark.parametrize("asked", ["the file, quantization=gguf", "no model: the default"])
+def test_gguf_blocks_keep_the_files_footprint(default_gguf_path, asked):
     from tokenloom.eval.bench import model_bytes
     from tokenloom.quant import QuantizedEmbedding, QuantizedLinear
 
-    llm = LLM(str(default_gguf_path), quantization="gguf", kv_cache_memory=KV)
+    if asked == "no model: the default":
+        llm = LLM(kv_cache_memory=KV)
+    else:
+        llm = LLM(str(default_gguf_path), quantization="gguf", kv_cache_memory=KV)
     model = llm.engine.core.runner.model
     qkv, head = model.model.layers[0].self_attn.qkv_proj, model.lm_head
     assert isinstance(qkv, QuantizedLinear) and qkv.fmt.name == "int4-g32"  # the file's Q4_1

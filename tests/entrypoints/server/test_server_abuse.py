@@ -432,7 +432,7 @@ def test_a_prompt_past_the_context_is_refused_with_its_exact_token_count(base_ur
     from tokenloom.tokenizer import Tokenizer
 
     text = "Hello world, this is a test. " * 2_000  # 58k characters: the long-text path
-    count = len(Tokenizer.from_folder(hub.default_model_path()).encode(text))
+    count = len(Tokenizer.from_folder(hub.float32_folder()).encode(text))
     for path, body in (
         ("/v1/completions", {"prompt": text, "max_tokens": 2}),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": text}], "max_tokens": 2}),
