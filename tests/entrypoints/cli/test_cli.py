@@ -347,3 +347,45 @@ def test_piped_chat_input_is_a_message_a_line_and_never_turns_bracketed_paste_on
     assert chat_loop(session) == 0  # with input(), as `tokenloom chat < file` runs
     assert session.turns == ["Hello.", "How are you?", "line one\nline two", "Bye."]
     assert "\x1b[?2004" not in capsys.readouterr().out
+
+
+def _screen_lines(raw: str) -> list[str]:
+    """What a terminal shows of `raw`: each line as its carriage returns overwrite it."""
+    shown = []
+    for line in raw.replace("\r\n", "\n").split("\n"):
+        screen = ""
+        for part in line.split("\r"):
+            screen = part + screen[len(part) :]
+        shown.append(screen.rstrip())
+    return shown
+
+
+def test_the_weights_bar_leaves_the_terminal_to_the_log_lines(default_gguf_path):
+    """At a terminal the load shows a bar, then clears it: no log line is written on its end."""
+    import fcntl
+    import os
+    import pty
+    import struct
+    import termios
+
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    cmd = [sys.executable, "-m", "tokenloom", "generate", "-m", str(default_gguf_path), "-n", "2", "Hi"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=follower, stdin=subprocess.DEVNULL)
+    os.close(follower)
+    raw = b""
+    while True:
+        try:
+            chunk = os.read(leader, 1 << 16)
+        except OSError:  # EIO: the process closed its end
+            break
+        if not chunk:
+            break
+        raw += chunk
+    os.close(leader)
+    assert proc.wait(timeout=120) == 0
+    text = raw.decode(errors="replace")
+    assert "loading weights" in text  # a bar was drawn at the terminal
+    shown = [line for line in _screen_lines(text) if line]
+    assert not any("loading weights" in line for line in shown), shown  # and cleared
+    assert any(line.startswith("tokenloom: sampling settings") for line in shown), shown
