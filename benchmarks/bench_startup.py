@@ -1,10 +1,11 @@
 """Warm start: seconds from starting `tokenloom generate` to its first generated token on stdout.
 
-Each run is a fresh process, as a user types the command (the first run of each configuration is
-discarded: it warms the page cache). The prompt is not echoed (--no-display-prompt), so the first
-byte on stdout is the first token. The yardstick is llama.cpp's `llama-completion` on the same
-GGUF file, 2 threads (give its folder with --llama-bin, or $LLAMA_CPP_BIN; skipped if absent).
-Also checks that no run prints a "compiling" line (kernels are built by `make setup`).
+Each run is a fresh process, as a user types the command; the configurations alternate, round
+by round (the first round is discarded: it warms the page cache). The prompt is not echoed
+(--no-display-prompt), so the first byte on stdout is the first token. The yardstick is
+llama.cpp's `llama-completion` on the same GGUF file, 2 threads (give its folder with
+--llama-bin, or $LLAMA_CPP_BIN; skipped if absent). Also checks that no run prints a
+"compiling" line (kernels are built by `make setup`).
 
     python benchmarks/bench_startup.py [--runs 5] [--llama-bin DIR]
 """
@@ -79,25 +80,27 @@ def main() -> int:
     p.add_argument("--runs", type=int, default=5, help="measured runs per configuration (default: 5)")
     p.add_argument("--llama-bin", default=None, help="folder with llama.cpp's llama-completion")
     args = p.parse_args()
-    rows = []
     configs = configurations(args)
+    samples: dict[str, list[tuple[float, float]]] = {name: [] for name in configs}
+    compiled = dict.fromkeys(configs, False)
     with tqdm(total=len(configs) * (args.runs + 1), desc="starting processes", unit="run") as bar:
-        for name, (cmd, env) in configs.items():
-            samples, compiled = [], False
-            for i in range(args.runs + 1):
+        for i in range(args.runs + 1):  # the engines alternate, so a drift of the machine hits them alike
+            for name, (cmd, env) in configs.items():
                 first, total, err = first_token_seconds(cmd, env)
-                compiled |= "compiling" in err
-                if i:  # the first run only warms the page cache
-                    samples.append((first, total))
+                compiled[name] |= "compiling" in err
+                if i:  # the first round only warms the page cache
+                    samples[name].append((first, total))
                 bar.update()
-            rows.append(
-                {
-                    "engine": name,
-                    "first_token_s": statistics.median(s[0] for s in samples),
-                    "total_s": statistics.median(s[1] for s in samples),
-                    "compile_line": compiled,
-                }
-            )
+    rows = [
+        {
+            "engine": name,
+            "first_token_s": statistics.median(s[0] for s in runs),
+            "total_s": statistics.median(s[1] for s in runs),
+            "first_token_runs_s": [round(s[0], 3) for s in runs],
+            "compile_line": compiled[name],
+        }
+        for name, runs in samples.items()
+    ]
     base = rows[-1]["first_token_s"]
     print(f"\nWarm start on {cpu_name()}: `generate -n 8`, medians of {args.runs} fresh processes\n")
     print("| engine | first token (s) | whole run (s) | vs last row | compile line |")

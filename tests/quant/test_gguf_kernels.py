@@ -271,26 +271,40 @@ def test_the_avx2_panel_kernels_give_the_vnni_builds_bits(kind):
 
 
 @pytest.mark.skipif(not ggml_panels_available(), reason="no int8/int4 panel kernels built here")
-@pytest.mark.parametrize("kind", [8, 3], ids=["Q8_0", "Q4_1"])
-def test_a_whole_head_loads_straight_into_panels_as_the_two_steps_would(kind, monkeypatch):
-    """QuantizedLinear takes a whole GGUF tensor of its exact format chunk by chunk into the
-    panel layout: the same buffers as loading the row layout and re-laying it (use_panels),
-    rows past a chunk boundary included."""
+@pytest.mark.parametrize("kind", [8, 2, 3], ids=["Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize(
+    "how",
+    ["whole, C++ relay", "whole, chunks in torch", "three parts, C++ relay", "three parts, one with a -128 code"],
+)
+def test_gguf_blocks_load_straight_into_panels_as_the_two_steps_would(kind, how, monkeypatch):
+    """QuantizedLinear takes GGUF tensors of its exact format straight into the panel layout,
+    whole (a head) or in parts (a fused qkv): the same buffers as loading the row layout and
+    re-laying it (use_panels). A part that the panels cannot hold (a Q8_0 code of -128) sends
+    the whole weight to the row layout, the parts already in panels included."""
     from tokenloom.quant.int8 import modules, panels
 
     monkeypatch.setattr(panels, "_CHUNK_ROWS", 32)  # 80 rows: chunks of 32, 32, 16
+    if how == "whole, chunks in torch":
+        monkeypatch.setattr(modules, "relay_into_panels", lambda *args: False)
     n, k = 80, 256
-    blocks = GGMLTensor(kind, torch.from_numpy(random_blocks(kind, n, k)), k)
+    raw = random_blocks(kind, n, k)
+    if "-128" in how:
+        if kind != 8:
+            pytest.skip("only Q8_0 has codes the panels cannot hold")
+        raw[40, 2] = 0x80  # row 40 (the second part), the first code of its first block
+    blocks = GGMLTensor(kind, torch.from_numpy(raw), k)
     fmt = gguf_blocks.EXACT_FORMATS[kind]
     direct, two_steps = (modules.QuantizedLinear(k, n, False, fmt) for _ in range(2))
-    direct.load_weight(blocks)
-    two_steps.load_weight(gguf_blocks.to_quantized(blocks), rows=slice(0, n))
-    assert direct.panel_layout and not two_steps.panel_layout
-    assert two_steps.use_panels()
+    parts = [slice(0, n)] if how.startswith("whole") else [slice(0, 32), slice(32, 48), slice(48, 80)]
+    for rows in parts:
+        direct.load_weight(blocks.rows(rows), rows=rows)
+        two_steps.load_weight(gguf_blocks.to_quantized(blocks.rows(rows)), rows=rows)
+    assert direct.panel_layout == ("-128" not in how) and not two_steps.panel_layout
+    assert two_steps.use_panels() == direct.use_panels() == ("-128" not in how)
     for name in ("qweight", "scales", "offsets"):
         a, b = getattr(direct, name), getattr(two_steps, name)
         assert (a is None and b is None) or (a.shape == b.shape and torch.equal(a, b)), name
-    assert torch.equal(direct.weight_q.dequantize(), reference(kind, blocks.data.numpy(), k))
+    assert torch.equal(direct.weight_q.dequantize(), reference(kind, raw, k))
 
 
 _DECODE_PRODUCTS = """

@@ -19,7 +19,7 @@ import torch
 
 from tokenloom.quant.gguf import panels as gguf_panels
 from tokenloom.quant.gguf.panels import half_field, nibbles
-from tokenloom.quant.gguf.tensor import GGMLTensor
+from tokenloom.quant.gguf.tensor import GGMLTensor, ops
 from tokenloom.quant.int8.formats import QuantizedTensor
 from tokenloom.quant.scheme import WeightFormat
 
@@ -62,3 +62,19 @@ def to_quantized(t: GGMLTensor) -> QuantizedTensor:
         offsets = -8.0 * d if t.kind == Q4_0 else torch.from_numpy(half_field(blocks, 2))
         return QuantizedTensor(4, packed, d, offsets, 32)
     return QuantizedTensor(8, torch.from_numpy(np.ascontiguousarray(codes).reshape(rows, -1)), d, None, 32)
+
+
+def relay_into_panels(t: GGMLTensor, panels: QuantizedTensor, panel_start: int) -> bool:
+    """Write `t` (Q8_0, Q4_0 or Q4_1 rows, a multiple of 16) into the int8/int4 panel layout
+    `panels` (quant/int8/panels.py) from panel `panel_start` on, in one C++ pass: the same bytes
+    as ``int8.panels.to_panels(to_quantized(t))``. False where it cannot: no GGUF kernels built,
+    another type, or a Q8_0 code of -128 (the panel layout has none; what was written is then
+    not whole)."""
+    kernels = ops()
+    if kernels is None or not hasattr(kernels, "relay_exact_panels") or t.kind not in (Q8_0, Q4_0, Q4_1):
+        return False
+    return bool(
+        kernels.relay_exact_panels(
+            t.data, t.kind, t.in_features, panels.data, panels.scales, panels.offsets, panel_start
+        )
+    )

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenloom.quant.gguf.blocks import exact_format, to_quantized
+from tokenloom.quant.gguf.blocks import exact_format, relay_into_panels, to_quantized
 from tokenloom.quant.gguf.modules import GGMLEmbedding, GGMLLinear, float_rows
 from tokenloom.quant.gguf.tensor import GGMLTensor
 from tokenloom.quant.int8 import kernels, panels
@@ -65,6 +65,8 @@ class QuantizedLinear(nn.Module):
             nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None
         )
         self.panel_layout = False  # buffers hold the panel layout (use_panels) instead of the row layout
+        self._filling: QuantizedTensor | None = None  # panel buffers that parts of the weight are loaded into
+        self._filled: list[slice] = []  # the rows of _filling loaded so far
         self._kernel = None  # (M, in) float32 -> (M, out) with this weight bound; False: no CPU kernel
         self._silu_kernel = None  # the same with silu(gate) * up after it (silu_mul)
 
@@ -89,6 +91,7 @@ class QuantizedLinear(nn.Module):
 
     def use_panels(self) -> bool:
         """Re-lay the weight for the panel kernels where they run; True if it did."""
+        self._rows_from_filling()  # a weight loaded in part only
         if (
             self.panel_layout
             or self.qweight.device.type != "cpu"
@@ -102,6 +105,7 @@ class QuantizedLinear(nn.Module):
     def _take_panels(self, packed: QuantizedTensor) -> None:
         self.qweight, self.scales, self.offsets = packed.data, packed.scales, packed.offsets
         self.panel_layout = True
+        self._filling, self._filled = None, []
         self._forget_kernels()
 
     @property
@@ -161,11 +165,12 @@ class QuantizedLinear(nn.Module):
         """
         if isinstance(tensor, GGMLTensor):
             exact = exact_format(tensor.kind) == self.fmt
-            if exact and rows is None and self._load_blocks_as_panels(tensor):
+            if exact and self._load_blocks_as_panels(tensor, rows):
                 return
             tensor = to_quantized(tensor) if exact else tensor.dequantize()
         if self.panel_layout:
             raise RuntimeError("load weights before use_panels() re-lays them")
+        self._rows_from_filling()
         rows = rows if rows is not None else slice(None)
         target = self.weight_q.rows(rows)
         if not (
@@ -185,19 +190,54 @@ class QuantizedLinear(nn.Module):
             assert tensor.offsets is not None  # int4 like the target: it has offsets
             target.offsets.copy_(tensor.offsets)
 
-    def _load_blocks_as_panels(self, tensor: GGMLTensor) -> bool:
-        """Take the whole weight from GGUF blocks of this format straight into the panel layout,
-        a chunk of rows at a time; False (nothing done) where the panel kernels do not run it.
+    def _load_blocks_as_panels(self, tensor: GGMLTensor, rows: slice | None) -> bool:
+        """Take rows `rows` (all by default) from GGUF blocks of this format straight into the
+        panel layout; False (nothing taken) where the panel kernels do not run it.
 
-        The same values as load_weight + use_panels, without a whole row-layout copy beside
-        the panels (a 151,936-row Q8_0 head: ~300 MB of load-time peak)."""
-        if self.panel_layout or tensor.shape != (self.out_features, self.in_features) or not kernels.panels_available():
+        A fused weight (qkv, gate_up) arrives in parts: each part whose rows are whole panels
+        is re-laid into panel buffers (one C++ pass, ``blocks.relay_into_panels``), which
+        become the weight once every row is in. Without that kernel, a whole weight is re-laid
+        a chunk of rows at a time. The same values as load_weight + use_panels, without a
+        row-layout copy beside the panels (a 151,936-row Q8_0 head: ~300 MB of load-time peak)."""
+        start, stop, _ = (rows or slice(None)).indices(self.out_features)
+        if (
+            self.panel_layout
+            or tensor.shape != (stop - start, self.in_features)
+            or start % panels.PANEL
+            or stop % panels.PANEL
+            or not kernels.panels_available()
+        ):
             return False
-        packed = panels.from_row_chunks(lambda rows: to_quantized(tensor.rows(rows)), self.out_features)
+        if self._filling is None:
+            self._filling = panels.empty(self.fmt.bits, self.out_features, self.in_features, self.group_size)
+        if relay_into_panels(tensor, self._filling, start // panels.PANEL):
+            self._filled.append(slice(start, stop))
+            if sum(part.stop - part.start for part in self._filled) == self.out_features:
+                self._take_panels(self._filling)
+            return True
+        if not self._filled:
+            self._filling = None
+        if (start, stop) != (0, self.out_features):
+            return False
+        packed = panels.from_row_chunks(lambda part: to_quantized(tensor.rows(part)), self.out_features)
         if packed is None:
             return False
         self._take_panels(packed)
         return True
+
+    def _rows_from_filling(self) -> None:
+        """Before a part is written in the row layout: the parts already in panel buffers are
+        moved to the row layout too (a weight whose parts do not all take the panel route)."""
+        if self._filling is None:
+            return
+        for rows in self._filled:
+            part = panels.from_panels(panels.panel_rows(self._filling, rows))
+            self.qweight[rows] = part.data
+            self.scales[rows] = part.scales
+            if self.offsets is not None:
+                assert part.offsets is not None  # int4 panels have offsets
+                self.offsets[rows] = part.offsets
+        self._filling, self._filled = None, []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # (M, in) already: no reshape and view around the kernel (two of a decode layer's ~16

@@ -68,6 +68,22 @@ def to_panels(t: QuantizedTensor) -> QuantizedTensor:
     return cast(QuantizedTensor, from_row_chunks(t.rows, t.shape[0]))  # fits(t): so does each chunk
 
 
+def empty(bits: int, n: int, k: int, group_size: int) -> QuantizedTensor:
+    """Uninitialized panel-layout buffers for an (n, k) weight (n a multiple of 16)."""
+    p, groups = n // PANEL, k // group_size
+    data = torch.empty(p, k // BLOCK, 4 if bits == 4 else 8, 64, dtype=torch.uint8)
+    scales = torch.empty(p, groups, PANEL, dtype=torch.float16)
+    offsets = torch.empty(p, groups, PANEL, dtype=torch.float16) if bits == 4 else None
+    return QuantizedTensor(bits, data, scales, offsets, group_size)
+
+
+def panel_rows(t: QuantizedTensor, rows: slice) -> QuantizedTensor:
+    """Rows `rows` (whole panels: start and stop multiples of 16) of a panel-layout tensor, a view."""
+    panels = slice(rows.start // PANEL, rows.stop // PANEL)
+    offsets = None if t.offsets is None else t.offsets[panels]
+    return QuantizedTensor(t.bits, t.data[panels], t.scales[panels], offsets, t.group_size)
+
+
 def from_row_chunks(read: Callable[[slice], QuantizedTensor], n: int) -> QuantizedTensor | None:
     """The panel layout of an `n`-row weight whose rows `read(rows)` gives in the row layout, re-laid
     a chunk of rows at a time: temporaries stay small for a vocabulary head, and a source in another

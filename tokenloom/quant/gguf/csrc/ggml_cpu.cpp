@@ -18,6 +18,7 @@
 
 #include "../../../kernels/include/int8_dot.h"
 #include "../../../kernels/include/silu_mul_row.h"
+#include "exact_relay.h"
 #include "panel_relay.h"
 
 namespace {
@@ -885,6 +886,8 @@ TORCH_LIBRARY(TOKENLOOM_GGML_LIBRARY, m) {
         "Tensor? msup, Tensor? bias, bool silu_mul) -> Tensor");
   m.def("relay_panels(Tensor raw, int type, int K, Tensor(a!) lo, Tensor(b!)? hi, Tensor(c!) scale, "
         "Tensor(d!)? offset, Tensor(e!)? dsup, Tensor(f!)? msup) -> ()");
+  m.def("relay_exact_panels(Tensor raw, int type, int K, Tensor(a!) data, Tensor(b!) scales, Tensor(c!)? offsets, "
+        "int panel_start) -> bool");
 }
 
 TORCH_LIBRARY_IMPL(TOKENLOOM_GGML_LIBRARY, CPU, m) {
@@ -894,4 +897,5 @@ TORCH_LIBRARY_IMPL(TOKENLOOM_GGML_LIBRARY, CPU, m) {
   m.impl("panel_matmul_into", &panel_matmul_into);
   m.impl("panel_linear", &panel_linear);
   m.impl("relay_panels", &tokenloom_relay::relay_panels);
+  m.impl("relay_exact_panels", &tokenloom_exact::relay_exact_panels);
 }
