@@ -1,7 +1,5 @@
 """``python -m tokenloom``: the ``tokenloom`` command."""
 
-import sys
+from tokenloom.entrypoints.cli import console_main
 
-from tokenloom.entrypoints.cli import main
-
-sys.exit(main())
+console_main()

@@ -10,12 +10,12 @@ from __future__ import annotations
 import json
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import jinja2
-import jinja2.ext
-import jinja2.sandbox
 from tokenizers import Tokenizer as HFTokenizer
+
+if TYPE_CHECKING:
+    import jinja2
 
 
 class ChatTemplateError(ValueError):
@@ -38,6 +38,9 @@ def _raise_exception(message: str):
 
 
 def _compile_template(source: str) -> jinja2.Template:
+    import jinja2.ext  # here, not at the top: a run without a chat prompt never loads jinja2
+    import jinja2.sandbox
+
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
     )
@@ -46,7 +49,10 @@ def _compile_template(source: str) -> jinja2.Template:
     )
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env.from_string(source)
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateSyntaxError as e:
+        raise ChatTemplateError(f"the model's chat template does not compile: {e} (line {e.lineno})") from None
 
 
 def _token_text(value: Any) -> str | None:
@@ -105,7 +111,7 @@ class Tokenizer:
         self.chat_template = chat_template
         self.bos_token = bos_token
         self.eos_token = eos_token
-        self._template = _compile_template(chat_template) if chat_template else None
+        self._compiled: jinja2.Template | None = None  # chat_template compiled at its first use
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> Tokenizer:
@@ -152,12 +158,14 @@ class Tokenizer:
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
     ) -> str:
         """Render a conversation into the prompt text the model was trained on."""
-        if self._template is None:
+        if not self.chat_template:
             raise ChatTemplateError("this model has no chat template; use a plain prompt instead")
+        if self._compiled is None:
+            self._compiled = _compile_template(self.chat_template)
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise ChatTemplateError(f"message {i} must be a dict with 'role' and 'content', got {m!r}")
-        return self._template.render(
+        return self._compiled.render(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "",

@@ -142,7 +142,31 @@ def test_engine_reserves_no_more_step_tokens_than_its_kv_cache_holds(tiny_model_
         runner.ModelRunner, "reserve_activation_memory", lambda self, tokens, dtype: asked.append(tokens) or True
     )
     llm = LLM(str(tiny_model_dir("llama_gqa")), max_model_len=64, kv_cache_contexts=1, max_num_batched_tokens=8192)
+    assert llm.engine.reserve_activation_memory()
     kv_tokens = llm.engine.core.runner.kv_cache.num_tokens
     assert kv_tokens < 8192 and asked == [kv_tokens]
     big = LLM(str(tiny_model_dir("llama_gqa")), max_num_batched_tokens=512)  # a 1 GiB cache: the budget binds
+    assert big.engine.reserve_activation_memory()
     assert asked[-1] == 512 and big.engine.core.runner.kv_cache.num_tokens > 512
+
+
+def test_the_heap_is_reserved_before_the_first_large_step_only(tiny_model_dir, monkeypatch):
+    """A run of short prompts never pays the reserve (a CLI's one-off generate); the first step
+    of RESERVE_FROM_TOKENS or more reserves before it runs, once."""
+    from tokenloom import SamplingParams
+    from tokenloom.engine import core
+    from tokenloom.entrypoints.llm import LLM
+    from tokenloom.worker import model_runner as runner
+
+    asked = []
+    monkeypatch.setattr(
+        runner.ModelRunner, "reserve_activation_memory", lambda self, tokens, dtype: asked.append(tokens) or True
+    )
+    llm = LLM(str(tiny_model_dir("llama_gqa")), max_num_batched_tokens=512, max_model_len=128)
+    params = SamplingParams(max_tokens=2, temperature=0)
+    llm.generate([[5] * 40], params)
+    assert asked == []  # a 40-token prefill
+    prompts = [[t] * 100 for t in range(7, 7 + core.RESERVE_FROM_TOKENS // 100 + 1)]  # no shared prefix
+    llm.generate(prompts, params)  # one step of 300 tokens
+    llm.generate([[t + 10] * 100 for t in range(4)], params)
+    assert asked == [512]

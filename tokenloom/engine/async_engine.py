@@ -100,8 +100,10 @@ class AsyncLLMEngine:
         request it froze the event loop that long), and every object alive now moves out of the
         garbage collector's view (``gc.freeze``): a full collection walked the ~220k objects of
         torch, the model and the tokenizer each time, again holding the GIL (docs/BENCHMARKS.md,
-        'Measurements behind design choices')."""
+        'Measurements behind design choices'). The heap for a full step's activations is
+        reserved too (EngineCore.reserve_activation_memory): not in the first large prefill."""
         self.engine.warm_up_grammars()
+        self.engine.reserve_activation_memory()
         gc.collect()
         gc.freeze()
 

@@ -29,6 +29,10 @@ from tokenloom.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("tokenloom")
 
+# A step of this many tokens first reserves the heap for a full step's activations: below it
+# the activations are a few MB, and a one-off run with a short prompt never pays the reserve.
+RESERVE_FROM_TOKENS = 256
+
 
 @dataclass(slots=True)
 class CoreStep:
@@ -81,7 +85,7 @@ class EngineCore:
             pipeline=loaded.pipeline,
         )
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len, self.runner.decodes_ahead)
-        self.reserve_activation_memory()
+        self.heap_reserved = False  # reserve_activation_memory has run (before the first large step)
         self.grammars = GrammarCompiler(
             loaded.tokenizer.backend.to_str, loaded.config.vocab_size, sorted(self.eos_token_ids)
         )
@@ -132,9 +136,11 @@ class EngineCore:
 
     def reserve_activation_memory(self) -> bool:
         """Grow the heap for one full step's activations now (ModelRunner.reserve_activation_memory):
-        at start-up, and again after other code in the process has taken the freed heap. A step
-        computes at most max_num_batched_tokens, and no more than the KV cache holds (each token
-        it computes writes there): a one-context cache of 192 tokens needs no 8,192-token reserve."""
+        before the first step of RESERVE_FROM_TOKENS or more (a server also at start-up), and again
+        after other code in the process has taken the freed heap. A step computes at most
+        max_num_batched_tokens, and no more than the KV cache holds (each token it computes
+        writes there): a one-context cache of 192 tokens needs no 8,192-token reserve."""
+        self.heap_reserved = True
         step_tokens = min(self.config.scheduler.max_num_batched_tokens, self.runner.kv_cache.num_tokens)
         return self.runner.reserve_activation_memory(step_tokens, parse_dtype(self.config.dtype))
 
@@ -187,6 +193,8 @@ class EngineCore:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return CoreStep([])
+        if not self.heap_reserved and sched.num_tokens >= RESERVE_FROM_TOKENS:
+            self.reserve_activation_memory()  # in 2 MiB pages now, not page-faulted in 4 KiB by the step
         out = self.runner.execute(sched)
         seconds, used = time.perf_counter() - started, self.block_manager.num_used_blocks  # what the step ran on
         if self.cpu_share is not None:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenloom.memory.zero_pages import lazy_zeros
 from tokenloom.models.config import ModelConfig
 
 KV_SCALE_BYTES = 4  # one float32 scale per (token, kv head) in an int8 cache
@@ -100,15 +101,18 @@ class PagedKVCache:
         self.kv_cache_dtype = kv_cache_dtype
         self.device = torch.device(device)
 
+        def zeros(size: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+            # on the CPU, pages that read as zero until written: no memset of a cache sized for
+            # the whole context, and only the blocks a run writes become resident
+            if self.device.type == "cpu":
+                return lazy_zeros(size, dtype)
+            return torch.zeros(size, dtype=dtype, device=device)
+
         def layer_cache(i: int):
             size = shape if i in self.layers else (0, *shape[1:])
             if kv_cache_dtype == "int8":
-                return Int8Cache(
-                    torch.zeros(size, dtype=torch.int8, device=device),
-                    torch.zeros(size[:3], dtype=torch.float32, device=device),
-                    dtype,
-                )
-            return torch.zeros(size, dtype=dtype, device=device)
+                return Int8Cache(zeros(size, torch.int8), zeros(size[:3], torch.float32), dtype)
+            return zeros(size, dtype)
 
         self.keys = [layer_cache(i) for i in range(model.num_layers)]
         self.values = [layer_cache(i) for i in range(model.num_layers)]

@@ -8,11 +8,10 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import llguidance
-
 from tokenloom.structured.spec import StructuredOutput
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # llguidance is imported where a grammar is first needed: a plain run never loads it
+    import llguidance
     from llguidance._lib import JsonCompileOptions
 
 # llguidance meters its work in "fuel"; these caps make a pathological schema or regex fail
@@ -58,6 +57,8 @@ class GrammarCompiler:
     @property
     def tokenizer(self) -> llguidance.LLTokenizer:
         if self._tokenizer is None:
+            import llguidance
+
             self._tokenizer = llguidance.LLTokenizer(
                 self._tokenizer_json(), n_vocab=self._vocab_size, eos_token=self._eos or None
             )  # None: its own guess
@@ -90,6 +91,8 @@ class GrammarCompiler:
             if spec in self._cache:
                 self._cache.move_to_end(spec)
                 return self._cache[spec]
+        import llguidance
+
         matcher = llguidance.LLMatcher(
             self.tokenizer,
             _to_grammar(spec),
@@ -107,6 +110,8 @@ class GrammarCompiler:
 
 
 def _to_grammar(spec: StructuredOutput) -> str:
+    import llguidance
+
     M = llguidance.LLMatcher
     try:
         if spec.kind == "json_object":

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
-import llguidance
 import torch
+
+if TYPE_CHECKING:  # imported by the first constrained step: a plain run never loads llguidance
+    import llguidance
 
 
 class MaskStep:
@@ -22,6 +25,8 @@ class MaskStep:
 
     def __init__(self, matchers: list[llguidance.LLMatcher], vocab_size: int) -> None:
         if MaskStep._executor is None:
+            import llguidance
+
             MaskStep._executor = llguidance.LLExecutor()
         words = (vocab_size + 31) // 32
         self.bitmask = torch.full((len(matchers), words), -1, dtype=torch.int32)  # (rows, vocab/32): bit = allowed

@@ -389,3 +389,26 @@ def test_the_weights_bar_leaves_the_terminal_to_the_log_lines(default_gguf_path)
     shown = [line for line in _screen_lines(text) if line]
     assert not any("loading weights" in line for line in shown), shown  # and cleared
     assert any(line.startswith("tokenloom: sampling settings") for line in shown), shown
+
+
+def test_the_command_runs_exit_handlers_and_keeps_its_exit_code(tiny_model_dir):
+    """`tokenloom` skips Python's module teardown at exit, but not the atexit handlers (a chat's
+    history save), the whole answer on stdout, or the exit code."""
+    code = (
+        "import atexit, sys\n"
+        "atexit.register(lambda: print('handler ran', file=sys.stderr))\n"
+        "from tokenloom.entrypoints.cli import console_main\n"
+        "sys.argv = ['tokenloom', *sys.argv[1:]]\n"
+        "console_main()\n"
+    )
+    model = str(tiny_model_dir("llama_gqa"))
+    run = [sys.executable, "-c", code, "generate", "-m", model, "--temp", "0", "-n", "5", "--no-display-prompt"]
+    done = subprocess.run([*run, "The quick"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "handler ran" in done.stderr
+    from tokenloom import LLM, SamplingParams
+
+    want = LLM(model, kv_cache_memory=8 << 20).generate("The quick", SamplingParams(max_tokens=5, temperature=0))
+    assert done.stdout.strip() == want[0].outputs[0].text.strip()
+    failed = subprocess.run([*run, "--top-p", "7", "hi"], capture_output=True, text=True, timeout=120)
+    assert failed.returncode == 2 and "handler ran" in failed.stderr
