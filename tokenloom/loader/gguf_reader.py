@@ -1,8 +1,9 @@
 """A GGUF file's metadata and tensor table, read straight from a memory map.
 
 ``gguf.GGUFReader`` builds a numpy view per metadata element, which is slow for a
-262k-token vocabulary; this reader parses the header with ``struct`` (string arrays in one
-pass, numeric arrays as one ``numpy.frombuffer``) and leaves tensor bytes in the map:
+262k-token vocabulary; this reader parses the header with ``struct`` (numeric arrays as one
+``numpy.frombuffer``; a string array is walked past and decoded at its first use, so a look at
+the chat template does not decode the vocabulary) and leaves tensor bytes in the map:
 ``GGUFTensorInfo.raw()`` is a zero-copy uint8 view of one tensor's bytes, read from disk
 only when touched. Layout (GGUF v2/v3, little-endian): magic, version, tensor count, KV
 count, KV pairs, tensor infos, padding to ``general.alignment``, tensor data.
@@ -43,6 +44,33 @@ _NUMPY = {
 
 class GGUFFormatError(ValueError):
     """The bytes are not a GGUF file this reader understands."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Strings:
+    """Where a metadata string array lies in the header: `count` strings in bytes [pos, end)."""
+
+    pos: int
+    end: int
+    count: int
+
+
+class _Fields(dict):
+    """Metadata key -> value, a string array decoded (by `decode`) the first time it is read."""
+
+    def __init__(self, decode) -> None:
+        super().__init__()
+        self._decode = decode
+
+    def __getitem__(self, key: str) -> object:
+        value = super().__getitem__(key)
+        if isinstance(value, _Strings):
+            value = self._decode(value)
+            super().__setitem__(key, value)
+        return value
+
+    def get(self, key: str, default: object = None) -> object:
+        return self[key] if key in self else default  # noqa: SIM401  (self.get is this method)
 
 
 @dataclass
@@ -124,7 +152,7 @@ class GGUFReader:
         if version not in (2, 3):
             raise GGUFFormatError(f"GGUF version {version} is not supported (2 and 3 are)")
         n_tensors, n_kv = self._scalar("<Q"), self._scalar("<Q")
-        self.fields: dict[str, object] = {}
+        self.fields: dict[str, object] = _Fields(self._decode_strings)
         for _ in range(n_kv):
             key = self._string()
             self.fields[key] = self._value(self._scalar("<I"))
@@ -162,7 +190,7 @@ class GGUFReader:
     def _string(self) -> str:
         return self._read(self._scalar("<Q")).decode("utf-8", errors="replace")
 
-    def _value(self, kind: int):
+    def _value(self, kind: int, nested: bool = False):
         if kind in _SCALARS:
             return self._scalar(_SCALARS[kind])
         if kind == _STRING:
@@ -176,17 +204,29 @@ class GGUFReader:
             self._pos += array.nbytes
             return array.tolist()
         if item == _STRING:
-            return self._strings(count)
-        return [self._value(item) for _ in range(count)]
+            strings = self._skip_strings(count)
+            return self._decode_strings(strings) if nested else strings
+        return [self._value(item, nested=True) for _ in range(count)]
 
-    def _strings(self, count: int) -> list[str]:
-        buf, pos, out = self._map, self._pos, []
+    def _skip_strings(self, count: int) -> _Strings:
+        """Walk past `count` strings (their lengths only): where they lie."""
+        start, pos, end = self._pos, self._pos, len(self._map)
         unpack = struct.Struct("<Q").unpack_from
         for _ in range(count):
+            pos += 8 + unpack(self._map, pos)[0]
+            if pos > end:
+                raise GGUFFormatError(f"file ends at byte {end} inside a string array (truncated?)")
+        self._pos = pos
+        return _Strings(start, pos, count)
+
+    def _decode_strings(self, strings: _Strings) -> list[str]:
+        buf, pos, out = self._map, strings.pos, []
+        unpack = struct.Struct("<Q").unpack_from
+        for _ in range(strings.count):
             (n,) = unpack(buf, pos)
             out.append(buf[pos + 8 : pos + 8 + n].decode("utf-8", errors="replace"))
             pos += 8 + n
-        self._pos = pos
+        release_map_pages(buf, strings.pos, strings.end - strings.pos)  # read again, dropped again
         return out
 
     def _tensor_info(self) -> tuple[str, list[int], int, int]:

@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 
 from tokenloom.engine.args import EngineArgs
+from tokenloom.entrypoints.cli import resume_collection
 
 # The one command-specific default of the engine options: a CLI session runs one conversation, so
 # its KV cache holds one full context (serve keeps EngineArgs' 1 GiB).
@@ -33,10 +34,13 @@ def make_llm(args: argparse.Namespace):
     if joined is not None and joined[0] > 0:
         from tokenloom.distributed.worker import worker_main
 
+        resume_collection()  # a worker rank runs until rank 0 leaves
         worker_main(*joined, "env://", options.create_engine_config(), options.cpu_threads)
         raise SystemExit(0)
     fields = dataclasses.asdict(options)
-    return LLM(fields.pop("model"), progress=True, **fields)
+    llm = LLM(fields.pop("model"), progress=True, **fields)
+    resume_collection()  # start-up's objects are loaded for good
+    return llm
 
 
 def check_engine_flags(args: argparse.Namespace) -> None:
