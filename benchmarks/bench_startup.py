@@ -47,6 +47,8 @@ def configurations(args) -> dict[str, tuple[list[str], dict | None]]:
     folder, gguf = hub.float32_folder(), hub.pull()
     ours = [sys.executable, "-m", "tokenloom", "generate", "--temp", "0", "-n", "8", "--no-display-prompt"]
     runs = {
+        # the floor of any engine on torch: a process that prints once torch is imported
+        "python -c 'import torch' (no engine)": ([sys.executable, "-c", "import torch; print('x')"], None),
         "tokenloom (HF folder, float32)": (ours + ["-m", str(folder), PROMPT], None),
         f"tokenloom ({gguf.name})": (ours + ["-m", str(gguf), PROMPT], None),
     }
