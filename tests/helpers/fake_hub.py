@@ -30,6 +30,7 @@ class Repo:
     files: dict[str, bytes]
     gated_token: str | None = None  # the token that opens a gated repo; None: public
     sha: str = field(default="")
+    tags: tuple[str, ...] = ()  # revisions besides "main" and the sha that name this commit (v1.0)
 
     def __post_init__(self) -> None:
         digest = hashlib.sha1(b"".join(p.encode() + hashlib.sha1(b).digest() for p, b in sorted(self.files.items())))
@@ -73,7 +74,7 @@ class FakeHub:
                 return _error(401, "GatedRepo", f"Access to model {org}/{name} is restricted. Please log in.")
             if given != f"Bearer {repo.gated_token}":
                 return _error(403, "GatedRepo", f"Access to model {org}/{name} is restricted to authorized users.")
-        if rev not in ("main", repo.sha):
+        if rev not in ("main", repo.sha, *repo.tags):
             return _error(404, "RevisionNotFound", f"Invalid rev id: {rev}")
         return repo
 

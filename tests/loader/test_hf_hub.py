@@ -73,7 +73,9 @@ def hub_repos(tiny_model_dir, tmp_path_factory):
     hf_files = Repo.from_folder(folder).files
     repos = {
         "tl/tiny": Repo(hf_files | {"pytorch_model.bin": b"a .bin copy nobody should fetch"}),
-        "tl/tiny-GGUF": Repo({"README.md": b"# tiny", q8.name: q8.read_bytes(), q4.name: q4.read_bytes()}),
+        "tl/tiny-GGUF": Repo(
+            {"README.md": b"# tiny", q8.name: q8.read_bytes(), q4.name: q4.read_bytes()}, tags=("v1.0", "v2.0")
+        ),
         "tl/gated": Repo(hf_files, gated_token="hf_secret"),
         "tl/split-GGUF": Repo.from_folder(made / "split"),
         "tl/pytorch-only": Repo({"config.json": hf_files["config.json"], "pytorch_model.bin": b"weights"}),
@@ -166,6 +168,17 @@ def test_offline_uses_the_cache_and_says_what_is_cached(hub, hub_repos, monkeypa
     assert hf_hub.fetch(parse_name("tl/tiny-GGUF:Q8_0")).read_bytes() == hub_repos[2].read_bytes()
     with pytest.raises(HubError, match=r"tl/tiny is not in the Hub cache and HF_HUB_OFFLINE=1.*cached: tl/tiny-GGUF"):
         hf_hub.fetch(parse_name("tl/tiny"))
+
+
+def test_offline_finds_a_revision_by_the_tag_it_was_pulled_by(hub, hub_repos, monkeypatch):
+    """`ORG/REPO:QUANT@TAG` pulled online is found offline by the same name (the cache's refs
+    name the tag's commit); another tag of the same commit, never asked for, is not cached."""
+    online = hf_hub.fetch(parse_name("tl/tiny-GGUF:Q8_0@v1.0"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert hf_hub.fetch(parse_name("tl/tiny-GGUF:Q8_0@v1.0")) == online
+    assert online.read_bytes() == hub_repos[2].read_bytes()
+    with pytest.raises(HubError, match=r"tl/tiny-GGUF:Q8_0@v2.0 is not in the Hub cache and HF_HUB_OFFLINE=1"):
+        hf_hub.fetch(parse_name("tl/tiny-GGUF:Q8_0@v2.0"))
 
 
 def test_the_hub_out_of_reach_names_offline_mode_and_uses_the_cache(hub, hub_repos, monkeypatch):
