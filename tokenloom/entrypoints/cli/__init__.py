@@ -7,15 +7,14 @@ commands, and torch with them, are imported.
 from __future__ import annotations
 
 import atexit
-import gc
 import os
 import sys
 import threading
 from typing import NoReturn
 
-__all__ = ["console_main", "main", "resume_collection"]
+from tokenloom.entrypoints.cli.collection import pause_collection
 
-_collection_paused = False
+__all__ = ["console_main", "main"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,29 +24,14 @@ def main(argv: list[str] | None = None) -> int:
     return run(argv)
 
 
-def resume_collection() -> None:
-    """Once a command's model is loaded: where ``console_main`` paused the garbage collector, the
-    objects made so far leave its view (``gc.freeze``: torch's modules, the model, the vocabulary
-    are never garbage) and collection resumes for what the command makes from then on."""
-    global _collection_paused
-    if _collection_paused:
-        gc.freeze()
-        gc.enable()
-        _collection_paused = False
-
-
 def console_main() -> NoReturn:
     """The ``tokenloom`` command as a process.
 
-    Start-up makes about a million long-lived objects (torch's modules, a vocabulary), and the
-    collector's full passes over them found nothing and took ~0.2 s: collection is paused until
-    the model is loaded (``resume_collection``). After ``main()``, the exit handlers run
-    (``atexit``: a chat's history save, worker shutdowns, logging's flush) and the process
-    exits without Python's teardown of every module, which takes about half a second once torch
-    is imported. A process with a thread still running exits the usual way."""
-    global _collection_paused
-    gc.disable()
-    _collection_paused = True
+    The garbage collector is paused until the model is loaded (collection.py). After
+    ``main()``, the exit handlers run (``atexit``: a chat's history save, worker shutdowns,
+    logging's flush) and the process exits without Python's teardown of every module, which
+    takes about half a second once torch is imported. A process with a thread still running exits the usual way."""
+    pause_collection()
     code = main()
     if "torch" not in sys.modules or any(
         t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.main_thread()

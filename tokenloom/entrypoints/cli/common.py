@@ -7,7 +7,7 @@ import argparse
 import dataclasses
 
 from tokenloom.engine.args import EngineArgs
-from tokenloom.entrypoints.cli import resume_collection
+from tokenloom.entrypoints.cli.collection import resume_collection
 
 # The one command-specific default of the engine options: a CLI session runs one conversation, so
 # its KV cache holds one full context (serve keeps EngineArgs' 1 GiB).
