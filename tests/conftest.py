@@ -120,6 +120,8 @@ TINY_CONFIGS = {
         ),
     ),
     "qwen3": ("Qwen3Config", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=24)),
+    # every fourth layer attends without rope (layer 3 of 4)
+    "smollm3": ("SmolLM3Config", dict(num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=4)),
     # sliding then full layer, each with its own rope base; scale from query_pre_attn_scalar; soft-capped logits
     "gemma3": (
         "Gemma3TextConfig",

@@ -31,6 +31,7 @@ GGUF_ARCH = {
     "Gemma2ForCausalLM": "gemma2",
     "OlmoeForCausalLM": "olmoe",
     "StableLmForCausalLM": "stablelm",
+    "SmolLM3ForCausalLM": "smollm3",
 }
 
 # HF layer sub-name -> llama.cpp's blk.N.<name>
@@ -214,7 +215,7 @@ def _gguf_tensors(state: dict[str, torch.Tensor], arch: str, cfg: dict, stack_ex
             stacks.setdefault((int(m.group(1)), _EXPERT_KIND[m.group(3)]), {})[int(m.group(2))] = tensor
         else:
             layer, sub, kind = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", name).groups()
-            if arch == "llama" and sub in ("self_attn.q_proj", "self_attn.k_proj"):
+            if arch in ("llama", "smollm3") and sub in ("self_attn.q_proj", "self_attn.k_proj"):
                 tensor = llama_cpp_permute(tensor, heads if sub.endswith("q_proj") else kv_heads)
             if sub == "mlp.shared_expert_gate":
                 tensor = tensor.reshape(-1)

@@ -24,6 +24,7 @@ FAMILIES = [
     "llama3_rope_scaling",
     "qwen2",
     "qwen3",
+    "smollm3",
     "olmo2",
     "phi3_partial_rotary",
     "phi3_longrope",

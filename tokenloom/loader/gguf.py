@@ -58,6 +58,7 @@ _ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
     "qwen2moe": "Qwen2MoeForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
     "olmoe": "OlmoeForCausalLM",
@@ -68,6 +69,8 @@ _ARCHITECTURES = {
     "gemma3": "Gemma3ForCausalLM",
     "gpt2": "GPT2LMHeadModel",
 }
+# llama.cpp's converter interleaves q/k rows of these (LlamaModel.permute): undone on load
+_PERMUTED_QK = ("llama", "smollm3")
 # llama.cpp renormalizes the chosen experts' weights for these (build_moe_ffn's norm_w)
 _NORMALIZED_TOP_K = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False}
 
@@ -260,6 +263,8 @@ class GGUFFile:
             cfg |= self._gemma2_fields(cfg)
         if self.arch == "stablelm":
             cfg |= self._stablelm_fields(cfg)
+        if self.arch == "smollm3":  # llama.cpp's smollm3.cpp: every fourth layer without rope, fixed
+            cfg["no_rope_layer_interval"] = 4
         if self.arch_field("expert_count", 0):
             cfg |= self._moe_fields(cfg)
         return cfg
@@ -455,7 +460,7 @@ class GGUFFile:
         raise CheckpointError(f"GGUF tensor {name!r} has no known meaning for architecture {self.arch!r}")
 
     def _to_hf_layout(self, name: str, tensor, cfg: dict):
-        if self.arch == "llama" and re.search(r"\.attn_[qk]\.", name):
+        if self.arch in _PERMUTED_QK and re.search(r"\.attn_[qk]\.", name):
             heads = cfg["num_attention_heads"] if ".attn_q." in name else cfg["num_key_value_heads"]
             if isinstance(tensor, GGMLTensor):  # rows are independent blocks: permute them
                 return tensor.rows(unpermute_rope_rows(torch.arange(tensor.shape[0]), heads))

@@ -25,6 +25,7 @@ ARCHITECTURES: dict[str, Architecture] = {
         Architecture("MistralForCausalLM", "mistral", "tokenloom.models.llama", "LlamaForCausalLM"),
         Architecture("Qwen2ForCausalLM", "qwen2", "tokenloom.models.llama", "LlamaForCausalLM"),
         Architecture("Qwen3ForCausalLM", "qwen3", "tokenloom.models.llama", "LlamaForCausalLM"),
+        Architecture("SmolLM3ForCausalLM", "smollm3", "tokenloom.models.llama", "LlamaForCausalLM"),
         Architecture("MixtralForCausalLM", "mixtral", "tokenloom.models.moe", "MixtralForCausalLM"),
         Architecture("Qwen2MoeForCausalLM", "qwen2_moe", "tokenloom.models.moe", "MoeForCausalLM"),
         Architecture("Qwen3MoeForCausalLM", "qwen3_moe", "tokenloom.models.moe", "MoeForCausalLM"),

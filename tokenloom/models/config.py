@@ -120,6 +120,8 @@ class ModelConfig:
     attn_logit_softcapping: float | None = None  # attention scores soft-capped (Gemma 2)
     moe: MoeConfig | None = None  # mixture-of-experts MLPs (Mixtral, Qwen2/3-MoE)
     partial_rotary_factor: float = 1.0  # rope turns the first head_dim * this dims of each head
+    # per layer: whether rope turns q and k (SmolLM3 leaves every fourth layer unturned); None: every layer
+    rope_layers: tuple[bool, ...] | None = None
     parallel_residual: bool = False  # x + attn(ln(x)) + mlp(ln(x)) (StableLM's option)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -143,6 +145,8 @@ class ModelConfig:
                 raise ValueError(f"ModelConfig.{name} must be positive, got {getattr(self, name)}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.rope_layers is not None and len(self.rope_layers) != self.num_layers:
+            raise ValueError(f"rope_layers names {len(self.rope_layers)} layers, the model has {self.num_layers}")
         if self.layer_types is not None:
             if len(self.layer_types) != self.num_layers:
                 raise ValueError(f"layer_types names {len(self.layer_types)} layers, the model has {self.num_layers}")
@@ -208,6 +212,8 @@ class ModelConfig:
             fields |= _gemma2_fields(hf)
         if arch == "StableLmForCausalLM":
             fields |= _stablelm_fields(hf)
+        if arch == "SmolLM3ForCausalLM":
+            fields |= _smollm3_fields(hf)
         if arch in _MOE_ARCHITECTURES:
             fields["moe"] = _moe_of(hf, arch)
         return cls(**common, **fields)
@@ -239,7 +245,7 @@ def _llama_fields(hf: dict[str, Any], arch: str) -> dict[str, Any]:
     )
 
 
-_TIED_BY_DEFAULT = ("GPT2LMHeadModel", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
+_TIED_BY_DEFAULT = ("GPT2LMHeadModel", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "SmolLM3ForCausalLM")
 _MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM")
 _QWEN_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 
@@ -308,6 +314,14 @@ def _gemma2_fields(hf: dict[str, Any]) -> dict[str, Any]:
         final_logit_softcapping=hf.get("final_logit_softcapping", 30.0),
         attn_logit_softcapping=hf.get("attn_logit_softcapping", 50.0),
     )
+
+
+def _smollm3_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """SmolLM3: a Llama whose every no_rope_layer_interval-th layer (default 4) attends without rope;
+    transformers' no_rope_layers lists it per layer (1: rope)."""
+    layers, interval = hf["num_hidden_layers"], hf.get("no_rope_layer_interval", 4)
+    flags = hf.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(layers)]
+    return dict(rope_layers=tuple(bool(f) for f in flags), max_model_len=hf.get("max_position_embeddings", 32768))
 
 
 def _stablelm_fields(hf: dict[str, Any]) -> dict[str, Any]:

@@ -1,8 +1,8 @@
-"""Llama-family decoder: Llama 2/3, Mistral, SmolLM2, TinyLlama, Qwen2, Qwen3.
+"""Llama-family decoder: Llama 2/3, Mistral, SmolLM2/3, TinyLlama, Qwen2, Qwen3.
 
 The members differ only in flags on ModelConfig: q/k/v bias (Qwen2), per-head
 q/k RMSNorm (Qwen3), rope scaling (Llama 3), sliding window (Mistral), tied
-embeddings (SmolLM2, small Qwens).
+embeddings (SmolLM2, small Qwens), layers without rope (SmolLM3).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
-from tokenloom.attention.backend import AttentionShape, StepAttention, plan_attention
+from tokenloom.attention.backend import AttentionShape, LayerwiseAttention, StepAttention, plan_attention
 from tokenloom.kv_cache.paged import PagedKVCache
 from tokenloom.layers.embedding import uninitialized_embedding
 from tokenloom.layers.mlp import GatedMLP
@@ -101,6 +101,8 @@ class LlamaForCausalLM(CausalLM):
         self.attention_shape = AttentionShape(
             cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, scale, cfg.layer_windows(), cfg.attn_logit_softcapping
         )
+        # per layer 1: rope, 0: none (plan's two ops); None where every layer turns
+        self.rope_of_layer = None if cfg.rope_layers is None else [int(r) for r in cfg.rope_layers]
         self.tie_weights()
 
     def init_buffers(self, device: torch.device | str) -> None:
@@ -128,9 +130,15 @@ class LlamaForCausalLM(CausalLM):
         return h, self.plan(positions, meta, kv_cache, h.dtype)
 
     def plan(self, positions, meta, kv_cache: PagedKVCache, dtype: torch.dtype) -> StepAttention:
-        """The step's attention op for activations of `dtype`, rope planned in."""
-        rope = rope_cos_sin(self.inv_freq, positions, dtype, self.rope_scale)
-        return plan_attention(self.attention_shape, meta, kv_cache, rope)
+        """The step's attention op for activations of `dtype`, rope planned in. Layers without rope
+        (ModelConfig.rope_layers: SmolLM3) attend through an op planned with the identity turn
+        (cos 1, sin 0: q and k come out bit for bit as they went in), so every backend serves them."""
+        cos, sin = rope_cos_sin(self.inv_freq, positions, dtype, self.rope_scale)  # (T, 1, rotary_dim)
+        attend = plan_attention(self.attention_shape, meta, kv_cache, (cos, sin))
+        if self.rope_of_layer is None:
+            return attend
+        unturned = plan_attention(self.attention_shape, meta, kv_cache, (torch.ones_like(cos), torch.zeros_like(sin)))
+        return LayerwiseAttention([unturned, attend], self.rope_of_layer)
 
     def run_layers(self, h: torch.Tensor, attend: StepAttention) -> torch.Tensor:
         h, residual = self.run_layer_range(h, None, attend, range(len(self.model.layers)))
