@@ -133,3 +133,33 @@ def test_copying_with_discard_hands_back_the_old_pages():
     assert int(region.sum()) == source.numel()  # the copy is whole
     # the source's pages read back as zeros: all but the part-pages at each 1 MiB piece's ends
     assert int(source.sum()) <= 4 * 2 * 4096
+
+
+@needs_thp
+def test_a_weight_arena_cuts_aligned_buffers_until_full_then_torch_allocates():
+    with huge_pages.weight_arena(4 << 20):
+        a = huge_pages.empty((1000,), torch.float16)
+        b = huge_pages.empty((3 << 20,), torch.uint8)
+        too_big = huge_pages.empty((4 << 20,), torch.uint8)  # past the arena (4 MiB and its alignment slack)
+    after = huge_pages.empty((10,), torch.float32)
+    assert b.data_ptr() - a.data_ptr() == 2048  # 2000 bytes, rounded up to 64
+    assert a.data_ptr() % huge_pages.HUGE_PAGE == 0  # the arena starts on a 2 MiB boundary
+    assert smaps_of(a.data_ptr()).get("THPeligible") == "1"
+    assert not huge_pages.movable(a) and not huge_pages.movable(b)  # already where the move would put them
+    assert huge_pages.movable(too_big) and huge_pages.movable(after)  # torch's own
+    b.fill_(7)
+    assert int(b.sum()) == 7 * (3 << 20) and a.shape == (1000,) and b.dtype == torch.uint8
+
+
+@needs_thp
+def test_gguf_panels_load_into_the_arena_and_leave_nothing_to_move(default_gguf_path):
+    from tokenloom.loader.load import load_model
+    from tokenloom.quant.int8 import kernels
+
+    if not kernels.panels_available():
+        pytest.skip("no int8/int4 panel kernels built here")
+    model = load_model(str(default_gguf_path), prepare=False).model
+    qkv = model.model.layers[0].self_attn.qkv_proj  # Q4_1, loaded in three parts
+    assert qkv.panel_layout and not huge_pages.movable(qkv.qweight)
+    assert smaps_of(qkv.qweight.data_ptr()).get("THPeligible") == "1"
+    assert huge_pages.move_to_huge_pages(model) == 0  # norms are under MIN_BYTES: nothing left to copy

@@ -16,6 +16,7 @@ from tokenloom.distributed.pipeline import Pipeline, PipelineStage
 from tokenloom.distributed.shard import TensorParallelError, TensorShard
 from tokenloom.loader.safetensors import CheckpointError, hf_eos_ids, iter_safetensors, read_json, safetensors_files
 from tokenloom.loader.weights import load_weights
+from tokenloom.memory import huge_pages
 from tokenloom.memory.allocator import release_free_memory
 from tokenloom.models.base import CausalLM
 from tokenloom.models.config import ModelConfig, parse_dtype
@@ -45,6 +46,7 @@ class Checkpoint:
     eos_token_ids: set[int]
     tensor_types: dict[str, int] | None = None  # GGUF only: HF tensor name -> its GGML type
     sampling_defaults: SamplingDefaults = FALLBACK  # the model's recommended sampling settings, if any
+    weight_bytes: int = 0  # GGUF only: the bytes of its tensors (every shard's)
 
 
 @dataclass
@@ -115,6 +117,7 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
             g.eos_token_ids(),
             g.tensor_types(),
             from_gguf_metadata(g.field),
+            sum(t.nbytes for t in g.tensors),
         )
     config_path = path / "config.json"
     if not config_path.is_file():
@@ -239,7 +242,9 @@ def load_model(
     if saved is not None:
         load_saved_state(model, tensors)
     else:
-        load_weights(model, tensors)
+        # blocks re-laid as they load land in 2 MiB pages (no copy by prepare_for_inference)
+        with huge_pages.weight_arena(ckpt.weight_bytes if keep_blocks and torch.device(device).type == "cpu" else 0):
+            load_weights(model, tensors)
     if keep_blocks:
         assert ckpt.tensor_types is not None  # blocks are kept from a GGUF file only
         log.info("GGUF weights: %s", describe_weights(model, ckpt.tensor_types))

@@ -12,11 +12,12 @@ Linux grants such pages to ranges marked ``MADV_HUGEPAGE`` when transparent huge
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import os
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -151,3 +152,49 @@ def _arena(nbytes: int) -> tuple[torch.Tensor, int]:
     region.madvise(mmap.MADV_HUGEPAGE)
     arena = torch.frombuffer(region, dtype=torch.uint8)  # holds the map for as long as it lives
     return arena, -arena.data_ptr() % HUGE_PAGE
+
+
+class WeightArena:
+    """One anonymous map marked for huge pages that a load's weight buffers are cut from, in
+    order: buffers written as the weights load (GGUF blocks re-laid as panels) land in 2 MiB
+    pages at once, and ``move_to_huge_pages`` has nothing to copy for them (a view of the map is
+    not ``movable``). Pages past what was cut are never touched, so a generous `capacity` costs
+    address space only."""
+
+    def __init__(self, capacity: int) -> None:
+        self.arena, self.base = _arena(capacity)
+        self.used = 0
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        """An uninitialized tensor cut from the arena; None where it no longer fits."""
+        size = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        start = self.base + self.used
+        if start + size > self.arena.numel():
+            return None
+        self.used += _aligned(size)
+        return self.arena[start : start + size].view(dtype).view(shape)
+
+
+_current: list[WeightArena] = []  # the arena of the load in progress (load_model), innermost last
+
+
+@contextlib.contextmanager
+def weight_arena(capacity: int) -> Iterator[None]:
+    """Within: ``empty`` cuts buffers from a fresh WeightArena of `capacity` bytes where huge
+    pages can be had (else it is torch.empty)."""
+    if not available() or capacity < HUGE_PAGE:
+        yield
+        return
+    _current.append(WeightArena(capacity))
+    try:
+        yield
+    finally:
+        _current.pop()
+
+
+def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialized CPU tensor: from the current load's arena (``weight_arena``) while it has
+    room, else torch.empty."""
+    if _current and (t := _current[-1].empty(shape, dtype)) is not None:
+        return t
+    return torch.empty(shape, dtype=dtype)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tokenloom.memory import huge_pages
 from tokenloom.quant.gguf.tensor import KERNEL_TYPES, GGMLTensor, ops
 
 PANEL = 16
@@ -136,12 +137,12 @@ def to_panels(t: GGMLTensor, in_cpp: bool = True) -> GGUFPanels:
     planes, _, per16, offs, dtype = LAYOUTS[t.kind]
     n, k = t.shape
     p, nb = n // PANEL, k // 32
-    lo = torch.empty(p, nb, 4, 64, dtype=torch.uint8)
-    hi = torch.empty(p, nb, planes, 64, dtype=torch.uint8) if planes else None
-    scale = torch.empty((p, nb, 2, PANEL) if per16 else (p, nb, PANEL), dtype=dtype)
-    offset = torch.empty_like(scale) if offs else None
-    dsup = torch.empty(p, nb // 8, PANEL) if t.kind in K_QUANTS else None
-    msup = torch.empty_like(dsup) if dsup is not None and offs else None
+    lo = huge_pages.empty((p, nb, 4, 64), torch.uint8)  # from the load's huge-page arena, if any
+    hi = huge_pages.empty((p, nb, planes, 64), torch.uint8) if planes else None
+    scale = huge_pages.empty((p, nb, 2, PANEL) if per16 else (p, nb, PANEL), dtype)
+    offset = huge_pages.empty(tuple(scale.shape), dtype) if offs else None
+    dsup = huge_pages.empty((p, nb // 8, PANEL), torch.float32) if t.kind in K_QUANTS else None
+    msup = huge_pages.empty((p, nb // 8, PANEL), torch.float32) if dsup is not None and offs else None
     panels = GGUFPanels(t.kind, lo, hi, scale, offset, k, dsup, msup)
     kernels = ops()
     if in_cpp and kernels is not None and hasattr(kernels, "relay_panels"):  # csrc/panel_relay.h

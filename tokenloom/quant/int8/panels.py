@@ -26,6 +26,7 @@ from typing import Any, cast
 
 import torch
 
+from tokenloom.memory import huge_pages
 from tokenloom.quant.int8.formats import BLOCK, QuantizedTensor, on_half_grid, pack_int4, unpack_int4
 
 PANEL = 16
@@ -69,11 +70,12 @@ def to_panels(t: QuantizedTensor) -> QuantizedTensor:
 
 
 def empty(bits: int, n: int, k: int, group_size: int) -> QuantizedTensor:
-    """Uninitialized panel-layout buffers for an (n, k) weight (n a multiple of 16)."""
+    """Uninitialized panel-layout buffers for an (n, k) weight (n a multiple of 16), from the
+    load's huge-page arena where there is one (memory/huge_pages.py)."""
     p, groups = n // PANEL, k // group_size
-    data = torch.empty(p, k // BLOCK, 4 if bits == 4 else 8, 64, dtype=torch.uint8)
-    scales = torch.empty(p, groups, PANEL, dtype=torch.float16)
-    offsets = torch.empty(p, groups, PANEL, dtype=torch.float16) if bits == 4 else None
+    data = huge_pages.empty((p, k // BLOCK, 4 if bits == 4 else 8, 64), torch.uint8)
+    scales = huge_pages.empty((p, groups, PANEL), torch.float16)
+    offsets = huge_pages.empty((p, groups, PANEL), torch.float16) if bits == 4 else None
     return QuantizedTensor(bits, data, scales, offsets, group_size)
 
 
