@@ -141,7 +141,7 @@ def test_a_weight_arena_cuts_aligned_buffers_until_full_then_torch_allocates():
         a = huge_pages.empty((1000,), torch.float16)
         b = huge_pages.empty((3 << 20,), torch.uint8)
         too_big = huge_pages.empty((4 << 20,), torch.uint8)  # past the arena (4 MiB and its alignment slack)
-    after = huge_pages.empty((10,), torch.float32)
+    after = huge_pages.empty((1 << 17,), torch.float32)  # outside weight_arena
     assert b.data_ptr() - a.data_ptr() == 2048  # 2000 bytes, rounded up to 64
     assert a.data_ptr() % huge_pages.HUGE_PAGE == 0  # the arena starts on a 2 MiB boundary
     assert smaps_of(a.data_ptr()).get("THPeligible") == "1"
