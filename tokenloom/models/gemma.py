@@ -18,11 +18,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tokenloom.attention.backend import LayerwiseAttention, StepAttention, plan_attention
+from tokenloom.attention.backend import StepAttention
 from tokenloom.kv_cache.paged import PagedKVCache
 from tokenloom.layers.mlp import GatedMLP
 from tokenloom.layers.norms import RMSNorm
-from tokenloom.layers.rope import rope_cos_sin, rope_inv_freq
 from tokenloom.models.config import ModelConfig
 from tokenloom.models.llama import LlamaAttention, LlamaForCausalLM
 
@@ -57,38 +56,18 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
 
     decoder_layer = Gemma3DecoderLayer
 
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__(cfg)
-        local_rope = cfg.local_rope or cfg.rope
-        assert local_rope is not None  # rotary positions (LlamaForCausalLM)
-        self.register_buffer("local_inv_freq", rope_inv_freq(local_rope, cfg.head_dim), persistent=False)
-        self.attend_of_layer = [int(w is not None) for w in cfg.layer_windows()]  # 1: local (sliding)
-
     def transform_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """Gemma's norms scale by (1 + w): keep 1 + w, computed in float32 as HF does per call."""
         if name.endswith("norm.weight"):
             return 1.0 + tensor.float()
         return tensor
 
-    def init_buffers(self, device: torch.device | str) -> None:
-        super().init_buffers(device)
-        local_rope = self.config.local_rope or self.config.rope
-        assert local_rope is not None  # rotary positions (LlamaForCausalLM)
-        self.local_inv_freq = rope_inv_freq(local_rope, self.config.head_dim).to(device)
-
     def embed_and_plan(self, input_ids, positions, meta, kv_cache: PagedKVCache) -> tuple[torch.Tensor, StepAttention]:
-        """Scaled embeddings (T, hidden); sliding layers attend with the local rope base (Gemma 3)."""
+        """Scaled embeddings (T, hidden); sliding layers attend with the local rope base (Gemma 3:
+        LlamaForCausalLM.plan)."""
         h = self.model.embed_tokens(input_ids)  # (T, hidden)
         h = h * torch.tensor(self.config.hidden_size**0.5).to(h.dtype)
-        attend_full = plan_attention(
-            self.attention_shape, meta, kv_cache, rope_cos_sin(self.inv_freq, positions, h.dtype, self.rope_scale)
-        )
-        if self.config.local_rope is None:  # Gemma 2: one rope
-            return h, attend_full
-        attend_local = plan_attention(
-            self.attention_shape, meta, kv_cache, rope_cos_sin(self.local_inv_freq, positions, h.dtype)
-        )
-        return h, LayerwiseAttention([attend_full, attend_local], self.attend_of_layer)
+        return h, self.plan(positions, meta, kv_cache, h.dtype)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = super().compute_logits(hidden)

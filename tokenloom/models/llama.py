@@ -101,13 +101,19 @@ class LlamaForCausalLM(CausalLM):
         self.attention_shape = AttentionShape(
             cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, scale, cfg.layer_windows(), cfg.attn_logit_softcapping
         )
-        # per layer 1: rope, 0: none (plan's two ops); None where every layer turns
-        self.rope_of_layer = None if cfg.rope_layers is None else [int(r) for r in cfg.rope_layers]
+        if cfg.local_rope is not None:  # sliding layers turn by their own base (Gemma 3, OLMo 3)
+            local = rope_inv_freq(cfg.local_rope, cfg.rotary_dim, cfg.max_model_len)
+            self.register_buffer("local_inv_freq", local, persistent=False)
+            self.local_rope_scale = rope_attention_factor(cfg.local_rope)
+        self.rope_of_layer = _rope_of_layer(cfg)
         self.tie_weights()
 
     def init_buffers(self, device: torch.device | str) -> None:
-        assert self.config.rope is not None  # rotary positions (only GPT-2 has none)
-        self.inv_freq = rope_inv_freq(self.config.rope, self.config.rotary_dim, self.config.max_model_len).to(device)
+        c = self.config
+        assert c.rope is not None  # rotary positions (only GPT-2 has none)
+        self.inv_freq = rope_inv_freq(c.rope, c.rotary_dim, c.max_model_len).to(device)
+        if c.local_rope is not None:
+            self.local_inv_freq = rope_inv_freq(c.local_rope, c.rotary_dim, c.max_model_len).to(device)
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings and isinstance(self.lm_head, nn.Linear):  # not when quantized
@@ -130,15 +136,26 @@ class LlamaForCausalLM(CausalLM):
         return h, self.plan(positions, meta, kv_cache, h.dtype)
 
     def plan(self, positions, meta, kv_cache: PagedKVCache, dtype: torch.dtype) -> StepAttention:
-        """The step's attention op for activations of `dtype`, rope planned in. Layers without rope
-        (ModelConfig.rope_layers: SmolLM3) attend through an op planned with the identity turn
-        (cos 1, sin 0: q and k come out bit for bit as they went in), so every backend serves them."""
+        """The step's attention op for activations of `dtype`, rope planned in: one op per rope
+        the layers use (``_rope_of_layer``). Sliding layers of a model with a local rope turn by
+        its tables; layers without rope (ModelConfig.rope_layers: SmolLM3) attend through an op
+        planned with the identity turn (cos 1, sin 0: q and k come out bit for bit as they went
+        in), so every backend serves them all."""
         cos, sin = rope_cos_sin(self.inv_freq, positions, dtype, self.rope_scale)  # (T, 1, rotary_dim)
         attend = plan_attention(self.attention_shape, meta, kv_cache, (cos, sin))
         if self.rope_of_layer is None:
             return attend
-        unturned = plan_attention(self.attention_shape, meta, kv_cache, (torch.ones_like(cos), torch.zeros_like(sin)))
-        return LayerwiseAttention([unturned, attend], self.rope_of_layer)
+        local = None
+        if self.config.local_rope is not None:
+            rope = rope_cos_sin(self.local_inv_freq, positions, dtype, self.local_rope_scale)
+            local = plan_attention(self.attention_shape, meta, kv_cache, rope)
+        unturned = None
+        if self.config.rope_layers is not None:
+            unturned = plan_attention(
+                self.attention_shape, meta, kv_cache, (torch.ones_like(cos), torch.zeros_like(sin))
+            )
+        ops = [attend, local or attend, unturned or attend]  # the indices _rope_of_layer gives
+        return LayerwiseAttention(ops, self.rope_of_layer)
 
     def run_layers(self, h: torch.Tensor, attend: StepAttention) -> torch.Tensor:
         h, residual = self.run_layer_range(h, None, attend, range(len(self.model.layers)))
@@ -153,3 +170,13 @@ class LlamaForCausalLM(CausalLM):
         for i in layers:
             h, residual = self.model.layers[i].forward(h, residual, attend, i)
         return h, residual
+
+
+def _rope_of_layer(cfg: ModelConfig) -> list[int] | None:
+    """Per layer, the rope its attention turns by (plan's ops): 0 the model's, 1 the local rope of
+    a sliding layer, 2 none; None where every layer uses the model's."""
+    if cfg.local_rope is None and cfg.rope_layers is None:
+        return None
+    windows, turns = cfg.layer_windows(), cfg.rope_layers or (True,) * cfg.num_layers
+    local = cfg.local_rope is not None
+    return [2 if not turns[i] else 1 if local and windows[i] is not None else 0 for i in range(cfg.num_layers)]
