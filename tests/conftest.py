@@ -224,6 +224,20 @@ TINY_CONFIGS = {
         ),
     ),
     "olmo2": ("Olmo2Config", dict(num_attention_heads=4, num_key_value_heads=2)),
+    # three sliding layers and a full one, each kind with its own rope base
+    "olmo3": (
+        "Olmo3Config",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_hidden_layers=4,
+            sliding_window=6,
+            rope_parameters={
+                "full_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 500.0},
+            },
+        ),
+    ),
     # LayerNorm with bias, a quarter of each head rotated, q/k/v bias, per-head q/k LayerNorm
     "stablelm": (
         "StableLmConfig",

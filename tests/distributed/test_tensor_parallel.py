@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from tokenloom import LLM, SamplingParams
+from tokenloom.distributed.pipeline import PipelineStage
 from tokenloom.distributed.shard import TensorParallelError, TensorShard
 from tokenloom.loader.load import load_checkpoint
 
@@ -88,8 +89,11 @@ def test_the_plan_refuses_what_does_not_split(tiny_model_dir):
     with pytest.raises(TensorParallelError, match="must divide num_attention_heads 4"):
         TensorShard(0, 3).check(config, model_class(config))
     gemma = load_checkpoint(tiny_model_dir("gemma3")).config
-    with pytest.raises(TensorParallelError, match="not Gemma3ForCausalLM"):
+    with pytest.raises(TensorParallelError, match="not Gemma3ForCausalLM: its layers .* no split"):
         TensorShard(0, 2).check(gemma, model_class(gemma))
+    olmo3 = load_checkpoint(tiny_model_dir("olmo3")).config
+    with pytest.raises(TensorParallelError, match="pipeline parallelism .* not Olmo3ForCausalLM: .*one process"):
+        PipelineStage(0, 2, olmo3.num_layers).check(olmo3, model_class(olmo3))
     with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
         LLM(str(tiny_model_dir("llama_gqa")), tensor_parallel_size=0)
     with pytest.raises(TensorParallelError, match="exceeds the model's 2 layers"):

@@ -32,6 +32,7 @@ GGUF_ARCH = {
     "OlmoeForCausalLM": "olmoe",
     "StableLmForCausalLM": "stablelm",
     "SmolLM3ForCausalLM": "smollm3",
+    "Olmo3ForCausalLM": "olmo2",  # with a sliding window, as conversion/olmo.py writes it
 }
 
 # HF layer sub-name -> llama.cpp's blk.N.<name>
@@ -134,7 +135,12 @@ def _write_metadata(w: gguf.GGUFWriter, arch: str, cfg: dict) -> None:
         w.add_bool("stablelm.use_parallel_residual", cfg["use_parallel_residual"])
     else:
         w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg["rms_norm_eps"])
-    w.add_float32(f"{arch}.rope.freq_base", rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    full = rope.get("full_attention") or rope  # per layer type (OLMo 3): the full layers' base
+    w.add_float32(f"{arch}.rope.freq_base", full.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    if cfg["architectures"][0] == "Olmo3ForCausalLM":  # conversion/olmo.py; the swa base as llama.cpp reads it
+        w.add_uint32("olmo2.attention.sliding_window", cfg["sliding_window"])
+        w.add_array("olmo2.attention.sliding_window_pattern", [t == "sliding_attention" for t in cfg["layer_types"]])
+        w.add_float32("olmo2.rope.freq_base_swa", cfg["rope_parameters"]["sliding_attention"]["rope_theta"])
     if arch == "phi3":
         w.add_uint32("phi3.attention.sliding_window", cfg.get("sliding_window") or 0)
     if arch == "gemma2":

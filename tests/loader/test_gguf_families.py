@@ -26,6 +26,7 @@ FAMILIES = [
     "qwen3",
     "smollm3",
     "olmo2",
+    "olmo3",
     "phi3_partial_rotary",
     "phi3_longrope",
     "gemma2",

@@ -51,8 +51,9 @@ class PipelineStage:
     def check(self, config: ModelConfig, model_class: type) -> None:
         if model_class.__name__ not in TENSOR_PARALLEL_CLASSES:
             raise TensorParallelError(
-                f"pipeline parallelism is implemented for Llama, Mistral, Qwen2/3 and their "
-                f"MoE models (Qwen2-MoE, Qwen3-MoE, Mixtral), not {config.architecture}"
+                f"pipeline parallelism is implemented for Llama, Mistral, SmolLM3, Qwen2/3 and their "
+                f"MoE models (Qwen2-MoE, Qwen3-MoE, Mixtral), not {config.architecture}: its layers "
+                "(their own norms and attention) have no split across ranks yet; run it in one process"
             )
         if self.size > config.num_layers:
             raise TensorParallelError(

@@ -50,8 +50,9 @@ class TensorShard:
         """TensorParallelError naming what does not divide, or the architecture that is not split."""
         if model_class.__name__ not in TENSOR_PARALLEL_CLASSES:
             raise TensorParallelError(
-                f"tensor parallelism is implemented for Llama, Mistral, Qwen2/3 and their "
-                f"MoE models (Qwen2-MoE, Qwen3-MoE, Mixtral), not {config.architecture}"
+                f"tensor parallelism is implemented for Llama, Mistral, SmolLM3, Qwen2/3 and their "
+                f"MoE models (Qwen2-MoE, Qwen3-MoE, Mixtral), not {config.architecture}: its layers "
+                "(their own norms and attention) have no split across ranks yet; run it in one process"
             )
         sizes = {"num_attention_heads": config.num_heads, "intermediate_size": config.intermediate_size}
         if config.moe is not None:

@@ -265,6 +265,8 @@ class GGUFFile:
             cfg |= self._stablelm_fields(cfg)
         if self.arch == "smollm3":  # llama.cpp's smollm3.cpp: every fourth layer without rope, fixed
             cfg["no_rope_layer_interval"] = 4
+        if self.arch == "olmo2" and self.arch_field("attention.sliding_window"):
+            cfg |= self._olmo3_fields(cfg)
         if self.arch_field("expert_count", 0):
             cfg |= self._moe_fields(cfg)
         return cfg
@@ -278,6 +280,22 @@ class GGUFFile:
             "query_pre_attn_scalar": _gemma_query_scalar(cfg, 46),
             "attn_logit_softcapping": self.arch_field("attn_logit_softcapping"),
             "final_logit_softcapping": self.arch_field("final_logit_softcapping"),
+        }
+
+    def _olmo3_fields(self, cfg: dict) -> dict:
+        """OLMo 3, which llama.cpp writes as `olmo2` with a sliding window: its sliding layers
+        (sliding_window_pattern, else all but every fourth) turn by rope.freq_base_swa (else the
+        model's base) without the full layers' rope scaling, as llama.cpp's olmo2.cpp runs them."""
+        layers = cfg["num_hidden_layers"]
+        pattern = self.arch_field("attention.sliding_window_pattern") or [(i + 1) % 4 != 0 for i in range(layers)]
+        full = {"rope_theta": cfg["rope_theta"]} | dict(cfg.pop("rope_scaling", None) or {})
+        local = {"rope_theta": self.arch_field("rope.freq_base_swa", cfg["rope_theta"])}
+        return {
+            "architectures": ["Olmo3ForCausalLM"],
+            "model_type": "olmo3",
+            "sliding_window": self.arch_field("attention.sliding_window"),
+            "layer_types": ["sliding_attention" if slides else "full_attention" for slides in pattern],
+            "rope_parameters": {"full_attention": full, "sliding_attention": local},
         }
 
     def _stablelm_fields(self, cfg: dict) -> dict:

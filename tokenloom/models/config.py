@@ -214,6 +214,8 @@ class ModelConfig:
             fields |= _stablelm_fields(hf)
         if arch == "SmolLM3ForCausalLM":
             fields |= _smollm3_fields(hf)
+        if arch == "Olmo3ForCausalLM":
+            fields |= _olmo3_fields(hf)
         if arch in _MOE_ARCHITECTURES:
             fields["moe"] = _moe_of(hf, arch)
         return cls(**common, **fields)
@@ -322,6 +324,32 @@ def _smollm3_fields(hf: dict[str, Any]) -> dict[str, Any]:
     layers, interval = hf["num_hidden_layers"], hf.get("no_rope_layer_interval", 4)
     flags = hf.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(layers)]
     return dict(rope_layers=tuple(bool(f) for f in flags), max_model_len=hf.get("max_position_embeddings", 32768))
+
+
+def _olmo3_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """OLMo 3 (transformers' Olmo3Config): OLMo 2's layers, every fourth one full attention and the
+    rest sliding (layer_types); rope parameters per layer type, rope scaling on the full layers
+    only (the older spelling: rope_theta for both, rope_scaling for the full ones)."""
+    layers = hf["num_hidden_layers"]
+    layer_types = hf.get("layer_types") or [
+        "sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(layers)
+    ]
+    params = hf.get("rope_parameters") or {}
+    if "full_attention" in params:
+        full, local = dict(params["full_attention"]), dict(params.get("sliding_attention") or {})
+    else:
+        theta = params.get("rope_theta", hf.get("rope_theta", 500_000.0))
+        full, local = dict(hf.get("rope_scaling") or {}) | {"rope_theta": theta}, {"rope_theta": theta}
+    full.setdefault("rope_theta", 500_000.0)
+    local.setdefault("rope_theta", full["rope_theta"])
+    rope, local_rope = _rope_of(hf | {"rope_parameters": full}), _rope_of(hf | {"rope_parameters": local})
+    return dict(
+        layer_types=tuple(layer_types),
+        sliding_window=hf.get("sliding_window", 4096),
+        rope=rope,
+        local_rope=None if local_rope == rope else local_rope,
+        max_model_len=hf.get("max_position_embeddings", 65536),
+    )
 
 
 def _stablelm_fields(hf: dict[str, Any]) -> dict[str, Any]:
