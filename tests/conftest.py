@@ -224,6 +224,8 @@ TINY_CONFIGS = {
         ),
     ),
     "olmo2": ("Olmo2Config", dict(num_attention_heads=4, num_key_value_heads=2)),
+    # four norms a layer, half of each head turned in interleaved pairs, q/k/v bias
+    "glm4": ("Glm4Config", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16)),
     # three sliding layers and a full one, each kind with its own rope base
     "olmo3": (
         "Olmo3Config",

@@ -33,6 +33,7 @@ GGUF_ARCH = {
     "StableLmForCausalLM": "stablelm",
     "SmolLM3ForCausalLM": "smollm3",
     "Olmo3ForCausalLM": "olmo2",  # with a sliding window, as conversion/olmo.py writes it
+    "Glm4ForCausalLM": "glm4",
 }
 
 # HF layer sub-name -> llama.cpp's blk.N.<name>
@@ -60,6 +61,11 @@ _BLOCK = {
 }
 _OLMO2_BLOCK = _BLOCK | {"post_attention_layernorm": "post_attention_norm"}
 _GEMMA_BLOCK = _BLOCK | {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm"}
+_GLM4_BLOCK = _BLOCK | {
+    "post_self_attn_layernorm": "post_attention_norm",
+    "post_mlp_layernorm": "post_ffw_norm",
+    "mlp.gate_up_proj": "ffn_up",
+}
 _EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
 _EXPERT_KIND = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
 _QUANTIZED = re.compile(r"blk\.\d+\.(attn_[qkv]|attn_output|ffn_(gate|up|down)(_exps|_shexp)?)\.weight")
@@ -202,7 +208,7 @@ def _write_tokenizer(w: gguf.GGUFWriter, folder: Path, vocab_size: int) -> None:
 
 def _gguf_tensors(state: dict[str, torch.Tensor], arch: str, cfg: dict, stack_experts: bool):
     """(llama.cpp name, tensor) pairs; each layer's experts stacked into one tensor per kind."""
-    block = {"olmo2": _OLMO2_BLOCK, "gemma2": _GEMMA_BLOCK}.get(arch, _BLOCK)
+    block = {"olmo2": _OLMO2_BLOCK, "gemma2": _GEMMA_BLOCK, "glm4": _GLM4_BLOCK}.get(arch, _BLOCK)
     heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
     stacks: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
     top = {

@@ -27,6 +27,7 @@ FAMILIES = [
     "smollm3",
     "olmo2",
     "olmo3",
+    "glm4",
     "phi3_partial_rotary",
     "phi3_longrope",
     "gemma2",

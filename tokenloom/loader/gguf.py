@@ -59,6 +59,7 @@ _ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
+    "glm4": "Glm4ForCausalLM",
     "qwen2moe": "Qwen2MoeForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
     "olmoe": "OlmoeForCausalLM",
@@ -116,6 +117,13 @@ _GEMMA_BLOCK_NAMES = _LLAMA_BLOCK_NAMES | {
     "post_attention_norm": "post_attention_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
+# GLM-4's four norms under its own HF names, and its gate and up stored as one ffn_up
+_GLM4_BLOCK_NAMES = _LLAMA_BLOCK_NAMES | {
+    "post_attention_norm": "post_self_attn_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_mlp_layernorm",
+    "ffn_up": "mlp.gate_up_proj",
+}
 _GPT2_NAMES = {
     "token_embd.weight": "transformer.wte.weight",
     "position_embd.weight": "transformer.wpe.weight",
@@ -141,6 +149,7 @@ _NAME_TABLES = {
     "gemma3": (_LLAMA_NAMES, _GEMMA_BLOCK_NAMES),
     "gemma2": (_LLAMA_NAMES, _GEMMA_BLOCK_NAMES),
     "olmo2": (_LLAMA_NAMES, _OLMO2_BLOCK_NAMES),
+    "glm4": (_LLAMA_NAMES, _GLM4_BLOCK_NAMES),
     "phi3": (_LLAMA_NAMES, _PHI3_BLOCK_NAMES),
     "stablelm": (_STABLELM_NAMES, _LLAMA_BLOCK_NAMES),
 }
@@ -265,6 +274,11 @@ class GGUFFile:
             cfg |= self._stablelm_fields(cfg)
         if self.arch == "smollm3":  # llama.cpp's smollm3.cpp: every fourth layer without rope, fixed
             cfg["no_rope_layer_interval"] = 4
+        if self.arch == "glm4":  # q/k/v bias where the file has it
+            cfg["attention_bias"] = "blk.0.attn_q.bias" in self.tensor_names
+            # rope.dimension_count equal to head_dim (no factor set above) means every dim turns:
+            # said outright, since GLM's HF default is half
+            cfg.setdefault("partial_rotary_factor", 1.0)
         if self.arch == "olmo2" and self.arch_field("attention.sliding_window"):
             cfg |= self._olmo3_fields(cfg)
         if self.arch_field("expert_count", 0):

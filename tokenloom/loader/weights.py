@@ -63,6 +63,9 @@ def load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor | Qu
         if model.is_ignored_checkpoint_key(name) or name in aliases:
             continue
         param_name, shard = map_name(model, name)
+        order = model.checkpoint_rows(name)
+        if order is not None:
+            tensor = tensor.rows(order) if isinstance(tensor, (GGMLTensor, QuantizedTensor)) else tensor[order]
         if param_name in quantized:
             owner = _load_quantized(model, quantized[param_name], name, param_name, shard, tensor)
             filled_quantized.setdefault(id(owner), set()).add(shard)

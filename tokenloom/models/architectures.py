@@ -33,6 +33,7 @@ ARCHITECTURES: dict[str, Architecture] = {
         Architecture("OlmoeForCausalLM", "olmoe", "tokenloom.models.moe", "OlmoeForCausalLM"),
         Architecture("Olmo2ForCausalLM", "olmo2", "tokenloom.models.olmo2", "Olmo2ForCausalLM"),
         Architecture("Olmo3ForCausalLM", "olmo3", "tokenloom.models.olmo2", "Olmo2ForCausalLM"),
+        Architecture("Glm4ForCausalLM", "glm4", "tokenloom.models.glm4", "Glm4ForCausalLM"),
         Architecture("StableLmForCausalLM", "stablelm", "tokenloom.models.stablelm", "StableLmForCausalLM"),
         Architecture("Gemma2ForCausalLM", "gemma2", "tokenloom.models.gemma", "Gemma2ForCausalLM"),
         Architecture("Gemma3ForCausalLM", "gemma3_text", "tokenloom.models.gemma", "Gemma3ForCausalLM"),

@@ -110,5 +110,10 @@ class CausalLM(nn.Module):
     def transform_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         return tensor
 
+    def checkpoint_rows(self, name: str) -> torch.Tensor | None:
+        """The order (an index) in which to read the rows of checkpoint tensor `name`, for float
+        and GGUF-block tensors alike; None: as stored (GLM-4's interleaved rope pairs)."""
+        return None
+
     def tie_weights(self) -> None:
         """Share the output projection with the input embedding when the config says so."""

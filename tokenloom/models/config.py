@@ -216,6 +216,8 @@ class ModelConfig:
             fields |= _smollm3_fields(hf)
         if arch == "Olmo3ForCausalLM":
             fields |= _olmo3_fields(hf)
+        if arch == "Glm4ForCausalLM":
+            fields |= _glm4_fields(hf)
         if arch in _MOE_ARCHITECTURES:
             fields["moe"] = _moe_of(hf, arch)
         return cls(**common, **fields)
@@ -324,6 +326,19 @@ def _smollm3_fields(hf: dict[str, Any]) -> dict[str, Any]:
     layers, interval = hf["num_hidden_layers"], hf.get("no_rope_layer_interval", 4)
     flags = hf.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(layers)]
     return dict(rope_layers=tuple(bool(f) for f in flags), max_model_len=hf.get("max_position_embeddings", 32768))
+
+
+def _glm4_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """GLM-4 (transformers' Glm4Config defaults): q/k/v bias without an output bias, half of each
+    head turned by rope."""
+    partial = _rope_params(hf).get("partial_rotary_factor", hf.get("partial_rotary_factor") or 0.5)
+    return dict(
+        attention_bias=hf.get("attention_bias", True),
+        o_proj_bias=False,
+        partial_rotary_factor=partial,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
+        max_model_len=hf.get("max_position_embeddings", 131072),
+    )
 
 
 def _olmo3_fields(hf: dict[str, Any]) -> dict[str, Any]:
