@@ -134,3 +134,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     if rotary < x.shape[-1]:
         return torch.cat([apply_rope(x[..., :rotary], cos, sin), x[..., rotary:]], dim=-1)
     return x * cos + _rotate_half(x) * sin
+
+
+def interleaved_to_halves(head_dim: int, rotary_dim: int, heads: int) -> torch.Tensor:
+    """Row order (heads * head_dim,) that turns each head's interleaved rotary pairs (2i, 2i + 1)
+    into rotate-half pairs (i, i + rotary_dim / 2); dims past rotary_dim stay where they are.
+    Attention scores depend on q and k only through their dot products, so q and k read in this
+    order and turned rotate-half give the interleaved rope's scores exactly."""
+    # on the CPU: models are built under torch.device("meta"), and an index is read, not loaded
+    cpu = torch.device("cpu")
+    halves = [torch.arange(0, rotary_dim, 2, device=cpu), torch.arange(1, rotary_dim, 2, device=cpu)]
+    one = torch.cat([*halves, torch.arange(rotary_dim, head_dim, device=cpu)])
+    return torch.cat([one + h * head_dim for h in range(heads)])

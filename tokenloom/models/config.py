@@ -122,6 +122,10 @@ class ModelConfig:
     partial_rotary_factor: float = 1.0  # rope turns the first head_dim * this dims of each head
     # per layer: whether rope turns q and k (SmolLM3 leaves every fourth layer unturned); None: every layer
     rope_layers: tuple[bool, ...] | None = None
+    # rope turns pairs (2i, 2i + 1) of each head, not (i, i + d/2) (GLM-4, Cohere 2): the q/k rows
+    # are read re-ordered at load (LlamaForCausalLM.checkpoint_rows), the same scores
+    rope_interleaved: bool = False
+    logit_scale: float = 1.0  # logits times this (Cohere 2)
     parallel_residual: bool = False  # x + attn(ln(x)) + mlp(ln(x)) (StableLM's option)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -336,6 +340,7 @@ def _glm4_fields(hf: dict[str, Any]) -> dict[str, Any]:
         attention_bias=hf.get("attention_bias", True),
         o_proj_bias=False,
         partial_rotary_factor=partial,
+        rope_interleaved=True,
         head_dim=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
         max_model_len=hf.get("max_position_embeddings", 131072),
     )

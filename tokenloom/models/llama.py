@@ -17,7 +17,7 @@ from tokenloom.kv_cache.paged import PagedKVCache
 from tokenloom.layers.embedding import uninitialized_embedding
 from tokenloom.layers.mlp import GatedMLP
 from tokenloom.layers.norms import RMSNorm
-from tokenloom.layers.rope import rope_attention_factor, rope_cos_sin, rope_inv_freq
+from tokenloom.layers.rope import interleaved_to_halves, rope_attention_factor, rope_cos_sin, rope_inv_freq
 from tokenloom.models.base import CausalLM
 from tokenloom.models.config import ModelConfig
 
@@ -106,7 +106,22 @@ class LlamaForCausalLM(CausalLM):
             self.register_buffer("local_inv_freq", local, persistent=False)
             self.local_rope_scale = rope_attention_factor(cfg.local_rope)
         self.rope_of_layer = _rope_of_layer(cfg)
+        self._qk_rows = None  # q and k rows in the order rotate-half rope needs (interleaved rope)
+        if cfg.rope_interleaved:
+            self._qk_rows = (
+                interleaved_to_halves(cfg.head_dim, cfg.rotary_dim, cfg.num_heads),
+                interleaved_to_halves(cfg.head_dim, cfg.rotary_dim, cfg.num_kv_heads),
+            )
         self.tie_weights()
+
+    def checkpoint_rows(self, name: str) -> torch.Tensor | None:
+        """With an interleaved rope (GLM-4, Cohere 2): q and k projections (weights and biases)
+        read with each head's rotary pairs as rotate-half pairs (rope.interleaved_to_halves)."""
+        if self._qk_rows is not None and ".self_attn.q_proj." in name:
+            return self._qk_rows[0]
+        if self._qk_rows is not None and ".self_attn.k_proj." in name:
+            return self._qk_rows[1]
+        return None
 
     def init_buffers(self, device: torch.device | str) -> None:
         c = self.config
