@@ -226,6 +226,12 @@ TINY_CONFIGS = {
     "olmo2": ("Olmo2Config", dict(num_attention_heads=4, num_key_value_heads=2)),
     # four norms a layer, half of each head turned in interleaved pairs, q/k/v bias
     "glm4": ("Glm4Config", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16)),
+    # one LayerNorm, attention and MLP side by side; three sliding layers with interleaved rope, a
+    # full one without; q/k/v/o bias; logits scaled
+    "cohere2": (
+        "Cohere2Config",
+        dict(num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=4, sliding_window=6, attention_bias=True),
+    ),
     # three sliding layers and a full one, each kind with its own rope base
     "olmo3": (
         "Olmo3Config",

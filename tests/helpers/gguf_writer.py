@@ -34,6 +34,7 @@ GGUF_ARCH = {
     "SmolLM3ForCausalLM": "smollm3",
     "Olmo3ForCausalLM": "olmo2",  # with a sliding window, as conversion/olmo.py writes it
     "Glm4ForCausalLM": "glm4",
+    "Cohere2ForCausalLM": "cohere2",
 }
 
 # HF layer sub-name -> llama.cpp's blk.N.<name>
@@ -139,6 +140,10 @@ def _write_metadata(w: gguf.GGUFWriter, arch: str, cfg: dict) -> None:
     if arch == "stablelm":  # LayerNorm; conversion's StableLMModel
         w.add_float32("stablelm.attention.layer_norm_epsilon", cfg["layer_norm_eps"])
         w.add_bool("stablelm.use_parallel_residual", cfg["use_parallel_residual"])
+    elif arch == "cohere2":  # LayerNorm; conversion/command_r.py's Cohere2Model
+        w.add_float32("cohere2.attention.layer_norm_epsilon", cfg["layer_norm_eps"])
+        w.add_float32("cohere2.logit_scale", cfg["logit_scale"])
+        w.add_uint32("cohere2.attention.sliding_window", cfg["sliding_window"])
     else:
         w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg["rms_norm_eps"])
     full = rope.get("full_attention") or rope  # per layer type (OLMo 3): the full layers' base
@@ -219,6 +224,9 @@ def _gguf_tensors(state: dict[str, torch.Tensor], arch: str, cfg: dict, stack_ex
     }
     head_norms: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
     for name, tensor in state.items():
+        if arch == "cohere2" and name.endswith(".bias"):  # the converter drops them: all zero, it checks
+            assert not tensor.any(), f"{name} is not zero"
+            continue
         if m := re.fullmatch(r"model\.layers\.(\d+)\.self_attn\.([qk])_layernorm\.norms\.(\d+)\.weight", name):
             head_norms.setdefault((int(m.group(1)), m.group(2)), {})[int(m.group(3))] = tensor
         elif name in top:

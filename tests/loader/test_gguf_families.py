@@ -28,6 +28,7 @@ FAMILIES = [
     "olmo2",
     "olmo3",
     "glm4",
+    "cohere2",
     "phi3_partial_rotary",
     "phi3_longrope",
     "gemma2",

@@ -60,6 +60,7 @@ _ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
     "glm4": "Glm4ForCausalLM",
+    "cohere2": "Cohere2ForCausalLM",
     "qwen2moe": "Qwen2MoeForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
     "olmoe": "OlmoeForCausalLM",
@@ -279,6 +280,13 @@ class GGUFFile:
             # rope.dimension_count equal to head_dim (no factor set above) means every dim turns:
             # said outright, since GLM's HF default is half
             cfg.setdefault("partial_rotary_factor", 1.0)
+        if self.arch == "cohere2":  # llama.cpp's cohere2.cpp: LayerNorm, every fourth layer full, no biases kept
+            cfg |= {
+                "layer_norm_eps": self.arch_field("attention.layer_norm_epsilon", 1e-5),
+                "logit_scale": self.arch_field("logit_scale", 1.0),
+                "sliding_window": self.arch_field("attention.sliding_window"),
+                "attention_bias": "blk.0.attn_q.bias" in self.tensor_names,
+            }
         if self.arch == "olmo2" and self.arch_field("attention.sliding_window"):
             cfg |= self._olmo3_fields(cfg)
         if self.arch_field("expert_count", 0):

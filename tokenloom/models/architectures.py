@@ -34,6 +34,7 @@ ARCHITECTURES: dict[str, Architecture] = {
         Architecture("Olmo2ForCausalLM", "olmo2", "tokenloom.models.olmo2", "Olmo2ForCausalLM"),
         Architecture("Olmo3ForCausalLM", "olmo3", "tokenloom.models.olmo2", "Olmo2ForCausalLM"),
         Architecture("Glm4ForCausalLM", "glm4", "tokenloom.models.glm4", "Glm4ForCausalLM"),
+        Architecture("Cohere2ForCausalLM", "cohere2", "tokenloom.models.cohere2", "Cohere2ForCausalLM"),
         Architecture("StableLmForCausalLM", "stablelm", "tokenloom.models.stablelm", "StableLmForCausalLM"),
         Architecture("Gemma2ForCausalLM", "gemma2", "tokenloom.models.gemma", "Gemma2ForCausalLM"),
         Architecture("Gemma3ForCausalLM", "gemma3_text", "tokenloom.models.gemma", "Gemma3ForCausalLM"),

@@ -222,6 +222,8 @@ class ModelConfig:
             fields |= _olmo3_fields(hf)
         if arch == "Glm4ForCausalLM":
             fields |= _glm4_fields(hf)
+        if arch == "Cohere2ForCausalLM":
+            fields |= _cohere2_fields(hf)
         if arch in _MOE_ARCHITECTURES:
             fields["moe"] = _moe_of(hf, arch)
         return cls(**common, **fields)
@@ -253,7 +255,13 @@ def _llama_fields(hf: dict[str, Any], arch: str) -> dict[str, Any]:
     )
 
 
-_TIED_BY_DEFAULT = ("GPT2LMHeadModel", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "SmolLM3ForCausalLM")
+_TIED_BY_DEFAULT = (
+    "GPT2LMHeadModel",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
+    "SmolLM3ForCausalLM",
+    "Cohere2ForCausalLM",
+)
 _MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM")
 _QWEN_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 
@@ -330,6 +338,27 @@ def _smollm3_fields(hf: dict[str, Any]) -> dict[str, Any]:
     layers, interval = hf["num_hidden_layers"], hf.get("no_rope_layer_interval", 4)
     flags = hf.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(layers)]
     return dict(rope_layers=tuple(bool(f) for f in flags), max_model_len=hf.get("max_position_embeddings", 32768))
+
+
+def _cohere2_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """Cohere 2 (transformers' Cohere2Config defaults): LayerNorm epsilon, attention and the MLP on
+    one normed input, every fourth layer full attention and without rope, the others sliding and
+    turned in interleaved pairs; logits scaled."""
+    layers = hf["num_hidden_layers"]
+    layer_types = hf.get("layer_types") or [
+        "sliding_attention" if (i + 1) % hf.get("sliding_window_pattern", 4) else "full_attention"
+        for i in range(layers)
+    ]
+    return dict(
+        norm_eps=hf.get("layer_norm_eps", 1e-5),
+        parallel_residual=True,
+        sliding_window=hf.get("sliding_window", 4096),
+        layer_types=tuple(layer_types),
+        rope_layers=tuple(t == "sliding_attention" for t in layer_types),
+        rope_interleaved=True,
+        logit_scale=hf.get("logit_scale", 0.0625),
+        max_model_len=hf.get("max_position_embeddings", 8192),
+    )
 
 
 def _glm4_fields(hf: dict[str, Any]) -> dict[str, Any]:
