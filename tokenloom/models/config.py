@@ -8,6 +8,7 @@ by the same fields, so the model code reads flags instead of architecture names.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -210,20 +211,8 @@ class ModelConfig:
             )
         _refuse_unimplemented(hf, arch, _IMPLEMENTED.get(arch, ()))
         fields = _llama_fields(hf, arch)
-        if arch == "Gemma3ForCausalLM":
-            fields |= _gemma3_fields(hf)
-        if arch == "Gemma2ForCausalLM":
-            fields |= _gemma2_fields(hf)
-        if arch == "StableLmForCausalLM":
-            fields |= _stablelm_fields(hf)
-        if arch == "SmolLM3ForCausalLM":
-            fields |= _smollm3_fields(hf)
-        if arch == "Olmo3ForCausalLM":
-            fields |= _olmo3_fields(hf)
-        if arch == "Glm4ForCausalLM":
-            fields |= _glm4_fields(hf)
-        if arch == "Cohere2ForCausalLM":
-            fields |= _cohere2_fields(hf)
+        if arch in _FAMILY_FIELDS:
+            fields |= _FAMILY_FIELDS[arch](hf)
         if arch in _MOE_ARCHITECTURES:
             fields["moe"] = _moe_of(hf, arch)
         return cls(**common, **fields)
@@ -306,7 +295,7 @@ def _gemma3_fields(hf: dict[str, Any]) -> dict[str, Any]:
         local_rope=local,
         qk_norm=True,
         sliding_window=hf.get("sliding_window", 4096),
-        layer_types=tuple(_gemma3_layer_types(hf)),
+        layer_types=_layer_types(hf, 6),
         hidden_act=hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh",
         query_pre_attn_scalar=hf.get("query_pre_attn_scalar", 256),
         final_logit_softcapping=hf.get("final_logit_softcapping"),
@@ -344,16 +333,12 @@ def _cohere2_fields(hf: dict[str, Any]) -> dict[str, Any]:
     """Cohere 2 (transformers' Cohere2Config defaults): LayerNorm epsilon, attention and the MLP on
     one normed input, every fourth layer full attention and without rope, the others sliding and
     turned in interleaved pairs; logits scaled."""
-    layers = hf["num_hidden_layers"]
-    layer_types = hf.get("layer_types") or [
-        "sliding_attention" if (i + 1) % hf.get("sliding_window_pattern", 4) else "full_attention"
-        for i in range(layers)
-    ]
+    layer_types = _layer_types(hf, 4)
     return dict(
         norm_eps=hf.get("layer_norm_eps", 1e-5),
         parallel_residual=True,
         sliding_window=hf.get("sliding_window", 4096),
-        layer_types=tuple(layer_types),
+        layer_types=layer_types,
         rope_layers=tuple(t == "sliding_attention" for t in layer_types),
         rope_interleaved=True,
         logit_scale=hf.get("logit_scale", 0.0625),
@@ -379,10 +364,6 @@ def _olmo3_fields(hf: dict[str, Any]) -> dict[str, Any]:
     """OLMo 3 (transformers' Olmo3Config): OLMo 2's layers, every fourth one full attention and the
     rest sliding (layer_types); rope parameters per layer type, rope scaling on the full layers
     only (the older spelling: rope_theta for both, rope_scaling for the full ones)."""
-    layers = hf["num_hidden_layers"]
-    layer_types = hf.get("layer_types") or [
-        "sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(layers)
-    ]
     params = hf.get("rope_parameters") or {}
     if "full_attention" in params:
         full, local = dict(params["full_attention"]), dict(params.get("sliding_attention") or {})
@@ -393,7 +374,7 @@ def _olmo3_fields(hf: dict[str, Any]) -> dict[str, Any]:
     local.setdefault("rope_theta", full["rope_theta"])
     rope, local_rope = _rope_of(hf | {"rope_parameters": full}), _rope_of(hf | {"rope_parameters": local})
     return dict(
-        layer_types=tuple(layer_types),
+        layer_types=_layer_types(hf, 4),
         sliding_window=hf.get("sliding_window", 4096),
         rope=rope,
         local_rope=None if local_rope == rope else local_rope,
@@ -413,6 +394,17 @@ def _stablelm_fields(hf: dict[str, Any]) -> dict[str, Any]:
         partial_rotary_factor=_rope_params(hf).get("partial_rotary_factor", hf.get("partial_rotary_factor") or 0.25),
     )
 
+
+# what a family reads differently from a Llama config.json, on top of _llama_fields
+_FAMILY_FIELDS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    "Gemma3ForCausalLM": _gemma3_fields,
+    "Gemma2ForCausalLM": _gemma2_fields,
+    "StableLmForCausalLM": _stablelm_fields,
+    "SmolLM3ForCausalLM": _smollm3_fields,
+    "Olmo3ForCausalLM": _olmo3_fields,
+    "Glm4ForCausalLM": _glm4_fields,
+    "Cohere2ForCausalLM": _cohere2_fields,
+}
 
 # fields an architecture implements among those _refuse_unimplemented checks
 _IMPLEMENTED = {
@@ -449,12 +441,14 @@ def _refuse_unimplemented(hf: dict[str, Any], arch: str, implemented: tuple[str,
         )
 
 
-def _gemma3_layer_types(hf: dict[str, Any]) -> list[str]:
-    """HF's layer_types, else every sliding_window_pattern-th layer full (default 6)."""
-    pattern = hf.get("sliding_window_pattern", 6)
-    return hf.get("layer_types") or [
-        "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(hf["num_hidden_layers"])
-    ]
+def _layer_types(hf: dict[str, Any], pattern: int) -> tuple[str, ...]:
+    """HF's layer_types, else every sliding_window_pattern-th layer full (default `pattern`: Gemma 3
+    6, OLMo 3 and Cohere 2 4) and the others sliding."""
+    every = hf.get("sliding_window_pattern", pattern)
+    return tuple(
+        hf.get("layer_types")
+        or ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(hf["num_hidden_layers"])]
+    )
 
 
 def _sliding_of(hf: dict[str, Any], arch: str) -> tuple[int | None, tuple[str, ...] | None]:
