@@ -246,6 +246,30 @@ TINY_CONFIGS = {
             },
         ),
     ),
+    # sinks, sliding then full layer, YaRN past a short original length, top-2 of 4 experts with
+    # router bias, clamped SwiGLU with a limit small enough to bite
+    "gpt_oss": (
+        "GptOssConfig",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            intermediate_size=32,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=6,
+            swiglu_limit=0.5,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 150000.0,
+                "factor": 4.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 32,
+            },
+        ),
+    ),
     # LayerNorm with bias, a quarter of each head rotated, q/k/v bias, per-head q/k LayerNorm
     "stablelm": (
         "StableLmConfig",

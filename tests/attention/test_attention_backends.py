@@ -44,8 +44,9 @@ def count_runs(monkeypatch) -> list[list[int]]:
         "gemma2",
         "phi3_partial_rotary",
         "stablelm",
+        "gpt_oss",
     ],
-)  # soft-cap; partial rotary
+)  # soft-cap; partial rotary; sinks
 @pytest.mark.parametrize("quantization", [None, "int4"])
 def test_decoding_on_the_kernel_backend_gives_the_same_bits(tiny_model_dir, monkeypatch, arch, quantization):
     folder = str(tiny_model_dir(arch))

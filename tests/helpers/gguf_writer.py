@@ -35,6 +35,7 @@ GGUF_ARCH = {
     "Olmo3ForCausalLM": "olmo2",  # with a sliding window, as conversion/olmo.py writes it
     "Glm4ForCausalLM": "glm4",
     "Cohere2ForCausalLM": "cohere2",
+    "GptOssForCausalLM": "gpt-oss",
 }
 
 # HF layer sub-name -> llama.cpp's blk.N.<name>
@@ -67,6 +68,12 @@ _GLM4_BLOCK = _BLOCK | {
     "post_mlp_layernorm": "post_ffw_norm",
     "mlp.gate_up_proj": "ffn_up",
 }
+_GPT_OSS_BLOCK = _BLOCK | {
+    "post_attention_layernorm": "post_attention_norm",
+    "mlp.router": "ffn_gate_inp",
+}
+# gpt-oss's stacked experts: (experts, in, out) matrices with gate and up interleaved by column
+_GPT_OSS_EXPERTS = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?")
 _EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
 _EXPERT_KIND = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
 _QUANTIZED = re.compile(r"blk\.\d+\.(attn_[qkv]|attn_output|ffn_(gate|up|down)(_exps|_shexp)?)\.weight")
@@ -84,6 +91,7 @@ def write_gguf(
     stack_experts: bool = True,
     extra: dict[str, int | float] | None = None,
     split_max_tensors: int = 0,
+    experts_only: bool = False,
 ) -> Path:
     """`folder` (config.json, model.safetensors, tokenizer.json) -> GGUF at `path`; matrices as
     `quantize` ("Q8_0", "Q4_0", ...) where their rows fit its blocks, else float32. Experts are
@@ -91,7 +99,8 @@ def write_gguf(
     the first Mixtral GGUFs were written). `extra`: more metadata keys (ints as uint32, floats
     as float32), e.g. general.sampling.*. `split_max_tensors`: shards of at most that many
     tensors, named PATH-0000i-of-0000N.gguf as llama.cpp's gguf-split names them (the first
-    shard's path is returned)."""
+    shard's path is returned). `experts_only`: quantize the stacked experts alone (gpt-oss's GGUFs
+    keep MXFP4 experts beside wider attention weights)."""
     cfg = json.loads((folder / "config.json").read_text())
     arch = GGUF_ARCH[cfg["architectures"][0]]
     w = gguf.GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors)
@@ -101,7 +110,8 @@ def write_gguf(
     _write_tokenizer(w, folder, cfg["vocab_size"])
     for name, tensor in _gguf_tensors(load_file(str(folder / "model.safetensors")), arch, cfg, stack_experts):
         array = tensor.float().numpy()
-        if quantize and _QUANTIZED.fullmatch(name) and array.shape[-1] % 32 == 0:
+        chosen = _QUANTIZED.fullmatch(name) and (not experts_only or "_exps." in name)
+        if quantize and chosen and array.shape[-1] % 32 == 0:
             kind = gguf.GGMLQuantizationType[quantize]
             w.add_tensor(name, gguf.quants.quantize(array, kind), raw_dtype=kind)
         else:
@@ -132,6 +142,9 @@ def _write_metadata(w: gguf.GGUFWriter, arch: str, cfg: dict) -> None:
         ints |= {"expert_count": experts, "expert_used_count": cfg["num_experts_per_tok"]}
         if "moe_intermediate_size" in cfg:
             ints["expert_feed_forward_length"] = cfg["moe_intermediate_size"]
+        if arch == "gpt-oss":  # conversion/gpt_oss.py: each expert's size is the MLP's
+            ints["expert_feed_forward_length"] = cfg["intermediate_size"]
+            ints["attention.sliding_window"] = cfg["sliding_window"]
         if cfg.get("shared_expert_intermediate_size"):
             ints["expert_shared_feed_forward_length"] = cfg["shared_expert_intermediate_size"]
     for key, value in ints.items():
@@ -154,6 +167,10 @@ def _write_metadata(w: gguf.GGUFWriter, arch: str, cfg: dict) -> None:
         w.add_float32("olmo2.rope.freq_base_swa", cfg["rope_parameters"]["sliding_attention"]["rope_theta"])
     if arch == "phi3":
         w.add_uint32("phi3.attention.sliding_window", cfg.get("sliding_window") or 0)
+    if rope.get("rope_type") == "yarn":  # TextModel.set_gguf_parameters
+        w.add_string(f"{arch}.rope.scaling.type", "yarn")
+        w.add_float32(f"{arch}.rope.scaling.factor", rope["factor"])
+        w.add_uint32(f"{arch}.rope.scaling.original_context_length", rope["original_max_position_embeddings"])
     if arch == "gemma2":
         w.add_uint32("gemma2.attention.sliding_window", cfg["sliding_window"])
         w.add_float32("gemma2.attn_logit_softcapping", cfg["attn_logit_softcapping"])
@@ -213,7 +230,9 @@ def _write_tokenizer(w: gguf.GGUFWriter, folder: Path, vocab_size: int) -> None:
 
 def _gguf_tensors(state: dict[str, torch.Tensor], arch: str, cfg: dict, stack_experts: bool):
     """(llama.cpp name, tensor) pairs; each layer's experts stacked into one tensor per kind."""
-    block = {"olmo2": _OLMO2_BLOCK, "gemma2": _GEMMA_BLOCK, "glm4": _GLM4_BLOCK}.get(arch, _BLOCK)
+    block = {"olmo2": _OLMO2_BLOCK, "gemma2": _GEMMA_BLOCK, "glm4": _GLM4_BLOCK, "gpt-oss": _GPT_OSS_BLOCK}.get(
+        arch, _BLOCK
+    )
     heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
     stacks: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
     top = {
@@ -229,6 +248,10 @@ def _gguf_tensors(state: dict[str, torch.Tensor], arch: str, cfg: dict, stack_ex
             continue
         if m := re.fullmatch(r"model\.layers\.(\d+)\.self_attn\.([qk])_layernorm\.norms\.(\d+)\.weight", name):
             head_norms.setdefault((int(m.group(1)), m.group(2)), {})[int(m.group(3))] = tensor
+        elif m := _GPT_OSS_EXPERTS.fullmatch(name):
+            yield from _gpt_oss_experts(int(m.group(1)), m.group(2), tensor, bias=bool(m.group(3)))
+        elif m := re.fullmatch(r"model\.layers\.(\d+)\.self_attn\.sinks", name):
+            yield f"blk.{m.group(1)}.attn_sinks.weight", tensor  # conversion/gpt_oss.py adds .weight
         elif name in top:
             yield top[name], tensor + 1 if arch == "gemma2" and name == "model.norm.weight" else tensor
         elif m := _EXPERT.fullmatch(name):
@@ -250,3 +273,15 @@ def _gguf_tensors(state: dict[str, torch.Tensor], arch: str, cfg: dict, stack_ex
             yield f"blk.{layer}.ffn_{kind}_exps.weight", torch.stack([experts[e] for e in sorted(experts)])
         else:
             yield from ((f"blk.{layer}.ffn_{kind}.{e}.weight", experts[e]) for e in sorted(experts))
+
+
+def _gpt_oss_experts(layer: int, kind: str, tensor: torch.Tensor, bias: bool):
+    """conversion/gpt_oss.py's split of a stacked gpt-oss expert tensor: matrices transposed to
+    (experts, out, in), gate_up's interleaved columns into ffn_gate_exps and ffn_up_exps."""
+    part = "bias" if bias else "weight"
+    t = tensor if bias else tensor.transpose(1, 2)  # (experts, out[, in])
+    if kind == "down_proj":
+        yield f"blk.{layer}.ffn_down_exps.{part}", t.contiguous()
+    else:
+        yield f"blk.{layer}.ffn_gate_exps.{part}", t[:, ::2].contiguous()
+        yield f"blk.{layer}.ffn_up_exps.{part}", t[:, 1::2].contiguous()

@@ -36,12 +36,15 @@ FAMILIES = [
     "qwen2_moe",
     "qwen3_moe",
     "olmoe",
+    "gpt_oss",
     "stablelm",
     "stablelm_parallel",
 ]
 # llama.cpp's GGUF does not store Gemma 2's query_pre_attn_scalar (head_dim is assumed): the
 # folder written out says so too
 GGUF_EXPRESSIBLE = {"gemma2": {"query_pre_attn_scalar": 32}}
+# nor gpt-oss's SwiGLU limit (llama.cpp fixes it at 7.0, as the released models have it)
+GGUF_EXPRESSIBLE["gpt_oss"] = {"swiglu_limit": 7.0}
 PROMPTS = [[5, 17, 42, 99, 7, 3, 250, 64, 12, 77, 31], [200, 1, 2, 3], [8] * 20]
 NEW_TOKENS = 32
 
@@ -83,6 +86,28 @@ def test_quantized_experts_keep_their_blocks(arch, tiny_model_dir, tmp_path):
         got, want = expert.forward(x), reference.forward(x)
         assert (got - want).norm() < 0.03 * want.norm()
     torch.testing.assert_close(block.forward(x), dequantized.forward(x), rtol=0.05, atol=0.05 * x.abs().max().item())
+
+
+def test_gpt_oss_mxfp4_experts_run_as_stored(tiny_model_dir, tmp_path):
+    """gpt-oss as its GGUFs ship: the experts in MXFP4 (17 bytes per 32 weights), kept as stored and
+    run by the GGML kernels, attention float; each expert within the kernels' int8 activation
+    rounding of the same blocks dequantized, and the model's greedy opening the same."""
+    path = write_gguf(tiny_model_dir("gpt_oss"), tmp_path / "mxfp4.gguf", quantize="MXFP4", experts_only=True)
+    kept = LLM(str(path), kv_cache_memory=16 << 20)
+    layer = kept.engine.core.runner.model.model.layers[0]
+    kinds = {seg.kind for e in layer.mlp.experts for p in (e.gate_up_proj, e.down_proj) for _, seg in p.segments}
+    assert kinds == {39}  # every expert matrix holds MXFP4 blocks
+    assert not isinstance(layer.self_attn.qkv_proj, QuantizedLinear | GGMLLinear)
+    dequantized = LLM(str(path), kv_cache_memory=16 << 20, dtype="float32")
+    block = dequantized.engine.core.runner.model.model.layers[0].mlp
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(0))
+    for expert, reference in zip(layer.mlp.experts, block.experts):
+        got, want = expert.forward(x), reference.forward(x)
+        assert (got - want).norm() < 0.03 * want.norm()
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)  # (a near-tie flips the 10th)
+    assert [o.outputs[0].token_ids for o in kept.generate(PROMPTS, params)] == [
+        o.outputs[0].token_ids for o in dequantized.generate(PROMPTS, params)
+    ]
 
 
 def test_a_quantized_gguf_prepares_an_hf_folder_of_its_weights(tiny_model_dir, tmp_path):

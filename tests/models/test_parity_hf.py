@@ -49,6 +49,7 @@ def test_greedy_tokens_and_logprobs_match_hf(arch, tiny_model_dir):
         "gemma2",
         "phi3_longrope",
         "stablelm",
+        "gpt_oss",
     ],
 )
 def test_batched_equals_one_at_a_time(arch, tiny_model_dir):
@@ -76,6 +77,7 @@ def test_batched_equals_one_at_a_time(arch, tiny_model_dir):
         "phi3_partial_rotary",
         "olmoe",
         "stablelm_parallel",
+        "gpt_oss",
     ],
 )
 def test_chunked_prefill_equals_whole_prefill(arch, tiny_model_dir):

@@ -31,6 +31,7 @@ HALF_FIELDS = {
     "Q5_K": [0, 2],
     "Q6_K": [208],
     "IQ4_XS": [0],
+    "MXFP4": [],  # its scale is a power-of-two exponent byte (random_blocks)
 }
 TYPES = sorted(KERNEL_TYPES)
 
@@ -46,6 +47,9 @@ def random_blocks(kind: int, rows: int, k: int, seed: int = 0) -> np.ndarray:
     if name == "Q8_0":  # codes -127..127, as llama.cpp writes them (-128: panels.fits)
         codes = raw[:, :, 2:]
         codes[codes == 0x80] = 0x81
+    if name == "MXFP4":  # e8m0 scales 2^(e - 127) of weight-like size, and the subnormal ends 0 and 1
+        raw[:, :, 0] = rng.integers(118, 130, size=(rows, k // values))
+        raw[0, :3, 0] = [0, 1, 2]
     return raw.reshape(rows, -1)
 
 

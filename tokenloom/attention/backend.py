@@ -47,6 +47,13 @@ class AttentionShape:
     scale: float
     windows: tuple[int | None, ...] = ()  # per layer: the positions a query sees (None: all); () for all layers
     softcap: float | None = None  # scores -> tanh(scores / softcap) * softcap before softmax (Gemma 2)
+    # each head has a learned sink logit, counted in its softmax's denominator with no value behind
+    # it (gpt-oss): the layers pass theirs (heads,) float32 to the op's call
+    sinks: bool = False
+
+    def __post_init__(self) -> None:
+        if self.sinks and self.softcap is not None:
+            raise ValueError("attention sinks with soft-capped scores are not implemented")
 
     def window(self, layer: int) -> int | None:
         return self.windows[layer] if self.windows else None
@@ -64,10 +71,12 @@ QKNorms = tuple[nn.Module, nn.Module]  # per-head RMSNorms of q and of k (Qwen3)
 
 
 class StepAttention:
-    """One step's attention: ``attend(layer, qkv, norms)`` -> (T, heads head_dim).
+    """One step's attention: ``attend(layer, qkv, norms, sinks)`` -> (T, heads head_dim).
 
     qkv: (T, (heads + 2 kv_heads) head_dim), this layer's projections of the step's tokens;
-    writes the layer's keys/values of those tokens into the cache.
+    norms: per-head q/k RMSNorms or None; sinks: (heads,) the layer's sink logits where the
+    shape says the model has them (each head's softmax over [scores, sink], the sink's share
+    dropped), else None. Writes the layer's keys/values of those tokens into the cache.
     """
 
     def __init__(
@@ -75,7 +84,9 @@ class StepAttention:
     ) -> None:
         self.shape, self.meta, self.kv_cache, self.rope = shape, meta, kv_cache, rope
 
-    def __call__(self, layer: int, qkv: torch.Tensor, norms: QKNorms | None = None) -> torch.Tensor:
+    def __call__(
+        self, layer: int, qkv: torch.Tensor, norms: QKNorms | None = None, sinks: torch.Tensor | None = None
+    ) -> torch.Tensor:
         raise NotImplementedError
 
     def step_tensors(self) -> list[torch.Tensor] | None:
@@ -86,7 +97,9 @@ class StepAttention:
 
 
 class TorchAttention(StepAttention):
-    def __call__(self, layer: int, qkv: torch.Tensor, norms: QKNorms | None = None) -> torch.Tensor:
+    def __call__(
+        self, layer: int, qkv: torch.Tensor, norms: QKNorms | None = None, sinks: torch.Tensor | None = None
+    ) -> torch.Tensor:
         sh, T = self.shape, qkv.shape[0]
         q_size, kv_size = sh.q_size, sh.kv_size
         if norms is not None:
@@ -98,7 +111,7 @@ class TorchAttention(StepAttention):
         q, k = qk[:, : sh.num_heads], qk[:, sh.num_heads :]  # (T, heads|kv_heads, head_dim)
         keys, values = self.kv_cache.layer(layer)
         out = paged_attention(
-            q, k, v, keys, values, self.meta, sh.scale, sh.window(layer), sh.softcap
+            q, k, v, keys, values, self.meta, sh.scale, sh.window(layer), sh.softcap, sinks
         )  # (T, heads, head_dim)
         return out.reshape(T, q_size)
 
@@ -119,7 +132,10 @@ class TritonAttention(StepAttention):
         self.attention, self.rope_and_cache = triton_paged_attention, rope_and_cache
         self.inputs = meta.paged_inputs()
 
-    def __call__(self, layer: int, qkv: torch.Tensor, norms: QKNorms | None = None) -> torch.Tensor:
+    def __call__(
+        self, layer: int, qkv: torch.Tensor, norms: QKNorms | None = None, sinks: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        assert sinks is None  # plan_attention gives a model with sinks TorchAttention
         sh, T = self.shape, qkv.shape[0]
         if qkv.stride(-1) != 1:
             qkv = qkv.contiguous()
@@ -155,7 +171,9 @@ class KernelAttention(StepAttention):
         # all decoding: tables and ctx made
         return cast("list[torch.Tensor]", [*self.rope, self.meta.slot_mapping, self.tables, self.ctx])
 
-    def __call__(self, layer: int, qkv: torch.Tensor, norms: QKNorms | None = None) -> torch.Tensor:
+    def __call__(
+        self, layer: int, qkv: torch.Tensor, norms: QKNorms | None = None, sinks: torch.Tensor | None = None
+    ) -> torch.Tensor:
         sh, meta = self.shape, self.meta
         if norms is not None:
             _norm_in_place(qkv, norms, sh)
@@ -176,6 +194,7 @@ class KernelAttention(StepAttention):
                 sh.scale,
                 window,
                 sh.softcap or 0.0,
+                sinks,
             )
         T, n = qkv.shape[0], len(self.decoding)
         q = self.ops.rope_write(qkv, cos, sin, keys, values, slots, sh.num_heads)  # (T, heads, head_dim)
@@ -190,6 +209,7 @@ class KernelAttention(StepAttention):
                 sh.scale,
                 window,
                 sh.softcap or 0.0,
+                sinks,
                 out[:n].view(n, sh.num_heads, sh.head_dim),
             )
         cpu_prefill.attend_into(
@@ -215,8 +235,10 @@ class LayerwiseAttention(StepAttention):
         super().__init__(first.shape, first.meta, first.kv_cache, first.rope)
         self.ops, self.op_of_layer = ops, op_of_layer
 
-    def __call__(self, layer: int, qkv: torch.Tensor, norms: QKNorms | None = None) -> torch.Tensor:
-        return self.ops[self.op_of_layer[layer]](layer, qkv, norms)
+    def __call__(
+        self, layer: int, qkv: torch.Tensor, norms: QKNorms | None = None, sinks: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return self.ops[self.op_of_layer[layer]](layer, qkv, norms, sinks)
 
     def step_tensors(self) -> list[torch.Tensor] | None:
         """Every op's step tensors, each once (the ops share the step's slots and tables)."""
@@ -258,25 +280,27 @@ def paged_attention(
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Write this step's k/v into the caches, then attend (torch_sdpa.paged_attention's contract):
     decoding rows on the CPU decode kernel and prompt chunks on the prefill kernel where they take
-    them (CPU, float32), every other sequence in torch SDPA. Returns (T, heads, head_dim)."""
+    them (CPU, float32; the prefill kernel not with sinks), every other sequence in torch SDPA.
+    Returns (T, heads, head_dim)."""
     torch_sdpa.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     decoding = cpu_decode.decode_rows(meta) if cpu_decode.usable(q, k_cache) else []
     if decoding and len(decoding) == meta.num_seqs:  # one query per sequence: q rows = sequences
-        return cpu_decode.attend(q, k_cache, v_cache, meta, decoding, scale, window, softcap)
-    if not decoding and meta.num_seqs > 1 and max(meta.query_lens) == 1 and softcap is None:
+        return cpu_decode.attend(q, k_cache, v_cache, meta, decoding, scale, window, softcap, sinks)
+    if not decoding and meta.num_seqs > 1 and max(meta.query_lens) == 1 and softcap is None and sinks is None:
         return torch_sdpa.paged_attention(q, k, v, k_cache, v_cache, meta, scale, window)  # one padded call
     out = torch.empty_like(q)
     if decoding:
         rows = [meta.query_start[i] for i in decoding]
-        out[rows] = cpu_decode.attend(q[rows], k_cache, v_cache, meta, decoding, scale, window, softcap)
-    prompts = cpu_prefill.prefill_rows(meta) if cpu_prefill.usable(q, k_cache) else []
+        out[rows] = cpu_decode.attend(q[rows], k_cache, v_cache, meta, decoding, scale, window, softcap, sinks)
+    prompts = cpu_prefill.prefill_rows(meta) if sinks is None and cpu_prefill.usable(q, k_cache) else []
     if prompts:
         cpu_prefill.attend_into(out, q, k_cache, v_cache, meta, prompts, scale, window, softcap)
     return torch_sdpa.paged_attention(
-        q, k, v, k_cache, v_cache, meta, scale, window, softcap, out, frozenset(prompts) | frozenset(decoding)
+        q, k, v, k_cache, v_cache, meta, scale, window, softcap, out, frozenset(prompts) | frozenset(decoding), sinks
     )
 
 
@@ -295,7 +319,8 @@ def kernels_take(
     if len(decoding) == meta.num_seqs:
         return True
     return (
-        cpu_prefill.takes(shape.head_dim, kv_cache.keys[kv_cache.layers[0]])
+        not shape.sinks  # the prefill kernel has none
+        and cpu_prefill.takes(shape.head_dim, kv_cache.keys[kv_cache.layers[0]])
         and (not decoding or decoding[-1] == len(decoding) - 1)
         and len(cpu_prefill.prefill_rows(meta)) == meta.num_seqs - len(decoding)
     )
@@ -306,7 +331,7 @@ def plan_attention(
 ) -> StepAttention:
     """The attention op for this step's layers; `rope`: (cos, sin) (T, 1, head_dim) in the
     activations' dtype, or None (learned positions)."""
-    if triton_kernels.takes_cache(kv_cache):
+    if triton_kernels.takes_cache(kv_cache) and not shape.sinks:  # the Triton kernels have no sinks
         return TritonAttention(shape, meta, kv_cache, rope)
     if kernels_take(shape, meta, kv_cache, rope):
         assert rope is not None  # kernels_take wants the tables

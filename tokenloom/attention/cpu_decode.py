@@ -75,8 +75,10 @@ def attend(
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q (S, heads, head_dim): the query of each sequence in `seqs` -> (S, heads, head_dim), each
-    attending to its last `window` positions (None: all), scores soft-capped by `softcap` if given."""
+    attending to its last `window` positions (None: all), scores soft-capped by `softcap` if given,
+    each head's sink logit (sinks (heads,)) counted in its softmax if given."""
     tables, ctx = _inputs(meta, seqs)
-    return ops().paged_decode(q.contiguous(), k_cache, v_cache, tables, ctx, scale, window or 0, softcap or 0.0)
+    return ops().paged_decode(q.contiguous(), k_cache, v_cache, tables, ctx, scale, window or 0, softcap or 0.0, sinks)

@@ -74,17 +74,19 @@ def paged_attention(
     softcap: float | None = None,
     out: torch.Tensor | None = None,
     skip: frozenset[int] = frozenset(),
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of this step's queries against each sequence's cached context (its
-    last `window` positions; None: all), scores soft-capped where `softcap` is given, in torch
-    ops only. Does not write the cache: the caller has written this step's k/v (``write_kv``).
+    last `window` positions; None: all), scores soft-capped where `softcap` is given, each head's
+    sink logit counted in its softmax where `sinks` (heads,) is given, in torch ops only. Does not
+    write the cache: the caller has written this step's k/v (``write_kv``).
 
     q: (T, heads, head_dim); k, v: (T, kv_heads, head_dim); caches:
     (num_blocks, block_size, kv_heads, head_dim). Returns `out` (T, heads, head_dim; new if
     None) with the rows of every sequence but those in `skip` (whose rows another kernel fills).
     """
     gqa = q.shape[1] != k.shape[1]
-    if not skip and meta.num_seqs > 1 and max(meta.query_lens) == 1 and softcap is None:
+    if not skip and meta.num_seqs > 1 and max(meta.query_lens) == 1 and softcap is None and sinks is None:
         return _decode_batch(q, k_cache, v_cache, meta, scale, gqa, window)
     out = torch.empty_like(q) if out is None else out
     for i, (start, q_len, ctx_len, table) in enumerate(
@@ -96,7 +98,9 @@ def paged_attention(
         if softcap is not None:
             out[rows] = _softcapped_sequence(q[rows], k_cache, v_cache, table, ctx_len, scale, window, softcap)
         else:
-            out[rows] = _sdpa_sequence(q[rows], k[rows], v[rows], k_cache, v_cache, table, ctx_len, scale, window)
+            out[rows] = _sdpa_sequence(
+                q[rows], k[rows], v[rows], k_cache, v_cache, table, ctx_len, scale, window, sinks
+            )
     return out
 
 
@@ -110,9 +114,11 @@ def _sdpa_sequence(
     ctx_len: int,
     scale: float,
     window: int | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One sequence's chunk through torch SDPA: q (q_len, heads, head_dim), k/v its new keys and
-    values (q_len, kv_heads, head_dim), already in the cache -> (q_len, heads, head_dim)."""
+    values (q_len, kv_heads, head_dim), already in the cache -> (q_len, heads, head_dim); with
+    `sinks` (heads,), each head's softmax counts exp(sink) too (``_with_sinks``)."""
     q_len = q.shape[0]
     qi = q.transpose(0, 1)[None]  # (1, heads, q_len, head_dim)
     # An int8 cache is always read back, so a prompt attends to the same (quantized) keys
@@ -124,10 +130,46 @@ def _sdpa_sequence(
         vi = _gather(v_cache, table, ctx_len)
     causal_only = q_len == ctx_len and q_len > 1 and (window is None or ctx_len <= window)
     mask = None if causal_only else _mask(q_len, ctx_len, window, q.device)
+    if sinks is not None:
+        return _with_sinks(qi[0], ki, vi, mask, causal_only, scale, sinks).transpose(0, 1)
     out = F.scaled_dot_product_attention(
         qi, ki[None], vi[None], attn_mask=mask, is_causal=causal_only, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
     )
     return out[0].transpose(0, 1)  # (q_len, heads, head_dim)
+
+
+def _with_sinks(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    causal: bool,
+    scale: float,
+    sinks: torch.Tensor,
+) -> torch.Tensor:
+    """Attention whose softmax also counts exp(sink) per head, a score with no value behind it:
+    out = softmax_nosink(s) v * Z / (Z + exp(sink)) = that times sigmoid(logsumexp(s) - sink).
+    q (heads, q_len, head_dim), k/v (kv_heads, ctx, head_dim) -> (heads, q_len, head_dim). On the
+    CPU torch's flash kernel gives the log-sum-exp with the output; elsewhere the scores are made."""
+    group = q.shape[0] // k.shape[0]
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)
+    if q.device.type == "cpu":
+        bias = None if mask is None else torch.zeros(mask.shape, dtype=q.dtype).masked_fill_(~mask, float("-inf"))
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q[None], k[None], v[None], 0.0, causal, attn_mask=bias, scale=scale
+        )  # (1, heads, q_len, head_dim), (1, heads, q_len)
+        out, lse = out[0], lse[0]
+    else:
+        scores = torch.matmul(q, k.transpose(1, 2)).float() * scale  # (heads, q_len, ctx)
+        if causal:
+            mask = _mask(q.shape[1], k.shape[1], None, q.device)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        lse = torch.logsumexp(scores, dim=-1)
+        out = torch.matmul(torch.softmax(scores, dim=-1).to(q.dtype), v)
+    share = torch.sigmoid(lse.float() - sinks.float()[:, None])  # (heads, q_len) kept of each row
+    return out * share[..., None].to(out.dtype)
 
 
 def _decode_inputs(

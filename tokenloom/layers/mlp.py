@@ -73,3 +73,25 @@ class GatedMLP(CustomOp):
         if gate_up.dim() == 2 and gate_up.stride(1) == 1:
             return self.down_proj.forward(fused.silu_mul(gate_up))
         return self._down_of(gate_up)
+
+
+class ClampedSwiGLUMLP(GatedMLP):
+    """gpt-oss's expert: down((clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)), with
+    g = min(gate, limit), gate and up (with their biases) from one fused matmul as in GatedMLP:
+    x (T, hidden) -> (T, hidden). transformers' GptOssExperts order of ops."""
+
+    def __init__(self, hidden: int, intermediate: int, alpha: float, limit: float) -> None:
+        super().__init__(hidden, intermediate, True, "silu")
+        self.alpha, self.limit = alpha, limit
+
+    def cpu_takes(self, x: torch.Tensor) -> bool:
+        return False  # the fused kernels compute silu(gate) * up, not this
+
+    def forward_cuda(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_native(x)
+
+    def _down_of(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.split(self.intermediate, dim=-1)  # each (T, intermediate)
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return self.down_proj((up + 1) * (gate * torch.sigmoid(gate * self.alpha)))

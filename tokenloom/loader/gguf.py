@@ -64,6 +64,7 @@ _ARCHITECTURES = {
     "qwen2moe": "Qwen2MoeForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
     "olmoe": "OlmoeForCausalLM",
+    "gpt-oss": "GptOssForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
     "stablelm": "StableLmForCausalLM",
     "phi3": "Phi3ForCausalLM",
@@ -74,7 +75,7 @@ _ARCHITECTURES = {
 # llama.cpp's converter interleaves q/k rows of these (LlamaModel.permute): undone on load
 _PERMUTED_QK = ("llama", "smollm3")
 # llama.cpp renormalizes the chosen experts' weights for these (build_moe_ffn's norm_w)
-_NORMALIZED_TOP_K = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False}
+_NORMALIZED_TOP_K = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False, "gpt-oss": True}
 
 _LLAMA_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -100,7 +101,8 @@ _LLAMA_BLOCK_NAMES = {
     "ffn_up_shexp": "mlp.shared_expert.up_proj",
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
-_EXPERTS = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")  # (experts, rows, cols) stacked
+# (experts, rows, cols) stacked; gpt-oss's biases (experts, rows)
+_EXPERTS = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.(weight|bias)")
 _ROUTER = re.compile(r"blk\.(\d+)\.ffn_gate_inp\.weight")
 _ONE_EXPERT = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight")  # older Mixtral files: one each
 _HEAD_NORMS = re.compile(r"blk\.(\d+)\.attn_([qk])_norm\.weight")  # StableLM: (heads, head_dim) stacked
@@ -124,6 +126,11 @@ _GLM4_BLOCK_NAMES = _LLAMA_BLOCK_NAMES | {
     "ffn_norm": "post_attention_layernorm",
     "post_ffw_norm": "post_mlp_layernorm",
     "ffn_up": "mlp.gate_up_proj",
+}
+# gpt-oss: the norm before the MLP named as OLMo 2's after-attention norm, and the sink logits
+_GPT_OSS_BLOCK_NAMES = _LLAMA_BLOCK_NAMES | {
+    "post_attention_norm": "post_attention_layernorm",
+    "attn_sinks": "self_attn.sinks",
 }
 _GPT2_NAMES = {
     "token_embd.weight": "transformer.wte.weight",
@@ -153,6 +160,7 @@ _NAME_TABLES = {
     "glm4": (_LLAMA_NAMES, _GLM4_BLOCK_NAMES),
     "phi3": (_LLAMA_NAMES, _PHI3_BLOCK_NAMES),
     "stablelm": (_STABLELM_NAMES, _LLAMA_BLOCK_NAMES),
+    "gpt-oss": (_LLAMA_NAMES, _GPT_OSS_BLOCK_NAMES),
 }
 
 
@@ -163,9 +171,9 @@ def _gemma_query_scalar(cfg: dict, wide_layers: int) -> int:
     )
 
 
-def _expert_name(layer: int | str, expert: int | str, kind: str) -> str:
-    """The HF name of one expert's gate/up/down matrix."""
-    return f"model.layers.{layer}.mlp.experts.{expert}.{kind}_proj.weight"
+def _expert_name(layer: int | str, expert: int | str, kind: str, part: str = "weight") -> str:
+    """The HF name of one expert's gate/up/down matrix (or bias)."""
+    return f"model.layers.{layer}.mlp.experts.{expert}.{kind}_proj.{part}"
 
 
 _SHARD = re.compile(r"(.+)-(\d{5})-of-(\d{5})\.gguf")
@@ -289,6 +297,8 @@ class GGUFFile:
             }
         if self.arch == "olmo2" and self.arch_field("attention.sliding_window"):
             cfg |= self._olmo3_fields(cfg)
+        if self.arch == "gpt-oss":
+            cfg |= self._gpt_oss_fields(cfg)
         if self.arch_field("expert_count", 0):
             cfg |= self._moe_fields(cfg)
         return cfg
@@ -319,6 +329,27 @@ class GGUFFile:
             "layer_types": ["sliding_attention" if slides else "full_attention" for slides in pattern],
             "rope_parameters": {"full_attention": full, "sliding_attention": local},
         }
+
+    def _gpt_oss_fields(self, cfg: dict) -> dict:
+        """gpt-oss as its HF config describes it (llama.cpp's openai-moe.cpp): every other layer
+        sliding from the first, each expert's size as the MLP's, YaRN with gpt-oss's bounds (not
+        truncated, as transformers computes them) over the file's original context."""
+        fields: dict = {
+            "sliding_window": self.arch_field("attention.sliding_window", 128),
+            "intermediate_size": self.arch_field("expert_feed_forward_length"),
+            "attention_bias": True,
+        }
+        if self.arch_field("rope.scaling.type") == "yarn":
+            fields["rope_parameters"] = {
+                "rope_type": "yarn",
+                "rope_theta": cfg["rope_theta"],
+                "factor": self.arch_field("rope.scaling.factor", 32.0),
+                "original_max_position_embeddings": self.arch_field("rope.scaling.original_context_length", 4096),
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+            }
+        return fields
 
     def _stablelm_fields(self, cfg: dict) -> dict:
         """StableLM's options, read where llama.cpp keeps them: q/k/v bias and per-head q/k norms
@@ -434,6 +465,8 @@ class GGUFFile:
                 yield from zip(names, tensor)
             elif len(names) == 1:
                 yield names[0], tensor
+            elif names[0].endswith(".bias"):  # stacked expert biases: (experts, rows)
+                yield from zip(names, tensor)
             else:  # stacked experts: (experts * rows, cols)
                 rows = tensor.shape[0] // len(names)
                 for i, name in enumerate(names):
@@ -458,8 +491,8 @@ class GGUFFile:
         m = _EXPERTS.fullmatch(t.name)
         if m is None:
             return [self._hf_name(t.name)]
-        layer, kind = m.groups()
-        return [_expert_name(layer, e, kind) for e in range(t.shape[0])]
+        layer, kind, part = m.groups()
+        return [_expert_name(layer, e, kind, part) for e in range(t.shape[0])]
 
     def _tensor(self, t: GGUFTensorInfo) -> torch.Tensor | GGMLTensor:
         raw = t.raw()
@@ -494,6 +527,8 @@ class GGUFFile:
         if m := _ONE_EXPERT.fullmatch(name):
             return _expert_name(m.group(1), m.group(3), m.group(2))
         m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
+        if m and m.group(2) == "attn_sinks":  # a parameter of its own in HF (gpt-oss), not a module's weight
+            return f"model.layers.{m.group(1)}.{block['attn_sinks']}"
         if m and m.group(2) in block:
             prefix = "transformer.h" if self.arch == "gpt2" else "model.layers"
             return f"{prefix}.{m.group(1)}.{block[m.group(2)]}.{m.group(3)}"

@@ -59,7 +59,7 @@ def load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor | Qu
     aliases = _tied_alias_names(model)
     filled: dict[str, set[str | None]] = {n: set() for n in params}
     filled_quantized: dict[int, set[str | None]] = {}
-    for name, tensor in tensors:
+    for name, tensor in model.checkpoint_tensors(tensors):
         if model.is_ignored_checkpoint_key(name) or name in aliases:
             continue
         param_name, shard = map_name(model, name)

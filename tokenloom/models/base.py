@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import re
-from typing import ClassVar
+from collections.abc import Iterable
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -109,6 +110,11 @@ class CausalLM(nn.Module):
 
     def transform_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         return tensor
+
+    def checkpoint_tensors(self, tensors: Iterable[tuple[str, Any]]) -> Iterable[tuple[str, Any]]:
+        """The checkpoint's (name, tensor) pairs as the parameters take them: as read, unless a
+        family stores several parameters in one tensor (gpt-oss's stacked experts) and splits it here."""
+        return tensors
 
     def checkpoint_rows(self, name: str) -> torch.Tensor | None:
         """The order (an index) in which to read the rows of checkpoint tensor `name`, for float

@@ -82,6 +82,11 @@ class MoeConfig:
     sparse_layers: tuple[int, ...]  # the layers whose MLP is the mixture (the rest dense)
     normalize_top_k: bool = True
     shared_intermediate_size: int = 0  # 0: no shared expert (Qwen2-MoE has one)
+    router_bias: bool = False  # the router's projection has a bias (gpt-oss)
+    # experts (with biases) in gpt-oss's clamped SwiGLU (layers/mlp.py ClampedSwiGLUMLP); None:
+    # the model's gated MLP without bias
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
 
     def __post_init__(self) -> None:
         if not 1 <= self.top_k <= self.num_experts:
@@ -127,6 +132,7 @@ class ModelConfig:
     # are read re-ordered at load (LlamaForCausalLM.checkpoint_rows), the same scores
     rope_interleaved: bool = False
     logit_scale: float = 1.0  # logits times this (Cohere 2)
+    attention_sinks: bool = False  # a learned sink logit per head in each softmax (gpt-oss)
     parallel_residual: bool = False  # x + attn(ln(x)) + mlp(ln(x)) (StableLM's option)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -251,7 +257,13 @@ _TIED_BY_DEFAULT = (
     "SmolLM3ForCausalLM",
     "Cohere2ForCausalLM",
 )
-_MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM")
+_MOE_ARCHITECTURES = (
+    "MixtralForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "OlmoeForCausalLM",
+    "GptOssForCausalLM",
+)
 _QWEN_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 
 
@@ -264,6 +276,16 @@ def _moe_of(hf: dict[str, Any], arch: str) -> MoeConfig:
     experts = hf.get("num_local_experts") or hf.get("num_experts") or 0
     if arch == "MixtralForCausalLM":
         return MoeConfig(experts, hf.get("num_experts_per_tok", 2), hf["intermediate_size"], tuple(range(layers)))
+    if arch == "GptOssForCausalLM":
+        return MoeConfig(
+            experts,
+            hf.get("num_experts_per_tok", 4),
+            hf["intermediate_size"],
+            tuple(range(layers)),
+            router_bias=True,
+            swiglu_limit=hf.get("swiglu_limit", 7.0),
+            swiglu_alpha=hf.get("swiglu_alpha", 1.702),
+        )
     if arch == "OlmoeForCausalLM":
         return MoeConfig(
             experts,
@@ -382,6 +404,36 @@ def _olmo3_fields(hf: dict[str, Any]) -> dict[str, Any]:
     )
 
 
+def _gpt_oss_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """gpt-oss (transformers' GptOssConfig defaults): q/k/v/o biases, sink logits, sliding and full
+    layers alternating from a sliding first one, YaRN (factor 32 over 4096 positions, bounds not
+    truncated) on rope base 150000."""
+    rope = (
+        hf.get("rope_parameters")
+        or hf.get("rope_scaling")
+        or {
+            "rope_type": "yarn",
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 4096,
+        }
+    )
+    rope = {"rope_theta": hf.get("rope_theta", 150000.0)} | dict(rope)
+    return dict(
+        attention_bias=hf.get("attention_bias", True),
+        o_proj_bias=hf.get("attention_bias", True),
+        attention_sinks=True,
+        head_dim=hf.get("head_dim") or 64,
+        sliding_window=hf.get("sliding_window", 128),
+        layer_types=_layer_types(hf, 2),
+        rope=_rope_of(hf | {"rope_parameters": rope}),
+        max_model_len=hf.get("max_position_embeddings", 131072),
+        norm_eps=hf.get("rms_norm_eps", 1e-5),
+    )
+
+
 def _stablelm_fields(hf: dict[str, Any]) -> dict[str, Any]:
     """StableLM (transformers' StableLmConfig defaults): LayerNorm epsilon, q/k/v bias and per-head
     q/k LayerNorm by their own names, a quarter of each head rotated, optional parallel residual."""
@@ -404,6 +456,7 @@ _FAMILY_FIELDS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "Olmo3ForCausalLM": _olmo3_fields,
     "Glm4ForCausalLM": _glm4_fields,
     "Cohere2ForCausalLM": _cohere2_fields,
+    "GptOssForCausalLM": _gpt_oss_fields,
 }
 
 # fields an architecture implements among those _refuse_unimplemented checks

@@ -99,7 +99,13 @@ class LlamaForCausalLM(CausalLM):
         self.rope_scale = rope_attention_factor(cfg.rope)
         scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
         self.attention_shape = AttentionShape(
-            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, scale, cfg.layer_windows(), cfg.attn_logit_softcapping
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            scale,
+            cfg.layer_windows(),
+            cfg.attn_logit_softcapping,
+            cfg.attention_sinks,
         )
         if cfg.local_rope is not None:  # sliding layers turn by their own base (Gemma 3, OLMo 3)
             local = rope_inv_freq(cfg.local_rope, cfg.rotary_dim, cfg.max_model_len)

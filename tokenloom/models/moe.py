@@ -22,23 +22,25 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenloom.layers.mlp import GatedMLP
+from tokenloom.layers.mlp import ClampedSwiGLUMLP, GatedMLP
 from tokenloom.models.config import ModelConfig
 from tokenloom.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from tokenloom.models.olmo2 import Olmo2Attention
 
 
 class Router(nn.Module):
-    """A bias-free projection that stays in the model's float dtype (never quantized or prepacked:
-    which experts a token picks must not move with the weight format): x (T, in) -> (T, out)."""
+    """A projection (bias-free unless `bias`: gpt-oss) that stays in the model's float dtype (never
+    quantized or prepacked: which experts a token picks must not move with the weight format):
+    x (T, in) -> (T, out)."""
 
-    def __init__(self, in_features: int, out_features: int) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return F.linear(x, self.weight, self.bias)
 
 
 def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,6 +52,15 @@ def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tens
     return weights, experts
 
 
+def _expert(cfg: ModelConfig) -> GatedMLP:
+    """One expert: the model's gated MLP, or gpt-oss's clamped SwiGLU with biases."""
+    moe = cfg.moe
+    assert moe is not None  # a MoE model's config describes its experts
+    if moe.swiglu_limit is not None:
+        return ClampedSwiGLUMLP(cfg.hidden_size, moe.intermediate_size, moe.swiglu_alpha, moe.swiglu_limit)
+    return GatedMLP(cfg.hidden_size, moe.intermediate_size, False, cfg.hidden_act)
+
+
 class SparseMoeBlock(nn.Module):
     """x (T, hidden) -> sum over each token's top-k experts of weight * expert(x) [+ shared expert]."""
 
@@ -58,10 +69,8 @@ class SparseMoeBlock(nn.Module):
         moe = cfg.moe
         assert moe is not None  # a MoE model's config describes its experts
         self.top_k, self.normalize = moe.top_k, moe.normalize_top_k
-        self.gate = Router(cfg.hidden_size, moe.num_experts)
-        self.experts = nn.ModuleList(
-            GatedMLP(cfg.hidden_size, moe.intermediate_size, False, cfg.hidden_act) for _ in range(moe.num_experts)
-        )
+        self.gate = Router(cfg.hidden_size, moe.num_experts, moe.router_bias)
+        self.experts = nn.ModuleList(_expert(cfg) for _ in range(moe.num_experts))
         self.shared_expert: GatedMLP | None = None
         self.shared_expert_gate: Router | None = None
         if moe.shared_intermediate_size:

@@ -3,7 +3,9 @@
 //
 // q (B, H, D); k_cache, v_cache (num_blocks + 1, block_size, KVH, D); tables (B, W) int64
 // block ids; ctx_lens (B,) int64; window: attend to the last `window` positions (<= 0: all);
-// softcap > 0: scores -> tanh(scores / softcap) * softcap before the softmax (Gemma 2).
+// softcap > 0: scores -> tanh(scores / softcap) * softcap before the softmax (Gemma 2);
+// sinks (H,) float32 or undefined: head h's softmax also counts exp(sinks[h]) in its
+// denominator, a score with no value behind it (gpt-oss's attention sinks).
 // Returns (B, H, D). Query head h reads kv head h / (H / KVH). Each sequence is one task
 // (with fewer sequences than threads: shared by all of them, or split by kv head when short;
 // decode_all): scores (q.k * scale) of
@@ -48,9 +50,10 @@ inline void axpy(float w, const float* x, float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] += w * x[i];
 }
 
-// x[i] = exp(x[i] - max(x)) in place over n scores; returns their sum.
-float softmax_numerator(float* x, int64_t n) {
-  float top = -INFINITY;
+// x[i] = exp(x[i] - m) in place over n scores, m = max(max(x), sink); returns their sum plus
+// exp(sink - m) (sink -INFINITY: none, and the sum is the scores' alone).
+float softmax_numerator(float* x, int64_t n, float sink = -INFINITY) {
+  float top = sink;
 #pragma omp simd reduction(max : top)
   for (int64_t i = 0; i < n; ++i) top = std::max(top, x[i]);
   const __m256 shift = _mm256_set1_ps(top);
@@ -73,12 +76,14 @@ float softmax_numerator(float* x, int64_t n) {
   _mm256_store_ps(lanes, acc);
   float total = 0.f;
   for (float lane : lanes) total += lane;
-  return total;
+  return sink == -INFINITY ? total : total + std::exp(sink - top);
 }
 
 struct Shapes {
   int64_t H, KVH, G, D, BS, W;
   float softcap;  // > 0: scores soft-capped (soft_cap); 0: not
+  const float* sinks = nullptr;  // (H,) each head's sink logit; nullptr: none
+  float sink(int64_t h) const { return sinks ? sinks[h] : -INFINITY; }
 };
 
 // x[i] = tanh(x[i] / cap) * cap over n scores, 8 lanes at a time (transformers' eager order).
@@ -327,7 +332,7 @@ void attend256_team(const float* q, const Rows& rows, int64_t n, const Shapes& s
 #pragma omp barrier
   const int64_t h0 = H * i / nt, h1 = H * (i + 1) / nt;
   cap_heads(scores, n, h0, h1, s);
-  for (int64_t h = h0; h < h1; ++h) inv[h] = 1.f / softmax_numerator(scores + h * n, n);
+  for (int64_t h = h0; h < h1; ++h) inv[h] = 1.f / softmax_numerator(scores + h * n, n, s.sink(h));
 #pragma omp barrier
   constexpr int64_t PAIRS = (C + 1) / 2;
   const int64_t units = s.KVH * PAIRS, u0 = units * i / nt, u1 = units * (i + 1) / nt;
@@ -382,14 +387,15 @@ void scores_tile512(const float* q, const Rows& rows, int64_t n, int64_t t0, int
   }
 }
 
-// x[i] = exp(x[i] - max(x)) in place over n scores; returns their sum.
-float softmax_numerator512(float* x, int64_t n) {
-  __m512 top = _mm512_set1_ps(-INFINITY);
+// softmax_numerator's contract, 16 lanes at a time.
+float softmax_numerator512(float* x, int64_t n, float sink = -INFINITY) {
+  __m512 top = _mm512_set1_ps(sink);
   for (int64_t i = 0; i < n; i += 16) {
     const __mmask16 mask = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1);
     top = _mm512_max_ps(top, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), mask, x + i));
   }
-  const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+  const float m = _mm512_reduce_max_ps(top);
+  const __m512 shift = _mm512_set1_ps(m);
   __m512 acc = _mm512_setzero_ps();
   for (int64_t i = 0; i < n; i += 16) {
     const __mmask16 mask = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1);
@@ -397,7 +403,8 @@ float softmax_numerator512(float* x, int64_t n) {
     _mm512_mask_storeu_ps(x + i, mask, e);
     acc = _mm512_add_ps(acc, _mm512_maskz_mov_ps(mask, e));
   }
-  return _mm512_reduce_add_ps(acc);
+  const float total = _mm512_reduce_add_ps(acc);
+  return sink == -INFINITY ? total : total + std::exp(sink - m);
 }
 
 // out rows [h, h + count) (D = 16 * C floats each) = sum_t w[j * n + t] * v_t (kv head g
@@ -445,7 +452,7 @@ void attend512(const float* q, const Rows& rows, int64_t n, int64_t g0, int64_t 
   }
   cap_heads(scores.data(), n, g0 * G, g1 * G, s);
   for (int64_t h = g0 * G; h < g1 * G; ++h) {
-    const float inv = 1.f / softmax_numerator512(scores.data() + h * n, n);
+    const float inv = 1.f / softmax_numerator512(scores.data() + h * n, n, s.sink(h));
     for (int64_t t = 0; t < n; ++t) scores[h * n + t] *= inv;
   }
   for (int64_t g = g0; g < g1; ++g) values_heads512<C, HC>(scores.data(), rows, n, g * D, g * G, G, out);
@@ -486,7 +493,7 @@ void attend512_team(const float* q, const Rows& rows, int64_t n, const Shapes& s
   const int64_t h0 = H * i / nt, h1 = H * (i + 1) / nt;
   cap_heads(scores, n, h0, h1, s);
   for (int64_t h = h0; h < h1; ++h) {
-    const float inv = 1.f / softmax_numerator512(scores + h * n, n);
+    const float inv = 1.f / softmax_numerator512(scores + h * n, n, s.sink(h));
     for (int64_t t = 0; t < n; ++t) scores[h * n + t] *= inv;
   }
 #pragma omp barrier
@@ -543,7 +550,7 @@ void attend(const float* q, const Rows& rows, int64_t n, int64_t g0, int64_t g1,
   }
   cap_heads(scores.data(), n, g0 * G, g1 * G, s);
   std::vector<float> total(s.H);
-  for (int64_t h = g0 * G; h < g1 * G; ++h) total[h] = softmax_numerator(scores.data() + h * n, n);
+  for (int64_t h = g0 * G; h < g1 * G; ++h) total[h] = softmax_numerator(scores.data() + h * n, n, s.sink(h));
   values_into(scores.data(), rows, n, g0, g1, s, out);
   for (int64_t h = g0 * G; h < g1 * G; ++h) {
     const float inv = 1.f / total[h];
@@ -563,6 +570,14 @@ void check_caches(const at::Tensor& k_cache, const at::Tensor& v_cache, const at
   const int64_t* lens = ctx_lens.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b)
     TORCH_CHECK(lens[b] >= 1 && lens[b] <= tables.size(1) * k_cache.size(1), "a context length exceeds its block table");
+}
+
+// The sink logits' data (H,) float32, or nullptr where none are given.
+const float* sink_data(const c10::optional<at::Tensor>& sinks, int64_t H) {
+  if (!sinks.has_value() || !sinks->defined()) return nullptr;
+  TORCH_CHECK(sinks->dim() == 1 && sinks->size(0) == H && sinks->scalar_type() == at::kFloat && sinks->is_contiguous(),
+              "sinks must be contiguous (heads,) float32");
+  return sinks->data_ptr<float>();
 }
 
 // out (B, H, D) = attention of q (B, H, D) over each sequence's cached positions.
@@ -657,7 +672,7 @@ at::Tensor rope_write(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
 // paged_decode into out (B, H, D) contiguous, e.g. the first rows of a mixed step's output.
 void paged_decode_out(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const at::Tensor& tables, const at::Tensor& ctx_lens, double scale, int64_t window, double softcap,
-                      at::Tensor& out) {
+                      const c10::optional<at::Tensor>& sinks, at::Tensor& out) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q must be contiguous (B, H, D) float32");
   TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == at::kFloat && out.is_contiguous(),
               "out must be contiguous float32 shaped like q");
@@ -665,15 +680,16 @@ void paged_decode_out(const at::Tensor& q, const at::Tensor& k_cache, const at::
   const int64_t H = q.size(1), D = q.size(2), KVH = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == D && H % KVH == 0, "head_dim or head counts disagree");
   decode_all(q.data_ptr<float>(), k_cache, v_cache, tables, ctx_lens,
-             Shapes{H, KVH, H / KVH, D, k_cache.size(1), tables.size(1), static_cast<float>(softcap)},
+             Shapes{H, KVH, H / KVH, D, k_cache.size(1), tables.size(1), static_cast<float>(softcap),
+                    sink_data(sinks, H)},
              static_cast<float>(scale), window, out.data_ptr<float>());
 }
 
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const at::Tensor& tables, const at::Tensor& ctx_lens, double scale, int64_t window,
-                        double softcap) {
+                        double softcap, const c10::optional<at::Tensor>& sinks) {
   at::Tensor out = at::empty_like(q);
-  paged_decode_out(q, k_cache, v_cache, tables, ctx_lens, scale, window, softcap, out);
+  paged_decode_out(q, k_cache, v_cache, tables, ctx_lens, scale, window, softcap, sinks, out);
   return out;
 }
 
@@ -683,7 +699,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
 at::Tensor rope_write_decode(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                              const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slots,
                              const at::Tensor& tables, const at::Tensor& ctx_lens, int64_t num_heads, double scale,
-                             int64_t window, double softcap) {
+                             int64_t window, double softcap, const c10::optional<at::Tensor>& sinks) {
   const RopeShape r = check_rope_write(qkv, cos, sin, k_cache, slots, num_heads);
   const int64_t B = r.B, H = r.H, KVH = r.KVH, D = r.D;
   check_caches(k_cache, v_cache, tables, ctx_lens, B);
@@ -693,7 +709,8 @@ at::Tensor rope_write_decode(const at::Tensor& qkv, const at::Tensor& cos, const
                   r, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), qp);
   at::Tensor out = at::empty({B, H * D}, qkv.options());
   decode_all(qp, k_cache, v_cache, tables, ctx_lens,
-             Shapes{H, KVH, H / KVH, D, k_cache.size(1), tables.size(1), static_cast<float>(softcap)},
+             Shapes{H, KVH, H / KVH, D, k_cache.size(1), tables.size(1), static_cast<float>(softcap),
+                    sink_data(sinks, H)},
              static_cast<float>(scale), window, out.data_ptr<float>());
   return out;
 }
@@ -702,13 +719,13 @@ at::Tensor rope_write_decode(const at::Tensor& qkv, const at::Tensor& cos, const
 
 TORCH_LIBRARY(TOKENLOOM_ATTENTION_LIBRARY, m) {
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables, Tensor ctx_lens, float scale, "
-        "int window, float softcap) -> Tensor");
+        "int window, float softcap, Tensor? sinks=None) -> Tensor");
   m.def("rope_write_decode(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, "
-        "Tensor tables, Tensor ctx_lens, int num_heads, float scale, int window, float softcap) -> Tensor");
+        "Tensor tables, Tensor ctx_lens, int num_heads, float scale, int window, float softcap, Tensor? sinks=None) -> Tensor");
   m.def("rope_write(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, "
         "int num_heads) -> Tensor");
   m.def("paged_decode_out(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables, Tensor ctx_lens, float scale, "
-        "int window, float softcap, Tensor(a!) out) -> ()");
+        "int window, float softcap, Tensor? sinks, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(TOKENLOOM_ATTENTION_LIBRARY, CPU, m) {

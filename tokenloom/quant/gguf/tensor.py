@@ -2,7 +2,7 @@
 
 A ``GGMLTensor`` is an (N, K) weight whose rows are the file's own blocks (bytes as in
 llama.cpp's ggml-common.h): Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K,
-IQ4_NL, IQ4_XS. ``csrc/ggml_cpu.cpp`` multiplies activations by them (AVX2, or AVX-512
+IQ4_NL, IQ4_XS, MXFP4. ``csrc/ggml_cpu.cpp`` multiplies activations by them (AVX2, or AVX-512
 VNNI where the CPU has it) and dequantizes rows; without the kernels, the ``gguf``
 package's own dequantization does the same work in numpy (correct, slow).
 
@@ -40,6 +40,7 @@ KERNEL_TYPES = {
     14: ("Q6_K", 256, 210),
     20: ("IQ4_NL", 32, 18),
     23: ("IQ4_XS", 256, 136),
+    39: ("MXFP4", 32, 17),
 }
 
 

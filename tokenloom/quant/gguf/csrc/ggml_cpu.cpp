@@ -31,7 +31,7 @@ using tokenloom_int8::nibbles_lo_hi;
 
 enum GGMLType : int64_t {
   Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14,
-  IQ4_NL = 20, IQ4_XS = 23,
+  IQ4_NL = 20, IQ4_XS = 23, MXFP4 = 39,
 };
 
 inline float fp16(const uint8_t* p) {
@@ -41,6 +41,17 @@ inline float fp16(const uint8_t* p) {
 }
 
 const int8_t kIQ4NL[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+// MXFP4's e2m1 values doubled (0, 0.5, 1, 1.5, 2, 3, 4, 6 -> integers), sign in the top bit
+const int8_t kMXFP4[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+// An e8m0 scale byte as the scale of the doubled values: 2^(e - 128) (ggml's E8M0_TO_FP32_HALF;
+// e 0 and 1 give subnormals).
+inline float e8m0_half(uint8_t e) {
+  const uint32_t bits = e < 2 ? 0x00200000u << e : static_cast<uint32_t>(e - 1) << 23;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
 
 // One 32-value sub-block, decoded: codes, the scale of each int32 lane of a dot product
 // (lanes 0-3 hold values 0-15, lanes 4-7 values 16-31) and the offsets of the two halves.
@@ -70,10 +81,12 @@ inline __m256i bits_to_16(uint32_t bits) {
   return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(bytes, mask), mask), _mm256_set1_epi8(0x10));
 }
 
-inline __m256i lookup_iq4nl(__m256i idx) {
-  const __m128i t = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kIQ4NL));
+inline __m256i lookup(const int8_t* table, __m256i idx) {  // 16-entry table, per byte
+  const __m128i t = _mm_loadu_si128(reinterpret_cast<const __m128i*>(table));
   return _mm256_shuffle_epi8(_mm256_set_m128i(t, t), idx);
 }
+
+inline __m256i lookup_iq4nl(__m256i idx) { return lookup(kIQ4NL, idx); }
 
 using tokenloom_relay::scale_min_k4;  // Q4_K / Q5_K sub-block scales and mins (panel_relay.h)
 
@@ -141,6 +154,15 @@ template <> struct Block<IQ4_NL> {
   static constexpr int64_t BYTES = 18, VALUES = 32;
   static constexpr bool SIGNED = true;
   static Sub sub(const uint8_t* b, int) { return {lookup_iq4nl(nibbles_lo_hi(b + 2)), _mm256_set1_ps(fp16(b)), 0.f, 0.f}; }
+};
+
+// MXFP4 (17 B): e8m0 scale byte, then IQ4_NL's nibble layout indexing kMXFP4.
+template <> struct Block<MXFP4> {
+  static constexpr int64_t BYTES = 17, VALUES = 32;
+  static constexpr bool SIGNED = true;
+  static Sub sub(const uint8_t* b, int) {
+    return {lookup(kMXFP4, nibbles_lo_hi(b + 1)), _mm256_set1_ps(e8m0_half(b[0])), 0.f, 0.f};
+  }
 };
 
 // Q2_K (84 B): scales[16] (low nibble scale, high nibble min, per 16 values), qs[64], d, dmin.
@@ -367,7 +389,7 @@ void dequantize_type(const uint8_t* q, int64_t R, int64_t row_bytes, int64_t K, 
 }
 
 #define TOKENLOOM_GGML_TYPES(X) X(Q4_0) X(Q4_1) X(Q5_0) X(Q5_1) X(Q8_0) X(Q2_K) X(Q3_K) X(Q4_K) X(Q5_K) X(Q6_K) \
-  X(IQ4_NL) X(IQ4_XS)
+  X(IQ4_NL) X(IQ4_XS) X(MXFP4)
 
 int64_t block_bytes(int64_t type, int64_t& values) {
   switch (type) {
