@@ -44,7 +44,8 @@ class Checkpoint:
     num_tensors: int
     tokenizer: Tokenizer
     eos_token_ids: set[int]
-    tensor_types: dict[str, int] | None = None  # GGUF only: HF tensor name -> its GGML type
+    # HF tensor name -> the GGML type of the blocks it comes as (a GGUF file's, an MXFP4 folder's experts)
+    tensor_types: dict[str, int] | None = None
     sampling_defaults: SamplingDefaults = FALLBACK  # the model's recommended sampling settings, if any
     weight_bytes: int = 0  # GGUF only: the bytes of its tensors (every shard's)
 
@@ -130,22 +131,30 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
     eos.update(t for t in [tokenizer.token_to_id(tokenizer.eos_token)] if t is not None)
     generation = path / "generation_config.json"
     defaults = from_generation_config(read_json(generation) if generation.is_file() else None)
+    names = _tensor_names(files)
     return Checkpoint(
-        hf_config, config, iter_safetensors(files), _count_tensors(files), tokenizer, eos, sampling_defaults=defaults
+        hf_config,
+        config,
+        iter_safetensors(files),
+        len(names),
+        tokenizer,
+        eos,
+        model_class(config).stored_block_types(config, names),
+        sampling_defaults=defaults,
     )
 
 
-def _count_tensors(files: list[Path]) -> int:
+def _tensor_names(files: list[Path]) -> list[str]:
     from safetensors import safe_open
 
-    total = 0
+    names: list[str] = []
     for f in files:
         try:
             with safe_open(str(f), framework="pt") as h:
-                total += len(list(h.keys()))
+                names += h.keys()
         except Exception as e:
             raise CheckpointError(f"{f} is corrupt or truncated: {e}") from e
-    return total
+    return names
 
 
 def build_model(
@@ -218,12 +227,12 @@ def load_model(
     """
     quantization = parse_quantization(quantization)
     ckpt = load_checkpoint(path)
-    is_gguf = ckpt.tensor_types is not None
-    keep_blocks = is_gguf and (quantization == "gguf" or (quantization is None and dtype == "auto"))
+    has_blocks = ckpt.tensor_types is not None
+    keep_blocks = has_blocks and (quantization == "gguf" or (quantization is None and dtype == "auto"))
     if quantization == "gguf" and ckpt.tensor_types is None:
         raise ValueError(
-            "--quantization gguf keeps a GGUF file's own blocks, but this checkpoint is not a GGUF file; "
-            "use int8 or int4"
+            "--quantization gguf keeps a GGUF file's own blocks, but this checkpoint has none (not a GGUF "
+            "file or an MXFP4 folder); use int8 or int4"
         )
     config = ckpt.config
     if max_model_len is not None:
@@ -246,7 +255,7 @@ def load_model(
         with huge_pages.weight_arena(ckpt.weight_bytes if keep_blocks and torch.device(device).type == "cpu" else 0):
             load_weights(model, tensors)
     if keep_blocks:
-        assert ckpt.tensor_types is not None  # blocks are kept from a GGUF file only
+        assert ckpt.tensor_types is not None  # blocks are kept where the checkpoint has them
         log.info("GGUF weights: %s", describe_weights(model, ckpt.tensor_types))
     if prepare:
         model.prepare_for_inference()
@@ -273,7 +282,7 @@ def _format_of(ckpt: Checkpoint, quantization: str | None, saved: dict | None, k
     if saved is not None:
         return saved.get
     if keep_blocks:
-        assert ckpt.tensor_types is not None  # blocks are kept from a GGUF file only
+        assert ckpt.tensor_types is not None  # blocks are kept where the checkpoint has them
         return gguf_formats(ckpt.tensor_types, ckpt.config.tie_word_embeddings, model_class(ckpt.config))
     return formats_for(quantization, model_class(ckpt.config))
 

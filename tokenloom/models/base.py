@@ -111,6 +111,13 @@ class CausalLM(nn.Module):
     def transform_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         return tensor
 
+    @classmethod
+    def stored_block_types(cls, config: ModelConfig, names: Iterable[str]) -> dict[str, int] | None:
+        """For an HF folder (tensor `names`) whose checkpoint_tensors gives some parameters as GGUF
+        blocks (an MXFP4 folder's experts): those parameters' HF names -> their GGML type, so they are
+        kept as stored; None where the folder holds none."""
+        return None
+
     def checkpoint_tensors(self, tensors: Iterable[tuple[str, Any]]) -> Iterable[tuple[str, Any]]:
         """The checkpoint's (name, tensor) pairs as the parameters take them: as read, unless a
         family stores several parameters in one tensor (gpt-oss's stacked experts) and splits it here."""

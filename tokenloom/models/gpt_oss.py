@@ -28,7 +28,7 @@ from tokenloom.attention.backend import StepAttention
 from tokenloom.models.config import ModelConfig
 from tokenloom.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 from tokenloom.models.moe import MoeForCausalLM
-from tokenloom.quant.gguf.mxfp4 import from_hf_blocks
+from tokenloom.quant.gguf.mxfp4 import MXFP4, from_hf_blocks
 
 # model.layers.N.mlp.experts.{gate_up_proj, down_proj}[_bias | _blocks | _scales]
 _STACKED = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)(_bias|_blocks|_scales)?")
@@ -59,6 +59,20 @@ class GptOssForCausalLM(MoeForCausalLM):
     packed_modules_mapping: ClassVar[dict[str, tuple[str, str | None]]] = LlamaForCausalLM.packed_modules_mapping | {
         "router": ("gate", None),
     }
+
+    @classmethod
+    def stored_block_types(cls, config: ModelConfig, names: Iterable[str]) -> dict[str, int] | None:
+        """Each expert matrix of a stacked `_blocks` tensor (an MXFP4 folder's): MXFP4."""
+        assert config.moe is not None  # gpt-oss is a mixture
+        found: dict[str, int] = {}
+        for name in names:
+            m = _STACKED.fullmatch(name)
+            if m is None or m.group(3) != "_blocks":
+                continue
+            prefix, kind = m.group(1), m.group(2)
+            parts = ("down_proj",) if kind == "down_proj" else ("gate_proj", "up_proj")
+            found |= {f"{prefix}.{e}.{p}.weight": MXFP4 for e in range(config.moe.num_experts) for p in parts}
+        return found or None
 
     def checkpoint_tensors(self, tensors: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
         """Stacked expert tensors split into one (name, tensor) per expert, in nn.Linear's layout;

@@ -97,6 +97,8 @@ def saved_formats(hf_config: dict, quantization: str | None) -> dict[str, Weight
     if qc is None:
         return None
     method = qc.get("quant_method")
+    if method == "mxfp4":  # blocks read as GGUF's MXFP4 (CausalLM.stored_block_types), the rest float
+        return None
     if method != QUANT_METHOD:
         raise UnsupportedModelError(
             f"checkpoints quantized with {method!r} are not supported; tokenloom "
