@@ -152,7 +152,7 @@ def test_panels_hold_the_same_values_and_products(kind, m):
     panels.matmul_into(out, 16, ggml.ops().quantize_activations(x))
     want = x @ ref.T
     torch.testing.assert_close(out[:, 16:], want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
-    bytes_per_32 = {6: 22, 7: 24, 12: 19, 13: 23, 14: 26.5}[kind]  # the file: 22, 24, 18, 22, 26.25
+    bytes_per_32 = {6: 22, 7: 24, 12: 19, 13: 23, 14: 26.5, 39: 17}[kind]  # the file: 22, 24, 18, 22, 26.25, 17
     assert panels.nbytes == bytes_per_32 * n * k // 32
 
 
@@ -188,7 +188,7 @@ def test_exact_conversions_keep_every_value(kind):
 
 
 @needs_panels
-@pytest.mark.parametrize("kind", [6, 12, 14], ids=["Q5_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("kind", [6, 12, 14, 39], ids=["Q5_0", "Q4_K", "Q6_K", "MXFP4"])
 def test_one_call_linear_is_the_same_bits_as_its_steps(kind):
     """panel_linear (quantize, product, bias, silu * up in one call) against the ops one by one."""
     from tokenloom.layers import fused

@@ -70,28 +70,32 @@ class QuantizedSegment:
         return panels.rows(self.q, index).dequantize()
 
 
-def segment_for(t: GGMLTensor):
-    """`t` in the fastest layout this CPU runs: GGUF panels, int8/int4 panels, or as stored."""
+def segment_for(t: GGMLTensor, whole: bool = True):
+    """`t` in the fastest layout this CPU runs: GGUF panels, int8/int4 panels, or as stored.
+    `whole`: `t` is its layer's whole weight; a part (a fused gate_up's gate) is re-laid on the heap,
+    since joining it to the other parts copies it into the load's arena."""
     if gguf_panels.fits(t):
-        return gguf_panels.to_panels(t)
+        return gguf_panels.to_panels(t, in_arena=whole)
     fmt = exact_format(t.kind)
     if fmt is not None and kernels.panels_available() and t.shape[0] % panels.PANEL == 0:
         return QuantizedSegment.of(t) or t
     return t
 
 
-def _merge_adjacent(segments: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
+def _merge_adjacent(segments: list[tuple[int, Any]], out_features: int) -> list[tuple[int, Any]]:
     """Segments sorted by first column, each run of touching ones of one layout and type
-    joined (a fused qkv or gate_up of one type becomes one kernel call)."""
+    joined (a fused qkv or gate_up of one type becomes one kernel call); GGUF panels that make up
+    the whole weight (`out_features` rows) are joined into the load's huge-page arena."""
     merged: list[tuple[int, Any]] = []
     for col0, segment in segments:
         if merged:
             prev0, prev = merged[-1]
-            joined = (
-                prev.followed_by(segment)
-                if type(prev) is type(segment) and hasattr(prev, "followed_by") and prev0 + prev.shape[0] == col0
-                else None
-            )
+            touching = type(prev) is type(segment) and hasattr(prev, "followed_by") and prev0 + prev.shape[0] == col0
+            joined = None
+            if touching and isinstance(prev, GGUFPanels):
+                joined = prev.followed_by(segment, in_arena=prev.shape[0] + segment.shape[0] == out_features)
+            elif touching:
+                joined = prev.followed_by(segment)
             if joined is not None:
                 merged[-1] = (prev0, joined)
                 continue
@@ -135,7 +139,8 @@ class GGMLLinear(nn.Module):
         if tensor.shape != (stop - start, self.in_features):
             raise ValueError(f"weight shape {tensor.shape} does not match {(stop - start, self.in_features)}")
         kept = [s for s in self.segments if s[0] != start]
-        self.segments = _merge_adjacent(sorted(kept + [(start, segment_for(tensor))], key=lambda s: s[0]))
+        segment = segment_for(tensor, whole=stop - start == self.out_features)
+        self.segments = _merge_adjacent(sorted(kept + [(start, segment)], key=lambda s: s[0]), self.out_features)
 
     def rows(self, index: torch.Tensor) -> torch.Tensor:
         """float32 rows `index` of a one-segment weight (a tied embedding's lookup)."""

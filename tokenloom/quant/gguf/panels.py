@@ -1,12 +1,14 @@
-"""GGUF Q5_0, Q5_1, Q4_K, Q5_K and Q6_K blocks re-laid in 16-row panels (AVX-512 VNNI and AVX2 kernels).
+"""GGUF Q5_0, Q5_1, Q4_K, Q5_K, Q6_K and MXFP4 blocks re-laid in 16-row panels (AVX-512 VNNI and AVX2 kernels).
 
 The same values as the file's blocks, in the layout ``csrc/ggml_cpu.cpp``'s panel kernel
 reads 16 output rows at a time from (see the comment there): low nibbles of the codes
 (``lo``), their bits 4 and 5 in bit planes (``hi``), and per-row scales (and offsets) side by
 side. K-quants keep their two levels of scales: the integer sub-scales (and sub-mins) of each
 block, and per super-block of 256 values the float ``d`` (and ``-dmin``), multiplied in the
-kernel (exact in float32: a float16 times an integer of at most 8 bits). Bytes per 32 weights
-against the file: Q5_0 22 (22), Q5_1 24 (24), Q4_K 19 (18), Q5_K 23 (22), Q6_K 26.5 (26.25).
+kernel (exact in float32: a float16 times an integer of at most 8 bits). MXFP4 keeps its 4-bit
+indices into its value table (``MXFP4_CODES``, the kernel's table) and its e8m0 scale bytes. Bytes
+per 32 weights against the file: Q5_0 22 (22), Q5_1 24 (24), Q4_K 19 (18), Q5_K 23 (22), Q6_K 26.5
+(26.25), MXFP4 17 (17).
 """
 
 from __future__ import annotations
@@ -20,15 +22,20 @@ from tokenloom.memory import huge_pages
 from tokenloom.quant.gguf.tensor import KERNEL_TYPES, GGMLTensor, ops
 
 PANEL = 16
-Q5_0, Q5_1, Q4_K, Q5_K, Q6_K = 6, 7, 12, 13, 14
-# type -> (high bit planes, zero point, per-16 scales, offsets, scale dtype: K-quants' integer sub-scales)
+Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, MXFP4 = 6, 7, 12, 13, 14, 39
+# type -> (high bit planes, zero point, per-16 scales, offsets, scale dtype: K-quants' integer
+# sub-scales, MXFP4's e8m0 bytes)
 LAYOUTS = {
     Q5_0: (1, 16, False, False, torch.float16),
     Q5_1: (1, 0, False, True, torch.float16),
     Q4_K: (0, 0, False, True, torch.uint8),
     Q5_K: (1, 0, False, True, torch.uint8),
     Q6_K: (2, 32, True, False, torch.int8),
+    MXFP4: (0, 12, False, False, torch.uint8),
 }
+# MXFP4's doubled e2m1 values plus its zero point 12, by 4-bit index (csrc/ggml_cpu.cpp's kMXFP4U);
+# a weight is (code - 12) * 2^(e - 128)
+MXFP4_CODES = torch.tensor([12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0], dtype=torch.int32)
 K_QUANTS = (Q4_K, Q5_K, Q6_K)
 _CHUNK_ROWS = 256
 
@@ -71,9 +78,11 @@ class GGUFPanels:
             x, self.kind, self.lo, self.hi, self.scale, self.offset, self.dsup, self.msup, bias, silu_mul
         )
 
-    def followed_by(self, other: GGUFPanels) -> GGUFPanels | None:
+    def followed_by(self, other: GGUFPanels, in_arena: bool = True) -> GGUFPanels | None:
         """These rows then `other`'s as one tensor (one kernel call for both), or None where the
-        two differ in type or width. Rows are independent, so each output is unchanged."""
+        two differ in type or width. Rows are independent, so each output is unchanged.
+        `in_arena`: the joined rows are the layer's whole weight, kept in the load's huge-page
+        arena; else on the heap, to be joined again."""
         if other.kind != self.kind or other.in_features != self.in_features:
             return None
 
@@ -81,13 +90,16 @@ class GGUFPanels:
             if a is None:
                 return None
             assert b is not None  # the same kind: the same tensors
-            return torch.cat([a, b])
+            shape = (a.shape[0] + b.shape[0], *a.shape[1:])
+            joined = huge_pages.empty(shape, a.dtype) if in_arena else torch.empty(shape, dtype=a.dtype)
+            joined[: a.shape[0]], joined[a.shape[0] :] = a, b
+            return joined
 
         return GGUFPanels(
             self.kind,
-            torch.cat([self.lo, other.lo]),
+            cat(self.lo, other.lo),  # type: ignore[arg-type]
             cat(self.hi, other.hi),
-            torch.cat([self.scale, other.scale]),
+            cat(self.scale, other.scale),  # type: ignore[arg-type]
             cat(self.offset, other.offset),
             self.in_features,
             cat(self.dsup, other.dsup),
@@ -106,8 +118,12 @@ class GGUFPanels:
             assert self.hi is not None  # a layout with bit planes has them
             hi = self.hi.view(p, nb, planes, PANEL, 4)[panel, :, j, lane].int()  # (L, nb, i)
             codes |= ((hi[:, :, None, None, :] >> shifts) & 1) << (4 + j)
+        if self.kind == MXFP4:
+            codes = MXFP4_CODES[codes]
         w = codes.reshape(len(index), nb, 32).float() - zero
         scale = (self.scale[panel, :, :, lane] if per16 else self.scale[panel, :, lane]).float()  # (L, nb[, 2])
+        if self.kind == MXFP4:  # e8m0: 2^(e - 128) for the doubled values
+            scale = torch.exp2(scale - 128)
         offset = None if self.offset is None else self.offset[panel, :, lane].float()
         if self.dsup is not None:  # K-quants: times d (and -dmin)
             d = self.dsup[panel, :, lane].repeat_interleave(8, dim=1)  # (L, nb)
@@ -131,18 +147,21 @@ def fits(t: GGMLTensor) -> bool:
     return t.kind in LAYOUTS and t.shape[0] % PANEL == 0 and available()
 
 
-def to_panels(t: GGMLTensor, in_cpp: bool = True) -> GGUFPanels:
+def to_panels(t: GGMLTensor, in_cpp: bool = True, in_arena: bool = True) -> GGUFPanels:
     """Re-lay `t` (a type in LAYOUTS, rows a multiple of 16): in one C++ pass where the GGUF
-    kernels are built and `in_cpp`, else in numpy a chunk of rows at a time. The same bits."""
+    kernels are built and `in_cpp`, else in numpy a chunk of rows at a time. The same bits.
+    `in_arena`: in the load's huge-page arena (if any); False for a part of a weight that is to be
+    joined to its other parts (followed_by copies it into the arena, and the heap gets it back)."""
     planes, _, per16, offs, dtype = LAYOUTS[t.kind]
     n, k = t.shape
     p, nb = n // PANEL, k // 32
-    lo = huge_pages.empty((p, nb, 4, 64), torch.uint8)  # from the load's huge-page arena, if any
-    hi = huge_pages.empty((p, nb, planes, 64), torch.uint8) if planes else None
-    scale = huge_pages.empty((p, nb, 2, PANEL) if per16 else (p, nb, PANEL), dtype)
-    offset = huge_pages.empty(tuple(scale.shape), dtype) if offs else None
-    dsup = huge_pages.empty((p, nb // 8, PANEL), torch.float32) if t.kind in K_QUANTS else None
-    msup = huge_pages.empty((p, nb // 8, PANEL), torch.float32) if dsup is not None and offs else None
+    empty = huge_pages.empty if in_arena else lambda shape, dtype: torch.empty(shape, dtype=dtype)
+    lo = empty((p, nb, 4, 64), torch.uint8)
+    hi = empty((p, nb, planes, 64), torch.uint8) if planes else None
+    scale = empty((p, nb, 2, PANEL) if per16 else (p, nb, PANEL), dtype)
+    offset = empty(tuple(scale.shape), dtype) if offs else None
+    dsup = empty((p, nb // 8, PANEL), torch.float32) if t.kind in K_QUANTS else None
+    msup = empty((p, nb // 8, PANEL), torch.float32) if dsup is not None and offs else None
     panels = GGUFPanels(t.kind, lo, hi, scale, offset, k, dsup, msup)
     kernels = ops()
     if in_cpp and kernels is not None and hasattr(kernels, "relay_panels"):  # csrc/panel_relay.h
@@ -232,6 +251,9 @@ def decode(kind: int, raw: np.ndarray, k: int) -> tuple[np.ndarray, object, obje
     (rows, K/32, 2) int8 for Q6_K's per-16 ones, and float32 (rows, K/256) super-block d (-dmin
     for the offsets' pair); a weight's scale is their product."""
     rows = raw.shape[0]
+    if kind == MXFP4:  # indices into its table (the kernel's business) and the e8m0 scale bytes
+        blocks = raw.reshape(rows, k // 32, 17)
+        return nibbles(blocks).reshape(rows, k), np.ascontiguousarray(blocks[..., 0]), None
     if kind in (Q5_0, Q5_1):
         blocks = raw.reshape(rows, k // 32, -1)
         qh = np.ascontiguousarray(blocks[:, :, -20:-16]).view(np.uint32)  # (rows, nb, 1)

@@ -451,7 +451,15 @@ at::Tensor dequantize(const at::Tensor& w, int64_t type, int64_t K) {
 //   values (0-15, 16-31), no offset. Their products d * sc are exact in float32 (at most 19
 //   significant bits), so the weights are those of the file, as with scales stored multiplied.
 // Q5_0: HB 1, Z 16; Q5_1: HB 1, offsets; Q4_K: HB 0, offsets; Q5_K: HB 1, offsets;
-// Q6_K: HB 2, Z 32, per-16. Dot products are exact in int32.
+// Q6_K: HB 2, Z 32, per-16. MXFP4: HB LUT4 (the 4-bit codes index kMXFP4U, its doubled values
+// plus 12, no planes), Z 12, scale the block's e8m0 byte (E8M0: 2^(e - 128) in the kernel), 17
+// bytes per 32 weights as in the file. Dot products are exact in int32.
+constexpr int LUT4 = -1;
+// kMXFP4 + 12: unsigned codes 0..24, so the unsigned-by-signed products of both builds take them
+const int8_t kMXFP4U[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
+struct E8M0 {
+  uint8_t e;
+};
 struct GPanel {
   const uint8_t* lo;
   const uint8_t* hi;
@@ -473,6 +481,22 @@ inline __m512 i8_to_ps(const int8_t* p) {
 template <typename S> inline __m512 load16(const S* p);
 template <> inline __m512 load16<uint16_t>(const uint16_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+// 16 e8m0 bytes -> 2^(e - 128) each (e8m0_half's bits: (e - 1) << 23, subnormals 0x00200000 << e below 2)
+template <> inline __m512 load16<E8M0>(const E8M0* p) {
+  const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m512i normal = _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23);
+  const __m512i tiny = _mm512_sllv_epi32(_mm512_set1_epi32(0x00200000), e);
+  const __mmask16 small = _mm512_cmplt_epu32_mask(e, _mm512_set1_epi32(2));
+  return _mm512_castsi512_ps(_mm512_mask_blend_epi32(small, normal, tiny));
+}
+
+// 4-bit codes (one per byte) -> their kMXFP4U values where HB is LUT4; other codes as they are.
+template <int HB>
+inline __m512i table_codes(__m512i codes) {
+  if constexpr (HB != LUT4) return codes;
+  const __m128i t = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kMXFP4U));
+  return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(t), codes);
 }
 
 // Bit (2c + h) of each byte of `plane`, moved to bit `to`, OR-ed into `codes`.
@@ -499,8 +523,9 @@ inline void block_codes(const GPanel& w, int64_t pb, __m512i* codes) {
 #define TOKENLOOM_CHUNK(C)                                                                               \
   {                                                                                                      \
     const __m512i v = _mm512_loadu_si512(lo + C * 64);                                                   \
-    codes[2 * C] = with_high_bits<HB, C, 0>(_mm512_and_si512(v, low), planes);                          \
-    codes[2 * C + 1] = with_high_bits<HB, C, 1>(_mm512_and_si512(_mm512_srli_epi16(v, 4), low), planes); \
+    codes[2 * C] = table_codes<HB>(with_high_bits<HB, C, 0>(_mm512_and_si512(v, low), planes));          \
+    codes[2 * C + 1] =                                                                                   \
+        table_codes<HB>(with_high_bits<HB, C, 1>(_mm512_and_si512(_mm512_srli_epi16(v, 4), low), planes)); \
   }
   TOKENLOOM_CHUNK(0) TOKENLOOM_CHUNK(1) TOKENLOOM_CHUNK(2) TOKENLOOM_CHUNK(3)
 #undef TOKENLOOM_CHUNK
@@ -629,6 +654,17 @@ inline __m256 half_to_ps8(const uint16_t* p) {
 }
 inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
+// 8 per-32 scales: float16 bits, or e8m0 bytes as 2^(e - 128) (load16<E8M0>'s arithmetic).
+template <typename S> inline __m256 load8(const S* p);
+template <> inline __m256 load8<uint16_t>(const uint16_t* p) { return half_to_ps8(p); }
+template <> inline __m256 load8<E8M0>(const E8M0* p) {
+  const __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+  const __m256i tiny = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+  const __m256i small = _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e);
+  return _mm256_castsi256_ps(_mm256_blendv_epi8(normal, tiny, small));
+}
+
 // Bit FROM of each byte of `plane`, moved to bit TO and OR-ed into `codes` (FROM, TO < 8, so
 // the 16-bit shift never carries a bit across bytes into the one kept).
 template <int FROM, int TO>
@@ -650,6 +686,10 @@ struct HalfCodes {
   inline __m256i get() const {
     const __m256i v = load32(lo + C * 64);
     __m256i codes = _mm256_and_si256(H ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(0x0F));
+    if constexpr (HB == LUT4) {
+      const __m128i t = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kMXFP4U));
+      codes = _mm256_shuffle_epi8(_mm256_set_m128i(t, t), codes);
+    }
     if constexpr (HB >= 1) codes = add_bit8<2 * C + H, 4>(codes, planes[0]);
     if constexpr (HB >= 2) codes = add_bit8<2 * C + H, 5>(codes, planes[1]);
     return codes;
@@ -692,8 +732,8 @@ inline void half_scales(const GPanel& w, int64_t pb, int hf, __m256* s, __m256& 
     if constexpr (OFFS)
       o = _mm256_mul_ps(_mm256_loadu_ps(w.msup + sb), u8_to_ps8(static_cast<const uint8_t*>(w.offset) + pb * 16 + hf * 8));
   } else {
-    s[0] = half_to_ps8(static_cast<const uint16_t*>(w.scale) + pb * 16 + hf * 8);
-    if constexpr (OFFS) o = half_to_ps8(static_cast<const uint16_t*>(w.offset) + pb * 16 + hf * 8);
+    s[0] = load8(static_cast<const S*>(w.scale) + pb * 16 + hf * 8);
+    if constexpr (OFFS) o = load8(static_cast<const S*>(w.offset) + pb * 16 + hf * 8);
   }
 }
 
@@ -836,7 +876,7 @@ void panel_matmul_into(at::Tensor out, int64_t col0, const at::Tensor& xq, int64
   const int hb = type == Q6_K ? 2 : (type == Q5_0 || type == Q5_1 || type == Q5_K) ? 1 : 0;
   TORCH_CHECK(hb == 0 || (hi && hi->is_contiguous() && hi->numel() == P * nb * hb * 64), "high-bit planes missing");
   const bool kq = type == Q4_K || type == Q5_K || type == Q6_K, per16 = type == Q6_K;
-  const at::ScalarType stype = !kq ? at::kHalf : per16 ? at::kChar : at::kByte;
+  const at::ScalarType stype = type == MXFP4 ? at::kByte : !kq ? at::kHalf : per16 ? at::kChar : at::kByte;
   TORCH_CHECK(scale.is_contiguous() && scale.numel() == P * nb * 16 * (per16 ? 2 : 1) && scale.scalar_type() == stype,
               "panel scales have the wrong shape or dtype");
   const bool offs = type == Q5_1 || type == Q4_K || type == Q5_K;
@@ -859,6 +899,7 @@ void panel_matmul_into(at::Tensor out, int64_t col0, const at::Tensor& xq, int64
     case Q4_K: gpanel_matmul<0, 0, false, true, true, uint8_t>(w, a, M, P, y, ldo); break;
     case Q5_K: gpanel_matmul<1, 0, false, true, true, uint8_t>(w, a, M, P, y, ldo); break;
     case Q6_K: gpanel_matmul<2, 32, true, false, true, int8_t>(w, a, M, P, y, ldo); break;
+    case MXFP4: gpanel_matmul<LUT4, 12, false, false, false, E8M0>(w, a, M, P, y, ldo); break;
     default: TORCH_CHECK(false, "GGML type ", type, " has no panel kernel");
   }
 }

@@ -1,4 +1,4 @@
-// GGUF Q5_0, Q5_1, Q4_K, Q5_K and Q6_K rows re-laid in the 16-row panels the panel kernel reads
+// GGUF Q5_0, Q5_1, Q4_K, Q5_K, Q6_K and MXFP4 rows re-laid in the 16-row panels the panel kernel reads
 // (quant/gguf/panels.py states the layout and keeps a numpy re-lay of the same bits for builds
 // without these kernels). One pass over the file's bytes, panels spread over torch's threads:
 // a load's re-lay costs about a read of the weights, not numpy's many temporaries.
@@ -8,7 +8,8 @@
 //   hi[p, b, j, 4 n + i]  = sum over c < 4, h < 2 of bit (4 + j) of code[8 c + 4 h + i] << (2 c + h)
 //   scale[p, b, n] (per-16 types: scale[p, b, half, n]), offset likewise; K-quants' super-block
 //   factors dsup[p, b / 8, n] = d and msup[p, b / 8, n] = -dmin.
-// Codes are unsigned (0..15, 0..31 or 0..63); zero points are the kernel's business.
+// Codes are unsigned (0..15, 0..31 or 0..63; MXFP4's are its 4-bit indices into its value table,
+// scale its e8m0 byte); zero points and tables are the kernel's business.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -20,7 +21,9 @@
 namespace tokenloom_relay {
 
 constexpr int64_t kPanel = 16;
-enum Kind : int64_t { Q5_0 = 6, Q5_1 = 7, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+enum Kind : int64_t { Q5_0 = 6, Q5_1 = 7, Q4_K = 12, Q5_K = 13, Q6_K = 14, MXFP4 = 39 };
+
+inline bool is_k_quant(int64_t kind) { return kind == Q4_K || kind == Q5_K || kind == Q6_K; }
 
 inline uint16_t half_bits(const uint8_t* p) {
   uint16_t h;
@@ -44,6 +47,14 @@ inline void scale_min_k4(int s, const uint8_t* q, T& sc, T& mn) {
 
 // The 32 codes of 32-value block b of one row (`row` points at the row's first byte).
 inline void block_codes(int64_t kind, const uint8_t* row, int64_t b, uint8_t* code) {
+  if (kind == MXFP4) {  // 17 bytes: e8m0 scale, then byte j holds index j (low) and j + 16 (high)
+    const uint8_t* qs = row + b * 17 + 1;
+    for (int j = 0; j < 16; ++j) {
+      code[j] = qs[j] & 0xF;
+      code[j + 16] = qs[j] >> 4;
+    }
+    return;
+  }
   if (kind == Q5_0 || kind == Q5_1) {
     const uint8_t* blk = row + b * (kind == Q5_0 ? 22 : 24);
     const uint8_t* qs = blk + (kind == Q5_0 ? 6 : 8);
@@ -89,13 +100,17 @@ inline void pack_codes(const uint8_t* code, int n, int planes, uint8_t* lo, uint
 
 struct Out {
   uint8_t *lo, *hi;
-  void *scale, *offset;  // float16 bits (Q5_0/Q5_1), uint8 (Q4_K/Q5_K) or int8 (Q6_K)
+  void *scale, *offset;  // float16 bits (Q5_0/Q5_1), uint8 (Q4_K/Q5_K; MXFP4's e8m0) or int8 (Q6_K)
   float *dsup, *msup;
 };
 
 // Row n of panel p, block b: its scales (and offsets, super-block factors) into `out`.
 inline void block_sides(int64_t kind, const uint8_t* row, int64_t p, int64_t nb, int64_t b, int n, const Out& out) {
   const int64_t at = (p * nb + b) * kPanel + n;
+  if (kind == MXFP4) {
+    static_cast<uint8_t*>(out.scale)[at] = row[b * 17];
+    return;
+  }
   if (kind == Q5_0 || kind == Q5_1) {
     const uint8_t* blk = row + b * (kind == Q5_0 ? 22 : 24);
     static_cast<uint16_t*>(out.scale)[at] = half_bits(blk);
@@ -127,6 +142,7 @@ inline int64_t row_bytes(int64_t kind, int64_t K) {
     case Q4_K: return K / 256 * 144;
     case Q5_K: return K / 256 * 176;
     case Q6_K: return K / 256 * 210;
+    case MXFP4: return K / 32 * 17;
     default: return -1;
   }
 }
@@ -138,18 +154,19 @@ inline void relay_panels(const at::Tensor& raw, int64_t kind, int64_t K, const a
                          const c10::optional<at::Tensor>& offset, const c10::optional<at::Tensor>& dsup,
                          const c10::optional<at::Tensor>& msup) {
   const int64_t rb = row_bytes(kind, K);
-  TORCH_CHECK(rb > 0 && K % (kind >= Q4_K ? 256 : 32) == 0, "GGML type ", kind, " has no panel layout for K=", K);
+  TORCH_CHECK(rb > 0 && K % (is_k_quant(kind) ? 256 : 32) == 0, "GGML type ", kind, " has no panel layout for K=", K);
   TORCH_CHECK(raw.scalar_type() == at::kByte && raw.dim() == 2 && raw.size(1) == rb && raw.stride(1) == 1 &&
               raw.size(0) % kPanel == 0, "raw must be (16 P, ", rb, ") uint8 rows");
   const int64_t P = raw.size(0) / kPanel, nb = K / 32, ld = raw.stride(0);
-  const int planes = kind == Q6_K ? 2 : kind == Q4_K ? 0 : 1;
-  const bool offs = kind != Q5_0 && kind != Q6_K, kq = kind >= Q4_K;
+  const int planes = kind == Q6_K ? 2 : (kind == Q4_K || kind == MXFP4) ? 0 : 1;
+  const bool offs = kind == Q5_1 || kind == Q4_K || kind == Q5_K, kq = is_k_quant(kind);
   auto filled = [](const at::Tensor& t, int64_t numel) { return t.is_contiguous() && t.numel() == numel; };
   TORCH_CHECK(lo.scalar_type() == at::kByte && filled(lo, P * nb * 256), "lo must be (P, K/32, 4, 64) uint8");
   TORCH_CHECK(!planes || (hi && hi->scalar_type() == at::kByte && filled(*hi, P * nb * planes * 64)),
               "hi must be (P, K/32, planes, 64) uint8");
   const int64_t sides = P * nb * kPanel * (kind == Q6_K ? 2 : 1);
-  TORCH_CHECK(filled(scale, sides) && scale.element_size() == (kq ? 1 : 2), "scale has the wrong shape or dtype");
+  TORCH_CHECK(filled(scale, sides) && scale.element_size() == (kq || kind == MXFP4 ? 1 : 2),
+              "scale has the wrong shape or dtype");
   TORCH_CHECK(!offs || (offset && filled(*offset, sides) && offset->element_size() == scale.element_size()),
               "offset must be shaped like scale");
   auto super_ok = [&](const c10::optional<at::Tensor>& t) {

@@ -1,0 +1,153 @@
+#!/usr/bin/env python
+"""A GGUF file of a real model's shapes with random weights, for timing engines on the same file.
+
+Speed does not depend on the weights' values, so the blocks are written as random bytes of the
+target type (random codes, scales of a trained model's size) instead of quantizing random floats
+(the `gguf` package's MXFP4 quantizer runs at ~10 M values/s: minutes a layer). The tensors carry
+llama.cpp's names and layout and the metadata its loader reads; the vocabulary is the model's size
+of placeholder tokens (256 bytes, then unused [PADn]), which is all a benchmark of random token ids
+needs.
+
+Shapes (``SHAPES``): ``gpt-oss-20b``: 2880 wide, 64 query / 8 KV heads of 64, 32 experts of 2880
+(top 4) in MXFP4, the rest Q8_0 as ggml-org's gpt-oss-20b GGUF ships it; 24 layers in the
+model, --layers of them here.
+
+    python benchmarks/shaped_gguf.py gpt-oss-20b --layers 8 -o /tmp/gpt-oss-20b-8l.gguf
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+import numpy as np
+from tqdm import tqdm
+
+MXFP4, Q8_0, F32 = gguf.GGMLQuantizationType.MXFP4, gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.F32
+
+
+@dataclass(frozen=True)
+class Shape:
+    arch: str
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    experts: int
+    top_k: int
+    expert_ffn: int
+    vocab: int
+    layers: int
+    context: int
+
+
+SHAPES = {"gpt-oss-20b": Shape("gpt-oss", 2880, 64, 8, 64, 32, 4, 2880, 201088, 24, 131072)}
+
+
+def random_blocks(kind: gguf.GGMLQuantizationType, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+    """Random blocks of `kind` for a tensor of `shape` (..., cols): codes uniform, scales ~ a trained
+    weight's (values of magnitude ~0.02)."""
+    values, nbytes = gguf.GGML_QUANT_SIZES[kind]
+    blocks = rng.integers(0, 256, size=(*shape[:-1], shape[-1] // values, nbytes), dtype=np.uint8)
+    if kind == MXFP4:
+        blocks[..., 0] = rng.integers(119, 123, size=blocks.shape[:-1])  # 2^(e - 127): 2^-8 .. 2^-5
+    elif kind == Q8_0:
+        scale = np.full(blocks.shape[:-1], 0.02 / 127, dtype=np.float16)
+        blocks[..., :2] = scale.view(np.uint8).reshape(*blocks.shape[:-1], 2)
+        codes = blocks[..., 2:]
+        codes[codes == 0x80] = 0x81  # -127..127, as llama.cpp's quantizer writes them (never -128)
+    return blocks.reshape(*shape[:-1], -1)
+
+
+def floats(shape: tuple[int, ...], rng: np.random.Generator, scale: float = 0.02, mean: float = 0.0) -> np.ndarray:
+    return (mean + scale * rng.standard_normal(shape, dtype=np.float32)).astype(np.float32)
+
+
+def write_metadata(w: gguf.GGUFWriter, s: Shape, layers: int) -> None:
+    a = s.arch
+    for key, value in {
+        "block_count": layers,
+        "context_length": s.context,
+        "embedding_length": s.hidden,
+        "feed_forward_length": s.expert_ffn,
+        "expert_feed_forward_length": s.expert_ffn,
+        "attention.head_count": s.heads,
+        "attention.head_count_kv": s.kv_heads,
+        "attention.key_length": s.head_dim,
+        "attention.value_length": s.head_dim,
+        "attention.sliding_window": 128,
+        "expert_count": s.experts,
+        "expert_used_count": s.top_k,
+        "rope.dimension_count": s.head_dim,
+        "rope.scaling.original_context_length": 4096,
+    }.items():
+        w.add_uint32(f"{a}.{key}", value)
+    w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)
+    w.add_float32(f"{a}.rope.freq_base", 150000.0)
+    w.add_string(f"{a}.rope.scaling.type", "yarn")
+    w.add_float32(f"{a}.rope.scaling.factor", 32.0)
+    tokens = [bytes([b]).decode("latin-1") for b in range(256)] + ["ab"] + [f"[PAD{i}]" for i in range(257, s.vocab)]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-2")
+    w.add_token_list(tokens)
+    w.add_token_types([1] * 257 + [5] * (s.vocab - 257))
+    w.add_token_merges(["a b"])  # llama.cpp refuses a BPE vocabulary without merges
+    w.add_eos_token_id(0)
+
+
+def tensors(s: Shape, layers: int, rng: np.random.Generator):
+    """(name, array, raw type or None) in llama.cpp's gpt-oss layout (llama-model.cpp's tensor shapes)."""
+    q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    yield "token_embd.weight", random_blocks(Q8_0, (s.vocab, s.hidden), rng), Q8_0
+    yield "output_norm.weight", floats((s.hidden,), rng, 0.1, 1.0), None
+    yield "output.weight", random_blocks(Q8_0, (s.vocab, s.hidden), rng), Q8_0
+    for i in range(layers):
+        b = f"blk.{i}"
+        yield f"{b}.attn_norm.weight", floats((s.hidden,), rng, 0.1, 1.0), None
+        yield f"{b}.post_attention_norm.weight", floats((s.hidden,), rng, 0.1, 1.0), None
+        for name, rows in (("attn_q", q), ("attn_k", kv), ("attn_v", kv)):
+            yield f"{b}.{name}.weight", random_blocks(Q8_0, (rows, s.hidden), rng), Q8_0
+            yield f"{b}.{name}.bias", floats((rows,), rng), None
+        yield f"{b}.attn_output.weight", random_blocks(Q8_0, (s.hidden, q), rng), Q8_0
+        yield f"{b}.attn_output.bias", floats((s.hidden,), rng), None
+        yield f"{b}.attn_sinks.weight", floats((s.heads,), rng, 1.0), None
+        yield f"{b}.ffn_gate_inp.weight", floats((s.experts, s.hidden), rng), None
+        yield f"{b}.ffn_gate_inp.bias", floats((s.experts,), rng), None
+        for name, rows, cols in (
+            ("ffn_gate_exps", s.expert_ffn, s.hidden),
+            ("ffn_up_exps", s.expert_ffn, s.hidden),
+            ("ffn_down_exps", s.hidden, s.expert_ffn),
+        ):
+            yield f"{b}.{name}.weight", random_blocks(MXFP4, (s.experts, rows, cols), rng), MXFP4
+            yield f"{b}.{name}.bias", floats((s.experts, rows), rng), None
+
+
+def write(name: str, layers: int, out: Path, seed: int = 0) -> Path:
+    s = SHAPES[name]
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(str(out), s.arch)
+    write_metadata(w, s, layers)
+    items = list(tqdm(tensors(s, layers, rng), desc=f"{name} x{layers} layers", unit="tensor"))
+    for tensor_name, array, kind in items:
+        w.add_tensor(tensor_name, array, raw_dtype=kind)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file(progress=True)
+    w.close()
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("shape", choices=sorted(SHAPES))
+    p.add_argument("--layers", type=int, default=None, help="layers to write (default: the model's)")
+    p.add_argument("-o", "--out", type=Path, required=True)
+    args = p.parse_args()
+    layers = args.layers or SHAPES[args.shape].layers
+    print(write(args.shape, layers, args.out))
+
+
+if __name__ == "__main__":
+    main()
