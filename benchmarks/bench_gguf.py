@@ -128,9 +128,9 @@ def metadata_seconds(path: Path) -> dict:
     return times
 
 
-def files(extra: list[str]) -> dict[str, Path]:
-    found = {"SmolLM2-135M Q4_1": hub.default_gguf_path()}
-    if hub.is_pulled("qwen2.5-coder-0.5b"):
+def files(extra: list[str], defaults: bool = True) -> dict[str, Path]:
+    found = {"SmolLM2-135M Q4_1": hub.default_gguf_path()} if defaults else {}
+    if defaults and hub.is_pulled("qwen2.5-coder-0.5b"):
         found["Qwen2.5-Coder-0.5B Q4_K_M"] = hub.gguf_path("qwen2.5-coder-0.5b")
     for item in extra:
         label, _, file = item.partition("=")
@@ -222,10 +222,11 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--llama-bench", default=os.environ.get("LLAMA_BENCH") or shutil.which("llama-bench"))
     p.add_argument("--file", action="append", default=[], metavar="LABEL=PATH", help="another GGUF file to time")
+    p.add_argument("--only-files", action="store_true", help="time the --file files alone (not the default models)")
     args = p.parse_args()
     cpu = cpu_name()
     results = {}
-    chosen = files(args.file)
+    chosen = files(args.file, defaults=not args.only_files)
     for label, path in chosen.items():
         if not Path(path).is_file():
             p.error(f"--file {label}: {path} is not a file")

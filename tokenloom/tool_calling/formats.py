@@ -12,6 +12,8 @@ A format is text around JSON call objects ``{"name": ..., "<args_key>": {...}}``
 - ``mistral`` (Mistral v0.3 and later templates): ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]``.
 - ``generic``: the hermes syntax for a template that does not render tools itself: the tools and the
   syntax go into a system message tokenloom writes (tool_calling/prompt.py).
+- ``harmony`` (gpt-oss): calls are messages to ``functions.NAME`` in harmony's commentary channel,
+  read by tool_calling/harmony.py rather than by this module's call syntax (its fields are unused).
 """
 
 from __future__ import annotations
@@ -68,13 +70,17 @@ GENERIC = ToolFormat(
     renders_tools=False,
 )
 
-FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, GENERIC)}
+HARMONY = ToolFormat("harmony", trigger="")  # tool_calling/harmony.py reads its calls
+
+FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, GENERIC, HARMONY)}
 
 
 def detect_format(chat_template: str | None) -> ToolFormat:
     """The format a chat template teaches its model, from the markers it writes; GENERIC when the
     template does not render tools at all (or there is no template)."""
     source = chat_template or ""
+    if "<|channel|>" in source:
+        return HARMONY
     if "tools" not in source:
         return GENERIC
     if "<tool_call>" in source:

@@ -177,3 +177,31 @@ def _auto_rules(fmt: ToolFormat, parallel: bool, special: frozenset[str]) -> lis
         "start: TEXT | opened after_trigger ENDING?" + (" | bare ENDING?" if fmt.bare else ""),
     ]
     return rules
+
+
+def harmony_grammar(tools: list[dict[str, Any]], mode: str, special: frozenset[str] = frozenset()) -> str:
+    """gpt-oss's reply as harmony messages (tool_calling/harmony.py): optionally its reasoning in the
+    analysis channel, then under "auto" an answer in the final channel or one call, under "required"
+    one call, under "none" an answer: a call is a commentary message to ``functions.NAME`` whose body
+    is valid against that tool's schema. One call a reply: harmony ends a call with <|call|>, a stop
+    token, and the caller answers with its result."""
+    if mode not in ("auto", "required", "none"):
+        raise ValueError(f"harmony grammar mode must be auto, required or none, got {mode!r}")
+
+    def lit(text: str) -> str:
+        return _lit(text, special)
+
+    rules = [
+        "%llguidance {}",
+        "TEXT: /(?s:.*)/",
+        _rule("analysis", lit("<|channel|>analysis<|message|>"), "TEXT", lit("<|end|><|start|>assistant")),
+        _rule("final", lit("<|channel|>final<|message|>"), "TEXT"),
+    ]
+    for i, tool in enumerate(tools):
+        header = f"<|channel|>commentary to=functions.{tool['name']} <|constrain|>json<|message|>"
+        rules.append(_rule(f"call_{i}", lit(header), "%json", _schema(tool["parameters"])))
+    ending = {"auto": "final | call", "required": "call", "none": "final"}[mode]
+    if tools and mode != "none":
+        rules.append(_rule("call", " | ".join(f"call_{i}" for i in range(len(tools)))))
+    rules.append(f"start: analysis? ({ending})")
+    return "\n".join(rules) + "\n"

@@ -8,7 +8,8 @@ reasoning goes to ``reasoning_content``, the rest to ``content``, whole or strea
 from __future__ import annotations
 
 OPEN, CLOSE = "<think>", "</think>"
-PARSERS = ("auto", "none", "think", "qwen3", "deepseek_r1")  # the last three: the same think tags
+# think, qwen3, deepseek_r1: the same think tags; harmony: gpt-oss's analysis channel (harmony.py)
+PARSERS = ("auto", "none", "think", "qwen3", "deepseek_r1", "harmony")
 
 
 def reasoning_enabled(name: str | None, chat_template: str | None) -> bool:

@@ -19,17 +19,22 @@ from tokenloom.tool_calling import (
     tool_format,
     tool_grammar,
 )
-from tokenloom.tool_calling.grammar import no_call_grammar
+from tokenloom.tool_calling.formats import HARMONY
+from tokenloom.tool_calling.grammar import harmony_grammar, no_call_grammar
+from tokenloom.tool_calling.harmony import MARKERS as HARMONY_MARKERS
+from tokenloom.tool_calling.harmony import HarmonyStream, read_harmony
 from tokenloom.tool_calling.messages import template_messages
 from tokenloom.tool_calling.reasoning import CLOSE, OPEN
 
 
 @dataclass
 class ChatFeatures:
-    """Server-wide: the model's tool-call format and whether replies carry think tags."""
+    """Server-wide: the model's tool-call format and whether replies carry think tags; harmony
+    (gpt-oss): replies are harmony messages, read by tool_calling/harmony.py."""
 
     tool_format: ToolFormat
     reasoning: bool
+    harmony: bool = False
     _special: frozenset[str] | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -39,19 +44,26 @@ class ChatFeatures:
     ) -> ChatFeatures:
         """From the --tool-call-parser / --reasoning-parser values (None or "auto": from the
         template); ValueError for an unknown name."""
-        return cls(tool_format(tool_parser, chat_template), reasoning_enabled(reasoning_parser, chat_template))
+        fmt = tool_format(tool_parser, chat_template)
+        reasoning = reasoning_enabled(reasoning_parser, chat_template)
+        if fmt is HARMONY or reasoning_parser == "harmony":
+            return cls(HARMONY, reasoning_parser != "none", harmony=True)
+        return cls(fmt, reasoning)
 
     def markers_dropped(self, tokenizer) -> bool:
         """Whether decoding with skip_special_tokens would drop the format's markers or the think
         tags from the text (then the reply is decoded with them, or it could not be read back)."""
-        texts = self.tool_format.markers + ((OPEN, CLOSE) if self.reasoning else ())
+        texts = (
+            HARMONY_MARKERS if self.harmony else self.tool_format.markers + ((OPEN, CLOSE) if self.reasoning else ())
+        )
         return any(tokenizer.decode(tokenizer.encode(t, add_special_tokens=False)) != t for t in texts)
 
     def special_markers(self, engine) -> frozenset[str]:
         """The format's markers that are special tokens of the model (asked once)."""
         with self._lock:
             if self._special is None:
-                self._special = engine.grammar_special_tokens(self.tool_format.markers)
+                markers = HARMONY_MARKERS if self.harmony else self.tool_format.markers
+                self._special = engine.grammar_special_tokens(markers)
             return self._special
 
 
@@ -92,6 +104,9 @@ def tool_constraint(
     under tool_choice none one that keeps it from calling; None without tools."""
     if not functions:
         return None
+    if features.harmony:
+        special = features.special_markers(engine)
+        return StructuredOutput.grammar(harmony_grammar(functions, mode, special))
     if mode == "none":
         return StructuredOutput.grammar(no_call_grammar(features.tool_format))
     special = features.special_markers(engine)
@@ -117,6 +132,12 @@ class Reply:
 
 def read_reply(text: str, prompt: str, turn_mode: str, features: ChatFeatures, cut: bool = False) -> Reply:
     """Split a whole reply into reasoning, content and tool calls (`cut`: it ran out of max_tokens)."""
+    if features.harmony:
+        read = read_harmony(text, cut)
+        said = [c.to_openai() for c in read.calls] if turn_mode != "none" else []
+        return Reply(
+            read.content if read.content or not said else None, read.reasoning if features.reasoning else None, said
+        )
     reasoning = None
     if features.reasoning:
         reasoning, text = split_reasoning(text, starts_thinking(prompt))
@@ -136,12 +157,16 @@ class ReplyStream:
     """read_reply over a stream: feed(text_delta, finished) -> the OpenAI delta fields to send."""
 
     def __init__(self, prompt: str, turn_mode: str, features: ChatFeatures) -> None:
+        self.harmony = HarmonyStream() if features.harmony else None
+        self.harmony_reasoning, self.harmony_calls = features.reasoning, turn_mode != "none"
         self.reasoning = ReasoningStream(starts_thinking(prompt)) if features.reasoning else None
         self.tools = ToolCallStream(features.tool_format) if turn_mode != "none" else None
         self.has_calls = False
 
     def feed(self, text_delta: str, finished: bool, cut: bool = False) -> dict[str, Any]:
         """The delta fields for `text_delta`; `finished`: the last one (`cut`: by max_tokens)."""
+        if self.harmony is not None:
+            return self._feed_harmony(self.harmony, text_delta, finished, cut)
         delta: dict[str, Any] = {}
         thought, text = "", text_delta
         if self.reasoning is not None:
@@ -160,6 +185,21 @@ class ReplyStream:
             text = said.content
             if said.tool_calls:
                 delta["tool_calls"] = said.tool_calls
+        if text:
+            delta["content"] = text
+        return delta
+
+    def _feed_harmony(self, stream: HarmonyStream, text_delta: str, finished: bool, cut: bool) -> dict[str, Any]:
+        thought, text, calls = stream.feed(text_delta)
+        if finished:
+            more = stream.finish(cut)
+            thought, text, calls = thought + more[0], text + more[1], calls + more[2]
+            self.has_calls = self.harmony_calls and bool(stream.calls)
+        delta: dict[str, Any] = {}
+        if thought and self.harmony_reasoning:
+            delta["reasoning_content"] = thought
+        if calls and self.harmony_calls:
+            delta["tool_calls"] = calls
         if text:
             delta["content"] = text
         return delta
