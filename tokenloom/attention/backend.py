@@ -135,7 +135,6 @@ class TritonAttention(StepAttention):
     def __call__(
         self, layer: int, qkv: torch.Tensor, norms: QKNorms | None = None, sinks: torch.Tensor | None = None
     ) -> torch.Tensor:
-        assert sinks is None  # plan_attention gives a model with sinks TorchAttention
         sh, T = self.shape, qkv.shape[0]
         if qkv.stride(-1) != 1:
             qkv = qkv.contiguous()
@@ -145,7 +144,7 @@ class TritonAttention(StepAttention):
         q = self.rope_and_cache(
             qkv, self.rope, keys, values, self.meta.slot_mapping, sh.num_heads, sh.num_kv_heads, sh.head_dim
         )  # (T, heads, head_dim)
-        out = self.attention(q, keys, values, self.inputs, sh.scale, sh.window(layer), sh.softcap)
+        out = self.attention(q, keys, values, self.inputs, sh.scale, sh.window(layer), sh.softcap, sinks)
         return out.view(T, sh.q_size)
 
 
@@ -331,7 +330,7 @@ def plan_attention(
 ) -> StepAttention:
     """The attention op for this step's layers; `rope`: (cos, sin) (T, 1, head_dim) in the
     activations' dtype, or None (learned positions)."""
-    if triton_kernels.takes_cache(kv_cache) and not shape.sinks:  # the Triton kernels have no sinks
+    if triton_kernels.takes_cache(kv_cache):
         return TritonAttention(shape, meta, kv_cache, rope)
     if kernels_take(shape, meta, kv_cache, rope):
         assert rope is not None  # kernels_take wants the tables
