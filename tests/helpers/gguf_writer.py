@@ -92,6 +92,7 @@ def write_gguf(
     extra: dict[str, int | float] | None = None,
     split_max_tensors: int = 0,
     experts_only: bool = False,
+    pre: str = "gpt-2",
 ) -> Path:
     """`folder` (config.json, model.safetensors, tokenizer.json) -> GGUF at `path`; matrices as
     `quantize` ("Q8_0", "Q4_0", ...) where their rows fit its blocks, else float32. Experts are
@@ -100,14 +101,15 @@ def write_gguf(
     as float32), e.g. general.sampling.*. `split_max_tensors`: shards of at most that many
     tensors, named PATH-0000i-of-0000N.gguf as llama.cpp's gguf-split names them (the first
     shard's path is returned). `experts_only`: quantize the stacked experts alone (gpt-oss's GGUFs
-    keep MXFP4 experts beside wider attention weights)."""
+    keep MXFP4 experts beside wider attention weights). `pre`: tokenizer.ggml.pre (gpt-oss's files
+    say "gpt-4o")."""
     cfg = json.loads((folder / "config.json").read_text())
     arch = GGUF_ARCH[cfg["architectures"][0]]
     w = gguf.GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors)
     _write_metadata(w, arch, cfg)
     for key, value in (extra or {}).items():
         (w.add_uint32 if isinstance(value, int) else w.add_float32)(key, value)
-    _write_tokenizer(w, folder, cfg["vocab_size"])
+    _write_tokenizer(w, folder, cfg["vocab_size"], pre)
     for name, tensor in _gguf_tensors(load_file(str(folder / "model.safetensors")), arch, cfg, stack_experts):
         array = tensor.float().numpy()
         chosen = _QUANTIZED.fullmatch(name) and (not experts_only or "_exps." in name)
@@ -213,7 +215,7 @@ def rope_tensors(cfg: dict) -> dict[str, torch.Tensor]:
     return {"rope_freqs.weight": torch.tensor(factors, dtype=torch.float32)}
 
 
-def _write_tokenizer(w: gguf.GGUFWriter, folder: Path, vocab_size: int) -> None:
+def _write_tokenizer(w: gguf.GGUFWriter, folder: Path, vocab_size: int, pre: str = "gpt-2") -> None:
     """The tokenizer's tokens padded to the model's vocabulary with unused [PADn] (as the converter does)."""
     tk = json.loads((folder / "tokenizer.json").read_text())
     vocab = {t: i for t, i in tk["model"]["vocab"].items()} | {a["content"]: a["id"] for a in tk["added_tokens"]}
@@ -222,7 +224,7 @@ def _write_tokenizer(w: gguf.GGUFWriter, folder: Path, vocab_size: int) -> None:
     special = {a["content"] for a in tk["added_tokens"] if a.get("special")}
     merges = [m if isinstance(m, str) else " ".join(m) for m in tk["model"]["merges"]]
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt-2")  # llama.cpp's name for the GPT-2 split
+    w.add_tokenizer_pre(pre)  # "gpt-2": llama.cpp's name for the GPT-2 split
     w.add_token_list(tokens)
     w.add_token_types([3 if t in special else 5 if t.startswith("[PAD") else 1 for t in tokens])
     w.add_token_merges(merges)

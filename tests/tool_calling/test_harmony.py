@@ -100,3 +100,24 @@ def test_the_server_reads_a_harmony_template_as_harmony():
     assert "".join(d.get("reasoning_content", "") for d in deltas).startswith("User asks")
     assert not stream.has_calls
     assert not ChatFeatures.for_template(template, reasoning_parser="none").reasoning
+
+
+def test_a_cut_reply_says_its_last_characters_and_never_a_raw_header():
+    """Cut by max_tokens: a trailing "<" (which could have begun a marker) is text after all, in the
+    stream as in the whole reading; a reply cut inside its first header says nothing."""
+    text = "<|channel|>analysis<|message|>is a < b? x <"
+    stream = HarmonyStream()
+    said = stream.feed(text)[0] + stream.finish(cut=True)[0]
+    assert said == read_harmony(text, cut=True).reasoning == "is a < b? x <"
+    header_only = read_harmony("<|channel|>analy", cut=True)
+    assert header_only.content is None and header_only.reasoning is None
+    stream = HarmonyStream()
+    assert stream.feed("<|channel|>analy") == ("", "", []) and stream.finish(cut=True) == ("", "", [])
+
+
+def test_a_harmony_grammar_that_must_call_needs_a_tool():
+    from tokenloom.tool_calling.grammar import harmony_grammar
+
+    with pytest.raises(ValueError, match="at least one tool"):
+        harmony_grammar([], "required")
+    assert "start: analysis? (final)" in harmony_grammar([], "none")

@@ -37,6 +37,13 @@ _LLAMA3_SPLIT = (
     r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+"
     r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)"
 )
+# o200k (gpt-oss): the regex of its tokenizer.json, which llama.cpp's GPT4O pre-type rewrites
+# without the case-insensitive groups its regex engine lacks
+_GPT4O_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 # tokenizer.ggml.pre -> the regexes llama.cpp splits with, applied in order.
 _PRE_TOKENIZER_SPLITS = {
     "gpt2": [_GPT2_SPLIT],
@@ -46,7 +53,10 @@ _PRE_TOKENIZER_SPLITS = {
     "qwen2": [_QWEN2_SPLIT],
     "stablelm2": [_QWEN2_SPLIT],  # llama.cpp splits StableLM 2's Arcade100k text as Qwen2's
     "llama-bpe": [_LLAMA3_SPLIT],
+    "gpt-4o": [_GPT4O_SPLIT],
 }
+# end tokens llama.cpp adds by their text where the file names only one (gpt-oss's: <|return|>)
+_END_TEXTS = {"gpt-oss": ("<|return|>", "<|call|>", "<|endoftext|>")}
 _TOKEN_TYPE_CONTROL, _TOKEN_TYPE_USER_DEFINED = 3, 4
 
 # Float tensor types: read as float32 (lossless).
@@ -444,8 +454,15 @@ class GGUFFile:
         }
 
     def eos_token_ids(self) -> set[int]:
+        """The file's end tokens, and those of its family's that llama.cpp finds by their text
+        (gpt-oss's <|call|> ends a turn that calls a tool)."""
         keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
-        return {v for k in keys if (v := self.field(k)) is not None}
+        found = {v for k in keys if (v := self.field(k)) is not None}
+        texts = _END_TEXTS.get(self.arch, ())
+        if texts:
+            tokens = self.field("tokenizer.ggml.tokens") or []
+            found |= {i for i, token in enumerate(tokens) if token in texts}
+        return found
 
     def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor | GGMLTensor]]:
         """(HF name, tensor in HF layout) for every tensor in the file.

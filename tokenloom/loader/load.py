@@ -48,6 +48,7 @@ class Checkpoint:
     tensor_types: dict[str, int] | None = None
     sampling_defaults: SamplingDefaults = FALLBACK  # the model's recommended sampling settings, if any
     weight_bytes: int = 0  # GGUF only: the bytes of its tensors (every shard's)
+    is_gguf: bool = False
 
 
 @dataclass
@@ -119,6 +120,7 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
             g.tensor_types(),
             from_gguf_metadata(g.field),
             sum(t.nbytes for t in g.tensors),
+            is_gguf=True,
         )
     config_path = path / "config.json"
     if not config_path.is_file():
@@ -227,7 +229,9 @@ def load_model(
     """
     quantization = parse_quantization(quantization)
     ckpt = load_checkpoint(path)
-    has_blocks = ckpt.tensor_types is not None
+    # an HF folder's blocks (MXFP4 experts) are kept on the CPU, whose kernels run them in place;
+    # elsewhere they are dequantized once at load rather than on every call
+    has_blocks = ckpt.tensor_types is not None and (ckpt.is_gguf or torch.device(device).type == "cpu")
     keep_blocks = has_blocks and (quantization == "gguf" or (quantization is None and dtype == "auto"))
     if quantization == "gguf" and ckpt.tensor_types is None:
         raise ValueError(

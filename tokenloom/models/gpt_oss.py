@@ -76,22 +76,22 @@ class GptOssForCausalLM(MoeForCausalLM):
 
     def checkpoint_tensors(self, tensors: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
         """Stacked expert tensors split into one (name, tensor) per expert, in nn.Linear's layout;
-        an MXFP4 tensor's blocks are held until its scales come (safetensors lists them in that
-        order), then given as one MXFP4 GGMLTensor per expert."""
-        pending: dict[str, Any] = {}
+        an MXFP4 tensor's blocks and scales are paired whichever comes first (a sharded folder may
+        split them), then given as one MXFP4 GGMLTensor per expert."""
+        pending: dict[tuple[str, str], Any] = {}  # (stacked name, "_blocks" or "_scales") -> the half read
         for name, tensor in tensors:
             m = _STACKED.fullmatch(name)
             if m is None:
                 yield name, tensor
                 continue
             prefix, kind, suffix = m.groups()
-            if suffix == "_blocks":
-                pending[prefix + kind] = tensor
-                continue
-            if suffix == "_scales":
-                if prefix + kind not in pending:
-                    raise ValueError(f"{name} comes before its {kind}_blocks")
-                experts = from_hf_blocks(pending.pop(prefix + kind), tensor)  # per expert (rows, in) MXFP4
+            if suffix in ("_blocks", "_scales"):  # a pair, in either order (shards may split it)
+                other = (f"{prefix}.{kind}", "_scales" if suffix == "_blocks" else "_blocks")
+                if other not in pending:
+                    pending[(f"{prefix}.{kind}", suffix)] = tensor
+                    continue
+                blocks, scales = (tensor, pending.pop(other)) if suffix == "_blocks" else (pending.pop(other), tensor)
+                experts = from_hf_blocks(blocks, scales)  # per expert (rows, in) MXFP4
             else:
                 experts = [t.t() if suffix is None else t for t in tensor]  # (rows, in) or (rows,) each
             part = "bias" if suffix == "_bias" else "weight"
@@ -102,7 +102,8 @@ class GptOssForCausalLM(MoeForCausalLM):
                     yield f"{prefix}.{e}.gate_proj.{part}", _every_other_row(t, 0)
                     yield f"{prefix}.{e}.up_proj.{part}", _every_other_row(t, 1)
         if pending:
-            raise ValueError(f"MXFP4 blocks without scales: {', '.join(sorted(pending))}")
+            missing = [f"{stacked}{'_scales' if half == '_blocks' else '_blocks'}" for stacked, half in sorted(pending)]
+            raise ValueError(f"the checkpoint's MXFP4 tensors lack {', '.join(missing)}")
 
 
 def _every_other_row(t, first: int):

@@ -187,6 +187,8 @@ def harmony_grammar(tools: list[dict[str, Any]], mode: str, special: frozenset[s
     token, and the caller answers with its result."""
     if mode not in ("auto", "required", "none"):
         raise ValueError(f"harmony grammar mode must be auto, required or none, got {mode!r}")
+    if not tools and mode != "none":
+        raise ValueError(f"a harmony grammar for tool_choice {mode} needs at least one tool")
 
     def lit(text: str) -> str:
         return _lit(text, special)

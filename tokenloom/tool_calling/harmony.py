@@ -32,11 +32,6 @@ _RECIPIENT = re.compile(r"to=(\S+?)(?=\s|<\||$)")
 _CHANNEL = re.compile(re.escape(CHANNEL) + r"\s*(\w+)")
 
 
-def is_harmony_template(chat_template: str | None) -> bool:
-    """The template writes harmony's channel markers (gpt-oss's does)."""
-    return CHANNEL in (chat_template or "")
-
-
 @dataclass
 class Message:
     """One message of a reply as far as the text goes."""
@@ -101,7 +96,7 @@ def read_harmony(text: str, cut: bool = False) -> HarmonyReply:
                 calls.append(ToolCall(m.call_name or "", m.body.strip()))
         else:
             (reasoning if m.kind == "reasoning" else content).append(m.body)
-    if not found and text.strip():  # no markers at all: the text is the answer
+    if not _has_markers(text) and text.strip():  # no markers at all: the text is the answer
         content.append(text)
     return HarmonyReply("".join(reasoning) if reasoning else None, "".join(content) if content else None, calls)
 
@@ -118,15 +113,17 @@ class HarmonyStream:
 
     def feed(self, delta: str) -> tuple[str, str, list[dict]]:
         self.text += delta
-        return self._say(messages(self.text), last_call_done=False)
+        return self._say(messages(self.text), last_call_done=False, whole=False)
 
     def finish(self, cut: bool = False) -> tuple[str, str, list[dict]]:
         found = messages(self.text)
-        if not found and self.text.strip():  # no markers at all: the text is the answer
+        if not _has_markers(self.text) and self.text.strip():  # no markers at all: the text is the answer
             found = [Message("final", None, self.text, True)]
-        return self._say(found, last_call_done=not cut)
+        return self._say(found, last_call_done=not cut, whole=True)
 
-    def _say(self, found: list[Message], last_call_done: bool) -> tuple[str, str, list[dict]]:
+    def _say(self, found: list[Message], last_call_done: bool, whole: bool) -> tuple[str, str, list[dict]]:
+        """What `found` adds to what was said; `last_call_done`: a last, unended call message is
+        whole (its <|call|> was the stop token); `whole`: the text is all there is, nothing held."""
         texts = {"reasoning": "", "content": ""}
         calls: list[ToolCall] = []
         for i, m in enumerate(found):
@@ -137,7 +134,7 @@ class HarmonyStream:
         out = []
         for kind in ("reasoning", "content"):
             new = texts[kind][self.said[kind] :]
-            held = 0 if last_call_done else _partial_marker(new)  # a marker may be arriving in pieces
+            held = 0 if whole else _partial_marker(new)  # a marker may be arriving in pieces
             new = new[: len(new) - held]
             self.said[kind] += len(new)
             out.append(new)
@@ -148,6 +145,10 @@ class HarmonyStream:
             deltas.append({"index": index, **call.to_openai()})
         self.calls_said = len(calls)
         return out[0], out[1], deltas
+
+
+def _has_markers(text: str) -> bool:
+    return any(m in text for m in MARKERS)
 
 
 def _partial_marker(text: str) -> int:
