@@ -7,24 +7,17 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.attention.test_attention import NUM_BLOCKS, paged_setup
 from tokenloom.attention import backend, cpu_decode, torch_sdpa
 from tokenloom.attention.metadata import AttentionMetadata
 from tokenloom.kernels import native
 
-NUM_BLOCKS, BS = 64, 16
-
 
 def paged(lens: list[int], heads: int, kv_heads: int, head_dim: int, rows: int, seed: int = 0):
-    """Random caches (null block zero), each sequence's blocks scattered; `rows` random queries."""
-    gen = torch.Generator().manual_seed(seed)
-    k = torch.randn(NUM_BLOCKS + 1, BS, kv_heads, head_dim, generator=gen)
-    v = torch.randn(NUM_BLOCKS + 1, BS, kv_heads, head_dim, generator=gen)
-    k[NUM_BLOCKS] = v[NUM_BLOCKS] = 0
-    order = torch.randperm(NUM_BLOCKS, generator=gen).tolist()
-    tables, used = [], 0
-    for n in lens:
-        tables.append(torch.tensor(order[used : used + -(-n // BS)]))
-        used += len(tables[-1])
+    """test_attention's scattered random caches, and `rows` random queries large enough that the
+    scores spread (the sinks' share then differs from head to head)."""
+    k, v, tables, _ = paged_setup(lens, heads, kv_heads, seed, head_dim)
+    gen = torch.Generator().manual_seed(seed + 100)
     return k, v, tables, 3 * torch.randn(rows, heads, head_dim, generator=gen) / head_dim**0.5
 
 
