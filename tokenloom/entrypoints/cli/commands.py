@@ -402,13 +402,14 @@ def _add_serve(sub) -> None:
         default="auto",
         choices=["auto", *FORMATS],
         help="how replies write tool calls (default: read from the chat template; generic: "
-        "tokenloom offers the tools in a system message of its own)",
+        "tokenloom offers the tools in a system message of its own; harmony: gpt-oss)",
     )
     serve.add_argument(
         "--reasoning-parser",
         default="auto",
         choices=list(REASONING_PARSERS),
-        help="<think> reasoning as reasoning_content (default: when the template knows think tags)",
+        help="<think> reasoning (or harmony's analysis channel: gpt-oss) as reasoning_content (default: "
+        "from the template)",
     )
     serve.add_argument(
         "--tools",
