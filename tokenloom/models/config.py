@@ -83,6 +83,15 @@ class MoeConfig:
     normalize_top_k: bool = True
     shared_intermediate_size: int = 0  # 0: no shared expert (Qwen2-MoE has one)
     router_bias: bool = False  # the router's projection has a bias (gpt-oss)
+    # DeepSeek's routing (models/moe.py route_grouped): scores by softmax (V2) or sigmoid (V3, with
+    # a correction bias added for the choice only), experts chosen within the topk_groups best of
+    # `groups` groups, the weights times routed_scaling; a shared expert without a gate
+    scoring: str = "softmax"
+    groups: int = 1
+    topk_groups: int = 1
+    routed_scaling: float = 1.0
+    correction_bias: bool = False
+    shared_gated: bool = True  # the shared expert's output is scaled by sigmoid(gate(x)) (Qwen2-MoE)
     # experts (with biases) in gpt-oss's clamped SwiGLU (layers/mlp.py ClampedSwiGLUMLP); None:
     # the model's gated MLP without bias
     swiglu_limit: float | None = None
@@ -93,6 +102,13 @@ class MoeConfig:
             raise ValueError(f"experts per token ({self.top_k}) must be in [1, num_experts={self.num_experts}]")
         if self.intermediate_size <= 0:
             raise ValueError(f"expert intermediate size must be positive, got {self.intermediate_size}")
+        if self.scoring not in ("softmax", "sigmoid"):
+            raise UnsupportedModelError(f"expert scoring {self.scoring!r} is not supported (softmax, sigmoid)")
+        if self.num_experts % self.groups or not 1 <= self.topk_groups <= self.groups:
+            raise ValueError(
+                f"{self.num_experts} experts in {self.groups} groups, {self.topk_groups} chosen: "
+                "the groups must divide the experts and at least one be chosen"
+            )
 
 
 @dataclass(slots=True)

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenloom.layers.mlp import ClampedSwiGLUMLP, GatedMLP
-from tokenloom.models.config import ModelConfig
+from tokenloom.models.config import ModelConfig, MoeConfig
 from tokenloom.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from tokenloom.models.olmo2 import Olmo2Attention
 
@@ -33,11 +33,13 @@ class Router(nn.Module):
     quantized or prepacked: which experts a token picks must not move with the weight format):
     x (T, in) -> (T, out)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, correction: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        # DeepSeek-V3: added to the scores for choosing experts only (route_grouped)
+        self.e_score_correction_bias = nn.Parameter(torch.empty(out_features)) if correction else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
@@ -61,6 +63,36 @@ def _expert(cfg: ModelConfig) -> GatedMLP:
     return GatedMLP(cfg.hidden_size, moe.intermediate_size, False, cfg.hidden_act)
 
 
+def route_grouped(
+    logits: torch.Tensor, moe: MoeConfig, correction: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek's routing, as transformers' DeepseekV2/V3 routers compute it: logits (T, E) ->
+    (weights (T, k) float32, experts (T, k)). Scores are softmax (V2) or sigmoid (V3) of the logits;
+    the experts are chosen by the scores plus `correction` (V3's bias; None: none) among the
+    topk_groups groups ranked best (a group by its best score, V2; by its two best summed, V3); a
+    chosen expert's weight is its score (renormalized over the chosen where normalize_top_k), times
+    routed_scaling."""
+    logits = logits.float()
+    scores = torch.sigmoid(logits) if moe.scoring == "sigmoid" else torch.softmax(logits, dim=-1)
+    choice = scores if correction is None else scores + correction.float()
+    if moe.groups > 1:
+        grouped = choice.view(-1, moe.groups, moe.num_experts // moe.groups)  # (T, G, E / G)
+        rank = grouped.topk(2, dim=-1).values.sum(-1) if moe.scoring == "sigmoid" else grouped.amax(-1)  # (T, G)
+        kept = torch.zeros_like(rank, dtype=torch.bool).scatter_(1, rank.topk(moe.topk_groups, dim=-1).indices, True)
+        dropped = ~kept.repeat_interleave(moe.num_experts // moe.groups, dim=1)  # (T, E)
+        choice = choice.masked_fill(dropped, float("-inf"))
+    experts = choice.topk(moe.top_k, dim=-1).indices
+    weights = scores.gather(1, experts)
+    if moe.normalize_top_k:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * moe.routed_scaling, experts
+
+
+def _deepseek_routed(moe: MoeConfig) -> bool:
+    """The config asks for route_grouped rather than route."""
+    return moe.scoring != "softmax" or moe.groups > 1 or moe.correction_bias or moe.routed_scaling != 1.0
+
+
 class SparseMoeBlock(nn.Module):
     """x (T, hidden) -> sum over each token's top-k experts of weight * expert(x) [+ shared expert]."""
 
@@ -68,21 +100,27 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         moe = cfg.moe
         assert moe is not None  # a MoE model's config describes its experts
-        self.top_k, self.normalize = moe.top_k, moe.normalize_top_k
-        self.gate = Router(cfg.hidden_size, moe.num_experts, moe.router_bias)
+        self.moe, self.top_k, self.normalize = moe, moe.top_k, moe.normalize_top_k
+        self.gate = Router(cfg.hidden_size, moe.num_experts, moe.router_bias, moe.correction_bias)
         self.experts = nn.ModuleList(_expert(cfg) for _ in range(moe.num_experts))
         self.shared_expert: GatedMLP | None = None
         self.shared_expert_gate: Router | None = None
         if moe.shared_intermediate_size:
             self.shared_expert = GatedMLP(cfg.hidden_size, moe.shared_intermediate_size, False, cfg.hidden_act)
-            self.shared_expert_gate = Router(cfg.hidden_size, 1)
+            if moe.shared_gated:
+                self.shared_expert_gate = Router(cfg.hidden_size, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, experts = route(self.gate(x), self.top_k, self.normalize)  # each (T, k)
+        if _deepseek_routed(self.moe):
+            weights, experts = route_grouped(self.gate(x), self.moe, self.gate.e_score_correction_bias)
+        else:
+            weights, experts = route(self.gate(x), self.top_k, self.normalize)  # each (T, k)
         out = self.mix_experts(x, weights, experts)
         if self.shared_expert is not None:
-            assert self.shared_expert_gate is not None  # made with the shared expert
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert.forward(x)
+            shared = self.shared_expert.forward(x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared
         return out
 
     def mix_experts(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
