@@ -122,6 +122,24 @@ def test_serve_refuses_a_bad_admission_bound_before_loading_the_model(capsys, mo
     assert "admission limit max_pending_seqs must be >= 1, got 0" in capsys.readouterr().err
 
 
+def test_generate_takes_the_prompt_with_llama_cpps_p_flag(capsys, monkeypatch):
+    """`-p "text"` is the prompt (llama.cpp's spelling), not an abbreviation of -pp; given twice, an error."""
+    from tokenloom.entrypoints.cli import commands as cli
+
+    class PromptRead(BaseException):  # stops the command where it has its prompt (no model load)
+        pass
+
+    def read(args, prompt):
+        raise PromptRead(prompt)
+
+    monkeypatch.setattr(cli, "check_prompt_early", read)
+    with pytest.raises(PromptRead, match="^Hello there$"):
+        cli.main(["generate", "-p", "Hello there", "-n", "2"])
+    monkeypatch.setattr(cli, "make_llm", lambda args: pytest.fail("the model was loaded"))
+    assert cli.main(["generate", "-p", "Hello", "again", "-n", "2"]) != 0
+    assert "give the prompt once" in capsys.readouterr().err
+
+
 # ---- defaults, flags and early errors -------------------------------------------------------------
 def test_left_out_sampling_flags_take_llama_cpps_defaults(default_model_dir, capsys):
     from tokenloom import LLM

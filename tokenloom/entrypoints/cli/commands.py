@@ -47,7 +47,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     constraint = structured_output(args)
     sampling_params(args, constraint=constraint)  # bad flags fail before the (slow) model load
     check_engine_flags(args)
-    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+    if args.prompt is not None and args.prompt_flag is not None:
+        raise ValueError("give the prompt once: as an argument or with -p, not both")
+    prompt = next((p for p in (args.prompt, args.prompt_flag) if p is not None), None)
+    prompt = prompt if prompt is not None else sys.stdin.read()
     if not prompt.strip():
         raise ValueError("the prompt is empty (give it as an argument, or on stdin)")
     check_prompt_early(args, prompt)  # a long prompt: against the context, before the weights
@@ -327,6 +330,8 @@ def _add_generate(sub) -> None:
         description="Stream a completion of PROMPT (or of stdin) to the terminal.",
     )
     gen.add_argument("prompt", nargs="?", help="prompt text (default: read stdin)")
+    # llama.cpp's spelling; without it argparse reads -p as an abbreviation of -pp
+    gen.add_argument("-p", "--prompt", dest="prompt_flag", metavar="PROMPT", help="the prompt, as llama.cpp takes it")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     gen.add_argument(
         "--explain",
