@@ -175,7 +175,8 @@ class WeightArena:
         return self.arena[start : start + size].view(dtype).view(shape)
 
 
-_current: list[WeightArena] = []  # the arena of the load in progress (load_model), innermost last
+# the arena of the load in progress (load_model), innermost last; None: outside_arena
+_current: list[WeightArena | None] = []
 
 
 @contextlib.contextmanager
@@ -192,9 +193,28 @@ def weight_arena(capacity: int) -> Iterator[None]:
         _current.pop()
 
 
+@contextlib.contextmanager
+def outside_arena() -> Iterator[None]:
+    """Within: ``empty`` takes from the heap even during a load, for buffers that are only a part of
+    a weight (joined to its other parts by ``cat``, which takes the arena again): the heap gets a
+    part back once joined, the arena would hold it to the end."""
+    _current.append(None)
+    try:
+        yield
+    finally:
+        _current.pop()
+
+
 def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """An uninitialized CPU tensor: from the current load's arena (``weight_arena``) while it has
     room, else torch.empty."""
-    if _current and (t := _current[-1].empty(shape, dtype)) is not None:
+    if _current and _current[-1] is not None and (t := _current[-1].empty(shape, dtype)) is not None:
         return t
     return torch.empty(shape, dtype=dtype)
+
+
+def cat(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """torch.cat([a, b]) along the first dimension, into a buffer from ``empty``."""
+    joined = empty((a.shape[0] + b.shape[0], *a.shape[1:]), a.dtype)
+    joined[: a.shape[0]], joined[a.shape[0] :] = a, b
+    return joined

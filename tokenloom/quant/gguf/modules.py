@@ -9,11 +9,13 @@ blocks and dequantizes only the rows it looks up (or reads a tied GGMLLinear's r
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
 from torch import nn
 
+from tokenloom.memory import huge_pages
 from tokenloom.quant.gguf import panels as gguf_panels
 from tokenloom.quant.gguf.blocks import exact_format, to_quantized
 from tokenloom.quant.gguf.panels import GGUFPanels
@@ -56,13 +58,13 @@ class QuantizedSegment:
         a, b = self.q, other.q
         if (a.bits, a.group_size, self.kind, self.shape[1]) != (b.bits, b.group_size, other.kind, other.shape[1]):
             return None
-        cat = lambda x, y: None if x is None else torch.cat([x, y])  # noqa: E731
+        offsets = None
+        if a.offsets is not None:
+            assert b.offsets is not None  # the same format: the same parts
+            offsets = huge_pages.cat(a.offsets, b.offsets)
+        # into the load's arena, as the panels' own buffers
         merged = QuantizedTensor(
-            a.bits,
-            torch.cat([a.data, b.data]),
-            torch.cat([a.scales, b.scales]),
-            cat(a.offsets, b.offsets),
-            a.group_size,
+            a.bits, huge_pages.cat(a.data, b.data), huge_pages.cat(a.scales, b.scales), offsets, a.group_size
         )
         return QuantizedSegment(merged, self.kind, self.type_name, (self.shape[0] + other.shape[0], self.shape[1]))
 
@@ -72,30 +74,31 @@ class QuantizedSegment:
 
 def segment_for(t: GGMLTensor, whole: bool = True):
     """`t` in the fastest layout this CPU runs: GGUF panels, int8/int4 panels, or as stored.
-    `whole`: `t` is its layer's whole weight; a part (a fused gate_up's gate) is re-laid on the heap,
-    since joining it to the other parts copies it into the load's arena."""
-    if gguf_panels.fits(t):
-        return gguf_panels.to_panels(t, in_arena=whole)
-    fmt = exact_format(t.kind)
-    if fmt is not None and kernels.panels_available() and t.shape[0] % panels.PANEL == 0:
-        return QuantizedSegment.of(t) or t
-    return t
+    `whole`: `t` is its layer's whole weight; a part (a fused gate_up's gate) is re-laid on the heap
+    (``huge_pages.outside_arena``), since joining it to the other parts copies it into the arena."""
+    with contextlib.nullcontext() if whole else huge_pages.outside_arena():
+        if gguf_panels.fits(t):
+            return gguf_panels.to_panels(t)
+        fmt = exact_format(t.kind)
+        if fmt is not None and kernels.panels_available() and t.shape[0] % panels.PANEL == 0:
+            return QuantizedSegment.of(t) or t
+        return t
 
 
 def _merge_adjacent(segments: list[tuple[int, Any]], out_features: int) -> list[tuple[int, Any]]:
     """Segments sorted by first column, each run of touching ones of one layout and type
-    joined (a fused qkv or gate_up of one type becomes one kernel call); GGUF panels that make up
-    the whole weight (`out_features` rows) are joined into the load's huge-page arena."""
+    joined (a fused qkv or gate_up of one type becomes one kernel call); a join that makes up the
+    whole weight (`out_features` rows) lands in the load's huge-page arena, a partial one on the heap."""
     merged: list[tuple[int, Any]] = []
     for col0, segment in segments:
         if merged:
             prev0, prev = merged[-1]
             touching = type(prev) is type(segment) and hasattr(prev, "followed_by") and prev0 + prev.shape[0] == col0
             joined = None
-            if touching and isinstance(prev, GGUFPanels):
-                joined = prev.followed_by(segment, in_arena=prev.shape[0] + segment.shape[0] == out_features)
-            elif touching:
-                joined = prev.followed_by(segment)
+            if touching:
+                whole = prev.shape[0] + segment.shape[0] == out_features
+                with contextlib.nullcontext() if whole else huge_pages.outside_arena():
+                    joined = prev.followed_by(segment)
             if joined is not None:
                 merged[-1] = (prev0, joined)
                 continue

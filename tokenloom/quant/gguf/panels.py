@@ -78,11 +78,10 @@ class GGUFPanels:
             x, self.kind, self.lo, self.hi, self.scale, self.offset, self.dsup, self.msup, bias, silu_mul
         )
 
-    def followed_by(self, other: GGUFPanels, in_arena: bool = True) -> GGUFPanels | None:
-        """These rows then `other`'s as one tensor (one kernel call for both), or None where the
-        two differ in type or width. Rows are independent, so each output is unchanged.
-        `in_arena`: the joined rows are the layer's whole weight, kept in the load's huge-page
-        arena; else on the heap, to be joined again."""
+    def followed_by(self, other: GGUFPanels) -> GGUFPanels | None:
+        """These rows then `other`'s as one tensor (one kernel call for both; from the load's
+        huge-page arena, ``huge_pages.cat``), or None where the two differ in type or width. Rows
+        are independent, so each output is unchanged."""
         if other.kind != self.kind or other.in_features != self.in_features:
             return None
 
@@ -90,10 +89,7 @@ class GGUFPanels:
             if a is None:
                 return None
             assert b is not None  # the same kind: the same tensors
-            shape = (a.shape[0] + b.shape[0], *a.shape[1:])
-            joined = huge_pages.empty(shape, a.dtype) if in_arena else torch.empty(shape, dtype=a.dtype)
-            joined[: a.shape[0]], joined[a.shape[0] :] = a, b
-            return joined
+            return huge_pages.cat(a, b)
 
         return GGUFPanels(
             self.kind,
@@ -147,21 +143,19 @@ def fits(t: GGMLTensor) -> bool:
     return t.kind in LAYOUTS and t.shape[0] % PANEL == 0 and available()
 
 
-def to_panels(t: GGMLTensor, in_cpp: bool = True, in_arena: bool = True) -> GGUFPanels:
+def to_panels(t: GGMLTensor, in_cpp: bool = True) -> GGUFPanels:
     """Re-lay `t` (a type in LAYOUTS, rows a multiple of 16): in one C++ pass where the GGUF
     kernels are built and `in_cpp`, else in numpy a chunk of rows at a time. The same bits.
-    `in_arena`: in the load's huge-page arena (if any); False for a part of a weight that is to be
-    joined to its other parts (followed_by copies it into the arena, and the heap gets it back)."""
+    Buffers come from ``huge_pages.empty`` (the load's arena, if any)."""
     planes, _, per16, offs, dtype = LAYOUTS[t.kind]
     n, k = t.shape
     p, nb = n // PANEL, k // 32
-    empty = huge_pages.empty if in_arena else lambda shape, dtype: torch.empty(shape, dtype=dtype)
-    lo = empty((p, nb, 4, 64), torch.uint8)
-    hi = empty((p, nb, planes, 64), torch.uint8) if planes else None
-    scale = empty((p, nb, 2, PANEL) if per16 else (p, nb, PANEL), dtype)
-    offset = empty(tuple(scale.shape), dtype) if offs else None
-    dsup = empty((p, nb // 8, PANEL), torch.float32) if t.kind in K_QUANTS else None
-    msup = empty((p, nb // 8, PANEL), torch.float32) if dsup is not None and offs else None
+    lo = huge_pages.empty((p, nb, 4, 64), torch.uint8)
+    hi = huge_pages.empty((p, nb, planes, 64), torch.uint8) if planes else None
+    scale = huge_pages.empty((p, nb, 2, PANEL) if per16 else (p, nb, PANEL), dtype)
+    offset = huge_pages.empty(tuple(scale.shape), dtype) if offs else None
+    dsup = huge_pages.empty((p, nb // 8, PANEL), torch.float32) if t.kind in K_QUANTS else None
+    msup = huge_pages.empty((p, nb // 8, PANEL), torch.float32) if dsup is not None and offs else None
     panels = GGUFPanels(t.kind, lo, hi, scale, offset, k, dsup, msup)
     kernels = ops()
     if in_cpp and kernels is not None and hasattr(kernels, "relay_panels"):  # csrc/panel_relay.h
