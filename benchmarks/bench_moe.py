@@ -85,7 +85,7 @@ def routing_ms_per_step(llm: LLM, iterations: int = 2000) -> float:
         experts, block.experts = block.experts, identity
 
         def step(block=block):
-            weights, chosen = route(block.gate(x), block.top_k, block.normalize)
+            weights, chosen = route(block.gate(x), block.moe)
             block.mix_experts(x, weights, chosen)
 
         for _ in range(50):

@@ -1,4 +1,4 @@
-"""DeepSeek's mixture (models/moe.py route_grouped) against transformers' own modules on the same
+"""DeepSeek's mixture (models/moe.py route) against transformers' own modules on the same
 random weights: V3's sigmoid scores with a correction bias for the choice, groups ranked by their
 two best, renormalized and scaled weights and an ungated shared expert; V2's softmax scores with
 groups ranked by their best. Many tokens (the grouped path) and one (the decode path)."""

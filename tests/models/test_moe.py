@@ -35,7 +35,7 @@ def test_each_chosen_expert_runs_once_over_all_its_tokens():
         run = expert.forward
         expert.forward = lambda rows, i=i, run=run: (calls.append((i, rows.shape[0])), run(rows))[1]
     x = torch.randn(13, 32)
-    _, chosen = route(block.gate(x), block.top_k, block.normalize)
+    _, chosen = route(block.gate(x), block.moe)
     block.forward(x)
     expected = {e: int((chosen == e).sum()) for e in chosen.unique().tolist()}
     assert dict(calls) == expected and len(calls) == len(expected)
@@ -54,8 +54,8 @@ def test_one_token_path_matches_the_grouped_path():
 def test_routing_weights_are_the_top_k_softmax_probabilities():
     logits = torch.tensor([[0.0, 2.0, 1.0, -1.0]])
     probs = torch.softmax(logits, -1)[0]
-    weights, experts = route(logits, 2, normalize=False)
+    weights, experts = route(logits, MoeConfig(4, 2, 8, (0,), normalize_top_k=False))
     assert experts.tolist() == [[1, 2]]
     torch.testing.assert_close(weights[0], probs[[1, 2]])
-    weights, _ = route(logits, 2, normalize=True)
+    weights, _ = route(logits, MoeConfig(4, 2, 8, (0,), normalize_top_k=True))
     torch.testing.assert_close(weights[0], probs[[1, 2]] / probs[[1, 2]].sum())

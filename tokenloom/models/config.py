@@ -83,7 +83,7 @@ class MoeConfig:
     normalize_top_k: bool = True
     shared_intermediate_size: int = 0  # 0: no shared expert (Qwen2-MoE has one)
     router_bias: bool = False  # the router's projection has a bias (gpt-oss)
-    # DeepSeek's routing (models/moe.py route_grouped): scores by softmax (V2) or sigmoid (V3, with
+    # DeepSeek's routing (models/moe.py route): scores by softmax (V2) or sigmoid (V3, with
     # a correction bias added for the choice only), experts chosen within the topk_groups best of
     # `groups` groups, the weights times routed_scaling; a shared expert without a gate
     scoring: str = "softmax"

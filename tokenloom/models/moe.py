@@ -38,20 +38,11 @@ class Router(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-        # DeepSeek-V3: added to the scores for choosing experts only (route_grouped)
+        # DeepSeek-V3: added to the scores for choosing experts only (route)
         self.e_score_correction_bias = nn.Parameter(torch.empty(out_features)) if correction else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
-
-
-def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router logits (T, E) -> (weights (T, k) float32, experts (T, k) int64), best first."""
-    probs = torch.softmax(logits.float(), dim=-1)
-    weights, experts = torch.topk(probs, top_k, dim=-1)
-    if normalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, experts
 
 
 def _expert(cfg: ModelConfig) -> GatedMLP:
@@ -63,15 +54,16 @@ def _expert(cfg: ModelConfig) -> GatedMLP:
     return GatedMLP(cfg.hidden_size, moe.intermediate_size, False, cfg.hidden_act)
 
 
-def route_grouped(
+def route(
     logits: torch.Tensor, moe: MoeConfig, correction: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSeek's routing, as transformers' DeepseekV2/V3 routers compute it: logits (T, E) ->
-    (weights (T, k) float32, experts (T, k)). Scores are softmax (V2) or sigmoid (V3) of the logits;
-    the experts are chosen by the scores plus `correction` (V3's bias; None: none) among the
-    topk_groups groups ranked best (a group by its best score, V2; by its two best summed, V3); a
-    chosen expert's weight is its score (renormalized over the chosen where normalize_top_k), times
-    routed_scaling."""
+    """Router logits (T, E) -> (weights (T, k) float32, experts (T, k) int64), best first, as
+    transformers' routers compute them. Scores are the logits' softmax (sigmoid where `moe.scoring`
+    says: DeepSeek-V3); the experts are the top-k by score plus `correction` (V3's bias; None: none),
+    among the topk_groups of `moe.groups` groups ranked best where there are groups (a group by its
+    best score, DeepSeek-V2; by its two best summed, V3); a chosen expert's weight is its score,
+    renormalized over the chosen where normalize_top_k, times routed_scaling. With one group, no
+    bias and no scaling: Mixtral's, Qwen's, OLMoE's and gpt-oss's softmax top-k."""
     logits = logits.float()
     scores = torch.sigmoid(logits) if moe.scoring == "sigmoid" else torch.softmax(logits, dim=-1)
     choice = scores if correction is None else scores + correction.float()
@@ -83,14 +75,9 @@ def route_grouped(
         choice = choice.masked_fill(dropped, float("-inf"))
     experts = choice.topk(moe.top_k, dim=-1).indices
     weights = scores.gather(1, experts)
-    if moe.normalize_top_k:
+    if moe.normalize_top_k:  # + 1e-20 (V3's guard) leaves a softmax top-k's sum (>= 1/E) as it is
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return weights * moe.routed_scaling, experts
-
-
-def _deepseek_routed(moe: MoeConfig) -> bool:
-    """The config asks for route_grouped rather than route."""
-    return moe.scoring != "softmax" or moe.groups > 1 or moe.correction_bias or moe.routed_scaling != 1.0
 
 
 class SparseMoeBlock(nn.Module):
@@ -100,7 +87,7 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         moe = cfg.moe
         assert moe is not None  # a MoE model's config describes its experts
-        self.moe, self.top_k, self.normalize = moe, moe.top_k, moe.normalize_top_k
+        self.moe, self.top_k = moe, moe.top_k
         self.gate = Router(cfg.hidden_size, moe.num_experts, moe.router_bias, moe.correction_bias)
         self.experts = nn.ModuleList(_expert(cfg) for _ in range(moe.num_experts))
         self.shared_expert: GatedMLP | None = None
@@ -111,10 +98,7 @@ class SparseMoeBlock(nn.Module):
                 self.shared_expert_gate = Router(cfg.hidden_size, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _deepseek_routed(self.moe):
-            weights, experts = route_grouped(self.gate(x), self.moe, self.gate.e_score_correction_bias)
-        else:
-            weights, experts = route(self.gate(x), self.top_k, self.normalize)  # each (T, k)
+        weights, experts = route(self.gate(x), self.moe, self.gate.e_score_correction_bias)  # each (T, k)
         out = self.mix_experts(x, weights, experts)
         if self.shared_expert is not None:
             shared = self.shared_expert.forward(x)
