@@ -231,7 +231,8 @@ def load_model(
     ckpt = load_checkpoint(path)
     # an HF folder's blocks (MXFP4 experts) are kept on the CPU, whose kernels run them in place;
     # elsewhere they are dequantized once at load rather than on every call
-    has_blocks = ckpt.tensor_types is not None and (ckpt.is_gguf or torch.device(device).type == "cpu")
+    on_cpu = torch.device(device).type == "cpu"
+    has_blocks = ckpt.tensor_types is not None and (ckpt.is_gguf or on_cpu)
     keep_blocks = has_blocks and (quantization == "gguf" or (quantization is None and dtype == "auto"))
     if quantization == "gguf" and ckpt.tensor_types is None:
         raise ValueError(
@@ -256,7 +257,7 @@ def load_model(
         load_saved_state(model, tensors)
     else:
         # blocks re-laid as they load land in 2 MiB pages (no copy by prepare_for_inference)
-        with huge_pages.weight_arena(ckpt.weight_bytes if keep_blocks and torch.device(device).type == "cpu" else 0):
+        with huge_pages.weight_arena(ckpt.weight_bytes if keep_blocks and on_cpu else 0):
             load_weights(model, tensors)
     if keep_blocks:
         assert ckpt.tensor_types is not None  # blocks are kept where the checkpoint has them

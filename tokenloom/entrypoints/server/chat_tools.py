@@ -34,7 +34,6 @@ class ChatFeatures:
 
     tool_format: ToolFormat
     reasoning: bool
-    harmony: bool = False
     _special: frozenset[str] | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -47,8 +46,12 @@ class ChatFeatures:
         fmt = tool_format(tool_parser, chat_template)
         reasoning = reasoning_enabled(reasoning_parser, chat_template)
         if fmt is HARMONY or reasoning_parser == "harmony":
-            return cls(HARMONY, reasoning_parser != "none", harmony=True)
+            return cls(HARMONY, reasoning_parser != "none")
         return cls(fmt, reasoning)
+
+    @property
+    def harmony(self) -> bool:
+        return self.tool_format is HARMONY
 
     def markers_dropped(self, tokenizer) -> bool:
         """Whether decoding with skip_special_tokens would drop the format's markers or the think
@@ -158,9 +161,10 @@ class ReplyStream:
 
     def __init__(self, prompt: str, turn_mode: str, features: ChatFeatures) -> None:
         self.harmony = HarmonyStream() if features.harmony else None
-        self.harmony_reasoning, self.harmony_calls = features.reasoning, turn_mode != "none"
-        self.reasoning = ReasoningStream(starts_thinking(prompt)) if features.reasoning else None
-        self.tools = ToolCallStream(features.tool_format) if turn_mode != "none" else None
+        self.says_reasoning, self.says_calls = features.reasoning, turn_mode != "none"
+        think_tags = features.reasoning and not features.harmony
+        self.reasoning = ReasoningStream(starts_thinking(prompt)) if think_tags else None
+        self.tools = ToolCallStream(features.tool_format) if self.says_calls and not features.harmony else None
         self.has_calls = False
 
     def feed(self, text_delta: str, finished: bool, cut: bool = False) -> dict[str, Any]:
@@ -194,11 +198,11 @@ class ReplyStream:
         if finished:
             more = stream.finish(cut)
             thought, text, calls = thought + more[0], text + more[1], calls + more[2]
-            self.has_calls = self.harmony_calls and bool(stream.calls)
+            self.has_calls = self.says_calls and bool(stream.calls)
         delta: dict[str, Any] = {}
-        if thought and self.harmony_reasoning:
+        if thought and self.says_reasoning:
             delta["reasoning_content"] = thought
-        if calls and self.harmony_calls:
+        if calls and self.says_calls:
             delta["tool_calls"] = calls
         if text:
             delta["content"] = text

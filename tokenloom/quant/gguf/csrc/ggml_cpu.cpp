@@ -686,10 +686,7 @@ struct HalfCodes {
   inline __m256i get() const {
     const __m256i v = load32(lo + C * 64);
     __m256i codes = _mm256_and_si256(H ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(0x0F));
-    if constexpr (HB == LUT4) {
-      const __m128i t = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kMXFP4U));
-      codes = _mm256_shuffle_epi8(_mm256_set_m128i(t, t), codes);
-    }
+    if constexpr (HB == LUT4) codes = lookup(kMXFP4U, codes);
     if constexpr (HB >= 1) codes = add_bit8<2 * C + H, 4>(codes, planes[0]);
     if constexpr (HB >= 2) codes = add_bit8<2 * C + H, 5>(codes, planes[1]);
     return codes;
