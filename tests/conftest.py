@@ -65,6 +65,18 @@ from tests.helpers.turns import (
 )
 
 VOCAB = 320
+# DeepSeek's YaRN: a mscale (equal to mscale_all_dim, as the released models set them) squared into
+# the softmax scale
+_DEEPSEEK_YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 32,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "mscale": 0.707,
+    "mscale_all_dim": 0.707,
+}
 
 # name -> (transformers config class, kwargs). Small enough to run in milliseconds,
 # different enough to exercise every flag: GQA/MQA, tied/untied, biases, q/k norm,
@@ -270,6 +282,54 @@ TINY_CONFIGS = {
             },
         ),
     ),
+    # latent attention with a q bottleneck, YaRN with mscale past a short original length, a
+    # dense first layer then 8 experts in 4 groups (2 chosen) by sigmoid with a correction bias,
+    # renormalized and scaled, and a shared expert
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            num_hidden_layers=3,
+            first_k_dense_replace=1,
+            q_lora_rank=48,
+            kv_lora_rank=32,
+            qk_rope_head_dim=16,
+            qk_nope_head_dim=16,
+            v_head_dim=24,
+            moe_intermediate_size=32,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            n_group=4,
+            topk_group=2,
+            rope_parameters=_DEEPSEEK_YARN,
+        ),
+    ),
+    # V2-Lite's layout: queries without a bottleneck, softmax routing over groups, not renormalized
+    "deepseek_v2": (
+        "DeepseekV2Config",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            num_hidden_layers=3,
+            first_k_dense_replace=1,
+            q_lora_rank=None,
+            kv_lora_rank=32,
+            qk_rope_head_dim=16,
+            qk_nope_head_dim=32,
+            v_head_dim=16,
+            moe_intermediate_size=32,
+            n_routed_experts=8,
+            num_experts_per_tok=3,
+            n_shared_experts=2,
+            n_group=4,
+            topk_group=2,
+            topk_method="group_limited_greedy",
+            routed_scaling_factor=1.5,
+            rope_parameters=_DEEPSEEK_YARN,
+        ),
+    ),
     # LayerNorm with bias, a quarter of each head rotated, q/k/v bias, per-head q/k LayerNorm
     "stablelm": (
         "StableLmConfig",
@@ -344,6 +404,11 @@ def build_tiny_model(name: str, folder: Path, seed: int = 0) -> Path:
                     p.normal_(0.0 if cls_name.startswith("Gemma") else 1.0, 0.3)
                 elif name.endswith("norm.bias"):
                     p.normal_(0.0, 0.3)
+    if cls_name == "DeepseekV3Config":  # a correction bias large enough to change choices
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):
+                    b.normal_(0.0, 0.5)
     model.save_pretrained(folder)
     make_tiny_tokenizer(folder)
     return folder

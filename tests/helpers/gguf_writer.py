@@ -36,6 +36,8 @@ GGUF_ARCH = {
     "Glm4ForCausalLM": "glm4",
     "Cohere2ForCausalLM": "cohere2",
     "GptOssForCausalLM": "gpt-oss",
+    "DeepseekV2ForCausalLM": "deepseek2",
+    "DeepseekV3ForCausalLM": "deepseek2",
 }
 
 # HF layer sub-name -> llama.cpp's blk.N.<name>
@@ -72,11 +74,24 @@ _GPT_OSS_BLOCK = _BLOCK | {
     "post_attention_layernorm": "post_attention_norm",
     "mlp.router": "ffn_gate_inp",
 }
+_DEEPSEEK2_BLOCK = _BLOCK | {
+    "self_attn.q_a_proj": "attn_q_a",
+    "self_attn.q_a_layernorm": "attn_q_a_norm",
+    "self_attn.q_b_proj": "attn_q_b",
+    "self_attn.kv_a_proj_with_mqa": "attn_kv_a_mqa",
+    "self_attn.kv_a_layernorm": "attn_kv_a_norm",
+    "self_attn.kv_b_proj": "attn_kv_b",
+    "mlp.shared_experts.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_experts.up_proj": "ffn_up_shexp",
+    "mlp.shared_experts.down_proj": "ffn_down_shexp",
+}
 # gpt-oss's stacked experts: (experts, in, out) matrices with gate and up interleaved by column
 _GPT_OSS_EXPERTS = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?")
 _EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
 _EXPERT_KIND = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
-_QUANTIZED = re.compile(r"blk\.\d+\.(attn_[qkv]|attn_output|ffn_(gate|up|down)(_exps|_shexp)?)\.weight")
+_QUANTIZED = re.compile(
+    r"blk\.\d+\.(attn_[qkv]|attn_q_[ab]|attn_kv_a_mqa|attn_[kv]_b|attn_output|ffn_(gate|up|down)(_exps|_shexp)?)\.weight"
+)
 
 
 def llama_cpp_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -93,6 +108,7 @@ def write_gguf(
     split_max_tensors: int = 0,
     experts_only: bool = False,
     pre: str = "gpt-2",
+    split_kv_b: bool = True,
 ) -> Path:
     """`folder` (config.json, model.safetensors, tokenizer.json) -> GGUF at `path`; matrices as
     `quantize` ("Q8_0", "Q4_0", ...) where their rows fit its blocks, else float32. Experts are
@@ -102,7 +118,8 @@ def write_gguf(
     tensors, named PATH-0000i-of-0000N.gguf as llama.cpp's gguf-split names them (the first
     shard's path is returned). `experts_only`: quantize the stacked experts alone (gpt-oss's GGUFs
     keep MXFP4 experts beside wider attention weights). `pre`: tokenizer.ggml.pre (gpt-oss's files
-    say "gpt-4o")."""
+    say "gpt-4o"). `split_kv_b`: DeepSeek's kv_b_proj as attn_k_b and attn_v_b (as llama.cpp writes
+    it now), else as one attn_kv_b (older files)."""
     cfg = json.loads((folder / "config.json").read_text())
     arch = GGUF_ARCH[cfg["architectures"][0]]
     w = gguf.GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors)
@@ -110,7 +127,8 @@ def write_gguf(
     for key, value in (extra or {}).items():
         (w.add_uint32 if isinstance(value, int) else w.add_float32)(key, value)
     _write_tokenizer(w, folder, cfg["vocab_size"], pre)
-    for name, tensor in _gguf_tensors(load_file(str(folder / "model.safetensors")), arch, cfg, stack_experts):
+    state = load_file(str(folder / "model.safetensors"))
+    for name, tensor in _gguf_tensors(state, arch, cfg, stack_experts, split_kv_b):
         array = tensor.float().numpy()
         chosen = _QUANTIZED.fullmatch(name) and (not experts_only or "_exps." in name)
         if quantize and chosen and array.shape[-1] % 32 == 0:
@@ -123,6 +141,40 @@ def write_gguf(
     w.write_tensors_to_file()
     w.close()
     return w.format_shard_names(Path(path))[0]
+
+
+def _write_deepseek2_metadata(w: gguf.GGUFWriter, cfg: dict) -> None:
+    """conversion/deepseek.py's DeepseekV2Model.set_gguf_parameters: MLA as one kv head of the
+    latent (key_length kv_lora_rank + rope, value_length kv_lora_rank), the per-head sizes as
+    *_mla, the mixture's keys, V3's sigmoid gating, YaRN's mscale_all_dim times 0.1."""
+    rank, rope_dim = cfg["kv_lora_rank"], cfg["qk_rope_head_dim"]
+    ints = {
+        "attention.head_count_kv": 1,
+        "attention.key_length": rank + rope_dim,
+        "attention.value_length": rank,
+        "attention.key_length_mla": cfg["qk_nope_head_dim"] + rope_dim,
+        "attention.value_length_mla": cfg["v_head_dim"],
+        "attention.kv_lora_rank": rank,
+        "rope.dimension_count": rope_dim,
+        "leading_dense_block_count": cfg["first_k_dense_replace"],
+        "expert_count": cfg["n_routed_experts"],
+        "expert_used_count": cfg["num_experts_per_tok"],
+        "expert_feed_forward_length": cfg["moe_intermediate_size"],
+        "expert_shared_count": cfg["n_shared_experts"],
+        "expert_group_count": cfg["n_group"],
+        "expert_group_used_count": cfg["topk_group"],
+        "expert_gating_func": 2 if cfg["architectures"][0] == "DeepseekV3ForCausalLM" else 1,
+    }
+    if cfg.get("q_lora_rank"):
+        ints["attention.q_lora_rank"] = cfg["q_lora_rank"]
+    for key, value in ints.items():
+        w.add_uint32(f"deepseek2.{key}", value)
+    w.add_float32("deepseek2.expert_weights_scale", cfg["routed_scaling_factor"])
+    if cfg.get("norm_topk_prob"):
+        w.add_bool("deepseek2.expert_weights_norm", True)
+    rope = cfg.get("rope_parameters") or {}
+    if rope.get("mscale_all_dim") is not None:
+        w.add_float32("deepseek2.rope.scaling.yarn_log_multiplier", 0.1 * rope["mscale_all_dim"])
 
 
 def _write_metadata(w: gguf.GGUFWriter, arch: str, cfg: dict) -> None:
@@ -149,9 +201,14 @@ def _write_metadata(w: gguf.GGUFWriter, arch: str, cfg: dict) -> None:
             ints["attention.sliding_window"] = cfg["sliding_window"]
         if cfg.get("shared_expert_intermediate_size"):
             ints["expert_shared_feed_forward_length"] = cfg["shared_expert_intermediate_size"]
+    if arch == "deepseek2":  # its own sizes (below)
+        ints = {k: v for k, v in ints.items() if not k.startswith("attention.") or k == "attention.head_count"}
     for key, value in ints.items():
         w.add_uint32(f"{arch}.{key}", value)
-    w.add_uint32(f"{arch}.rope.dimension_count", int(head_dim * rope.get("partial_rotary_factor", 1.0)))
+    if arch == "deepseek2":
+        _write_deepseek2_metadata(w, cfg)
+    else:
+        w.add_uint32(f"{arch}.rope.dimension_count", int(head_dim * rope.get("partial_rotary_factor", 1.0)))
     if arch == "stablelm":  # LayerNorm; conversion's StableLMModel
         w.add_float32("stablelm.attention.layer_norm_epsilon", cfg["layer_norm_eps"])
         w.add_bool("stablelm.use_parallel_residual", cfg["use_parallel_residual"])
@@ -230,11 +287,15 @@ def _write_tokenizer(w: gguf.GGUFWriter, folder: Path, vocab_size: int, pre: str
     w.add_token_merges(merges)
 
 
-def _gguf_tensors(state: dict[str, torch.Tensor], arch: str, cfg: dict, stack_experts: bool):
+def _gguf_tensors(state: dict[str, torch.Tensor], arch: str, cfg: dict, stack_experts: bool, split_kv_b: bool):
     """(llama.cpp name, tensor) pairs; each layer's experts stacked into one tensor per kind."""
-    block = {"olmo2": _OLMO2_BLOCK, "gemma2": _GEMMA_BLOCK, "glm4": _GLM4_BLOCK, "gpt-oss": _GPT_OSS_BLOCK}.get(
-        arch, _BLOCK
-    )
+    block = {
+        "olmo2": _OLMO2_BLOCK,
+        "gemma2": _GEMMA_BLOCK,
+        "glm4": _GLM4_BLOCK,
+        "gpt-oss": _GPT_OSS_BLOCK,
+        "deepseek2": _DEEPSEEK2_BLOCK,
+    }.get(arch, _BLOCK)
     heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
     stacks: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
     top = {
@@ -252,6 +313,10 @@ def _gguf_tensors(state: dict[str, torch.Tensor], arch: str, cfg: dict, stack_ex
             head_norms.setdefault((int(m.group(1)), m.group(2)), {})[int(m.group(3))] = tensor
         elif m := _GPT_OSS_EXPERTS.fullmatch(name):
             yield from _gpt_oss_experts(int(m.group(1)), m.group(2), tensor, bias=bool(m.group(3)))
+        elif m := re.fullmatch(r"model\.layers\.(\d+)\.mlp\.gate\.e_score_correction_bias", name):
+            yield f"blk.{m.group(1)}.exp_probs_b.bias", tensor
+        elif split_kv_b and (m := re.fullmatch(r"model\.layers\.(\d+)\.self_attn\.kv_b_proj\.weight", name)):
+            yield from _deepseek_kv_b(int(m.group(1)), tensor, cfg)
         elif m := re.fullmatch(r"model\.layers\.(\d+)\.self_attn\.sinks", name):
             yield f"blk.{m.group(1)}.attn_sinks.weight", tensor  # conversion/gpt_oss.py adds .weight
         elif name in top:
@@ -287,3 +352,13 @@ def _gpt_oss_experts(layer: int, kind: str, tensor: torch.Tensor, bias: bool):
     else:
         yield f"blk.{layer}.ffn_gate_exps.{part}", t[:, ::2].contiguous()
         yield f"blk.{layer}.ffn_up_exps.{part}", t[:, 1::2].contiguous()
+
+
+def _deepseek_kv_b(layer: int, tensor: torch.Tensor, cfg: dict):
+    """conversion/deepseek.py's split of kv_b_proj: per head, the key rows transposed into
+    attn_k_b (heads, kv_lora_rank, nope) and the value rows as attn_v_b (heads, v_dim, kv_lora_rank)."""
+    nope, v_dim = cfg["qk_nope_head_dim"], cfg["v_head_dim"]
+    kv_b = tensor.view(cfg["num_attention_heads"], nope + v_dim, tensor.shape[-1])
+    k_b, v_b = torch.split(kv_b, [nope, v_dim], dim=1)
+    yield f"blk.{layer}.attn_k_b.weight", k_b.transpose(1, 2).contiguous()
+    yield f"blk.{layer}.attn_v_b.weight", v_b.contiguous()

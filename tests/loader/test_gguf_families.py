@@ -37,6 +37,8 @@ FAMILIES = [
     "qwen3_moe",
     "olmoe",
     "gpt_oss",
+    "deepseek_v3",
+    "deepseek_v2",
     "stablelm",
     "stablelm_parallel",
 ]

@@ -50,6 +50,7 @@ def test_greedy_tokens_and_logprobs_match_hf(arch, tiny_model_dir):
         "phi3_longrope",
         "stablelm",
         "gpt_oss",
+        "deepseek_v3",
     ],
 )
 def test_batched_equals_one_at_a_time(arch, tiny_model_dir):
@@ -78,6 +79,7 @@ def test_batched_equals_one_at_a_time(arch, tiny_model_dir):
         "olmoe",
         "stablelm_parallel",
         "gpt_oss",
+        "deepseek_v2",
     ],
 )
 def test_chunked_prefill_equals_whole_prefill(arch, tiny_model_dir):

@@ -16,7 +16,8 @@ against this op gets the fastest path the step allows:
 - ``TorchAttention`` (everything else: bf16/fp16 on the CPU, an int8 cache, long prompts, no
   rope): the same arithmetic from separate ops: q/k norm, rope (fused on CPU float32),
   ``paged_attention`` below: the CPU kernels for the rows they take, torch SDPA
-  (torch_sdpa.py) for the rest.
+  (torch_sdpa.py) for the rest. Latent attention (DeepSeek's MLA: one shared key a token whose
+  tail is its value, ``AttentionShape.value_dim``) always runs here, on torch_sdpa.latent_attention.
 
 The CPU two give the same bits where both run (tests/attention/test_attention_backends.py); the Triton
 path is checked against its torch references (tests/kernels/test_triton_kernels.py) and against
@@ -50,10 +51,15 @@ class AttentionShape:
     # each head has a learned sink logit, counted in its softmax's denominator with no value behind
     # it (gpt-oss): the layers pass theirs (heads,) float32 to the op's call
     sinks: bool = False
+    # latent attention (DeepSeek's MLA): one kv head whose last value_dim dims are also its value;
+    # qkv holds q and k only, the cache holds the keys only, and a call returns (T, heads value_dim)
+    value_dim: int | None = None
 
     def __post_init__(self) -> None:
         if self.sinks and self.softcap is not None:
             raise ValueError("attention sinks with soft-capped scores are not implemented")
+        if self.value_dim is not None and (self.num_kv_heads != 1 or self.sinks or self.softcap is not None):
+            raise ValueError("latent attention has one kv head, and neither sinks nor soft-capped scores")
 
     def window(self, layer: int) -> int | None:
         return self.windows[layer] if self.windows else None
@@ -65,6 +71,11 @@ class AttentionShape:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def out_size(self) -> int:
+        """Columns of a call's output: heads x (value_dim, or head_dim)."""
+        return self.num_heads * (self.value_dim or self.head_dim)
 
 
 QKNorms = tuple[nn.Module, nn.Module]  # per-head RMSNorms of q and of k (Qwen3), or None
@@ -101,6 +112,8 @@ class TorchAttention(StepAttention):
         self, layer: int, qkv: torch.Tensor, norms: QKNorms | None = None, sinks: torch.Tensor | None = None
     ) -> torch.Tensor:
         sh, T = self.shape, qkv.shape[0]
+        if sh.value_dim is not None:
+            return self._latent(layer, qkv)
         q_size, kv_size = sh.q_size, sh.kv_size
         if norms is not None:
             _norm_in_place(qkv, norms, sh)
@@ -114,6 +127,20 @@ class TorchAttention(StepAttention):
             q, k, v, keys, values, self.meta, sh.scale, sh.window(layer), sh.softcap, sinks
         )  # (T, heads, head_dim)
         return out.reshape(T, q_size)
+
+    def _latent(self, layer: int, qkv: torch.Tensor) -> torch.Tensor:
+        """Latent attention: qkv (T, (heads + 1) head_dim), rope over the first rotary dims of
+        each head -> (T, heads value_dim); the keys written, the values read from them."""
+        sh, T = self.shape, qkv.shape[0]
+        assert sh.value_dim is not None  # a latent shape
+        qk = qkv.view(T, sh.num_heads + 1, sh.head_dim)
+        if self.rope is not None:
+            qk = apply_rope(qk, *self.rope)
+        q, k = qk[:, : sh.num_heads], qk[:, sh.num_heads :]  # (T, heads, D), (T, 1, D)
+        keys = self.kv_cache.keys[layer]
+        torch_sdpa.write_cache(keys, k, self.meta.slot_mapping)
+        out = torch_sdpa.latent_attention(q, k, keys, self.meta, sh.scale, sh.value_dim, sh.window(layer))
+        return out.reshape(T, sh.out_size)
 
 
 class TritonAttention(StepAttention):
@@ -262,11 +289,12 @@ def _norm_in_place(qkv: torch.Tensor, norms: QKNorms, sh: AttentionShape) -> Non
 
 def reads_past_context(kv_cache) -> bool:
     """Whether attention over `kv_cache` (a PagedKVCache) may read the slots past a sequence's
-    end: torch_sdpa's padded decode batch does (masked, so they must hold zeros, not NaN); where
+    end: torch_sdpa's padded decode batches do (masked, so they must hold zeros, not NaN; latent
+    attention always runs there); where
     the CPU decode kernel takes every decoding sequence, no reader does (the kernels and the
     per-sequence SDPA calls read exactly each context), and fresh blocks need no clearing."""
     probe = torch.empty(0, dtype=kv_cache.dtype, device=kv_cache.device)
-    return not cpu_decode.usable(probe, kv_cache.keys[kv_cache.layers[0]])
+    return kv_cache.latent or not cpu_decode.usable(probe, kv_cache.keys[kv_cache.layers[0]])
 
 
 def paged_attention(
@@ -329,7 +357,9 @@ def plan_attention(
     shape: AttentionShape, meta: AttentionMetadata, kv_cache, rope: tuple[torch.Tensor, torch.Tensor] | None
 ) -> StepAttention:
     """The attention op for this step's layers; `rope`: (cos, sin) (T, 1, head_dim) in the
-    activations' dtype, or None (learned positions)."""
+    activations' dtype, or None (learned positions). Latent attention runs in torch ops."""
+    if shape.value_dim is not None:
+        return TorchAttention(shape, meta, kv_cache, rope)
     if triton_kernels.takes_cache(kv_cache):
         return TritonAttention(shape, meta, kv_cache, rope)
     if kernels_take(shape, meta, kv_cache, rope):

@@ -23,12 +23,17 @@ def write_kv(k_cache, v_cache, k: torch.Tensor, v: torch.Tensor, slot_mapping: t
     A cache is a tensor of the compute dtype or an Int8Cache (quantized on write,
     dequantized by indexing, so the readers below are the same for both).
     """
-    for cache, x in ((k_cache, k), (v_cache, v)):
-        if isinstance(cache, Int8Cache):
-            cache.store(slot_mapping, x)
-        else:
-            num_blocks, block_size, kv_heads, head_dim = cache.shape
-            cache.view(num_blocks * block_size, kv_heads, head_dim).index_copy_(0, slot_mapping, x)
+    write_cache(k_cache, k, slot_mapping)
+    write_cache(v_cache, v, slot_mapping)
+
+
+def write_cache(cache, x: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Scatter x (T, kv_heads, head_dim) into one cache's slots (in place)."""
+    if isinstance(cache, Int8Cache):
+        cache.store(slot_mapping, x)
+    else:
+        num_blocks, block_size, kv_heads, head_dim = cache.shape
+        cache.view(num_blocks * block_size, kv_heads, head_dim).index_copy_(0, slot_mapping, x)
 
 
 def select_blocks(cache, table: torch.Tensor) -> torch.Tensor:
@@ -238,3 +243,60 @@ def _softcapped_sequence(
         scores = scores.masked_fill(~mask, float("-inf"))
     weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     return torch.matmul(weights, vi).transpose(0, 1)
+
+
+def latent_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    k_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    value_dim: int,
+    window: int | None = None,
+) -> torch.Tensor:
+    """Latent attention (DeepSeek's MLA, absorbed): one cached key a token, shared by every head,
+    whose last `value_dim` dims are its value. q (T, heads, D), k (T, 1, D) this step's keys
+    (already written: ``write_cache``), k_cache (num_blocks, block_size, 1, D) ->
+    (T, heads, value_dim). Scores q k^T * scale, causal (and windowed where `window`), softmax in
+    float32. A pure-decode batch is one padded call; otherwise one call per sequence."""
+    T, heads, _ = q.shape
+    if meta.num_seqs > 1 and max(meta.query_lens) == 1:
+        return _latent_decode_batch(q, k_cache, meta, scale, value_dim, window)
+    out = q.new_empty(T, heads, value_dim)
+    for start, q_len, ctx_len, table in zip(meta.query_start, meta.query_lens, meta.context_lens, meta.block_tables):
+        rows = slice(start, start + q_len)
+        keys = k[rows, 0] if q_len == ctx_len else _gather(k_cache, table, ctx_len)[0]  # (ctx, D)
+        out[rows] = _latent_sequence(q[rows], keys, scale, value_dim, _mask(q_len, ctx_len, window, q.device))
+    return out
+
+
+def _latent_sequence(
+    q: torch.Tensor, keys: torch.Tensor, scale: float, value_dim: int, mask: torch.Tensor | None
+) -> torch.Tensor:
+    """q (q_len, heads, D) against one sequence's keys (ctx, D) -> (q_len, heads, value_dim); every
+    head and position is a row of one matmul, the keys being shared; mask (q_len, ctx) or None."""
+    q_len, heads, dim = q.shape
+    scores = torch.matmul(q.reshape(q_len * heads, dim), keys.t()).view(q_len, heads, -1) * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask[:, None, :], float("-inf"))
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)  # (q_len, heads, ctx)
+    return torch.matmul(weights, keys[:, dim - value_dim :])  # (q_len, heads, value_dim)
+
+
+def _latent_decode_batch(
+    q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata, scale: float, value_dim: int, window: int | None
+) -> torch.Tensor:
+    """One query per sequence: q (B, heads, D) -> (B, heads, value_dim), each sequence against its
+    padded blocks (padding masked; its slots zero, ``backend.reads_past_context``)."""
+    B, _, dim = q.shape
+    block_size = k_cache.shape[1]
+    if meta.padded_decode_inputs is None:
+        meta.padded_decode_inputs = {}
+    if window not in meta.padded_decode_inputs:
+        meta.padded_decode_inputs[window] = _decode_inputs(meta, block_size, q.device, window)
+    tables, allowed = meta.padded_decode_inputs[window]  # (B, W), (B, 1, 1, L)
+    keys = select_blocks(k_cache, tables).view(B, -1, dim)  # (B, L, D)
+    scores = torch.bmm(q, keys.transpose(1, 2)) * scale  # (B, heads, L)
+    scores = scores.masked_fill(~allowed[:, 0], float("-inf"))
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.bmm(weights, keys[..., dim - value_dim :])  # (B, heads, value_dim)

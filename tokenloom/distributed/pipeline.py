@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from tokenloom.distributed.group import ParallelGroup
-from tokenloom.distributed.shard import TENSOR_PARALLEL_CLASSES, TensorParallelError
+from tokenloom.distributed.shard import TENSOR_PARALLEL_CLASSES, TensorParallelError, unsplit_error
 from tokenloom.models.config import ModelConfig
 
 if TYPE_CHECKING:
@@ -50,11 +50,7 @@ class PipelineStage:
 
     def check(self, config: ModelConfig, model_class: type) -> None:
         if model_class.__name__ not in TENSOR_PARALLEL_CLASSES:
-            raise TensorParallelError(
-                f"pipeline parallelism is implemented for Llama, Mistral, SmolLM3, Qwen2/3 and their "
-                f"MoE models (Qwen2-MoE, Qwen3-MoE, Mixtral), not {config.architecture}: its layers "
-                "(their own norms and attention) have no split across ranks yet; run it in one process"
-            )
+            raise unsplit_error("pipeline", config, model_class)
         if self.size > config.num_layers:
             raise TensorParallelError(
                 f"--pipeline-parallel-size {self.size} exceeds the model's {config.num_layers} layers"

@@ -33,10 +33,26 @@ VOCAB_PARALLEL = ("embed_tokens", "lm_head")
 # down_proj, a router): OLMo 2 / OLMoE norm q and k over the whole projection, Gemma scales and
 # soft-caps, Phi-3 stores q/k/v fused, GPT-2 and StableLM name theirs otherwise.
 TENSOR_PARALLEL_CLASSES = ("LlamaForCausalLM", "MoeForCausalLM", "MixtralForCausalLM")
+_UNSPLIT_REASONS = {
+    "DeepseekForCausalLM": "its latent attention (one latent shared by every head) has no split across ranks yet",
+    "GptOssForCausalLM": "its attention sinks and clamped experts have no split across ranks yet",
+}
 
 
 class TensorParallelError(ValueError):
     """A model that cannot be split over this many ranks, or a tensor that cannot be cut."""
+
+
+def unsplit_error(kind: str, config: ModelConfig, model_class: type) -> TensorParallelError:
+    """The error for a model `kind` ("tensor" or "pipeline") parallelism does not split: which
+    families it does, this one's architecture, and why not."""
+    reason = _UNSPLIT_REASONS.get(
+        model_class.__name__, "its layers (their own norms and attention) have no split across ranks yet"
+    )
+    return TensorParallelError(
+        f"{kind} parallelism is implemented for Llama, Mistral, SmolLM3, Qwen2/3 and their MoE models "
+        f"(Qwen2-MoE, Qwen3-MoE, Mixtral), not {config.architecture}: {reason}; run it in one process"
+    )
 
 
 @dataclass(frozen=True)
@@ -49,11 +65,7 @@ class TensorShard:
     def check(self, config: ModelConfig, model_class: type) -> None:
         """TensorParallelError naming what does not divide, or the architecture that is not split."""
         if model_class.__name__ not in TENSOR_PARALLEL_CLASSES:
-            raise TensorParallelError(
-                f"tensor parallelism is implemented for Llama, Mistral, SmolLM3, Qwen2/3 and their "
-                f"MoE models (Qwen2-MoE, Qwen3-MoE, Mixtral), not {config.architecture}: its layers "
-                "(their own norms and attention) have no split across ranks yet; run it in one process"
-            )
+            raise unsplit_error("tensor", config, model_class)
         sizes = {"num_attention_heads": config.num_heads, "intermediate_size": config.intermediate_size}
         if config.moe is not None:
             sizes["moe intermediate_size"] = config.moe.intermediate_size

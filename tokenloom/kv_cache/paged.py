@@ -16,16 +16,18 @@ def kv_bytes_per_token(
     model: ModelConfig, dtype: torch.dtype, kv_cache_dtype: str = "auto", layers: range | None = None
 ) -> int:
     """2 (K and V) x layers x kv_heads x head_dim x bytes per element (`layers`: those cached here,
-    a pipeline stage's; None: all).
+    a pipeline stage's; None: all); with latent attention (ModelConfig.mla) 1, the values being
+    part of the keys.
 
     For an int8 cache: 1 byte per element plus a float32 scale per token and head,
     i.e. 2 x layers x kv_heads x (head_dim + 4).
     """
     count = model.num_layers if layers is None else len(layers)
+    tensors = 1 if model.mla is not None else 2
     if kv_cache_dtype == "int8":
-        return 2 * count * model.num_kv_heads * (model.head_dim + KV_SCALE_BYTES)
+        return tensors * count * model.num_kv_heads * (model.head_dim + KV_SCALE_BYTES)
     elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * count * model.num_kv_heads * model.head_dim * elem
+    return tensors * count * model.num_kv_heads * model.head_dim * elem
 
 
 @dataclass
@@ -78,6 +80,9 @@ class PagedKVCache:
     Together with ``zero_blocks`` on a block's first write (done where a reader looks
     past a sequence's end: ``attention.reads_past_context``), every slot a sequence
     can see past its own end is zero, never stale or NaN.
+
+    With latent attention (ModelConfig.mla) only the keys are stored, one (head_dim) latent a
+    token: each layer's values are a view of its keys' last value_dim dims, written with them.
     """
 
     def __init__(
@@ -93,6 +98,9 @@ class PagedKVCache:
         """`layers`: the layers whose KV this cache holds (a pipeline stage's; None: all); the
         others get empty tensors of the same dtype and never see a block."""
         shape = (num_blocks + 1, block_size, model.num_kv_heads, model.head_dim)
+        self.latent = model.mla is not None  # values live in the keys
+        if self.latent and kv_cache_dtype == "int8":
+            raise ValueError("an int8 KV cache is not implemented for latent attention (DeepSeek); use auto")
         self.layers = range(model.num_layers) if layers is None else layers
         self.num_blocks = num_blocks
         self.null_block = num_blocks
@@ -115,7 +123,10 @@ class PagedKVCache:
             return zeros(size, dtype)
 
         self.keys = [layer_cache(i) for i in range(model.num_layers)]
-        self.values = [layer_cache(i) for i in range(model.num_layers)]
+        if self.latent:  # (num_blocks + 1, block_size, 1, value_dim) views
+            self.values = [k[..., model.head_dim - model.value_dim :] for k in self.keys]
+        else:
+            self.values = [layer_cache(i) for i in range(model.num_layers)]
 
     @classmethod
     def from_memory_budget(
@@ -147,13 +158,15 @@ class PagedKVCache:
         """Clear blocks (in place, every layer) before their first slot is written."""
         for i in self.layers:
             self.keys[i].index_fill_(0, block_ids, 0)
-            self.values[i].index_fill_(0, block_ids, 0)
+            if not self.latent:
+                self.values[i].index_fill_(0, block_ids, 0)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole blocks src -> dst in every layer (copy-on-write of a shared partial block)."""
         src = torch.tensor([p[0] for p in pairs], dtype=torch.int64, device=self.device)
         dst = torch.tensor([p[1] for p in pairs], dtype=torch.int64, device=self.device)
-        for cache in [self.keys[i] for i in self.layers] + [self.values[i] for i in self.layers]:
+        values = [] if self.latent else [self.values[i] for i in self.layers]
+        for cache in [self.keys[i] for i in self.layers] + values:
             if isinstance(cache, Int8Cache):
                 cache.copy_blocks_(src, dst)
             else:

@@ -75,6 +75,7 @@ _ARCHITECTURES = {
     "qwen3moe": "Qwen3MoeForCausalLM",
     "olmoe": "OlmoeForCausalLM",
     "gpt-oss": "GptOssForCausalLM",
+    "deepseek2": "DeepseekV2ForCausalLM",  # V3 where its experts are scored by sigmoid (hf_config)
     "olmo2": "Olmo2ForCausalLM",
     "stablelm": "StableLmForCausalLM",
     "phi3": "Phi3ForCausalLM",
@@ -86,6 +87,7 @@ _ARCHITECTURES = {
 _PERMUTED_QK = ("llama", "smollm3")
 # llama.cpp renormalizes the chosen experts' weights for these (build_moe_ffn's norm_w)
 _NORMALIZED_TOP_K = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False, "gpt-oss": True}
+_GATING_SIGMOID = 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID (1: softmax, the default)
 
 _LLAMA_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -142,6 +144,20 @@ _GPT_OSS_BLOCK_NAMES = _LLAMA_BLOCK_NAMES | {
     "post_attention_norm": "post_attention_layernorm",
     "attn_sinks": "self_attn.sinks",
 }
+# DeepSeek's latent attention and mixture (conversion/deepseek.py's names)
+_DEEPSEEK2_BLOCK_NAMES = _LLAMA_BLOCK_NAMES | {
+    "attn_q_a": "self_attn.q_a_proj",
+    "attn_q_a_norm": "self_attn.q_a_layernorm",
+    "attn_q_b": "self_attn.q_b_proj",
+    "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+    "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+    "attn_kv_b": "self_attn.kv_b_proj",  # older files; newer ones store it split:
+    "attn_k_b": "self_attn.k_b",
+    "attn_v_b": "self_attn.v_b",
+    "exp_probs_b": "mlp.gate.e_score_correction_bias",
+}
+# block tensors that are parameters of their own in HF, not a module's weight or bias
+_BARE_PARAMETERS = ("attn_sinks", "attn_k_b", "attn_v_b", "exp_probs_b")
 _GPT2_NAMES = {
     "token_embd.weight": "transformer.wte.weight",
     "position_embd.weight": "transformer.wpe.weight",
@@ -171,6 +187,7 @@ _NAME_TABLES = {
     "phi3": (_LLAMA_NAMES, _PHI3_BLOCK_NAMES),
     "stablelm": (_STABLELM_NAMES, _LLAMA_BLOCK_NAMES),
     "gpt-oss": (_LLAMA_NAMES, _GPT_OSS_BLOCK_NAMES),
+    "deepseek2": (_LLAMA_NAMES, _DEEPSEEK2_BLOCK_NAMES),
 }
 
 
@@ -309,6 +326,8 @@ class GGUFFile:
             cfg |= self._olmo3_fields(cfg)
         if self.arch == "gpt-oss":
             cfg |= self._gpt_oss_fields(cfg)
+        if self.arch == "deepseek2":
+            return cfg | self._deepseek2_fields(cfg)
         if self.arch_field("expert_count", 0):
             cfg |= self._moe_fields(cfg)
         return cfg
@@ -358,6 +377,49 @@ class GGUFFile:
                 "beta_fast": 32.0,
                 "beta_slow": 1.0,
                 "truncate": False,
+            }
+        return fields
+
+    def _deepseek2_fields(self, cfg: dict) -> dict:
+        """DeepSeek-V2/V3 as their HF configs say it (llama.cpp's deepseek2.cpp): V3 where the experts
+        are scored by sigmoid, the latent attention's sizes (key_length_mla and value_length_mla, or
+        in older files key_length and value_length), rope pairs interleaved, YaRN's mscale from
+        yarn_log_multiplier (written as 0.1 mscale_all_dim), the mixture from the expert keys."""
+        rope = self.arch_field("rope.dimension_count", 64)
+        v3 = self.arch_field("expert_gating_func") == _GATING_SIGMOID
+        experts = self.arch_field("expert_count", 0)
+        groups = self.arch_field("expert_group_count", 1) or 1
+        fields: dict = {
+            "architectures": ["DeepseekV3ForCausalLM" if v3 else "DeepseekV2ForCausalLM"],
+            "model_type": "deepseek_v3" if v3 else "deepseek_v2",
+            "kv_lora_rank": self.arch_field("attention.kv_lora_rank"),
+            "q_lora_rank": self.arch_field("attention.q_lora_rank") or None,
+            "qk_rope_head_dim": rope,
+            "qk_nope_head_dim": self.arch_field("attention.key_length_mla", cfg["head_dim"]) - rope,
+            "v_head_dim": self.arch_field("attention.value_length_mla", self.arch_field("attention.value_length")),
+            "rope_interleave": True,
+            "first_k_dense_replace": self.arch_field("leading_dense_block_count", 0),
+            "n_routed_experts": experts or None,
+            "num_experts_per_tok": self.arch_field("expert_used_count"),
+            "moe_intermediate_size": self.arch_field("expert_feed_forward_length"),
+            "n_shared_experts": self.arch_field("expert_shared_count", 0),
+            "routed_scaling_factor": self.arch_field("expert_weights_scale", 1.0),
+            "norm_topk_prob": bool(self.arch_field("expert_weights_norm", False)),
+            "n_group": groups,
+            "topk_group": self.arch_field("expert_group_used_count", 1) or 1,
+            "topk_method": "group_limited_greedy" if groups > 1 else "greedy",
+        }
+        if self.arch_field("rope.scaling.type") == "yarn":
+            mscale = self.arch_field("rope.scaling.yarn_log_multiplier", 0.0) / 0.1
+            fields["rope_parameters"] = {
+                "rope_type": "yarn",
+                "rope_theta": cfg["rope_theta"],
+                "factor": self.arch_field("rope.scaling.factor", 1.0),
+                "original_max_position_embeddings": self.arch_field("rope.scaling.original_context_length"),
+                "beta_fast": self.arch_field("rope.scaling.yarn_beta_fast", 32.0),
+                "beta_slow": self.arch_field("rope.scaling.yarn_beta_slow", 1.0),
+                "mscale": mscale,
+                "mscale_all_dim": mscale,
             }
         return fields
 
@@ -544,8 +606,8 @@ class GGUFFile:
         if m := _ONE_EXPERT.fullmatch(name):
             return _expert_name(m.group(1), m.group(3), m.group(2))
         m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
-        if m and m.group(2) == "attn_sinks":  # a parameter of its own in HF (gpt-oss), not a module's weight
-            return f"model.layers.{m.group(1)}.{block['attn_sinks']}"
+        if m and m.group(2) in _BARE_PARAMETERS and m.group(2) in block:
+            return f"model.layers.{m.group(1)}.{block[m.group(2)]}"
         if m and m.group(2) in block:
             prefix = "transformer.h" if self.arch == "gpt2" else "model.layers"
             return f"{prefix}.{m.group(1)}.{block[m.group(2)]}.{m.group(3)}"

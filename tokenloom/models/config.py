@@ -111,6 +111,30 @@ class MoeConfig:
             )
 
 
+@dataclass(frozen=True, slots=True)
+class MlaConfig:
+    """DeepSeek's multi-head latent attention: each token's keys and values are one compressed
+    latent of `kv_lora_rank` dims plus a rope key of `qk_rope_head_dim` dims shared by every head;
+    each head's key is its own projection of the latent (`qk_nope_head_dim`) and the rope key,
+    its value another projection of the latent (`v_head_dim`). Queries come straight from the
+    hidden state, or through a rank-`q_lora_rank` bottleneck with an RMSNorm (None: none)."""
+
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    qk_nope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None = None
+
+    @property
+    def latent_dim(self) -> int:
+        """A cached key: the rope key then the latent (the values are its last kv_lora_rank dims)."""
+        return self.qk_rope_head_dim + self.kv_lora_rank
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
 @dataclass(slots=True)
 class ModelConfig:
     """Architecture hyper-parameters shared by every supported model family."""
@@ -150,6 +174,9 @@ class ModelConfig:
     logit_scale: float = 1.0  # logits times this (Cohere 2)
     attention_sinks: bool = False  # a learned sink logit per head in each softmax (gpt-oss)
     parallel_residual: bool = False  # x + attn(ln(x)) + mlp(ln(x)) (StableLM's option)
+    # multi-head latent attention (DeepSeek-V2/V3): the cache holds one key a token, of
+    # head_dim = mla.latent_dim, whose last kv_lora_rank dims are also its value (num_kv_heads 1)
+    mla: MlaConfig | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -170,6 +197,8 @@ class ModelConfig:
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"ModelConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.mla is not None and (self.num_kv_heads, self.head_dim) != (1, self.mla.latent_dim):
+            raise ValueError(f"latent attention caches one key of {self.mla.latent_dim} dims a token")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if self.rope_layers is not None and len(self.rope_layers) != self.num_layers:
@@ -183,7 +212,14 @@ class ModelConfig:
 
     @property
     def rotary_dim(self) -> int:
+        if self.mla is not None:
+            return self.mla.qk_rope_head_dim
         return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def value_dim(self) -> int:
+        """Dims of a cached value: head_dim, or with latent attention the latent's, read from the keys."""
+        return self.mla.kv_lora_rank if self.mla is not None else self.head_dim
 
     def context_limit(self) -> int:
         """The longest context this model can be run at: its own, or with dynamic rope scaling
@@ -237,6 +273,8 @@ class ModelConfig:
             fields |= _FAMILY_FIELDS[arch](hf)
         if arch in _MOE_ARCHITECTURES:
             fields["moe"] = _moe_of(hf, arch)
+        if arch in _DEEPSEEK_ARCHITECTURES:
+            fields["moe"] = _deepseek_moe(hf, arch)
         return cls(**common, **fields)
 
 
@@ -280,6 +318,7 @@ _MOE_ARCHITECTURES = (
     "OlmoeForCausalLM",
     "GptOssForCausalLM",
 )
+_DEEPSEEK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 _QWEN_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 
 
@@ -450,6 +489,60 @@ def _gpt_oss_fields(hf: dict[str, Any]) -> dict[str, Any]:
     )
 
 
+def _deepseek_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """DeepSeek-V2/V3 (transformers' DeepseekV2Config / DeepseekV3Config defaults): latent attention
+    (MlaConfig) whose rope dims turn in interleaved pairs (V3 unless rope_interleave is false), the
+    softmax scaled by YaRN's mscale(factor, mscale_all_dim) squared (AttentionShape.scale), q/k/v/o
+    biases where attention_bias says."""
+    mla = MlaConfig(
+        kv_lora_rank=hf.get("kv_lora_rank", 512),
+        qk_rope_head_dim=hf.get("qk_rope_head_dim", 64),
+        qk_nope_head_dim=hf.get("qk_nope_head_dim", 128),
+        v_head_dim=hf.get("v_head_dim", 128),
+        q_lora_rank=hf.get("q_lora_rank", 1536),
+    )
+    v2 = _architecture_of(hf) == "DeepseekV2ForCausalLM"
+    return dict(
+        num_kv_heads=1,
+        head_dim=mla.latent_dim,
+        mla=mla,
+        rope_interleaved=True if v2 else hf.get("rope_interleave", True),
+        attention_bias=hf.get("attention_bias", False),
+        o_proj_bias=hf.get("attention_bias", False),
+        mlp_bias=hf.get("mlp_bias", False),
+        max_model_len=hf.get("max_position_embeddings", 2048 if v2 else 4096),
+    )
+
+
+def _deepseek_moe(hf: dict[str, Any], arch: str) -> MoeConfig | None:
+    """DeepSeek's mixture as its own modeling code routes it (models/moe.py route): the layers from
+    first_k_dense_replace on (every moe_layer_freq-th) mix; V2 by softmax, its groups only under
+    topk_method group_limited_greedy, renormalized where norm_topk_prob says (transformers' V2
+    never renormalizes; the released V2 models do not ask to); V3 by sigmoid with a correction bias,
+    groups ranked by their two best; the chosen weights times routed_scaling_factor; shared experts
+    (n_shared_experts wide) ungated. None without routed experts."""
+    experts = hf.get("n_routed_experts")
+    if not experts:
+        return None
+    v3 = arch == "DeepseekV3ForCausalLM"
+    first, freq = hf.get("first_k_dense_replace", 0), hf.get("moe_layer_freq", 1)
+    grouped = v3 or hf.get("topk_method") == "group_limited_greedy"
+    return MoeConfig(
+        experts,
+        hf.get("num_experts_per_tok", 8 if v3 else 6),
+        hf["moe_intermediate_size"],
+        tuple(i for i in range(hf["num_hidden_layers"]) if i >= first and i % freq == 0),
+        normalize_top_k=hf.get("norm_topk_prob", v3),
+        shared_intermediate_size=hf["moe_intermediate_size"] * (hf.get("n_shared_experts") or 0),
+        scoring="sigmoid" if v3 else "softmax",
+        groups=hf.get("n_group", 8) if grouped else 1,
+        topk_groups=hf.get("topk_group", 4) if grouped else 1,
+        routed_scaling=hf.get("routed_scaling_factor", 2.5 if v3 else 1.0),
+        correction_bias=v3,
+        shared_gated=False,
+    )
+
+
 def _stablelm_fields(hf: dict[str, Any]) -> dict[str, Any]:
     """StableLM (transformers' StableLmConfig defaults): LayerNorm epsilon, q/k/v bias and per-head
     q/k LayerNorm by their own names, a quarter of each head rotated, optional parallel residual."""
@@ -473,6 +566,8 @@ _FAMILY_FIELDS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "Glm4ForCausalLM": _glm4_fields,
     "Cohere2ForCausalLM": _cohere2_fields,
     "GptOssForCausalLM": _gpt_oss_fields,
+    "DeepseekV2ForCausalLM": _deepseek_fields,
+    "DeepseekV3ForCausalLM": _deepseek_fields,
 }
 
 # fields an architecture implements among those _refuse_unimplemented checks

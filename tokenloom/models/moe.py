@@ -145,8 +145,7 @@ class MoeForCausalLM(LlamaForCausalLM):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg)
-        assert cfg.moe is not None  # a MoE model's config describes its experts
-        for i in cfg.moe.sparse_layers:
+        for i in cfg.moe.sparse_layers if cfg.moe is not None else ():  # none: every layer dense
             self.model.layers[i].mlp = SparseMoeBlock(cfg)
 
 
