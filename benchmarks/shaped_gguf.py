@@ -8,9 +8,14 @@ llama.cpp's names and layout and the metadata its loader reads; the vocabulary i
 of placeholder tokens (256 bytes, then unused [PADn]), which is all a benchmark of random token ids
 needs.
 
-Shapes (``SHAPES``): ``gpt-oss-20b``: 2880 wide, 64 query / 8 KV heads of 64, 32 experts of 2880
-(top 4) in MXFP4, the rest Q8_0 as ggml-org's gpt-oss-20b GGUF ships it; 24 layers in the
-model, --layers of them here.
+Shapes (``SHAPES``):
+- ``gpt-oss-20b``: 2880 wide, 64 query / 8 KV heads of 64, 32 experts of 2880 (top 4) in MXFP4,
+  the rest Q8_0 as ggml-org's gpt-oss-20b GGUF ships it; 24 layers.
+- ``deepseek-v2-lite``: 2048 wide, 16 heads of latent attention (kv_lora_rank 512, rope 64,
+  nope 128, values 128, no q bottleneck), a dense first layer of 10944, then 64 experts of 1408
+  (top 6) and 2 shared; Q4_K where rows hold 256-value blocks, Q8_0 elsewhere (the 1408-wide down
+  projections, k_b); 27 layers.
+--layers of them here.
 
     python benchmarks/shaped_gguf.py gpt-oss-20b --layers 8 -o /tmp/gpt-oss-20b-8l.gguf
 """
@@ -25,7 +30,7 @@ import gguf
 import numpy as np
 from tqdm import tqdm
 
-MXFP4, Q8_0, F32 = gguf.GGMLQuantizationType.MXFP4, gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.F32
+MXFP4, Q8_0, Q4_K = gguf.GGMLQuantizationType.MXFP4, gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_K
 
 
 @dataclass(frozen=True)
@@ -41,9 +46,16 @@ class Shape:
     vocab: int
     layers: int
     context: int
+    dense_ffn: int = 0  # the dense first layer's (DeepSeek)
+    shared_experts: int = 0
 
 
-SHAPES = {"gpt-oss-20b": Shape("gpt-oss", 2880, 64, 8, 64, 32, 4, 2880, 201088, 24, 131072)}
+SHAPES = {
+    "gpt-oss-20b": Shape("gpt-oss", 2880, 64, 8, 64, 32, 4, 2880, 201088, 24, 131072),
+    "deepseek-v2-lite": Shape("deepseek2", 2048, 16, 1, 576, 64, 6, 1408, 102400, 27, 163840, 10944, 2),
+}
+# DeepSeek-V2-Lite's latent attention
+KV_LORA, ROPE, NOPE, V_DIM = 512, 64, 128, 128
 
 
 def random_blocks(kind: gguf.GGMLQuantizationType, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
@@ -58,6 +70,9 @@ def random_blocks(kind: gguf.GGMLQuantizationType, shape: tuple[int, ...], rng: 
         blocks[..., :2] = scale.view(np.uint8).reshape(*blocks.shape[:-1], 2)
         codes = blocks[..., 2:]
         codes[codes == 0x80] = 0x81  # -127..127, as llama.cpp's quantizer writes them (never -128)
+    elif kind == Q4_K:  # d and dmin (float16) first, then 6-bit scales and 4-bit codes
+        scales = np.full((*blocks.shape[:-1], 2), 0.02 / (32 * 8), dtype=np.float16)
+        blocks[..., :4] = scales.view(np.uint8).reshape(*blocks.shape[:-1], 4)
     return blocks.reshape(*shape[:-1], -1)
 
 
@@ -65,7 +80,20 @@ def floats(shape: tuple[int, ...], rng: np.random.Generator, scale: float = 0.02
     return (mean + scale * rng.standard_normal(shape, dtype=np.float32)).astype(np.float32)
 
 
+def write_tokens(w: gguf.GGUFWriter, s: Shape) -> None:
+    """The vocabulary's size of placeholder tokens: 256 bytes, one merge, then unused [PADn]."""
+    tokens = [bytes([b]).decode("latin-1") for b in range(256)] + ["ab"] + [f"[PAD{i}]" for i in range(257, s.vocab)]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-2")
+    w.add_token_list(tokens)
+    w.add_token_types([1] * 257 + [5] * (s.vocab - 257))
+    w.add_token_merges(["a b"])  # llama.cpp refuses a BPE vocabulary without merges
+    w.add_eos_token_id(0)
+
+
 def write_metadata(w: gguf.GGUFWriter, s: Shape, layers: int) -> None:
+    if s.arch == "deepseek2":
+        return write_deepseek2_metadata(w, s, layers)
     a = s.arch
     for key, value in {
         "block_count": layers,
@@ -88,16 +116,92 @@ def write_metadata(w: gguf.GGUFWriter, s: Shape, layers: int) -> None:
     w.add_float32(f"{a}.rope.freq_base", 150000.0)
     w.add_string(f"{a}.rope.scaling.type", "yarn")
     w.add_float32(f"{a}.rope.scaling.factor", 32.0)
-    tokens = [bytes([b]).decode("latin-1") for b in range(256)] + ["ab"] + [f"[PAD{i}]" for i in range(257, s.vocab)]
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt-2")
-    w.add_token_list(tokens)
-    w.add_token_types([1] * 257 + [5] * (s.vocab - 257))
-    w.add_token_merges(["a b"])  # llama.cpp refuses a BPE vocabulary without merges
-    w.add_eos_token_id(0)
+    write_tokens(w, s)
+
+
+def write_deepseek2_metadata(w: gguf.GGUFWriter, s: Shape, layers: int) -> None:
+    """conversion/deepseek.py's keys for DeepSeek-V2-Lite: MLA as one 576-wide kv head, no q
+    bottleneck (q_lora_rank 0), softmax gating without groups, YaRN x40 with mscale_all_dim 0.707."""
+    for key, value in {
+        "block_count": layers,
+        "context_length": s.context,
+        "embedding_length": s.hidden,
+        "feed_forward_length": s.dense_ffn,
+        "expert_feed_forward_length": s.expert_ffn,
+        "attention.head_count": s.heads,
+        "attention.head_count_kv": 1,
+        "attention.key_length": KV_LORA + ROPE,
+        "attention.value_length": KV_LORA,
+        "attention.key_length_mla": NOPE + ROPE,
+        "attention.value_length_mla": V_DIM,
+        "attention.kv_lora_rank": KV_LORA,
+        "attention.q_lora_rank": 0,
+        "leading_dense_block_count": 1,
+        "expert_count": s.experts,
+        "expert_used_count": s.top_k,
+        "expert_shared_count": s.shared_experts,
+        "expert_gating_func": 1,
+        "rope.dimension_count": ROPE,
+        "rope.scaling.original_context_length": 4096,
+    }.items():
+        w.add_uint32(f"deepseek2.{key}", value)
+    w.add_float32("deepseek2.attention.layer_norm_rms_epsilon", 1e-6)
+    w.add_float32("deepseek2.rope.freq_base", 10000.0)
+    w.add_float32("deepseek2.expert_weights_scale", 1.0)
+    w.add_string("deepseek2.rope.scaling.type", "yarn")
+    w.add_float32("deepseek2.rope.scaling.factor", 40.0)
+    w.add_float32("deepseek2.rope.scaling.yarn_log_multiplier", 0.0707)
+    write_tokens(w, s)
+
+
+def matrix(rows: int, cols: int, rng: np.random.Generator, experts: int = 0):
+    """A (experts,) rows x cols matrix as Q4_K where its rows hold 256-value blocks, else Q8_0."""
+    kind = Q4_K if cols % 256 == 0 else Q8_0
+    return random_blocks(kind, (experts, rows, cols) if experts else (rows, cols), rng), kind
+
+
+def deepseek2_tensors(s: Shape, layers: int, rng: np.random.Generator):
+    """(name, array, raw type or None) in llama.cpp's deepseek2 layout (src/models/deepseek2.cpp)."""
+    yield "token_embd.weight", *matrix(s.vocab, s.hidden, rng)
+    yield "output_norm.weight", floats((s.hidden,), rng, 0.1, 1.0), None
+    yield "output.weight", *matrix(s.vocab, s.hidden, rng)
+    for i in range(layers):
+        b = f"blk.{i}"
+        yield f"{b}.attn_norm.weight", floats((s.hidden,), rng, 0.1, 1.0), None
+        yield f"{b}.ffn_norm.weight", floats((s.hidden,), rng, 0.1, 1.0), None
+        yield f"{b}.attn_kv_a_norm.weight", floats((KV_LORA,), rng, 0.1, 1.0), None
+        yield f"{b}.attn_q.weight", *matrix(s.heads * (NOPE + ROPE), s.hidden, rng)
+        yield f"{b}.attn_kv_a_mqa.weight", *matrix(KV_LORA + ROPE, s.hidden, rng)
+        yield f"{b}.attn_k_b.weight", random_blocks(Q8_0, (s.heads, KV_LORA, NOPE), rng), Q8_0
+        yield f"{b}.attn_v_b.weight", random_blocks(Q8_0, (s.heads, V_DIM, KV_LORA), rng), Q8_0
+        yield f"{b}.attn_output.weight", *matrix(s.hidden, s.heads * V_DIM, rng)
+        if i == 0:  # the dense first layer
+            for name, rows, cols in (("ffn_gate", s.dense_ffn, s.hidden), ("ffn_up", s.dense_ffn, s.hidden)):
+                yield f"{b}.{name}.weight", *matrix(rows, cols, rng)
+            yield f"{b}.ffn_down.weight", *matrix(s.hidden, s.dense_ffn, rng)
+            continue
+        yield f"{b}.ffn_gate_inp.weight", floats((s.experts, s.hidden), rng), None
+        shared = s.expert_ffn * s.shared_experts
+        for name, rows, cols, experts in (
+            ("ffn_gate_exps", s.expert_ffn, s.hidden, s.experts),
+            ("ffn_up_exps", s.expert_ffn, s.hidden, s.experts),
+            ("ffn_down_exps", s.hidden, s.expert_ffn, s.experts),
+            ("ffn_gate_shexp", shared, s.hidden, 0),
+            ("ffn_up_shexp", shared, s.hidden, 0),
+            ("ffn_down_shexp", s.hidden, shared, 0),
+        ):
+            yield f"{b}.{name}.weight", *matrix(rows, cols, rng, experts)
 
 
 def tensors(s: Shape, layers: int, rng: np.random.Generator):
+    """(name, array, raw type or None) in llama.cpp's layout of the shape's family."""
+    if s.arch == "deepseek2":
+        yield from deepseek2_tensors(s, layers, rng)
+        return
+    yield from gpt_oss_tensors(s, layers, rng)
+
+
+def gpt_oss_tensors(s: Shape, layers: int, rng: np.random.Generator):
     """(name, array, raw type or None) in llama.cpp's gpt-oss layout (llama-model.cpp's tensor shapes)."""
     q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
     yield "token_embd.weight", random_blocks(Q8_0, (s.vocab, s.hidden), rng), Q8_0

@@ -115,19 +115,21 @@ class EngineCore:
 
     def _report_cache(self, kv: PagedKVCache) -> None:
         c, per_token = self.cache_config, self.kv_bytes_per_token
-        layers = len(kv.layers)
-        element_bytes = per_token // (2 * layers * c.num_kv_heads * c.head_dim)
+        layers, tensors = len(kv.layers), 1 if kv.latent else 2
+        element_bytes = per_token // (tensors * layers * c.num_kv_heads * c.head_dim)
         element = (
             f"({c.head_dim} head_dim x 1 B int8 + 4 B scale)"
             if kv.kv_cache_dtype == "int8"
             else f"{c.head_dim} head_dim x {element_bytes} B"
         )
+        what = "1 latent (keys and values)" if kv.latent else "2 (keys, values)"
         logger.info(
-            "KV cache: %d tokens (%d blocks x %d) in %.2f GiB; per token 2 x %d layers x %d kv_heads x %s = %d B",
+            "KV cache: %d tokens (%d blocks x %d) in %.2f GiB; per token %s x %d layers x %d kv_heads x %s = %d B",
             kv.num_tokens,
             kv.num_blocks,
             kv.block_size,
             kv.num_tokens * per_token / 2**30,
+            what,
             layers,
             c.num_kv_heads,
             element,

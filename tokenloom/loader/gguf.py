@@ -157,7 +157,7 @@ _DEEPSEEK2_BLOCK_NAMES = _LLAMA_BLOCK_NAMES | {
     "exp_probs_b": "mlp.gate.e_score_correction_bias",
 }
 # block tensors that are parameters of their own in HF, not a module's weight or bias
-_BARE_PARAMETERS = ("attn_sinks", "attn_k_b", "attn_v_b", "exp_probs_b")
+_BARE_PARAMETERS = ("attn_sinks", "exp_probs_b")
 _GPT2_NAMES = {
     "token_embd.weight": "transformer.wte.weight",
     "position_embd.weight": "transformer.wpe.weight",

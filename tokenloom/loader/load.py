@@ -14,6 +14,7 @@ from tqdm import tqdm
 
 from tokenloom.distributed.pipeline import Pipeline, PipelineStage
 from tokenloom.distributed.shard import TensorParallelError, TensorShard
+from tokenloom.layers.grouped import GroupedLinear
 from tokenloom.loader.safetensors import CheckpointError, hf_eos_ids, iter_safetensors, read_json, safetensors_files
 from tokenloom.loader.weights import load_weights
 from tokenloom.memory import huge_pages
@@ -251,6 +252,9 @@ def load_model(
     format_of = _format_of(ckpt, quantization, saved, keep_blocks)
     local, stage = _this_ranks_share(config, shard, quantized_folder=saved is not None)
     model = build_model(local, parse_dtype(dtype), device, format_of, None if stage is None else stage.trim)
+    for module in model.modules():  # blocks as int8 codes where blocks are kept
+        if isinstance(module, GroupedLinear):
+            module.keep_blocks = keep_blocks
     release_free_memory()  # the tokenizer's and metadata's temporaries
     tensors = _share_of_tensors(ckpt, config, shard, keep_blocks, progress)
     if saved is not None:

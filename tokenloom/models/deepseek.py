@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from tokenloom.attention.backend import AttentionShape, StepAttention
+from tokenloom.layers.grouped import GroupedLinear
 from tokenloom.layers.norms import RMSNorm
 from tokenloom.layers.rope import interleaved_to_halves
 from tokenloom.models.config import MlaConfig, ModelConfig
@@ -64,8 +65,8 @@ class LatentAttention(nn.Module):
         # [k_pe, c] (checkpoint_rows puts the rope key first)
         self.kv_a_proj_with_mqa = nn.Linear(cfg.hidden_size, mla.latent_dim, bias=cfg.attention_bias)
         self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, 1e-6)
-        self.k_b = nn.Parameter(torch.empty(cfg.num_heads * mla.kv_lora_rank, mla.qk_nope_head_dim))
-        self.v_b = nn.Parameter(torch.empty(cfg.num_heads * mla.v_head_dim, mla.kv_lora_rank))
+        self.k_b = GroupedLinear(cfg.num_heads, mla.qk_nope_head_dim, mla.kv_lora_rank)  # per head: nope -> latent
+        self.v_b = GroupedLinear(cfg.num_heads, mla.kv_lora_rank, mla.v_head_dim)  # per head: latent -> value
         self.o_proj = nn.Linear(cfg.num_heads * mla.v_head_dim, cfg.hidden_size, bias=cfg.o_proj_bias)
 
     def queries(self, x: torch.Tensor) -> torch.Tensor:
@@ -83,14 +84,12 @@ class LatentAttention(nn.Module):
         q = self.queries(x)  # (T, H, rope + nope)
         kv = self.kv_a_proj_with_mqa.forward(x)  # (T, rope + rank)
         latent = self.kv_a_layernorm.forward(kv[:, rope:])  # (T, rank)
-        k_b = self.k_b.view(H, rank, mla.qk_nope_head_dim)
-        q_latent = torch.bmm(q[..., rope:].transpose(0, 1), k_b.transpose(1, 2))  # (H, T, rank)
-        qk = torch.cat([q[..., :rope], q_latent.transpose(0, 1)], dim=-1).view(T, H * mla.latent_dim)
+        q_latent = self.k_b(q[..., rope:])  # (T, H, rank)
+        qk = torch.cat([q[..., :rope], q_latent], dim=-1).view(T, H * mla.latent_dim)
         key = torch.cat([kv[:, :rope], latent], dim=-1)  # (T, rope + rank)
         out = attend(layer, torch.cat([qk, key], dim=1))  # (T, H rank)
-        v_b = self.v_b.view(H, mla.v_head_dim, rank)
-        values = torch.bmm(out.view(T, H, rank).transpose(0, 1), v_b.transpose(1, 2))  # (H, T, v_dim)
-        return self.o_proj.forward(values.transpose(0, 1).reshape(T, H * mla.v_head_dim))
+        values = self.v_b(out.view(T, H, rank))  # (T, H, v_dim)
+        return self.o_proj.forward(values.reshape(T, H * mla.v_head_dim))
 
 
 class DeepseekDecoderLayer(LlamaDecoderLayer):
@@ -120,7 +119,6 @@ class DeepseekForCausalLM(MoeForCausalLM):
         "up_proj": ("gate_up_proj", "up"),
         "shared_experts": ("shared_expert", None),
     }
-    ignored_checkpoint_keys = ()
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg)
@@ -166,8 +164,8 @@ class DeepseekForCausalLM(MoeForCausalLM):
             w = tensor.dequantize() if isinstance(tensor, GGMLTensor) else tensor
             heads = w.shape[0] // (mla.qk_nope_head_dim + mla.v_head_dim)
             k_b, v_b = w.view(heads, -1, w.shape[1]).split([mla.qk_nope_head_dim, mla.v_head_dim], dim=1)
-            yield f"{m.group(1)}.k_b", k_b.transpose(1, 2).reshape(-1, mla.qk_nope_head_dim)
-            yield f"{m.group(1)}.v_b", v_b.reshape(-1, w.shape[1])
+            yield f"{m.group(1)}.k_b.weight", k_b.transpose(1, 2).reshape(-1, mla.qk_nope_head_dim)
+            yield f"{m.group(1)}.v_b.weight", v_b.reshape(-1, w.shape[1])
 
 
 def _rope_first_rows(mla: MlaConfig, heads: int, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:

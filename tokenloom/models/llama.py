@@ -48,7 +48,7 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.self_attn = LlamaAttention(cfg)
+        self.self_attn: nn.Module = LlamaAttention(cfg)  # DeepSeek's is latent attention
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, cfg.hidden_act)
 

@@ -342,9 +342,11 @@ def use_panels(model: nn.Module) -> int:
 
 
 def quantized_targets(model: nn.Module) -> dict[str, QuantizedLinear | QuantizedEmbedding | GGMLLinear | GGMLEmbedding]:
-    """Checkpoint weight name ('<module>.weight') -> the quantized module that loads it."""
+    """Checkpoint weight name ('<module>.weight') -> the quantized module that loads it (and any
+    module that says it ``loads_own_weight``: layers/grouped.py)."""
     return {
         f"{name}.weight": mod
         for name, mod in model.named_modules()
         if isinstance(mod, (QuantizedLinear, QuantizedEmbedding, GGMLLinear, GGMLEmbedding))
+        or getattr(mod, "loads_own_weight", False)
     }
