@@ -17,7 +17,8 @@ against this op gets the fastest path the step allows:
   rope): the same arithmetic from separate ops: q/k norm, rope (fused on CPU float32),
   ``paged_attention`` below: the CPU kernels for the rows they take, torch SDPA
   (torch_sdpa.py) for the rest. Latent attention (DeepSeek's MLA: one shared key a token whose
-  tail is its value, ``AttentionShape.value_dim``) always runs here, on torch_sdpa.latent_attention.
+  tail is its value, ``AttentionShape.value_dim``) always runs here: decoding rows on its CPU
+  kernel (cpu_latent.py), the rest on torch_sdpa.latent_attention.
 
 The CPU two give the same bits where both run (tests/attention/test_attention_backends.py); the Triton
 path is checked against its torch references (tests/kernels/test_triton_kernels.py) and against
@@ -32,7 +33,7 @@ from typing import cast
 import torch
 from torch import nn
 
-from tokenloom.attention import cpu_decode, cpu_prefill, torch_sdpa
+from tokenloom.attention import cpu_decode, cpu_latent, cpu_prefill, torch_sdpa
 from tokenloom.attention.metadata import AttentionMetadata
 from tokenloom.kernels import triton as triton_kernels
 from tokenloom.layers.rope import apply_rope
@@ -137,9 +138,16 @@ class TorchAttention(StepAttention):
         if self.rope is not None:
             qk = apply_rope(qk, *self.rope)
         q, k = qk[:, : sh.num_heads], qk[:, sh.num_heads :]  # (T, heads, D), (T, 1, D)
-        keys = self.kv_cache.keys[layer]
-        torch_sdpa.write_cache(keys, k, self.meta.slot_mapping)
-        out = torch_sdpa.latent_attention(q, k, keys, self.meta, sh.scale, sh.value_dim, sh.window(layer))
+        keys, meta, window = self.kv_cache.keys[layer], self.meta, sh.window(layer)
+        torch_sdpa.write_cache(keys, k, meta.slot_mapping)
+        decoding = cpu_decode.decode_rows(meta) if cpu_latent.usable(q, keys, sh.value_dim) else []
+        if decoding and len(decoding) == meta.num_seqs:  # one query per sequence: q rows = sequences
+            return cpu_latent.attend(q, keys, meta, sh.scale, sh.value_dim, window).view(T, sh.out_size)
+        out = q.new_empty(T, sh.num_heads, sh.value_dim)
+        if decoding:
+            rows = [meta.query_start[i] for i in decoding]
+            out[rows] = cpu_latent.attend(q[rows], keys, meta, sh.scale, sh.value_dim, window)
+        torch_sdpa.latent_attention(q, k, keys, meta, sh.scale, sh.value_dim, window, frozenset(decoding), out)
         return out.reshape(T, sh.out_size)
 
 

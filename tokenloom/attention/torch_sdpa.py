@@ -253,17 +253,24 @@ def latent_attention(
     scale: float,
     value_dim: int,
     window: int | None = None,
+    skip: frozenset[int] = frozenset(),
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Latent attention (DeepSeek's MLA, absorbed): one cached key a token, shared by every head,
     whose last `value_dim` dims are its value. q (T, heads, D), k (T, 1, D) this step's keys
-    (already written: ``write_cache``), k_cache (num_blocks, block_size, 1, D) ->
-    (T, heads, value_dim). Scores q k^T * scale, causal (and windowed where `window`), softmax in
-    float32. A pure-decode batch is one padded call; otherwise one call per sequence."""
+    (already written: ``write_cache``), k_cache (num_blocks, block_size, 1, D) -> `out`
+    (T, heads, value_dim; new if None) with the rows of every sequence but those in `skip`.
+    Scores q k^T * scale, causal (and windowed where `window`), softmax in float32. A pure-decode
+    batch is one padded call; otherwise one call per sequence."""
     T, heads, _ = q.shape
-    if meta.num_seqs > 1 and max(meta.query_lens) == 1:
+    if not skip and meta.num_seqs > 1 and max(meta.query_lens) == 1:
         return _latent_decode_batch(q, k_cache, meta, scale, value_dim, window)
-    out = q.new_empty(T, heads, value_dim)
-    for start, q_len, ctx_len, table in zip(meta.query_start, meta.query_lens, meta.context_lens, meta.block_tables):
+    out = q.new_empty(T, heads, value_dim) if out is None else out
+    for i, (start, q_len, ctx_len, table) in enumerate(
+        zip(meta.query_start, meta.query_lens, meta.context_lens, meta.block_tables)
+    ):
+        if i in skip:
+            continue
         rows = slice(start, start + q_len)
         keys = k[rows, 0] if q_len == ctx_len else _gather(k_cache, table, ctx_len)[0]  # (ctx, D)
         out[rows] = _latent_sequence(q[rows], keys, scale, value_dim, _mask(q_len, ctx_len, window, q.device))

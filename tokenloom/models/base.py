@@ -85,7 +85,7 @@ class CausalLM(nn.Module):
     def _build_cpu_kernels(self) -> None:
         """Compile (or load from torch's cache) the CPU kernels this model's forward will call,
         so their one-time "compiling" messages come while loading, not inside streamed text."""
-        from tokenloom.attention import cpu_decode, cpu_prefill
+        from tokenloom.attention import cpu_decode, cpu_latent, cpu_prefill
         from tokenloom.layers import fused
         from tokenloom.quant import QuantizedLinear
         from tokenloom.quant.int8 import kernels
@@ -95,6 +95,8 @@ class CausalLM(nn.Module):
             fused.build()
             cpu_decode.build()
             cpu_prefill.ops()
+            if self.config.mla is not None:
+                cpu_latent.build()
         if any(isinstance(m, QuantizedLinear) for m in self.modules()):
             kernels.available()
 

@@ -128,11 +128,12 @@ class SparseMoeBlock(nn.Module):
 
     def _mix_one_token(self, x: torch.Tensor, weights: list[float], experts: list[int]) -> torch.Tensor:
         """The decode step's single token without the grouping ops (a fixed cost per layer): its experts
-        added in ascending order, as the grouped path (and transformers) adds them."""
+        added in ascending order, as the grouped path (and transformers) adds them; each expert's fresh
+        output scaled and added in place (one op, no temporary, per expert)."""
         out: torch.Tensor | None = None
         for expert, weight in sorted(zip(experts, weights)):
-            y = self.experts[expert].forward(x) * weight
-            out = y if out is None else out + y
+            y = self.experts[expert].forward(x)
+            out = y.mul_(weight) if out is None else out.add_(y, alpha=weight)
         assert out is not None  # top_k >= 1 experts
         return out
 
