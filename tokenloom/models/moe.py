@@ -73,11 +73,14 @@ def route(
         kept = torch.zeros_like(rank, dtype=torch.bool).scatter_(1, rank.topk(moe.topk_groups, dim=-1).indices, True)
         dropped = ~kept.repeat_interleave(moe.num_experts // moe.groups, dim=1)  # (T, E)
         choice = choice.masked_fill(dropped, float("-inf"))
-    experts = choice.topk(moe.top_k, dim=-1).indices
-    weights = scores.gather(1, experts)
+    if choice is scores:  # no bias, no groups: the top-k's values are the chosen weights
+        weights, experts = scores.topk(moe.top_k, dim=-1)
+    else:
+        experts = choice.topk(moe.top_k, dim=-1).indices
+        weights = scores.gather(1, experts)
     if moe.normalize_top_k:  # + 1e-20 (V3's guard) leaves a softmax top-k's sum (>= 1/E) as it is
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return weights * moe.routed_scaling, experts
+    return (weights * moe.routed_scaling if moe.routed_scaling != 1.0 else weights), experts
 
 
 class SparseMoeBlock(nn.Module):
@@ -104,7 +107,7 @@ class SparseMoeBlock(nn.Module):
             shared = self.shared_expert.forward(x)
             if self.shared_expert_gate is not None:
                 shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
-            out = out + shared
+            out.add_(shared)  # out: this call's own tensor
         return out
 
     def mix_experts(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
