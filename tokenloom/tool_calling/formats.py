@@ -14,6 +14,16 @@ A format is text around JSON call objects ``{"name": ..., "<args_key>": {...}}``
   syntax go into a system message tokenloom writes (tool_calling/prompt.py).
 - ``harmony`` (gpt-oss): calls are messages to ``functions.NAME`` in harmony's commentary channel,
   read by tool_calling/harmony.py rather than by this module's call syntax (its fields are unused).
+- ``deepseek_v3`` (DeepSeek-V3, V3-0324, R1): the name outside the arguments (``name_close``)::
+
+      <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME
+      ```json
+      {...}
+      ```<｜tool▁call▁end｜>
+      <｜tool▁call▁begin｜>...<｜tool▁call▁end｜><｜tool▁calls▁end｜>
+
+  Its template renders the calls and results of a conversation (arguments as their JSON text) but
+  not the tools: tokenloom lists them in a system message, in this syntax (messages.py).
 """
 
 from __future__ import annotations
@@ -42,15 +52,22 @@ class ToolFormat:
     args_key: str = "arguments"
     bare: bool = False  # a reply made only of call objects (no markers) is calls too
     renders_tools: bool = True  # False: tokenloom writes the tool prompt (the template does not)
+    # a call is `call_open NAME name_close {arguments} call_close`, not a call object (DeepSeek)
+    name_close: str = ""
+    lists_tools: bool = True  # False: the template renders calls and results, tokenloom lists the tools
+    arguments_text: bool = False  # the template takes a call's arguments as JSON text, not an object
+    specials: tuple[str, ...] = ()  # the special tokens within the format's texts, where several make one
 
     @property
     def markers(self) -> tuple[str, ...]:
         """The format's fixed texts that a vocabulary may hold as special tokens."""
+        if self.specials:
+            return tuple(sorted(self.specials))
         texts = (self.trigger, self.section_open, self.section_close, self.call_open, self.call_close)
         return tuple(sorted({t.strip() for t in texts if t.strip() and t.strip() != CALL_HEAD.strip()}))
 
     def __post_init__(self) -> None:
-        opening = self.section_open + self.call_open + CALL_HEAD
+        opening = self.section_open + self.call_open + ("" if self.name_close else CALL_HEAD)
         if not opening.startswith(self.trigger):
             raise ValueError(f"{self.name}: the trigger {self.trigger!r} must begin the calls {opening!r}")
 
@@ -72,7 +89,23 @@ GENERIC = ToolFormat(
 
 HARMONY = ToolFormat("harmony", trigger="")  # tool_calling/harmony.py reads its calls
 
-FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, GENERIC, HARMONY)}
+_DS_CALLS, _DS_CALL, _DS_SEP = "<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>"
+_DS_CALL_END, _DS_CALLS_END = "<｜tool▁call▁end｜>", "<｜tool▁calls▁end｜>"
+DEEPSEEK_V3 = ToolFormat(
+    "deepseek_v3",
+    trigger=_DS_CALLS,
+    section_open=_DS_CALLS,
+    section_close=_DS_CALLS_END,
+    call_open=f"{_DS_CALL}function{_DS_SEP}",
+    name_close="\n```json\n",
+    call_close=f"\n```{_DS_CALL_END}",
+    separator="\n",
+    lists_tools=False,
+    arguments_text=True,
+    specials=(_DS_CALLS, _DS_CALL, _DS_SEP, _DS_CALL_END, _DS_CALLS_END),
+)
+
+FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, GENERIC, HARMONY, DEEPSEEK_V3)}
 
 
 def detect_format(chat_template: str | None) -> ToolFormat:
@@ -81,6 +114,8 @@ def detect_format(chat_template: str | None) -> ToolFormat:
     source = chat_template or ""
     if "<|channel|>" in source:
         return HARMONY
+    if _DS_CALLS in source:  # renders calls, not tools
+        return DEEPSEEK_V3
     if "tools" not in source:
         return GENERIC
     if "<tool_call>" in source:

@@ -119,15 +119,22 @@ def _call_rules(tools: list[dict[str, Any]], fmt: ToolFormat, parallel: bool, sp
     """HEAD, ARGS, CLOSE: a call object's fixed parts, in any spacing (models pretty-print calls);
     named: what follows HEAD in a call to one of the tools; call, one (with its markers), more (the
     calls after the first), calls (the whole section)."""
-    rules = [
-        f"HEAD: /{CALL_HEAD_PATTERN}/",
-        f'ARGS: /"{CALL_WS},{CALL_WS}"{fmt.args_key}"{CALL_WS}:{CALL_WS}/',
-        f"CLOSE: /{CALL_WS}\\}}/",
-    ]
-    for i, tool in enumerate(tools):  # {"name": "NAME", "<args_key>": <schema>}
-        rules.append(_rule(f"named_{i}", _lit(tool["name"]), "ARGS", "%json", _schema(tool["parameters"]), "CLOSE"))
+    if fmt.name_close:  # NAME name_close <schema> (DeepSeek): no call object, no HEAD
+        rules = []
+        for i, tool in enumerate(tools):
+            rules.append(
+                _rule(f"named_{i}", _lit(tool["name"] + fmt.name_close, special), "%json", _schema(tool["parameters"]))
+            )
+    else:
+        rules = [
+            f"HEAD: /{CALL_HEAD_PATTERN}/",
+            f'ARGS: /"{CALL_WS},{CALL_WS}"{fmt.args_key}"{CALL_WS}:{CALL_WS}/',
+            f"CLOSE: /{CALL_WS}\\}}/",
+        ]
+        for i, tool in enumerate(tools):  # {"name": "NAME", "<args_key>": <schema>}
+            rules.append(_rule(f"named_{i}", _lit(tool["name"]), "ARGS", "%json", _schema(tool["parameters"]), "CLOSE"))
     rules.append(_rule("named", " | ".join(f"named_{i}" for i in range(len(tools)))))
-    rules.append(_rule("call", "HEAD", "named"))
+    rules.append(_rule("call", "" if fmt.name_close else "HEAD", "named"))
     rules.append(_rule("one", _lit(fmt.call_open, special), "call", _lit(fmt.call_close, special)))
     rules.append(_rule("more", f"({_seq(_lit(fmt.separator), 'one')})*") if parallel else 'more: ""')
     rules.append(_rule("calls", _lit(fmt.section_open, special), "one more", _lit(fmt.section_close, special)))
@@ -167,7 +174,9 @@ def _auto_rules(fmt: ToolFormat, parallel: bool, special: frozenset[str]) -> lis
     else:
         trigger, rest = (
             _lit(fmt.trigger, special),
-            _seq(_lit((fmt.section_open + fmt.call_open)[len(fmt.trigger) :], special), "HEAD"),
+            _seq(
+                _lit((fmt.section_open + fmt.call_open)[len(fmt.trigger) :], special), "" if fmt.name_close else "HEAD"
+            ),
         )
     opened = "opened" if fmt.trigger in special else "opened[lazy]"  # a special token ends TEXT by itself
     rules += [

@@ -5,7 +5,9 @@ an assistant's calls with ``arguments`` as JSON text, and results as ``role: "to
 Templates that render tools (Qwen's, Llama's, Mistral's) take the tools as they are and a call's
 arguments as an object (they apply ``tojson`` themselves). For a template that does not (the
 ``generic`` format), the tools and the call syntax go into the system message, calls become the
-assistant's text and results a user turn, in the hermes syntax the parser reads back.
+assistant's text and results a user turn, in the hermes syntax the parser reads back. DeepSeek-V3's
+template renders calls (their arguments as JSON text, which it concatenates) and results but not
+the tools: those are listed in a system message, with its call syntax (``listed_tools_prompt``).
 """
 
 from __future__ import annotations
@@ -69,11 +71,45 @@ def template_messages(
         m = dict(m)
         if m.get("tool_calls"):
             m["tool_calls"] = [
-                {**c, "function": {**c["function"], "arguments": _arguments_object(c["function"]["arguments"])}}
+                {**c, "function": {**c["function"], "arguments": _template_arguments(c["function"]["arguments"], fmt)}}
                 for c in m["tool_calls"]
             ]
         out.append(m)
+    if functions and not fmt.lists_tools:
+        out = _with_system_text(out, listed_tools_prompt(functions, fmt))
     return out
+
+
+def _template_arguments(arguments: Any, fmt: ToolFormat) -> Any:
+    """A call's arguments as `fmt`'s template takes them: JSON text (DeepSeek's concatenates it), or an object."""
+    if fmt.arguments_text:
+        return arguments if isinstance(arguments, str) else json.dumps(arguments)
+    return _arguments_object(arguments)
+
+
+def _with_system_text(messages: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:
+    """`messages` with `text` after the system message's (a new first system message if none)."""
+    out = list(messages)
+    if out and out[0]["role"] == "system":
+        out[0] = {**out[0], "content": f"{out[0].get('content') or ''}\n\n{text}"}
+    else:
+        out.insert(0, {"role": "system", "content": text})
+    return out
+
+
+def listed_tools_prompt(functions: list[dict[str, Any]], fmt: ToolFormat) -> str:
+    """The system text that lists `functions` for a template that renders calls but not tools
+    (DeepSeek-V3's), with the format's own call syntax as the example."""
+    listed = "\n\n".join(
+        f"### {f['name']}\nDescription: {f.get('description') or ''}\n\nParameters: {json.dumps(f['parameters'])}"
+        for f in functions
+    )
+    example = fmt.call_open + "tool_name" + fmt.name_close + '{"argument": "value"}' + fmt.call_close
+    return (
+        f"## Tools\nYou have access to the following tools:\n\n{listed}\n\n"
+        "IMPORTANT: ALWAYS adhere to this exact format for tool use, one call a line:\n"
+        f"{fmt.section_open}{example}{fmt.separator}...{fmt.section_close}"
+    )
 
 
 def _call_text(call: dict[str, Any]) -> str:
@@ -99,11 +135,7 @@ def _generic_messages(messages: list[dict[str, Any]], functions: list[dict[str, 
     for m in out:
         m.pop("tool_results", None)
     if functions:
-        prompt = generic_tool_prompt(functions)
-        if out and out[0]["role"] == "system":
-            out[0] = {"role": "system", "content": f"{out[0]['content']}\n\n{prompt}"}
-        else:
-            out.insert(0, {"role": "system", "content": prompt})
+        out = _with_system_text(out, generic_tool_prompt(functions))
     return out
 
 

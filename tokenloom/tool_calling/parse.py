@@ -172,6 +172,33 @@ def _scan_object(text: str, pos: int, call: PartialCall) -> tuple[int, bool | No
             i += 1
 
 
+_NAME = re.compile(r"[A-Za-z0-9_.\-]+")
+
+
+def _scan_named(text: str, pos: int, call: PartialCall, name_close: str) -> tuple[int, bool | None]:
+    """Read `NAME name_close {arguments}` at `pos` into `call` (DeepSeek's calls): (end, True) when
+    the arguments closed as an object, (pos, None) while incomplete, (pos, False) when not a call."""
+    marker = name_close.strip()
+    end = text.find(marker, pos)
+    if end < 0:  # the name (or the marker after it) is still being written
+        rest = text[pos:].strip()
+        return pos, None if len(rest) <= 256 and not re.search(r"\s\S*\s", rest) else False
+    name = text[pos:end].strip()
+    if not _NAME.fullmatch(name):
+        return pos, False
+    call.name = name
+    i = _skip_ws(text, end + len(marker))
+    if i == len(text):
+        return pos, None
+    if text[i] != "{":
+        return pos, False
+    args_end = _value_end(text, i)
+    call.arguments = text[i : len(text) if args_end is None else args_end]  # grows while it streams
+    if args_end is None:
+        return pos, None
+    return (args_end, True) if _valid_arguments(call.arguments) else (pos, False)
+
+
 def _valid_arguments(arguments: str) -> bool:
     try:
         return isinstance(json.loads(arguments), dict)
@@ -244,7 +271,7 @@ def scan(text: str, fmt: ToolFormat) -> Scan:
         result.calls.append(call)
         i, ok = _expect(text, i, opening)
         if ok:
-            i, ok = _scan_object(text, i, call)
+            i, ok = _scan_named(text, i, call, fmt.name_close) if fmt.name_close else _scan_object(text, i, call)
         if ok:
             i, ok = _expect(text, i, closing)
         if not ok:

@@ -407,7 +407,8 @@ def _add_serve(sub) -> None:
         default="auto",
         choices=["auto", *FORMATS],
         help="how replies write tool calls (default: read from the chat template; generic: "
-        "tokenloom offers the tools in a system message of its own; harmony: gpt-oss)",
+        "tokenloom offers the tools in a system message of its own; harmony: gpt-oss; deepseek_v3: "
+        "DeepSeek-V3/R1)",
     )
     serve.add_argument(
         "--reasoning-parser",
