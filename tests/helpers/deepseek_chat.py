@@ -5,11 +5,9 @@ syntax with the arguments' JSON text, results as tool outputs; the tools themsel
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
-from tokenizers import AddedToken, Tokenizer
+from tests.helpers.chat_model import marked_chat_model
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 MARKERS = (
@@ -65,13 +63,4 @@ TEMPLATE = (
 
 def deepseek_chat_model(folder: Path, out: Path) -> Path:
     """`folder` (the tiny deepseek_v3 model) copied to `out` as a DeepSeek-V3 chat model."""
-    shutil.copytree(folder, out)
-    config = json.loads((out / "config.json").read_text()) | {"max_position_embeddings": 1024}  # room for the tools
-    (out / "config.json").write_text(json.dumps(config))
-    tk = Tokenizer.from_file(str(out / "tokenizer.json"))
-    tk.add_special_tokens([AddedToken(m, special=True) for m in MARKERS])
-    tk.save(str(out / "tokenizer.json"))
-    (out / "chat_template.jinja").write_text(TEMPLATE)
-    (out / "tokenizer_config.json").write_text(json.dumps({"bos_token": BOS, "eos_token": EOS}))
-    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": [tk.token_to_id(EOS)]}))
-    return out
+    return marked_chat_model(folder, out, MARKERS, TEMPLATE, (EOS,), {"bos_token": BOS, "eos_token": EOS})

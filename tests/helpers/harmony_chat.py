@@ -6,12 +6,9 @@ generation prompt opening an assistant message)."""
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
-from tokenizers import AddedToken, Tokenizer
-
+from tests.helpers.chat_model import marked_chat_model
 from tokenloom.tool_calling.harmony import MARKERS
 
 TEMPLATE = """<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.
@@ -57,13 +54,4 @@ type {{ t.function.name }} = (_: {{ t.function.parameters | tojson }}) => any;
 
 def harmony_model(folder: Path, out: Path) -> Path:
     """`folder` (the tiny gpt_oss model) copied to `out` as a harmony chat model."""
-    shutil.copytree(folder, out)
-    config = json.loads((out / "config.json").read_text()) | {"max_position_embeddings": 1024}  # room for the tools
-    (out / "config.json").write_text(json.dumps(config))
-    tk = Tokenizer.from_file(str(out / "tokenizer.json"))
-    tk.add_special_tokens([AddedToken(m, special=True) for m in MARKERS])
-    tk.save(str(out / "tokenizer.json"))
-    (out / "chat_template.jinja").write_text(TEMPLATE)
-    ends = [tk.token_to_id("<|return|>"), tk.token_to_id("<|call|>")]
-    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": ends}))
-    return out
+    return marked_chat_model(folder, out, MARKERS, TEMPLATE, ("<|return|>", "<|call|>"))

@@ -15,15 +15,12 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from tests.helpers.gguf_writer import write_gguf
+from tests.helpers.invariance import check_prefix_hits_and_preemption
 from tokenloom import LLM, SamplingParams
 from tokenloom.kv_cache.paged import kv_bytes_per_token
 
 PROMPTS = [[5, 17, 42, 99, 7, 3, 250, 64, 12, 77, 31], [200, 1, 2, 3], [8] * 20]
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
-
-
-def chosen_logprobs(output) -> list[float]:
-    return [lp[t] for lp, t in zip(output.logprobs, output.token_ids)]
 
 
 def test_the_cache_holds_one_latent_a_token_and_reads_values_from_it(tiny_model_dir):
@@ -42,25 +39,8 @@ def test_the_cache_holds_one_latent_a_token_and_reads_values_from_it(tiny_model_
 
 @pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v2"])
 def test_prefix_hits_and_preemption_do_not_change_a_reply(name, tiny_model_dir):
-    folder = str(tiny_model_dir(name))
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=0)
-    shared = [7, 19, 23, 5, 88, 140, 3, 61] * 5  # 40 tokens: two whole blocks of 16
-    prompts = [shared + [200, 9], shared + [31, 4, 77], [5, 17, 42, 99] * 5, [8] * 21]
-    plain = LLM(folder, kv_cache_memory=16 << 20, enable_prefix_caching=False).generate(prompts, params)
-
-    cached = LLM(folder, kv_cache_memory=16 << 20)
-    cached.generate(prompts[:1], params)
-    hit = cached.generate(prompts[1:2], params)[0]
-    assert hit.outputs[0].metrics.num_cached_prompt_tokens == 32
-    assert hit.outputs[0].token_ids == plain[1].outputs[0].token_ids
-
     block_bytes = 16 * 3 * 48 * 4  # positions x layers x latent x float32
-    cramped_llm = LLM(folder, kv_cache_memory=10 * block_bytes, enable_prefix_caching=False)
-    cramped = cramped_llm.generate(prompts, params)  # each needs 4 blocks at the end: 16 > 10
-    assert cramped_llm.engine.stats().num_preemptions > 0
-    for a, b in zip(cramped, plain):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        assert chosen_logprobs(a.outputs[0]) == pytest.approx(chosen_logprobs(b.outputs[0]), abs=1e-5)
+    check_prefix_hits_and_preemption(str(tiny_model_dir(name)), block_bytes)
 
 
 def test_a_multi_token_prediction_layer_is_skipped_and_said(tiny_model_dir, tmp_path, caplog):

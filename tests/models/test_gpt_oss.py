@@ -13,6 +13,7 @@ transformers = pytest.importorskip("transformers")
 
 from tests.helpers.gguf_writer import write_gguf
 from tests.helpers.hf_reference import hf_greedy, load_hf_reference
+from tests.helpers.invariance import check_prefix_hits_and_preemption
 from tests.helpers.mxfp4_folder import write_mxfp4_folder
 from tokenloom import LLM, SamplingParams
 from tokenloom.quant.gguf.mxfp4 import MXFP4
@@ -76,27 +77,8 @@ def test_prefix_hits_and_preemption_do_not_change_a_reply(tiny_model_dir):
     """The invariance suite's two scheduling cases on gpt-oss (sinks, a 6-position window): a
     prompt whose first blocks come from the prefix cache, and requests preempted for lack of
     blocks, give the tokens and logprobs of the plain run."""
-    folder = str(tiny_model_dir("gpt_oss"))
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=0)
-    shared = [7, 19, 23, 5, 88, 140, 3, 61] * 5  # 40 tokens: two whole blocks of 16
-    prompts = [shared + [200, 9], shared + [31, 4, 77], [5, 17, 42, 99] * 5, [8] * 21]
-    plain = LLM(folder, kv_cache_memory=16 << 20, enable_prefix_caching=False).generate(prompts, params)
-
-    cached = LLM(folder, kv_cache_memory=16 << 20)
-    cached.generate(prompts[:1], params)
-    hit = cached.generate(prompts[1:2], params)[0]
-    assert hit.outputs[0].metrics.num_cached_prompt_tokens == 32
-    assert hit.outputs[0].token_ids == plain[1].outputs[0].token_ids
-
     block_bytes = 16 * 2 * 2 * 2 * 16 * 4  # positions x layers x (k, v) x kv heads x head_dim x float32
-    cramped_llm = LLM(folder, kv_cache_memory=10 * block_bytes, enable_prefix_caching=False)
-    cramped = cramped_llm.generate(prompts, params)  # each needs 4 blocks at the end: 16 > 10
-    assert cramped_llm.engine.stats().num_preemptions > 0
-    for a, b in zip(cramped, plain):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        got = [lp[t] for lp, t in zip(a.outputs[0].logprobs, a.outputs[0].token_ids)]
-        want = [lp[t] for lp, t in zip(b.outputs[0].logprobs, b.outputs[0].token_ids)]
-        assert got == pytest.approx(want, abs=1e-5)
+    check_prefix_hits_and_preemption(str(tiny_model_dir("gpt_oss")), block_bytes)
 
 
 def test_a_gguf_as_released_splits_like_o200k_and_ends_at_call_and_return(tiny_model_dir, tmp_path):

@@ -12,19 +12,12 @@ import jsonschema
 import openai
 import pytest
 
+from tests.helpers.chat_model import ASK_FORECAST, FORECAST_SCHEMA, FORECAST_TOOLS
 from tests.helpers.harmony_chat import harmony_model
 from tests.helpers.server_harness import ThreadedServer
 from tokenloom.entrypoints.server.chat_tools import ChatFeatures, make_turn
 
-SCHEMA = {
-    "type": "object",
-    # short values: a random model fills a free string or number up to max_tokens
-    "properties": {"city": {"enum": ["Paris", "Tokyo"]}, "days": {"type": "integer", "minimum": 1, "maximum": 9}},
-    "required": ["city", "days"],
-    "additionalProperties": False,
-}
-TOOLS = [{"type": "function", "function": {"name": "forecast", "description": "Weather", "parameters": SCHEMA}}]
-ASK = [{"role": "user", "content": "Weather in Paris for 3 days?"}]
+SCHEMA, TOOLS, ASK = FORECAST_SCHEMA, FORECAST_TOOLS, ASK_FORECAST
 
 
 @pytest.fixture(scope="module")

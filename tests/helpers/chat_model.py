@@ -1,0 +1,42 @@
+"""A tiny random model made a chat model of some family: its markers added to the tiny tokenizer as
+special tokens (the tiny vocabulary leaves room for them), its chat template and end tokens; and a
+tool a random model can call validly (short enum and integer arguments)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from tokenizers import AddedToken, Tokenizer
+
+# a random model fills a free string or number up to max_tokens: short values only
+FORECAST_SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"enum": ["Paris", "Tokyo"]}, "days": {"type": "integer", "minimum": 1, "maximum": 9}},
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+FORECAST_TOOLS = [
+    {"type": "function", "function": {"name": "forecast", "description": "Weather", "parameters": FORECAST_SCHEMA}}
+]
+ASK_FORECAST = [{"role": "user", "content": "Weather in Paris for 3 days?"}]
+
+
+def marked_chat_model(
+    folder: Path, out: Path, markers: tuple[str, ...], template: str, ends: tuple[str, ...], tokens: dict | None = None
+) -> Path:
+    """`folder` copied to `out` with `markers` as special tokens, `template` as its chat template,
+    the `ends` markers as its end tokens, `tokens` (e.g. bos_token) in tokenizer_config.json, and
+    room for a prompt that lists tools (1024 positions)."""
+    shutil.copytree(folder, out)
+    config = json.loads((out / "config.json").read_text()) | {"max_position_embeddings": 1024}
+    (out / "config.json").write_text(json.dumps(config))
+    tk = Tokenizer.from_file(str(out / "tokenizer.json"))
+    tk.add_special_tokens([AddedToken(m, special=True) for m in markers])
+    tk.save(str(out / "tokenizer.json"))
+    (out / "chat_template.jinja").write_text(template)
+    if tokens:
+        (out / "tokenizer_config.json").write_text(json.dumps(tokens))
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": [tk.token_to_id(e) for e in ends]}))
+    return out
