@@ -306,6 +306,19 @@ TINY_CONFIGS = {
             rope_parameters=_DEEPSEEK_YARN,
         ),
     ),
+    # Granite's four multipliers, each away from its neutral value (and the softmax scale from its own)
+    "granite": (
+        "GraniteConfig",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            embedding_multiplier=12.0,
+            residual_multiplier=0.22,
+            attention_multiplier=0.15,
+            logits_scaling=8.0,
+            tie_word_embeddings=True,
+        ),
+    ),
     # V2-Lite's layout: queries without a bottleneck, softmax routing over groups, not renormalized
     "deepseek_v2": (
         "DeepseekV2Config",

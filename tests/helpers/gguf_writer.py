@@ -36,6 +36,7 @@ GGUF_ARCH = {
     "Glm4ForCausalLM": "glm4",
     "Cohere2ForCausalLM": "cohere2",
     "GptOssForCausalLM": "gpt-oss",
+    "GraniteForCausalLM": "granite",
     "DeepseekV2ForCausalLM": "deepseek2",
     "DeepseekV3ForCausalLM": "deepseek2",
 }
@@ -226,6 +227,11 @@ def _write_metadata(w: gguf.GGUFWriter, arch: str, cfg: dict) -> None:
         w.add_float32("olmo2.rope.freq_base_swa", cfg["rope_parameters"]["sliding_attention"]["rope_theta"])
     if arch == "phi3":
         w.add_uint32("phi3.attention.sliding_window", cfg.get("sliding_window") or 0)
+    if arch == "granite":  # conversion/granite.py: the multipliers as *_scale
+        w.add_float32("granite.attention.scale", cfg["attention_multiplier"])
+        w.add_float32("granite.embedding_scale", cfg["embedding_multiplier"])
+        w.add_float32("granite.residual_scale", cfg["residual_multiplier"])
+        w.add_float32("granite.logit_scale", cfg["logits_scaling"])
     if rope.get("rope_type") == "yarn":  # TextModel.set_gguf_parameters
         w.add_string(f"{arch}.rope.scaling.type", "yarn")
         w.add_float32(f"{arch}.rope.scaling.factor", rope["factor"])
@@ -325,7 +331,7 @@ def _gguf_tensors(state: dict[str, torch.Tensor], arch: str, cfg: dict, stack_ex
             stacks.setdefault((int(m.group(1)), _EXPERT_KIND[m.group(3)]), {})[int(m.group(2))] = tensor
         else:
             layer, sub, kind = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", name).groups()
-            if arch in ("llama", "smollm3") and sub in ("self_attn.q_proj", "self_attn.k_proj"):
+            if arch in ("llama", "smollm3", "granite") and sub in ("self_attn.q_proj", "self_attn.k_proj"):
                 tensor = llama_cpp_permute(tensor, heads if sub.endswith("q_proj") else kv_heads)
             if sub == "mlp.shared_expert_gate":
                 tensor = tensor.reshape(-1)

@@ -39,6 +39,7 @@ FAMILIES = [
     "gpt_oss",
     "deepseek_v3",
     "deepseek_v2",
+    "granite",
     "stablelm",
     "stablelm_parallel",
 ]

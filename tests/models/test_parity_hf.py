@@ -51,6 +51,7 @@ def test_greedy_tokens_and_logprobs_match_hf(arch, tiny_model_dir):
         "stablelm",
         "gpt_oss",
         "deepseek_v3",
+        "granite",
     ],
 )
 def test_batched_equals_one_at_a_time(arch, tiny_model_dir):

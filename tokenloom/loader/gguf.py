@@ -76,6 +76,7 @@ _ARCHITECTURES = {
     "olmoe": "OlmoeForCausalLM",
     "gpt-oss": "GptOssForCausalLM",
     "deepseek2": "DeepseekV2ForCausalLM",  # V3 where its experts are scored by sigmoid (hf_config)
+    "granite": "GraniteForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
     "stablelm": "StableLmForCausalLM",
     "phi3": "Phi3ForCausalLM",
@@ -84,7 +85,7 @@ _ARCHITECTURES = {
     "gpt2": "GPT2LMHeadModel",
 }
 # llama.cpp's converter interleaves q/k rows of these (LlamaModel.permute): undone on load
-_PERMUTED_QK = ("llama", "smollm3")
+_PERMUTED_QK = ("llama", "smollm3", "granite")
 # llama.cpp renormalizes the chosen experts' weights for these (build_moe_ffn's norm_w)
 _NORMALIZED_TOP_K = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False, "gpt-oss": True}
 _GATING_SIGMOID = 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID (1: softmax, the default)
@@ -328,6 +329,13 @@ class GGUFFile:
             cfg |= self._gpt_oss_fields(cfg)
         if self.arch == "deepseek2":
             return cfg | self._deepseek2_fields(cfg)
+        if self.arch == "granite":  # conversion/granite.py's *_scale keys; logit_scale divides the logits
+            cfg |= {
+                "embedding_multiplier": self.arch_field("embedding_scale", 1.0),
+                "residual_multiplier": self.arch_field("residual_scale", 1.0),
+                "attention_multiplier": self.arch_field("attention.scale", 1.0),
+                "logits_scaling": self.arch_field("logit_scale", 1.0),
+            }
         if self.arch_field("expert_count", 0):
             cfg |= self._moe_fields(cfg)
         return cfg

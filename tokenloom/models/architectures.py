@@ -34,6 +34,7 @@ ARCHITECTURES: dict[str, Architecture] = {
         Architecture("GptOssForCausalLM", "gpt_oss", "tokenloom.models.gpt_oss", "GptOssForCausalLM"),
         Architecture("DeepseekV2ForCausalLM", "deepseek_v2", "tokenloom.models.deepseek", "DeepseekForCausalLM"),
         Architecture("DeepseekV3ForCausalLM", "deepseek_v3", "tokenloom.models.deepseek", "DeepseekForCausalLM"),
+        Architecture("GraniteForCausalLM", "granite", "tokenloom.models.granite", "GraniteForCausalLM"),
         Architecture("Olmo2ForCausalLM", "olmo2", "tokenloom.models.olmo2", "Olmo2ForCausalLM"),
         Architecture("Olmo3ForCausalLM", "olmo3", "tokenloom.models.olmo2", "Olmo2ForCausalLM"),
         Architecture("Glm4ForCausalLM", "glm4", "tokenloom.models.glm4", "Glm4ForCausalLM"),

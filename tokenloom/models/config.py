@@ -171,7 +171,12 @@ class ModelConfig:
     # rope turns pairs (2i, 2i + 1) of each head, not (i, i + d/2) (GLM-4, Cohere 2): the q/k rows
     # are read re-ordered at load (LlamaForCausalLM.checkpoint_rows), the same scores
     rope_interleaved: bool = False
-    logit_scale: float = 1.0  # logits times this (Cohere 2)
+    logit_scale: float = 1.0  # logits times this (Cohere 2; Granite: 1 / logits_scaling)
+    # Granite's multipliers (models/granite.py): embeddings times embedding_multiplier, each sublayer's
+    # output times residual_multiplier, the attention softmax scaled by attention_multiplier itself
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
     attention_sinks: bool = False  # a learned sink logit per head in each softmax (gpt-oss)
     parallel_residual: bool = False  # x + attn(ln(x)) + mlp(ln(x)) (StableLM's option)
     # multi-head latent attention (DeepSeek-V2/V3): the cache holds one key a token, of
@@ -543,6 +548,17 @@ def _deepseek_moe(hf: dict[str, Any], arch: str) -> MoeConfig | None:
     )
 
 
+def _granite_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """Granite (transformers' GraniteConfig defaults): its four multipliers, the logits' divisor kept
+    as its reciprocal (ModelConfig.logit_scale)."""
+    return dict(
+        embedding_multiplier=float(hf.get("embedding_multiplier", 1.0)),
+        residual_multiplier=float(hf.get("residual_multiplier", 1.0)),
+        attention_multiplier=float(hf.get("attention_multiplier", 1.0)),
+        logit_scale=1.0 / float(hf.get("logits_scaling", 1.0)),
+    )
+
+
 def _stablelm_fields(hf: dict[str, Any]) -> dict[str, Any]:
     """StableLM (transformers' StableLmConfig defaults): LayerNorm epsilon, q/k/v bias and per-head
     q/k LayerNorm by their own names, a quarter of each head rotated, optional parallel residual."""
@@ -568,10 +584,12 @@ _FAMILY_FIELDS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "GptOssForCausalLM": _gpt_oss_fields,
     "DeepseekV2ForCausalLM": _deepseek_fields,
     "DeepseekV3ForCausalLM": _deepseek_fields,
+    "GraniteForCausalLM": _granite_fields,
 }
 
 # fields an architecture implements among those _refuse_unimplemented checks
 _IMPLEMENTED = {
+    "GraniteForCausalLM": ("logits_scaling", "embedding_multiplier", "residual_multiplier", "attention_multiplier"),
     "Gemma3ForCausalLM": ("query_pre_attn_scalar", "final_logit_softcapping"),
     "Gemma2ForCausalLM": ("query_pre_attn_scalar", "final_logit_softcapping", "attn_logit_softcapping"),
 }
