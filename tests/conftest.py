@@ -319,6 +319,22 @@ TINY_CONFIGS = {
             tie_word_embeddings=True,
         ),
     ),
+    # Granite's multipliers around JetMoE's stacked experts (top-2 of 4), with a shared MLP beside them
+    "granitemoe_shared": (
+        "GraniteMoeSharedConfig",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=32,
+            shared_intermediate_size=48,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            embedding_multiplier=12.0,
+            residual_multiplier=0.22,
+            attention_multiplier=0.15,
+            logits_scaling=8.0,
+        ),
+    ),
     # V2-Lite's layout: queries without a bottleneck, softmax routing over groups, not renormalized
     "deepseek_v2": (
         "DeepseekV2Config",

@@ -37,6 +37,8 @@ GGUF_ARCH = {
     "Cohere2ForCausalLM": "cohere2",
     "GptOssForCausalLM": "gpt-oss",
     "GraniteForCausalLM": "granite",
+    "GraniteMoeForCausalLM": "granitemoe",
+    "GraniteMoeSharedForCausalLM": "granitemoe",
     "DeepseekV2ForCausalLM": "deepseek2",
     "DeepseekV3ForCausalLM": "deepseek2",
 }
@@ -86,6 +88,10 @@ _DEEPSEEK2_BLOCK = _BLOCK | {
     "mlp.shared_experts.up_proj": "ffn_up_shexp",
     "mlp.shared_experts.down_proj": "ffn_down_shexp",
 }
+# Granite MoE's JetMoE experts: input_linear (experts, gate rows then up rows, hidden), output_linear
+_JETMOE = re.compile(
+    r"model\.layers\.(\d+)\.(block_sparse_moe|shared_mlp)\.(input_linear|output_linear|router\.layer)\.weight"
+)
 # gpt-oss's stacked experts: (experts, in, out) matrices with gate and up interleaved by column
 _GPT_OSS_EXPERTS = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?")
 _EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
@@ -200,8 +206,9 @@ def _write_metadata(w: gguf.GGUFWriter, arch: str, cfg: dict) -> None:
         if arch == "gpt-oss":  # conversion/gpt_oss.py: each expert's size is the MLP's
             ints["expert_feed_forward_length"] = cfg["intermediate_size"]
             ints["attention.sliding_window"] = cfg["sliding_window"]
-        if cfg.get("shared_expert_intermediate_size"):
-            ints["expert_shared_feed_forward_length"] = cfg["shared_expert_intermediate_size"]
+        shared = cfg.get("shared_expert_intermediate_size") or cfg.get("shared_intermediate_size")
+        if shared:
+            ints["expert_shared_feed_forward_length"] = shared
     if arch == "deepseek2":  # its own sizes (below)
         ints = {k: v for k, v in ints.items() if not k.startswith("attention.") or k == "attention.head_count"}
     for key, value in ints.items():
@@ -227,11 +234,11 @@ def _write_metadata(w: gguf.GGUFWriter, arch: str, cfg: dict) -> None:
         w.add_float32("olmo2.rope.freq_base_swa", cfg["rope_parameters"]["sliding_attention"]["rope_theta"])
     if arch == "phi3":
         w.add_uint32("phi3.attention.sliding_window", cfg.get("sliding_window") or 0)
-    if arch == "granite":  # conversion/granite.py: the multipliers as *_scale
-        w.add_float32("granite.attention.scale", cfg["attention_multiplier"])
-        w.add_float32("granite.embedding_scale", cfg["embedding_multiplier"])
-        w.add_float32("granite.residual_scale", cfg["residual_multiplier"])
-        w.add_float32("granite.logit_scale", cfg["logits_scaling"])
+    if arch in ("granite", "granitemoe"):  # conversion/granite.py: the multipliers as *_scale
+        w.add_float32(f"{arch}.attention.scale", cfg["attention_multiplier"])
+        w.add_float32(f"{arch}.embedding_scale", cfg["embedding_multiplier"])
+        w.add_float32(f"{arch}.residual_scale", cfg["residual_multiplier"])
+        w.add_float32(f"{arch}.logit_scale", cfg["logits_scaling"])
     if rope.get("rope_type") == "yarn":  # TextModel.set_gguf_parameters
         w.add_string(f"{arch}.rope.scaling.type", "yarn")
         w.add_float32(f"{arch}.rope.scaling.factor", rope["factor"])
@@ -319,6 +326,8 @@ def _gguf_tensors(state: dict[str, torch.Tensor], arch: str, cfg: dict, stack_ex
             head_norms.setdefault((int(m.group(1)), m.group(2)), {})[int(m.group(3))] = tensor
         elif m := _GPT_OSS_EXPERTS.fullmatch(name):
             yield from _gpt_oss_experts(int(m.group(1)), m.group(2), tensor, bias=bool(m.group(3)))
+        elif m := _JETMOE.fullmatch(name):
+            yield from _jetmoe_tensors(int(m.group(1)), m.group(2), m.group(3), tensor)
         elif m := re.fullmatch(r"model\.layers\.(\d+)\.mlp\.gate\.e_score_correction_bias", name):
             yield f"blk.{m.group(1)}.exp_probs_b.bias", tensor
         elif split_kv_b and (m := re.fullmatch(r"model\.layers\.(\d+)\.self_attn\.kv_b_proj\.weight", name)):
@@ -331,7 +340,10 @@ def _gguf_tensors(state: dict[str, torch.Tensor], arch: str, cfg: dict, stack_ex
             stacks.setdefault((int(m.group(1)), _EXPERT_KIND[m.group(3)]), {})[int(m.group(2))] = tensor
         else:
             layer, sub, kind = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", name).groups()
-            if arch in ("llama", "smollm3", "granite") and sub in ("self_attn.q_proj", "self_attn.k_proj"):
+            if arch in ("llama", "smollm3", "granite", "granitemoe") and sub in (
+                "self_attn.q_proj",
+                "self_attn.k_proj",
+            ):
                 tensor = llama_cpp_permute(tensor, heads if sub.endswith("q_proj") else kv_heads)
             if sub == "mlp.shared_expert_gate":
                 tensor = tensor.reshape(-1)
@@ -368,3 +380,18 @@ def _deepseek_kv_b(layer: int, tensor: torch.Tensor, cfg: dict):
     k_b, v_b = torch.split(kv_b, [nope, v_dim], dim=1)
     yield f"blk.{layer}.attn_k_b.weight", k_b.transpose(1, 2).contiguous()
     yield f"blk.{layer}.attn_v_b.weight", v_b.contiguous()
+
+
+def _jetmoe_tensors(layer: int, block: str, kind: str, tensor: torch.Tensor):
+    """conversion/granite.py's GraniteMoeModel: input_linear split into gate and up (stacked experts,
+    or the shared expert's), output_linear as the down projection, the router as ffn_gate_inp."""
+    if kind == "router.layer":
+        yield f"blk.{layer}.ffn_gate_inp.weight", tensor
+        return
+    suffix = "exps" if block == "block_sparse_moe" else "shexp"
+    if kind == "output_linear":
+        yield f"blk.{layer}.ffn_down_{suffix}.weight", tensor
+        return
+    gate, up = tensor.split(tensor.shape[-2] // 2, dim=-2)
+    yield f"blk.{layer}.ffn_gate_{suffix}.weight", gate.contiguous()
+    yield f"blk.{layer}.ffn_up_{suffix}.weight", up.contiguous()

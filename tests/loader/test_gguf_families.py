@@ -40,6 +40,7 @@ FAMILIES = [
     "deepseek_v3",
     "deepseek_v2",
     "granite",
+    "granitemoe_shared",
     "stablelm",
     "stablelm_parallel",
 ]

@@ -81,6 +81,7 @@ def test_batched_equals_one_at_a_time(arch, tiny_model_dir):
         "stablelm_parallel",
         "gpt_oss",
         "deepseek_v2",
+        "granitemoe_shared",
     ],
 )
 def test_chunked_prefill_equals_whole_prefill(arch, tiny_model_dir):

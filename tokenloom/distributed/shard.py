@@ -37,6 +37,7 @@ _UNSPLIT_REASONS = {
     "DeepseekForCausalLM": "its latent attention (one latent shared by every head) has no split across ranks yet",
     "GptOssForCausalLM": "its attention sinks and clamped experts have no split across ranks yet",
     "GraniteForCausalLM": "its multipliers (embeddings, residual, softmax, logits) are not applied on split ranks yet",
+    "GraniteMoeForCausalLM": "its multipliers (embeddings, residual, softmax, logits) are not applied on split ranks yet",
 }
 
 

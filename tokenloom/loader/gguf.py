@@ -77,6 +77,7 @@ _ARCHITECTURES = {
     "gpt-oss": "GptOssForCausalLM",
     "deepseek2": "DeepseekV2ForCausalLM",  # V3 where its experts are scored by sigmoid (hf_config)
     "granite": "GraniteForCausalLM",
+    "granitemoe": "GraniteMoeForCausalLM",  # GraniteMoeShared where it has a shared expert (hf_config)
     "olmo2": "Olmo2ForCausalLM",
     "stablelm": "StableLmForCausalLM",
     "phi3": "Phi3ForCausalLM",
@@ -85,9 +86,16 @@ _ARCHITECTURES = {
     "gpt2": "GPT2LMHeadModel",
 }
 # llama.cpp's converter interleaves q/k rows of these (LlamaModel.permute): undone on load
-_PERMUTED_QK = ("llama", "smollm3", "granite")
+_PERMUTED_QK = ("llama", "smollm3", "granite", "granitemoe")
 # llama.cpp renormalizes the chosen experts' weights for these (build_moe_ffn's norm_w)
-_NORMALIZED_TOP_K = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False, "gpt-oss": True}
+_NORMALIZED_TOP_K = {
+    "llama": True,
+    "qwen2moe": False,
+    "qwen3moe": True,
+    "olmoe": False,
+    "gpt-oss": True,
+    "granitemoe": True,
+}
 _GATING_SIGMOID = 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID (1: softmax, the default)
 
 _LLAMA_NAMES = {
@@ -329,7 +337,7 @@ class GGUFFile:
             cfg |= self._gpt_oss_fields(cfg)
         if self.arch == "deepseek2":
             return cfg | self._deepseek2_fields(cfg)
-        if self.arch == "granite":  # conversion/granite.py's *_scale keys; logit_scale divides the logits
+        if self.arch in ("granite", "granitemoe"):  # conversion/granite.py's *_scale keys; logit_scale divides
             cfg |= {
                 "embedding_multiplier": self.arch_field("embedding_scale", 1.0),
                 "residual_multiplier": self.arch_field("residual_scale", 1.0),
@@ -503,6 +511,8 @@ class GGUFFile:
             "norm_topk_prob": _NORMALIZED_TOP_K[self.arch],
             "mlp_only_layers": [i for i in range(cfg["num_hidden_layers"]) if i not in routed],
         }
+        if self.arch == "granitemoe" and fields["shared_expert_intermediate_size"]:
+            fields["architectures"] = ["GraniteMoeSharedForCausalLM"]
         if self.arch == "llama":
             fields |= {
                 "architectures": ["MixtralForCausalLM"],

@@ -35,6 +35,10 @@ ARCHITECTURES: dict[str, Architecture] = {
         Architecture("DeepseekV2ForCausalLM", "deepseek_v2", "tokenloom.models.deepseek", "DeepseekForCausalLM"),
         Architecture("DeepseekV3ForCausalLM", "deepseek_v3", "tokenloom.models.deepseek", "DeepseekForCausalLM"),
         Architecture("GraniteForCausalLM", "granite", "tokenloom.models.granite", "GraniteForCausalLM"),
+        Architecture("GraniteMoeForCausalLM", "granitemoe", "tokenloom.models.granite", "GraniteMoeForCausalLM"),
+        Architecture(
+            "GraniteMoeSharedForCausalLM", "granitemoeshared", "tokenloom.models.granite", "GraniteMoeForCausalLM"
+        ),
         Architecture("Olmo2ForCausalLM", "olmo2", "tokenloom.models.olmo2", "Olmo2ForCausalLM"),
         Architecture("Olmo3ForCausalLM", "olmo3", "tokenloom.models.olmo2", "Olmo2ForCausalLM"),
         Architecture("Glm4ForCausalLM", "glm4", "tokenloom.models.glm4", "Glm4ForCausalLM"),

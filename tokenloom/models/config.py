@@ -322,6 +322,8 @@ _MOE_ARCHITECTURES = (
     "Qwen3MoeForCausalLM",
     "OlmoeForCausalLM",
     "GptOssForCausalLM",
+    "GraniteMoeForCausalLM",
+    "GraniteMoeSharedForCausalLM",
 )
 _DEEPSEEK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 _QWEN_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
@@ -345,6 +347,17 @@ def _moe_of(hf: dict[str, Any], arch: str) -> MoeConfig:
             router_bias=True,
             swiglu_limit=hf.get("swiglu_limit", 7.0),
             swiglu_alpha=hf.get("swiglu_alpha", 1.702),
+        )
+    if arch in ("GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM"):  # softmax over the top-k logits
+        return MoeConfig(
+            experts,
+            hf.get("num_experts_per_tok", 2),
+            hf["intermediate_size"],
+            tuple(range(layers)),
+            shared_intermediate_size=hf.get("shared_intermediate_size")
+            or hf.get("shared_expert_intermediate_size")
+            or 0,
+            shared_gated=False,
         )
     if arch == "OlmoeForCausalLM":
         return MoeConfig(
@@ -585,11 +598,16 @@ _FAMILY_FIELDS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "DeepseekV2ForCausalLM": _deepseek_fields,
     "DeepseekV3ForCausalLM": _deepseek_fields,
     "GraniteForCausalLM": _granite_fields,
+    "GraniteMoeForCausalLM": _granite_fields,
+    "GraniteMoeSharedForCausalLM": _granite_fields,
 }
 
 # fields an architecture implements among those _refuse_unimplemented checks
+_GRANITE_MULTIPLIERS = ("logits_scaling", "embedding_multiplier", "residual_multiplier", "attention_multiplier")
 _IMPLEMENTED = {
-    "GraniteForCausalLM": ("logits_scaling", "embedding_multiplier", "residual_multiplier", "attention_multiplier"),
+    "GraniteForCausalLM": _GRANITE_MULTIPLIERS,
+    "GraniteMoeForCausalLM": _GRANITE_MULTIPLIERS,
+    "GraniteMoeSharedForCausalLM": _GRANITE_MULTIPLIERS,
     "Gemma3ForCausalLM": ("query_pre_attn_scalar", "final_logit_softcapping"),
     "Gemma2ForCausalLM": ("query_pre_attn_scalar", "final_logit_softcapping", "attn_logit_softcapping"),
 }
