@@ -33,11 +33,12 @@ VOCAB_PARALLEL = ("embed_tokens", "lm_head")
 # down_proj, a router): OLMo 2 / OLMoE norm q and k over the whole projection, Gemma scales and
 # soft-caps, Phi-3 stores q/k/v fused, GPT-2 and StableLM name theirs otherwise.
 TENSOR_PARALLEL_CLASSES = ("LlamaForCausalLM", "MoeForCausalLM", "MixtralForCausalLM")
+_GRANITE = "its multipliers (embeddings, residual, softmax, logits) are not applied on split ranks yet"
 _UNSPLIT_REASONS = {
     "DeepseekForCausalLM": "its latent attention (one latent shared by every head) has no split across ranks yet",
     "GptOssForCausalLM": "its attention sinks and clamped experts have no split across ranks yet",
-    "GraniteForCausalLM": "its multipliers (embeddings, residual, softmax, logits) are not applied on split ranks yet",
-    "GraniteMoeForCausalLM": "its multipliers (embeddings, residual, softmax, logits) are not applied on split ranks yet",
+    "GraniteForCausalLM": _GRANITE,
+    "GraniteMoeForCausalLM": _GRANITE,
 }
 
 
