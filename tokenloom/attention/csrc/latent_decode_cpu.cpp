@@ -38,25 +38,45 @@ inline void dots(const float* const* q, const float* k, int64_t D, float* scores
   for (int h = 0; h < N; ++h) scores[h] = hsum(acc[h]);
 }
 
-// out[h] += w[h] * v for N heads (Dv a multiple of 8).
+// scores0[h] = q[h] . k0 and scores1[h] = q[h] . k1: two key rows against N heads, each q load used twice.
 template <int N>
-inline void axpys(float* const* out, const float* w, const float* v, int64_t Dv) {
-  __m256 wv[N];
-  for (int h = 0; h < N; ++h) wv[h] = _mm256_set1_ps(w[h]);
+inline void dots2(const float* const* q, const float* k0, const float* k1, int64_t D, float* scores0, float* scores1) {
+  __m256 a0[N], a1[N];
+  for (int h = 0; h < N; ++h) a0[h] = a1[h] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < D; i += 8) {
+    const __m256 x0 = _mm256_loadu_ps(k0 + i), x1 = _mm256_loadu_ps(k1 + i);
+    for (int h = 0; h < N; ++h) {
+      const __m256 qv = _mm256_loadu_ps(q[h] + i);
+      a0[h] = _mm256_fmadd_ps(qv, x0, a0[h]);
+      a1[h] = _mm256_fmadd_ps(qv, x1, a1[h]);
+    }
+  }
+  for (int h = 0; h < N; ++h) {
+    scores0[h] = hsum(a0[h]);
+    scores1[h] = hsum(a1[h]);
+  }
+}
+
+// acc[h] = acc[h] * keep[h] + sum_j w[j][h] * rows[j][off:] for N heads, 8 values at a time with the
+// heads' sums in registers across the tile's rows (in L1 from the scores): the same operations, in the
+// same order, as rescaling and then adding row after row.
+template <int N>
+inline void tile_values(float* const* acc, const float (*w)[kHeads], const float* const* rows, int64_t count,
+                        int64_t off, int64_t Dv, const float* keep) {
   for (int64_t i = 0; i < Dv; i += 8) {
-    const __m256 x = _mm256_loadu_ps(v + i);
-    for (int h = 0; h < N; ++h) _mm256_storeu_ps(out[h] + i, _mm256_fmadd_ps(wv[h], x, _mm256_loadu_ps(out[h] + i)));
+    __m256 a[N];
+    for (int h = 0; h < N; ++h) a[h] = _mm256_mul_ps(_mm256_loadu_ps(acc[h] + i), _mm256_set1_ps(keep[h]));
+    for (int64_t j = 0; j < count; ++j) {
+      const __m256 v = _mm256_loadu_ps(rows[j] + off + i);
+      for (int h = 0; h < N; ++h) a[h] = _mm256_fmadd_ps(_mm256_set1_ps(w[j][h]), v, a[h]);
+    }
+    for (int h = 0; h < N; ++h) _mm256_storeu_ps(acc[h] + i, a[h]);
   }
 }
 
 inline void dots_n(const float* const* q, int64_t n, const float* k, int64_t D, float* scores) {
   if (n == kHeads) return dots<kHeads>(q, k, D, scores);
   for (int64_t h = 0; h < n; ++h) dots<1>(q + h, k, D, scores + h);
-}
-
-inline void axpys_n(float* const* out, int64_t n, const float* w, const float* v, int64_t Dv) {
-  if (n == kHeads) return axpys<kHeads>(out, w, v, Dv);
-  for (int64_t h = 0; h < n; ++h) axpys<1>(out + h, w + h, v, Dv);
 }
 
 struct Task {
@@ -78,28 +98,38 @@ void attend(const Task& t, const float* k_cache, int64_t block_size, int64_t D, 
   }
   float s[kTile][kHeads];
   const float* rows[kTile];
+  float keep[kHeads];
   for (int64_t t0 = t.first; t0 < t.length; t0 += kTile) {
     const int64_t count = std::min(kTile, t.length - t0);
     for (int64_t j = 0; j < count; ++j) {
       const int64_t pos = t0 + j;
       rows[j] = k_cache + (t.table[pos / block_size] * block_size + pos % block_size) * D;
-      dots_n(q, t.n, rows[j], D, s[j]);
     }
-    for (int64_t h = 0; h < t.n; ++h) {  // the online softmax: rescale what came before to the new max
+    int64_t j = 0;
+    if (t.n == kHeads) {
+      for (; j + 1 < count; j += 2) dots2<kHeads>(q, rows[j], rows[j + 1], D, s[j], s[j + 1]);
+    }
+    for (; j < count; ++j) dots_n(q, t.n, rows[j], D, s[j]);
+    for (int64_t h = 0; h < t.n; ++h) {  // the online softmax: what came before rescaled to the new max
       float top = m[h];
       for (int64_t j = 0; j < count; ++j) top = std::max(top, s[j][h] * scale);
-      const float keep = std::exp(m[h] - top);
-      if (keep != 1.0f) {
-        l[h] *= keep;
-        for (int64_t i = 0; i < Dv; ++i) acc[h][i] *= keep;
-      }
+      keep[h] = std::exp(m[h] - top);
+      l[h] *= keep[h];
       m[h] = top;
       for (int64_t j = 0; j < count; ++j) {
         s[j][h] = std::exp(s[j][h] * scale - top);
         l[h] += s[j][h];
       }
     }
-    for (int64_t j = 0; j < count; ++j) axpys_n(acc, t.n, s[j], rows[j] + (D - Dv), Dv);
+    if (t.n == kHeads) {
+      tile_values<kHeads>(acc, s, rows, count, D - Dv, Dv, keep);
+    } else {
+      for (int64_t h = 0; h < t.n; ++h) {
+        float w[kTile][kHeads];
+        for (int64_t j = 0; j < count; ++j) w[j][0] = s[j][h];
+        tile_values<1>(acc + h, w, rows, count, D - Dv, Dv, keep + h);
+      }
+    }
   }
   for (int64_t h = 0; h < t.n; ++h) {
     float* o = out + (t.h0 + h) * Dv;
