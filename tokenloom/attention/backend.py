@@ -365,7 +365,8 @@ def plan_attention(
     shape: AttentionShape, meta: AttentionMetadata, kv_cache, rope: tuple[torch.Tensor, torch.Tensor] | None
 ) -> StepAttention:
     """The attention op for this step's layers; `rope`: (cos, sin) (T, 1, head_dim) in the
-    activations' dtype, or None (learned positions). Latent attention runs in torch ops."""
+    activations' dtype, or None (learned positions). Latent attention runs on TorchAttention (its
+    decoding rows on the latent CPU kernel)."""
     if shape.value_dim is not None:
         return TorchAttention(shape, meta, kv_cache, rope)
     if triton_kernels.takes_cache(kv_cache):

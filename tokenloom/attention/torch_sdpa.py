@@ -180,7 +180,12 @@ def _with_sinks(
 def _decode_inputs(
     meta: AttentionMetadata, block_size: int, device: torch.device, window: int | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Padded block tables (B, W) and the may-attend mask (B, 1, 1, W * block_size) of a decode batch."""
+    """Padded block tables (B, W) and the may-attend mask (B, 1, 1, W * block_size) of a decode batch,
+    built at the first layer that asks and kept on `meta` (per window) for the step's other layers."""
+    if meta.padded_decode_inputs is None:
+        meta.padded_decode_inputs = {}
+    if window in meta.padded_decode_inputs:
+        return meta.padded_decode_inputs[window]
     tables = meta.padded_block_tables(list(range(meta.num_seqs))).to(device)  # padded with the null block (zeros)
     width = tables.shape[1]
     ctx = torch.tensor(meta.context_lens, device=device)[:, None]  # (B, 1)
@@ -188,7 +193,8 @@ def _decode_inputs(
     allowed = pos < ctx
     if window is not None:
         allowed &= pos >= ctx - window
-    return tables, allowed[:, None, None, :]
+    meta.padded_decode_inputs[window] = tables, allowed[:, None, None, :]
+    return meta.padded_decode_inputs[window]
 
 
 def _decode_batch(
@@ -203,11 +209,7 @@ def _decode_batch(
     """One query per sequence: q (B, heads, head_dim) -> (B, heads, head_dim)."""
     B = q.shape[0]
     _, block_size, kv_heads, head_dim = k_cache.shape
-    if meta.padded_decode_inputs is None:  # the same for every layer of this step with this window
-        meta.padded_decode_inputs = {}
-    if window not in meta.padded_decode_inputs:
-        meta.padded_decode_inputs[window] = _decode_inputs(meta, block_size, q.device, window)
-    tables, allowed = meta.padded_decode_inputs[window]
+    tables, allowed = _decode_inputs(meta, block_size, q.device, window)
     L = tables.shape[1] * block_size
     # Slots past a sequence's end are zero (the null block, or zeroed at the block's first
     # write), so masked positions cannot inject NaN through 0-weight x value.
@@ -297,11 +299,7 @@ def _latent_decode_batch(
     padded blocks (padding masked; its slots zero, ``backend.reads_past_context``)."""
     B, _, dim = q.shape
     block_size = k_cache.shape[1]
-    if meta.padded_decode_inputs is None:
-        meta.padded_decode_inputs = {}
-    if window not in meta.padded_decode_inputs:
-        meta.padded_decode_inputs[window] = _decode_inputs(meta, block_size, q.device, window)
-    tables, allowed = meta.padded_decode_inputs[window]  # (B, W), (B, 1, 1, L)
+    tables, allowed = _decode_inputs(meta, block_size, q.device, window)  # (B, W), (B, 1, 1, L)
     keys = select_blocks(k_cache, tables).view(B, -1, dim)  # (B, L, D)
     scores = torch.bmm(q, keys.transpose(1, 2)) * scale  # (B, heads, L)
     scores = scores.masked_fill(~allowed[:, 0], float("-inf"))

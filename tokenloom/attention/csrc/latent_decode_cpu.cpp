@@ -10,21 +10,18 @@
 #include <torch/library.h>
 #include <ATen/ATen.h>
 
+#include "../../kernels/include/int8_dot.h"
+
 #include <cmath>
 #include <limits>
 #include <vector>
 
 namespace {
 
+using tokenloom_int8::hsum;
+
 constexpr int64_t kHeads = 4;  // query heads a task scores against each key row it loads
 constexpr int64_t kTile = 16;  // positions scored before their values are added
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 // scores[h] = q[h] . k for N heads (D a multiple of 8); N a constant, so the accumulators stay in registers.
 template <int N>

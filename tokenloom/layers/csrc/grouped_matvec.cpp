@@ -10,17 +10,14 @@
 #include <torch/library.h>
 #include <ATen/ATen.h>
 
+#include "../../kernels/include/int8_dot.h"
+
 namespace {
+
+using tokenloom_int8::hsum;
 
 constexpr int64_t kBlock = 32;
 constexpr int64_t kRowsPerTask = 16;
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 // One row of W (K codes, K / 32 scales and offsets) against one input row x (K floats).
 inline float row_dot(const int8_t* codes, const float* scales, const float* offsets, const float* x, int64_t K) {
