@@ -335,6 +335,53 @@ TINY_CONFIGS = {
             logits_scaling=8.0,
         ),
     ),
+    # Granite 4.0-H's layout: Mamba-2 layers (two groups of heads, chunks of 8 positions, so a
+    # prompt's scan spans several) around one attention layer without rope, a routed mixture
+    # beside the shared MLP, every multiplier away from neutral
+    "granite_hybrid": (
+        "GraniteMoeHybridConfig",
+        dict(
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            layer_types=["mamba", "attention", "mamba", "mamba"],
+            mamba_n_heads=8,
+            mamba_d_head=16,
+            mamba_d_state=16,
+            mamba_n_groups=2,
+            mamba_chunk_size=8,
+            intermediate_size=32,
+            shared_intermediate_size=48,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            position_embedding_type="nope",
+            embedding_multiplier=12.0,
+            residual_multiplier=0.22,
+            attention_multiplier=0.15,
+            logits_scaling=8.0,
+        ),
+    ),
+    # Granite 4.0-H's dense members: no experts (the shared MLP is the MLP), attention with rope
+    "granite_hybrid_dense": (
+        "GraniteMoeHybridConfig",
+        dict(
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            layer_types=["attention", "mamba", "mamba"],
+            mamba_n_heads=4,
+            mamba_d_head=32,
+            mamba_d_state=8,
+            mamba_chunk_size=16,
+            shared_intermediate_size=96,
+            num_local_experts=0,
+            position_embedding_type="rope",
+            embedding_multiplier=4.0,
+            residual_multiplier=0.5,
+            attention_multiplier=0.1,
+            logits_scaling=2.0,
+        ),
+    ),
     # V2-Lite's layout: queries without a bottleneck, softmax routing over groups, not renormalized
     "deepseek_v2": (
         "DeepseekV2Config",

@@ -39,6 +39,7 @@ GGUF_ARCH = {
     "GraniteForCausalLM": "granite",
     "GraniteMoeForCausalLM": "granitemoe",
     "GraniteMoeSharedForCausalLM": "granitemoe",
+    "GraniteMoeHybridForCausalLM": "granitehybrid",
     "DeepseekV2ForCausalLM": "deepseek2",
     "DeepseekV3ForCausalLM": "deepseek2",
 }
@@ -97,7 +98,7 @@ _GPT_OSS_EXPERTS = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_pro
 _EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
 _EXPERT_KIND = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
 _QUANTIZED = re.compile(
-    r"blk\.\d+\.(attn_[qkv]|attn_q_[ab]|attn_kv_a_mqa|attn_[kv]_b|attn_output|ffn_(gate|up|down)(_exps|_shexp)?)\.weight"
+    r"blk\.\d+\.(attn_[qkv]|attn_q_[ab]|attn_kv_a_mqa|attn_[kv]_b|attn_output|ssm_in|ssm_out|ffn_(gate|up|down)(_exps|_shexp)?)\.weight"
 )
 
 
@@ -184,6 +185,46 @@ def _write_deepseek2_metadata(w: gguf.GGUFWriter, cfg: dict) -> None:
         w.add_float32("deepseek2.rope.scaling.yarn_log_multiplier", 0.1 * rope["mscale_all_dim"])
 
 
+def _write_granite_hybrid_metadata(w: gguf.GGUFWriter, cfg: dict) -> None:
+    """conversion/granite.py's GraniteHybridModel: the Mamba-2 sizes as ssm.* (the heads as
+    time_step_rank), head_count_kv per layer (0 for a Mamba layer), rope switched off
+    (rope.scaling.finetuned false) for a model with Mamba layers."""
+    kinds = cfg["layer_types"]
+    w.add_uint32("granitehybrid.ssm.conv_kernel", cfg["mamba_d_conv"])
+    w.add_uint32("granitehybrid.ssm.state_size", cfg["mamba_d_state"])
+    w.add_uint32("granitehybrid.ssm.group_count", cfg["mamba_n_groups"])
+    w.add_uint32("granitehybrid.ssm.inner_size", cfg["mamba_expand"] * cfg["hidden_size"])
+    w.add_uint32("granitehybrid.ssm.time_step_rank", cfg["mamba_n_heads"])
+    kv = [cfg["num_key_value_heads"] if k in ("attention", "full_attention") else 0 for k in kinds]
+    w.add_array("granitehybrid.attention.head_count_kv", kv)
+    w.add_bool("granitehybrid.rope.scaling.finetuned", 0 not in kv)  # rope only without Mamba layers
+
+
+def _mamba_tensors(layer: int, sub: str, tensor: torch.Tensor, cfg: dict):
+    """conversion/mamba.py's Mamba2Model.modify_tensors: the conv weight squeezed to (channels,
+    kernel), A_log stored as A = -exp(A_log) and A, D as (heads, 1), the gated norm's weight as
+    (groups, inner / groups); dt_bias named as dt_proj's bias."""
+    name = {
+        "in_proj.weight": "ssm_in.weight",
+        "conv1d.weight": "ssm_conv1d.weight",
+        "conv1d.bias": "ssm_conv1d.bias",
+        "dt_bias": "ssm_dt.bias",
+        "A_log": "ssm_a",
+        "D": "ssm_d",
+        "norm.weight": "ssm_norm.weight",
+        "out_proj.weight": "ssm_out.weight",
+    }[sub]
+    if sub == "conv1d.weight":
+        tensor = tensor.squeeze(1)
+    elif sub == "A_log":
+        tensor = (-torch.exp(tensor)).reshape(-1, 1)
+    elif sub == "D":
+        tensor = tensor.reshape(-1, 1)
+    elif sub == "norm.weight":
+        tensor = tensor.reshape(cfg["mamba_n_groups"], -1)
+    yield f"blk.{layer}.{name}", tensor
+
+
 def _write_metadata(w: gguf.GGUFWriter, arch: str, cfg: dict) -> None:
     heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
@@ -211,6 +252,8 @@ def _write_metadata(w: gguf.GGUFWriter, arch: str, cfg: dict) -> None:
             ints["expert_shared_feed_forward_length"] = shared
     if arch == "deepseek2":  # its own sizes (below)
         ints = {k: v for k, v in ints.items() if not k.startswith("attention.") or k == "attention.head_count"}
+    if arch == "granitehybrid":  # per layer (below)
+        del ints["attention.head_count_kv"]
     for key, value in ints.items():
         w.add_uint32(f"{arch}.{key}", value)
     if arch == "deepseek2":
@@ -234,7 +277,9 @@ def _write_metadata(w: gguf.GGUFWriter, arch: str, cfg: dict) -> None:
         w.add_float32("olmo2.rope.freq_base_swa", cfg["rope_parameters"]["sliding_attention"]["rope_theta"])
     if arch == "phi3":
         w.add_uint32("phi3.attention.sliding_window", cfg.get("sliding_window") or 0)
-    if arch in ("granite", "granitemoe"):  # conversion/granite.py: the multipliers as *_scale
+    if arch == "granitehybrid":
+        _write_granite_hybrid_metadata(w, cfg)
+    if arch in ("granite", "granitemoe", "granitehybrid"):  # conversion/granite.py: the multipliers as *_scale
         w.add_float32(f"{arch}.attention.scale", cfg["attention_multiplier"])
         w.add_float32(f"{arch}.embedding_scale", cfg["embedding_multiplier"])
         w.add_float32(f"{arch}.residual_scale", cfg["residual_multiplier"])
@@ -326,8 +371,11 @@ def _gguf_tensors(state: dict[str, torch.Tensor], arch: str, cfg: dict, stack_ex
             head_norms.setdefault((int(m.group(1)), m.group(2)), {})[int(m.group(3))] = tensor
         elif m := _GPT_OSS_EXPERTS.fullmatch(name):
             yield from _gpt_oss_experts(int(m.group(1)), m.group(2), tensor, bias=bool(m.group(3)))
+        elif m := re.fullmatch(r"model\.layers\.(\d+)\.mamba\.(.+)", name):
+            yield from _mamba_tensors(int(m.group(1)), m.group(2), tensor, cfg)
         elif m := _JETMOE.fullmatch(name):
-            yield from _jetmoe_tensors(int(m.group(1)), m.group(2), m.group(3), tensor)
+            dense = arch == "granitehybrid" and not cfg.get("num_local_experts")
+            yield from _jetmoe_tensors(int(m.group(1)), m.group(2), m.group(3), tensor, dense)
         elif m := re.fullmatch(r"model\.layers\.(\d+)\.mlp\.gate\.e_score_correction_bias", name):
             yield f"blk.{m.group(1)}.exp_probs_b.bias", tensor
         elif split_kv_b and (m := re.fullmatch(r"model\.layers\.(\d+)\.self_attn\.kv_b_proj\.weight", name)):
@@ -340,7 +388,7 @@ def _gguf_tensors(state: dict[str, torch.Tensor], arch: str, cfg: dict, stack_ex
             stacks.setdefault((int(m.group(1)), _EXPERT_KIND[m.group(3)]), {})[int(m.group(2))] = tensor
         else:
             layer, sub, kind = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", name).groups()
-            if arch in ("llama", "smollm3", "granite", "granitemoe") and sub in (
+            if arch in ("llama", "smollm3", "granite", "granitemoe", "granitehybrid") and sub in (
                 "self_attn.q_proj",
                 "self_attn.k_proj",
             ):
@@ -382,16 +430,17 @@ def _deepseek_kv_b(layer: int, tensor: torch.Tensor, cfg: dict):
     yield f"blk.{layer}.attn_v_b.weight", v_b.contiguous()
 
 
-def _jetmoe_tensors(layer: int, block: str, kind: str, tensor: torch.Tensor):
+def _jetmoe_tensors(layer: int, block: str, kind: str, tensor: torch.Tensor, dense: bool = False):
     """conversion/granite.py's GraniteMoeModel: input_linear split into gate and up (stacked experts,
-    or the shared expert's), output_linear as the down projection, the router as ffn_gate_inp."""
+    or the shared expert's), output_linear as the down projection, the router as ffn_gate_inp; in a
+    model without experts (`dense`) the shared MLP as the plain ffn_gate/up/down."""
     if kind == "router.layer":
         yield f"blk.{layer}.ffn_gate_inp.weight", tensor
         return
-    suffix = "exps" if block == "block_sparse_moe" else "shexp"
+    suffix = "_exps" if block == "block_sparse_moe" else "" if dense else "_shexp"
     if kind == "output_linear":
-        yield f"blk.{layer}.ffn_down_{suffix}.weight", tensor
+        yield f"blk.{layer}.ffn_down{suffix}.weight", tensor
         return
     gate, up = tensor.split(tensor.shape[-2] // 2, dim=-2)
-    yield f"blk.{layer}.ffn_gate_{suffix}.weight", gate.contiguous()
-    yield f"blk.{layer}.ffn_up_{suffix}.weight", up.contiguous()
+    yield f"blk.{layer}.ffn_gate{suffix}.weight", gate.contiguous()
+    yield f"blk.{layer}.ffn_up{suffix}.weight", up.contiguous()

@@ -237,7 +237,7 @@ def test_a_prompt_block_is_in_flight_until_committed_or_released():
 
 def test_borrowed_blocks_come_back_and_a_full_cache_refuses_a_borrow():
     bm = BlockManager(num_blocks=4, block_size=4)
-    with bm.borrow(8) as table:
+    with bm.borrow(8) as (table, _):
         assert len(table) == 2 and bm.num_free_blocks == 2
         with pytest.raises(RuntimeError, match="no room for 12 tokens"), bm.borrow(12):
             pass

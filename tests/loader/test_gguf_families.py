@@ -41,6 +41,7 @@ FAMILIES = [
     "deepseek_v2",
     "granite",
     "granitemoe_shared",
+    "granite_hybrid",
     "stablelm",
     "stablelm_parallel",
 ]

@@ -52,6 +52,7 @@ def test_greedy_tokens_and_logprobs_match_hf(arch, tiny_model_dir):
         "gpt_oss",
         "deepseek_v3",
         "granite",
+        "granite_hybrid",
     ],
 )
 def test_batched_equals_one_at_a_time(arch, tiny_model_dir):
@@ -82,6 +83,8 @@ def test_batched_equals_one_at_a_time(arch, tiny_model_dir):
         "gpt_oss",
         "deepseek_v2",
         "granitemoe_shared",
+        "granite_hybrid",
+        "granite_hybrid_dense",
     ],
 )
 def test_chunked_prefill_equals_whole_prefill(arch, tiny_model_dir):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -53,6 +54,9 @@ class AttentionMetadata:
     context_lens: list[int]  # per sequence: cached tokens after this step (>= query_lens)
     block_tables: list[torch.Tensor]  # per sequence: (num_blocks_i,) int64 block ids covering context_lens[i] (host)
     null_block: int = 0  # an always-zero block that pads block tables
+    # per sequence: its slot in the recurrent layers' state cache (kv_cache/recurrent.py); None
+    # for a model without recurrent layers
+    state_slots: list[int] | None = None
     # What the attention backends derive from the fields above, built at the first layer that
     # needs it and reused by the rest of this step's layers (None until then).
     decode_rows_: list[int] | None = None  # sequences with one query (cpu_decode.decode_rows)
@@ -61,6 +65,7 @@ class AttentionMetadata:
     prefill_kernel_inputs: tuple[torch.Tensor, ...] | None = None  # tables (S, W), starts, lens, ctx (S,)
     padded_decode_inputs: dict | None = None  # torch path: attention window -> (tables, may-attend mask)
     paged_inputs_: PagedInputs | None = None  # the Triton path's (paged_inputs); a CUDA graph sets its own
+    recurrent_batch_: Any = None  # the recurrent layers' view (kv_cache/recurrent.recurrent_batch)
 
     def paged_inputs(self) -> PagedInputs:
         """This step's sequences as the Triton paged-attention kernel reads them (built once a step)."""

@@ -39,6 +39,7 @@ _UNSPLIT_REASONS = {
     "GptOssForCausalLM": "its attention sinks and clamped experts have no split across ranks yet",
     "GraniteForCausalLM": _GRANITE,
     "GraniteMoeForCausalLM": _GRANITE,
+    "GraniteMoeHybridForCausalLM": "its Mamba-2 layers' per-sequence state has no split across ranks yet",
 }
 
 

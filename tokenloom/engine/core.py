@@ -62,18 +62,15 @@ class EngineCore:
         assert loaded.local_config is not None  # LoadedModel.__post_init__ fills it
         self.cache_config = loaded.local_config  # a tensor-parallel rank caches its own KV heads only
         self.kv_bytes_per_token = kv_bytes_per_token(self.cache_config, dtype, config.kv_cache_dtype, loaded.kv_layers)
-        budget = config.cache.resolve_memory(self.kv_bytes_per_token, self.max_model_len)
-        kv = PagedKVCache.from_memory_budget(
-            self.cache_config,
-            budget,
-            config.cache.block_size,
-            dtype,
-            config.device,
-            config.kv_cache_dtype,
-            loaded.kv_layers,
-        )
+        recurrent = self.cache_config.recurrent is not None
+        self._check_recurrent(config, recurrent)
+        # a hybrid's sequences each hold a recurrent-state slot: the scheduler runs at most
+        # max_num_seqs of them, and one more is kept for a borrowed table (embeddings, scoring)
+        state_slots = config.scheduler.max_num_seqs + 1 if recurrent else 0
+        kv = self._make_cache(config, loaded, dtype, state_slots)
         self._report_cache(kv)
-        self.block_manager = BlockManager(kv.num_blocks, kv.block_size, config.cache.enable_prefix_caching)
+        prefix_caching = config.cache.enable_prefix_caching and not recurrent
+        self.block_manager = BlockManager(kv.num_blocks, kv.block_size, prefix_caching, state_slots)
         self.runner = ModelRunner(
             loaded.model,
             kv,
@@ -100,6 +97,34 @@ class EngineCore:
         self.requests: dict[str, Request] = {}
         self.cpu_share = self._cpu_share(config)
 
+    def _check_recurrent(self, config: EngineConfig, recurrent: bool) -> None:
+        """A hybrid model's recurrent state follows every computed token (kv_cache/recurrent.py):
+        prefix caching is off for it (said in the log), speculative decoding refused."""
+        if not recurrent:
+            return
+        if config.speculative is not None:
+            raise ValueError(
+                f"speculative decoding is not implemented for {self.model_config.architecture}: its recurrent "
+                "layers' state would have advanced over rejected draft tokens"
+            )
+        if config.cache.enable_prefix_caching:
+            logger.info(
+                "prefix caching is off for %s: its recurrent layers' state after a prefix is not kept "
+                "with the prefix's KV blocks",
+                self.model_config.architecture,
+            )
+
+    def _make_cache(self, config: EngineConfig, loaded: LoadedModel, dtype, state_slots: int) -> PagedKVCache:
+        """The KV cache within the configured budget, with `state_slots` sequences' recurrent state.
+        A model all of whose layers are recurrent keeps no KV: its blocks then only count positions,
+        max_num_seqs full contexts of them."""
+        budget = config.cache.resolve_memory(self.kv_bytes_per_token, self.max_model_len)
+        args = (config.cache.block_size, dtype, config.device, config.kv_cache_dtype, loaded.kv_layers, state_slots)
+        if self.kv_bytes_per_token == 0:
+            blocks = -(-self.max_model_len // config.cache.block_size) * config.scheduler.max_num_seqs
+            return PagedKVCache(self.cache_config, blocks, *args)
+        return PagedKVCache.from_memory_budget(self.cache_config, budget, *args)
+
     @staticmethod
     def _cpu_share(config: EngineConfig) -> CpuShare | None:
         """On the CPU, in one process: the thread count that follows the free cores (cpu_share.py),
@@ -114,6 +139,17 @@ class EngineCore:
         return CpuShare(torch.get_num_threads())
 
     def _report_cache(self, kv: PagedKVCache) -> None:
+        if kv.states is not None:
+            per_seq = kv.states.bytes_per_sequence
+            logger.info(
+                "recurrent state: %d slots x %d layers = %.2f GiB at most (%.1f MiB a sequence), resident as used",
+                kv.states.num_slots,
+                len(kv.states.layers),
+                kv.states.num_slots * per_seq / 2**30,
+                per_seq / 2**20,
+            )
+        if not kv.layers:
+            return
         c, per_token = self.cache_config, self.kv_bytes_per_token
         layers, tensors = len(kv.layers), 1 if kv.latent else 2
         element_bytes = per_token // (tensors * layers * c.num_kv_heads * c.head_dim)

@@ -190,7 +190,12 @@ class Scheduler:
         if self.turns is not None:
             self.turns.take(req, self.num_steps)
         samples = req.num_computed_tokens + n - len(spec) == req.num_tokens and req.params.max_tokens > 0
-        out.scheduled.append(ScheduledRequest(req, n, samples, self.blocks.block_ids(req.request_id), list(spec)))
+        rid = req.request_id
+        out.scheduled.append(
+            ScheduledRequest(
+                req, n, samples, self.blocks.block_ids(rid), list(spec), state_slot=self.blocks.state_slot(rid)
+            )
+        )
         return n
 
     def _preempt(self, req: Request) -> None:

@@ -54,6 +54,7 @@ SCHEDULER_INTERFACE = frozenset(
         "copies_done",
         "fits",
         "capacity_tokens",
+        "state_slot",
     }
 )
 
@@ -96,7 +97,9 @@ class PrefixHit:
 class BlockManager:
     """Block tables, reference counts, the prefix-cache index and the LRU free queue."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, state_slots: int = 0
+    ) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"need positive num_blocks and block_size, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
@@ -117,6 +120,9 @@ class BlockManager:
         self._computing: dict[str, tuple[list[int], int]] = {}
         self._in_flight: Counter[int] = Counter()
         self.stats = PrefixCacheStats()
+        self.state_slots = state_slots
+        self._free_slots = list(range(state_slots - 1, -1, -1))  # popped from the end: lowest first
+        self._slot_of: dict[str, int] = {}
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -132,6 +138,10 @@ class BlockManager:
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self._tables.get(request_id, ())]
+
+    def state_slot(self, request_id: str) -> int:
+        """The sequence's recurrent-state slot; -1 without one (no state slots, or no blocks yet)."""
+        return self._slot_of.get(request_id, -1)
 
     def ref_count(self, block_id: int) -> int:
         return self.blocks[block_id].ref_count
@@ -219,15 +229,16 @@ class BlockManager:
             self._computing[seq_id] = (hashes, upto)
 
     @contextmanager
-    def borrow(self, num_tokens: int) -> Iterator[list[int]]:
-        """A block table for one sequence of `num_tokens` outside any request (embeddings, full-logit
-        scoring), freed when the block ends; RuntimeError if the free blocks cannot hold it now."""
+    def borrow(self, num_tokens: int) -> Iterator[tuple[list[int], int]]:
+        """(block table, recurrent-state slot or -1) for one sequence of `num_tokens` outside any
+        request (embeddings, full-logit scoring), freed when the block ends; RuntimeError if the
+        free blocks (or state slots) cannot hold it now."""
         seq_id = f"borrowed-{uuid.uuid4().hex}"
         block_ids = self.allocate(seq_id, num_tokens)
         if block_ids is None:
             raise RuntimeError(f"the KV cache has no room for {num_tokens} tokens now; retry when fewer requests run")
         try:
-            yield block_ids
+            yield block_ids, self.state_slot(seq_id)
         finally:
             self.free(seq_id)
 
@@ -329,6 +340,8 @@ class BlockManager:
         partial: tuple[Block, int] | None = None,
     ) -> bool:
         have = len(self._tables.get(request_id, ())) or len(cached_prefix)
+        if self.state_slots and request_id not in self._slot_of and not self._free_slots:
+            return False  # a new sequence of a hybrid model needs a state slot too
         reclaimable = sum(1 for b in cached_prefix if b.ref_count == 0)  # hits sitting in the free queue
         if partial is not None and self._must_copy(partial[0]) and partial[0].ref_count == 0:
             reclaimable += 1  # the copy's source, pinned
@@ -347,6 +360,8 @@ class BlockManager:
         if not self.can_allocate(request_id, num_tokens, cached_prefix, partial):
             return False
         table = self._tables.setdefault(request_id, [])
+        if self.state_slots and request_id not in self._slot_of:
+            self._slot_of[request_id] = self._free_slots.pop()
         if not table:
             for block in cached_prefix:
                 self._take(block)
@@ -416,6 +431,8 @@ class BlockManager:
         """Drop the request's references (tail first); blocks no one holds become free."""
         for block in reversed(self._tables.pop(request_id, [])):
             self._release(block)
+        if request_id in self._slot_of:
+            self._free_slots.append(self._slot_of.pop(request_id))
         self._hashes.pop(request_id, None)
         self._registered.pop(request_id, None)
 
@@ -462,6 +479,9 @@ class BlockManager:
                 f"block {block.block_id}: free-queue membership disagrees with ref_count {block.ref_count}"
             )
         assert len(self._free) + len(holders) == self.num_blocks, "free + used != total"
+        assert set(self._slot_of) <= set(self._tables), "a state slot is held by a sequence without blocks"
+        held = list(self._slot_of.values())
+        assert sorted(held + self._free_slots) == list(range(self.state_slots)), "state slots lost or doubled"
         expected: Counter[int] = Counter()
         for seq_id, (hashes, first) in self._computing.items():
             assert seq_id in self._tables, f"sequence {seq_id} computes prompt blocks without a table"

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenloom.kv_cache.recurrent import RecurrentStateCache
 from tokenloom.memory.zero_pages import lazy_zeros
 from tokenloom.models.config import ModelConfig
 
@@ -16,13 +17,13 @@ def kv_bytes_per_token(
     model: ModelConfig, dtype: torch.dtype, kv_cache_dtype: str = "auto", layers: range | None = None
 ) -> int:
     """2 (K and V) x layers x kv_heads x head_dim x bytes per element (`layers`: those cached here,
-    a pipeline stage's; None: all); with latent attention (ModelConfig.mla) 1, the values being
-    part of the keys.
+    a pipeline stage's; None: all; a hybrid's recurrent layers keep no KV and are not counted);
+    with latent attention (ModelConfig.mla) 1, the values being part of the keys.
 
     For an int8 cache: 1 byte per element plus a float32 scale per token and head,
     i.e. 2 x layers x kv_heads x (head_dim + 4).
     """
-    count = model.num_layers if layers is None else len(layers)
+    count = len(model.attention_layers(layers))
     tensors = 1 if model.mla is not None else 2
     if kv_cache_dtype == "int8":
         return tensors * count * model.num_kv_heads * (model.head_dim + KV_SCALE_BYTES)
@@ -83,6 +84,9 @@ class PagedKVCache:
 
     With latent attention (ModelConfig.mla) only the keys are stored, one (head_dim) latent a
     token: each layer's values are a view of its keys' last value_dim dims, written with them.
+
+    A hybrid model's recurrent layers keep no keys or values (empty tensors here); their
+    per-sequence state lives in ``states`` (kv_cache/recurrent.py), `state_slots` sequences' worth.
     """
 
     def __init__(
@@ -94,14 +98,19 @@ class PagedKVCache:
         device: torch.device | str,
         kv_cache_dtype: str = "auto",
         layers: range | None = None,
+        state_slots: int = 0,
     ) -> None:
-        """`layers`: the layers whose KV this cache holds (a pipeline stage's; None: all); the
-        others get empty tensors of the same dtype and never see a block."""
+        """`layers`: the layers whose KV this cache holds (a pipeline stage's; None: all; less a
+        hybrid's recurrent layers); the others get empty tensors of the same dtype and never see a
+        block. `state_slots`: sequences the recurrent layers' state is kept for (hybrids only)."""
         shape = (num_blocks + 1, block_size, model.num_kv_heads, model.head_dim)
         self.latent = model.mla is not None  # values live in the keys
         if self.latent and kv_cache_dtype == "int8":
             raise ValueError("an int8 KV cache is not implemented for latent attention (DeepSeek); use auto")
-        self.layers = range(model.num_layers) if layers is None else layers
+        self.layers = model.attention_layers(layers)
+        self.states = (
+            RecurrentStateCache(model, state_slots, dtype, device, layers) if model.recurrent is not None else None
+        )
         self.num_blocks = num_blocks
         self.null_block = num_blocks
         self.block_size = block_size
@@ -138,6 +147,7 @@ class PagedKVCache:
         device: torch.device | str,
         kv_cache_dtype: str = "auto",
         layers: range | None = None,
+        state_slots: int = 0,
     ) -> PagedKVCache:
         per_block = kv_bytes_per_token(model, dtype, kv_cache_dtype, layers) * block_size
         num_blocks = memory_bytes // per_block - 1  # one block is the null block
@@ -145,7 +155,7 @@ class PagedKVCache:
             raise ValueError(
                 f"kv cache memory {memory_bytes} B holds no block of {block_size} tokens ({per_block} B per block)"
             )
-        return cls(model, num_blocks, block_size, dtype, device, kv_cache_dtype, layers)
+        return cls(model, num_blocks, block_size, dtype, device, kv_cache_dtype, layers, state_slots)
 
     @property
     def num_tokens(self) -> int:

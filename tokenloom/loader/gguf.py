@@ -78,6 +78,7 @@ _ARCHITECTURES = {
     "deepseek2": "DeepseekV2ForCausalLM",  # V3 where its experts are scored by sigmoid (hf_config)
     "granite": "GraniteForCausalLM",
     "granitemoe": "GraniteMoeForCausalLM",  # GraniteMoeShared where it has a shared expert (hf_config)
+    "granitehybrid": "GraniteMoeHybridForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
     "stablelm": "StableLmForCausalLM",
     "phi3": "Phi3ForCausalLM",
@@ -86,7 +87,7 @@ _ARCHITECTURES = {
     "gpt2": "GPT2LMHeadModel",
 }
 # llama.cpp's converter interleaves q/k rows of these (LlamaModel.permute): undone on load
-_PERMUTED_QK = ("llama", "smollm3", "granite", "granitemoe")
+_PERMUTED_QK = ("llama", "smollm3", "granite", "granitemoe", "granitehybrid")
 # llama.cpp renormalizes the chosen experts' weights for these (build_moe_ffn's norm_w)
 _NORMALIZED_TOP_K = {
     "llama": True,
@@ -95,6 +96,7 @@ _NORMALIZED_TOP_K = {
     "olmoe": False,
     "gpt-oss": True,
     "granitemoe": True,
+    "granitehybrid": True,
 }
 _GATING_SIGMOID = 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID (1: softmax, the default)
 
@@ -165,8 +167,18 @@ _DEEPSEEK2_BLOCK_NAMES = _LLAMA_BLOCK_NAMES | {
     "attn_v_b": "self_attn.v_b",
     "exp_probs_b": "mlp.gate.e_score_correction_bias",
 }
+# Granite 4.0-H's Mamba-2 mixers (conversion/mamba.py's names)
+_GRANITE_HYBRID_BLOCK_NAMES = _LLAMA_BLOCK_NAMES | {
+    "ssm_in": "mamba.in_proj",
+    "ssm_conv1d": "mamba.conv1d",
+    "ssm_dt": "mamba.dt_bias",
+    "ssm_norm": "mamba.norm",
+    "ssm_out": "mamba.out_proj",
+}
+# stored without a .weight suffix: blk.N.ssm_a (A = -exp(A_log)), blk.N.ssm_d
+_SSM_A_D = re.compile(r"blk\.(\d+)\.ssm_([ad])")
 # block tensors that are parameters of their own in HF, not a module's weight or bias
-_BARE_PARAMETERS = ("attn_sinks", "exp_probs_b")
+_BARE_PARAMETERS = ("attn_sinks", "exp_probs_b", "ssm_dt")
 _GPT2_NAMES = {
     "token_embd.weight": "transformer.wte.weight",
     "position_embd.weight": "transformer.wpe.weight",
@@ -197,6 +209,7 @@ _NAME_TABLES = {
     "stablelm": (_STABLELM_NAMES, _LLAMA_BLOCK_NAMES),
     "gpt-oss": (_LLAMA_NAMES, _GPT_OSS_BLOCK_NAMES),
     "deepseek2": (_LLAMA_NAMES, _DEEPSEEK2_BLOCK_NAMES),
+    "granitehybrid": (_LLAMA_NAMES, _GRANITE_HYBRID_BLOCK_NAMES),
 }
 
 
@@ -337,7 +350,9 @@ class GGUFFile:
             cfg |= self._gpt_oss_fields(cfg)
         if self.arch == "deepseek2":
             return cfg | self._deepseek2_fields(cfg)
-        if self.arch in ("granite", "granitemoe"):  # conversion/granite.py's *_scale keys; logit_scale divides
+        if self.arch == "granitehybrid":
+            cfg |= self._granite_hybrid_fields(cfg)
+        if self.arch in ("granite", "granitemoe", "granitehybrid"):  # conversion/granite.py's *_scale keys
             cfg |= {
                 "embedding_multiplier": self.arch_field("embedding_scale", 1.0),
                 "residual_multiplier": self.arch_field("residual_scale", 1.0),
@@ -438,6 +453,33 @@ class GGUFFile:
                 "mscale_all_dim": mscale,
             }
         return fields
+
+    def _granite_hybrid_fields(self, cfg: dict) -> dict:
+        """Granite 4.0-H as conversion/granite.py writes it: a layer with no kv heads
+        (attention.head_count_kv per layer) is a Mamba-2 layer, the Mamba sizes under ssm.* (the
+        heads as time_step_rank), rope only where rope.scaling.finetuned says (llama.cpp's switch
+        for Granite; true when absent); the shared MLP's width (the whole MLP's without experts)."""
+        kv = self.arch_field("attention.head_count_kv")
+        kv = list(kv) if isinstance(kv, (list, tuple)) else [kv] * cfg["num_hidden_layers"]
+        inner, heads = self.arch_field("ssm.inner_size"), self.arch_field("ssm.time_step_rank")
+        if inner % cfg["hidden_size"]:
+            raise UnsupportedModelError(f"{self.path.name}: ssm.inner_size {inner} is not a multiple of the width")
+        return {
+            "num_key_value_heads": max(kv),
+            "layer_types": ["attention" if n else "mamba" for n in kv],
+            "mamba_n_heads": heads,
+            "mamba_d_head": inner // heads,
+            "mamba_expand": inner // cfg["hidden_size"],
+            "mamba_d_state": self.arch_field("ssm.state_size"),
+            "mamba_n_groups": self.arch_field("ssm.group_count", 1),
+            "mamba_d_conv": self.arch_field("ssm.conv_kernel", 4),
+            "mamba_conv_bias": any(t.name.endswith("ssm_conv1d.bias") for t in self.tensors),
+            "mamba_proj_bias": any(t.name.endswith("ssm_in.bias") for t in self.tensors),
+            "position_embedding_type": "rope" if self.arch_field("rope.scaling.finetuned", True) else "nope",
+            "shared_intermediate_size": self.arch_field("expert_shared_feed_forward_length")
+            or cfg["intermediate_size"],
+            "num_local_experts": self.arch_field("expert_count", 0),
+        }
 
     def _stablelm_fields(self, cfg: dict) -> dict:
         """StableLM's options, read where llama.cpp keeps them: q/k/v bias and per-head q/k norms
@@ -623,6 +665,8 @@ class GGUFFile:
             return flat[name]
         if m := _ONE_EXPERT.fullmatch(name):
             return _expert_name(m.group(1), m.group(3), m.group(2))
+        if self.arch == "granitehybrid" and (m := _SSM_A_D.fullmatch(name)):
+            return f"model.layers.{m.group(1)}.mamba.{'A_log' if m.group(2) == 'a' else 'D'}"
         m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
         if m and m.group(2) in _BARE_PARAMETERS and m.group(2) in block:
             return f"model.layers.{m.group(1)}.{block[m.group(2)]}"
@@ -645,10 +689,26 @@ class GGUFFile:
             return tensor - 1  # llama.cpp stores Gemma's 1 + w; HF's checkpoints hold w
         if name.endswith("ffn_gate_inp_shexp.weight"):
             return tensor.view(1, -1)  # llama.cpp stores the shared expert's gate as a vector
+        if self.arch == "granitehybrid":
+            return _mamba_to_hf(name, tensor)
         return tensor
 
     def tokenizer(self) -> Tokenizer:
         return gguf_tokenizer(self)
+
+
+def _mamba_to_hf(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """A Mamba-2 tensor as HF stores it: conversion/mamba.py squeezed the conv weight to
+    (channels, kernel), stored A = -exp(A_log) and D as (heads, 1), the gated norm as (groups,
+    inner / groups)."""
+    if name.endswith("ssm_conv1d.weight"):
+        return tensor.unsqueeze(1)
+    if _SSM_A_D.fullmatch(name):
+        flat = tensor.reshape(-1)
+        return torch.log(-flat) if name.endswith("ssm_a") else flat
+    if name.endswith("ssm_norm.weight"):
+        return tensor.reshape(-1)
+    return tensor
 
 
 def unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:

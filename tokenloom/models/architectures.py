@@ -39,6 +39,12 @@ ARCHITECTURES: dict[str, Architecture] = {
         Architecture(
             "GraniteMoeSharedForCausalLM", "granitemoeshared", "tokenloom.models.granite", "GraniteMoeForCausalLM"
         ),
+        Architecture(
+            "GraniteMoeHybridForCausalLM",
+            "granitemoehybrid",
+            "tokenloom.models.granite_hybrid",
+            "GraniteMoeHybridForCausalLM",
+        ),
         Architecture("Olmo2ForCausalLM", "olmo2", "tokenloom.models.olmo2", "Olmo2ForCausalLM"),
         Architecture("Olmo3ForCausalLM", "olmo3", "tokenloom.models.olmo2", "Olmo2ForCausalLM"),
         Architecture("Glm4ForCausalLM", "glm4", "tokenloom.models.glm4", "Glm4ForCausalLM"),

@@ -135,6 +135,50 @@ class MlaConfig:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
 
+@dataclass(frozen=True, slots=True)
+class MambaConfig:
+    """The Mamba-2 mixers of a hybrid model (Granite 4.0-H): layers `layers` run one instead of
+    attention. in_proj maps a token to [z (inner), xBC (conv_dim), dt (heads)]; xBC goes through a
+    causal depthwise conv of `conv_kernel` taps and SiLU and splits into x (heads x head_dim) and B, C
+    (n_groups x state_size each); per head, h = exp(dt A) h + dt x B^T and y = h C + D x, with
+    dt = softplus(dt + dt_bias) clamped to time_step_limit; y times SiLU(z), RMS-normed per group,
+    goes through out_proj. A sequence's state is the conv's last conv_kernel - 1 inputs and h."""
+
+    layers: tuple[int, ...]  # the recurrent layers (the others attend)
+    num_heads: int
+    head_dim: int
+    state_size: int
+    n_groups: int = 1
+    conv_kernel: int = 4
+    chunk_size: int = 256  # positions a prompt's scan handles at once (layers/ssm_scan.py)
+    conv_bias: bool = True
+    proj_bias: bool = False
+    time_step_limit: tuple[float, float] = (0.0, float("inf"))
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.n_groups:
+            raise ValueError(f"{self.num_heads} Mamba heads do not split into {self.n_groups} groups")
+        if min(self.num_heads, self.head_dim, self.state_size, self.conv_kernel, self.chunk_size) <= 0:
+            raise ValueError("Mamba heads, head_dim, state_size, conv_kernel and chunk_size must be positive")
+
+    @property
+    def inner_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the conv: x, then B, then C."""
+        return self.inner_size + 2 * self.n_groups * self.state_size
+
+    def state_shapes(self) -> dict[str, tuple[int, ...]]:
+        """A sequence's state in one recurrent layer: the conv's last inputs (kept in the model's
+        dtype) and the SSM state (kept in float32)."""
+        return {
+            "conv": (self.conv_dim, self.conv_kernel - 1),
+            "state": (self.num_heads, self.head_dim, self.state_size),
+        }
+
+
 @dataclass(slots=True)
 class ModelConfig:
     """Architecture hyper-parameters shared by every supported model family."""
@@ -182,6 +226,9 @@ class ModelConfig:
     # multi-head latent attention (DeepSeek-V2/V3): the cache holds one key a token, of
     # head_dim = mla.latent_dim, whose last kv_lora_rank dims are also its value (num_kv_heads 1)
     mla: MlaConfig | None = None
+    # a hybrid's recurrent layers (Granite 4.0-H's Mamba-2): they keep a per-sequence state
+    # (kv_cache/recurrent.py), not keys and values; the other layers attend
+    recurrent: MambaConfig | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -204,6 +251,8 @@ class ModelConfig:
                 raise ValueError(f"ModelConfig.{name} must be positive, got {getattr(self, name)}")
         if self.mla is not None and (self.num_kv_heads, self.head_dim) != (1, self.mla.latent_dim):
             raise ValueError(f"latent attention caches one key of {self.mla.latent_dim} dims a token")
+        if self.recurrent is not None and not all(0 <= i < self.num_layers for i in self.recurrent.layers):
+            raise ValueError(f"recurrent layers {self.recurrent.layers} are not all among {self.num_layers} layers")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if self.rope_layers is not None and len(self.rope_layers) != self.num_layers:
@@ -225,6 +274,11 @@ class ModelConfig:
     def value_dim(self) -> int:
         """Dims of a cached value: head_dim, or with latent attention the latent's, read from the keys."""
         return self.mla.kv_lora_rank if self.mla is not None else self.head_dim
+
+    def attention_layers(self, layers: range | None = None) -> list[int]:
+        """Of `layers` (None: all), those that attend and so keep keys and values."""
+        skip = set(self.recurrent.layers) if self.recurrent is not None else set()
+        return [i for i in (range(self.num_layers) if layers is None else layers) if i not in skip]
 
     def context_limit(self) -> int:
         """The longest context this model can be run at: its own, or with dynamic rope scaling
@@ -324,12 +378,13 @@ _MOE_ARCHITECTURES = (
     "GptOssForCausalLM",
     "GraniteMoeForCausalLM",
     "GraniteMoeSharedForCausalLM",
+    "GraniteMoeHybridForCausalLM",
 )
 _DEEPSEEK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 _QWEN_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 
 
-def _moe_of(hf: dict[str, Any], arch: str) -> MoeConfig:
+def _moe_of(hf: dict[str, Any], arch: str) -> MoeConfig | None:
     """The mixture as transformers builds it: Mixtral mixes every layer and renormalizes its top-k,
     OLMoE mixes every layer and renormalizes per norm_topk_prob;
     Qwen2/3-MoE mix every decoder_sparse_step-th layer outside mlp_only_layers, renormalize per
@@ -348,8 +403,10 @@ def _moe_of(hf: dict[str, Any], arch: str) -> MoeConfig:
             swiglu_limit=hf.get("swiglu_limit", 7.0),
             swiglu_alpha=hf.get("swiglu_alpha", 1.702),
         )
-    if arch in ("GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM"):  # softmax over the top-k logits
-        return MoeConfig(
+    if arch in ("GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM", "GraniteMoeHybridForCausalLM"):
+        if not experts:  # Granite 4.0-H's dense members: the shared MLP alone (the model's MLP)
+            return None
+        return MoeConfig(  # softmax over the top-k logits
             experts,
             hf.get("num_experts_per_tok", 2),
             hf["intermediate_size"],
@@ -572,6 +629,57 @@ def _granite_fields(hf: dict[str, Any]) -> dict[str, Any]:
     )
 
 
+_MAMBA_KINDS, _ATTENTION_KINDS = ("mamba", "linear_attention"), ("attention", "full_attention")
+
+
+def _granite_hybrid_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """Granite 4.0-H (transformers' GraniteMoeHybridConfig defaults): Granite's multipliers, Mamba-2
+    mixers in the layers layer_types names "mamba" (transformers 5: "linear_attention"), attention
+    without rope unless position_embedding_type is "rope", and where it has no experts the shared
+    MLP as the model's MLP."""
+    layers, hidden = hf["num_hidden_layers"], hf["hidden_size"]
+    kinds = hf.get("layer_types") or hf.get("layers_block_type") or ["mamba"] * layers
+    unknown = sorted(set(kinds) - set(_MAMBA_KINDS) - set(_ATTENTION_KINDS))
+    if unknown:
+        raise UnsupportedModelError(f"Granite hybrid layer type(s) {unknown} are not supported (mamba, attention)")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise UnsupportedModelError(f"Mamba-2 layers with activation {hf['hidden_act']!r} are not implemented (silu)")
+    heads, inner = hf.get("mamba_n_heads", 128), hf.get("mamba_expand", 2) * hidden
+    head_dim = hf.get("mamba_d_head", "auto")
+    head_dim = inner // heads if head_dim == "auto" else head_dim
+    if heads * head_dim != inner:
+        raise ValueError(f"{heads} Mamba heads of {head_dim} do not make mamba_expand x hidden_size = {inner}")
+    limit = tuple(_float_of(v) for v in hf.get("time_step_limit") or (0.0, float("inf")))
+    mamba = MambaConfig(
+        layers=tuple(i for i, kind in enumerate(kinds) if kind in _MAMBA_KINDS),
+        num_heads=heads,
+        head_dim=head_dim,
+        state_size=hf.get("mamba_d_state", 256),
+        n_groups=hf.get("mamba_n_groups", 1),
+        conv_kernel=hf.get("mamba_d_conv", 4),
+        chunk_size=hf.get("mamba_chunk_size", 256),
+        conv_bias=hf.get("mamba_conv_bias", True),
+        proj_bias=hf.get("mamba_proj_bias", False),
+        time_step_limit=(limit[0], limit[1]),
+    )
+    fields = _granite_fields(hf) | dict(
+        recurrent=mamba, layer_types=None, max_model_len=hf.get("max_position_embeddings", 2048)
+    )
+    if hf.get("position_embedding_type") != "rope":
+        fields["rope_layers"] = (False,) * layers
+    if not hf.get("num_local_experts", 8):
+        fields["intermediate_size"] = hf.get("shared_intermediate_size", 1024)
+    return fields
+
+
+def _float_of(value: Any) -> float:
+    """A float as config.json spells it: a number, "inf"/"Infinity", or transformers 5's
+    {"__float__": "Infinity"}."""
+    if isinstance(value, dict):
+        value = value.get("__float__")
+    return float(value)
+
+
 def _stablelm_fields(hf: dict[str, Any]) -> dict[str, Any]:
     """StableLM (transformers' StableLmConfig defaults): LayerNorm epsilon, q/k/v bias and per-head
     q/k LayerNorm by their own names, a quarter of each head rotated, optional parallel residual."""
@@ -600,6 +708,7 @@ _FAMILY_FIELDS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "GraniteForCausalLM": _granite_fields,
     "GraniteMoeForCausalLM": _granite_fields,
     "GraniteMoeSharedForCausalLM": _granite_fields,
+    "GraniteMoeHybridForCausalLM": _granite_hybrid_fields,
 }
 
 # fields an architecture implements among those _refuse_unimplemented checks
@@ -608,6 +717,7 @@ _IMPLEMENTED = {
     "GraniteForCausalLM": _GRANITE_MULTIPLIERS,
     "GraniteMoeForCausalLM": _GRANITE_MULTIPLIERS,
     "GraniteMoeSharedForCausalLM": _GRANITE_MULTIPLIERS,
+    "GraniteMoeHybridForCausalLM": _GRANITE_MULTIPLIERS,
     "Gemma3ForCausalLM": ("query_pre_attn_scalar", "final_logit_softcapping"),
     "Gemma2ForCausalLM": ("query_pre_attn_scalar", "final_logit_softcapping", "attn_logit_softcapping"),
 }

@@ -49,9 +49,13 @@ class GraniteDecoderLayer(LlamaDecoderLayer):
             residual, normed = x, self.input_layernorm.forward(x)
         else:
             normed, residual = self.input_layernorm.add_forward(x, residual)
-        attn = self.self_attn.forward(normed, attend, layer).mul_(self.residual_multiplier)
+        attn = self.mix(normed, attend, layer).mul_(self.residual_multiplier)
         normed, residual = self.post_attention_layernorm.add_forward(attn, residual)
         return self.mlp.forward(normed).mul_(self.residual_multiplier), residual
+
+    def mix(self, x: torch.Tensor, attend: StepAttention, layer: int) -> torch.Tensor:
+        """The token mixer: attention (a hybrid's recurrent layers mix otherwise)."""
+        return self.self_attn.forward(x, attend, layer)
 
 
 class GraniteForCausalLM(LlamaForCausalLM):

@@ -17,6 +17,7 @@ class SeqChunk:
     token_ids: list[int]  # the tokens at positions start .. start + len - 1
     start: int  # position of token_ids[0]
     block_ids: list[int]  # the sequence's block table (covers start + len tokens)
+    state_slot: int = -1  # its recurrent-state slot (kv_cache/recurrent.py); -1: the model has none
 
 
 @dataclass(slots=True)
@@ -47,5 +48,8 @@ def build_batch(chunks: list[SeqChunk], block_size: int, device: torch.device, n
         ctx_lens.append(end)
         tables.append(torch.tensor(table[: -(-end // bs)], dtype=torch.int64))
     ids_positions_slots = to_device(torch.tensor([ids, positions, slots], dtype=torch.int64), device)  # (3, T)
-    meta = AttentionMetadata(ids_positions_slots[2], starts, q_lens, ctx_lens, tables, null_block=null_block)
+    state_slots = [c.state_slot for c in chunks] if any(c.state_slot >= 0 for c in chunks) else None
+    meta = AttentionMetadata(
+        ids_positions_slots[2], starts, q_lens, ctx_lens, tables, null_block=null_block, state_slots=state_slots
+    )
     return Batch(ids_positions_slots[0], ids_positions_slots[1], meta, fresh)

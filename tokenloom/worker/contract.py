@@ -21,6 +21,7 @@ class ScheduledRequest:
     block_ids: list[int]  # the request's whole block table after this step's allocation
     spec_token_ids: list[int] = field(default_factory=list)  # draft tokens verified this step (in num_tokens)
     decode_steps: int = 1  # tokens decoded in a row (each fed back on the device); KV room for all of them
+    state_slot: int = -1  # the request's recurrent-state slot (a hybrid model's; -1: none)
 
 
 @dataclass(slots=True)

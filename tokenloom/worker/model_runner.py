@@ -72,7 +72,17 @@ class ModelRunner:
             else None
         )
         self.graphs = None
-        if cuda_graphs and self.device.type == "cuda" and not parallel and triton_kernels.takes_cache(kv_cache):
+        # a hybrid's recurrent state advances with every forward: a step that failed part-way is
+        # recomputed from position 0 (_forward_isolated); set when a multi-step decode failed
+        self.recurrent = kv_cache.states is not None
+        self._states_suspect = False
+        if (
+            cuda_graphs
+            and self.device.type == "cuda"
+            and not parallel
+            and not self.recurrent
+            and triton_kernels.takes_cache(kv_cache)
+        ):
             self.graphs = start_decode_graphs(
                 model, kv_cache, max_num_seqs, max_model_len or model.config.max_model_len
             )
@@ -99,7 +109,7 @@ class ModelRunner:
             tokens = req.token_ids_from(start, s.num_tokens)  # pending tokens, then drafts
             if len(tokens) < s.num_tokens:
                 tokens = tokens + s.spec_token_ids[: s.num_tokens - len(tokens)]
-            chunks.append(SeqChunk(tokens, start, s.block_ids))
+            chunks.append(SeqChunk(tokens, start, s.block_ids, s.state_slot))
         return chunks
 
     def forward(
@@ -202,7 +212,11 @@ class ModelRunner:
         try:
             tokens, drawn = None, []
             for j in range(steps):
-                step = chunks if j == 0 else [SeqChunk(c.token_ids, c.start + j, c.block_ids) for c in chunks]
+                step = (
+                    chunks
+                    if j == 0
+                    else [SeqChunk(c.token_ids, c.start + j, c.block_ids, c.state_slot) for c in chunks]
+                )
                 hidden = self.forward(step, tokens)[0]  # (B, hidden)
                 logits = self.model.compute_logits(hidden)
                 tokens = self.sampler.sample(logits, SamplingMetadata.for_requests(requests)).tokens  # (B,)
@@ -214,25 +228,35 @@ class ModelRunner:
             log.exception("decoding %d steps in a row failed; running one step", steps)
             for g, state in zip(generators, states):
                 g.set_state(state)
+            self._states_suspect = self.recurrent  # some of the steps may have advanced the state
             return None
         return RunnerOutput([r.request_id for r in requests], rows, [None] * len(requests))
 
     def _forward_isolated(self, sched: SchedulerOutput, errors: dict[str, str]) -> torch.Tensor:
         """The step's hidden states (T, hidden). Should the batched forward raise, each request's
         chunk runs alone (rewriting the same cache slots): those that fail again get an error
-        and zero rows, the rest their own hidden states."""
+        and zero rows, the rest their own hidden states. A hybrid's chunk runs alone from position
+        0 (its recurrent state may have advanced in the failed forward): the same KV rewritten, the
+        state rebuilt, its own rows the last of the output."""
         chunks = self._chunks(sched)
-        try:
-            return self.forward(chunks)[0]
-        except ParallelRankError:
-            raise  # not one request's fault: the engine cannot go on
-        except Exception as batch_error:
-            if len(chunks) == 1:
-                errors[sched.scheduled[0].request.request_id] = describe_error(batch_error)
-                return torch.zeros(len(chunks[0].token_ids), self.model.config.hidden_size, device=self.device)
+        suspect, self._states_suspect = self._states_suspect, False
+        if not suspect:
+            try:
+                return self.forward(chunks)[0]
+            except ParallelRankError:
+                raise  # not one request's fault: the engine cannot go on
+            except Exception as batch_error:
+                if len(chunks) == 1 and not self.recurrent:
+                    errors[sched.scheduled[0].request.request_id] = describe_error(batch_error)
+                    return torch.zeros(len(chunks[0].token_ids), self.model.config.hidden_size, device=self.device)
         parts = []
         for s, chunk in zip(sched.scheduled, chunks):
             try:
+                if self.recurrent:
+                    whole = s.request.all_token_ids[: chunk.start] + chunk.token_ids
+                    hidden = self.forward([SeqChunk(whole, 0, chunk.block_ids, chunk.state_slot)])[0]
+                    parts.append(hidden[chunk.start :])
+                    continue
                 parts.append(self.forward([chunk])[0])
             except ParallelRankError:
                 raise

@@ -1,0 +1,44 @@
+"""A causal depthwise conv over each sequence's tokens, with its last inputs kept as state
+(Mamba-2's and Gated DeltaNet's short conv before the scan).
+
+Channel c of output t is bias[c] + sum_k weight[c, 0, k] x[t - K + 1 + k, c] over the K taps,
+where positions before the sequence's first token read as zero. A sequence's state is its last
+K - 1 inputs (channels x K - 1), so a chunk continues exactly where the previous one ended.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class CausalConv1d(nn.Module):
+    """weight (channels, 1, K) and bias (channels,) as HF's nn.Conv1d(groups=channels) stores them."""
+
+    def __init__(self, channels: int, kernel: int, bias: bool = True) -> None:
+        super().__init__()
+        self.channels, self.kernel = channels, kernel
+        self.weight = nn.Parameter(torch.empty(channels, 1, kernel))
+        self.bias = nn.Parameter(torch.empty(channels)) if bias else None
+
+    def prompt(self, x: torch.Tensor, state: torch.Tensor, fresh: bool) -> torch.Tensor:
+        """One sequence's chunk x (L, channels) after the inputs `state` (channels, K - 1) holds
+        (zeros where `fresh`) -> (L, channels); `state` takes the chunk's last K - 1 inputs (in place)."""
+        before = torch.zeros_like(state) if fresh else state
+        window = torch.cat([before, x.t().to(state.dtype)], dim=1)  # (channels, K - 1 + L)
+        out = F.conv1d(window[None], self.weight, self.bias, groups=self.channels)[0]  # (channels, L)
+        state.copy_(window[:, window.shape[1] - state.shape[1] :])
+        return out.t()
+
+    def step(self, x: torch.Tensor, states: torch.Tensor, slots: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """One token of each of S sequences: x (S, channels), their states rows `slots` (S,) of
+        `states` (slots, channels, K - 1), `keep` (S, 1) 0 where a sequence starts from zero ->
+        (S, channels); each state shifted by its token (in place)."""
+        before = states.index_select(0, slots) * keep[..., None].to(states.dtype)  # (S, channels, K - 1)
+        window = torch.cat([before, x[..., None].to(states.dtype)], dim=2)  # (S, channels, K)
+        out = torch.einsum("sck,ck->sc", window, self.weight[:, 0])
+        if self.bias is not None:
+            out = out + self.bias
+        states.index_copy_(0, slots, window[..., 1:])
+        return out

@@ -1,0 +1,113 @@
+"""Mamba-2's mixer (Granite 4.0-H's recurrent layers; ModelConfig.recurrent says the shapes), in
+place of attention in its layers, with the attention op's call signature: ``forward(x, attend,
+layer)``; the step's metadata and the per-sequence state come through `attend`.
+
+    [z, xBC, dt] = in_proj(x)
+    xBC = silu(causal_conv(xBC))            -> x (heads, head_dim), B, C (groups, state_size)
+    dt = clamp(softplus(dt + dt_bias))      A = -exp(A_log)
+    y = ssm(x, dt, A, B, C) + D x           (layers/ssm_scan.py)
+    out = out_proj(group_rms_norm(y * silu(z)) * norm.weight)
+
+The parameters keep HF's names (in_proj, conv1d, dt_bias, A_log, D, norm, out_proj).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenloom.attention.backend import StepAttention
+from tokenloom.kv_cache.recurrent import RecurrentBatch, recurrent_batch
+from tokenloom.layers.causal_conv import CausalConv1d
+from tokenloom.layers.ssm_scan import ssd_scan, ssm_step
+from tokenloom.models.config import MambaConfig, ModelConfig
+
+
+class GatedGroupRMSNorm(nn.Module):
+    """y -> weight * rms_norm_per_group(y * silu(z)): the inner width in `groups` equal groups,
+    each normed alone, computed in float32 (transformers' RMSNormGated)."""
+
+    def __init__(self, dim: int, groups: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.groups, self.eps = groups, eps
+
+    def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """y (T, dim) float32, z (T, dim) -> (T, dim) in z's dtype."""
+        T, dim = y.shape
+        g = (y * F.silu(z.float())).view(T, self.groups, dim // self.groups)
+        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * g.view(T, dim).to(z.dtype)
+
+
+class Mamba2Mixer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        m = cfg.recurrent
+        assert isinstance(m, MambaConfig)  # the layers ModelConfig.recurrent names
+        self.m = m
+        self.in_proj = nn.Linear(cfg.hidden_size, m.inner_size + m.conv_dim + m.num_heads, bias=m.proj_bias)
+        self.conv1d = CausalConv1d(m.conv_dim, m.conv_kernel, m.conv_bias)
+        self.dt_bias = nn.Parameter(torch.empty(m.num_heads))
+        self.A_log = nn.Parameter(torch.empty(m.num_heads))
+        self.D = nn.Parameter(torch.empty(m.num_heads))
+        self.norm = GatedGroupRMSNorm(m.inner_size, m.n_groups, cfg.norm_eps)
+        self.out_proj = nn.Linear(m.inner_size, cfg.hidden_size, bias=m.proj_bias)
+
+    def forward(self, x: torch.Tensor, attend: StepAttention, layer: int) -> torch.Tensor:
+        """x (T, hidden) -> (T, hidden); advances each sequence's state in layer `layer`."""
+        m, states = self.m, attend.kv_cache.states
+        batch = recurrent_batch(attend.meta, x.device)
+        z, xbc, dt = self.in_proj.forward(x).split([m.inner_size, m.conv_dim, m.num_heads], dim=-1)
+        xbc = F.silu(self._conv(xbc, batch, states.conv[layer]))  # (T, conv_dim)
+        xs, B, C = xbc.float().split([m.inner_size, m.n_groups * m.state_size, m.n_groups * m.state_size], dim=-1)
+        T = x.shape[0]
+        xs = xs.view(T, m.num_heads, m.head_dim)
+        per_group = m.num_heads // m.n_groups
+        B = B.view(T, m.n_groups, m.state_size).repeat_interleave(per_group, dim=1)  # (T, heads, N)
+        C = C.view(T, m.n_groups, m.state_size).repeat_interleave(per_group, dim=1)
+        dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*m.time_step_limit)  # (T, heads)
+        A = -torch.exp(self.A_log.float())
+        y = self._scan(xs, dt, A, B, C, batch, states.state[layer])  # (T, heads, head_dim)
+        y = y + self.D.float()[:, None] * xs
+        return self.out_proj.forward(self.norm(y.view(T, m.inner_size), z))
+
+    def _conv(self, xbc: torch.Tensor, batch: RecurrentBatch, states: torch.Tensor) -> torch.Tensor:
+        """The causal conv over each sequence's rows of xbc (T, conv_dim) -> (T, conv_dim)."""
+        if batch.all_decode:
+            return self.conv1d.step(xbc, states, batch.decode_slots, batch.decode_keep).to(xbc.dtype)
+        out = torch.empty_like(xbc)
+        if batch.decode_rows:
+            rows = batch.decode_rows
+            out[rows] = self.conv1d.step(xbc[rows], states, batch.decode_slots, batch.decode_keep).to(xbc.dtype)
+        for start, n, slot, fresh in batch.prompts:
+            out[start : start + n] = self.conv1d.prompt(xbc[start : start + n], states[slot], fresh).to(xbc.dtype)
+        return out
+
+    def _scan(self, xs, dt, A, B, C, batch: RecurrentBatch, states: torch.Tensor) -> torch.Tensor:
+        """The SSM over each sequence's rows: xs (T, heads, head_dim), dt (T, heads), B and C
+        (T, heads, N) -> y (T, heads, head_dim) float32."""
+        if batch.all_decode:
+            return self._step(xs, dt, A, B, C, batch, states)
+        y = torch.empty_like(xs)
+        if batch.decode_rows:
+            rows = batch.decode_rows
+            y[rows] = self._step(xs[rows], dt[rows], A, B[rows], C[rows], batch, states)
+        for start, n, slot, fresh in batch.prompts:
+            rows_ = slice(start, start + n)
+            before = torch.zeros_like(states[slot]) if fresh else states[slot]
+            y[rows_], after = ssd_scan(xs[rows_], dt[rows_], A, B[rows_], C[rows_], before, self.m.chunk_size)
+            states[slot] = after
+        return y
+
+    @staticmethod
+    def _step(xs, dt, A, B, C, batch: RecurrentBatch, states: torch.Tensor) -> torch.Tensor:
+        """One token of each decoding sequence, its state row read and written back."""
+        if batch.single_slot is not None:  # one sequence: its state in place
+            return ssm_step(states[batch.single_slot][None], xs, dt, A, B, C)
+        slots = batch.decode_slots
+        state = states.index_select(0, slots) * batch.decode_keep[..., None, None]  # (S, heads, head_dim, N)
+        y = ssm_step(state, xs, dt, A, B, C)
+        states.index_copy_(0, slots, state)
+        return y

@@ -1,0 +1,72 @@
+"""Mamba-2's selective state-space recurrence, per head h with state H (head_dim x state_size):
+
+    H_t = exp(dt_t A) H_{t-1} + dt_t x_t B_t^T        y_t = H_t C_t
+
+(x_t: the head's head_dim inputs, B_t and C_t: its group's state_size vectors, dt_t > 0 its step,
+A < 0 its decay.) Two ways to run it, the same numbers up to float rounding:
+
+- ``ssm_step``: one token of each of a batch of sequences, the state updated in place (decode);
+- ``ssd_scan``: a prompt chunk of one sequence in blocks of `chunk_size` positions (the "state
+  space duality" form): within a block the outputs are a masked, decay-weighted C B^T product
+  applied to dt x (an attention-like matmul), plus the decayed carried-in state read by C; the
+  state after the block is the carried state decayed over the block plus each position's
+  contribution decayed to the block's end. Exact for any block size, so a prompt split anywhere
+  (chunked prefill) gives the same outputs as whole.
+
+Everything here computes in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def ssm_step(
+    state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor
+) -> torch.Tensor:
+    """One step of S sequences: state (S, heads, head_dim, N) updated in place; x (S, heads,
+    head_dim), dt (S, heads) (after softplus), A (heads,), B and C (S, heads, N) (groups expanded)
+    -> y (S, heads, head_dim) (without the D skip)."""
+    decay = torch.exp(dt * A)  # (S, heads)
+    state.mul_(decay[..., None, None])
+    state.add_((dt[..., None] * x)[..., None] * B[:, :, None, :])  # dt x B^T: (S, heads, head_dim, N)
+    return torch.matmul(state, C[..., None]).squeeze(-1)
+
+
+def _segment_sums(a: torch.Tensor) -> torch.Tensor:
+    """a (Q, heads) per-position log decays -> (heads, Q, Q): entry [h, l, s] = sum of a[s+1 .. l]
+    for s <= l (0 on the diagonal), -inf above it; summed position by position (a running sum over
+    masked rows, not a difference of two long cumulative sums, which loses digits)."""
+    q = a.shape[0]
+    lower = torch.ones(q, q, dtype=torch.bool, device=a.device)
+    rows = a.t()[..., None].expand(-1, q, q)  # (heads, Q(k), Q(s)): a[k]
+    sums = torch.cumsum(rows.masked_fill(~lower.tril(-1), 0.0), dim=1)  # [h, l, s]: a[k] for s < k <= l
+    return sums.masked_fill(~lower.tril(), float("-inf"))
+
+
+def ssd_scan(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    state: torch.Tensor,
+    chunk_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's L positions: x (L, heads, head_dim), dt (L, heads) (after softplus), A
+    (heads,), B and C (L, heads, N), state (heads, head_dim, N) carried in -> (y (L, heads,
+    head_dim) without the D skip, the state after the last position)."""
+    ys = []
+    for start in range(0, x.shape[0], chunk_size):
+        block = slice(start, start + chunk_size)
+        xb, dtb, Bb, Cb = x[block], dt[block], B[block], C[block]
+        a = dtb * A  # (Q, heads): each position's log decay
+        decay_in = torch.exp(_segment_sums(a))  # (heads, Q, Q): position s's decay up to l
+        scores = torch.einsum("lhn,shn->hls", Cb, Bb) * decay_in  # (heads, Q, Q)
+        y = torch.einsum("hls,shp->lhp", scores, dtb[..., None] * xb)
+        cum = torch.cumsum(a, dim=0)  # (Q, heads): the decay from the block's start
+        y += torch.exp(cum)[..., None] * torch.einsum("lhn,hpn->lhp", Cb, state)
+        to_end = torch.exp(cum[-1] - cum) * dtb  # (Q, heads): position s's weight at the block's end
+        state = torch.exp(cum[-1])[:, None, None] * state + torch.einsum("sh,shp,shn->hpn", to_end, xb, Bb)
+        ys.append(y)
+    return torch.cat(ys), state
