@@ -247,9 +247,10 @@ def _write_metadata(w: gguf.GGUFWriter, arch: str, cfg: dict) -> None:
         if arch == "gpt-oss":  # conversion/gpt_oss.py: each expert's size is the MLP's
             ints["expert_feed_forward_length"] = cfg["intermediate_size"]
             ints["attention.sliding_window"] = cfg["sliding_window"]
-        shared = cfg.get("shared_expert_intermediate_size") or cfg.get("shared_intermediate_size")
-        if shared:
-            ints["expert_shared_feed_forward_length"] = shared
+    # conversion/granite.py writes the shared MLP's width whether or not there are experts
+    shared = cfg.get("shared_expert_intermediate_size") or cfg.get("shared_intermediate_size")
+    if shared and (experts or arch == "granitehybrid"):
+        ints["expert_shared_feed_forward_length"] = shared
     if arch == "deepseek2":  # its own sizes (below)
         ints = {k: v for k, v in ints.items() if not k.startswith("attention.") or k == "attention.head_count"}
     if arch == "granitehybrid":  # per layer (below)

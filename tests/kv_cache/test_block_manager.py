@@ -252,3 +252,26 @@ def test_grow_all_grows_every_sequence_or_none():
     assert bm.grow_all({"a": 12, "b": 8}) is None and bm.num_free_blocks == 2  # needs 3
     assert bm.grow_all({"a": 8, "b": 8}) == {"a": [0, 2], "b": [1, 3]}
     bm.check_integrity()
+
+
+def test_state_slots_come_with_a_sequences_first_blocks_and_go_with_its_release():
+    """A hybrid model's sequences each hold one recurrent-state slot: taken at the first
+    allocation (lowest free first), kept while the table grows, given back at release; a new
+    sequence is not allocated (nothing changes) while no slot is free."""
+    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=False, state_slots=2)
+    assert bm.allocate("a", 4) is not None and bm.allocate("b", 4) is not None
+    assert (bm.state_slot("a"), bm.state_slot("b")) == (0, 1)
+    assert bm.allocate("a", 12) is not None and bm.state_slot("a") == 0  # growing keeps the slot
+    free = bm.num_free_blocks
+    assert bm.allocate("c", 4) is None  # blocks to spare, no slot
+    assert bm.num_free_blocks == free and bm.state_slot("c") == -1
+    bm.release("a")
+    assert bm.state_slot("a") == -1
+    assert bm.allocate("c", 4) is not None and bm.state_slot("c") == 0
+    with pytest.raises(RuntimeError, match="no room"), bm.borrow(4):
+        pass  # both slots held
+    bm.release("b")
+    with bm.borrow(4) as (_, slot):
+        assert slot == 1
+    bm.check_integrity()
+    assert BlockManager(num_blocks=4, block_size=4).state_slot("x") == -1  # a model without recurrent layers

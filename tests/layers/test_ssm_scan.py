@@ -1,0 +1,80 @@
+"""Mamba-2's recurrence (layers/ssm_scan.py) and its causal conv (layers/causal_conv.py) against
+the plain definitions, in float64: the chunked scan at any block size, split anywhere with its
+state carried, equals the step-by-step recurrence; the conv run in pieces equals one zero-padded
+conv over the whole sequence."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tokenloom.layers.causal_conv import CausalConv1d
+from tokenloom.layers.ssm_scan import ssd_scan, ssm_step
+
+L, HEADS, P, N = 37, 4, 3, 5
+
+
+def _inputs(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(L, HEADS, P, generator=g, dtype=torch.float64)
+    dt = F.softplus(torch.randn(L, HEADS, generator=g, dtype=torch.float64))
+    A = -torch.rand(HEADS, generator=g, dtype=torch.float64) * 2
+    B = torch.randn(L, HEADS, N, generator=g, dtype=torch.float64)
+    C = torch.randn(L, HEADS, N, generator=g, dtype=torch.float64)
+    h0 = torch.randn(HEADS, P, N, generator=g, dtype=torch.float64)
+    return x, dt, A, B, C, h0
+
+
+def _recurrence(x, dt, A, B, C, h):
+    """H_t = exp(dt_t A) H_{t-1} + dt_t x_t B_t^T, y_t = H_t C_t, one position at a time."""
+    ys = []
+    for t in range(x.shape[0]):
+        h = torch.exp(dt[t] * A)[:, None, None] * h + (dt[t][:, None] * x[t])[..., None] * B[t][:, None, :]
+        ys.append(torch.einsum("hpn,hn->hp", h, C[t]))
+    return torch.stack(ys), h
+
+
+@pytest.mark.parametrize("chunk_size", [1, 5, 8, 64])
+def test_the_chunked_scan_is_the_recurrence(chunk_size):
+    x, dt, A, B, C, h0 = _inputs()
+    want_y, want_h = _recurrence(x, dt, A, B, C, h0)
+    y, h = ssd_scan(x, dt, A, B, C, h0, chunk_size)
+    torch.testing.assert_close(y, want_y)
+    torch.testing.assert_close(h, want_h)
+
+
+def test_a_scan_split_with_its_state_carried_is_the_whole_scan():
+    x, dt, A, B, C, h0 = _inputs(1)
+    whole, h_whole = ssd_scan(x, dt, A, B, C, h0, 8)
+    first, h = ssd_scan(x[:20], dt[:20], A, B[:20], C[:20], h0, 8)
+    second, h = ssd_scan(x[20:], dt[20:], A, B[20:], C[20:], h, 8)
+    torch.testing.assert_close(torch.cat([first, second]), whole)
+    torch.testing.assert_close(h, h_whole)
+
+
+def test_one_step_of_a_batch_updates_each_state_in_place():
+    x, dt, A, B, C, h0 = _inputs(2)
+    states = torch.stack([h0, 2 * h0])  # two sequences
+    want = [_recurrence(x[i : i + 1], dt[i : i + 1], A, B[i : i + 1], C[i : i + 1], states[i]) for i in range(2)]
+    y = ssm_step(states, x[:2], dt[:2], A, B[:2], C[:2])
+    for i in range(2):
+        torch.testing.assert_close(y[i], want[i][0][0])
+        torch.testing.assert_close(states[i], want[i][1])
+
+
+def test_the_conv_in_pieces_is_one_zero_padded_conv():
+    channels, kernel = 6, 4
+    conv = CausalConv1d(channels, kernel).double()
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        conv.weight.copy_(torch.randn(channels, 1, kernel, generator=g))
+        conv.bias.copy_(torch.randn(channels, generator=g))
+    x = torch.randn(11, channels, generator=g, dtype=torch.float64)
+    want = F.conv1d(x.t()[None], conv.weight, conv.bias, padding=kernel - 1, groups=channels)[0, :, :11].t()
+    states = torch.full((3, channels, kernel - 1), 7.0, dtype=torch.float64)  # slot 1 holds another's inputs
+    got = [conv.prompt(x[:2], states[1], fresh=True), conv.prompt(x[2:7], states[1], fresh=False)]
+    for t in range(7, 11):  # then token by token, alongside slot 2's own sequence
+        both = conv.step(torch.stack([x[t], x[t]]), states, torch.tensor([1, 2]), torch.tensor([[1.0], [1.0]]))
+        got.append(both[:1])
+    torch.testing.assert_close(torch.cat(got), want)

@@ -1,0 +1,155 @@
+"""Granite 4.0-H beyond parity with transformers (tests/models/test_parity_hf.py,
+tests/loader/test_gguf_families.py): only its attention layers keep keys and values, each
+sequence holds one recurrent-state slot, a preempted or failed sequence recomputes its state
+from position 0, prefix caching is off (and said), and what the state rules out is an error."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from tests.helpers.gguf_writer import write_gguf
+from tests.helpers.invariance import chosen_logprobs
+from tokenloom import LLM, SamplingParams
+from tokenloom.kv_cache.paged import kv_bytes_per_token
+from tokenloom.quant.gguf.modules import GGMLLinear
+from tokenloom.quant.int8.modules import QuantizedLinear
+
+PROMPTS = [[5, 17, 42, 99, 7, 3, 250, 64, 12, 77, 31], [200, 1, 2, 3], [8] * 20]
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
+
+
+def _replies(results) -> list[list[int]]:
+    return [r.outputs[0].token_ids for r in results]
+
+
+def test_only_attention_layers_keep_kv_and_each_sequence_one_state_slot(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir("granite_hybrid")), kv_cache_memory=16 << 20, max_num_seqs=3)
+    config, kv = llm.engine.model_config, llm.engine.core.runner.kv_cache
+    # one attention layer (of four) x K and V x 2 kv heads x 16 dims x float32
+    assert kv_bytes_per_token(config, torch.float32) == 1 * 2 * 2 * 16 * 4
+    assert [k.shape[0] > 0 for k in kv.keys] == [False, True, False, False]
+    assert kv.states is not None and kv.states.layers == [0, 2, 3]
+    # max_num_seqs + 1 slots; conv: x (8 x 16) + B, C (2 groups x 16 each) channels x 3 taps back
+    assert kv.states.conv[0].shape == (4, 8 * 16 + 2 * 2 * 16, 3)
+    assert kv.states.state[2].shape == (4, 8, 16, 16) and kv.states.state[2].dtype == torch.float32
+    blocks = llm.engine.core.block_manager
+    llm.generate(PROMPTS, GREEDY)
+    assert blocks.state_slot("0") == -1  # released with the request's blocks
+    blocks.check_integrity()
+
+
+def test_a_one_token_prompt_batched_with_decoding_sequences_starts_from_zero(tiny_model_dir):
+    """The slot a finished request leaves holds its state: the next sequence given it must not
+    read it, whether it arrives as a one-token prompt (the decode path) or a longer one."""
+    llm = LLM(str(tiny_model_dir("granite_hybrid")), kv_cache_memory=16 << 20)
+    prompts = [[9], *PROMPTS, [200]]
+    alone = [_replies(llm.generate([p], GREEDY))[0] for p in prompts]
+    assert _replies(llm.generate(prompts, GREEDY)) == alone
+    assert _replies(llm.generate(prompts[::-1], GREEDY)) == alone[::-1]
+
+
+def test_preempted_requests_recompute_their_state(tiny_model_dir):
+    folder = str(tiny_model_dir("granite_hybrid"))
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=0)
+    prompts = [[7, 19, 23, 5, 88, 140, 3, 61] * 5 + [200, 9], [5, 17, 42, 99] * 5, [8] * 21, [31, 4, 77] * 9]
+    plain = LLM(folder, kv_cache_memory=16 << 20).generate(prompts, params)
+    block_bytes = 16 * 2 * 2 * 16 * 4  # positions x (K, V) x kv heads x dims x float32, one attention layer
+    cramped_llm = LLM(folder, kv_cache_memory=10 * block_bytes)
+    cramped = cramped_llm.generate(prompts, params)
+    assert cramped_llm.engine.stats().num_preemptions > 0
+    for a, b in zip(cramped, plain):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert chosen_logprobs(a.outputs[0]) == pytest.approx(chosen_logprobs(b.outputs[0]), abs=1e-5)
+
+
+def test_prefix_caching_is_off_and_said(tiny_model_dir, caplog):
+    with caplog.at_level(logging.INFO, logger="tokenloom"):
+        llm = LLM(str(tiny_model_dir("granite_hybrid")), kv_cache_memory=16 << 20)
+    assert "prefix caching is off for GraniteMoeHybridForCausalLM" in caplog.text
+    prompt = [7, 19, 23, 5, 88, 140, 3, 61] * 5
+    first = llm.generate([prompt], GREEDY)[0].outputs[0]
+    again = llm.generate([prompt], GREEDY)[0].outputs[0]
+    assert again.metrics.num_cached_prompt_tokens == 0
+    assert again.token_ids == first.token_ids
+
+
+def test_a_step_that_fails_part_way_recomputes_each_sequence_from_position_zero(tiny_model_dir):
+    """The batched forward raises in the last layer, after the Mamba layers below it advanced every
+    sequence's state: each sequence is run again alone from position 0, and the replies are those
+    of a run that never failed."""
+    folder = str(tiny_model_dir("granite_hybrid"))
+    expected = _replies(LLM(folder, kv_cache_memory=16 << 20).generate(PROMPTS, GREEDY))
+    llm = LLM(folder, kv_cache_memory=16 << 20)
+    last = llm.engine.core.runner.model.model.layers[-1]
+    forward, failures = last.mlp.forward, []
+
+    def fail_once_in_a_decode_batch(x):
+        if x.shape[0] == len(PROMPTS) and len(failures) < 2:  # a decode step of all three, twice
+            failures.append(x.shape[0])
+            raise RuntimeError("injected")
+        return forward(x)
+
+    last.mlp.forward = fail_once_in_a_decode_batch
+    assert _replies(llm.generate(PROMPTS, GREEDY)) == expected
+    assert failures == [3, 3]
+
+
+def test_full_logits_in_chunks_carry_the_state_across_chunks(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir("granite_hybrid")), kv_cache_memory=16 << 20)
+    tokens = [5, 17, 42, 99, 7, 3, 250, 64, 12, 77, 31] * 3
+    whole = torch.cat([lg for _, lg in llm.engine.prefill_logits(tokens, chunk_size=64)])
+    chunked = torch.cat([lg for _, lg in llm.engine.prefill_logits(tokens, chunk_size=5)])
+    torch.testing.assert_close(chunked, whole, rtol=0, atol=1e-4)
+
+
+def test_speculative_decoding_and_splitting_are_refused_naming_why(tiny_model_dir):
+    from tokenloom.distributed.pipeline import PipelineStage
+    from tokenloom.distributed.shard import TensorParallelError, TensorShard
+    from tokenloom.loader.load import load_checkpoint
+    from tokenloom.models.registry import model_class
+
+    folder = tiny_model_dir("granite_hybrid")
+    with pytest.raises(ValueError, match="speculative decoding is not implemented for GraniteMoeHybrid.*recurrent"):
+        LLM(str(folder), kv_cache_memory=16 << 20, speculative="ngram,k=3")
+    config = load_checkpoint(folder).config
+    with pytest.raises(TensorParallelError, match="not GraniteMoeHybridForCausalLM: its Mamba-2 layers"):
+        TensorShard(0, 2).check(config, model_class(config))
+    with pytest.raises(TensorParallelError, match="pipeline parallelism .* not GraniteMoeHybridForCausalLM"):
+        PipelineStage(0, 2, config.num_layers).check(config, model_class(config))
+
+
+def test_a_quantized_gguf_keeps_the_mamba_projections_as_blocks(tiny_model_dir, tmp_path):
+    folder = tiny_model_dir("granite_hybrid")
+    q8 = LLM(str(write_gguf(folder, tmp_path / "q8.gguf", quantize="Q8_0")), kv_cache_memory=16 << 20)
+    mamba = q8.engine.core.runner.model.model.layers[0].mamba
+    assert isinstance(mamba.in_proj, QuantizedLinear | GGMLLinear)
+    assert isinstance(mamba.out_proj, QuantizedLinear | GGMLLinear)
+    f32 = LLM(str(write_gguf(folder, tmp_path / "f32.gguf")), kv_cache_memory=16 << 20)
+    tokens = PROMPTS[0] * 2
+    got = torch.cat([lg for _, lg in q8.engine.prefill_logits(tokens)]).log_softmax(-1)
+    want = torch.cat([lg for _, lg in f32.engine.prefill_logits(tokens)]).log_softmax(-1)
+    assert (got - want).abs().max() < 0.05
+
+
+def test_a_dense_hybrid_gguf_reads_its_shared_mlp_as_the_mlp(tiny_model_dir, tmp_path):
+    """Without experts the converter writes the shared MLP as ffn_gate/up/down and switches rope
+    off for a model with Mamba layers (as llama.cpp then runs it): the file reads back with the
+    HF folder's weights and sizes, its attention unturned."""
+    folder = tiny_model_dir("granite_hybrid_dense")
+    hf = LLM(str(folder), kv_cache_memory=16 << 20)
+    gguf = LLM(str(write_gguf(folder, tmp_path / "dense.gguf")), kv_cache_memory=16 << 20)
+    a, b = hf.engine.model_config, gguf.engine.model_config
+    assert b.recurrent is not None and b.recurrent.chunk_size == 256  # not stored: the default (same sums)
+    assert (b.moe, b.recurrent, b.intermediate_size) == (None, replace(a.recurrent, chunk_size=256), 96)
+    assert a.rope_layers is None and b.rope_layers == (False,) * 3
+    ours, theirs = hf.engine.core.runner.model.model.layers, gguf.engine.core.runner.model.model.layers
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(theirs[1].mlp.forward(x), ours[1].mlp.forward(x))
+    for name in ("A_log", "D", "dt_bias", "norm.weight", "conv1d.weight", "conv1d.bias"):
+        torch.testing.assert_close(theirs[2].mamba.get_parameter(name), ours[2].mamba.get_parameter(name))
