@@ -1,0 +1,113 @@
+"""Granite 4.0-H through the real server: the tiny random hybrid given Granite 4.0's chat layout
+(tests/helpers/granite_chat.py) answers chats whole, streamed and several at once with the same
+replies (each sequence's recurrent state its own), and calls tools in its <tool_call> syntax, read
+back as tool_calls with schema-valid arguments, whole and streamed alike."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import jsonschema
+import openai
+import pytest
+
+from tests.helpers.chat_model import ASK_FORECAST, FORECAST_SCHEMA, FORECAST_TOOLS
+from tests.helpers.server_harness import ThreadedServer
+
+CHATS = [
+    [{"role": "user", "content": "The quick brown fox?"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Once upon a time"}],
+    [
+        {"role": "user", "content": "a cat"},
+        {"role": "assistant", "content": "the dog"},
+        {"role": "user", "content": "jumps over"},
+    ],
+]
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model_dir, tmp_path_factory):
+    from tests.helpers.granite_chat import granite_chat_model
+    from tokenloom import LLM
+    from tokenloom.engine.async_engine import AsyncLLMEngine
+    from tokenloom.entrypoints.server import build_app
+
+    folder = granite_chat_model(tiny_model_dir("granite_hybrid"), tmp_path_factory.mktemp("granite") / "chat")
+    engine = LLM(str(folder), kv_cache_memory=16 << 20).engine
+    with ThreadedServer(build_app(AsyncLLMEngine(engine), "granite")) as url:
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0), engine
+
+
+def test_chat_replies_whole_streamed_and_concurrent_agree(served):
+    client, engine = served
+    ask = dict(model="granite", max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
+
+    def whole(chat):
+        return client.chat.completions.create(messages=chat, **ask).choices[0].message.content
+
+    def streamed(chat):
+        stream = client.chat.completions.create(messages=chat, stream=True, **ask)
+        return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+
+    alone = [whole(chat) for chat in CHATS]
+    with ThreadPoolExecutor(len(CHATS)) as pool:  # batched in the engine: each its own state
+        assert list(pool.map(whole, CHATS)) == alone
+    assert [streamed(chat) for chat in CHATS] == alone
+    assert all(alone) and "<|" not in "".join(alone)
+    prompt = engine.tokenizer.apply_chat_template(CHATS[1])
+    assert prompt.startswith("<|start_of_role|>system<|end_of_role|>Be brief.<|end_of_text|>\n")
+
+
+@pytest.mark.parametrize("tool_choice", ["required", "auto"])
+def test_calls_in_granites_syntax_come_back_as_tool_calls_whole_and_streamed(served, tool_choice):
+    client, engine = served
+    opener = engine.tokenizer.encode("<tool_call>", add_special_tokens=False)
+    assert len(opener) == 1
+    # the random model pads its JSON with whitespace (the grammar allows it): room for that
+    kwargs = dict(model="granite", messages=ASK_FORECAST, tools=FORECAST_TOOLS, tool_choice=tool_choice)
+    kwargs |= dict(max_tokens=400, temperature=0)
+    if tool_choice == "auto":  # a random model would rather talk: bias it to open a call
+        kwargs["logit_bias"] = {str(opener[0]): 100}
+    choice = client.chat.completions.create(**kwargs).choices[0]
+    calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+    assert calls and choice.finish_reason == "tool_calls"
+    for name, arguments in calls:
+        assert name == "forecast"
+        jsonschema.validate(json.loads(arguments), FORECAST_SCHEMA)
+    assert "<tool_call>" not in (choice.message.content or "")
+    streamed, finish = {}, None
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        finish = chunk.choices[0].finish_reason or finish
+        for tc in chunk.choices[0].delta.tool_calls or []:
+            entry = streamed.setdefault(tc.index, ["", ""])
+            entry[0] += (tc.function.name or "") if tc.function else ""
+            entry[1] += (tc.function.arguments or "") if tc.function else ""
+    assert [tuple(v) for v in streamed.values()] == calls and finish == "tool_calls"
+
+
+def test_the_template_lists_tools_and_renders_calls_and_results(served):
+    from tokenloom.entrypoints.server.chat_tools import ChatFeatures, make_turn
+    from tokenloom.tool_calling.formats import HERMES
+
+    _, engine = served
+    history = ASK_FORECAST + [
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "forecast", "arguments": '{"city": "Paris"}'}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    ]
+    features = ChatFeatures.for_template(engine.tokenizer.chat_template)
+    assert features.tool_format is HERMES
+    turn = make_turn(history, "auto", [FORECAST_TOOLS[0]["function"]], features)
+    prompt = engine.tokenizer.apply_chat_template(turn.messages, tools=turn.template_tools)
+    assert '<tools>\n{"type": "function", "function": {"name": "forecast"' in prompt
+    assert (
+        '<|start_of_role|>assistant<|end_of_role|><tool_call>\n{"name": "forecast", "arguments": {"city": "Paris"}}'
+        "\n</tool_call><|end_of_text|>\n<|start_of_role|>user<|end_of_role|>\n<tool_response>\nsunny\n"
+        "</tool_response><|end_of_text|>\n" in prompt
+    )
