@@ -15,6 +15,11 @@ Shapes (``SHAPES``):
   nope 128, values 128, no q bottleneck), a dense first layer of 10944, then 64 experts of 1408
   (top 6) and 2 shared; Q4_K where rows hold 256-value blocks, Q8_0 elsewhere (the 1408-wide down
   projections, k_b); 27 layers.
+- ``granite-4.0-h-tiny``: 1536 wide, Mamba-2 mixers (48 heads of 64, state 128, one group, conv 4)
+  in 9 of every 10 layers, attention (12 query / 4 KV heads of 128, no rope) in the others (layer
+  5, 15, ...), every layer's MLP 64 experts of 512 (top 6) beside a shared MLP of 1024; embeddings
+  tied; Q4_K where rows hold 256-value blocks (every matrix here), the Mamba vectors float32;
+  40 layers.
 --layers of them here.
 
     python benchmarks/shaped_gguf.py gpt-oss-20b --layers 8 -o /tmp/gpt-oss-20b-8l.gguf
@@ -48,12 +53,22 @@ class Shape:
     context: int
     dense_ffn: int = 0  # the dense first layer's (DeepSeek)
     shared_experts: int = 0
+    shared_ffn: int = 0  # the shared MLP's width (Granite)
 
 
 SHAPES = {
     "gpt-oss-20b": Shape("gpt-oss", 2880, 64, 8, 64, 32, 4, 2880, 201088, 24, 131072),
     "deepseek-v2-lite": Shape("deepseek2", 2048, 16, 1, 576, 64, 6, 1408, 102400, 27, 163840, 10944, 2),
+    "granite-4.0-h-tiny": Shape("granitehybrid", 1536, 12, 4, 128, 64, 6, 512, 100352, 40, 131072, shared_ffn=1024),
 }
+# Granite 4.0-H-Tiny's Mamba-2 mixers: heads x head_dim = 2 x hidden; one attention layer in ten
+MAMBA_HEADS, MAMBA_HEAD_DIM, MAMBA_STATE, MAMBA_GROUPS, MAMBA_CONV = 48, 64, 128, 1, 4
+
+
+def granite_attends(layer: int) -> bool:
+    return layer % 10 == 5
+
+
 # DeepSeek-V2-Lite's latent attention
 KV_LORA, ROPE, NOPE, V_DIM = 512, 64, 128, 128
 
@@ -94,6 +109,8 @@ def write_tokens(w: gguf.GGUFWriter, s: Shape) -> None:
 def write_metadata(w: gguf.GGUFWriter, s: Shape, layers: int) -> None:
     if s.arch == "deepseek2":
         return write_deepseek2_metadata(w, s, layers)
+    if s.arch == "granitehybrid":
+        return write_granite_hybrid_metadata(w, s, layers)
     a = s.arch
     for key, value in {
         "block_count": layers,
@@ -154,6 +171,78 @@ def write_deepseek2_metadata(w: gguf.GGUFWriter, s: Shape, layers: int) -> None:
     write_tokens(w, s)
 
 
+def write_granite_hybrid_metadata(w: gguf.GGUFWriter, s: Shape, layers: int) -> None:
+    """conversion/granite.py's GraniteHybridModel keys: the Mamba sizes as ssm.* (heads as
+    time_step_rank), head_count_kv per layer (0 for Mamba), rope off, Granite's multipliers."""
+    a = "granitehybrid"
+    for key, value in {
+        "block_count": layers,
+        "context_length": s.context,
+        "embedding_length": s.hidden,
+        "feed_forward_length": s.expert_ffn,
+        "expert_feed_forward_length": s.expert_ffn,
+        "expert_shared_feed_forward_length": s.shared_ffn,
+        "expert_count": s.experts,
+        "expert_used_count": s.top_k,
+        "attention.head_count": s.heads,
+        "rope.dimension_count": s.head_dim,
+        "ssm.conv_kernel": MAMBA_CONV,
+        "ssm.state_size": MAMBA_STATE,
+        "ssm.group_count": MAMBA_GROUPS,
+        "ssm.inner_size": MAMBA_HEADS * MAMBA_HEAD_DIM,
+        "ssm.time_step_rank": MAMBA_HEADS,
+    }.items():
+        w.add_uint32(f"{a}.{key}", value)
+    w.add_array(f"{a}.attention.head_count_kv", [s.kv_heads if granite_attends(i) else 0 for i in range(layers)])
+    w.add_bool(f"{a}.rope.scaling.finetuned", False)
+    w.add_float32(f"{a}.rope.freq_base", 10000.0)
+    w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)
+    for key, value in {
+        "attention.scale": 1 / 128,
+        "embedding_scale": 12.0,
+        "residual_scale": 0.22,
+        "logit_scale": 6.0,
+    }.items():
+        w.add_float32(f"{a}.{key}", value)
+    write_tokens(w, s)
+
+
+def granite_hybrid_tensors(s: Shape, layers: int, rng: np.random.Generator):
+    """(name, array, raw type or None) in llama.cpp's granitehybrid layout (src/models/granite-hybrid.cpp)."""
+    inner = MAMBA_HEADS * MAMBA_HEAD_DIM
+    conv = inner + 2 * MAMBA_GROUPS * MAMBA_STATE
+    yield "token_embd.weight", *matrix(s.vocab, s.hidden, rng)
+    yield "output_norm.weight", floats((s.hidden,), rng, 0.1, 1.0), None
+    for i in range(layers):
+        b = f"blk.{i}"
+        yield f"{b}.attn_norm.weight", floats((s.hidden,), rng, 0.1, 1.0), None
+        yield f"{b}.ffn_norm.weight", floats((s.hidden,), rng, 0.1, 1.0), None
+        if granite_attends(i):
+            q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
+            for name, rows, cols in (("attn_q", q, s.hidden), ("attn_k", kv, s.hidden), ("attn_v", kv, s.hidden)):
+                yield f"{b}.{name}.weight", *matrix(rows, cols, rng)
+            yield f"{b}.attn_output.weight", *matrix(s.hidden, q, rng)
+        else:
+            yield f"{b}.ssm_in.weight", *matrix(inner + conv + MAMBA_HEADS, s.hidden, rng)
+            yield f"{b}.ssm_conv1d.weight", floats((conv, MAMBA_CONV), rng, 0.2), None
+            yield f"{b}.ssm_conv1d.bias", floats((conv,), rng), None
+            yield f"{b}.ssm_dt.bias", floats((MAMBA_HEADS,), rng, 0.5, -2.0), None
+            yield f"{b}.ssm_a", -np.arange(1, MAMBA_HEADS + 1, dtype=np.float32).reshape(-1, 1), None
+            yield f"{b}.ssm_d", np.ones((MAMBA_HEADS, 1), dtype=np.float32), None
+            yield f"{b}.ssm_norm.weight", floats((MAMBA_GROUPS, inner // MAMBA_GROUPS), rng, 0.1, 1.0), None
+            yield f"{b}.ssm_out.weight", *matrix(s.hidden, inner, rng)
+        yield f"{b}.ffn_gate_inp.weight", floats((s.experts, s.hidden), rng), None
+        for name, rows, cols, experts in (
+            ("ffn_gate_exps", s.expert_ffn, s.hidden, s.experts),
+            ("ffn_up_exps", s.expert_ffn, s.hidden, s.experts),
+            ("ffn_down_exps", s.hidden, s.expert_ffn, s.experts),
+            ("ffn_gate_shexp", s.shared_ffn, s.hidden, 0),
+            ("ffn_up_shexp", s.shared_ffn, s.hidden, 0),
+            ("ffn_down_shexp", s.hidden, s.shared_ffn, 0),
+        ):
+            yield f"{b}.{name}.weight", *matrix(rows, cols, rng, experts)
+
+
 def matrix(rows: int, cols: int, rng: np.random.Generator, experts: int = 0):
     """A (experts,) rows x cols matrix as Q4_K where its rows hold 256-value blocks, else Q8_0."""
     kind = Q4_K if cols % 256 == 0 else Q8_0
@@ -197,6 +286,9 @@ def tensors(s: Shape, layers: int, rng: np.random.Generator):
     """(name, array, raw type or None) in llama.cpp's layout of the shape's family."""
     if s.arch == "deepseek2":
         yield from deepseek2_tensors(s, layers, rng)
+        return
+    if s.arch == "granitehybrid":
+        yield from granite_hybrid_tensors(s, layers, rng)
         return
     yield from gpt_oss_tensors(s, layers, rng)
 

@@ -78,3 +78,51 @@ def test_the_conv_in_pieces_is_one_zero_padded_conv():
         both = conv.step(torch.stack([x[t], x[t]]), states, torch.tensor([1, 2]), torch.tensor([[1.0], [1.0]]))
         got.append(both[:1])
     torch.testing.assert_close(torch.cat(got), want)
+
+
+def test_the_decode_kernel_steps_slots_as_the_recurrence_does():
+    """The compiled step (float32, groups shared by heads, a slot starting from zero) against the
+    float64 recurrence on the same slots; other slots untouched."""
+    from tokenloom.layers import ssm_scan
+
+    if not ssm_scan.build():
+        pytest.skip("the CPU kernels do not build here")
+    g = torch.Generator().manual_seed(4)
+    heads, groups, n = 6, 2, 12  # a state width off the 8-lane vectors
+    states = torch.randn(5, heads, P, n, generator=g)
+    x, dt = torch.randn(3, heads, P, generator=g), F.softplus(torch.randn(3, heads, generator=g))
+    A = -torch.rand(heads, generator=g)
+    B, C = torch.randn(3, groups, n, generator=g), torch.randn(3, groups, n, generator=g)
+    slots, keep = torch.tensor([4, 0, 2]), torch.tensor([[1.0], [0.0], [1.0]])
+    before = states.clone()
+    y = ssm_scan.ssm_step_slots(states, slots, keep, x, dt, A, B, C)
+    for i, slot in enumerate(slots.tolist()):
+        h0 = before[slot].double() * keep[i].double()
+        Bh, Ch = (t[i : i + 1].double().repeat_interleave(heads // groups, dim=1) for t in (B, C))
+        want_y, want_h = _recurrence(x[i : i + 1].double(), dt[i : i + 1].double(), A.double(), Bh, Ch, h0)
+        torch.testing.assert_close(y[i].double(), want_y[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(states[slot].double(), want_h, rtol=1e-5, atol=1e-5)
+    assert torch.equal(states[[1, 3]], before[[1, 3]])
+
+
+def test_the_decode_conv_kernel_is_the_torch_step():
+    from tokenloom.layers import ssm_scan
+
+    if not ssm_scan.build():
+        pytest.skip("the CPU kernels do not build here")
+    channels, kernel = 10, 4
+    conv = CausalConv1d(channels, kernel)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        conv.weight.copy_(torch.randn(channels, 1, kernel, generator=g))
+        conv.bias.copy_(torch.randn(channels, generator=g))
+    states = torch.randn(4, channels, kernel - 1, generator=g)
+    x = torch.randn(3, 2 * channels, generator=g)[:, :channels]  # a column slice, as the mixer passes it
+    slots, keep = torch.tensor([3, 0, 1]), torch.tensor([[1.0], [0.0], [1.0]])
+    want_states = states.clone()
+    before = want_states.index_select(0, slots) * keep[..., None]
+    window = torch.cat([before, x[..., None]], dim=2)
+    want = (window * conv.weight[:, 0]).sum(-1) + conv.bias
+    want_states.index_copy_(0, slots, window[..., 1:])
+    torch.testing.assert_close(conv.step(x, states, slots, keep), want)
+    torch.testing.assert_close(states, want_states)

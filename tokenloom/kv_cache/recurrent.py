@@ -77,7 +77,6 @@ class RecurrentBatch:
     decode_keep: torch.Tensor  # (D, 1) float32
     prompts: list[tuple[int, int, int, bool]]
     all_decode: bool  # every sequence decodes: the step's rows are decode_rows, in order
-    single_slot: int | None  # the slot of the one decoding sequence, where just one decodes and continues
 
 
 def recurrent_batch(meta: AttentionMetadata, device: torch.device) -> RecurrentBatch:
@@ -100,7 +99,6 @@ def recurrent_batch(meta: AttentionMetadata, device: torch.device) -> RecurrentB
         torch.tensor(keep, device=device).view(-1, 1),
         prompts,
         len(decode) == meta.num_seqs,
-        slots[decode[0]] if keep == [1.0] else None,
     )
     meta.recurrent_batch_ = batch
     return batch

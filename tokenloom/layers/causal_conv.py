@@ -34,11 +34,25 @@ class CausalConv1d(nn.Module):
     def step(self, x: torch.Tensor, states: torch.Tensor, slots: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         """One token of each of S sequences: x (S, channels), their states rows `slots` (S,) of
         `states` (slots, channels, K - 1), `keep` (S, 1) 0 where a sequence starts from zero ->
-        (S, channels); each state shifted by its token (in place)."""
+        (S, channels); each state shifted by its token (in place). On the CPU in float32 one
+        compiled call (csrc/mamba_step_cpu.cpp), the same sums tap by tap."""
+        if self._kernel_takes(states, x):
+            return torch.ops.tokenloom_ssm.conv_step(states, slots, keep.reshape(-1), x, self.weight, self.bias)
         before = states.index_select(0, slots) * keep[..., None].to(states.dtype)  # (S, channels, K - 1)
         window = torch.cat([before, x[..., None].to(states.dtype)], dim=2)  # (S, channels, K)
-        out = torch.einsum("sck,ck->sc", window, self.weight[:, 0])
+        out = (window * self.weight[:, 0]).sum(-1)  # (S, channels)
         if self.bias is not None:
             out = out + self.bias
         states.index_copy_(0, slots, window[..., 1:])
         return out
+
+    def _kernel_takes(self, states: torch.Tensor, x: torch.Tensor) -> bool:
+        from tokenloom.layers import ssm_scan  # the compiled library holds both decode steps
+
+        return (
+            states.device.type == "cpu"
+            and states.dtype == x.dtype == self.weight.dtype == torch.float32
+            and states.is_contiguous()
+            and x.stride(-1) == 1
+            and ssm_scan.build()
+        )

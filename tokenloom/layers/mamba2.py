@@ -20,7 +20,7 @@ from torch import nn
 from tokenloom.attention.backend import StepAttention
 from tokenloom.kv_cache.recurrent import RecurrentBatch, recurrent_batch
 from tokenloom.layers.causal_conv import CausalConv1d
-from tokenloom.layers.ssm_scan import ssd_scan, ssm_step
+from tokenloom.layers.ssm_scan import ssd_scan, ssm_step_slots
 from tokenloom.models.config import MambaConfig, ModelConfig
 
 
@@ -64,9 +64,7 @@ class Mamba2Mixer(nn.Module):
         xs, B, C = xbc.float().split([m.inner_size, m.n_groups * m.state_size, m.n_groups * m.state_size], dim=-1)
         T = x.shape[0]
         xs = xs.view(T, m.num_heads, m.head_dim)
-        per_group = m.num_heads // m.n_groups
-        B = B.view(T, m.n_groups, m.state_size).repeat_interleave(per_group, dim=1)  # (T, heads, N)
-        C = C.view(T, m.n_groups, m.state_size).repeat_interleave(per_group, dim=1)
+        B, C = B.view(T, m.n_groups, m.state_size), C.view(T, m.n_groups, m.state_size)
         dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*m.time_step_limit)  # (T, heads)
         A = -torch.exp(self.A_log.float())
         y = self._scan(xs, dt, A, B, C, batch, states.state[layer])  # (T, heads, head_dim)
@@ -87,27 +85,18 @@ class Mamba2Mixer(nn.Module):
 
     def _scan(self, xs, dt, A, B, C, batch: RecurrentBatch, states: torch.Tensor) -> torch.Tensor:
         """The SSM over each sequence's rows: xs (T, heads, head_dim), dt (T, heads), B and C
-        (T, heads, N) -> y (T, heads, head_dim) float32."""
+        (T, groups, N) -> y (T, heads, head_dim) float32."""
+        keep, slots = batch.decode_keep, batch.decode_slots
         if batch.all_decode:
-            return self._step(xs, dt, A, B, C, batch, states)
+            return ssm_step_slots(states, slots, keep, xs, dt, A, B, C)
         y = torch.empty_like(xs)
         if batch.decode_rows:
             rows = batch.decode_rows
-            y[rows] = self._step(xs[rows], dt[rows], A, B[rows], C[rows], batch, states)
+            y[rows] = ssm_step_slots(states, slots, keep, xs[rows], dt[rows], A, B[rows], C[rows])
+        per_group = self.m.num_heads // self.m.n_groups
         for start, n, slot, fresh in batch.prompts:
-            rows_ = slice(start, start + n)
+            r = slice(start, start + n)
+            Bh, Ch = B[r].repeat_interleave(per_group, dim=1), C[r].repeat_interleave(per_group, dim=1)  # (n, heads, N)
             before = torch.zeros_like(states[slot]) if fresh else states[slot]
-            y[rows_], after = ssd_scan(xs[rows_], dt[rows_], A, B[rows_], C[rows_], before, self.m.chunk_size)
-            states[slot] = after
-        return y
-
-    @staticmethod
-    def _step(xs, dt, A, B, C, batch: RecurrentBatch, states: torch.Tensor) -> torch.Tensor:
-        """One token of each decoding sequence, its state row read and written back."""
-        if batch.single_slot is not None:  # one sequence: its state in place
-            return ssm_step(states[batch.single_slot][None], xs, dt, A, B, C)
-        slots = batch.decode_slots
-        state = states.index_select(0, slots) * batch.decode_keep[..., None, None]  # (S, heads, head_dim, N)
-        y = ssm_step(state, xs, dt, A, B, C)
-        states.index_copy_(0, slots, state)
+            y[r], states[slot] = ssd_scan(xs[r], dt[r], A, Bh, Ch, before, self.m.chunk_size)
         return y

@@ -6,6 +6,8 @@
 A < 0 its decay.) Two ways to run it, the same numbers up to float rounding:
 
 - ``ssm_step``: one token of each of a batch of sequences, the state updated in place (decode);
+  ``ssm_step_slots`` runs it on states kept in a slot cache, through a compiled CPU kernel
+  (``csrc/mamba_step_cpu.cpp``: each state row read and written once) where it builds;
 - ``ssd_scan``: a prompt chunk of one sequence in blocks of `chunk_size` positions (the "state
   space duality" form): within a block the outputs are a masked, decay-weighted C B^T product
   applied to dt x (an attention-like matmul), plus the decayed carried-in state read by C; the
@@ -18,7 +20,19 @@ Everything here computes in float32.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
+
+from tokenloom.kernels import native
+
+_SOURCE = Path(__file__).parent / "csrc" / "mamba_step_cpu.cpp"
+
+
+def build() -> bool:
+    """Compile and register the decode-step kernels (the SSM's and the conv's: once per process);
+    False where they cannot be."""
+    return native.load(_SOURCE, "Mamba-2 decode step kernels")
 
 
 def ssm_step(
@@ -31,6 +45,30 @@ def ssm_step(
     state.mul_(decay[..., None, None])
     state.add_((dt[..., None] * x)[..., None] * B[:, :, None, :])  # dt x B^T: (S, heads, head_dim, N)
     return torch.matmul(state, C[..., None]).squeeze(-1)
+
+
+def ssm_step_slots(
+    states: torch.Tensor,
+    slots: torch.Tensor,
+    keep: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+) -> torch.Tensor:
+    """One step of S sequences whose states are rows `slots` (S,) of `states` (slots, heads,
+    head_dim, N), each from zero where `keep` (S, 1) is 0; x (S, heads, head_dim), dt (S, heads),
+    A (heads,), B and C (S, groups, N) -> y (S, heads, head_dim); the rows updated in place."""
+    if states.device.type == "cpu" and states.is_contiguous() and build():
+        return torch.ops.tokenloom_ssm.ssm_step(
+            states, slots, keep.reshape(-1), x.contiguous(), dt.contiguous(), A, B.contiguous(), C.contiguous()
+        )
+    per_group = x.shape[1] // B.shape[1]
+    state = states.index_select(0, slots) * keep[..., None, None]  # (S, heads, head_dim, N)
+    y = ssm_step(state, x, dt, A, B.repeat_interleave(per_group, dim=1), C.repeat_interleave(per_group, dim=1))
+    states.index_copy_(0, slots, state)
+    return y
 
 
 def _segment_sums(a: torch.Tensor) -> torch.Tensor:

@@ -86,7 +86,7 @@ class CausalLM(nn.Module):
         """Compile (or load from torch's cache) the CPU kernels this model's forward will call,
         so their one-time "compiling" messages come while loading, not inside streamed text."""
         from tokenloom.attention import cpu_decode, cpu_latent, cpu_prefill
-        from tokenloom.layers import fused
+        from tokenloom.layers import fused, ssm_scan
         from tokenloom.quant import QuantizedLinear
         from tokenloom.quant.int8 import kernels
 
@@ -97,6 +97,8 @@ class CausalLM(nn.Module):
             cpu_prefill.ops()
             if self.config.mla is not None:
                 cpu_latent.build()
+            if self.config.recurrent is not None:
+                ssm_scan.build()
         if any(isinstance(m, QuantizedLinear) for m in self.modules()):
             kernels.available()
 
