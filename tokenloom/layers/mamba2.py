@@ -19,6 +19,7 @@ from torch import nn
 
 from tokenloom.attention.backend import StepAttention
 from tokenloom.kv_cache.recurrent import RecurrentBatch, recurrent_batch
+from tokenloom.layers import ssm_scan
 from tokenloom.layers.causal_conv import CausalConv1d
 from tokenloom.layers.ssm_scan import ssd_scan, ssm_step_slots
 from tokenloom.models.config import MambaConfig, ModelConfig
@@ -54,22 +55,59 @@ class Mamba2Mixer(nn.Module):
         self.D = nn.Parameter(torch.empty(m.num_heads))
         self.norm = GatedGroupRMSNorm(m.inner_size, m.n_groups, cfg.norm_eps)
         self.out_proj = nn.Linear(m.inner_size, cfg.hidden_size, bias=m.proj_bias)
+        self._A: torch.Tensor | None = None  # -exp(A_log), once loaded (_decay_rates)
 
     def forward(self, x: torch.Tensor, attend: StepAttention, layer: int) -> torch.Tensor:
-        """x (T, hidden) -> (T, hidden); advances each sequence's state in layer `layer`."""
+        """x (T, hidden) -> (T, hidden); advances each sequence's state in layer `layer`. A step
+        where every sequence decodes runs everything between in_proj and out_proj as one compiled
+        CPU call where it builds (layers/csrc/mamba_step_cpu.cpp mamba_decode: the same steps)."""
         m, states = self.m, attend.kv_cache.states
         batch = recurrent_batch(attend.meta, x.device)
-        z, xbc, dt = self.in_proj.forward(x).split([m.inner_size, m.conv_dim, m.num_heads], dim=-1)
-        xbc = F.silu(self._conv(xbc, batch, states.conv[layer]))  # (T, conv_dim)
+        zxbcdt = self.in_proj.forward(x)  # (T, inner + conv_dim + heads)
+        conv_states, ssm_states = states.conv[layer], states.state[layer]
+        if batch.all_decode and self._fused_decode_takes(zxbcdt, conv_states):
+            y = torch.ops.tokenloom_ssm.mamba_decode(
+                zxbcdt,
+                conv_states,
+                ssm_states,
+                batch.decode_slots,
+                batch.decode_keep.reshape(-1),
+                self.conv1d.weight,
+                self.conv1d.bias,
+                self.dt_bias,
+                self._decay_rates(),
+                self.D,
+                self.norm.weight,
+                m.n_groups,
+                self.norm.eps,
+                *m.time_step_limit,
+            )
+            return self.out_proj.forward(y)
+        z, xbc, dt = zxbcdt.split([m.inner_size, m.conv_dim, m.num_heads], dim=-1)
+        xbc = F.silu(self._conv(xbc, batch, conv_states))  # (T, conv_dim)
         xs, B, C = xbc.float().split([m.inner_size, m.n_groups * m.state_size, m.n_groups * m.state_size], dim=-1)
         T = x.shape[0]
         xs = xs.view(T, m.num_heads, m.head_dim)
         B, C = B.view(T, m.n_groups, m.state_size), C.view(T, m.n_groups, m.state_size)
         dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*m.time_step_limit)  # (T, heads)
-        A = -torch.exp(self.A_log.float())
-        y = self._scan(xs, dt, A, B, C, batch, states.state[layer])  # (T, heads, head_dim)
+        y = self._scan(xs, dt, self._decay_rates(), B, C, batch, ssm_states)  # (T, heads, head_dim)
         y = y + self.D.float()[:, None] * xs
         return self.out_proj.forward(self.norm(y.view(T, m.inner_size), z))
+
+    def _decay_rates(self) -> torch.Tensor:
+        """A = -exp(A_log) (heads,) float32, computed once (the weights are fixed once loaded)."""
+        if self._A is None or self._A.device != self.A_log.device:
+            self._A = -torch.exp(self.A_log.detach().float())
+        return self._A
+
+    def _fused_decode_takes(self, zxbcdt: torch.Tensor, conv_states: torch.Tensor) -> bool:
+        return (
+            zxbcdt.device.type == "cpu"
+            and zxbcdt.dtype == conv_states.dtype == self.dt_bias.dtype == torch.float32
+            and zxbcdt.stride(-1) == 1
+            and conv_states.is_contiguous()
+            and ssm_scan.build()
+        )
 
     def _conv(self, xbc: torch.Tensor, batch: RecurrentBatch, states: torch.Tensor) -> torch.Tensor:
         """The causal conv over each sequence's rows of xbc (T, conv_dim) -> (T, conv_dim)."""

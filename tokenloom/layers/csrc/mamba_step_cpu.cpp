@@ -18,6 +18,7 @@
 #include <cmath>
 
 #include "../../kernels/include/int8_dot.h"
+#include "../../kernels/include/silu_mul_row.h"
 
 namespace {
 
@@ -128,9 +129,88 @@ at::Tensor ssm_step(at::Tensor& states, const at::Tensor& slots, const at::Tenso
   return y;
 }
 
+// softplus(v) as torch computes it (beta 1, threshold 20), clamped to [lo, hi].
+inline float softplus_clamped(float v, float lo, float hi) {
+  const float sp = v > 20.0f ? v : std::log1p(std::exp(v));
+  return std::min(std::max(sp, lo), hi);
+}
+
+// A whole Mamba-2 decode step between in_proj and out_proj for S sequences (layers/mamba2.py):
+// zxbcdt (S, inner + conv_dim + heads) -> (S, inner) =
+//   norm_w * group_rms_norm(y * silu(z)),  y = ssm(x, dt, A, B, C) + D x,
+//   [x, B, C] = silu(conv(xBC)),  dt = clamp(softplus(dt + dt_bias), dt_min, dt_max);
+// the conv and SSM states of rows `slots` advanced in place (from zero where keep[s] == 0).
+at::Tensor mamba_decode(const at::Tensor& zxbcdt, at::Tensor& conv_states, at::Tensor& ssm_states,
+                        const at::Tensor& slots, const at::Tensor& keep, const at::Tensor& conv_w,
+                        const c10::optional<at::Tensor>& conv_b, const at::Tensor& dt_bias, const at::Tensor& A,
+                        const at::Tensor& D, const at::Tensor& norm_w, int64_t groups, double eps, double dt_min,
+                        double dt_max) {
+  TORCH_CHECK(ssm_states.dim() == 4 && ssm_states.scalar_type() == at::kFloat && ssm_states.is_contiguous(),
+              "ssm_states must be contiguous (slots, heads, head_dim, N) float32");
+  const int64_t H = ssm_states.size(1), P = ssm_states.size(2), N = ssm_states.size(3), inner = H * P;
+  const int64_t conv_dim = conv_states.size(1), S = zxbcdt.size(0), G = groups;
+  TORCH_CHECK(G > 0 && H % G == 0 && conv_dim == inner + 2 * G * N, "conv channels must be inner + 2 groups N");
+  TORCH_CHECK(zxbcdt.dim() == 2 && zxbcdt.scalar_type() == at::kFloat && zxbcdt.stride(1) == 1 &&
+                  zxbcdt.size(1) == inner + conv_dim + H,
+              "zxbcdt must be (S, inner + conv_dim + heads) float32 with unit column stride");
+  for (const at::Tensor* t : {&dt_bias, &A, &D})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == H, "dt_bias, A, D must be (heads,)");
+  TORCH_CHECK(norm_w.scalar_type() == at::kFloat && norm_w.is_contiguous() && norm_w.numel() == inner,
+              "norm_w must be (inner,) float32");
+  // the conv step: x, B, C before their SiLU, the states shifted
+  const at::Tensor xbc = conv_step(conv_states, slots, keep, zxbcdt.narrow(1, inner, conv_dim), conv_w, conv_b);
+  float* xp = xbc.data_ptr<float>();
+  at::parallel_for(0, S, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t s = begin; s < end; ++s) {
+      float* row = xp + s * conv_dim;
+      int64_t c = 0;
+      for (; c + 8 <= conv_dim; c += 8) _mm256_storeu_ps(row + c, tokenloom_silu::silu8(_mm256_loadu_ps(row + c)));
+      for (; c < conv_dim; ++c) row[c] = row[c] / (1.f + std::exp(-row[c]));
+    }
+  });
+  at::Tensor y = at::empty({S, inner}, zxbcdt.options());
+  float* yp = y.data_ptr<float>();
+  float* sp = ssm_states.data_ptr<float>();
+  const float *zp = zxbcdt.data_ptr<float>(), *bias = dt_bias.data_ptr<float>(), *ap = A.data_ptr<float>();
+  const float *dp = D.data_ptr<float>(), *kp = keep.data_ptr<float>(), *wp = norm_w.data_ptr<float>();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const int64_t ldz = zxbcdt.stride(0), per_group = H / G;
+  at::parallel_for(0, S * H, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t s = task / H, h = task % H, g = h / per_group;
+      const float dt = softplus_clamped(zp[s * ldz + inner + conv_dim + h] + bias[h], dt_min, dt_max);
+      const float* x = xp + s * conv_dim + h * P;
+      const float* B = xp + s * conv_dim + inner + g * N;
+      float* out = yp + s * inner + h * P;
+      head_step(sp + (slot[s] * H + h) * P * N, x, dt, std::exp(dt * ap[h]), B, B + G * N, out, P, N, kp[s] != 0.0f);
+      for (int64_t p = 0; p < P; ++p) out[p] += dp[h] * x[p];
+    }
+  });
+  const int64_t width = inner / G;  // the gated norm's groups (the model's n_groups)
+  at::parallel_for(0, S * G, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t s = task / G, g = task % G;
+      float* v = yp + s * inner + g * width;
+      const float* z = zp + s * ldz + g * width;
+      double squares = 0.0;
+      for (int64_t i = 0; i < width; ++i) {
+        v[i] *= z[i] / (1.f + std::exp(-z[i]));
+        squares += static_cast<double>(v[i]) * v[i];
+      }
+      const float inv = 1.0f / std::sqrt(static_cast<float>(squares / width) + static_cast<float>(eps));
+      for (int64_t i = 0; i < width; ++i) v[i] = wp[g * width + i] * (v[i] * inv);
+    }
+  });
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(tokenloom_ssm, m) {
+  m.def(
+      "mamba_decode(Tensor zxbcdt, Tensor(a!) conv_states, Tensor(b!) ssm_states, Tensor slots, Tensor keep, "
+      "Tensor conv_w, Tensor? conv_b, Tensor dt_bias, Tensor A, Tensor D, Tensor norm_w, int groups, float eps, "
+      "float dt_min, float dt_max) -> Tensor");
   m.def("conv_step(Tensor(a!) states, Tensor slots, Tensor keep, Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def(
       "ssm_step(Tensor(a!) states, Tensor slots, Tensor keep, Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C) -> "
@@ -139,5 +219,6 @@ TORCH_LIBRARY(tokenloom_ssm, m) {
 
 TORCH_LIBRARY_IMPL(tokenloom_ssm, CPU, m) {
   m.impl("conv_step", &conv_step);
+  m.impl("mamba_decode", &mamba_decode);
   m.impl("ssm_step", &ssm_step);
 }
