@@ -12,18 +12,23 @@ import torch.nn.functional as F
 from tokenloom.layers.causal_conv import CausalConv1d
 from tokenloom.layers.ssm_scan import ssd_scan, ssm_step
 
-L, HEADS, P, N = 37, 4, 3, 5
+L, HEADS, GROUPS, P, N = 37, 4, 2, 3, 5
 
 
 def _inputs(seed: int = 0):
+    """x, dt, A, B and C per group (L, GROUPS, N), a carried-in state."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(L, HEADS, P, generator=g, dtype=torch.float64)
     dt = F.softplus(torch.randn(L, HEADS, generator=g, dtype=torch.float64))
     A = -torch.rand(HEADS, generator=g, dtype=torch.float64) * 2
-    B = torch.randn(L, HEADS, N, generator=g, dtype=torch.float64)
-    C = torch.randn(L, HEADS, N, generator=g, dtype=torch.float64)
+    B = torch.randn(L, GROUPS, N, generator=g, dtype=torch.float64)
+    C = torch.randn(L, GROUPS, N, generator=g, dtype=torch.float64)
     h0 = torch.randn(HEADS, P, N, generator=g, dtype=torch.float64)
     return x, dt, A, B, C, h0
+
+
+def _per_head(t: torch.Tensor) -> torch.Tensor:
+    return t.repeat_interleave(HEADS // GROUPS, dim=1)
 
 
 def _recurrence(x, dt, A, B, C, h):
@@ -38,7 +43,7 @@ def _recurrence(x, dt, A, B, C, h):
 @pytest.mark.parametrize("chunk_size", [1, 5, 8, 64])
 def test_the_chunked_scan_is_the_recurrence(chunk_size):
     x, dt, A, B, C, h0 = _inputs()
-    want_y, want_h = _recurrence(x, dt, A, B, C, h0)
+    want_y, want_h = _recurrence(x, dt, A, _per_head(B), _per_head(C), h0)
     y, h = ssd_scan(x, dt, A, B, C, h0, chunk_size)
     torch.testing.assert_close(y, want_y)
     torch.testing.assert_close(h, want_h)
@@ -51,11 +56,15 @@ def test_a_scan_split_with_its_state_carried_is_the_whole_scan():
     second, h = ssd_scan(x[20:], dt[20:], A, B[20:], C[20:], h, 8)
     torch.testing.assert_close(torch.cat([first, second]), whole)
     torch.testing.assert_close(h, h_whole)
+    from_none = ssd_scan(x, dt, A, B, C, None, 8)  # no state carried in: zeros
+    from_zeros = ssd_scan(x, dt, A, B, C, torch.zeros_like(h0), 8)
+    torch.testing.assert_close(from_none, from_zeros)
 
 
 def test_one_step_of_a_batch_updates_each_state_in_place():
     x, dt, A, B, C, h0 = _inputs(2)
     states = torch.stack([h0, 2 * h0])  # two sequences
+    B, C = _per_head(B), _per_head(C)
     want = [_recurrence(x[i : i + 1], dt[i : i + 1], A, B[i : i + 1], C[i : i + 1], states[i]) for i in range(2)]
     y = ssm_step(states, x[:2], dt[:2], A, B[:2], C[:2])
     for i in range(2):

@@ -353,3 +353,30 @@ def test_decode_gives_the_same_bits_whichever_way_it_walks_the_panels(tmp_path):
     for kind, y in results[0].items():
         assert y.shape == (1 if kind > 0 else 3, 112) and torch.isfinite(y).all()
         assert torch.equal(y, results[1][kind]), KERNEL_TYPES[abs(kind)][0]
+
+
+@needs_panels
+@pytest.mark.parametrize("kinds", [(12, 12), (14, 6), (39, 13)], ids=["Q4_K", "Q6_K+Q5_0", "MXFP4+Q5_K"])
+def test_a_tokens_experts_in_one_kernel_are_the_bits_of_their_own_calls(kinds):
+    """A decoding token's chosen experts (gate_up and down GGUF panels) run in two passes over all
+    their panels (moe_token): each expert's output, and the weighted sum in the order given, are
+    those of the per-expert calls and in-place adds the MoE block otherwise makes."""
+    from tokenloom.layers.mlp import GatedMLP
+    from tokenloom.quant.gguf.modules import GGMLLinear, moe_token
+
+    hidden, inter = 256, 256  # K-quant rows hold 256 values
+    experts = []
+    for e in range(3):
+        mlp = GatedMLP(hidden, inter, False, "silu")
+        mlp.gate_up_proj, mlp.down_proj = GGMLLinear(hidden, 2 * inter, False), GGMLLinear(inter, hidden, False)
+        up = random_blocks(kinds[0], 2 * inter, hidden, seed=e)
+        down = random_blocks(kinds[1], hidden, inter, seed=10 + e)
+        mlp.gate_up_proj.load_weight(GGMLTensor(kinds[0], torch.from_numpy(up), hidden))
+        mlp.down_proj.load_weight(GGMLTensor(kinds[1], torch.from_numpy(down), inter))
+        experts.append(mlp)
+    x, weights = torch.randn(1, hidden), [0.5, 0.25, 0.125]
+    want = experts[0].forward(x).mul_(weights[0])
+    for mlp, w in zip(experts[1:], weights[1:]):
+        want.add_(mlp.forward(x), alpha=w)
+    fields = [(m.gate_up_proj.panel_fields()[1], m.down_proj.panel_fields()[1]) for m in experts]
+    assert torch.equal(moe_token(x, kinds, fields, weights), want)

@@ -24,6 +24,10 @@ from tokenloom.layers.causal_conv import CausalConv1d
 from tokenloom.layers.ssm_scan import ssd_scan, ssm_step_slots
 from tokenloom.models.config import MambaConfig, ModelConfig
 
+# positions a prompt's scan takes at once: the scan is exact for any block (layers/ssm_scan.py); a
+# block's products grow with its square, the state passed between blocks with their number
+SCAN_BLOCK = 128
+
 
 class GatedGroupRMSNorm(nn.Module):
     """y -> weight * rms_norm_per_group(y * silu(z)): the inner width in `groups` equal groups,
@@ -131,10 +135,7 @@ class Mamba2Mixer(nn.Module):
         if batch.decode_rows:
             rows = batch.decode_rows
             y[rows] = ssm_step_slots(states, slots, keep, xs[rows], dt[rows], A, B[rows], C[rows])
-        per_group = self.m.num_heads // self.m.n_groups
         for start, n, slot, fresh in batch.prompts:
             r = slice(start, start + n)
-            Bh, Ch = B[r].repeat_interleave(per_group, dim=1), C[r].repeat_interleave(per_group, dim=1)  # (n, heads, N)
-            before = torch.zeros_like(states[slot]) if fresh else states[slot]
-            y[r], states[slot] = ssd_scan(xs[r], dt[r], A, Bh, Ch, before, self.m.chunk_size)
+            y[r], states[slot] = ssd_scan(xs[r], dt[r], A, B[r], C[r], None if fresh else states[slot], SCAN_BLOCK)
         return y

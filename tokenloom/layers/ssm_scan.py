@@ -82,29 +82,47 @@ def _segment_sums(a: torch.Tensor) -> torch.Tensor:
     return sums.masked_fill(~lower.tril(), float("-inf"))
 
 
+def _decay(log_decay: torch.Tensor) -> torch.Tensor:
+    """exp(log_decay), with decays below e^-80 (~1.8e-35, nothing beside a sum of order 1) set to
+    exactly 0: their exponentials would be float32 denormals, on which x86 arithmetic slows by
+    orders of magnitude."""
+    return torch.exp(log_decay.masked_fill(log_decay < -80.0, float("-inf")))
+
+
 def ssd_scan(
     x: torch.Tensor,
     dt: torch.Tensor,
     A: torch.Tensor,
     B: torch.Tensor,
     C: torch.Tensor,
-    state: torch.Tensor,
+    state: torch.Tensor | None,
     chunk_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence's L positions: x (L, heads, head_dim), dt (L, heads) (after softplus), A
-    (heads,), B and C (L, heads, N), state (heads, head_dim, N) carried in -> (y (L, heads,
-    head_dim) without the D skip, the state after the last position)."""
+    (heads,), B and C (L, groups, N) (heads h of a group consecutive: group h // (heads / groups)),
+    state (heads, head_dim, N) carried in (None: zeros) -> (y (L, heads, head_dim) without the D
+    skip, the state after the last position). Each group's C B^T is computed once for its heads, and the carried
+    state is read and updated one matmul a group."""
+    L, H, P = x.shape
+    G, N = B.shape[1:]
+    per = H // G
     ys = []
-    for start in range(0, x.shape[0], chunk_size):
+    for start in range(0, L, chunk_size):
         block = slice(start, start + chunk_size)
         xb, dtb, Bb, Cb = x[block], dt[block], B[block], C[block]
+        Q = xb.shape[0]
         a = dtb * A  # (Q, heads): each position's log decay
-        decay_in = torch.exp(_segment_sums(a))  # (heads, Q, Q): position s's decay up to l
-        scores = torch.einsum("lhn,shn->hls", Cb, Bb) * decay_in  # (heads, Q, Q)
-        y = torch.einsum("hls,shp->lhp", scores, dtb[..., None] * xb)
+        decay_in = _decay(_segment_sums(a)).view(G, per, Q, Q)  # position s's decay up to l
+        scores = torch.bmm(Cb.transpose(0, 1), Bb.permute(1, 2, 0))  # (G, Q(l), Q(s)): C_l . B_s
+        weights = decay_in * scores[:, None] * dtb.t().reshape(G, per, 1, Q)  # (G, per, Q, Q)
+        y = weights @ xb.permute(1, 0, 2).reshape(G, per, Q, P)  # (G, per, Q, P)
         cum = torch.cumsum(a, dim=0)  # (Q, heads): the decay from the block's start
-        y += torch.exp(cum)[..., None] * torch.einsum("lhn,hpn->lhp", Cb, state)
-        to_end = torch.exp(cum[-1] - cum) * dtb  # (Q, heads): position s's weight at the block's end
-        state = torch.exp(cum[-1])[:, None, None] * state + torch.einsum("sh,shp,shn->hpn", to_end, xb, Bb)
-        ys.append(y)
+        if state is not None:  # the carried-in state read by C, decayed
+            carried = torch.bmm(Cb.transpose(0, 1), state.view(G, per * P, N).transpose(1, 2))  # (G, Q, per P)
+            y += _decay(cum).t().reshape(G, per, Q, 1) * carried.view(G, Q, per, P).transpose(1, 2)
+        ys.append(y.reshape(H, Q, P).transpose(0, 1))
+        to_end = _decay(cum[-1] - cum) * dtb  # (Q, heads): position s's weight at the block's end
+        added = torch.bmm((xb * to_end[..., None]).reshape(Q, G, per * P).permute(1, 2, 0), Bb.transpose(0, 1))
+        added = added.view(H, P, N)  # from (G, per P, N)
+        state = added if state is None else _decay(cum[-1])[:, None, None] * state + added
     return torch.cat(ys), state

@@ -26,6 +26,7 @@ from tokenloom.layers.mlp import ClampedSwiGLUMLP, GatedMLP
 from tokenloom.models.config import ModelConfig, MoeConfig
 from tokenloom.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from tokenloom.models.olmo2 import Olmo2Attention
+from tokenloom.quant.gguf.modules import GGMLLinear, moe_token
 
 
 class Router(nn.Module):
@@ -93,6 +94,7 @@ class SparseMoeBlock(nn.Module):
         self.moe, self.top_k = moe, moe.top_k
         self.gate = Router(cfg.hidden_size, moe.num_experts, moe.router_bias, moe.correction_bias)
         self.experts = nn.ModuleList(_expert(cfg) for _ in range(moe.num_experts))
+        self._panels_found, self._panels = False, None  # _panel_experts, once loaded
         self.shared_expert: GatedMLP | None = None
         self.shared_expert_gate: Router | None = None
         if moe.shared_intermediate_size:
@@ -132,13 +134,42 @@ class SparseMoeBlock(nn.Module):
     def _mix_one_token(self, x: torch.Tensor, weights: list[float], experts: list[int]) -> torch.Tensor:
         """The decode step's single token without the grouping ops (a fixed cost per layer): its experts
         added in ascending order, as the grouped path (and transformers) adds them; each expert's fresh
-        output scaled and added in place (one op, no temporary, per expert)."""
+        output scaled and added in place (one op, no temporary, per expert). Experts held as GGUF
+        panels run all at once in one kernel (quant/gguf/modules.py moe_token), the same sums."""
+        chosen = sorted(zip(experts, weights))
+        panels = self._panel_experts()
+        if panels is not None and x.dtype == torch.float32 and x.device.type == "cpu" and x.is_contiguous():
+            kinds, fields = panels
+            return moe_token(x, kinds, [fields[e] for e, _ in chosen], [w for _, w in chosen])
         out: torch.Tensor | None = None
-        for expert, weight in sorted(zip(experts, weights)):
+        for expert, weight in chosen:
             y = self.experts[expert].forward(x)
             out = y.mul_(weight) if out is None else out.add_(y, alpha=weight)
         assert out is not None  # top_k >= 1 experts
         return out
+
+    def _panel_experts(self) -> tuple[tuple[int, int], list[tuple[list, list]]] | None:
+        """Where every expert is a plain gated SiLU MLP whose gate_up and down weights are GGUF panel
+        tensors without bias, of one type each across the experts: (those two types, each
+        expert's (gate_up, down) panel fields); else None. Found once (the weights are loaded)."""
+        if self._panels_found:
+            return self._panels
+        self._panels_found, found = True, []
+        for expert in self.experts:
+            if type(expert) is not GatedMLP or expert.act is not F.silu:
+                return None
+            gate_up, down = expert.gate_up_proj, expert.down_proj
+            if not isinstance(gate_up, GGMLLinear) or not isinstance(down, GGMLLinear) or not gate_up.pairs_gate_up:
+                return None
+            fields = gate_up.panel_fields(), down.panel_fields()
+            if fields[0] is None or fields[1] is None:
+                return None
+            found.append(fields)
+        kinds = {(g[0], d[0]) for g, d in found}
+        if len(kinds) != 1:
+            return None
+        self._panels = (kinds.pop(), [(g[1], d[1]) for g, d in found])
+        return self._panels
 
 
 class MoeForCausalLM(LlamaForCausalLM):

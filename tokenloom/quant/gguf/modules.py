@@ -167,6 +167,14 @@ class GGMLLinear(nn.Module):
         y = self.segments[0][1].linear(x2, self.bias, silu_mul=True).to(x.dtype)
         return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features // 2)
 
+    def panel_fields(self) -> tuple[int, list[torch.Tensor | None]] | None:
+        """(GGML type, [lo, hi, scale, offset, dsup, msup]) where the weight is one GGUF panel tensor
+        without a bias (what the grouped expert kernel takes, moe_token below); else None."""
+        only = self.segments[0][1] if len(self.segments) == 1 else None
+        if not isinstance(only, GGUFPanels) or self.bias is not None or ops() is None:
+            return None
+        return only.kind, [only.lo, only.hi, only.scale, only.offset, only.dsup, only.msup]
+
     def held_tensors(self) -> list[torch.Tensor]:
         """The weight's tensors, which are not registered buffers (layers/op_tape.py asks)."""
         return [t for _, s in self.segments for t in s.tensors()]
@@ -238,3 +246,15 @@ class GGMLEmbedding(nn.Module):
     def extra_repr(self) -> str:
         kind = "tied" if self._tied else (self.weight_q.type_name if self.weight_q is not None else "unloaded")
         return f"{self.num_embeddings}, {self.embedding_dim}, {kind}"
+
+
+def moe_token(
+    x: torch.Tensor, kinds: tuple[int, int], experts: list[tuple[list, list]], weights: list[float]
+) -> torch.Tensor:
+    """One token x (1, hidden) float32 through gated-MLP experts whose gate_up and down weights are
+    GGUF panel tensors (GGMLLinear.panel_fields; `kinds`: their two types, `experts`: each chosen
+    expert's gate_up and down fields, in the order to sum) -> (1, hidden) = sum of weight x expert,
+    in two kernel passes (csrc/ggml_cpu.cpp panel_moe_token): each expert's output the bits its
+    own calls give."""
+    fields = [t for gate_up, _ in experts for t in gate_up] + [t for _, down in experts for t in down]
+    return ops().panel_moe_token(x, kinds[0], kinds[1], fields, torch.tensor(weights, dtype=torch.float32))

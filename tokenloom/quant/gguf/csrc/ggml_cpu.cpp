@@ -15,6 +15,8 @@
 #include <immintrin.h>
 #include <cmath>
 #include <cstring>
+#include <algorithm>
+#include <vector>
 
 #include "../../../kernels/include/int8_dot.h"
 #include "../../../kernels/include/silu_mul_row.h"
@@ -860,16 +862,13 @@ void gpanel_matmul(const GPanel& w, const Acts& a, int64_t M, int64_t P, float* 
   });
 }
 
-// out[:, col0 : col0 + 16 P] = x @ w.T for GGUF type `type` in the panel layout above.
-void panel_matmul_into(at::Tensor out, int64_t col0, const at::Tensor& xq, int64_t K, int64_t type,
-                       const at::Tensor& lo, const c10::optional<at::Tensor>& hi, const at::Tensor& scale,
-                       const c10::optional<at::Tensor>& offset, const c10::optional<at::Tensor>& dsup,
-                       const c10::optional<at::Tensor>& msup) {
-  TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.stride(1) == 1, "out must be (M, *) float32");
+// The panel tensors of one weight of GGUF type `type` and width K, checked, as a GPanel.
+GPanel checked_panel(int64_t K, int64_t type, const at::Tensor& lo, const c10::optional<at::Tensor>& hi,
+                     const at::Tensor& scale, const c10::optional<at::Tensor>& offset,
+                     const c10::optional<at::Tensor>& dsup, const c10::optional<at::Tensor>& msup) {
   TORCH_CHECK(lo.scalar_type() == at::kByte && lo.is_contiguous() && lo.dim() == 4 && lo.size(1) == K / QK &&
               lo.size(2) == 4 && lo.size(3) == 64, "lo must be (N/16, K/32, 4, 64) uint8");
-  const int64_t M = out.size(0), P = lo.size(0), nb = K / QK;
-  TORCH_CHECK(col0 >= 0 && col0 + 16 * P <= out.size(1), "columns exceed out");
+  const int64_t P = lo.size(0), nb = K / QK;
   const int hb = type == Q6_K ? 2 : (type == Q5_0 || type == Q5_1 || type == Q5_K) ? 1 : 0;
   TORCH_CHECK(hb == 0 || (hi && hi->is_contiguous() && hi->numel() == P * nb * hb * 64), "high-bit planes missing");
   const bool kq = type == Q4_K || type == Q5_K || type == Q6_K, per16 = type == Q6_K;
@@ -884,10 +883,21 @@ void panel_matmul_into(at::Tensor out, int64_t col0, const at::Tensor& xq, int64
   };
   TORCH_CHECK(!kq || (nb % 8 == 0 && super_ok(dsup) && (!offs || super_ok(msup))),
               "K-quant panels need super-block factors (P, K/256, 16) float32");
+  return GPanel{lo.data_ptr<uint8_t>(), hb ? hi->data_ptr<uint8_t>() : nullptr, scale.data_ptr(),
+                offs ? offset->data_ptr() : nullptr, kq ? dsup->data_ptr<float>() : nullptr,
+                kq && offs ? msup->data_ptr<float>() : nullptr, nb};
+}
+
+// out[:, col0 : col0 + 16 P] = x @ w.T for GGUF type `type` in the panel layout above.
+void panel_matmul_into(at::Tensor out, int64_t col0, const at::Tensor& xq, int64_t K, int64_t type,
+                       const at::Tensor& lo, const c10::optional<at::Tensor>& hi, const at::Tensor& scale,
+                       const c10::optional<at::Tensor>& offset, const c10::optional<at::Tensor>& dsup,
+                       const c10::optional<at::Tensor>& msup) {
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.stride(1) == 1, "out must be (M, *) float32");
+  const GPanel w = checked_panel(K, type, lo, hi, scale, offset, dsup, msup);
+  const int64_t M = out.size(0), P = lo.size(0);
+  TORCH_CHECK(col0 >= 0 && col0 + 16 * P <= out.size(1), "columns exceed out");
   const Acts a = view_acts(xq, M, K);
-  const GPanel w{lo.data_ptr<uint8_t>(), hb ? hi->data_ptr<uint8_t>() : nullptr, scale.data_ptr(),
-                 offs ? offset->data_ptr() : nullptr, kq ? dsup->data_ptr<float>() : nullptr,
-                 kq && offs ? msup->data_ptr<float>() : nullptr, nb};
   float* y = out.data_ptr<float>() + col0;
   const int64_t ldo = out.stride(0);
   switch (type) {
@@ -899,6 +909,51 @@ void panel_matmul_into(at::Tensor out, int64_t col0, const at::Tensor& xq, int64
     case MXFP4: gpanel_matmul<LUT4, 12, false, false, false, E8M0>(w, a, M, P, y, ldo); break;
     default: TORCH_CHECK(false, "GGML type ", type, " has no panel kernel");
   }
+}
+
+// Panels [p0, p1) of one weight against activation row m (decode): gpanel_matmul's M == 1 walk.
+using DecodeRange = void (*)(const GPanel&, const Acts&, int64_t, int64_t, int64_t, float*);
+
+template <int HB, int Z, bool PER16, bool OFFS, bool KS, typename S>
+void gpanel_decode_range(const GPanel& w, const Acts& a, int64_t m, int64_t p0, int64_t p1, float* out) {
+  using Row = void (*)(const GPanel&, int64_t, int64_t, const Acts&, int64_t, float*);
+  constexpr Row rows[2][3] = {{nullptr, gpanel_row<1, HB, Z, PER16, OFFS, KS, S, false>,
+                               gpanel_row<2, HB, Z, PER16, OFFS, KS, S, false>},
+                              {nullptr, gpanel_row<1, HB, Z, PER16, OFFS, KS, S, true>,
+                               gpanel_row<2, HB, Z, PER16, OFFS, KS, S, true>}};
+  const tokenloom_int8::DecodeWalk walk = tokenloom_int8::decode_walk();
+  const bool prefetch = walk == tokenloom_int8::DecodeWalk::ADJACENT;
+  tokenloom_int8::walk_panels(walk, p0, p1, [&](int64_t p, int64_t dist, int count) {
+    rows[prefetch][count](w, p, dist, a, m, out + p * 16);
+  });
+}
+
+DecodeRange decode_range_for(int64_t type) {
+  switch (type) {
+    case Q5_0: return gpanel_decode_range<1, 16, false, false, false, uint16_t>;
+    case Q5_1: return gpanel_decode_range<1, 0, false, true, false, uint16_t>;
+    case Q4_K: return gpanel_decode_range<0, 0, false, true, true, uint8_t>;
+    case Q5_K: return gpanel_decode_range<1, 0, false, true, true, uint8_t>;
+    case Q6_K: return gpanel_decode_range<2, 32, true, false, true, int8_t>;
+    case MXFP4: return gpanel_decode_range<LUT4, 12, false, false, false, E8M0>;
+    default: TORCH_CHECK(false, "GGML type ", type, " has no panel kernel");
+  }
+}
+
+// Several weights' panels against one activation row each (row e of `a` for weight e; `same_row`:
+// row 0 for all), in one parallel pass over all their panels: out[e] (16 P_e floats each,
+// at out + e * ldo). Each panel's numbers are gpanel_matmul's for M == 1.
+void panels_decode(const std::vector<GPanel>& ws, const std::vector<int64_t>& panels, DecodeRange run, const Acts& a,
+                   bool same_row, float* out, int64_t ldo) {
+  std::vector<int64_t> first(ws.size() + 1, 0);
+  for (size_t e = 0; e < ws.size(); ++e) first[e + 1] = first[e] + panels[e];
+  const int64_t total = first.back(), threads = at::get_num_threads();
+  at::parallel_for(0, total, std::max<int64_t>(1, (total + threads - 1) / threads), [&](int64_t t0, int64_t t1) {
+    for (size_t e = 0; e < ws.size(); ++e) {
+      const int64_t p0 = std::max(t0, first[e]) - first[e], p1 = std::min(t1, first[e + 1]) - first[e];
+      if (p0 < p1) run(ws[e], a, same_row ? 0 : static_cast<int64_t>(e), p0, p1, out + e * ldo);
+    }
+  });
 }
 
 // y (M, N/2) = silu(g) * u for g = y2[:, :N/2], u = y2[:, N/2:]: fused_cpu's silu_mul row by row.
@@ -934,6 +989,55 @@ at::Tensor panel_linear(const at::Tensor& x, int64_t type, const at::Tensor& lo,
   return silu_mul_rows(y);
 }
 
+
+// One token through k experts of a gated MLP, each expert's gate_up (2I rows: gate, then up) and
+// down (H rows of I) GGUF panel tensors, all of one type each: out (1, H) = sum over e, in the
+// order given, of weights[e] * down_e(silu(gate_e x) * up_e x). The gate_ups run as one parallel
+// pass over all their panels, then the downs as another: two passes instead of 2k kernel calls.
+// Each expert's output has the bits panel_linear gives it; `experts`: 6 per expert, as
+// panel_linear takes them (lo, hi, scale, offset, dsup, msup), gate_ups then downs.
+at::Tensor panel_moe_token(const at::Tensor& x, int64_t type_gate_up, int64_t type_down,
+                           const c10::List<c10::optional<at::Tensor>>& experts, const at::Tensor& weights) {
+  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1, "x must be one token (1, K)");
+  const int64_t k = weights.numel(), K = x.size(1);
+  TORCH_CHECK(k >= 1 && static_cast<int64_t>(experts.size()) == 12 * k, "six panel tensors per weight, two per expert");
+  TORCH_CHECK(weights.scalar_type() == at::kFloat && weights.is_contiguous(), "weights must be (k,) float32");
+  auto field = [&](int64_t i) -> c10::optional<at::Tensor> { return experts.get(i); };
+  auto panel = [&](int64_t base, int64_t width, int64_t type) {
+    return checked_panel(width, type, *field(base), field(base + 1), *field(base + 2), field(base + 3),
+                         field(base + 4), field(base + 5));
+  };
+  std::vector<GPanel> gate_up, down;
+  std::vector<int64_t> gu_panels, down_panels;
+  for (int64_t e = 0; e < k; ++e) {
+    gate_up.push_back(panel(6 * e, K, type_gate_up));
+    gu_panels.push_back(field(6 * e)->size(0));
+  }
+  const int64_t rows2 = 16 * gu_panels[0], I = rows2 / 2;
+  for (int64_t e = 0; e < k; ++e) {
+    TORCH_CHECK(gu_panels[e] * 16 == rows2, "the experts' gate_ups differ in size");
+    down.push_back(panel(6 * (k + e), I, type_down));
+    down_panels.push_back(field(6 * (k + e))->size(0));
+    TORCH_CHECK(down_panels[e] == down_panels[0], "the experts' downs differ in size");
+  }
+  const int64_t H = 16 * down_panels[0];
+  const at::Tensor xq = quantize_activations(x);
+  at::Tensor gu = at::empty({k, rows2}, x.options());
+  panels_decode(gate_up, gu_panels, decode_range_for(type_gate_up), view_acts(xq, 1, K), true, gu.data_ptr<float>(),
+                rows2);
+  const at::Tensor act = silu_mul_rows(gu);  // (k, I)
+  const at::Tensor aq = quantize_activations(act);
+  at::Tensor ys = at::empty({k, H}, x.options());
+  panels_decode(down, down_panels, decode_range_for(type_down), view_acts(aq, k, I), false, ys.data_ptr<float>(), H);
+  at::Tensor out = at::empty({1, H}, x.options());
+  const float *yp = ys.data_ptr<float>(), *wp = weights.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  for (int64_t h = 0; h < H; ++h) op[h] = yp[h] * wp[0];
+  for (int64_t e = 1; e < k; ++e)
+    for (int64_t h = 0; h < H; ++h) op[h] = std::fma(yp[e * H + h], wp[e], op[h]);
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(TOKENLOOM_GGML_LIBRARY, m) {
@@ -944,6 +1048,7 @@ TORCH_LIBRARY(TOKENLOOM_GGML_LIBRARY, m) {
         "Tensor scale, Tensor? offset, Tensor? dsup, Tensor? msup) -> ()");
   m.def("panel_linear(Tensor x, int type, Tensor lo, Tensor? hi, Tensor scale, Tensor? offset, Tensor? dsup, "
         "Tensor? msup, Tensor? bias, bool silu_mul) -> Tensor");
+  m.def("panel_moe_token(Tensor x, int type_gate_up, int type_down, Tensor?[] experts, Tensor weights) -> Tensor");
   m.def("relay_panels(Tensor raw, int type, int K, Tensor(a!) lo, Tensor(b!)? hi, Tensor(c!) scale, "
         "Tensor(d!)? offset, Tensor(e!)? dsup, Tensor(f!)? msup) -> ()");
   m.def("relay_exact_panels(Tensor raw, int type, int K, Tensor(a!) data, Tensor(b!) scales, Tensor(c!)? offsets, "
@@ -956,6 +1061,7 @@ TORCH_LIBRARY_IMPL(TOKENLOOM_GGML_LIBRARY, CPU, m) {
   m.impl("dequantize", &dequantize);
   m.impl("panel_matmul_into", &panel_matmul_into);
   m.impl("panel_linear", &panel_linear);
+  m.impl("panel_moe_token", &panel_moe_token);
   m.impl("relay_panels", &tokenloom_relay::relay_panels);
   m.impl("relay_exact_panels", &tokenloom_exact::relay_exact_panels);
 }
