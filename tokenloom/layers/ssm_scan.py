@@ -125,4 +125,5 @@ def ssd_scan(
         added = torch.bmm((xb * to_end[..., None]).reshape(Q, G, per * P).permute(1, 2, 0), Bb.transpose(0, 1))
         added = added.view(H, P, N)  # from (G, per P, N)
         state = added if state is None else _decay(cum[-1])[:, None, None] * state + added
+    assert state is not None  # L >= 1 positions
     return torch.cat(ys), state

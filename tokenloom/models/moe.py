@@ -94,7 +94,8 @@ class SparseMoeBlock(nn.Module):
         self.moe, self.top_k = moe, moe.top_k
         self.gate = Router(cfg.hidden_size, moe.num_experts, moe.router_bias, moe.correction_bias)
         self.experts = nn.ModuleList(_expert(cfg) for _ in range(moe.num_experts))
-        self._panels_found, self._panels = False, None  # _panel_experts, once loaded
+        self._panels_found = False  # _panel_experts, once loaded
+        self._panels: tuple[tuple[int, int], list[tuple[list, list]]] | None = None
         self.shared_expert: GatedMLP | None = None
         self.shared_expert_gate: Router | None = None
         if moe.shared_intermediate_size:
@@ -154,17 +155,18 @@ class SparseMoeBlock(nn.Module):
         expert's (gate_up, down) panel fields); else None. Found once (the weights are loaded)."""
         if self._panels_found:
             return self._panels
-        self._panels_found, found = True, []
+        self._panels_found = True
+        found: list[tuple[tuple[int, list], tuple[int, list]]] = []
         for expert in self.experts:
             if type(expert) is not GatedMLP or expert.act is not F.silu:
                 return None
             gate_up, down = expert.gate_up_proj, expert.down_proj
             if not isinstance(gate_up, GGMLLinear) or not isinstance(down, GGMLLinear) or not gate_up.pairs_gate_up:
                 return None
-            fields = gate_up.panel_fields(), down.panel_fields()
-            if fields[0] is None or fields[1] is None:
+            gate_up_fields, down_fields = gate_up.panel_fields(), down.panel_fields()
+            if gate_up_fields is None or down_fields is None:
                 return None
-            found.append(fields)
+            found.append((gate_up_fields, down_fields))
         kinds = {(g[0], d[0]) for g, d in found}
         if len(kinds) != 1:
             return None
