@@ -335,9 +335,9 @@ TINY_CONFIGS = {
             logits_scaling=8.0,
         ),
     ),
-    # Granite 4.0-H's layout: Mamba-2 layers (two groups of heads, chunks of 8 positions, so a
-    # prompt's scan spans several) around one attention layer without rope, a routed mixture
-    # beside the shared MLP, every multiplier away from neutral
+    # Granite 4.0-H's layout: Mamba-2 layers (two groups of heads; transformers scans a prompt in
+    # chunks of 8 positions, so its reference spans several) around one attention layer without
+    # rope, a routed mixture beside the shared MLP, every multiplier away from neutral
     "granite_hybrid": (
         "GraniteMoeHybridConfig",
         dict(

@@ -6,7 +6,6 @@ from position 0, prefix caching is off (and said), and what the state rules out 
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 
 import pytest
 import torch
@@ -86,6 +85,7 @@ def test_a_step_that_fails_part_way_recomputes_each_sequence_from_position_zero(
     folder = str(tiny_model_dir("granite_hybrid"))
     expected = _replies(LLM(folder, kv_cache_memory=16 << 20).generate(PROMPTS, GREEDY))
     llm = LLM(folder, kv_cache_memory=16 << 20)
+    llm.engine.core.runner.recompute_tokens = 7  # the recomputation in pieces, the state carried
     last = llm.engine.core.runner.model.model.layers[-1]
     forward, failures = last.mlp.forward, []
 
@@ -98,6 +98,42 @@ def test_a_step_that_fails_part_way_recomputes_each_sequence_from_position_zero(
     last.mlp.forward = fail_once_in_a_decode_batch
     assert _replies(llm.generate(PROMPTS, GREEDY)) == expected
     assert failures == [3, 3]
+
+
+def test_a_multi_step_decode_that_fails_part_way_recomputes_its_sequences(tiny_model_dir):
+    """With several tokens decoded in a row on the device (decode_steps), a failure at the second
+    step leaves every state one token ahead: the step that follows recomputes each sequence from
+    position 0, and the replies are those of a run that never failed."""
+    folder = str(tiny_model_dir("granite_hybrid"))
+    plain = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    expected = _replies(LLM(folder, kv_cache_memory=16 << 20).generate(PROMPTS, plain))
+    llm = LLM(folder, kv_cache_memory=16 << 20, decode_steps=4)
+    last = llm.engine.core.runner.model.model.layers[-1]
+    forward, calls = last.mlp.forward, []
+
+    def fail_at_the_second_step_once(x):
+        if x.shape[0] == len(PROMPTS):
+            calls.append(x.shape[0])
+            if len(calls) == 2:
+                raise RuntimeError("injected")
+        return forward(x)
+
+    last.mlp.forward = fail_at_the_second_step_once
+    assert _replies(llm.generate(PROMPTS, plain)) == expected
+    assert len(calls) > 2
+
+
+def test_what_the_recurrent_state_rules_out_is_an_error_naming_it(tiny_model_dir):
+    import json
+
+    from tokenloom.models.config import ModelConfig, UnsupportedModelError
+
+    hybrid, granite = str(tiny_model_dir("granite_hybrid")), str(tiny_model_dir("granite"))
+    with pytest.raises(ValueError, match="has recurrent layers: their state cannot be rolled back"):
+        LLM(granite, kv_cache_memory=16 << 20, speculative=f"draft={hybrid},k=3")
+    config = json.loads((tiny_model_dir("granite_hybrid") / "config.json").read_text())
+    with pytest.raises(UnsupportedModelError, match="without attention layers"):
+        ModelConfig.from_hf(config | {"layer_types": ["mamba"] * 4})
 
 
 def test_full_logits_in_chunks_carry_the_state_across_chunks(tiny_model_dir):
@@ -145,8 +181,7 @@ def test_a_dense_hybrid_gguf_reads_its_shared_mlp_as_the_mlp(tiny_model_dir, tmp
     hf = LLM(str(folder), kv_cache_memory=16 << 20)
     gguf = LLM(str(write_gguf(folder, tmp_path / "dense.gguf")), kv_cache_memory=16 << 20)
     a, b = hf.engine.model_config, gguf.engine.model_config
-    assert b.recurrent is not None and b.recurrent.chunk_size == 256  # not stored: the default (same sums)
-    assert (b.moe, b.recurrent, b.intermediate_size) == (None, replace(a.recurrent, chunk_size=256), 96)
+    assert (b.moe, b.recurrent, b.intermediate_size) == (None, a.recurrent, 96)
     assert a.rope_layers is None and b.rope_layers == (False,) * 3
     ours, theirs = hf.engine.core.runner.model.model.layers, gguf.engine.core.runner.model.model.layers
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))

@@ -80,6 +80,7 @@ class EngineCore:
             max_model_len=self.max_model_len,
             peers=peers,
             pipeline=loaded.pipeline,
+            recompute_tokens=config.scheduler.max_num_batched_tokens,
         )
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len, self.runner.decodes_ahead)
         self.heap_reserved = False  # reserve_activation_memory has run (before the first large step)
@@ -115,14 +116,11 @@ class EngineCore:
             )
 
     def _make_cache(self, config: EngineConfig, loaded: LoadedModel, dtype, state_slots: int) -> PagedKVCache:
-        """The KV cache within the configured budget, with `state_slots` sequences' recurrent state.
-        A model all of whose layers are recurrent keeps no KV: its blocks then only count positions,
-        max_num_seqs full contexts of them."""
+        """The KV cache within the configured budget, with `state_slots` sequences' recurrent state
+        beside it (not counted in the budget: on the CPU its pages become resident as sequences
+        write them, on a GPU it is allocated whole; the log says how much)."""
         budget = config.cache.resolve_memory(self.kv_bytes_per_token, self.max_model_len)
         args = (config.cache.block_size, dtype, config.device, config.kv_cache_dtype, loaded.kv_layers, state_slots)
-        if self.kv_bytes_per_token == 0:
-            blocks = -(-self.max_model_len // config.cache.block_size) * config.scheduler.max_num_seqs
-            return PagedKVCache(self.cache_config, blocks, *args)
         return PagedKVCache.from_memory_budget(self.cache_config, budget, *args)
 
     @staticmethod
@@ -142,14 +140,13 @@ class EngineCore:
         if kv.states is not None:
             per_seq = kv.states.bytes_per_sequence
             logger.info(
-                "recurrent state: %d slots x %d layers = %.2f GiB at most (%.1f MiB a sequence), resident as used",
+                "recurrent state: %d slots x %d layers = %.2f GiB (%.1f MiB a sequence, beside the KV cache), %s",
                 kv.states.num_slots,
                 len(kv.states.layers),
                 kv.states.num_slots * per_seq / 2**30,
                 per_seq / 2**20,
+                "resident as sequences write it" if kv.device.type == "cpu" else "allocated now",
             )
-        if not kv.layers:
-            return
         c, per_token = self.cache_config, self.kv_bytes_per_token
         layers, tensors = len(kv.layers), 1 if kv.latent else 2
         element_bytes = per_token // (tensors * layers * c.num_kv_heads * c.head_dim)

@@ -236,7 +236,10 @@ class BlockManager:
         seq_id = f"borrowed-{uuid.uuid4().hex}"
         block_ids = self.allocate(seq_id, num_tokens)
         if block_ids is None:
-            raise RuntimeError(f"the KV cache has no room for {num_tokens} tokens now; retry when fewer requests run")
+            slots = " (or no recurrent-state slot is free)" if self.state_slots else ""
+            raise RuntimeError(
+                f"the KV cache has no room for {num_tokens} tokens now{slots}; retry when fewer requests run"
+            )
         try:
             yield block_ids, self.state_slot(seq_id)
         finally:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenloom.kv_cache.recurrent import RecurrentStateCache
-from tokenloom.memory.zero_pages import lazy_zeros
+from tokenloom.memory.zero_pages import zeros_on
 from tokenloom.models.config import ModelConfig
 
 KV_SCALE_BYTES = 4  # one float32 scale per (token, kv head) in an int8 cache
@@ -121,9 +121,7 @@ class PagedKVCache:
         def zeros(size: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
             # on the CPU, pages that read as zero until written: no memset of a cache sized for
             # the whole context, and only the blocks a run writes become resident
-            if self.device.type == "cpu":
-                return lazy_zeros(size, dtype)
-            return torch.zeros(size, dtype=dtype, device=device)
+            return zeros_on(size, dtype, self.device)
 
         def layer_cache(i: int):
             size = shape if i in self.layers else (0, *shape[1:])

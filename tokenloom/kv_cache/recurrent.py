@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenloom.attention.metadata import AttentionMetadata
-from tokenloom.memory.zero_pages import lazy_zeros
+from tokenloom.memory.zero_pages import zeros_on
 from tokenloom.models.config import ModelConfig
 
 
@@ -46,15 +46,9 @@ class RecurrentStateCache:
         self.num_slots = num_slots
         self.device = torch.device(device)
         self.layers = [i for i in rec.layers if layers is None or i in layers]
-        shapes = rec.state_shapes()
-
-        def zeros(size: tuple[int, ...], dt: torch.dtype) -> torch.Tensor:
-            if self.device.type == "cpu":  # resident only where a sequence has written
-                return lazy_zeros(size, dt)
-            return torch.zeros(size, dtype=dt, device=self.device)
-
-        self.conv = {i: zeros((num_slots, *shapes["conv"]), dtype) for i in self.layers}
-        self.state = {i: zeros((num_slots, *shapes["state"]), torch.float32) for i in self.layers}
+        shapes = rec.state_shapes()  # on the CPU resident only where a sequence has written
+        self.conv = {i: zeros_on((num_slots, *shapes["conv"]), dtype, self.device) for i in self.layers}
+        self.state = {i: zeros_on((num_slots, *shapes["state"]), torch.float32, self.device) for i in self.layers}
 
     @property
     def bytes_per_sequence(self) -> int:

@@ -105,6 +105,7 @@ class Mamba2Mixer(nn.Module):
         return self._A
 
     def _fused_decode_takes(self, zxbcdt: torch.Tensor, conv_states: torch.Tensor) -> bool:
+        """The compiled decode step runs here: float32 on the CPU, rows of unit stride, it built."""
         return (
             zxbcdt.device.type == "cpu"
             and zxbcdt.dtype == conv_states.dtype == self.dt_bias.dtype == torch.float32

@@ -15,6 +15,13 @@ import mmap
 import torch
 
 
+def zeros_on(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeros on `device`: on the CPU a lazy_zeros map (resident only where written), else torch.zeros."""
+    if device.type == "cpu":
+        return lazy_zeros(shape, dtype)
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
 def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A CPU tensor of zeros in an anonymous map of its own, resident only where written."""
     nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()

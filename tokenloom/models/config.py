@@ -142,7 +142,9 @@ class MambaConfig:
     causal depthwise conv of `conv_kernel` taps and SiLU and splits into x (heads x head_dim) and B, C
     (n_groups x state_size each); per head, h = exp(dt A) h + dt x B^T and y = h C + D x, with
     dt = softplus(dt + dt_bias) clamped to time_step_limit; y times SiLU(z), RMS-normed per group,
-    goes through out_proj. A sequence's state is the conv's last conv_kernel - 1 inputs and h."""
+    goes through out_proj. A sequence's state is the conv's last conv_kernel - 1 inputs and h.
+    (The checkpoint's mamba_chunk_size is not kept: the scan is exact for any block, and
+    layers/mamba2.py picks its own.)"""
 
     layers: tuple[int, ...]  # the recurrent layers (the others attend)
     num_heads: int
@@ -150,7 +152,6 @@ class MambaConfig:
     state_size: int
     n_groups: int = 1
     conv_kernel: int = 4
-    chunk_size: int = 256  # positions a prompt's scan handles at once (layers/ssm_scan.py)
     conv_bias: bool = True
     proj_bias: bool = False
     time_step_limit: tuple[float, float] = (0.0, float("inf"))
@@ -158,8 +159,8 @@ class MambaConfig:
     def __post_init__(self) -> None:
         if self.num_heads % self.n_groups:
             raise ValueError(f"{self.num_heads} Mamba heads do not split into {self.n_groups} groups")
-        if min(self.num_heads, self.head_dim, self.state_size, self.conv_kernel, self.chunk_size) <= 0:
-            raise ValueError("Mamba heads, head_dim, state_size, conv_kernel and chunk_size must be positive")
+        if min(self.num_heads, self.head_dim, self.state_size, self.conv_kernel) <= 0:
+            raise ValueError("Mamba heads, head_dim, state_size and conv_kernel must be positive")
 
     @property
     def inner_size(self) -> int:
@@ -391,6 +392,8 @@ def _moe_of(hf: dict[str, Any], arch: str) -> MoeConfig | None:
     norm_topk_prob, and Qwen2-MoE adds a shared expert."""
     layers = hf["num_hidden_layers"]
     experts = hf.get("num_local_experts") or hf.get("num_experts") or 0
+    if arch == "GraniteMoeHybridForCausalLM":  # transformers' GraniteMoeHybridConfig default
+        experts = hf.get("num_local_experts", 8)
     if arch == "MixtralForCausalLM":
         return MoeConfig(experts, hf.get("num_experts_per_tok", 2), hf["intermediate_size"], tuple(range(layers)))
     if arch == "GptOssForCausalLM":
@@ -649,6 +652,11 @@ def _granite_hybrid_fields(hf: dict[str, Any]) -> dict[str, Any]:
     head_dim = inner // heads if head_dim == "auto" else head_dim
     if heads * head_dim != inner:
         raise ValueError(f"{heads} Mamba heads of {head_dim} do not make mamba_expand x hidden_size = {inner}")
+    if not any(kind in _ATTENTION_KINDS for kind in kinds):
+        raise UnsupportedModelError(
+            "a Granite hybrid without attention layers (every layer Mamba-2) is not supported: its layer_types "
+            "name no attention layer"
+        )
     limit = tuple(_float_of(v) for v in hf.get("time_step_limit") or (0.0, float("inf")))
     mamba = MambaConfig(
         layers=tuple(i for i, kind in enumerate(kinds) if kind in _MAMBA_KINDS),
@@ -657,7 +665,6 @@ def _granite_hybrid_fields(hf: dict[str, Any]) -> dict[str, Any]:
         state_size=hf.get("mamba_d_state", 256),
         n_groups=hf.get("mamba_n_groups", 1),
         conv_kernel=hf.get("mamba_d_conv", 4),
-        chunk_size=hf.get("mamba_chunk_size", 256),
         conv_bias=hf.get("mamba_conv_bias", True),
         proj_bias=hf.get("mamba_proj_bias", False),
         time_step_limit=(limit[0], limit[1]),

@@ -29,11 +29,13 @@ class GraniteHybridDecoderLayer(GraniteDecoderLayer):
         self.recurrent = False
 
     def make_recurrent(self, cfg: ModelConfig) -> None:
+        """Swap this layer's attention for a Mamba-2 mixer (HF's ``mamba.*`` weights)."""
         del self.self_attn
         self.mamba = Mamba2Mixer(cfg)
         self.recurrent = True
 
     def mix(self, x: torch.Tensor, attend: StepAttention, layer: int) -> torch.Tensor:
+        """x (T, hidden) -> (T, hidden) through the layer's Mamba-2 mixer or attention."""
         return (self.mamba if self.recurrent else self.self_attn).forward(x, attend, layer)
 
 

@@ -106,6 +106,11 @@ class DraftModelProposer(SpecProposer):
         super().__init__(config, max_model_len)
         assert config.draft_model is not None  # SpeculativeConfig requires it for this method
         loaded = load_model(config.draft_model, dtype, target.device, progress=progress)
+        if loaded.config.recurrent is not None:
+            raise ValueError(
+                f"draft model {config.draft_model} ({loaded.config.architecture}) has recurrent layers: "
+                "their state cannot be rolled back over rejected drafts; draft with an attention-only model"
+            )
         vocab = target.model.config.vocab_size
         if loaded.tokenizer.backend.get_vocab() != tokenizer.backend.get_vocab() or loaded.config.vocab_size != vocab:
             raise ValueError(

@@ -50,11 +50,13 @@ class ModelRunner:
         max_model_len: int | None = None,
         peers: ParallelGroup | None = None,
         pipeline: Pipeline | None = None,
+        recompute_tokens: int = 8192,
     ) -> None:
         """`cuda_graphs`: on a GPU, capture decode steps of up to `max_num_seqs` sequences of up to
         `max_model_len` positions as CUDA graphs now (worker/cuda_graphs.py), where the model allows.
         `peers`: rank 0 of a split model, the group each call is broadcast on; `pipeline`: a pipeline
-        stage's model, the Pipeline each model call goes through (distributed/)."""
+        stage's model, the Pipeline each model call goes through (distributed/). `recompute_tokens`:
+        the most tokens a forward recomputing a hybrid's sequence takes (the step's token budget)."""
         self.model = model
         self.kv_cache = kv_cache
         self.device = torch.device(device)
@@ -76,6 +78,7 @@ class ModelRunner:
         # recomputed from position 0 (_forward_isolated); set when a multi-step decode failed
         self.recurrent = kv_cache.states is not None
         self._states_suspect = False
+        self.recompute_tokens = recompute_tokens
         if (
             cuda_graphs
             and self.device.type == "cuda"
@@ -252,18 +255,27 @@ class ModelRunner:
         parts = []
         for s, chunk in zip(sched.scheduled, chunks):
             try:
-                if self.recurrent:
-                    whole = s.request.all_token_ids[: chunk.start] + chunk.token_ids
-                    hidden = self.forward([SeqChunk(whole, 0, chunk.block_ids, chunk.state_slot)])[0]
-                    parts.append(hidden[chunk.start :])
-                    continue
-                parts.append(self.forward([chunk])[0])
+                parts.append(self._recompute(s.request, chunk) if self.recurrent else self.forward([chunk])[0])
             except ParallelRankError:
                 raise
             except Exception as e:
                 errors[s.request.request_id] = describe_error(e)
                 parts.append(torch.zeros(len(chunk.token_ids), self.model.config.hidden_size, device=self.device))
         return torch.cat(parts)
+
+    def _recompute(self, request, chunk: SeqChunk) -> torch.Tensor:
+        """A hybrid's chunk run again from position 0 (its recurrent state rebuilt, its KV rewritten
+        with the same values), in pieces of at most recompute_tokens: the chunk's own rows
+        (len(chunk.token_ids), hidden)."""
+        tokens = request.all_token_ids[: chunk.start] + chunk.token_ids
+        rows = []
+        for start in range(0, len(tokens), self.recompute_tokens):
+            piece = SeqChunk(tokens[start : start + self.recompute_tokens], start, chunk.block_ids, chunk.state_slot)
+            hidden = self.forward([piece])[0]
+            end = start + len(piece.token_ids)
+            if end > chunk.start:
+                rows.append(hidden[max(chunk.start - start, 0) :])
+        return torch.cat(rows)
 
     def _sample(
         self,

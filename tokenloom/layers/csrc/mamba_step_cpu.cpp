@@ -61,7 +61,8 @@ at::Tensor conv_step(at::Tensor& states, const at::Tensor& slots, const at::Tens
               "weight must be contiguous (channels, 1, K) float32");
   TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == Cn),
               "bias must be (channels,) float32");
-  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == S, "slots must be (S,) int64");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == S && slots.is_contiguous(),
+              "slots must be contiguous (S,) int64");
   TORCH_CHECK(keep.scalar_type() == at::kFloat && keep.numel() == S && keep.is_contiguous(), "keep must be (S,) float32");
   const int64_t* slot = slots.data_ptr<int64_t>();
   for (int64_t s = 0; s < S; ++s) TORCH_CHECK(slot[s] >= 0 && slot[s] < num_slots, "a slot is out of range");
@@ -105,10 +106,11 @@ at::Tensor ssm_step(at::Tensor& states, const at::Tensor& slots, const at::Tenso
               "dt must be contiguous (S, heads) float32");
   TORCH_CHECK(A.scalar_type() == at::kFloat && A.is_contiguous() && A.numel() == H, "A must be (heads,) float32");
   TORCH_CHECK(B.scalar_type() == at::kFloat && B.is_contiguous() && B.dim() == 3 && B.size(0) == S && B.size(2) == N &&
-                  H % B.size(1) == 0,
+                  B.size(1) > 0 && H % B.size(1) == 0,
               "B must be contiguous (S, groups, N) float32 with the groups dividing the heads");
   TORCH_CHECK(C.sizes() == B.sizes() && C.scalar_type() == at::kFloat && C.is_contiguous(), "C must be like B");
-  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == S, "slots must be (S,) int64");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == S && slots.is_contiguous(),
+              "slots must be contiguous (S,) int64");
   TORCH_CHECK(keep.scalar_type() == at::kFloat && keep.numel() == S && keep.is_contiguous(), "keep must be (S,) float32");
   const int64_t G = B.size(1), per_group = H / G, num_slots = states.size(0);
   const int64_t* slot = slots.data_ptr<int64_t>();
@@ -135,6 +137,27 @@ inline float softplus_clamped(float v, float lo, float hi) {
   return std::min(std::max(sp, lo), hi);
 }
 
+// y (S, inner) in place -> w * rms_norm(y * silu(z)) over each of G equal groups of a row (z: rows
+// of stride ldz); transformers' RMSNormGated.
+void gated_group_norm(float* y, const float* z, int64_t ldz, const float* w, int64_t S, int64_t inner, int64_t G,
+                      float eps) {
+  const int64_t width = inner / G;
+  at::parallel_for(0, S * G, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t s = task / G, g = task % G;
+      float* v = y + s * inner + g * width;
+      const float* zg = z + s * ldz + g * width;
+      double squares = 0.0;
+      for (int64_t i = 0; i < width; ++i) {
+        v[i] *= zg[i] / (1.f + std::exp(-zg[i]));
+        squares += static_cast<double>(v[i]) * v[i];
+      }
+      const float inv = 1.0f / std::sqrt(static_cast<float>(squares / width) + eps);
+      for (int64_t i = 0; i < width; ++i) v[i] = w[g * width + i] * (v[i] * inv);
+    }
+  });
+}
+
 // A whole Mamba-2 decode step between in_proj and out_proj for S sequences (layers/mamba2.py):
 // zxbcdt (S, inner + conv_dim + heads) -> (S, inner) =
 //   norm_w * group_rms_norm(y * silu(z)),  y = ssm(x, dt, A, B, C) + D x,
@@ -157,6 +180,7 @@ at::Tensor mamba_decode(const at::Tensor& zxbcdt, at::Tensor& conv_states, at::T
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == H, "dt_bias, A, D must be (heads,)");
   TORCH_CHECK(norm_w.scalar_type() == at::kFloat && norm_w.is_contiguous() && norm_w.numel() == inner,
               "norm_w must be (inner,) float32");
+  TORCH_CHECK(conv_states.size(0) == ssm_states.size(0), "the conv and SSM state caches must hold the same slots");
   // the conv step: x, B, C before their SiLU, the states shifted
   const at::Tensor xbc = conv_step(conv_states, slots, keep, zxbcdt.narrow(1, inner, conv_dim), conv_w, conv_b);
   float* xp = xbc.data_ptr<float>();
@@ -186,21 +210,7 @@ at::Tensor mamba_decode(const at::Tensor& zxbcdt, at::Tensor& conv_states, at::T
       for (int64_t p = 0; p < P; ++p) out[p] += dp[h] * x[p];
     }
   });
-  const int64_t width = inner / G;  // the gated norm's groups (the model's n_groups)
-  at::parallel_for(0, S * G, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t s = task / G, g = task % G;
-      float* v = yp + s * inner + g * width;
-      const float* z = zp + s * ldz + g * width;
-      double squares = 0.0;
-      for (int64_t i = 0; i < width; ++i) {
-        v[i] *= z[i] / (1.f + std::exp(-z[i]));
-        squares += static_cast<double>(v[i]) * v[i];
-      }
-      const float inv = 1.0f / std::sqrt(static_cast<float>(squares / width) + static_cast<float>(eps));
-      for (int64_t i = 0; i < width; ++i) v[i] = wp[g * width + i] * (v[i] * inv);
-    }
-  });
+  gated_group_norm(yp, zp, ldz, wp, S, inner, G, static_cast<float>(eps));
   return y;
 }
 

@@ -825,23 +825,31 @@ constexpr int kRowsPerPass = 4;
 constexpr int kRowsPerPass = 8;
 #endif
 
+// Panels [p0, p1) of one weight against activation row m (decode): two panels' weight streams
+// side by side, fetched ahead in software where the walk is ADJACENT (decode_walk()).
+using DecodeRange = void (*)(const GPanel&, const Acts&, int64_t, int64_t, int64_t, float*);
+
 template <int HB, int Z, bool PER16, bool OFFS, bool KS, typename S>
-void gpanel_matmul(const GPanel& w, const Acts& a, int64_t M, int64_t P, float* out, int64_t ldo) {
-  const int64_t threads = at::get_num_threads();
-  const int64_t grain = std::max<int64_t>(1, (P + threads - 1) / threads);
-  const tokenloom_int8::DecodeWalk walk = tokenloom_int8::decode_walk();
+void gpanel_decode_range(const GPanel& w, const Acts& a, int64_t m, int64_t p0, int64_t p1, float* out) {
   using Row = void (*)(const GPanel&, int64_t, int64_t, const Acts&, int64_t, float*);
-  // [prefetch][panels]: ADJACENT walks fetch ahead in software, SPLIT walks leave it to the hardware
   constexpr Row rows[2][3] = {{nullptr, gpanel_row<1, HB, Z, PER16, OFFS, KS, S, false>,
                                gpanel_row<2, HB, Z, PER16, OFFS, KS, S, false>},
                               {nullptr, gpanel_row<1, HB, Z, PER16, OFFS, KS, S, true>,
                                gpanel_row<2, HB, Z, PER16, OFFS, KS, S, true>}};
+  const tokenloom_int8::DecodeWalk walk = tokenloom_int8::decode_walk();
   const bool prefetch = walk == tokenloom_int8::DecodeWalk::ADJACENT;
+  tokenloom_int8::walk_panels(walk, p0, p1, [&](int64_t p, int64_t dist, int count) {
+    rows[prefetch][count](w, p, dist, a, m, out + p * 16);
+  });
+}
+
+template <int HB, int Z, bool PER16, bool OFFS, bool KS, typename S>
+void gpanel_matmul(const GPanel& w, const Acts& a, int64_t M, int64_t P, float* out, int64_t ldo) {
+  const int64_t threads = at::get_num_threads();
+  const int64_t grain = std::max<int64_t>(1, (P + threads - 1) / threads);
   at::parallel_for(0, P, grain, [&](int64_t p0, int64_t p1) {
-    if (M == 1) {                                   // decode: two panels' weight streams side by side
-      tokenloom_int8::walk_panels(walk, p0, p1, [&](int64_t p, int64_t dist, int count) {
-        rows[prefetch][count](w, p, dist, a, 0, out + p * 16);
-      });
+    if (M == 1) {                                   // decode
+      gpanel_decode_range<HB, Z, PER16, OFFS, KS, S>(w, a, 0, p0, p1, out);
       return;
     }
     for (int64_t p = p0; p < p1; ++p) {             // each block decoded once per pass of rows
@@ -909,23 +917,6 @@ void panel_matmul_into(at::Tensor out, int64_t col0, const at::Tensor& xq, int64
     case MXFP4: gpanel_matmul<LUT4, 12, false, false, false, E8M0>(w, a, M, P, y, ldo); break;
     default: TORCH_CHECK(false, "GGML type ", type, " has no panel kernel");
   }
-}
-
-// Panels [p0, p1) of one weight against activation row m (decode): gpanel_matmul's M == 1 walk.
-using DecodeRange = void (*)(const GPanel&, const Acts&, int64_t, int64_t, int64_t, float*);
-
-template <int HB, int Z, bool PER16, bool OFFS, bool KS, typename S>
-void gpanel_decode_range(const GPanel& w, const Acts& a, int64_t m, int64_t p0, int64_t p1, float* out) {
-  using Row = void (*)(const GPanel&, int64_t, int64_t, const Acts&, int64_t, float*);
-  constexpr Row rows[2][3] = {{nullptr, gpanel_row<1, HB, Z, PER16, OFFS, KS, S, false>,
-                               gpanel_row<2, HB, Z, PER16, OFFS, KS, S, false>},
-                              {nullptr, gpanel_row<1, HB, Z, PER16, OFFS, KS, S, true>,
-                               gpanel_row<2, HB, Z, PER16, OFFS, KS, S, true>}};
-  const tokenloom_int8::DecodeWalk walk = tokenloom_int8::decode_walk();
-  const bool prefetch = walk == tokenloom_int8::DecodeWalk::ADJACENT;
-  tokenloom_int8::walk_panels(walk, p0, p1, [&](int64_t p, int64_t dist, int count) {
-    rows[prefetch][count](w, p, dist, a, m, out + p * 16);
-  });
 }
 
 DecodeRange decode_range_for(int64_t type) {
