@@ -43,8 +43,9 @@ def _hf_generate(model, prompt: list[int], new_tokens: int, **kwargs) -> list[in
 def test_greedy_ngram_blocking_and_bad_words_equal_hf_generate(smol_llm, hf_model):
     tok = smol_llm.engine.tokenizer
     prompt = tok.encode(LOOPING)
+    # each processor's tokens against transformers' generate with the same processor (plain greedy
+    # parity: tests/models/test_parity_hf.py, and this model's GGUF in tests/loader/test_gguf.py)
     plain = smol_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=48))[0].outputs[0].token_ids
-    assert _hf_generate(hf_model, prompt, 48) == plain
     for size in (2, 3):
         ours = smol_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=48, no_repeat_ngram_size=size))
         ids = ours[0].outputs[0].token_ids
