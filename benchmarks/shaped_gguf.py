@@ -106,6 +106,17 @@ def write_tokens(w: gguf.GGUFWriter, s: Shape) -> None:
     w.add_eos_token_id(0)
 
 
+def sizes(s: Shape, layers: int) -> dict[str, int]:
+    """The size keys every shape's file starts with (an expert's width as the MLP's)."""
+    return {
+        "block_count": layers,
+        "context_length": s.context,
+        "embedding_length": s.hidden,
+        "feed_forward_length": s.expert_ffn,
+        "expert_feed_forward_length": s.expert_ffn,
+    }
+
+
 def write_metadata(w: gguf.GGUFWriter, s: Shape, layers: int) -> None:
     if s.arch == "deepseek2":
         return write_deepseek2_metadata(w, s, layers)
@@ -113,11 +124,7 @@ def write_metadata(w: gguf.GGUFWriter, s: Shape, layers: int) -> None:
         return write_granite_hybrid_metadata(w, s, layers)
     a = s.arch
     for key, value in {
-        "block_count": layers,
-        "context_length": s.context,
-        "embedding_length": s.hidden,
-        "feed_forward_length": s.expert_ffn,
-        "expert_feed_forward_length": s.expert_ffn,
+        **sizes(s, layers),
         "attention.head_count": s.heads,
         "attention.head_count_kv": s.kv_heads,
         "attention.key_length": s.head_dim,
@@ -176,11 +183,7 @@ def write_granite_hybrid_metadata(w: gguf.GGUFWriter, s: Shape, layers: int) -> 
     time_step_rank), head_count_kv per layer (0 for Mamba), rope off, Granite's multipliers."""
     a = "granitehybrid"
     for key, value in {
-        "block_count": layers,
-        "context_length": s.context,
-        "embedding_length": s.hidden,
-        "feed_forward_length": s.expert_ffn,
-        "expert_feed_forward_length": s.expert_ffn,
+        **sizes(s, layers),
         "expert_shared_feed_forward_length": s.shared_ffn,
         "expert_count": s.experts,
         "expert_used_count": s.top_k,

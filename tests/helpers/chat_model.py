@@ -40,3 +40,28 @@ def marked_chat_model(
         (out / "tokenizer_config.json").write_text(json.dumps(tokens))
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": [tk.token_to_id(e) for e in ends]}))
     return out
+
+
+def check_forecast_calls(client, kwargs: dict, marker: str) -> list[tuple[str, str]]:
+    """Asks the server (an openai client) with `kwargs` whole and streamed: both give the same
+    tool calls, each to forecast with arguments valid against FORECAST_SCHEMA, finish reason
+    tool_calls, and no `marker` of the call syntax in the content. Returns the calls."""
+    import jsonschema
+
+    choice = client.chat.completions.create(**kwargs).choices[0]
+    calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+    assert calls and choice.finish_reason == "tool_calls"
+    for name, arguments in calls:
+        assert name == "forecast"
+        jsonschema.validate(json.loads(arguments), FORECAST_SCHEMA)
+    assert marker not in (choice.message.content or "")
+    streamed: dict[int, list[str]] = {}
+    finish = None
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        finish = chunk.choices[0].finish_reason or finish
+        for tc in chunk.choices[0].delta.tool_calls or []:
+            entry = streamed.setdefault(tc.index, ["", ""])
+            entry[0] += (tc.function.name or "") if tc.function else ""
+            entry[1] += (tc.function.arguments or "") if tc.function else ""
+    assert [tuple(v) for v in streamed.values()] == calls and finish == "tool_calls"
+    return calls

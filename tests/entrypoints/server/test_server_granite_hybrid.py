@@ -5,14 +5,12 @@ back as tool_calls with schema-valid arguments, whole and streamed alike."""
 
 from __future__ import annotations
 
-import json
 from concurrent.futures import ThreadPoolExecutor
 
-import jsonschema
 import openai
 import pytest
 
-from tests.helpers.chat_model import ASK_FORECAST, FORECAST_SCHEMA, FORECAST_TOOLS
+from tests.helpers.chat_model import ASK_FORECAST, FORECAST_TOOLS, check_forecast_calls
 from tests.helpers.server_harness import ThreadedServer
 
 CHATS = [
@@ -69,21 +67,7 @@ def test_calls_in_granites_syntax_come_back_as_tool_calls_whole_and_streamed(ser
     kwargs |= dict(max_tokens=400, temperature=0)
     if tool_choice == "auto":  # a random model would rather talk: bias it to open a call
         kwargs["logit_bias"] = {str(opener[0]): 100}
-    choice = client.chat.completions.create(**kwargs).choices[0]
-    calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
-    assert calls and choice.finish_reason == "tool_calls"
-    for name, arguments in calls:
-        assert name == "forecast"
-        jsonschema.validate(json.loads(arguments), FORECAST_SCHEMA)
-    assert "<tool_call>" not in (choice.message.content or "")
-    streamed, finish = {}, None
-    for chunk in client.chat.completions.create(stream=True, **kwargs):
-        finish = chunk.choices[0].finish_reason or finish
-        for tc in chunk.choices[0].delta.tool_calls or []:
-            entry = streamed.setdefault(tc.index, ["", ""])
-            entry[0] += (tc.function.name or "") if tc.function else ""
-            entry[1] += (tc.function.arguments or "") if tc.function else ""
-    assert [tuple(v) for v in streamed.values()] == calls and finish == "tool_calls"
+    check_forecast_calls(client, kwargs, "<tool_call>")
 
 
 def test_the_template_lists_tools_and_renders_calls_and_results(served):
