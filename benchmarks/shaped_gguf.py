@@ -19,7 +19,7 @@ Shapes (``SHAPES``):
   in 9 of every 10 layers, attention (12 query / 4 KV heads of 128, no rope) in the others (layer
   5, 15, ...), every layer's MLP 64 experts of 512 (top 6) beside a shared MLP of 1024; embeddings
   tied; Q4_K where rows hold 256-value blocks (every matrix here), the Mamba vectors float32;
-  40 layers.
+  40 layers (write at least 6: layer 5 is the first that attends).
 --layers of them here.
 
     python benchmarks/shaped_gguf.py gpt-oss-20b --layers 8 -o /tmp/gpt-oss-20b-8l.gguf
