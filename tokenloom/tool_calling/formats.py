@@ -24,6 +24,11 @@ A format is text around JSON call objects ``{"name": ..., "<args_key>": {...}}``
 
   Its template renders the calls and results of a conversation (arguments as their JSON text) but
   not the tools: tokenloom lists them in a system message, in this syntax (messages.py).
+- ``deepseek_v31`` (DeepSeek-V3.1): the same markers, the name then the arguments as bare JSON::
+
+      <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>
+
+  Its template, like V3's, renders calls and results but not the tools.
 """
 
 from __future__ import annotations
@@ -105,7 +110,20 @@ DEEPSEEK_V3 = ToolFormat(
     specials=(_DS_CALLS, _DS_CALL, _DS_SEP, _DS_CALL_END, _DS_CALLS_END),
 )
 
-FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, GENERIC, HARMONY, DEEPSEEK_V3)}
+DEEPSEEK_V31 = ToolFormat(
+    "deepseek_v31",
+    trigger=_DS_CALLS,
+    section_open=_DS_CALLS,
+    section_close=_DS_CALLS_END,
+    call_open=_DS_CALL,
+    name_close=_DS_SEP,
+    call_close=_DS_CALL_END,
+    lists_tools=False,
+    arguments_text=True,
+    specials=(_DS_CALLS, _DS_CALL, _DS_SEP, _DS_CALL_END, _DS_CALLS_END),
+)
+
+FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, GENERIC, HARMONY, DEEPSEEK_V3, DEEPSEEK_V31)}
 
 
 def detect_format(chat_template: str | None) -> ToolFormat:
@@ -114,8 +132,8 @@ def detect_format(chat_template: str | None) -> ToolFormat:
     source = chat_template or ""
     if "<|channel|>" in source:
         return HARMONY
-    if _DS_CALLS in source:  # renders calls, not tools
-        return DEEPSEEK_V3
+    if _DS_CALLS in source:  # renders calls, not tools; V3 fences the arguments, V3.1 does not
+        return DEEPSEEK_V3 if "```json" in source else DEEPSEEK_V31
     if "tools" not in source:
         return GENERIC
     if "<tool_call>" in source:
