@@ -96,8 +96,7 @@ def greedy_cases(plain_llm):
     every proposer."""
     base = plain_llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=30))[0].outputs[0]
     stop = base.text[len(base.text) // 2 : len(base.text) // 2 + 4]  # lands inside an accepted run
-    params = [
-        SamplingParams(temperature=0, max_tokens=23),
+    params = [  # each ends its own way: a stop string inside an accepted run, then max_tokens
         SamplingParams(temperature=0, max_tokens=30, stop=[stop]),
         SamplingParams(temperature=0, max_tokens=17, logprobs=2, repetition_penalty=1.2),
         SamplingParams(
