@@ -45,6 +45,24 @@ MALFORMED = [
 ]
 
 
+def called_history() -> tuple[list, list[dict]]:
+    """(the test tools as the server hands them over, a conversation whose assistant called one
+    with its arguments as an object, and the tool's result)."""
+    functions = [function_of(t, i) for i, t in enumerate([{"type": "function", "function": t} for t in TOOLS])]
+    history = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "18 C"},
+    ]
+    return functions, history
+
+
 @pytest.mark.parametrize("text,content,calls", REPLIES)
 def test_replies_parse_to_their_calls_whole_and_streamed(text, content, calls):
     got_content, got = parse_tool_calls(text, DEEPSEEK_V3)
@@ -91,18 +109,7 @@ def test_grammars_admit_valid_calls_only(compiler, mode, text, ok):  # noqa: F81
 def test_the_template_gets_calls_as_text_and_the_tools_in_a_system_message():
     """DeepSeek's template concatenates a call's arguments (an object would not join a string) and
     renders no tools: they come first, listed in its syntax."""
-    functions = [function_of(t, i) for i, t in enumerate([{"type": "function", "function": t} for t in TOOLS])]
-    history = [
-        {"role": "user", "content": "Weather in Paris?"},
-        {
-            "role": "assistant",
-            "content": None,
-            "tool_calls": [
-                {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
-            ],
-        },
-        {"role": "tool", "tool_call_id": "c1", "content": "18 C"},
-    ]
+    functions, history = called_history()
     messages = template_messages(history, functions, DEEPSEEK_V3)
     assert messages[0]["role"] == "system" and "### get_weather" in messages[0]["content"]
     assert BEGIN + call("tool_name", '{"argument": "value"}') in messages[0]["content"]

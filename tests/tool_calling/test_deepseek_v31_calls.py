@@ -7,10 +7,11 @@ from __future__ import annotations
 import jinja2
 import pytest
 
+from tests.tool_calling.test_deepseek_calls import called_history
 from tests.tool_calling.test_tool_calling import TOOLS, _accepts, _streamed, compiler  # noqa: F401 (a fixture)
 from tokenloom.tool_calling import detect_format, parse_tool_calls, tool_grammar
 from tokenloom.tool_calling.formats import DEEPSEEK_V31, FORMATS
-from tokenloom.tool_calling.messages import function_of, template_messages
+from tokenloom.tool_calling.messages import template_messages
 
 BEGIN, END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 
@@ -85,18 +86,7 @@ def test_grammars_admit_valid_calls_only(compiler, mode, text, ok):  # noqa: F81
 
 
 def test_the_template_gets_calls_as_text_and_the_tools_listed_in_its_syntax():
-    functions = [function_of(t, i) for i, t in enumerate([{"type": "function", "function": t} for t in TOOLS])]
-    history = [
-        {"role": "user", "content": "Weather in Paris?"},
-        {
-            "role": "assistant",
-            "content": None,
-            "tool_calls": [
-                {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
-            ],
-        },
-        {"role": "tool", "tool_call_id": "c1", "content": "18 C"},
-    ]
+    functions, history = called_history()
     messages = template_messages(history, functions, DEEPSEEK_V31)
     assert (
         messages[0]["role"] == "system" and BEGIN + call("tool_name", '{"argument": "value"}') in messages[0]["content"]
