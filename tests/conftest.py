@@ -382,6 +382,30 @@ TINY_CONFIGS = {
             logits_scaling=2.0,
         ),
     ),
+    # Qwen3-Next: Gated DeltaNet layers (two key heads each serving two value heads, value heads
+    # narrower than keys) around one gated attention layer, the mixture with its gated shared
+    # expert and one dense layer, a quarter of each attention head turned
+    "qwen3_next": (
+        "Qwen3NextConfig",
+        dict(
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=8,
+            intermediate_size=96,
+            moe_intermediate_size=24,
+            shared_expert_intermediate_size=48,
+            num_experts=4,
+            num_experts_per_tok=2,
+            mlp_only_layers=[2],
+            initializer_range=0.1,
+        ),
+    ),
     # V2-Lite's layout: queries without a bottleneck, softmax routing over groups, not renormalized
     "deepseek_v2": (
         "DeepseekV2Config",
@@ -480,6 +504,11 @@ def build_tiny_model(name: str, folder: Path, seed: int = 0) -> Path:
                     p.normal_(0.0 if cls_name.startswith("Gemma") else 1.0, 0.3)
                 elif name.endswith("norm.bias"):
                     p.normal_(0.0, 0.3)
+    if cls_name == "Qwen3NextConfig":  # (1 + w) norms init at 0, the DeltaNet's gated norm at 1
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.normal_(1.0 if name.endswith("linear_attn.norm.weight") else 0.0, 0.3)
     if cls_name == "DeepseekV3Config":  # a correction bias large enough to change choices
         with torch.no_grad():
             for name, b in model.named_buffers():

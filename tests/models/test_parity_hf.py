@@ -53,6 +53,7 @@ def test_greedy_tokens_and_logprobs_match_hf(arch, tiny_model_dir):
         "deepseek_v3",
         "granite",
         "granite_hybrid",
+        "qwen3_next",
     ],
 )
 def test_batched_equals_one_at_a_time(arch, tiny_model_dir):
@@ -85,6 +86,7 @@ def test_batched_equals_one_at_a_time(arch, tiny_model_dir):
         "granitemoe_shared",
         "granite_hybrid",
         "granite_hybrid_dense",
+        "qwen3_next",
     ],
 )
 def test_chunked_prefill_equals_whole_prefill(arch, tiny_model_dir):

@@ -40,6 +40,7 @@ _UNSPLIT_REASONS = {
     "GraniteForCausalLM": _GRANITE,
     "GraniteMoeForCausalLM": _GRANITE,
     "GraniteMoeHybridForCausalLM": "its Mamba-2 layers' per-sequence state has no split across ranks yet",
+    "Qwen3NextForCausalLM": "its Gated DeltaNet layers' per-sequence state has no split across ranks yet",
 }
 
 

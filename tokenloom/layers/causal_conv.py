@@ -8,9 +8,14 @@ K - 1 inputs (channels x K - 1), so a chunk continues exactly where the previous
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from tokenloom.kv_cache.recurrent import RecurrentBatch
 
 
 class CausalConv1d(nn.Module):
@@ -56,3 +61,18 @@ class CausalConv1d(nn.Module):
             and x.stride(-1) == 1
             and ssm_scan.build()
         )
+
+
+def conv_batch(conv: CausalConv1d, x: torch.Tensor, batch: RecurrentBatch, states: torch.Tensor) -> torch.Tensor:
+    """The causal conv over each sequence's rows of a step's x (T, channels) -> (T, channels) in x's
+    dtype: the decoding sequences' one token each in one call, each prompt chunk alone; `states`
+    (slots, channels, K - 1) advanced in place."""
+    if batch.all_decode:
+        return conv.step(x, states, batch.decode_slots, batch.decode_keep).to(x.dtype)
+    out = torch.empty_like(x)
+    if batch.decode_rows:
+        rows = batch.decode_rows
+        out[rows] = conv.step(x[rows], states, batch.decode_slots, batch.decode_keep).to(x.dtype)
+    for start, n, slot, fresh in batch.prompts:
+        out[start : start + n] = conv.prompt(x[start : start + n], states[slot], fresh).to(x.dtype)
+    return out

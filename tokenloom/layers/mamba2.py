@@ -20,7 +20,7 @@ from torch import nn
 from tokenloom.attention.backend import StepAttention
 from tokenloom.kv_cache.recurrent import RecurrentBatch, recurrent_batch
 from tokenloom.layers import ssm_scan
-from tokenloom.layers.causal_conv import CausalConv1d
+from tokenloom.layers.causal_conv import CausalConv1d, conv_batch
 from tokenloom.layers.ssm_scan import ssd_scan, ssm_step_slots
 from tokenloom.models.config import MambaConfig, ModelConfig
 
@@ -88,7 +88,7 @@ class Mamba2Mixer(nn.Module):
             )
             return self.out_proj.forward(y)
         z, xbc, dt = zxbcdt.split([m.inner_size, m.conv_dim, m.num_heads], dim=-1)
-        xbc = F.silu(self._conv(xbc, batch, conv_states))  # (T, conv_dim)
+        xbc = F.silu(conv_batch(self.conv1d, xbc, batch, conv_states))  # (T, conv_dim)
         xs, B, C = xbc.float().split([m.inner_size, m.n_groups * m.state_size, m.n_groups * m.state_size], dim=-1)
         T = x.shape[0]
         xs = xs.view(T, m.num_heads, m.head_dim)
@@ -113,18 +113,6 @@ class Mamba2Mixer(nn.Module):
             and conv_states.is_contiguous()
             and ssm_scan.build()
         )
-
-    def _conv(self, xbc: torch.Tensor, batch: RecurrentBatch, states: torch.Tensor) -> torch.Tensor:
-        """The causal conv over each sequence's rows of xbc (T, conv_dim) -> (T, conv_dim)."""
-        if batch.all_decode:
-            return self.conv1d.step(xbc, states, batch.decode_slots, batch.decode_keep).to(xbc.dtype)
-        out = torch.empty_like(xbc)
-        if batch.decode_rows:
-            rows = batch.decode_rows
-            out[rows] = self.conv1d.step(xbc[rows], states, batch.decode_slots, batch.decode_keep).to(xbc.dtype)
-        for start, n, slot, fresh in batch.prompts:
-            out[start : start + n] = self.conv1d.prompt(xbc[start : start + n], states[slot], fresh).to(xbc.dtype)
-        return out
 
     def _scan(self, xs, dt, A, B, C, batch: RecurrentBatch, states: torch.Tensor) -> torch.Tensor:
         """The SSM over each sequence's rows: xs (T, heads, head_dim), dt (T, heads), B and C

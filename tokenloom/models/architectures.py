@@ -45,6 +45,7 @@ ARCHITECTURES: dict[str, Architecture] = {
             "tokenloom.models.granite_hybrid",
             "GraniteMoeHybridForCausalLM",
         ),
+        Architecture("Qwen3NextForCausalLM", "qwen3_next", "tokenloom.models.qwen3_next", "Qwen3NextForCausalLM"),
         Architecture("Olmo2ForCausalLM", "olmo2", "tokenloom.models.olmo2", "Olmo2ForCausalLM"),
         Architecture("Olmo3ForCausalLM", "olmo3", "tokenloom.models.olmo2", "Olmo2ForCausalLM"),
         Architecture("Glm4ForCausalLM", "glm4", "tokenloom.models.glm4", "Glm4ForCausalLM"),

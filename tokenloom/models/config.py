@@ -180,6 +180,52 @@ class MambaConfig:
         }
 
 
+@dataclass(frozen=True, slots=True)
+class DeltaNetConfig:
+    """The Gated DeltaNet mixers of a hybrid model (Qwen3-Next): layers `layers` run one instead of
+    attention. Per token, in_proj gives q, k (num_k_heads x k_head_dim each), v and z (num_v_heads x
+    v_head_dim each), b and a (num_v_heads each); [q, k, v] go through a causal depthwise conv of
+    `conv_kernel` taps (no bias) and SiLU; q and k are L2-normed and each serves
+    num_v_heads / num_k_heads consecutive value heads. Per value head, with beta = sigmoid(b) and
+    g = -exp(A_log) softplus(a + dt_bias): S = exp(g) S, S += k (beta (v - S^T k))^T,
+    o = S^T q / sqrt(k_head_dim); o is RMS-normed per head, times norm.weight and SiLU(z), and goes
+    through out_proj. A sequence's state is the conv's last conv_kernel - 1 inputs and S."""
+
+    layers: tuple[int, ...]  # the recurrent layers (the others attend)
+    num_k_heads: int
+    num_v_heads: int
+    k_head_dim: int
+    v_head_dim: int
+    conv_kernel: int = 4
+
+    def __post_init__(self) -> None:
+        if min(self.num_k_heads, self.num_v_heads, self.k_head_dim, self.v_head_dim, self.conv_kernel) <= 0:
+            raise ValueError("Gated DeltaNet heads, head dims and conv_kernel must be positive")
+        if self.num_v_heads % self.num_k_heads:
+            raise ValueError(f"{self.num_v_heads} value heads do not share {self.num_k_heads} key heads evenly")
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_k_heads * self.k_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.v_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the conv: q, then k, then v."""
+        return 2 * self.key_dim + self.value_dim
+
+    def state_shapes(self) -> dict[str, tuple[int, ...]]:
+        """A sequence's state in one recurrent layer: the conv's last inputs (kept in the model's
+        dtype) and S per value head (kept in float32)."""
+        return {
+            "conv": (self.conv_dim, self.conv_kernel - 1),
+            "state": (self.num_v_heads, self.k_head_dim, self.v_head_dim),
+        }
+
+
 @dataclass(slots=True)
 class ModelConfig:
     """Architecture hyper-parameters shared by every supported model family."""
@@ -227,9 +273,11 @@ class ModelConfig:
     # multi-head latent attention (DeepSeek-V2/V3): the cache holds one key a token, of
     # head_dim = mla.latent_dim, whose last kv_lora_rank dims are also its value (num_kv_heads 1)
     mla: MlaConfig | None = None
-    # a hybrid's recurrent layers (Granite 4.0-H's Mamba-2): they keep a per-sequence state
-    # (kv_cache/recurrent.py), not keys and values; the other layers attend
-    recurrent: MambaConfig | None = None
+    # a hybrid's recurrent layers (Granite 4.0-H's Mamba-2, Qwen3-Next's Gated DeltaNet): they keep
+    # a per-sequence state (kv_cache/recurrent.py), not keys and values; the other layers attend
+    recurrent: MambaConfig | DeltaNetConfig | None = None
+    # attention's output times sigmoid(gate), the gate a second half of each head's q_proj rows (Qwen3-Next)
+    attention_output_gate: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -380,6 +428,7 @@ _MOE_ARCHITECTURES = (
     "GraniteMoeForCausalLM",
     "GraniteMoeSharedForCausalLM",
     "GraniteMoeHybridForCausalLM",
+    "Qwen3NextForCausalLM",
 )
 _DEEPSEEK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 _QWEN_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
@@ -429,7 +478,8 @@ def _moe_of(hf: dict[str, Any], arch: str) -> MoeConfig | None:
         )
     step, dense = hf.get("decoder_sparse_step", 1), set(hf.get("mlp_only_layers") or ())
     sparse = tuple(i for i in range(layers) if i not in dense and experts > 0 and (i + 1) % step == 0)
-    shared = hf.get("shared_expert_intermediate_size", 0) if arch == "Qwen2MoeForCausalLM" else 0
+    gated_shared = ("Qwen2MoeForCausalLM", "Qwen3NextForCausalLM")
+    shared = hf.get("shared_expert_intermediate_size", 0) if arch in gated_shared else 0
     return MoeConfig(
         experts,
         hf.get("num_experts_per_tok", 1),
@@ -679,6 +729,47 @@ def _granite_hybrid_fields(hf: dict[str, Any]) -> dict[str, Any]:
     return fields
 
 
+def _qwen3_next_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3-Next (transformers' Qwen3NextConfig defaults): Gated DeltaNet mixers in the layers
+    layer_types names "linear_attention" (else all but every full_attention_interval-th), attention
+    with q/k norm, an output gate and a quarter of each head turned, (1 + w) RMSNorms (kept as 1 + w
+    at load: models/qwen3_next.py)."""
+    layers = hf["num_hidden_layers"]
+    interval = hf.get("full_attention_interval", 4)
+    kinds = hf.get("layer_types") or [
+        "linear_attention" if (i + 1) % interval else "full_attention" for i in range(layers)
+    ]
+    unknown = sorted(set(kinds) - {"linear_attention", "full_attention"})
+    if unknown:
+        raise UnsupportedModelError(
+            f"Qwen3-Next layer type(s) {unknown} are not supported (linear_attention, full_attention)"
+        )
+    if "full_attention" not in kinds:
+        raise UnsupportedModelError("a Qwen3-Next model without full_attention layers is not supported")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise UnsupportedModelError(
+            f"Gated DeltaNet layers with activation {hf['hidden_act']!r} are not implemented (silu)"
+        )
+    deltanet = DeltaNetConfig(
+        layers=tuple(i for i, kind in enumerate(kinds) if kind == "linear_attention"),
+        num_k_heads=hf.get("linear_num_key_heads", 16),
+        num_v_heads=hf.get("linear_num_value_heads", 32),
+        k_head_dim=hf.get("linear_key_head_dim", 128),
+        v_head_dim=hf.get("linear_value_head_dim", 128),
+        conv_kernel=hf.get("linear_conv_kernel_dim", 4),
+    )
+    partial = _rope_params(hf).get("partial_rotary_factor", hf.get("partial_rotary_factor") or 0.25)
+    return dict(
+        recurrent=deltanet,
+        layer_types=None,
+        qk_norm=True,
+        attention_output_gate=True,
+        partial_rotary_factor=partial,
+        head_dim=hf.get("head_dim") or 256,
+        max_model_len=hf.get("max_position_embeddings", 32768),
+    )
+
+
 def _float_of(value: Any) -> float:
     """A float as config.json spells it: a number, "inf"/"Infinity", or transformers 5's
     {"__float__": "Infinity"}."""
@@ -716,6 +807,7 @@ _FAMILY_FIELDS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "GraniteMoeForCausalLM": _granite_fields,
     "GraniteMoeSharedForCausalLM": _granite_fields,
     "GraniteMoeHybridForCausalLM": _granite_hybrid_fields,
+    "Qwen3NextForCausalLM": _qwen3_next_fields,
 }
 
 # fields an architecture implements among those _refuse_unimplemented checks

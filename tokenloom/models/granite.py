@@ -53,10 +53,6 @@ class GraniteDecoderLayer(LlamaDecoderLayer):
         normed, residual = self.post_attention_layernorm.add_forward(attn, residual)
         return self.mlp.forward(normed).mul_(self.residual_multiplier), residual
 
-    def mix(self, x: torch.Tensor, attend: StepAttention, layer: int) -> torch.Tensor:
-        """The token mixer: attention (a hybrid's recurrent layers mix otherwise)."""
-        return self.self_attn.forward(x, attend, layer)
-
 
 class GraniteForCausalLM(LlamaForCausalLM):
     """Loads HF ``GraniteForCausalLM`` checkpoints and GGUF ``granite`` files (see the module doc)."""

@@ -63,9 +63,13 @@ class LlamaDecoderLayer(nn.Module):
             residual, normed = x, self.input_layernorm.forward(x)
         else:
             normed, residual = self.input_layernorm.add_forward(x, residual)
-        attn = self.self_attn.forward(normed, attend, layer)
+        attn = self.mix(normed, attend, layer)
         normed, residual = self.post_attention_layernorm.add_forward(attn, residual)
         return self.mlp.forward(normed), residual
+
+    def mix(self, x: torch.Tensor, attend: StepAttention, layer: int) -> torch.Tensor:
+        """The token mixer: attention (a hybrid's recurrent layers mix otherwise)."""
+        return self.self_attn.forward(x, attend, layer)
 
 
 class LlamaModel(nn.Module):
@@ -85,7 +89,7 @@ class LlamaForCausalLM(CausalLM):
         "up_proj": ("gate_up_proj", "up"),
     }
     input_embedding_name = "model.embed_tokens"
-    ignored_checkpoint_keys = (r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",)
+    ignored_checkpoint_keys: tuple[str, ...] = (r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",)
     # a family that differs only inside its layers (Gemma 3, OLMo 2) names its own
     decoder_layer: ClassVar[type[nn.Module]] = LlamaDecoderLayer
     replayable_layers = True

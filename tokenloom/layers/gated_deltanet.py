@@ -1,0 +1,131 @@
+"""Gated DeltaNet (Qwen3-Next's recurrent layers; ModelConfig.recurrent, a DeltaNetConfig, says
+the shapes), in place of attention in its layers, with the attention op's call signature:
+``forward(x, attend, layer)``; the step's metadata and the per-sequence state come through `attend`.
+
+    [q, k, v, z, b, a] = in_proj(x)
+    [q, k, v] = silu(causal_conv([q, k, v]))
+    q, k = l2_norm(q), l2_norm(k)           each key head serving num_v / num_k value heads
+    beta = sigmoid(b)                       g = -exp(A_log) softplus(a + dt_bias)
+    o = delta_rule(q / sqrt(k_dim), k, v, g, beta)      (layers/delta_rule.py)
+    out = out_proj(rms_norm_per_head(o) * norm.weight * silu(z))
+
+in_proj holds HF's in_proj_qkvz and in_proj_ba, their rows re-ordered at load from HF's per-key-head
+groups ([q, k, v, z] of key head 0, then of key head 1, ...) to [q | k | v | z | b | a] (each in
+head order), as llama.cpp's converter re-orders them (``qkvz_rows``, ``ba_rows``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenloom.attention.backend import StepAttention
+from tokenloom.kv_cache.recurrent import RecurrentBatch, recurrent_batch
+from tokenloom.layers.causal_conv import CausalConv1d, conv_batch
+from tokenloom.layers.delta_rule import delta_chunked, delta_step_slots
+from tokenloom.models.config import DeltaNetConfig, ModelConfig
+
+# positions a prompt's chunked delta rule takes at once: exact for any block (layers/delta_rule.py);
+# a block's triangular solve grows with its square, the sequential state passes with their number
+DELTA_BLOCK = 64
+L2_EPS = 1e-6  # transformers' (and the FLA library's) l2norm epsilon
+
+
+class GatedHeadRMSNorm(nn.Module):
+    """o -> weight * rms_norm_per_head(o) * silu(z), computed in float32 (transformers'
+    Qwen3NextRMSNormGated: the norm before the gate, unlike Mamba-2's)."""
+
+    def __init__(self, head_dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(head_dim))
+        self.eps = eps
+
+    def forward(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """o (T, heads, head_dim) float32, z (T, heads * head_dim) -> (T, heads * head_dim) in z's dtype."""
+        normed = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.eps)
+        gated = (self.weight.float() * normed).flatten(1) * F.silu(z.float())
+        return gated.to(z.dtype)
+
+
+def qkvz_rows(cfg: DeltaNetConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows of [q | k | v], rows of z) in HF's in_proj_qkvz, whose rows are grouped per key head
+    ([q, k, v, z] of key head 0, then of key head 1, ...)."""
+    r = cfg.num_v_heads // cfg.num_k_heads
+    sizes = [cfg.k_head_dim, cfg.k_head_dim, r * cfg.v_head_dim, r * cfg.v_head_dim]
+    grouped = torch.arange(cfg.num_k_heads * sum(sizes), device="cpu").view(cfg.num_k_heads, sum(sizes))
+    q, k, v, z = (rows.reshape(-1) for rows in grouped.split(sizes, dim=1))
+    return torch.cat([q, k, v]), z
+
+
+def ba_rows(cfg: DeltaNetConfig) -> torch.Tensor:
+    """The rows of HF's in_proj_ba (per key head [b of its value heads, a of them]) as [b | a]."""
+    r = cfg.num_v_heads // cfg.num_k_heads
+    grouped = torch.arange(2 * cfg.num_v_heads, device="cpu").view(cfg.num_k_heads, 2, r)
+    return torch.cat([grouped[:, 0].reshape(-1), grouped[:, 1].reshape(-1)])
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        d = cfg.recurrent
+        assert isinstance(d, DeltaNetConfig)  # the layers ModelConfig.recurrent names
+        self.d = d
+        self.in_proj = nn.Linear(cfg.hidden_size, d.conv_dim + d.value_dim + 2 * d.num_v_heads, bias=False)
+        self.conv1d = CausalConv1d(d.conv_dim, d.conv_kernel, bias=False)
+        self.dt_bias = nn.Parameter(torch.empty(d.num_v_heads))
+        self.A_log = nn.Parameter(torch.empty(d.num_v_heads))
+        self.norm = GatedHeadRMSNorm(d.v_head_dim, cfg.norm_eps)
+        self.out_proj = nn.Linear(d.value_dim, cfg.hidden_size, bias=False)
+        self._A: torch.Tensor | None = None  # -exp(A_log), once loaded (_decay_rates)
+
+    def shard_rows(self, shard: str) -> slice:
+        """in_proj's rows for a checkpoint part: "qkv", "z" or "ba"."""
+        d = self.d
+        start = {"qkv": 0, "z": d.conv_dim, "ba": d.conv_dim + d.value_dim}[shard]
+        size = {"qkv": d.conv_dim, "z": d.value_dim, "ba": 2 * d.num_v_heads}[shard]
+        return slice(start, start + size)
+
+    def forward(self, x: torch.Tensor, attend: StepAttention, layer: int) -> torch.Tensor:
+        """x (T, hidden) -> (T, hidden); advances each sequence's state in layer `layer`."""
+        d, states = self.d, attend.kv_cache.states
+        batch = recurrent_batch(attend.meta, x.device)
+        T = x.shape[0]
+        qkv, z, b, a = self.in_proj.forward(x).split([d.conv_dim, d.value_dim, d.num_v_heads, d.num_v_heads], dim=-1)
+        qkv = F.silu(conv_batch(self.conv1d, qkv, batch, states.conv[layer]))  # (T, conv_dim)
+        q, k, v = qkv.float().split([d.key_dim, d.key_dim, d.value_dim], dim=-1)
+        q, k = (self._heads(t.reshape(T, d.num_k_heads, d.k_head_dim)) for t in (q, k))  # (T, Hv, dk)
+        q = q * d.k_head_dim**-0.5
+        v = v.reshape(T, d.num_v_heads, d.v_head_dim)
+        beta = torch.sigmoid(b.float())  # (T, Hv)
+        g = self._decay_rates() * F.softplus(a.float() + self.dt_bias.float())  # (T, Hv) log decay <= 0
+        o = self._scan(q, k, v, g, beta, batch, states.state[layer])  # (T, Hv, dv)
+        return self.out_proj.forward(self.norm(o, z))
+
+    def _heads(self, t: torch.Tensor) -> torch.Tensor:
+        """(T, Hk, dk) -> L2-normed (T, Hv, dk), each key head repeated for its value heads."""
+        t = t * torch.rsqrt(t.pow(2).sum(-1, keepdim=True) + L2_EPS)
+        r = self.d.num_v_heads // self.d.num_k_heads
+        return t if r == 1 else t.repeat_interleave(r, dim=1)
+
+    def _decay_rates(self) -> torch.Tensor:
+        """-exp(A_log) (Hv,) float32, computed once (the weights are fixed once loaded)."""
+        if self._A is None or self._A.device != self.A_log.device:
+            self._A = -torch.exp(self.A_log.detach().float())
+        return self._A
+
+    def _scan(self, q, k, v, g, beta, batch: RecurrentBatch, states: torch.Tensor) -> torch.Tensor:
+        """The delta rule over each sequence's rows -> o (T, Hv, dv) float32."""
+        keep, slots = batch.decode_keep, batch.decode_slots
+        if batch.all_decode:
+            return delta_step_slots(states, slots, keep, q, k, v, g, beta)
+        o = q.new_empty(*v.shape)
+        if batch.decode_rows:
+            r = batch.decode_rows
+            o[r] = delta_step_slots(states, slots, keep, q[r], k[r], v[r], g[r], beta[r])
+        for start, n, slot, fresh in batch.prompts:
+            s = slice(start, start + n)
+            o[s], states[slot] = delta_chunked(
+                q[s], k[s], v[s], g[s], beta[s], None if fresh else states[slot], DELTA_BLOCK
+            )
+        return o
