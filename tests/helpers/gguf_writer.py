@@ -42,6 +42,7 @@ GGUF_ARCH = {
     "GraniteMoeHybridForCausalLM": "granitehybrid",
     "DeepseekV2ForCausalLM": "deepseek2",
     "DeepseekV3ForCausalLM": "deepseek2",
+    "Qwen3NextForCausalLM": "qwen3next",
 }
 
 # HF layer sub-name -> llama.cpp's blk.N.<name>
@@ -97,8 +98,10 @@ _JETMOE = re.compile(
 _GPT_OSS_EXPERTS = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?")
 _EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
 _EXPERT_KIND = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
+_QWEN3NEXT_BLOCK = _BLOCK | {"post_attention_layernorm": "post_attention_norm"}
 _QUANTIZED = re.compile(
-    r"blk\.\d+\.(attn_[qkv]|attn_q_[ab]|attn_kv_a_mqa|attn_[kv]_b|attn_output|ssm_in|ssm_out|ffn_(gate|up|down)(_exps|_shexp)?)\.weight"
+    r"blk\.\d+\.(attn_[qkv]|attn_q_[ab]|attn_kv_a_mqa|attn_[kv]_b|attn_output|attn_qkv|attn_gate|ssm_in|ssm_out|ssm_ba"
+    r"|ffn_(gate|up|down)(_exps|_shexp)?)\.weight"
 )
 
 
@@ -225,6 +228,46 @@ def _mamba_tensors(layer: int, sub: str, tensor: torch.Tensor, cfg: dict):
     yield f"blk.{layer}.{name}", tensor
 
 
+def _write_qwen3next_metadata(w: gguf.GGUFWriter, cfg: dict) -> None:
+    """conversion/qwen.py's Qwen3NextModel.set_gguf_parameters: the DeltaNet's sizes as ssm.* (key
+    heads as group_count, value heads as time_step_rank), the recurrent layers listed, the rope's
+    dims a quarter of head_dim unless the config says otherwise."""
+    w.add_uint32("qwen3next.ssm.conv_kernel", cfg["linear_conv_kernel_dim"])
+    w.add_uint32("qwen3next.ssm.state_size", cfg["linear_key_head_dim"])
+    w.add_uint32("qwen3next.ssm.group_count", cfg["linear_num_key_heads"])
+    w.add_uint32("qwen3next.ssm.time_step_rank", cfg["linear_num_value_heads"])
+    w.add_uint32("qwen3next.ssm.inner_size", cfg["linear_value_head_dim"] * cfg["linear_num_value_heads"])
+    w.add_array("qwen3next.attention.recurrent_layers", [t == "linear_attention" for t in cfg["layer_types"]])
+    w.add_uint32("qwen3next.full_attention_interval", cfg.get("full_attention_interval", 4))
+
+
+def _qwen3next_tensors(layer: int, sub: str, tensor: torch.Tensor, cfg: dict):
+    """conversion/qwen.py's Qwen3NextModel.modify_tensors for a linear_attn tensor: in_proj_qkvz
+    from per-key-head [q, k, v, z] groups to attn_qkv ([q | k | v]) and attn_gate (z), A_log as
+    A = -exp(A_log), the conv weight squeezed, dt_bias named as dt_proj's bias."""
+    if sub == "in_proj_qkvz.weight":
+        r = cfg["linear_num_value_heads"] // cfg["linear_num_key_heads"]
+        dk, dv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
+        grouped = tensor.view(cfg["linear_num_key_heads"], -1, tensor.shape[1])
+        q, k, v, z = (t.reshape(-1, tensor.shape[1]) for t in grouped.split([dk, dk, r * dv, r * dv], dim=1))
+        yield f"blk.{layer}.attn_qkv.weight", torch.cat([q, k, v])
+        yield f"blk.{layer}.attn_gate.weight", z
+        return
+    name = {
+        "in_proj_ba.weight": "ssm_ba.weight",
+        "conv1d.weight": "ssm_conv1d.weight",
+        "dt_bias": "ssm_dt.bias",
+        "A_log": "ssm_a",
+        "norm.weight": "ssm_norm.weight",
+        "out_proj.weight": "ssm_out.weight",
+    }[sub]
+    if sub == "conv1d.weight":
+        tensor = tensor.squeeze(1)
+    elif sub == "A_log":
+        tensor = -torch.exp(tensor)
+    yield f"blk.{layer}.{name}", tensor
+
+
 def _write_metadata(w: gguf.GGUFWriter, arch: str, cfg: dict) -> None:
     heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
@@ -280,6 +323,8 @@ def _write_metadata(w: gguf.GGUFWriter, arch: str, cfg: dict) -> None:
         w.add_uint32("phi3.attention.sliding_window", cfg.get("sliding_window") or 0)
     if arch == "granitehybrid":
         _write_granite_hybrid_metadata(w, cfg)
+    if arch == "qwen3next":
+        _write_qwen3next_metadata(w, cfg)
     if arch in ("granite", "granitemoe", "granitehybrid"):  # conversion/granite.py: the multipliers as *_scale
         w.add_float32(f"{arch}.attention.scale", cfg["attention_multiplier"])
         w.add_float32(f"{arch}.embedding_scale", cfg["embedding_multiplier"])
@@ -354,6 +399,7 @@ def _gguf_tensors(state: dict[str, torch.Tensor], arch: str, cfg: dict, stack_ex
         "glm4": _GLM4_BLOCK,
         "gpt-oss": _GPT_OSS_BLOCK,
         "deepseek2": _DEEPSEEK2_BLOCK,
+        "qwen3next": _QWEN3NEXT_BLOCK,
     }.get(arch, _BLOCK)
     heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
     stacks: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
@@ -372,6 +418,8 @@ def _gguf_tensors(state: dict[str, torch.Tensor], arch: str, cfg: dict, stack_ex
             head_norms.setdefault((int(m.group(1)), m.group(2)), {})[int(m.group(3))] = tensor
         elif m := _GPT_OSS_EXPERTS.fullmatch(name):
             yield from _gpt_oss_experts(int(m.group(1)), m.group(2), tensor, bias=bool(m.group(3)))
+        elif m := re.fullmatch(r"model\.layers\.(\d+)\.linear_attn\.(.+)", name):
+            yield from _qwen3next_tensors(int(m.group(1)), m.group(2), tensor, cfg)
         elif m := re.fullmatch(r"model\.layers\.(\d+)\.mamba\.(.+)", name):
             yield from _mamba_tensors(int(m.group(1)), m.group(2), tensor, cfg)
         elif m := _JETMOE.fullmatch(name):
@@ -384,7 +432,7 @@ def _gguf_tensors(state: dict[str, torch.Tensor], arch: str, cfg: dict, stack_ex
         elif m := re.fullmatch(r"model\.layers\.(\d+)\.self_attn\.sinks", name):
             yield f"blk.{m.group(1)}.attn_sinks.weight", tensor  # conversion/gpt_oss.py adds .weight
         elif name in top:
-            yield top[name], tensor + 1 if arch == "gemma2" and name == "model.norm.weight" else tensor
+            yield top[name], tensor + 1 if arch in ("gemma2", "qwen3next") and name == "model.norm.weight" else tensor
         elif m := _EXPERT.fullmatch(name):
             stacks.setdefault((int(m.group(1)), _EXPERT_KIND[m.group(3)]), {})[int(m.group(2))] = tensor
         else:
@@ -396,8 +444,8 @@ def _gguf_tensors(state: dict[str, torch.Tensor], arch: str, cfg: dict, stack_ex
                 tensor = llama_cpp_permute(tensor, heads if sub.endswith("q_proj") else kv_heads)
             if sub == "mlp.shared_expert_gate":
                 tensor = tensor.reshape(-1)
-            if arch == "gemma2" and sub.endswith("norm"):
-                tensor = tensor + 1  # the converter stores Gemma's (1 + w)
+            if arch in ("gemma2", "qwen3next") and sub.endswith("norm"):
+                tensor = tensor + 1  # the converter stores Gemma's and Qwen3-Next's (1 + w)
             yield f"blk.{layer}.{block[sub]}.{kind}", tensor
     yield from rope_tensors(cfg).items()
     for (layer, kind), norms in sorted(head_norms.items()):  # StableLMModel._stack_qk_norm

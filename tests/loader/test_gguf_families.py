@@ -42,6 +42,7 @@ FAMILIES = [
     "granite",
     "granitemoe_shared",
     "granite_hybrid",
+    "qwen3_next",
     "stablelm",
     "stablelm_parallel",
 ]

@@ -42,7 +42,8 @@ def delta_step_slots(
     v_dim) float32; `keep` (S, 1) 0.0 where a sequence starts from zero. q, k (S, heads, k_dim)
     (normed, q scaled), v (S, heads, v_dim), g and beta (S, heads) -> o (S, heads, v_dim); the
     states advanced in place."""
-    state = states.index_select(0, slots) * (keep[..., None] * torch.exp(g)[..., None, None])  # S' (S, H, dk, dv)
+    forget = keep.view(-1, 1) * torch.exp(g)  # (S, H): 0 where the sequence starts from zero
+    state = states.index_select(0, slots) * forget[..., None, None]  # S' (S, H, dk, dv)
     read = torch.einsum("shkv,shk->shv", state, k)  # S'^T k
     u = (v - read) * beta[..., None]  # (S, H, dv)
     state.add_(k[..., None] * u[..., None, :])

@@ -79,6 +79,7 @@ _ARCHITECTURES = {
     "granite": "GraniteForCausalLM",
     "granitemoe": "GraniteMoeForCausalLM",  # GraniteMoeShared where it has a shared expert (hf_config)
     "granitehybrid": "GraniteMoeHybridForCausalLM",
+    "qwen3next": "Qwen3NextForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
     "stablelm": "StableLmForCausalLM",
     "phi3": "Phi3ForCausalLM",
@@ -97,6 +98,7 @@ _NORMALIZED_TOP_K = {
     "gpt-oss": True,
     "granitemoe": True,
     "granitehybrid": True,
+    "qwen3next": True,
 }
 _GATING_SIGMOID = 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID (1: softmax, the default)
 
@@ -175,6 +177,19 @@ _GRANITE_HYBRID_BLOCK_NAMES = _LLAMA_BLOCK_NAMES | {
     "ssm_norm": "mamba.norm",
     "ssm_out": "mamba.out_proj",
 }
+# Qwen3-Next's Gated DeltaNet (conversion/qwen.py's Qwen3NextModel: in_proj_qkvz split into
+# [q | k | v] and z; older files keep it whole as ssm_in) and its norm after attention
+_QWEN3NEXT_BLOCK_NAMES = _LLAMA_BLOCK_NAMES | {
+    "post_attention_norm": "post_attention_layernorm",
+    "attn_qkv": "linear_attn.in_proj_qkv",
+    "attn_gate": "linear_attn.in_proj_z",
+    "ssm_in": "linear_attn.in_proj_qkvz",
+    "ssm_ba": "linear_attn.in_proj_ba",
+    "ssm_conv1d": "linear_attn.conv1d",
+    "ssm_dt": "linear_attn.dt_bias",
+    "ssm_norm": "linear_attn.norm",
+    "ssm_out": "linear_attn.out_proj",
+}
 # stored without a .weight suffix: blk.N.ssm_a (A = -exp(A_log)), blk.N.ssm_d
 _SSM_A_D = re.compile(r"blk\.(\d+)\.ssm_([ad])")
 # block tensors that are parameters of their own in HF, not a module's weight or bias
@@ -210,6 +225,7 @@ _NAME_TABLES = {
     "gpt-oss": (_LLAMA_NAMES, _GPT_OSS_BLOCK_NAMES),
     "deepseek2": (_LLAMA_NAMES, _DEEPSEEK2_BLOCK_NAMES),
     "granitehybrid": (_LLAMA_NAMES, _GRANITE_HYBRID_BLOCK_NAMES),
+    "qwen3next": (_LLAMA_NAMES, _QWEN3NEXT_BLOCK_NAMES),
 }
 
 
@@ -250,6 +266,7 @@ class GGUFFile:
             )
         self.tensors = [t for reader in [self.reader, *shards] for t in reader.tensors]
         self._hf_config: dict | None = None
+        self._said_mtp = False
 
     def _other_shards(self) -> list[GGUFReader]:
         """A split model's shards after this first one (``NAME-0000i-of-0000N.gguf`` side by side,
@@ -352,6 +369,8 @@ class GGUFFile:
             return cfg | self._deepseek2_fields(cfg)
         if self.arch == "granitehybrid":
             cfg |= self._granite_hybrid_fields(cfg)
+        if self.arch == "qwen3next":
+            cfg |= self._qwen3next_fields(cfg)
         if self.arch in ("granite", "granitemoe", "granitehybrid"):  # conversion/granite.py's *_scale keys
             cfg |= {
                 "embedding_multiplier": self.arch_field("embedding_scale", 1.0),
@@ -453,6 +472,27 @@ class GGUFFile:
                 "mscale_all_dim": mscale,
             }
         return fields
+
+    def _qwen3next_fields(self, cfg: dict) -> dict:
+        """Qwen3-Next as conversion/qwen.py writes it: the DeltaNet's sizes under ssm.* (key heads as
+        group_count, their dims as state_size, value heads as time_step_rank, all value dims as
+        inner_size), its layers from attention.recurrent_layers (else all but every
+        full_attention_interval-th), the rope's dims as a fraction of head_dim, the
+        multi-token-prediction blocks (nextn_predict_layers) past the model's layers."""
+        layers = cfg["num_hidden_layers"] - self.arch_field("nextn_predict_layers", 0)
+        interval = self.arch_field("full_attention_interval", 4)
+        recurrent = self.arch_field("attention.recurrent_layers") or [(i + 1) % interval != 0 for i in range(layers)]
+        v_heads = self.arch_field("ssm.time_step_rank")
+        return {
+            "num_hidden_layers": layers,
+            "layer_types": ["linear_attention" if r else "full_attention" for r in list(recurrent)[:layers]],
+            "linear_conv_kernel_dim": self.arch_field("ssm.conv_kernel"),
+            "linear_num_key_heads": self.arch_field("ssm.group_count"),
+            "linear_key_head_dim": self.arch_field("ssm.state_size"),
+            "linear_num_value_heads": v_heads,
+            "linear_value_head_dim": self.arch_field("ssm.inner_size") // v_heads,
+            "partial_rotary_factor": self.arch_field("rope.dimension_count", cfg["head_dim"] // 4) / cfg["head_dim"],
+        }
 
     def _granite_hybrid_fields(self, cfg: dict) -> dict:
         """Granite 4.0-H as conversion/granite.py writes it: a layer with no kv heads
@@ -598,6 +638,8 @@ class GGUFFile:
         for t in self.tensors:
             if t.name in _ROPE_FACTOR_TENSORS:  # read into the config (rope_scaling)
                 continue
+            if self._past_the_layers(t.name, cfg["num_hidden_layers"]):
+                continue
             names = self._hf_names(t)
             tensor = self._to_hf_layout(t.name, self._tensor(t), cfg)
             if self.arch == "stablelm" and _HEAD_NORMS.fullmatch(t.name):  # per-head norms: (heads, head_dim)
@@ -619,7 +661,25 @@ class GGUFFile:
 
     def tensor_types(self) -> dict[str, int]:
         """HF tensor name -> the GGML type it is stored as."""
-        return {name: t.type for t in self.tensors if t.name not in _ROPE_FACTOR_TENSORS for name in self._hf_names(t)}
+        layers = self.hf_config()["num_hidden_layers"]
+        return {
+            name: t.type
+            for t in self.tensors
+            if t.name not in _ROPE_FACTOR_TENSORS and not self._past_the_layers(t.name, layers)
+            for name in self._hf_names(t)
+        }
+
+    def _past_the_layers(self, name: str, layers: int) -> bool:
+        """A Qwen3-Next block past the model's layers (its multi-token-prediction layer): not run,
+        skipped (said once)."""
+        m = re.match(r"blk\.(\d+)\.", name)
+        if self.arch != "qwen3next" or m is None or int(m.group(1)) < layers:
+            return False
+        if not self._said_mtp:
+            self._said_mtp = True
+            name = self.path.name
+            log.info("%s: skipping blocks from %d on: the multi-token-prediction layer is not run", name, layers)
+        return True
 
     def _hf_names(self, t: GGUFTensorInfo) -> list[str]:
         """The HF names a file tensor holds: one, or one per expert of a stacked ffn_*_exps tensor,
@@ -667,6 +727,8 @@ class GGUFFile:
             return _expert_name(m.group(1), m.group(3), m.group(2))
         if self.arch == "granitehybrid" and (m := _SSM_A_D.fullmatch(name)):
             return f"model.layers.{m.group(1)}.mamba.{'A_log' if m.group(2) == 'a' else 'D'}"
+        if self.arch == "qwen3next" and (m := _SSM_A_D.fullmatch(name)) and m.group(2) == "a":
+            return f"model.layers.{m.group(1)}.linear_attn.A_log"
         m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
         if m and m.group(2) in _BARE_PARAMETERS and m.group(2) in block:
             return f"model.layers.{m.group(1)}.{block[m.group(2)]}"
@@ -689,7 +751,9 @@ class GGUFFile:
             return tensor - 1  # llama.cpp stores Gemma's 1 + w; HF's checkpoints hold w
         if name.endswith("ffn_gate_inp_shexp.weight"):
             return tensor.view(1, -1)  # llama.cpp stores the shared expert's gate as a vector
-        if self.arch == "granitehybrid":
+        if self.arch == "qwen3next" and name.endswith("norm.weight") and not name.endswith("ssm_norm.weight"):
+            return tensor - 1  # conversion/qwen.py stores Qwen3-Next's (1 + w) norms as 1 + w
+        if self.arch in ("granitehybrid", "qwen3next"):
             return _mamba_to_hf(name, tensor)
         return tensor
 
