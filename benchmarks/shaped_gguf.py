@@ -20,6 +20,12 @@ Shapes (``SHAPES``):
   5, 15, ...), every layer's MLP 64 experts of 512 (top 6) beside a shared MLP of 1024; embeddings
   tied; Q4_K where rows hold 256-value blocks (every matrix here), the Mamba vectors float32;
   40 layers (write at least 6: layer 5 is the first that attends).
+- ``qwen3-next-80b-a3b``: 2048 wide, Gated DeltaNet mixers (16 key heads of 128 shared by 32 value
+  heads of 128, conv 4) in three of every four layers, gated attention (16 query / 2 KV heads of 256,
+  a quarter of each head turned) in the others (layer 3, 7, ...), every layer's MLP 512 experts of
+  512 (top 10) beside a gated shared expert of 512; Q4_K where rows hold 256-value blocks (every
+  matrix here), the DeltaNet's vectors and conv float32; 48 layers (write at least 4: layer 3 is the
+  first that attends).
 --layers of them here.
 
     python benchmarks/shaped_gguf.py gpt-oss-20b --layers 8 -o /tmp/gpt-oss-20b-8l.gguf
@@ -60,6 +66,7 @@ SHAPES = {
     "gpt-oss-20b": Shape("gpt-oss", 2880, 64, 8, 64, 32, 4, 2880, 201088, 24, 131072),
     "deepseek-v2-lite": Shape("deepseek2", 2048, 16, 1, 576, 64, 6, 1408, 102400, 27, 163840, 10944, 2),
     "granite-4.0-h-tiny": Shape("granitehybrid", 1536, 12, 4, 128, 64, 6, 512, 100352, 40, 131072, shared_ffn=1024),
+    "qwen3-next-80b-a3b": Shape("qwen3next", 2048, 16, 2, 256, 512, 10, 512, 151936, 48, 262144, shared_ffn=512),
 }
 # Granite 4.0-H-Tiny's Mamba-2 mixers: heads x head_dim = 2 x hidden; one attention layer in ten
 MAMBA_HEADS, MAMBA_HEAD_DIM, MAMBA_STATE, MAMBA_GROUPS, MAMBA_CONV = 48, 64, 128, 1, 4
@@ -67,6 +74,14 @@ MAMBA_HEADS, MAMBA_HEAD_DIM, MAMBA_STATE, MAMBA_GROUPS, MAMBA_CONV = 48, 64, 128
 
 def granite_attends(layer: int) -> bool:
     return layer % 10 == 5
+
+
+# Qwen3-Next's Gated DeltaNet: key heads, value heads, both heads' dims, conv taps
+DELTA_K_HEADS, DELTA_V_HEADS, DELTA_HEAD_DIM, DELTA_CONV = 16, 32, 128, 4
+
+
+def qwen3next_attends(layer: int) -> bool:
+    return layer % 4 == 3
 
 
 # DeepSeek-V2-Lite's latent attention
@@ -122,6 +137,8 @@ def write_metadata(w: gguf.GGUFWriter, s: Shape, layers: int) -> None:
         return write_deepseek2_metadata(w, s, layers)
     if s.arch == "granitehybrid":
         return write_granite_hybrid_metadata(w, s, layers)
+    if s.arch == "qwen3next":
+        return write_qwen3next_metadata(w, s, layers)
     a = s.arch
     for key, value in {
         **sizes(s, layers),
@@ -210,6 +227,73 @@ def write_granite_hybrid_metadata(w: gguf.GGUFWriter, s: Shape, layers: int) -> 
     write_tokens(w, s)
 
 
+def write_qwen3next_metadata(w: gguf.GGUFWriter, s: Shape, layers: int) -> None:
+    """conversion/qwen.py's Qwen3NextModel keys: the DeltaNet's sizes as ssm.* (key heads as
+    group_count, value heads as time_step_rank), attention every fourth layer, a quarter of each
+    head's dims turned, the mixture with its shared expert."""
+    a = "qwen3next"
+    for key, value in {
+        **sizes(s, layers),
+        "expert_shared_feed_forward_length": s.shared_ffn,
+        "expert_count": s.experts,
+        "expert_used_count": s.top_k,
+        "attention.head_count": s.heads,
+        "attention.head_count_kv": s.kv_heads,
+        "attention.key_length": s.head_dim,
+        "attention.value_length": s.head_dim,
+        "rope.dimension_count": s.head_dim // 4,
+        "ssm.conv_kernel": DELTA_CONV,
+        "ssm.state_size": DELTA_HEAD_DIM,
+        "ssm.group_count": DELTA_K_HEADS,
+        "ssm.inner_size": DELTA_V_HEADS * DELTA_HEAD_DIM,
+        "ssm.time_step_rank": DELTA_V_HEADS,
+        "full_attention_interval": 4,
+    }.items():
+        w.add_uint32(f"{a}.{key}", value)
+    w.add_float32(f"{a}.rope.freq_base", 10_000_000.0)
+    w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", 1e-6)
+    write_tokens(w, s)
+
+
+def qwen3next_tensors(s: Shape, layers: int, rng: np.random.Generator):
+    """(name, array, raw type or None) in llama.cpp's qwen3next layout (src/models/qwen3next.cpp)."""
+    key, value = DELTA_K_HEADS * DELTA_HEAD_DIM, DELTA_V_HEADS * DELTA_HEAD_DIM
+    yield "token_embd.weight", *matrix(s.vocab, s.hidden, rng)
+    yield "output_norm.weight", floats((s.hidden,), rng, 0.1, 1.0), None
+    yield "output.weight", *matrix(s.vocab, s.hidden, rng)
+    for i in range(layers):
+        b = f"blk.{i}"
+        yield f"{b}.attn_norm.weight", floats((s.hidden,), rng, 0.1, 1.0), None
+        yield f"{b}.post_attention_norm.weight", floats((s.hidden,), rng, 0.1, 1.0), None
+        if qwen3next_attends(i):
+            q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
+            for name, rows in (("attn_q", 2 * q), ("attn_k", kv), ("attn_v", kv)):  # q: query and gate
+                yield f"{b}.{name}.weight", *matrix(rows, s.hidden, rng)
+            yield f"{b}.attn_q_norm.weight", floats((s.head_dim,), rng, 0.1, 1.0), None
+            yield f"{b}.attn_k_norm.weight", floats((s.head_dim,), rng, 0.1, 1.0), None
+            yield f"{b}.attn_output.weight", *matrix(s.hidden, q, rng)
+        else:
+            yield f"{b}.attn_qkv.weight", *matrix(2 * key + value, s.hidden, rng)
+            yield f"{b}.attn_gate.weight", *matrix(value, s.hidden, rng)
+            yield f"{b}.ssm_ba.weight", *matrix(2 * DELTA_V_HEADS, s.hidden, rng)  # llama-quantize takes it
+            yield f"{b}.ssm_conv1d.weight", floats((2 * key + value, DELTA_CONV), rng, 0.2), None
+            yield f"{b}.ssm_dt.bias", floats((DELTA_V_HEADS,), rng, 0.5, 1.0), None
+            yield f"{b}.ssm_a", -np.linspace(0.1, 16, DELTA_V_HEADS, dtype=np.float32), None
+            yield f"{b}.ssm_norm.weight", floats((DELTA_HEAD_DIM,), rng, 0.1, 1.0), None
+            yield f"{b}.ssm_out.weight", *matrix(s.hidden, value, rng)
+        yield f"{b}.ffn_gate_inp.weight", floats((s.experts, s.hidden), rng), None
+        yield f"{b}.ffn_gate_inp_shexp.weight", floats((s.hidden,), rng), None
+        for name, rows, cols, experts in (
+            ("ffn_gate_exps", s.expert_ffn, s.hidden, s.experts),
+            ("ffn_up_exps", s.expert_ffn, s.hidden, s.experts),
+            ("ffn_down_exps", s.hidden, s.expert_ffn, s.experts),
+            ("ffn_gate_shexp", s.shared_ffn, s.hidden, 0),
+            ("ffn_up_shexp", s.shared_ffn, s.hidden, 0),
+            ("ffn_down_shexp", s.hidden, s.shared_ffn, 0),
+        ):
+            yield f"{b}.{name}.weight", *matrix(rows, cols, rng, experts)
+
+
 def granite_hybrid_tensors(s: Shape, layers: int, rng: np.random.Generator):
     """(name, array, raw type or None) in llama.cpp's granitehybrid layout (src/models/granite-hybrid.cpp)."""
     inner = MAMBA_HEADS * MAMBA_HEAD_DIM
@@ -292,6 +376,9 @@ def tensors(s: Shape, layers: int, rng: np.random.Generator):
         return
     if s.arch == "granitehybrid":
         yield from granite_hybrid_tensors(s, layers, rng)
+        return
+    if s.arch == "qwen3next":
+        yield from qwen3next_tensors(s, layers, rng)
         return
     yield from gpt_oss_tensors(s, layers, rng)
 

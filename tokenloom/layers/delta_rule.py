@@ -20,7 +20,7 @@ Two ways to run it, the same numbers up to float rounding:
   split anywhere (chunked prefill) gives the outputs of the whole.
 
 Every exponent is of a difference G_t - G_j with j <= t (or G_t itself), so each is <= 0: nothing
-overflows. Everything here computes in float32.
+overflows. Everything here computes in float32 (float64 where given float64: the tests' reference).
 """
 
 from __future__ import annotations
@@ -67,9 +67,10 @@ def delta_chunked(
     dv = v.shape[-1]
     pad = (-L) % block
     n = (L + pad) // block
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
 
     def blocks(x: torch.Tensor) -> torch.Tensor:  # (L, H, ...) -> (H, n, block, ...)
-        x = x.float().transpose(0, 1)
+        x = x.to(dtype).transpose(0, 1)
         if pad:
             x = torch.nn.functional.pad(x, (0, 0) * (x.dim() - 2) + (0, pad))
         return x.reshape(H, n, block, *x.shape[2:])
@@ -82,14 +83,14 @@ def delta_chunked(
     decay = diff.exp()  # (H, n, C, C): exp(G_t - G_j) for j <= t, else 0
     k_beta = k * beta[..., None]
     A = (k_beta @ k.transpose(-1, -2)) * decay  # beta_t (k_t . k_j) exp(G_t - G_j)
-    system = A.tril(-1) + torch.eye(block, device=q.device)
+    system = A.tril(-1) + torch.eye(block, dtype=dtype, device=q.device)
     W = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False, unitriangular=True)  # (H, n, C, dv)
     Kc = torch.linalg.solve_triangular(system, k_beta * G.exp()[..., None], upper=False, unitriangular=True)
     scores = (q @ k.transpose(-1, -2)) * decay  # (H, n, C, C) (q_t . k_j) exp(G_t - G_j), j <= t
     q_decayed = q * G.exp()[..., None]
     to_end = (G[..., -1:] - G).exp()[..., None] * k  # (H, n, C, dk): k_j exp(G_last - G_j)
-    S = torch.zeros(H, dk, dv, device=q.device) if state is None else state.float()
-    out = torch.empty(H, n, block, dv, device=q.device)
+    S = torch.zeros(H, dk, dv, dtype=dtype, device=q.device) if state is None else state.to(dtype)
+    out = torch.empty(H, n, block, dv, dtype=dtype, device=q.device)
     for c in range(n):
         U = W[:, c] - Kc[:, c] @ S  # (H, C, dv)
         out[:, c] = q_decayed[:, c] @ S + scores[:, c] @ U

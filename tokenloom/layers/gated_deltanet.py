@@ -2,16 +2,17 @@
 the shapes), in place of attention in its layers, with the attention op's call signature:
 ``forward(x, attend, layer)``; the step's metadata and the per-sequence state come through `attend`.
 
-    [q, k, v, z, b, a] = in_proj(x)
+    [q, k, v, z] = in_proj(x)               [b, a] = in_proj_ba(x)
     [q, k, v] = silu(causal_conv([q, k, v]))
     q, k = l2_norm(q), l2_norm(k)           each key head serving num_v / num_k value heads
     beta = sigmoid(b)                       g = -exp(A_log) softplus(a + dt_bias)
     o = delta_rule(q / sqrt(k_dim), k, v, g, beta)      (layers/delta_rule.py)
     out = out_proj(rms_norm_per_head(o) * norm.weight * silu(z))
 
-in_proj holds HF's in_proj_qkvz and in_proj_ba, their rows re-ordered at load from HF's per-key-head
-groups ([q, k, v, z] of key head 0, then of key head 1, ...) to [q | k | v | z | b | a] (each in
-head order), as llama.cpp's converter re-orders them (``qkvz_rows``, ``ba_rows``).
+in_proj holds HF's in_proj_qkvz, its rows re-ordered at load from HF's per-key-head groups ([q, k,
+v, z] of key head 0, then of key head 1, ...) to [q | k | v | z] (each in head order), as llama.cpp's
+converter re-orders them (``qkvz_rows``); in_proj_ba's rows likewise to [b | a] (``ba_rows``). The
+two stay apart: a GGUF file may store the small in_proj_ba as float beside blocks of the others.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from torch import nn
 
 from tokenloom.attention.backend import StepAttention
 from tokenloom.kv_cache.recurrent import RecurrentBatch, recurrent_batch
+from tokenloom.layers import ssm_scan
 from tokenloom.layers.causal_conv import CausalConv1d, conv_batch
 from tokenloom.layers.delta_rule import delta_chunked, delta_step_slots
 from tokenloom.models.config import DeltaNetConfig, ModelConfig
@@ -71,7 +73,8 @@ class GatedDeltaNet(nn.Module):
         d = cfg.recurrent
         assert isinstance(d, DeltaNetConfig)  # the layers ModelConfig.recurrent names
         self.d = d
-        self.in_proj = nn.Linear(cfg.hidden_size, d.conv_dim + d.value_dim + 2 * d.num_v_heads, bias=False)
+        self.in_proj = nn.Linear(cfg.hidden_size, d.conv_dim + d.value_dim, bias=False)
+        self.in_proj_ba = nn.Linear(cfg.hidden_size, 2 * d.num_v_heads, bias=False)
         self.conv1d = CausalConv1d(d.conv_dim, d.conv_kernel, bias=False)
         self.dt_bias = nn.Parameter(torch.empty(d.num_v_heads))
         self.A_log = nn.Parameter(torch.empty(d.num_v_heads))
@@ -80,27 +83,58 @@ class GatedDeltaNet(nn.Module):
         self._A: torch.Tensor | None = None  # -exp(A_log), once loaded (_decay_rates)
 
     def shard_rows(self, shard: str) -> slice:
-        """in_proj's rows for a checkpoint part: "qkv", "z" or "ba"."""
+        """in_proj's rows for a checkpoint part: "qkv" or "z"."""
         d = self.d
-        start = {"qkv": 0, "z": d.conv_dim, "ba": d.conv_dim + d.value_dim}[shard]
-        size = {"qkv": d.conv_dim, "z": d.value_dim, "ba": 2 * d.num_v_heads}[shard]
-        return slice(start, start + size)
+        return slice(0, d.conv_dim) if shard == "qkv" else slice(d.conv_dim, d.conv_dim + d.value_dim)
 
     def forward(self, x: torch.Tensor, attend: StepAttention, layer: int) -> torch.Tensor:
-        """x (T, hidden) -> (T, hidden); advances each sequence's state in layer `layer`."""
+        """x (T, hidden) -> (T, hidden); advances each sequence's state in layer `layer`. A step
+        where every sequence decodes runs everything between the input projections and out_proj
+        as one compiled CPU call where it builds (layers/csrc/mamba_step_cpu.cpp deltanet_decode:
+        the same steps)."""
         d, states = self.d, attend.kv_cache.states
         batch = recurrent_batch(attend.meta, x.device)
         T = x.shape[0]
-        qkv, z, b, a = self.in_proj.forward(x).split([d.conv_dim, d.value_dim, d.num_v_heads, d.num_v_heads], dim=-1)
-        qkv = F.silu(conv_batch(self.conv1d, qkv, batch, states.conv[layer]))  # (T, conv_dim)
+        qkvz, ba = self.in_proj.forward(x), self.in_proj_ba.forward(x)
+        conv_states, delta_states = states.conv[layer], states.state[layer]
+        if batch.all_decode and self._fused_decode_takes(qkvz, ba, conv_states):
+            o = torch.ops.tokenloom_ssm.deltanet_decode(
+                qkvz,
+                ba,
+                conv_states,
+                delta_states,
+                batch.decode_slots,
+                batch.decode_keep.reshape(-1),
+                self.conv1d.weight,
+                self.dt_bias,
+                self._decay_rates(),
+                self.norm.weight,
+                d.num_k_heads,
+                self.norm.eps,
+            )
+            return self.out_proj.forward(o)
+        qkv, z = qkvz.split([d.conv_dim, d.value_dim], dim=-1)
+        b, a = ba.split(d.num_v_heads, dim=-1)
+        qkv = F.silu(conv_batch(self.conv1d, qkv, batch, conv_states))  # (T, conv_dim)
         q, k, v = qkv.float().split([d.key_dim, d.key_dim, d.value_dim], dim=-1)
         q, k = (self._heads(t.reshape(T, d.num_k_heads, d.k_head_dim)) for t in (q, k))  # (T, Hv, dk)
         q = q * d.k_head_dim**-0.5
         v = v.reshape(T, d.num_v_heads, d.v_head_dim)
         beta = torch.sigmoid(b.float())  # (T, Hv)
         g = self._decay_rates() * F.softplus(a.float() + self.dt_bias.float())  # (T, Hv) log decay <= 0
-        o = self._scan(q, k, v, g, beta, batch, states.state[layer])  # (T, Hv, dv)
+        o = self._scan(q, k, v, g, beta, batch, delta_states)  # (T, Hv, dv)
         return self.out_proj.forward(self.norm(o, z))
+
+    def _fused_decode_takes(self, qkvz: torch.Tensor, ba: torch.Tensor, conv_states: torch.Tensor) -> bool:
+        """The compiled decode step runs here: float32 on the CPU, rows of unit stride, it built."""
+        return (
+            qkvz.device.type == "cpu"
+            and qkvz.dtype == ba.dtype == conv_states.dtype == self.dt_bias.dtype == torch.float32
+            and qkvz.stride(-1) == ba.stride(-1) == 1
+            and conv_states.is_contiguous()
+            and self.d.v_head_dim <= 256
+            and ssm_scan.build()
+        )
 
     def _heads(self, t: torch.Tensor) -> torch.Tensor:
         """(T, Hk, dk) -> L2-normed (T, Hv, dk), each key head repeated for its value heads."""

@@ -84,7 +84,6 @@ class Qwen3NextForCausalLM(MoeForCausalLM):
         "o_gate": ("qkv_proj", "g"),
         "in_proj_qkv": ("in_proj", "qkv"),
         "in_proj_z": ("in_proj", "z"),
-        "in_proj_ba": ("in_proj", "ba"),
     }
     ignored_checkpoint_keys = (*MoeForCausalLM.ignored_checkpoint_keys, r"mtp\..*")
 
@@ -111,7 +110,7 @@ class Qwen3NextForCausalLM(MoeForCausalLM):
         if shard_id == "g":
             q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
             return slice(q + 2 * kv, 2 * q + 2 * kv)
-        if shard_id in ("qkv", "z", "ba"):
+        if shard_id in ("qkv", "z"):
             mixer = self.get_submodule(param_name.rsplit(".", 2)[0])
             assert isinstance(mixer, GatedDeltaNet)  # the in_proj shards are a DeltaNet's
             return mixer.shard_rows(shard_id)

@@ -1,5 +1,6 @@
-// One decode step of a Mamba-2 layer's two recurrences for S sequences, their states in slot caches
-// and each state row read and written once.
+// One decode step of a hybrid's recurrent layer for S sequences, their states in slot caches and
+// each state row read and written once: Mamba-2's two recurrences (conv_step, ssm_step, or the
+// whole mixer in mamba_decode) and Gated DeltaNet's (deltanet_decode).
 //
 // conv_step: the causal depthwise conv (layers/causal_conv.py): out[s,c] = bias[c] + the K taps of
 // channel c over the sequence's last K - 1 inputs (its state, zeros where keep[s] == 0) and x[s,c];
@@ -214,6 +215,121 @@ at::Tensor mamba_decode(const at::Tensor& zxbcdt, at::Tensor& conv_states, at::T
   return y;
 }
 
+// One (sequence, value head) of the gated delta rule (layers/delta_rule.py): state (dk, dv),
+// forget = exp(g) (0 where the sequence starts from zero):
+//   S' = forget S;  u = beta (v - S'^T k);  S = S' + k u^T;  o = S^T q
+// Two passes over the state (the second from cache): S'^T k, then the update and S^T q.
+void delta_head_step(float* state, const float* q, const float* k, const float* v, float beta, float forget,
+                     float* o, int64_t dk, int64_t dv) {
+  float read[256], u[256];  // dv <= 256 (checked)
+  for (int64_t j = 0; j < dv; ++j) read[j] = 0.0f;
+  for (int64_t i = 0; i < dk; ++i) {
+    const float* row = state + i * dv;
+    const float ki = k[i] * forget;
+    int64_t j = 0;
+    for (; j + 8 <= dv; j += 8)
+      _mm256_storeu_ps(read + j, _mm256_fmadd_ps(_mm256_loadu_ps(row + j), _mm256_set1_ps(ki), _mm256_loadu_ps(read + j)));
+    for (; j < dv; ++j) read[j] += row[j] * ki;
+  }
+  for (int64_t j = 0; j < dv; ++j) {
+    u[j] = beta * (v[j] - read[j]);
+    o[j] = 0.0f;
+  }
+  const __m256 vforget = _mm256_set1_ps(forget);
+  for (int64_t i = 0; i < dk; ++i) {
+    float* row = state + i * dv;
+    const __m256 ki = _mm256_set1_ps(k[i]), qi = _mm256_set1_ps(q[i]);
+    int64_t j = 0;
+    for (; j + 8 <= dv; j += 8) {
+      const __m256 h = _mm256_fmadd_ps(ki, _mm256_loadu_ps(u + j), _mm256_mul_ps(_mm256_loadu_ps(row + j), vforget));
+      _mm256_storeu_ps(row + j, h);
+      _mm256_storeu_ps(o + j, _mm256_fmadd_ps(h, qi, _mm256_loadu_ps(o + j)));
+    }
+    for (; j < dv; ++j) {
+      const float h = row[j] * forget + k[i] * u[j];
+      row[j] = h;
+      o[j] += h * q[i];
+    }
+  }
+}
+
+// x (n,) in place -> x / sqrt(sum x^2 + eps) * scale (transformers' l2norm, then the query's scale).
+void l2_normalize(float* x, int64_t n, float eps, float scale) {
+  float squares = 0.0f;
+  for (int64_t i = 0; i < n; ++i) squares += x[i] * x[i];
+  const float inv = scale / std::sqrt(squares + eps);
+  for (int64_t i = 0; i < n; ++i) x[i] *= inv;
+}
+
+// A whole Gated DeltaNet decode step between the input projections and out_proj for S sequences
+// (layers/gated_deltanet.py): qkvz (S, 2 Hk dk + 2 Hv dv), ba (S, 2 Hv) -> (S, Hv dv) =
+//   norm_w * rms_norm_per_head(o) * silu(z),  o = delta_rule(q / sqrt(dk), k, v, g, beta),
+//   [q, k, v] = silu(conv(qkv)), q and k L2-normed per key head (each serving Hv / Hk value heads),
+//   beta = sigmoid(b),  g = A softplus(a + dt_bias)  (A = -exp(A_log));
+// the conv and delta states of rows `slots` advanced in place (from zero where keep[s] == 0).
+at::Tensor deltanet_decode(const at::Tensor& qkvz, const at::Tensor& ba, at::Tensor& conv_states,
+                           at::Tensor& delta_states, const at::Tensor& slots, const at::Tensor& keep,
+                           const at::Tensor& conv_w, const at::Tensor& dt_bias, const at::Tensor& A,
+                           const at::Tensor& norm_w, int64_t key_heads, double eps) {
+  TORCH_CHECK(delta_states.dim() == 4 && delta_states.scalar_type() == at::kFloat && delta_states.is_contiguous(),
+              "delta_states must be contiguous (slots, value heads, dk, dv) float32");
+  const int64_t Hv = delta_states.size(1), dk = delta_states.size(2), dv = delta_states.size(3), Hk = key_heads;
+  const int64_t conv_dim = conv_states.size(1), value_dim = Hv * dv, S = qkvz.size(0);
+  TORCH_CHECK(Hk > 0 && Hv % Hk == 0 && conv_dim == 2 * Hk * dk + value_dim && dv <= 256,
+              "conv channels must be 2 key_heads dk + value heads dv (dv <= 256)");
+  TORCH_CHECK(qkvz.dim() == 2 && qkvz.scalar_type() == at::kFloat && qkvz.stride(1) == 1 &&
+                  qkvz.size(1) == conv_dim + value_dim,
+              "qkvz must be (S, conv_dim + value heads dv) float32 with unit column stride");
+  TORCH_CHECK(ba.dim() == 2 && ba.scalar_type() == at::kFloat && ba.stride(1) == 1 && ba.size(0) == S &&
+                  ba.size(1) == 2 * Hv,
+              "ba must be (S, 2 value heads) float32 with unit column stride");
+  for (const at::Tensor* t : {&dt_bias, &A})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == Hv, "dt_bias, A must be (Hv,)");
+  TORCH_CHECK(norm_w.scalar_type() == at::kFloat && norm_w.is_contiguous() && norm_w.numel() == dv,
+              "norm_w must be (dv,) float32");
+  TORCH_CHECK(conv_states.size(0) == delta_states.size(0), "the conv and delta state caches must hold the same slots");
+  const at::Tensor x = conv_step(conv_states, slots, keep, qkvz.narrow(1, 0, conv_dim), conv_w, c10::nullopt);
+  float* xp = x.data_ptr<float>();
+  const float q_scale = 1.0f / std::sqrt(static_cast<float>(dk));
+  at::parallel_for(0, S, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t s = begin; s < end; ++s) {
+      float* row = xp + s * conv_dim;
+      int64_t c = 0;
+      for (; c + 8 <= conv_dim; c += 8) _mm256_storeu_ps(row + c, tokenloom_silu::silu8(_mm256_loadu_ps(row + c)));
+      for (; c < conv_dim; ++c) row[c] = row[c] / (1.f + std::exp(-row[c]));
+      for (int64_t h = 0; h < Hk; ++h) {
+        l2_normalize(row + h * dk, dk, 1e-6f, q_scale);
+        l2_normalize(row + (Hk + h) * dk, dk, 1e-6f, 1.0f);
+      }
+    }
+  });
+  at::Tensor out = at::empty({S, value_dim}, qkvz.options());
+  float *op = out.data_ptr<float>(), *sp = delta_states.data_ptr<float>();
+  const float *zp = qkvz.data_ptr<float>(), *bap = ba.data_ptr<float>(), *bias = dt_bias.data_ptr<float>();
+  const float *ap = A.data_ptr<float>(), *kp = keep.data_ptr<float>(), *wp = norm_w.data_ptr<float>();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const int64_t ldz = qkvz.stride(0), ldba = ba.stride(0), per_key = Hv / Hk;
+  at::parallel_for(0, S * Hv, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t s = task / Hv, h = task % Hv, hk = h / per_key;
+      const float b = bap[s * ldba + h], a = bap[s * ldba + Hv + h] + bias[h];
+      const float beta = 1.0f / (1.0f + std::exp(-b));
+      const float softplus = a > 20.0f ? a : std::log1p(std::exp(a));
+      const float forget = kp[s] != 0.0f ? std::exp(ap[h] * softplus) : 0.0f;
+      const float* row = xp + s * conv_dim;
+      float* o = op + s * value_dim + h * dv;
+      delta_head_step(sp + (slot[s] * Hv + h) * dk * dv, row + hk * dk, row + (Hk + hk) * dk,
+                      row + 2 * Hk * dk + h * dv, beta, forget, o, dk, dv);
+      float squares = 0.0f;  // the gated norm: o normed over the head, times w and silu(z)
+      for (int64_t j = 0; j < dv; ++j) squares += o[j] * o[j];
+      const float inv = 1.0f / std::sqrt(squares / dv + static_cast<float>(eps));
+      const float* z = zp + s * ldz + conv_dim + h * dv;
+      for (int64_t j = 0; j < dv; ++j) o[j] = wp[j] * (o[j] * inv) * (z[j] / (1.f + std::exp(-z[j])));
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(tokenloom_ssm, m) {
@@ -223,6 +339,9 @@ TORCH_LIBRARY(tokenloom_ssm, m) {
       "float dt_min, float dt_max) -> Tensor");
   m.def("conv_step(Tensor(a!) states, Tensor slots, Tensor keep, Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def(
+      "deltanet_decode(Tensor qkvz, Tensor ba, Tensor(a!) conv_states, Tensor(b!) delta_states, Tensor slots, "
+      "Tensor keep, Tensor conv_w, Tensor dt_bias, Tensor A, Tensor norm_w, int key_heads, float eps) -> Tensor");
+  m.def(
       "ssm_step(Tensor(a!) states, Tensor slots, Tensor keep, Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C) -> "
       "Tensor");
 }
@@ -230,5 +349,6 @@ TORCH_LIBRARY(tokenloom_ssm, m) {
 TORCH_LIBRARY_IMPL(tokenloom_ssm, CPU, m) {
   m.impl("conv_step", &conv_step);
   m.impl("mamba_decode", &mamba_decode);
+  m.impl("deltanet_decode", &deltanet_decode);
   m.impl("ssm_step", &ssm_step);
 }
