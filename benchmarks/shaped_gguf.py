@@ -281,17 +281,8 @@ def qwen3next_tensors(s: Shape, layers: int, rng: np.random.Generator):
             yield f"{b}.ssm_a", -np.linspace(0.1, 16, DELTA_V_HEADS, dtype=np.float32), None
             yield f"{b}.ssm_norm.weight", floats((DELTA_HEAD_DIM,), rng, 0.1, 1.0), None
             yield f"{b}.ssm_out.weight", *matrix(s.hidden, value, rng)
-        yield f"{b}.ffn_gate_inp.weight", floats((s.experts, s.hidden), rng), None
         yield f"{b}.ffn_gate_inp_shexp.weight", floats((s.hidden,), rng), None
-        for name, rows, cols, experts in (
-            ("ffn_gate_exps", s.expert_ffn, s.hidden, s.experts),
-            ("ffn_up_exps", s.expert_ffn, s.hidden, s.experts),
-            ("ffn_down_exps", s.hidden, s.expert_ffn, s.experts),
-            ("ffn_gate_shexp", s.shared_ffn, s.hidden, 0),
-            ("ffn_up_shexp", s.shared_ffn, s.hidden, 0),
-            ("ffn_down_shexp", s.hidden, s.shared_ffn, 0),
-        ):
-            yield f"{b}.{name}.weight", *matrix(rows, cols, rng, experts)
+        yield from experts_beside_shared_mlp(b, s, rng)
 
 
 def granite_hybrid_tensors(s: Shape, layers: int, rng: np.random.Generator):
@@ -318,16 +309,21 @@ def granite_hybrid_tensors(s: Shape, layers: int, rng: np.random.Generator):
             yield f"{b}.ssm_d", np.ones((MAMBA_HEADS, 1), dtype=np.float32), None
             yield f"{b}.ssm_norm.weight", floats((MAMBA_GROUPS, inner // MAMBA_GROUPS), rng, 0.1, 1.0), None
             yield f"{b}.ssm_out.weight", *matrix(s.hidden, inner, rng)
-        yield f"{b}.ffn_gate_inp.weight", floats((s.experts, s.hidden), rng), None
-        for name, rows, cols, experts in (
-            ("ffn_gate_exps", s.expert_ffn, s.hidden, s.experts),
-            ("ffn_up_exps", s.expert_ffn, s.hidden, s.experts),
-            ("ffn_down_exps", s.hidden, s.expert_ffn, s.experts),
-            ("ffn_gate_shexp", s.shared_ffn, s.hidden, 0),
-            ("ffn_up_shexp", s.shared_ffn, s.hidden, 0),
-            ("ffn_down_shexp", s.hidden, s.shared_ffn, 0),
-        ):
-            yield f"{b}.{name}.weight", *matrix(rows, cols, rng, experts)
+        yield from experts_beside_shared_mlp(b, s, rng)
+
+
+def experts_beside_shared_mlp(b: str, s: Shape, rng: np.random.Generator):
+    """A layer's router, its stacked experts and its shared MLP (shared_ffn wide)."""
+    yield f"{b}.ffn_gate_inp.weight", floats((s.experts, s.hidden), rng), None
+    for name, rows, cols, experts in (
+        ("ffn_gate_exps", s.expert_ffn, s.hidden, s.experts),
+        ("ffn_up_exps", s.expert_ffn, s.hidden, s.experts),
+        ("ffn_down_exps", s.hidden, s.expert_ffn, s.experts),
+        ("ffn_gate_shexp", s.shared_ffn, s.hidden, 0),
+        ("ffn_up_shexp", s.shared_ffn, s.hidden, 0),
+        ("ffn_down_shexp", s.hidden, s.shared_ffn, 0),
+    ):
+        yield f"{b}.{name}.weight", *matrix(rows, cols, rng, experts)
 
 
 def matrix(rows: int, cols: int, rng: np.random.Generator, experts: int = 0):

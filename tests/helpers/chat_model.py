@@ -20,6 +20,16 @@ FORECAST_SCHEMA = {
 FORECAST_TOOLS = [
     {"type": "function", "function": {"name": "forecast", "description": "Weather", "parameters": FORECAST_SCHEMA}}
 ]
+# conversations for a chat test: a user turn alone, after a system turn, and after an exchange
+CHATS = [
+    [{"role": "user", "content": "The quick brown fox?"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Once upon a time"}],
+    [
+        {"role": "user", "content": "a cat"},
+        {"role": "assistant", "content": "the dog"},
+        {"role": "user", "content": "jumps over"},
+    ],
+]
 ASK_FORECAST = [{"role": "user", "content": "Weather in Paris for 3 days?"}]
 
 
@@ -40,6 +50,14 @@ def marked_chat_model(
         (out / "tokenizer_config.json").write_text(json.dumps(tokens))
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": [tk.token_to_id(e) for e in ends]}))
     return out
+
+
+def chat_reply(client, chat: list[dict], stream: bool = False, **ask) -> str:
+    """The server's reply (an openai client) to `chat` with `ask`: whole, or the streamed deltas joined."""
+    if not stream:
+        return client.chat.completions.create(messages=chat, **ask).choices[0].message.content
+    chunks = client.chat.completions.create(messages=chat, stream=True, **ask)
+    return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
 
 
 def check_forecast_calls(client, kwargs: dict, marker: str) -> list[tuple[str, str]]:

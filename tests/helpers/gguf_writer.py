@@ -207,16 +207,7 @@ def _mamba_tensors(layer: int, sub: str, tensor: torch.Tensor, cfg: dict):
     """conversion/mamba.py's Mamba2Model.modify_tensors: the conv weight squeezed to (channels,
     kernel), A_log stored as A = -exp(A_log) and A, D as (heads, 1), the gated norm's weight as
     (groups, inner / groups); dt_bias named as dt_proj's bias."""
-    name = {
-        "in_proj.weight": "ssm_in.weight",
-        "conv1d.weight": "ssm_conv1d.weight",
-        "conv1d.bias": "ssm_conv1d.bias",
-        "dt_bias": "ssm_dt.bias",
-        "A_log": "ssm_a",
-        "D": "ssm_d",
-        "norm.weight": "ssm_norm.weight",
-        "out_proj.weight": "ssm_out.weight",
-    }[sub]
+    name = _SSM_NAMES[sub]
     if sub == "conv1d.weight":
         tensor = tensor.squeeze(1)
     elif sub == "A_log":
@@ -226,6 +217,20 @@ def _mamba_tensors(layer: int, sub: str, tensor: torch.Tensor, cfg: dict):
     elif sub == "norm.weight":
         tensor = tensor.reshape(cfg["mamba_n_groups"], -1)
     yield f"blk.{layer}.{name}", tensor
+
+
+# a recurrent layer's HF sub-name -> llama.cpp's blk.N.<name> (conversion/mamba.py, conversion/qwen.py)
+_SSM_NAMES = {
+    "in_proj.weight": "ssm_in.weight",
+    "in_proj_ba.weight": "ssm_ba.weight",
+    "conv1d.weight": "ssm_conv1d.weight",
+    "conv1d.bias": "ssm_conv1d.bias",
+    "dt_bias": "ssm_dt.bias",
+    "A_log": "ssm_a",
+    "D": "ssm_d",
+    "norm.weight": "ssm_norm.weight",
+    "out_proj.weight": "ssm_out.weight",
+}
 
 
 def _write_qwen3next_metadata(w: gguf.GGUFWriter, cfg: dict) -> None:
@@ -253,14 +258,7 @@ def _qwen3next_tensors(layer: int, sub: str, tensor: torch.Tensor, cfg: dict):
         yield f"blk.{layer}.attn_qkv.weight", torch.cat([q, k, v])
         yield f"blk.{layer}.attn_gate.weight", z
         return
-    name = {
-        "in_proj_ba.weight": "ssm_ba.weight",
-        "conv1d.weight": "ssm_conv1d.weight",
-        "dt_bias": "ssm_dt.bias",
-        "A_log": "ssm_a",
-        "norm.weight": "ssm_norm.weight",
-        "out_proj.weight": "ssm_out.weight",
-    }[sub]
+    name = _SSM_NAMES[sub]
     if sub == "conv1d.weight":
         tensor = tensor.squeeze(1)
     elif sub == "A_log":

@@ -6,13 +6,21 @@ back as tool_calls with schema-valid arguments, whole and streamed alike."""
 
 from __future__ import annotations
 
+import functools
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
 
-from tests.helpers.chat_model import ASK_FORECAST, FORECAST_SCHEMA, FORECAST_TOOLS, check_forecast_calls
+from tests.helpers.chat_model import (
+    ASK_FORECAST,
+    CHATS,
+    FORECAST_SCHEMA,
+    FORECAST_TOOLS,
+    chat_reply,
+    check_forecast_calls,
+)
 from tests.helpers.server_harness import ThreadedServer
 from tokenloom import SamplingParams
 
@@ -24,15 +32,6 @@ TEMPLATE = (
     "{% elif message['role'] == 'system' %}{{ message['content'] + '\\n\\n' }}{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
 )
-CHATS = [
-    [{"role": "user", "content": "The quick brown fox?"}],
-    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Once upon a time"}],
-    [
-        {"role": "user", "content": "a cat"},
-        {"role": "assistant", "content": "the dog"},
-        {"role": "user", "content": "jumps over"},
-    ],
-]
 
 
 @pytest.fixture(scope="module")
@@ -63,13 +62,8 @@ def rendered(chat: list[dict]) -> str:
 def test_a_chat_reply_is_the_engines_on_the_rendered_prompt_whole_streamed_and_concurrent(served):
     client, expected = served
     ask = dict(model="deepseek", max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
-
-    def whole(chat):
-        return client.chat.completions.create(messages=chat, **ask).choices[0].message.content
-
-    def streamed(chat):
-        stream = client.chat.completions.create(messages=chat, stream=True, **ask)
-        return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    whole = functools.partial(chat_reply, client, **ask)
+    streamed = functools.partial(chat_reply, client, stream=True, **ask)
 
     with ThreadPoolExecutor(len(CHATS)) as pool:  # batched in the engine, each its own reply
         assert list(pool.map(whole, CHATS)) == expected

@@ -6,26 +6,16 @@ arguments, whole and streamed alike."""
 
 from __future__ import annotations
 
+import functools
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
 
-from tests.helpers.chat_model import ASK_FORECAST, FORECAST_TOOLS, check_forecast_calls
+from tests.helpers.chat_model import ASK_FORECAST, CHATS, FORECAST_TOOLS, chat_reply, check_forecast_calls
 from tests.helpers.granite_chat import granite_chat_model
 from tests.helpers.qwen3_next_chat import qwen3_next_chat_model
 from tests.helpers.server_harness import ThreadedServer
-
-CHATS = [
-    [{"role": "user", "content": "The quick brown fox?"}],
-    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Once upon a time"}],
-    [
-        {"role": "user", "content": "a cat"},
-        {"role": "assistant", "content": "the dog"},
-        {"role": "user", "content": "jumps over"},
-    ],
-]
-
 
 # tiny config -> (how it is made a chat model, how its template renders CHATS[1], and the assistant's
 # call and the tool's result in the history of test_the_template_lists_tools_and_renders_calls_and_results)
@@ -61,13 +51,8 @@ def served(request, tiny_model_dir, tmp_path_factory):
 def test_chat_replies_whole_streamed_and_concurrent_agree(served):
     client, engine, layout = served
     ask = dict(model="hybrid", max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
-
-    def whole(chat):
-        return client.chat.completions.create(messages=chat, **ask).choices[0].message.content
-
-    def streamed(chat):
-        stream = client.chat.completions.create(messages=chat, stream=True, **ask)
-        return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    whole = functools.partial(chat_reply, client, **ask)
+    streamed = functools.partial(chat_reply, client, stream=True, **ask)
 
     alone = [whole(chat) for chat in CHATS]
     with ThreadPoolExecutor(len(CHATS)) as pool:  # batched in the engine: each its own state

@@ -96,6 +96,23 @@ at::Tensor conv_step(at::Tensor& states, const at::Tensor& slots, const at::Tens
   return out;
 }
 
+// conv_step, then SiLU over its output in place: the mixers' conv and activation in one pass.
+at::Tensor conv_silu_step(at::Tensor& states, const at::Tensor& slots, const at::Tensor& keep, const at::Tensor& x,
+                          const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  at::Tensor out = conv_step(states, slots, keep, x, weight, bias);
+  float* op = out.data_ptr<float>();
+  const int64_t S = out.size(0), Cn = out.size(1);
+  at::parallel_for(0, S, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t s = begin; s < end; ++s) {
+      float* row = op + s * Cn;
+      int64_t c = 0;
+      for (; c + 8 <= Cn; c += 8) _mm256_storeu_ps(row + c, tokenloom_silu::silu8(_mm256_loadu_ps(row + c)));
+      for (; c < Cn; ++c) row[c] = row[c] / (1.f + std::exp(-row[c]));
+    }
+  });
+  return out;
+}
+
 at::Tensor ssm_step(at::Tensor& states, const at::Tensor& slots, const at::Tensor& keep, const at::Tensor& x,
                     const at::Tensor& dt, const at::Tensor& A, const at::Tensor& B, const at::Tensor& C) {
   TORCH_CHECK(states.dim() == 4 && states.scalar_type() == at::kFloat && states.is_contiguous(),
@@ -183,16 +200,8 @@ at::Tensor mamba_decode(const at::Tensor& zxbcdt, at::Tensor& conv_states, at::T
               "norm_w must be (inner,) float32");
   TORCH_CHECK(conv_states.size(0) == ssm_states.size(0), "the conv and SSM state caches must hold the same slots");
   // the conv step: x, B, C before their SiLU, the states shifted
-  const at::Tensor xbc = conv_step(conv_states, slots, keep, zxbcdt.narrow(1, inner, conv_dim), conv_w, conv_b);
+  const at::Tensor xbc = conv_silu_step(conv_states, slots, keep, zxbcdt.narrow(1, inner, conv_dim), conv_w, conv_b);
   float* xp = xbc.data_ptr<float>();
-  at::parallel_for(0, S, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t s = begin; s < end; ++s) {
-      float* row = xp + s * conv_dim;
-      int64_t c = 0;
-      for (; c + 8 <= conv_dim; c += 8) _mm256_storeu_ps(row + c, tokenloom_silu::silu8(_mm256_loadu_ps(row + c)));
-      for (; c < conv_dim; ++c) row[c] = row[c] / (1.f + std::exp(-row[c]));
-    }
-  });
   at::Tensor y = at::empty({S, inner}, zxbcdt.options());
   float* yp = y.data_ptr<float>();
   float* sp = ssm_states.data_ptr<float>();
@@ -288,15 +297,12 @@ at::Tensor deltanet_decode(const at::Tensor& qkvz, const at::Tensor& ba, at::Ten
   TORCH_CHECK(norm_w.scalar_type() == at::kFloat && norm_w.is_contiguous() && norm_w.numel() == dv,
               "norm_w must be (dv,) float32");
   TORCH_CHECK(conv_states.size(0) == delta_states.size(0), "the conv and delta state caches must hold the same slots");
-  const at::Tensor x = conv_step(conv_states, slots, keep, qkvz.narrow(1, 0, conv_dim), conv_w, c10::nullopt);
+  const at::Tensor x = conv_silu_step(conv_states, slots, keep, qkvz.narrow(1, 0, conv_dim), conv_w, c10::nullopt);
   float* xp = x.data_ptr<float>();
   const float q_scale = 1.0f / std::sqrt(static_cast<float>(dk));
   at::parallel_for(0, S, 1, [&](int64_t begin, int64_t end) {
     for (int64_t s = begin; s < end; ++s) {
       float* row = xp + s * conv_dim;
-      int64_t c = 0;
-      for (; c + 8 <= conv_dim; c += 8) _mm256_storeu_ps(row + c, tokenloom_silu::silu8(_mm256_loadu_ps(row + c)));
-      for (; c < conv_dim; ++c) row[c] = row[c] / (1.f + std::exp(-row[c]));
       for (int64_t h = 0; h < Hk; ++h) {
         l2_normalize(row + h * dk, dk, 1e-6f, q_scale);
         l2_normalize(row + (Hk + h) * dk, dk, 1e-6f, 1.0f);
