@@ -1,0 +1,81 @@
+"""GLM-4, Command R7B (Cohere 2) and SmolLM3 through the real server in their releases' chat layouts
+(tests/helpers/family_chats.py): the prompt is the template's text with its markers as single
+special tokens and no second BOS, replies agree whole, streamed and concurrent with no marker in
+the text, and each family's end tokens end a reply."""
+
+from __future__ import annotations
+
+import functools
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+
+from tests.helpers.chat_model import CHATS, chat_reply
+from tests.helpers.family_chats import COMMAND_R7B, GLM4, SMOLLM3, family_chat_model
+from tests.helpers.server_harness import ThreadedServer
+
+# tiny config -> (family layout, how its template renders CHATS[1])
+FAMILIES = {
+    "glm4": (GLM4, "[gMASK]<sop><|system|>\nBe brief.<|user|>\nOnce upon a time<|assistant|>\n"),
+    "cohere2": (
+        COMMAND_R7B,
+        "<BOS_TOKEN><|START_OF_TURN_TOKEN|><|SYSTEM_TOKEN|>Be brief.<|END_OF_TURN_TOKEN|>"
+        "<|START_OF_TURN_TOKEN|><|USER_TOKEN|>Once upon a time<|END_OF_TURN_TOKEN|>"
+        "<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>",
+    ),
+    "smollm3": (
+        SMOLLM3,
+        "<|im_start|>system\n## Metadata\n\nKnowledge Cutoff Date: June 2025\nReasoning Mode: /no_think\n\n"
+        "## Custom Instructions\n\nBe brief.\n\n<|im_end|>\n<|im_start|>user\nOnce upon a time<|im_end|>\n"
+        "<|im_start|>assistant\n<think>\n\n</think>\n",
+    ),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def served(request, tiny_model_dir, tmp_path_factory):
+    from tokenloom import LLM
+    from tokenloom.engine.async_engine import AsyncLLMEngine
+    from tokenloom.entrypoints.server import build_app
+
+    family, rendered = FAMILIES[request.param]
+    folder = family_chat_model(tiny_model_dir(request.param), tmp_path_factory.mktemp(request.param) / "chat", family)
+    engine = LLM(str(folder), kv_cache_memory=16 << 20).engine
+    with ThreadedServer(build_app(AsyncLLMEngine(engine), "chat")) as url:
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0), engine, family, rendered
+
+
+def test_the_prompt_is_the_template_text_with_each_marker_one_token(served):
+    _, engine, (markers, *_), rendered = served
+    tokenizer = engine.tokenizer
+    assert tokenizer.apply_chat_template(CHATS[1]) == rendered
+    ids = tokenizer.encode_chat(CHATS[1])
+    special = {m: tokenizer.encode(m, add_special_tokens=False) for m in markers}
+    assert all(len(i) == 1 for i in special.values())
+    for marker, (token,) in special.items():  # each marker once as its token, never spelled out
+        assert ids.count(token) == rendered.count(marker)
+    assert tokenizer.decode(ids, skip_special_tokens=False) == rendered
+    if "<BOS_TOKEN>" in markers:  # the tokenizer adds it to plain text; the chat's prompt holds one
+        assert tokenizer.encode("hi")[0] == special["<BOS_TOKEN>"][0]
+
+
+def test_replies_agree_whole_streamed_and_concurrent_without_markers(served):
+    client, _, (markers, *_), _ = served
+    ask = dict(model="chat", max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
+    whole = functools.partial(chat_reply, client, **ask)
+    alone = [whole(chat) for chat in CHATS]
+    with ThreadPoolExecutor(len(CHATS)) as pool:
+        assert list(pool.map(whole, CHATS)) == alone
+    assert [chat_reply(client, chat, stream=True, **ask) for chat in CHATS] == alone
+    assert all(alone) and not any(m in reply for m in markers for reply in alone)
+
+
+def test_each_end_token_of_the_family_ends_a_reply(served):
+    client, engine, (_, _, ends, _), _ = served
+    for end in ends:
+        (token,) = engine.tokenizer.encode(end, add_special_tokens=False)
+        reply = client.chat.completions.create(
+            model="chat", messages=CHATS[0], max_tokens=16, temperature=0, logit_bias={str(token): 100}
+        ).choices[0]
+        assert (reply.finish_reason, reply.message.content) == ("stop", "")
