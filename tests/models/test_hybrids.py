@@ -102,6 +102,7 @@ def test_a_one_token_prompt_batched_with_decoding_sequences_starts_from_zero(hyb
     alone = [_replies(llm.generate([p], GREEDY))[0] for p in prompts]
     assert _replies(llm.generate(prompts, GREEDY)) == alone
     assert _replies(llm.generate(prompts[::-1], GREEDY)) == alone[::-1]
+    assert llm.engine.core.runner.failed_batches == 0  # the batches ran as batches
 
 
 @pytest.mark.parametrize("hybrid", HYBRIDS)
@@ -155,7 +156,7 @@ def test_a_step_that_fails_part_way_recomputes_each_sequence_from_position_zero(
 
     last.mlp.forward = fail_once_in_a_decode_batch
     assert _replies(llm.generate(PROMPTS, GREEDY)) == expected
-    assert failures == [3, 3]
+    assert failures == [3, 3] and llm.engine.core.runner.failed_batches == 2
 
 
 @pytest.mark.parametrize("hybrid", HYBRIDS)

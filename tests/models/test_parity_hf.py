@@ -25,6 +25,7 @@ def test_greedy_tokens_and_logprobs_match_hf(arch, tiny_model_dir):
     llm = LLM(str(folder), kv_cache_memory=16 << 20)
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
     ours = llm.generate(PROMPTS, params)
+    assert llm.engine.core.runner.failed_batches == 0  # no step fell back to its requests run alone
     hf_model = load_hf_reference(folder)
     for prompt, result in zip(PROMPTS, ours):
         ref = hf_greedy(hf_model, prompt, NEW_TOKENS)
@@ -60,6 +61,7 @@ def test_batched_equals_one_at_a_time(arch, tiny_model_dir):
     llm = LLM(str(tiny_model_dir(arch)), kv_cache_memory=16 << 20)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
     batched = llm.generate(PROMPTS, params)
+    assert llm.engine.core.runner.failed_batches == 0
     for prompt, b in zip(PROMPTS, batched):
         single = llm.generate([prompt], params)[0].outputs[0]
         assert b.outputs[0].token_ids == single.token_ids
@@ -93,7 +95,9 @@ def test_chunked_prefill_equals_whole_prefill(arch, tiny_model_dir):
     folder = str(tiny_model_dir(arch))
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0)
     whole = LLM(folder, kv_cache_memory=16 << 20).generate(PROMPTS, params)
-    chunked = LLM(folder, kv_cache_memory=16 << 20, max_num_batched_tokens=5).generate(PROMPTS, params)
+    chunked_llm = LLM(folder, kv_cache_memory=16 << 20, max_num_batched_tokens=5)
+    chunked = chunked_llm.generate(PROMPTS, params)
+    assert chunked_llm.engine.core.runner.failed_batches == 0
     for w, c in zip(whole, chunked):
         assert w.outputs[0].token_ids == c.outputs[0].token_ids
         lw = [d[t] for d, t in zip(w.outputs[0].logprobs, w.outputs[0].token_ids)]

@@ -79,6 +79,7 @@ class ModelRunner:
         self.recurrent = kv_cache.states is not None
         self._states_suspect = False
         self.recompute_tokens = recompute_tokens
+        self.failed_batches = 0  # batched forwards that raised, their requests then run alone (logged)
         if (
             cuda_graphs
             and self.device.type == "cuda"
@@ -249,6 +250,9 @@ class ModelRunner:
             except ParallelRankError:
                 raise  # not one request's fault: the engine cannot go on
             except Exception as batch_error:
+                self.failed_batches += 1
+                reason = describe_error(batch_error)
+                log.warning("a batched step of %d requests failed (%s): each runs alone", len(chunks), reason)
                 if len(chunks) == 1 and not self.recurrent:
                     errors[sched.scheduled[0].request.request_id] = describe_error(batch_error)
                     return torch.zeros(len(chunks[0].token_ids), self.model.config.hidden_size, device=self.device)
