@@ -80,19 +80,20 @@ def recurrent_batch(meta: AttentionMetadata, device: torch.device) -> RecurrentB
     slots = meta.state_slots
     if slots is None or any(s < 0 for s in slots):
         raise RuntimeError("a recurrent layer ran without a state slot for each sequence")
-    decode, prompts = [], []
-    for i, (start, q, ctx) in enumerate(zip(meta.query_start, meta.query_lens, meta.context_lens)):
-        if q == 1:
-            decode.append(i)
+    rows, decode_slots, keep, prompts = [], [], [], []
+    for slot, start, q, ctx in zip(slots, meta.query_start, meta.query_lens, meta.context_lens):
+        if q == 1:  # decoding, or a one-token prompt (its state starts from zero)
+            rows.append(start)
+            decode_slots.append(slot)
+            keep.append(float(ctx > 1))
         else:
-            prompts.append((start, q, slots[i], ctx == q))
-    keep = [float(meta.context_lens[i] > 1) for i in decode]
+            prompts.append((start, q, slot, ctx == q))
     batch = RecurrentBatch(
-        [meta.query_start[i] for i in decode],
-        torch.tensor([slots[i] for i in decode], dtype=torch.int64, device=device),
+        rows,
+        torch.tensor(decode_slots, dtype=torch.int64, device=device),
         torch.tensor(keep, device=device).view(-1, 1),
         prompts,
-        len(decode) == meta.num_seqs,
+        len(rows) == meta.num_seqs,
     )
     meta.recurrent_batch_ = batch
     return batch
