@@ -268,3 +268,15 @@ def test_a_dense_hybrid_gguf_reads_its_shared_mlp_as_the_mlp(tiny_model_dir, tmp
     torch.testing.assert_close(theirs[1].mlp.forward(x), ours[1].mlp.forward(x))
     for name in ("A_log", "D", "dt_bias", "norm.weight", "conv1d.weight", "conv1d.bias"):
         torch.testing.assert_close(theirs[2].mamba.get_parameter(name), ours[2].mamba.get_parameter(name))
+
+
+def test_qwen3_next_renormalizes_its_chosen_experts_unless_told_otherwise(tiny_model_dir):
+    """transformers' Qwen3NextConfig defaults norm_topk_prob to true (Qwen3-MoE's to false)."""
+    import json
+
+    from tokenloom.models.config import ModelConfig
+
+    config = json.loads((tiny_model_dir("qwen3_next") / "config.json").read_text())
+    config.pop("norm_topk_prob")
+    assert ModelConfig.from_hf(config).moe.normalize_top_k
+    assert not ModelConfig.from_hf(config | {"norm_topk_prob": False}).moe.normalize_top_k

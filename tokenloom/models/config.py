@@ -276,8 +276,6 @@ class ModelConfig:
     # a hybrid's recurrent layers (Granite 4.0-H's Mamba-2, Qwen3-Next's Gated DeltaNet): they keep
     # a per-sequence state (kv_cache/recurrent.py), not keys and values; the other layers attend
     recurrent: MambaConfig | DeltaNetConfig | None = None
-    # attention's output times sigmoid(gate), the gate a second half of each head's q_proj rows (Qwen3-Next)
-    attention_output_gate: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -485,7 +483,8 @@ def _moe_of(hf: dict[str, Any], arch: str) -> MoeConfig | None:
         hf.get("num_experts_per_tok", 1),
         hf["moe_intermediate_size"],
         sparse,
-        normalize_top_k=hf.get("norm_topk_prob", False),
+        # transformers' defaults: Qwen3-Next renormalizes its top-k, Qwen2/3-MoE do not
+        normalize_top_k=hf.get("norm_topk_prob", arch == "Qwen3NextForCausalLM"),
         shared_intermediate_size=shared,
     )
 
@@ -763,7 +762,6 @@ def _qwen3_next_fields(hf: dict[str, Any]) -> dict[str, Any]:
         recurrent=deltanet,
         layer_types=None,
         qk_norm=True,
-        attention_output_gate=True,
         partial_rotary_factor=partial,
         head_dim=hf.get("head_dim") or 256,
         max_model_len=hf.get("max_position_embeddings", 32768),
