@@ -37,7 +37,7 @@ def _raise_exception(message: str):
     raise ChatTemplateError(f"chat template error: {message}")
 
 
-def _compile_template(source: str) -> jinja2.Template:
+def compile_chat_template(source: str) -> jinja2.Template:
     import jinja2.ext  # here, not at the top: a run without a chat prompt never loads jinja2
     import jinja2.sandbox
 
@@ -161,7 +161,7 @@ class Tokenizer:
         if not self.chat_template:
             raise ChatTemplateError("this model has no chat template; use a plain prompt instead")
         if self._compiled is None:
-            self._compiled = _compile_template(self.chat_template)
+            self._compiled = compile_chat_template(self.chat_template)
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise ChatTemplateError(f"message {i} must be a dict with 'role' and 'content', got {m!r}")

@@ -34,13 +34,19 @@ ASK_FORECAST = [{"role": "user", "content": "Weather in Paris for 3 days?"}]
 
 
 def marked_chat_model(
-    folder: Path, out: Path, markers: tuple[str, ...], template: str, ends: tuple[str, ...], tokens: dict | None = None
+    folder: Path,
+    out: Path,
+    markers: tuple[str, ...],
+    template: str,
+    ends: tuple[str, ...],
+    tokens: dict | None = None,
+    positions: int = 1024,
 ) -> Path:
     """`folder` copied to `out` with `markers` as special tokens, `template` as its chat template,
     the `ends` markers as its end tokens, `tokens` (e.g. bos_token) in tokenizer_config.json, and
-    room for a prompt that lists tools (1024 positions)."""
+    room for a prompt that lists tools (`positions`)."""
     shutil.copytree(folder, out)
-    config = json.loads((out / "config.json").read_text()) | {"max_position_embeddings": 1024}
+    config = json.loads((out / "config.json").read_text()) | {"max_position_embeddings": positions}
     (out / "config.json").write_text(json.dumps(config))
     tk = Tokenizer.from_file(str(out / "tokenizer.json"))
     tk.add_special_tokens([AddedToken(m, special=True) for m in markers])

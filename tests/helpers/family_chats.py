@@ -1,16 +1,17 @@
 """The tiny GLM-4, Command R7B (Cohere 2) and SmolLM3 made chat models the way their releases are:
-their markers as special tokens, chat templates laid out as the releases lay theirs out (written
-here, not copied: the released files cannot be fetched), and their end tokens. Plain chat only: the
-tool-call syntaxes of GLM-4 and Command R7B are not read by tokenloom.
+their markers as special tokens, their chat templates and their end tokens. Command R7B's and
+SmolLM3's templates are the released ones (tests/tool_calling/templates); GLM-4-0414's is written
+here from its release's layout (its file is not among them), plain chat only: its tool-call syntax
+(a call as ``NAME\\n{arguments}`` after ``<|assistant|>``) is not read by tokenloom.
 
 - GLM-4-0414: ``[gMASK]<sop>`` once, then ``<|ROLE|>\\nTEXT`` per turn and ``<|assistant|>\\n`` to
   answer; a reply ends at ``<|endoftext|>``, ``<|user|>`` or ``<|observation|>``.
 - Command R7B: ``<BOS_TOKEN>`` written by the template, turns as
-  ``<|START_OF_TURN_TOKEN|><|ROLE_TOKEN|>TEXT<|END_OF_TURN_TOKEN|>``, an assistant's text inside
-  ``<|START_RESPONSE|>...<|END_RESPONSE|>``; a reply ends at ``<|END_OF_TURN_TOKEN|>``.
-- SmolLM3: ChatML turns, the system turn a metadata header then the user's instructions, and with
-  reasoning off (``/no_think``) an empty think block after the assistant's opening; a reply ends at
-  ``<|im_end|>``."""
+  ``<|START_OF_TURN_TOKEN|><|ROLE_TOKEN|>TEXT<|END_OF_TURN_TOKEN|>``, an answer inside
+  ``<|START_RESPONSE|>...<|END_RESPONSE|>``, calls inside ``<|START_ACTION|>...<|END_ACTION|>``
+  (tool_calling/formats.py ``command_r7b``); a reply ends at ``<|END_OF_TURN_TOKEN|>``.
+- SmolLM3: ChatML turns, the system turn a metadata header then the user's instructions; a reply
+  ends at ``<|im_end|>``."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, processors
 
 from tests.helpers.chat_model import marked_chat_model
+from tests.helpers.real_templates import real_template
 
 GLM4 = (
     ("[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>", "<|endoftext|>"),
@@ -27,7 +29,6 @@ GLM4 = (
     ("<|endoftext|>", "<|user|>", "<|observation|>"),
     {},
 )
-_TURN = "'<|START_OF_TURN_TOKEN|>'"
 COMMAND_R7B = (
     (
         "<BOS_TOKEN>",
@@ -38,25 +39,20 @@ COMMAND_R7B = (
         "<|CHATBOT_TOKEN|>",
         "<|START_RESPONSE|>",
         "<|END_RESPONSE|>",
+        "<|START_THINKING|>",
+        "<|END_THINKING|>",
+        "<|START_ACTION|>",
+        "<|END_ACTION|>",
+        "<|START_TOOL_RESULT|>",
+        "<|END_TOOL_RESULT|>",
     ),
-    "{{ bos_token }}{%- for m in messages %}"
-    "{%- if m.role == 'system' %}{{ " + _TURN + " + '<|SYSTEM_TOKEN|>' + m.content + '<|END_OF_TURN_TOKEN|>' }}"
-    "{%- elif m.role == 'user' %}{{ " + _TURN + " + '<|USER_TOKEN|>' + m.content + '<|END_OF_TURN_TOKEN|>' }}"
-    "{%- else %}{{ " + _TURN + " + '<|CHATBOT_TOKEN|><|START_RESPONSE|>' + m.content + "
-    "'<|END_RESPONSE|><|END_OF_TURN_TOKEN|>' }}{%- endif %}{%- endfor %}"
-    "{%- if add_generation_prompt %}{{ " + _TURN + " + '<|CHATBOT_TOKEN|>' }}{% endif %}",
+    real_template("CohereForAI-c4ai-command-r7b-12-2024-tool_use"),
     ("<|END_OF_TURN_TOKEN|>",),
     {"bos_token": "<BOS_TOKEN>"},
 )
-_SMOL_HEADER = (
-    "## Metadata\\n\\nKnowledge Cutoff Date: June 2025\\nReasoning Mode: /no_think\\n\\n## Custom Instructions\\n\\n"
-)
 SMOLLM3 = (
     ("<|im_start|>", "<|im_end|>", "<think>", "</think>"),
-    "{%- set system = messages[0].content if messages[0].role == 'system' else '' %}"
-    "{{ '<|im_start|>system\\n" + _SMOL_HEADER + "' + system + '\\n\\n<|im_end|>\\n' }}"
-    "{%- for m in messages if m.role != 'system' %}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}"
-    "{%- endfor %}{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n<think>\\n\\n</think>\\n' }}{% endif %}",
+    real_template("HuggingFaceTB-SmolLM3-3B"),
     ("<|im_end|>",),
     {},
 )
@@ -67,7 +63,8 @@ def family_chat_model(folder: Path, out: Path, family: tuple) -> Path:
     A family with a bos_token gets a tokenizer that adds it to every encoded text, as Command R's
     tokenizer.json does (its template writes it too: the chat's prompt must not hold two)."""
     markers, template, ends, tokens = family
-    out = marked_chat_model(folder, out, markers, template, ends, tokens)
+    # room for the released templates' preambles (Command R7B's is ~2K tokens of this vocabulary, ~5K with tools)
+    out = marked_chat_model(folder, out, markers, template, ends, tokens, positions=8192)
     if "bos_token" in tokens:
         tk = Tokenizer.from_file(str(out / "tokenizer.json"))
         bos = tokens["bos_token"]

@@ -1,12 +1,12 @@
 """DeepSeek-V3.1's tool-call syntax (the name, then the arguments as bare JSON, between V3's special
 markers): read whole and streamed, held to the tools' schemas by the grammars, told apart from V3's
-by its template, and fed back to the template as it concatenates calls."""
+by its template, and fed back to the released template (which applies tojson to the arguments)."""
 
 from __future__ import annotations
 
-import jinja2
 import pytest
 
+from tests.helpers.real_templates import real_template, render
 from tests.tool_calling.test_deepseek_calls import called_history
 from tests.tool_calling.test_tool_calling import TOOLS, _accepts, _streamed, compiler  # noqa: F401 (a fixture)
 from tokenloom.tool_calling import detect_format, parse_tool_calls, tool_grammar
@@ -15,18 +15,7 @@ from tokenloom.tool_calling.messages import template_messages
 
 BEGIN, END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 
-# the assistant and tool turns as DeepSeek-V3.1's template writes them (a condensed template of ours)
-TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}"
-    "{% if m['role'] == 'system' %}{{ m['content'] }}"
-    "{% elif m['role'] == 'user' %}{{ '<｜User｜>' + m['content'] }}"
-    "{% elif m['role'] == 'assistant' %}{{ '<｜Assistant｜>' + (m['content'] or '') }}"
-    "{% if m['tool_calls'] %}{{ '<｜tool▁calls▁begin｜>' }}{% for c in m['tool_calls'] %}"
-    "{{ '<｜tool▁call▁begin｜>' + c['function']['name'] + '<｜tool▁sep｜>' + c['function']['arguments'] }}"
-    "{{ '<｜tool▁call▁end｜>' }}{% endfor %}{{ '<｜tool▁calls▁end｜>' }}{% endif %}{{ '<｜end▁of▁sentence｜>' }}"
-    "{% elif m['role'] == 'tool' %}{{ '<｜tool▁output▁begin｜>' + m['content'] + '<｜tool▁output▁end｜>' }}"
-    "{% endif %}{% endfor %}{% if add_generation_prompt %}{{ '<｜Assistant｜>' }}{% endif %}"
-)
+TEMPLATE = real_template("deepseek-ai-DeepSeek-V3.1")  # as the release ships it
 
 
 def call(name: str, arguments: str) -> str:
@@ -85,14 +74,13 @@ def test_grammars_admit_valid_calls_only(compiler, mode, text, ok):  # noqa: F81
     assert _accepts(compiler, tool_grammar(TOOLS, DEEPSEEK_V31, mode, True), text) == ok
 
 
-def test_the_template_gets_calls_as_text_and_the_tools_listed_in_its_syntax():
+def test_the_template_gets_calls_as_objects_and_the_tools_listed_in_its_syntax():
     functions, history = called_history()
     messages = template_messages(history, functions, DEEPSEEK_V31)
     assert (
         messages[0]["role"] == "system" and BEGIN + call("tool_name", '{"argument": "value"}') in messages[0]["content"]
     )
-    text = (
-        jinja2.Environment().from_string(TEMPLATE).render(messages=messages, bos_token="", add_generation_prompt=True)
-    )
+    text = render("deepseek-ai-DeepSeek-V3.1", messages, bos_token="")
+    # the template applies tojson to the arguments: JSON text would come out quoted a second time
     assert BEGIN + call("get_weather", '{"city": "Paris"}') + END in text
-    assert text.endswith("<｜tool▁output▁begin｜>18 C<｜tool▁output▁end｜><｜Assistant｜>")
+    assert text.endswith("<｜tool▁output▁begin｜>18 C<｜tool▁output▁end｜>")  # the model goes on after a result

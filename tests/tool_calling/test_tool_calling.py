@@ -381,4 +381,13 @@ def test_tool_choice_none_grammar_cannot_call(compiler):
 
 
 def test_every_format_is_registered_and_self_consistent():
-    assert set(FORMATS) == {"hermes", "llama3_json", "mistral", "generic", "harmony", "deepseek_v3", "deepseek_v31"}
+    assert set(FORMATS) == {
+        "hermes",
+        "llama3_json",
+        "mistral",
+        "generic",
+        "harmony",
+        "deepseek_v3",
+        "deepseek_v31",
+        "command_r7b",
+    }

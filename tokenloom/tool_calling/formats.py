@@ -28,7 +28,18 @@ A format is text around JSON call objects ``{"name": ..., "<args_key>": {...}}``
 
       <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>
 
-  Its template, like V3's, renders calls and results but not the tools.
+  Its template, like V3's, renders calls and results but not the tools; it applies ``tojson`` to a
+  call's arguments itself, so they go in as an object.
+- ``command_r7b`` (Command R7B, Cohere 2): a pretty-printed JSON list of calls whose objects number
+  the call and name the tool (``name_key``, ``id_key``)::
+
+      <|START_ACTION|>[
+          {"tool_call_id": "0", "tool_name": NAME, "parameters": {...}},
+          ...
+      ]<|END_ACTION|>
+
+  preceded by an optional plan (``<|START_THINKING|>...<|END_THINKING|>``, reasoning.py reads it);
+  a plain answer is wrapped in ``<|START_RESPONSE|>...<|END_RESPONSE|>`` (``content_markers``).
 """
 
 from __future__ import annotations
@@ -62,6 +73,23 @@ class ToolFormat:
     lists_tools: bool = True  # False: the template renders calls and results, tokenloom lists the tools
     arguments_text: bool = False  # the template takes a call's arguments as JSON text, not an object
     specials: tuple[str, ...] = ()  # the special tokens within the format's texts, where several make one
+    name_key: str = "name"  # the call object's key for the tool's name
+    id_key: str = ""  # a key that comes first in each call object, holding the call's number (Command R7B)
+    spaced: bool = False  # whitespace may come before each call and before the section's close
+    content_markers: tuple[str, str] = ("", "")  # what wraps a plain answer (dropped from the content)
+    plan_markers: tuple[str, str] = ("", "")  # what wraps the reasoning a reply may open with (grammar.py)
+
+    @property
+    def head(self) -> str:
+        """How a call object starts, written compactly, up to the name's opening quote."""
+        numbered = f'"{self.id_key}": "0", ' if self.id_key else ""
+        return f'{{{numbered}"{self.name_key}": "'
+
+    @property
+    def head_pattern(self) -> str:
+        """The head as a regex in any spacing (Python's and llguidance's syntax alike)."""
+        numbered = rf'"{self.id_key}"{CALL_WS}:{CALL_WS}"[0-9]{{1,4}}"{CALL_WS},{CALL_WS}' if self.id_key else ""
+        return rf'{CALL_WS if self.spaced else ""}\{{{CALL_WS}{numbered}"{self.name_key}"{CALL_WS}:{CALL_WS}"'
 
     @property
     def markers(self) -> tuple[str, ...]:
@@ -72,7 +100,7 @@ class ToolFormat:
         return tuple(sorted({t.strip() for t in texts if t.strip() and t.strip() != CALL_HEAD.strip()}))
 
     def __post_init__(self) -> None:
-        opening = self.section_open + self.call_open + ("" if self.name_close else CALL_HEAD)
+        opening = self.section_open + self.call_open + ("" if self.name_close else self.head)
         if not opening.startswith(self.trigger):
             raise ValueError(f"{self.name}: the trigger {self.trigger!r} must begin the calls {opening!r}")
 
@@ -119,11 +147,28 @@ DEEPSEEK_V31 = ToolFormat(
     name_close=_DS_SEP,
     call_close=_DS_CALL_END,
     lists_tools=False,
-    arguments_text=True,
     specials=(_DS_CALLS, _DS_CALL, _DS_SEP, _DS_CALL_END, _DS_CALLS_END),
 )
 
-FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, GENERIC, HARMONY, DEEPSEEK_V3, DEEPSEEK_V31)}
+_CR_ACTION, _CR_ACTION_END = "<|START_ACTION|>", "<|END_ACTION|>"
+_CR_RESPONSE, _CR_RESPONSE_END = "<|START_RESPONSE|>", "<|END_RESPONSE|>"
+_CR_PLAN = ("<|START_THINKING|>", "<|END_THINKING|>")  # reasoning.PLAN_TAGS
+COMMAND_R7B = ToolFormat(
+    "command_r7b",
+    trigger=_CR_ACTION,
+    section_open=f"{_CR_ACTION}[",
+    section_close=f"]{_CR_ACTION_END}",
+    separator=",",
+    args_key="parameters",
+    name_key="tool_name",
+    id_key="tool_call_id",
+    spaced=True,
+    content_markers=(_CR_RESPONSE, _CR_RESPONSE_END),
+    plan_markers=_CR_PLAN,
+    specials=(_CR_ACTION, _CR_ACTION_END, _CR_RESPONSE, _CR_RESPONSE_END, *_CR_PLAN),
+)
+
+FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, GENERIC, HARMONY, DEEPSEEK_V3, DEEPSEEK_V31, COMMAND_R7B)}
 
 
 def detect_format(chat_template: str | None) -> ToolFormat:
@@ -134,6 +179,8 @@ def detect_format(chat_template: str | None) -> ToolFormat:
         return HARMONY
     if _DS_CALLS in source:  # renders calls, not tools; V3 fences the arguments, V3.1 does not
         return DEEPSEEK_V3 if "```json" in source else DEEPSEEK_V31
+    if _CR_ACTION in source:
+        return COMMAND_R7B
     if "tools" not in source:
         return GENERIC
     if "<tool_call>" in source:

@@ -127,7 +127,7 @@ def _call_rules(tools: list[dict[str, Any]], fmt: ToolFormat, parallel: bool, sp
             )
     else:
         rules = [
-            f"HEAD: /{CALL_HEAD_PATTERN}/",
+            f"HEAD: /{fmt.head_pattern}/",
             f'ARGS: /"{CALL_WS},{CALL_WS}"{fmt.args_key}"{CALL_WS}:{CALL_WS}/',
             f"CLOSE: /{CALL_WS}\\}}/",
         ]
@@ -137,8 +137,18 @@ def _call_rules(tools: list[dict[str, Any]], fmt: ToolFormat, parallel: bool, sp
     rules.append(_rule("call", "" if fmt.name_close else "HEAD", "named"))
     rules.append(_rule("one", _lit(fmt.call_open, special), "call", _lit(fmt.call_close, special)))
     rules.append(_rule("more", f"({_seq(_lit(fmt.separator), 'one')})*") if parallel else 'more: ""')
-    rules.append(_rule("calls", _lit(fmt.section_open, special), "one more", _lit(fmt.section_close, special)))
+    rules.append(_rule("calls", _lit(fmt.section_open, special), "one more", _section_close(fmt, special)))
     return rules
+
+
+def _section_close(fmt: ToolFormat, special: frozenset[str]) -> str:
+    """The section's close; for a `spaced` format whitespace may come before it (one lexeme with
+    the text up to its first special marker)."""
+    if not fmt.spaced or not fmt.section_close:
+        return _lit(fmt.section_close, special)
+    text = fmt.section_close
+    at = min((text.find(m) for m in special if m in text), default=len(text))
+    return _seq(f"/[ \\t\\n]{{0,24}}{_regex_escape(text[:at])}/", _lit(text[at:], special))
 
 
 def _free_text(fmt: ToolFormat) -> str:
@@ -182,9 +192,24 @@ def _auto_rules(fmt: ToolFormat, parallel: bool, special: frozenset[str]) -> lis
     rules += [
         _free_text(fmt),
         _rule(opened, "TEXT", trigger),
-        _rule("after_trigger", rest, "named", _lit(fmt.call_close, special), "more", _lit(fmt.section_close, special)),
-        "start: TEXT | opened after_trigger ENDING?" + (" | bare ENDING?" if fmt.bare else ""),
+        _rule("after_trigger", rest, "named", _lit(fmt.call_close, special), "more", _section_close(fmt, special)),
+        *_answer_rules(fmt, special),
+        f"start: {'plan? ' if fmt.plan_markers[0] else ''}(answer | opened after_trigger ENDING?"
+        + (" | bare ENDING?" if fmt.bare else "")
+        + ")",
     ]
+    return rules
+
+
+def _answer_rules(fmt: ToolFormat, special: frozenset[str]) -> list[str]:
+    """answer: the free text, or it in the format's content markers; plan: the reasoning a reply may
+    open with in the format's plan markers (nothing for formats without them)."""
+    opening, closing = fmt.content_markers
+    answer = f"TEXT | {_seq(_lit(opening, special), 'TEXT', _lit(closing, special))}" if opening else "TEXT"
+    rules = [_rule("answer", answer)]
+    opening, closing = fmt.plan_markers
+    if opening:
+        rules.append(_rule("plan", _lit(opening, special), "TEXT", _lit(closing, special)))
     return rules
 
 

@@ -8,10 +8,14 @@ arguments as an object (they apply ``tojson`` themselves). For a template that d
 assistant's text and results a user turn, in the hermes syntax the parser reads back. DeepSeek-V3's
 template renders calls (their arguments as JSON text, which it concatenates) and results but not
 the tools: those are listed in a system message, with its call syntax (``listed_tools_prompt``).
+Mistral's templates (Nemo and later) refuse call ids that are not 9 letters or digits, so in the
+``mistral`` format every other id (OpenAI's ``call_...``) is replaced by one derived from it, the
+same in the call and in its result (``mistral_call_id``).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from pathlib import Path
@@ -74,10 +78,31 @@ def template_messages(
                 {**c, "function": {**c["function"], "arguments": _template_arguments(c["function"]["arguments"], fmt)}}
                 for c in m["tool_calls"]
             ]
+        if fmt.name == "mistral":
+            _mistral_ids(m)
         out.append(m)
     if functions and not fmt.lists_tools:
         out = _with_system_text(out, listed_tools_prompt(functions, fmt))
     return out
+
+
+_MISTRAL_ID = re.compile(r"^[a-zA-Z0-9]{9}$")
+
+
+def mistral_call_id(call_id: Any) -> Any:
+    """`call_id` as Mistral's templates take it: 9 letters or digits (an id already so is kept, any
+    other string becomes the first 9 hex digits of its SHA-256, so a call and its result agree)."""
+    if not isinstance(call_id, str) or _MISTRAL_ID.match(call_id):
+        return call_id
+    return hashlib.sha256(call_id.encode()).hexdigest()[:9]
+
+
+def _mistral_ids(message: dict[str, Any]) -> None:
+    """`message`'s call ids (a copy's) in Mistral's form."""
+    if message.get("tool_calls"):
+        message["tool_calls"] = [{**c, "id": mistral_call_id(c.get("id"))} for c in message["tool_calls"]]
+    if "tool_call_id" in message:
+        message["tool_call_id"] = mistral_call_id(message["tool_call_id"])
 
 
 def _template_arguments(arguments: Any, fmt: ToolFormat) -> Any:

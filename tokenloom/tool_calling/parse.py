@@ -125,9 +125,10 @@ def _expect(text: str, pos: int, literal: str) -> tuple[int, bool | None]:
     return pos, None if want.startswith(got) and start + len(got) == len(text) else False
 
 
-def _scan_object(text: str, pos: int, call: PartialCall) -> tuple[int, bool | None]:
-    """Read a call object at `pos` into `call` (name, arguments so far). Returns (end, True) when
-    it closed as a valid call, (pos, None) while it is incomplete, (pos, False) when it is not one."""
+def _scan_object(text: str, pos: int, call: PartialCall, name_key: str = "name") -> tuple[int, bool | None]:
+    """Read a call object at `pos` into `call` (name under `name_key`, arguments so far). Returns
+    (end, True) when it closed as a valid call, (pos, None) while it is incomplete, (pos, False)
+    when it is not one. Other keys (a call's id or number) are read past."""
     i = _skip_ws(text, pos)
     if i == len(text):
         return pos, None
@@ -160,7 +161,7 @@ def _scan_object(text: str, pos: int, call: PartialCall) -> tuple[int, bool | No
             call.arguments = text[i : len(text) if end is None else end]  # grows while it streams
         if end is None:
             return pos, None
-        if key == "name":
+        if key == name_key:
             name = json.loads(text[i:end]) if text[i] == '"' else None
             if not isinstance(name, str) or not name:
                 return pos, False
@@ -271,7 +272,10 @@ def scan(text: str, fmt: ToolFormat) -> Scan:
         result.calls.append(call)
         i, ok = _expect(text, i, opening)
         if ok:
-            i, ok = _scan_named(text, i, call, fmt.name_close) if fmt.name_close else _scan_object(text, i, call)
+            if fmt.name_close:
+                i, ok = _scan_named(text, i, call, fmt.name_close)
+            else:
+                i, ok = _scan_object(text, i, call, fmt.name_key)
         if ok:
             i, ok = _expect(text, i, closing)
         if not ok:
@@ -298,7 +302,27 @@ def parse_tool_calls(text: str, fmt: ToolFormat, cut: bool = False) -> tuple[str
     well-formed; otherwise the whole text is content. Before calls, content loses its trailing
     whitespace; text after them is kept as content, on a line of its own. `cut`: the reply was cut
     short (max_tokens): a call it ended inside, or a tail that could have opened one, is dropped
-    (content is the text before it), the complete calls before it are kept."""
+    (content is the text before it), the complete calls before it are kept. The format's content
+    markers (what wraps a plain answer) are not content."""
+    content, calls = read_calls(text, fmt, cut)
+    return unwrap_content(content, fmt), calls
+
+
+def unwrap_content(text: str, fmt: ToolFormat) -> str:
+    """`text` without the format's content markers."""
+    return without_markers(text, fmt.content_markers)
+
+
+def without_markers(text: str, markers: tuple[str, ...]) -> str:
+    """`text` with each of `markers` taken out."""
+    for marker in markers:
+        if marker:
+            text = text.replace(marker, "")
+    return text
+
+
+def read_calls(text: str, fmt: ToolFormat, cut: bool = False) -> tuple[str, list[ToolCall]]:
+    """parse_tool_calls, content markers and all."""
     result = scan(text, fmt)
     if cut and not result.malformed:
         return _cut_reading(text, result)

@@ -7,7 +7,8 @@ streamed while it is being written, so a reply cut short inside one (max_tokens)
 half a call, and every streamed call is valid. ``finish()`` says the rest: what the final reading
 (parse_tool_calls) says, so the deltas concatenate to the whole response's content and calls (the
 content said before is always the start of the final reading's: only a tail that could open a
-call, and whitespace before calls, wait, and those are what a final reading may drop).
+call, and whitespace before calls, wait, and those are what a final reading may drop). The
+format's content markers are taken out of the content as it streams (``MarkerFilter``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import cast
 
 from tokenloom.tool_calling.formats import ToolFormat
-from tokenloom.tool_calling.parse import ToolCall, new_call_id, parse_tool_calls, scan
+from tokenloom.tool_calling.parse import ToolCall, new_call_id, read_calls, scan
 
 
 @dataclass
@@ -40,6 +41,7 @@ class ToolCallStream:
         self.ids: list[str] = []  # the id of each call whose header was said
         self.arguments_sent: list[int] = []  # characters of each call's arguments said
         self.calls: list[ToolCall] = []  # the final calls (after finish)
+        self.unwrap = MarkerFilter(fmt.content_markers)
 
     def feed(self, text_delta: str) -> Delta:
         self.text += text_delta
@@ -56,8 +58,8 @@ class ToolCallStream:
     def finish(self, cut: bool = False) -> Delta:
         """The rest of the reply, as the final reading has it (`cut`: parse_tool_calls); self.calls
         holds the calls."""
-        content, calls = parse_tool_calls(self.text, self.fmt, cut)
-        delta = Delta(content[self.content_sent :])
+        content, calls = read_calls(self.text, self.fmt, cut)
+        delta = Delta(self.unwrap.feed(content[self.content_sent :]) + self.unwrap.finish())
         self.content_sent = max(self.content_sent, len(content))
         self.calls = []
         for index, call in enumerate(calls):
@@ -67,7 +69,7 @@ class ToolCallStream:
 
     def _content_upto(self, end: int) -> Delta:
         """Content up to text[:end] that has not been said yet."""
-        delta = Delta(self.text[self.content_sent : end] if end > self.content_sent else "")
+        delta = Delta(self.unwrap.feed(self.text[self.content_sent : end]) if end > self.content_sent else "")
         self.content_sent = max(self.content_sent, end)
         return delta
 
@@ -85,3 +87,26 @@ class ToolCallStream:
             self.arguments_sent[index] = len(arguments)
             deltas.append({"index": index, "function": {"arguments": new}})
         return deltas
+
+
+class MarkerFilter:
+    """Streamed text without the given markers: feed() returns the text so far less the markers,
+    holding back a tail that could be the start of one; finish() returns what was held."""
+
+    def __init__(self, markers: tuple[str, ...]) -> None:
+        self.markers = tuple(m for m in markers if m)
+        self.held = ""
+
+    def feed(self, text: str) -> str:
+        if not self.markers:
+            return text
+        text = self.held + text
+        for marker in self.markers:
+            text = text.replace(marker, "")
+        keep = max((n for m in self.markers for n in range(1, len(m)) if text.endswith(m[:n])), default=0)
+        self.held = text[len(text) - keep :] if keep else ""
+        return text[: len(text) - keep]
+
+    def finish(self) -> str:
+        held, self.held = self.held, ""
+        return held

@@ -1,7 +1,8 @@
 """GLM-4, Command R7B (Cohere 2) and SmolLM3 through the real server in their releases' chat layouts
-(tests/helpers/family_chats.py): the prompt is the template's text with its markers as single
-special tokens and no second BOS, replies agree whole, streamed and concurrent with no marker in
-the text, and each family's end tokens end a reply."""
+(tests/helpers/family_chats.py; Command R7B's and SmolLM3's released templates): the prompt is the
+template's text with its markers as single special tokens and no second BOS, replies agree whole,
+streamed and concurrent with no marker in the text, and each family's end tokens end a reply.
+Command R7B's tool calls come back whole and streamed, valid against the tools' schemas."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 
-from tests.helpers.chat_model import CHATS, chat_reply
+from tests.helpers.chat_model import ASK_FORECAST, CHATS, FORECAST_TOOLS, chat_reply, check_forecast_calls
 from tests.helpers.family_chats import COMMAND_R7B, GLM4, SMOLLM3, family_chat_model
+from tests.helpers.real_templates import render
 from tests.helpers.server_harness import ThreadedServer
 
 # tiny config -> (family layout, how its template renders CHATS[1])
@@ -20,16 +22,9 @@ FAMILIES = {
     "glm4": (GLM4, "[gMASK]<sop><|system|>\nBe brief.<|user|>\nOnce upon a time<|assistant|>\n"),
     "cohere2": (
         COMMAND_R7B,
-        "<BOS_TOKEN><|START_OF_TURN_TOKEN|><|SYSTEM_TOKEN|>Be brief.<|END_OF_TURN_TOKEN|>"
-        "<|START_OF_TURN_TOKEN|><|USER_TOKEN|>Once upon a time<|END_OF_TURN_TOKEN|>"
-        "<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>",
+        render("CohereForAI-c4ai-command-r7b-12-2024-tool_use", CHATS[1], bos_token="<BOS_TOKEN>"),
     ),
-    "smollm3": (
-        SMOLLM3,
-        "<|im_start|>system\n## Metadata\n\nKnowledge Cutoff Date: June 2025\nReasoning Mode: /no_think\n\n"
-        "## Custom Instructions\n\nBe brief.\n\n<|im_end|>\n<|im_start|>user\nOnce upon a time<|im_end|>\n"
-        "<|im_start|>assistant\n<think>\n\n</think>\n",
-    ),
+    "smollm3": (SMOLLM3, render("HuggingFaceTB-SmolLM3-3B", CHATS[1])),
 }
 
 
@@ -79,3 +74,17 @@ def test_each_end_token_of_the_family_ends_a_reply(served):
             model="chat", messages=CHATS[0], max_tokens=16, temperature=0, logit_bias={str(token): 100}
         ).choices[0]
         assert (reply.finish_reason, reply.message.content) == ("stop", "")
+
+
+@pytest.mark.parametrize("tool_choice", ["required", "auto"])
+def test_command_r7b_calls_come_back_valid_whole_and_streamed(served, tool_choice):
+    client, engine, family, _ = served
+    if family is not COMMAND_R7B:
+        pytest.skip("Command R7B's tool calls")
+    # the random model pads its JSON with whitespace (the grammar allows it): room for that
+    kwargs = dict(model="chat", messages=ASK_FORECAST, tools=FORECAST_TOOLS, tool_choice=tool_choice)
+    kwargs |= dict(max_tokens=400, temperature=0)
+    if tool_choice == "auto":  # a random model would rather talk: bias it to open a call
+        (action,) = engine.tokenizer.encode("<|START_ACTION|>", add_special_tokens=False)
+        kwargs["logit_bias"] = {str(action): 100}
+    check_forecast_calls(client, kwargs, "<|START_ACTION|>")

@@ -51,7 +51,7 @@ class ChatSession:
         if functions:  # the server's grammar for tool_choice auto, and its decoding of markers
             grammar = tool_constraint(self.mode, self.functions, self.features, llm.engine, parallel=True)
             self.params = dataclasses.replace(params, structured_output=grammar)
-        if (functions or self.features.reasoning) and self.features.markers_dropped(llm.tokenizer):
+        if (functions or self.features.reasoning) and self.features.decode_with_markers(llm.tokenizer):
             self.params = dataclasses.replace(self.params, skip_special_tokens=False)
 
     def _start(self) -> list[dict]:

@@ -24,7 +24,9 @@ from tokenloom.tool_calling.grammar import harmony_grammar, no_call_grammar
 from tokenloom.tool_calling.harmony import MARKERS as HARMONY_MARKERS
 from tokenloom.tool_calling.harmony import HarmonyStream, read_harmony
 from tokenloom.tool_calling.messages import template_messages
-from tokenloom.tool_calling.reasoning import CLOSE, OPEN
+from tokenloom.tool_calling.parse import unwrap_content, without_markers
+from tokenloom.tool_calling.reasoning import THINK_TAGS, reasoning_tags
+from tokenloom.tool_calling.stream import MarkerFilter
 
 
 @dataclass
@@ -34,6 +36,9 @@ class ChatFeatures:
 
     tool_format: ToolFormat
     reasoning: bool
+    think_tags: tuple[str, str] = THINK_TAGS  # what the model's reasoning is written between
+    # the model's special tokens other than the markers, taken out of replies decoded with special tokens
+    other_specials: tuple[str, ...] = ()
     _special: frozenset[str] | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -47,19 +52,31 @@ class ChatFeatures:
         reasoning = reasoning_enabled(reasoning_parser, chat_template)
         if fmt is HARMONY or reasoning_parser == "harmony":
             return cls(HARMONY, reasoning_parser != "none")
-        return cls(fmt, reasoning)
+        return cls(fmt, reasoning, reasoning_tags(chat_template))
 
     @property
     def harmony(self) -> bool:
         return self.tool_format is HARMONY
 
+    def _marker_texts(self) -> tuple[str, ...]:
+        return (
+            HARMONY_MARKERS if self.harmony else self.tool_format.markers + (self.think_tags if self.reasoning else ())
+        )
+
     def markers_dropped(self, tokenizer) -> bool:
         """Whether decoding with skip_special_tokens would drop the format's markers or the think
         tags from the text (then the reply is decoded with them, or it could not be read back)."""
-        texts = (
-            HARMONY_MARKERS if self.harmony else self.tool_format.markers + ((OPEN, CLOSE) if self.reasoning else ())
-        )
-        return any(tokenizer.decode(tokenizer.encode(t, add_special_tokens=False)) != t for t in texts)
+        return any(tokenizer.decode(tokenizer.encode(t, add_special_tokens=False)) != t for t in self._marker_texts())
+
+    def decode_with_markers(self, tokenizer) -> bool:
+        """markers_dropped; when so, the model's other special tokens are noted (`other_specials`)
+        for the reading to drop, so a reply decoded with special tokens holds only the markers."""
+        if not self.markers_dropped(tokenizer):
+            return False
+        markers = set(self._marker_texts())
+        added = tokenizer.backend.get_added_tokens_decoder().values()
+        self.other_specials = tuple(sorted(t.content for t in added if t.special and t.content not in markers))
+        return True
 
     def special_markers(self, engine) -> frozenset[str]:
         """The format's markers that are special tokens of the model (asked once)."""
@@ -135,6 +152,7 @@ class Reply:
 
 def read_reply(text: str, prompt: str, turn_mode: str, features: ChatFeatures, cut: bool = False) -> Reply:
     """Split a whole reply into reasoning, content and tool calls (`cut`: it ran out of max_tokens)."""
+    text = without_markers(text, features.other_specials)
     if features.harmony:
         read = read_harmony(text, cut)
         said = [c.to_openai() for c in read.calls] if turn_mode != "none" else []
@@ -143,11 +161,14 @@ def read_reply(text: str, prompt: str, turn_mode: str, features: ChatFeatures, c
         )
     reasoning = None
     if features.reasoning:
-        reasoning, text = split_reasoning(text, starts_thinking(prompt))
+        tags = features.think_tags
+        reasoning, text = split_reasoning(text, starts_thinking(prompt, tags), tags)
     calls = []
     if turn_mode != "none":
         text, found = parse_tool_calls(text, features.tool_format, cut)
         calls = [c.to_openai() for c in found]
+    else:
+        text = unwrap_content(text, features.tool_format)
     return Reply(text if text or not calls else None, reasoning, calls)
 
 
@@ -163,12 +184,16 @@ class ReplyStream:
         self.harmony = HarmonyStream() if features.harmony else None
         self.says_reasoning, self.says_calls = features.reasoning, turn_mode != "none"
         think_tags = features.reasoning and not features.harmony
-        self.reasoning = ReasoningStream(starts_thinking(prompt)) if think_tags else None
+        tags = features.think_tags
+        self.reasoning = ReasoningStream(starts_thinking(prompt, tags), tags) if think_tags else None
         self.tools = ToolCallStream(features.tool_format) if self.says_calls and not features.harmony else None
+        self.unwrap = MarkerFilter(features.tool_format.content_markers)  # when no calls are read
+        self.others = MarkerFilter(features.other_specials)
         self.has_calls = False
 
     def feed(self, text_delta: str, finished: bool, cut: bool = False) -> dict[str, Any]:
         """The delta fields for `text_delta`; `finished`: the last one (`cut`: by max_tokens)."""
+        text_delta = self.others.feed(text_delta) + (self.others.finish() if finished else "")
         if self.harmony is not None:
             return self._feed_harmony(self.harmony, text_delta, finished, cut)
         delta: dict[str, Any] = {}
@@ -189,6 +214,8 @@ class ReplyStream:
             text = said.content
             if said.tool_calls:
                 delta["tool_calls"] = said.tool_calls
+        else:
+            text = self.unwrap.feed(text) + (self.unwrap.finish() if finished else "")
         if text:
             delta["content"] = text
         return delta

@@ -409,6 +409,7 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_calls: list[ToolCallMessage] | None = None  # assistant: the calls it made
     tool_call_id: str | None = None  # tool: the call this is the result of
+    reasoning_content: str | None = None  # assistant: its reasoning, for templates that render it (Qwen3, Command R7B)
 
     def as_template_input(self) -> dict[str, Any]:
         content = self.content
@@ -422,6 +423,8 @@ class ChatMessage(BaseModel):
             message["tool_call_id"] = self.tool_call_id
         if self.name is not None:
             message["name"] = self.name
+        if self.reasoning_content is not None:
+            message["reasoning_content"] = self.reasoning_content
         return message
 
 

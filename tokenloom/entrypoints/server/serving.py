@@ -293,7 +293,9 @@ class OpenAIServing:
                 "tools' grammar already constrains the reply (or set tool_choice none)",
                 "tools",
             )
-        if (turn.mode != "none" or self.chat_features.reasoning) and self.chat_features.markers_dropped(self.tokenizer):
+        if (turn.mode != "none" or self.chat_features.reasoning) and self.chat_features.decode_with_markers(
+            self.tokenizer
+        ):
             req = req.model_copy(update={"skip_special_tokens": False})
         prompt = self.chat_prompt(req, turn=turn)
         ids = self.encode(prompt, "messages", add_special_tokens=False)
