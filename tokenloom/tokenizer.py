@@ -45,8 +45,8 @@ def compile_chat_template(source: str) -> jinja2.Template:
         trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
     )
     env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(
-        x, indent=indent, ensure_ascii=ensure_ascii
-    )
+        x.json_value() if hasattr(x, "json_value") else x, indent=indent, ensure_ascii=ensure_ascii
+    )  # json_value: JSON text that stands for the value it holds (tool_calling.messages.JSONText)
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     try:

@@ -390,4 +390,5 @@ def test_every_format_is_registered_and_self_consistent():
         "deepseek_v3",
         "deepseek_v31",
         "command_r7b",
+        "mistral_v11",
     }

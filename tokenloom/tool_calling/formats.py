@@ -9,7 +9,9 @@ A format is text around JSON call objects ``{"name": ..., "<args_key>": {...}}``
   without the tags, or fence them as a ```json block; a reply that is nothing but call objects
   (fenced or not) counts as calls (``bare``).
 - ``llama3_json`` (Llama 3.1/3.2/3.3): ``{"name": ..., "parameters": {...}}``, calls separated by ``;``.
-- ``mistral`` (Mistral v0.3 and later templates): ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]``.
+- ``mistral`` (Mistral v0.3, Nemo): ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]``.
+- ``mistral_v11`` (the v11+ tokenizers: Mistral Small 3.2, Devstral, Magistral, Ministral 3): one
+  ``[TOOL_CALLS]NAME[ARGS]{...}`` per call, Mistral Small 3.2's with ``[CALL_ID]ID`` before ``[ARGS]``.
 - ``generic``: the hermes syntax for a template that does not render tools itself: the tools and the
   syntax go into a system message tokenloom writes (tool_calling/prompt.py).
 - ``harmony`` (gpt-oss): calls are messages to ``functions.NAME`` in harmony's commentary channel,
@@ -71,8 +73,11 @@ class ToolFormat:
     # a call is `call_open NAME name_close {arguments} call_close`, not a call object (DeepSeek)
     name_close: str = ""
     lists_tools: bool = True  # False: the template renders calls and results, tokenloom lists the tools
-    arguments_text: bool = False  # the template takes a call's arguments as JSON text, not an object
+    arguments_text: bool = False  # templates concatenate a call's arguments as JSON text (messages.JSONText)
     specials: tuple[str, ...] = ()  # the special tokens within the format's texts, where several make one
+    id_marker: str = ""  # between NAME and name_close: the call's id after this marker (Mistral v11)
+    nine_char_ids: bool = False  # the template takes only 9-letter-or-digit call ids (messages.py)
+    null_call_content: bool = False  # the template renders a turn's calls only when its content is none
     name_key: str = "name"  # the call object's key for the tool's name
     id_key: str = ""  # a key that comes first in each call object, holding the call's number (Command R7B)
     spaced: bool = False  # whitespace may come before each call and before the section's close
@@ -109,7 +114,23 @@ HERMES = ToolFormat(
     "hermes", trigger="<tool_call>", call_open="<tool_call>\n", call_close="\n</tool_call>", separator="\n", bare=True
 )
 LLAMA3_JSON = ToolFormat("llama3_json", trigger=CALL_HEAD, separator="; ", args_key="parameters")
-MISTRAL = ToolFormat("mistral", trigger="[TOOL_CALLS]", section_open="[TOOL_CALLS][", section_close="]", separator=", ")
+MISTRAL = ToolFormat(
+    "mistral",
+    trigger="[TOOL_CALLS]",
+    section_open="[TOOL_CALLS][",
+    section_close="]",
+    separator=", ",
+    nine_char_ids=True,
+)
+MISTRAL_V11 = ToolFormat(
+    "mistral_v11",
+    trigger="[TOOL_CALLS]",
+    call_open="[TOOL_CALLS]",
+    id_marker="[CALL_ID]",
+    name_close="[ARGS]",
+    nine_char_ids=True,
+    specials=("[TOOL_CALLS]", "[CALL_ID]", "[ARGS]"),
+)
 GENERIC = ToolFormat(
     "generic",
     trigger="<tool_call>",
@@ -135,6 +156,7 @@ DEEPSEEK_V3 = ToolFormat(
     separator="\n",
     lists_tools=False,
     arguments_text=True,
+    null_call_content=True,
     specials=(_DS_CALLS, _DS_CALL, _DS_SEP, _DS_CALL_END, _DS_CALLS_END),
 )
 
@@ -168,7 +190,10 @@ COMMAND_R7B = ToolFormat(
     specials=(_CR_ACTION, _CR_ACTION_END, _CR_RESPONSE, _CR_RESPONSE_END, *_CR_PLAN),
 )
 
-FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, GENERIC, HARMONY, DEEPSEEK_V3, DEEPSEEK_V31, COMMAND_R7B)}
+FORMATS = {
+    f.name: f
+    for f in (HERMES, LLAMA3_JSON, MISTRAL, MISTRAL_V11, GENERIC, HARMONY, DEEPSEEK_V3, DEEPSEEK_V31, COMMAND_R7B)
+}
 
 
 def detect_format(chat_template: str | None) -> ToolFormat:
@@ -186,7 +211,7 @@ def detect_format(chat_template: str | None) -> ToolFormat:
     if "<tool_call>" in source:
         return HERMES
     if "[TOOL_CALLS]" in source:
-        return MISTRAL
+        return MISTRAL_V11 if "[ARGS]" in source else MISTRAL
     if '"parameters"' in source or "<|python_tag|>" in source:
         return LLAMA3_JSON
     return GENERIC

@@ -119,12 +119,11 @@ def _call_rules(tools: list[dict[str, Any]], fmt: ToolFormat, parallel: bool, sp
     """HEAD, ARGS, CLOSE: a call object's fixed parts, in any spacing (models pretty-print calls);
     named: what follows HEAD in a call to one of the tools; call, one (with its markers), more (the
     calls after the first), calls (the whole section)."""
-    if fmt.name_close:  # NAME name_close <schema> (DeepSeek): no call object, no HEAD
-        rules = []
+    if fmt.name_close:  # NAME [id_marker ID] name_close <schema> (DeepSeek, Mistral v11): no call object, no HEAD
+        rules = [_rule("call_id", _lit(fmt.id_marker, special), "/[a-zA-Z0-9]{9}/")] if fmt.id_marker else []
         for i, tool in enumerate(tools):
-            rules.append(
-                _rule(f"named_{i}", _lit(tool["name"] + fmt.name_close, special), "%json", _schema(tool["parameters"]))
-            )
+            named = [_lit(tool["name"], special), "call_id?" if fmt.id_marker else "", _lit(fmt.name_close, special)]
+            rules.append(_rule(f"named_{i}", *named, "%json", _schema(tool["parameters"])))
     else:
         rules = [
             f"HEAD: /{fmt.head_pattern}/",

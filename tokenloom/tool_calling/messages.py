@@ -9,7 +9,7 @@ assistant's text and results a user turn, in the hermes syntax the parser reads 
 template renders calls (their arguments as JSON text, which it concatenates) and results but not
 the tools: those are listed in a system message, with its call syntax (``listed_tools_prompt``).
 Mistral's templates (Nemo and later) refuse call ids that are not 9 letters or digits, so in the
-``mistral`` format every other id (OpenAI's ``call_...``) is replaced by one derived from it, the
+``mistral`` formats every other id (OpenAI's ``call_...``) is replaced by one derived from it, the
 same in the call and in its result (``mistral_call_id``).
 """
 
@@ -78,8 +78,10 @@ def template_messages(
                 {**c, "function": {**c["function"], "arguments": _template_arguments(c["function"]["arguments"], fmt)}}
                 for c in m["tool_calls"]
             ]
-        if fmt.name == "mistral":
+        if fmt.nine_char_ids:
             _mistral_ids(m)
+        if fmt.null_call_content and m.get("tool_calls") and not m.get("content"):
+            m["content"] = None  # DeepSeek-V3's and R1's templates: the calls of a turn without text
         out.append(m)
     if functions and not fmt.lists_tools:
         out = _with_system_text(out, listed_tools_prompt(functions, fmt))
@@ -105,11 +107,30 @@ def _mistral_ids(message: dict[str, Any]) -> None:
         message["tool_call_id"] = mistral_call_id(message["tool_call_id"])
 
 
+class JSONText(str):
+    """A call's arguments as JSON text that the chat template's ``tojson`` writes as the value it holds
+    (tokenizer.compile_chat_template): DeepSeek-V3's template concatenates the arguments as text,
+    R1-Distill-Qwen's applies ``tojson`` to them, and both come out as the JSON object."""
+
+    def json_value(self) -> Any:
+        return json.loads(self)
+
+
 def _template_arguments(arguments: Any, fmt: ToolFormat) -> Any:
-    """A call's arguments as `fmt`'s template takes them: JSON text (DeepSeek's concatenates it), or an object."""
+    """A call's arguments as `fmt`'s template takes them: JSONText where templates concatenate them
+    (DeepSeek's), otherwise an object."""
     if fmt.arguments_text:
-        return arguments if isinstance(arguments, str) else json.dumps(arguments)
+        text = arguments if isinstance(arguments, str) else json.dumps(arguments)
+        return JSONText(text) if _is_json(text) else text
     return _arguments_object(arguments)
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _with_system_text(messages: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:

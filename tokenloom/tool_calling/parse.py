@@ -176,15 +176,25 @@ def _scan_object(text: str, pos: int, call: PartialCall, name_key: str = "name")
 _NAME = re.compile(r"[A-Za-z0-9_.\-]+")
 
 
-def _scan_named(text: str, pos: int, call: PartialCall, name_close: str) -> tuple[int, bool | None]:
-    """Read `NAME name_close {arguments}` at `pos` into `call` (DeepSeek's calls): (end, True) when
-    the arguments closed as an object, (pos, None) while incomplete, (pos, False) when not a call."""
+_CALL_ID = re.compile(r"[A-Za-z0-9]{1,64}")
+
+
+def _scan_named(
+    text: str, pos: int, call: PartialCall, name_close: str, id_marker: str = ""
+) -> tuple[int, bool | None]:
+    """Read `NAME [id_marker ID] name_close {arguments}` at `pos` into `call` (DeepSeek's and
+    Mistral v11's calls): (end, True) when the arguments closed as an object, (pos, None) while
+    incomplete, (pos, False) when not a call."""
     marker = name_close.strip()
     end = text.find(marker, pos)
     if end < 0:  # the name (or the marker after it) is still being written
         rest = text[pos:].strip()
         return pos, None if len(rest) <= 256 and not re.search(r"\s\S*\s", rest) else False
     name = text[pos:end].strip()
+    if id_marker and id_marker in name:  # the call's id is not kept: the server gives its own
+        name, call_id = name.split(id_marker, 1)
+        if not _CALL_ID.fullmatch(call_id.strip()):
+            return pos, False
     if not _NAME.fullmatch(name):
         return pos, False
     call.name = name
@@ -273,7 +283,7 @@ def scan(text: str, fmt: ToolFormat) -> Scan:
         i, ok = _expect(text, i, opening)
         if ok:
             if fmt.name_close:
-                i, ok = _scan_named(text, i, call, fmt.name_close)
+                i, ok = _scan_named(text, i, call, fmt.name_close, fmt.id_marker)
             else:
                 i, ok = _scan_object(text, i, call, fmt.name_key)
         if ok:

@@ -408,7 +408,8 @@ def _add_serve(sub) -> None:
         choices=["auto", *FORMATS],
         help="how replies write tool calls (default: read from the chat template; generic: "
         "tokenloom offers the tools in a system message of its own; harmony: gpt-oss; deepseek_v3: "
-        "DeepSeek-V3/R1; deepseek_v31: DeepSeek-V3.1; command_r7b: Command R7B)",
+        "DeepSeek-V3/R1; deepseek_v31: DeepSeek-V3.1; command_r7b: Command R7B; mistral_v11: Mistral "
+        "Small 3.2, Devstral, Magistral)",
     )
     serve.add_argument(
         "--reasoning-parser",
