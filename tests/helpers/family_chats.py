@@ -50,6 +50,13 @@ COMMAND_R7B = (
     ("<|END_OF_TURN_TOKEN|>",),
     {"bos_token": "<BOS_TOKEN>"},
 )
+# Qwen3-Coder: ChatML, calls as function and parameter tags inside <tool_call> (tool_calling/xml_calls.py)
+QWEN3_CODER = (
+    ("<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"),
+    real_template("Qwen3-Coder"),
+    ("<|im_end|>",),
+    {},
+)
 SMOLLM3 = (
     ("<|im_start|>", "<|im_end|>", "<think>", "</think>"),
     real_template("HuggingFaceTB-SmolLM3-3B"),

@@ -36,6 +36,7 @@ TEMPLATES = [
     ("deepseek-ai-DeepSeek-R1-Distill-Llama-8B", "deepseek_v3", "<｜end▁of▁sentence｜>", True),
     ("Qwen-Qwen2.5-7B-Instruct", "hermes", "<|im_end|>", True),
     ("Qwen-Qwen3-0.6B", "hermes", "<|im_end|>", True),
+    ("Qwen3-Coder", "qwen3_coder", "<|im_end|>", True),
     ("ibm-granite-granite-4.0", "hermes", "<|end_of_text|>", True),
     ("HuggingFaceTB-SmolLM3-3B", "generic", "<|im_end|>", True),
     ("meta-llama-Llama-3.1-8B-Instruct", "llama3_json", "<|eot_id|>", False),

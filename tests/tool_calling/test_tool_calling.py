@@ -391,4 +391,5 @@ def test_every_format_is_registered_and_self_consistent():
         "deepseek_v31",
         "command_r7b",
         "mistral_v11",
+        "qwen3_coder",
     }

@@ -32,6 +32,8 @@ A format is text around JSON call objects ``{"name": ..., "<args_key>": {...}}``
 
   Its template, like V3's, renders calls and results but not the tools; it applies ``tojson`` to a
   call's arguments itself, so they go in as an object.
+- ``qwen3_coder`` (Qwen3-Coder, Qwen3-Coder-Next, Qwen3.5): ``<tool_call>`` around a function tag with
+  one tag per parameter, values as plain text (xml_calls.py), not a call object.
 - ``command_r7b`` (Command R7B, Cohere 2): a pretty-printed JSON list of calls whose objects number
   the call and name the tool (``name_key``, ``id_key``)::
 
@@ -47,6 +49,8 @@ A format is text around JSON call objects ``{"name": ..., "<args_key>": {...}}``
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from tokenloom.tool_calling.xml_calls import FUNCTION_OPEN
 
 CALL_HEAD = '{"name": "'  # how every format's call object starts, written compactly
 CALL_WS = r"[ \t\n]{0,24}"  # whitespace a call object may hold between its parts (bounded for the grammar)
@@ -78,6 +82,7 @@ class ToolFormat:
     id_marker: str = ""  # between NAME and name_close: the call's id after this marker (Mistral v11)
     nine_char_ids: bool = False  # the template takes only 9-letter-or-digit call ids (messages.py)
     null_call_content: bool = False  # the template renders a turn's calls only when its content is none
+    xml_params: bool = False  # a call is Qwen3-Coder's function tag with parameter tags (xml_calls.py)
     name_key: str = "name"  # the call object's key for the tool's name
     id_key: str = ""  # a key that comes first in each call object, holding the call's number (Command R7B)
     spaced: bool = False  # whitespace may come before each call and before the section's close
@@ -87,6 +92,8 @@ class ToolFormat:
     @property
     def head(self) -> str:
         """How a call object starts, written compactly, up to the name's opening quote."""
+        if self.xml_params:
+            return FUNCTION_OPEN
         numbered = f'"{self.id_key}": "0", ' if self.id_key else ""
         return f'{{{numbered}"{self.name_key}": "'
 
@@ -141,6 +148,14 @@ GENERIC = ToolFormat(
     renders_tools=False,
 )
 
+QWEN3_CODER = ToolFormat(
+    "qwen3_coder",
+    trigger="<tool_call>",
+    call_open="<tool_call>\n",
+    call_close="\n</tool_call>",
+    separator="\n",
+    xml_params=True,
+)
 HARMONY = ToolFormat("harmony", trigger="")  # tool_calling/harmony.py reads its calls
 
 _DS_CALLS, _DS_CALL, _DS_SEP = "<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>"
@@ -192,7 +207,18 @@ COMMAND_R7B = ToolFormat(
 
 FORMATS = {
     f.name: f
-    for f in (HERMES, LLAMA3_JSON, MISTRAL, MISTRAL_V11, GENERIC, HARMONY, DEEPSEEK_V3, DEEPSEEK_V31, COMMAND_R7B)
+    for f in (
+        HERMES,
+        QWEN3_CODER,
+        LLAMA3_JSON,
+        MISTRAL,
+        MISTRAL_V11,
+        GENERIC,
+        HARMONY,
+        DEEPSEEK_V3,
+        DEEPSEEK_V31,
+        COMMAND_R7B,
+    )
 }
 
 
@@ -209,7 +235,7 @@ def detect_format(chat_template: str | None) -> ToolFormat:
     if "tools" not in source:
         return GENERIC
     if "<tool_call>" in source:
-        return HERMES
+        return QWEN3_CODER if FUNCTION_OPEN in source else HERMES
     if "[TOOL_CALLS]" in source:
         return MISTRAL_V11 if "[ARGS]" in source else MISTRAL
     if '"parameters"' in source or "<|python_tag|>" in source:

@@ -22,6 +22,7 @@ from typing import Any
 
 from tokenloom.structured.grammars import JSON_DEFAULTS
 from tokenloom.tool_calling.formats import CALL_HEAD, CALL_HEAD_PATTERN, CALL_WS, FENCE_CLOSE, FENCE_OPEN, ToolFormat
+from tokenloom.tool_calling.xml_calls import xml_types
 
 ENDING_RULE = "ENDING: /\\n{1,2}/"  # what a reply may write after its calls, before it ends (module doc)
 
@@ -124,6 +125,10 @@ def _call_rules(tools: list[dict[str, Any]], fmt: ToolFormat, parallel: bool, sp
         for i, tool in enumerate(tools):
             named = [_lit(tool["name"], special), "call_id?" if fmt.id_marker else "", _lit(fmt.name_close, special)]
             rules.append(_rule(f"named_{i}", *named, "%json", _schema(tool["parameters"])))
+    elif fmt.xml_params:  # <function=NAME> with parameter tags (Qwen3-Coder)
+        rules = [f"HEAD: {json.dumps(fmt.head)}"]
+        for i, tool in enumerate(tools):
+            rules += _xml_named(i, tool, special)
     else:
         rules = [
             f"HEAD: /{fmt.head_pattern}/",
@@ -138,6 +143,42 @@ def _call_rules(tools: list[dict[str, Any]], fmt: ToolFormat, parallel: bool, sp
     rules.append(_rule("more", f"({_seq(_lit(fmt.separator), 'one')})*") if parallel else 'more: ""')
     rules.append(_rule("calls", _lit(fmt.section_open, special), "one more", _section_close(fmt, special)))
     return rules
+
+
+def _xml_named(i: int, tool: dict[str, Any], special: frozenset[str]) -> list[str]:
+    """named_i for Qwen3-Coder's calls (xml_calls.py): the tool's name, then its schema's parameters
+    in order (the required ones present), each a tag around its value: one of a string enum's
+    values, any other string as any text up to the closing tag (a lazy rule: the first closing tag
+    ends it; its other keywords, such as pattern or maxLength, are not held), a boolean as JSON or
+    as Python writes it, anything else JSON valid against its schema."""
+    parameters = tool["parameters"]
+    required = set(parameters.get("required") or [])
+    rules, parts = [], []
+    for k, (key, schema) in enumerate((parameters.get("properties") or {}).items()):
+        name, opening, closing = f"p_{i}_{k}", _lit(f"<parameter={key}>\n", special), _lit("\n</parameter>", special)
+        types = xml_types(schema)
+        choices = _string_choices(schema)
+        if choices:
+            rules.append(_rule(name, opening, f"({' | '.join(_lit(c, special) for c in choices)})", closing))
+        elif not types or "string" in types:
+            rules.append(f"{name}[lazy]: {opening} /(?s:.*)/ {closing}")
+        elif types == ["boolean"]:
+            rules.append(_rule(name, opening, "/(true|false|True|False)/", closing))
+        else:
+            rules.append(_rule(name, opening, "%json", _schema(schema), closing))
+        parts.append(f'{name} "\\n"' if key in required else f'({name} "\\n")?')
+    rules.append(_rule(f"named_{i}", _lit(tool["name"] + ">\n", special), *parts, _lit("</function>", special)))
+    return rules
+
+
+def _string_choices(schema: Any) -> list[str]:
+    """The strings a parameter schema allows when it lists them (enum or const of strings only)."""
+    if not isinstance(schema, dict):
+        return []
+    values = schema.get("enum", [schema["const"]] if "const" in schema else None)
+    if isinstance(values, list) and values and all(isinstance(v, str) and v for v in values):
+        return values
+    return []
 
 
 def _section_close(fmt: ToolFormat, special: frozenset[str]) -> str:

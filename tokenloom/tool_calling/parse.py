@@ -17,9 +17,10 @@ import json
 import re
 import uuid
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Any, cast
 
 from tokenloom.tool_calling.formats import CALL_HEAD, CALL_HEAD_PATTERN, FENCE_CLOSE, FENCE_OPEN, ToolFormat
+from tokenloom.tool_calling.xml_calls import read_xml_call, xml_arguments
 
 _WS = re.compile(r"\s*")
 _SCALAR = re.compile(r"[^\s,}\]]*")  # a number, true, false or null
@@ -210,6 +211,16 @@ def _scan_named(
     return (args_end, True) if _valid_arguments(call.arguments) else (pos, False)
 
 
+def _scan_xml(text: str, pos: int, call: PartialCall, schemas: dict[str, Any] | None) -> tuple[int, bool | None]:
+    """Read Qwen3-Coder's function tag at `pos` into `call` (xml_calls.py); its arguments, once it
+    closed, read by the tool's schema in `schemas` ({name: parameters})."""
+    end, ok, name, params = read_xml_call(text, pos)
+    call.name = name or None
+    if ok:
+        call.arguments = xml_arguments(params, (schemas or {}).get(cast("str", name)))
+    return end, ok
+
+
 def _valid_arguments(arguments: str) -> bool:
     try:
         return isinstance(json.loads(arguments), dict)
@@ -259,8 +270,9 @@ def _held_back(text: str, fmt: ToolFormat) -> int:
     return 0
 
 
-def scan(text: str, fmt: ToolFormat) -> Scan:
-    """Read `text` as far as it goes (module doc)."""
+def scan(text: str, fmt: ToolFormat, schemas: dict[str, Any] | None = None) -> Scan:
+    """Read `text` as far as it goes (module doc); `schemas` ({tool name: parameters}) read the
+    values of formats whose calls hold text, not JSON (Qwen3-Coder's)."""
     start, (section_open, section_close, opening, closing, separator) = _calls_start(text, fmt)
     if start is None:
         return Scan(text[: len(text) - _held_back(text, fmt)])
@@ -284,6 +296,8 @@ def scan(text: str, fmt: ToolFormat) -> Scan:
         if ok:
             if fmt.name_close:
                 i, ok = _scan_named(text, i, call, fmt.name_close, fmt.id_marker)
+            elif fmt.xml_params:
+                i, ok = _scan_xml(text, i, call, schemas)
             else:
                 i, ok = _scan_object(text, i, call, fmt.name_key)
         if ok:
@@ -307,14 +321,16 @@ def _section_end(text: str, i: int, section_close: str, result: Scan) -> Scan:
     return result
 
 
-def parse_tool_calls(text: str, fmt: ToolFormat, cut: bool = False) -> tuple[str, list[ToolCall]]:
+def parse_tool_calls(
+    text: str, fmt: ToolFormat, cut: bool = False, schemas: dict[str, Any] | None = None
+) -> tuple[str, list[ToolCall]]:
     """The final reading of a reply: (content, calls). No calls unless every call is complete and
     well-formed; otherwise the whole text is content. Before calls, content loses its trailing
     whitespace; text after them is kept as content, on a line of its own. `cut`: the reply was cut
     short (max_tokens): a call it ended inside, or a tail that could have opened one, is dropped
     (content is the text before it), the complete calls before it are kept. The format's content
-    markers (what wraps a plain answer) are not content."""
-    content, calls = read_calls(text, fmt, cut)
+    markers (what wraps a plain answer) are not content. `schemas`: as scan's."""
+    content, calls = read_calls(text, fmt, cut, schemas)
     return unwrap_content(content, fmt), calls
 
 
@@ -331,9 +347,11 @@ def without_markers(text: str, markers: tuple[str, ...]) -> str:
     return text
 
 
-def read_calls(text: str, fmt: ToolFormat, cut: bool = False) -> tuple[str, list[ToolCall]]:
+def read_calls(
+    text: str, fmt: ToolFormat, cut: bool = False, schemas: dict[str, Any] | None = None
+) -> tuple[str, list[ToolCall]]:
     """parse_tool_calls, content markers and all."""
-    result = scan(text, fmt)
+    result = scan(text, fmt, schemas)
     if cut and not result.malformed:
         return _cut_reading(text, result)
     if result.calls_start is None or result.malformed or not result.calls or not all(c.complete for c in result.calls):

@@ -14,7 +14,7 @@ format's content markers are taken out of the content as it streams (``MarkerFil
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Any, cast
 
 from tokenloom.tool_calling.formats import ToolFormat
 from tokenloom.tool_calling.parse import ToolCall, new_call_id, read_calls, scan
@@ -34,8 +34,9 @@ class Delta:
 class ToolCallStream:
     """One choice's reply, fed delta by delta (module doc)."""
 
-    def __init__(self, fmt: ToolFormat) -> None:
+    def __init__(self, fmt: ToolFormat, schemas: dict[str, Any] | None = None) -> None:
         self.fmt = fmt
+        self.schemas = schemas  # {tool name: parameters}, for formats whose values are text (parse.scan)
         self.text = ""
         self.content_sent = 0  # characters of content said
         self.ids: list[str] = []  # the id of each call whose header was said
@@ -45,7 +46,7 @@ class ToolCallStream:
 
     def feed(self, text_delta: str) -> Delta:
         self.text += text_delta
-        result = scan(self.text, self.fmt)
+        result = scan(self.text, self.fmt, self.schemas)
         if result.malformed:  # not a call after all: it is all content
             return self._content_upto(len(self.text))
         delta = self._content_upto(len(result.content.rstrip()))
@@ -58,7 +59,7 @@ class ToolCallStream:
     def finish(self, cut: bool = False) -> Delta:
         """The rest of the reply, as the final reading has it (`cut`: parse_tool_calls); self.calls
         holds the calls."""
-        content, calls = read_calls(self.text, self.fmt, cut)
+        content, calls = read_calls(self.text, self.fmt, cut, self.schemas)
         delta = Delta(self.unwrap.feed(content[self.content_sent :]) + self.unwrap.finish())
         self.content_sent = max(self.content_sent, len(content))
         self.calls = []

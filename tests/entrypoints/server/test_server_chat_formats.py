@@ -2,7 +2,8 @@
 (tests/helpers/family_chats.py; Command R7B's and SmolLM3's released templates): the prompt is the
 template's text with its markers as single special tokens and no second BOS, replies agree whole,
 streamed and concurrent with no marker in the text, and each family's end tokens end a reply.
-Command R7B's tool calls come back whole and streamed, valid against the tools' schemas."""
+Command R7B's and Qwen3-Coder's tool calls come back whole and streamed, valid against the tools'
+schemas."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import openai
 import pytest
 
 from tests.helpers.chat_model import ASK_FORECAST, CHATS, FORECAST_TOOLS, chat_reply, check_forecast_calls
-from tests.helpers.family_chats import COMMAND_R7B, GLM4, SMOLLM3, family_chat_model
+from tests.helpers.family_chats import COMMAND_R7B, GLM4, QWEN3_CODER, SMOLLM3, family_chat_model
 from tests.helpers.real_templates import render
 from tests.helpers.server_harness import ThreadedServer
 
@@ -25,6 +26,7 @@ FAMILIES = {
         render("CohereForAI-c4ai-command-r7b-12-2024-tool_use", CHATS[1], bos_token="<BOS_TOKEN>"),
     ),
     "smollm3": (SMOLLM3, render("HuggingFaceTB-SmolLM3-3B", CHATS[1])),
+    "qwen3_moe": (QWEN3_CODER, render("Qwen3-Coder", CHATS[1])),
 }
 
 
@@ -76,15 +78,19 @@ def test_each_end_token_of_the_family_ends_a_reply(served):
         assert (reply.finish_reason, reply.message.content) == ("stop", "")
 
 
+OPENERS = {id(COMMAND_R7B): "<|START_ACTION|>", id(QWEN3_CODER): "<tool_call>"}  # families whose calls are read
+
+
 @pytest.mark.parametrize("tool_choice", ["required", "auto"])
-def test_command_r7b_calls_come_back_valid_whole_and_streamed(served, tool_choice):
+def test_calls_come_back_valid_whole_and_streamed(served, tool_choice):
     client, engine, family, _ = served
-    if family is not COMMAND_R7B:
-        pytest.skip("Command R7B's tool calls")
+    if id(family) not in OPENERS:
+        pytest.skip("a family without tool calls here")
+    opener = OPENERS[id(family)]
     # the random model pads its JSON with whitespace (the grammar allows it): room for that
     kwargs = dict(model="chat", messages=ASK_FORECAST, tools=FORECAST_TOOLS, tool_choice=tool_choice)
     kwargs |= dict(max_tokens=400, temperature=0)
-    if tool_choice == "auto":  # a random model would rather talk: bias it to open a call
-        (action,) = engine.tokenizer.encode("<|START_ACTION|>", add_special_tokens=False)
-        kwargs["logit_bias"] = {str(action): 100}
-    check_forecast_calls(client, kwargs, "<|START_ACTION|>")
+    if tool_choice == "auto":  # a random model would rather talk: bias it to open a call (once: the bias
+        (token,) = engine.tokenizer.encode(opener, add_special_tokens=False)  # would open another after it)
+        kwargs |= dict(logit_bias={str(token): 100}, parallel_tool_calls=False)
+    check_forecast_calls(client, kwargs, opener)

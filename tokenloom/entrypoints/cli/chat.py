@@ -92,7 +92,7 @@ class ChatSession:
         turn = make_turn(self.history, self.mode, self.functions, self.features)
         prompt = self.llm.tokenizer.apply_chat_template(turn.messages, tools=turn.template_tools)
         ids = self.llm.tokenizer.encode(prompt, add_special_tokens=False)
-        reader, summary = ReplyStream(prompt, self.mode, self.features), GenerationSummary(len(ids))
+        reader, summary = ReplyStream(prompt, self.mode, self.features, self.functions), GenerationSummary(len(ids))
         text, cut = [], False
         with contextlib.closing(self.llm.stream_deltas(ids, self.params)) as deltas:
             for delta in deltas:
@@ -104,7 +104,7 @@ class ChatSession:
                 print(said.get("reasoning_content", "") + said.get("content", ""), end="", file=out, flush=True)
                 if stop:
                     break
-        reply = read_reply("".join(text), prompt, self.mode, self.features, cut)
+        reply = read_reply("".join(text), prompt, self.mode, self.features, cut, self.functions)
         self.history.append({"role": "assistant", "content": reply.content or "", "tool_calls": reply.tool_calls})
         for call in reply.tool_calls:
             print(f"\n-> {call['function']['name']}({call['function']['arguments']})", file=out)

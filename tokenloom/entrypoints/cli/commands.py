@@ -409,7 +409,7 @@ def _add_serve(sub) -> None:
         help="how replies write tool calls (default: read from the chat template; generic: "
         "tokenloom offers the tools in a system message of its own; harmony: gpt-oss; deepseek_v3: "
         "DeepSeek-V3/R1; deepseek_v31: DeepSeek-V3.1; command_r7b: Command R7B; mistral_v11: Mistral "
-        "Small 3.2, Devstral, Magistral)",
+        "Small 3.2, Devstral, Magistral; qwen3_coder: Qwen3-Coder's XML tags)",
     )
     serve.add_argument(
         "--reasoning-parser",

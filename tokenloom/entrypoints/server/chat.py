@@ -26,7 +26,12 @@ class ChatCompletions:
         features = self.serving.chat_features
         for c, out in zip(prepared.choices, outs):
             reply = read_reply(
-                out.text, prepared.prompt_texts[0], prepared.tool_mode, features, out.finish_reason == "length"
+                out.text,
+                prepared.prompt_texts[0],
+                prepared.tool_mode,
+                features,
+                out.finish_reason == "length",
+                prepared.tool_functions,
             )
             body = {
                 "index": c.index,
@@ -54,7 +59,9 @@ class ChatCompletions:
             for c in prepared.choices
         ]
         readers = [
-            ReplyStream(prepared.prompt_texts[0], prepared.tool_mode, self.serving.chat_features)
+            ReplyStream(
+                prepared.prompt_texts[0], prepared.tool_mode, self.serving.chat_features, prepared.tool_functions
+            )
             for _ in prepared.choices
         ]
 

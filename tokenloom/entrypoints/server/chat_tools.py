@@ -150,8 +150,16 @@ class Reply:
         return body
 
 
-def read_reply(text: str, prompt: str, turn_mode: str, features: ChatFeatures, cut: bool = False) -> Reply:
-    """Split a whole reply into reasoning, content and tool calls (`cut`: it ran out of max_tokens)."""
+def read_reply(
+    text: str,
+    prompt: str,
+    turn_mode: str,
+    features: ChatFeatures,
+    cut: bool = False,
+    functions: list[dict[str, Any]] | None = None,
+) -> Reply:
+    """Split a whole reply into reasoning, content and tool calls (`cut`: it ran out of max_tokens;
+    `functions`: the tools offered, whose schemas read the values of calls written as text)."""
     text = without_markers(text, features.other_specials)
     if features.harmony:
         read = read_harmony(text, cut)
@@ -165,11 +173,16 @@ def read_reply(text: str, prompt: str, turn_mode: str, features: ChatFeatures, c
         reasoning, text = split_reasoning(text, starts_thinking(prompt, tags), tags)
     calls = []
     if turn_mode != "none":
-        text, found = parse_tool_calls(text, features.tool_format, cut)
+        text, found = parse_tool_calls(text, features.tool_format, cut, schemas_of(functions))
         calls = [c.to_openai() for c in found]
     else:
         text = unwrap_content(text, features.tool_format)
     return Reply(text if text or not calls else None, reasoning, calls)
+
+
+def schemas_of(functions: list[dict[str, Any]] | None) -> dict[str, Any]:
+    """{name: parameters} of the tools offered."""
+    return {f["name"]: f["parameters"] for f in functions or []}
 
 
 def finish_reason(reason: str | None, has_calls: bool) -> str | None:
@@ -180,13 +193,16 @@ def finish_reason(reason: str | None, has_calls: bool) -> str | None:
 class ReplyStream:
     """read_reply over a stream: feed(text_delta, finished) -> the OpenAI delta fields to send."""
 
-    def __init__(self, prompt: str, turn_mode: str, features: ChatFeatures) -> None:
+    def __init__(
+        self, prompt: str, turn_mode: str, features: ChatFeatures, functions: list[dict[str, Any]] | None = None
+    ) -> None:
         self.harmony = HarmonyStream() if features.harmony else None
         self.says_reasoning, self.says_calls = features.reasoning, turn_mode != "none"
         think_tags = features.reasoning and not features.harmony
         tags = features.think_tags
         self.reasoning = ReasoningStream(starts_thinking(prompt, tags), tags) if think_tags else None
-        self.tools = ToolCallStream(features.tool_format) if self.says_calls and not features.harmony else None
+        reads_calls = self.says_calls and not features.harmony
+        self.tools = ToolCallStream(features.tool_format, schemas_of(functions)) if reads_calls else None
         self.unwrap = MarkerFilter(features.tool_format.content_markers)  # when no calls are read
         self.others = MarkerFilter(features.other_specials)
         self.has_calls = False

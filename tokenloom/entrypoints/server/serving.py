@@ -63,6 +63,7 @@ class Prepared:
     first_token_at: float | None = None  # for the request log (middleware.AccessLog)
     completion_tokens: int = 0
     tool_mode: str = "none"  # chat: none | auto | required (server/chat_tools.py)
+    tool_functions: list[dict] = field(default_factory=list)  # chat: the tools the reply may call
     outcome: str | None = None  # how a stream that began ended short: cut_at_shutdown | failed | client_left
 
     @property
@@ -305,6 +306,7 @@ class OpenAIServing:
         )
         prepared.prompt_texts = [prompt]
         prepared.tool_mode = turn.mode
+        prepared.tool_functions = turn.functions
         return prepared
 
     def chat_prompt(
