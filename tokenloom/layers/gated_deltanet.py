@@ -23,9 +23,9 @@ from torch import nn
 
 from tokenloom.attention.backend import StepAttention
 from tokenloom.kv_cache.recurrent import RecurrentBatch, recurrent_batch
-from tokenloom.layers import ssm_scan
 from tokenloom.layers.causal_conv import CausalConv1d, conv_batch
 from tokenloom.layers.delta_rule import delta_chunked, delta_step_slots
+from tokenloom.layers.ssm_scan import DecayRates, decode_step_takes
 from tokenloom.models.config import DeltaNetConfig, ModelConfig
 
 # positions a prompt's chunked delta rule takes at once: exact for any block (layers/delta_rule.py);
@@ -67,7 +67,7 @@ def ba_rows(cfg: DeltaNetConfig) -> torch.Tensor:
     return torch.cat([grouped[:, 0].reshape(-1), grouped[:, 1].reshape(-1)])
 
 
-class GatedDeltaNet(nn.Module):
+class GatedDeltaNet(DecayRates, nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         d = cfg.recurrent
@@ -80,7 +80,6 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.empty(d.num_v_heads))
         self.norm = GatedHeadRMSNorm(d.v_head_dim, cfg.norm_eps)
         self.out_proj = nn.Linear(d.value_dim, cfg.hidden_size, bias=False)
-        self._A: torch.Tensor | None = None  # -exp(A_log), once loaded (_decay_rates)
 
     def shard_rows(self, shard: str) -> slice:
         """in_proj's rows for a checkpoint part: "qkv" or "z"."""
@@ -97,7 +96,8 @@ class GatedDeltaNet(nn.Module):
         T = x.shape[0]
         qkvz, ba = self.in_proj.forward(x), self.in_proj_ba.forward(x)
         conv_states, delta_states = states.conv[layer], states.state[layer]
-        if batch.all_decode and self._fused_decode_takes(qkvz, ba, conv_states):
+        compiled = batch.all_decode and self.d.v_head_dim <= 256  # the kernel's per-head buffers
+        if compiled and decode_step_takes((qkvz, ba), conv_states, self.dt_bias):
             o = torch.ops.tokenloom_ssm.deltanet_decode(
                 qkvz,
                 ba,
@@ -125,28 +125,11 @@ class GatedDeltaNet(nn.Module):
         o = self._scan(q, k, v, g, beta, batch, delta_states)  # (T, Hv, dv)
         return self.out_proj.forward(self.norm(o, z))
 
-    def _fused_decode_takes(self, qkvz: torch.Tensor, ba: torch.Tensor, conv_states: torch.Tensor) -> bool:
-        """The compiled decode step runs here: float32 on the CPU, rows of unit stride, it built."""
-        return (
-            qkvz.device.type == "cpu"
-            and qkvz.dtype == ba.dtype == conv_states.dtype == self.dt_bias.dtype == torch.float32
-            and qkvz.stride(-1) == ba.stride(-1) == 1
-            and conv_states.is_contiguous()
-            and self.d.v_head_dim <= 256
-            and ssm_scan.build()
-        )
-
     def _heads(self, t: torch.Tensor) -> torch.Tensor:
         """(T, Hk, dk) -> L2-normed (T, Hv, dk), each key head repeated for its value heads."""
         t = t * torch.rsqrt(t.pow(2).sum(-1, keepdim=True) + L2_EPS)
         r = self.d.num_v_heads // self.d.num_k_heads
         return t if r == 1 else t.repeat_interleave(r, dim=1)
-
-    def _decay_rates(self) -> torch.Tensor:
-        """-exp(A_log) (Hv,) float32, computed once (the weights are fixed once loaded)."""
-        if self._A is None or self._A.device != self.A_log.device:
-            self._A = -torch.exp(self.A_log.detach().float())
-        return self._A
 
     def _scan(self, q, k, v, g, beta, batch: RecurrentBatch, states: torch.Tensor) -> torch.Tensor:
         """The delta rule over each sequence's rows -> o (T, Hv, dv) float32."""

@@ -19,9 +19,8 @@ from torch import nn
 
 from tokenloom.attention.backend import StepAttention
 from tokenloom.kv_cache.recurrent import RecurrentBatch, recurrent_batch
-from tokenloom.layers import ssm_scan
 from tokenloom.layers.causal_conv import CausalConv1d, conv_batch
-from tokenloom.layers.ssm_scan import ssd_scan, ssm_step_slots
+from tokenloom.layers.ssm_scan import DecayRates, decode_step_takes, ssd_scan, ssm_step_slots
 from tokenloom.models.config import MambaConfig, ModelConfig
 
 # positions a prompt's scan takes at once: the scan is exact for any block (layers/ssm_scan.py); a
@@ -46,7 +45,7 @@ class GatedGroupRMSNorm(nn.Module):
         return self.weight * g.view(T, dim).to(z.dtype)
 
 
-class Mamba2Mixer(nn.Module):
+class Mamba2Mixer(DecayRates, nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         m = cfg.recurrent
@@ -59,7 +58,6 @@ class Mamba2Mixer(nn.Module):
         self.D = nn.Parameter(torch.empty(m.num_heads))
         self.norm = GatedGroupRMSNorm(m.inner_size, m.n_groups, cfg.norm_eps)
         self.out_proj = nn.Linear(m.inner_size, cfg.hidden_size, bias=m.proj_bias)
-        self._A: torch.Tensor | None = None  # -exp(A_log), once loaded (_decay_rates)
 
     def forward(self, x: torch.Tensor, attend: StepAttention, layer: int) -> torch.Tensor:
         """x (T, hidden) -> (T, hidden); advances each sequence's state in layer `layer`. A step
@@ -69,7 +67,7 @@ class Mamba2Mixer(nn.Module):
         batch = recurrent_batch(attend.meta, x.device)
         zxbcdt = self.in_proj.forward(x)  # (T, inner + conv_dim + heads)
         conv_states, ssm_states = states.conv[layer], states.state[layer]
-        if batch.all_decode and self._fused_decode_takes(zxbcdt, conv_states):
+        if batch.all_decode and decode_step_takes((zxbcdt,), conv_states, self.dt_bias):
             y = torch.ops.tokenloom_ssm.mamba_decode(
                 zxbcdt,
                 conv_states,
@@ -97,22 +95,6 @@ class Mamba2Mixer(nn.Module):
         y = self._scan(xs, dt, self._decay_rates(), B, C, batch, ssm_states)  # (T, heads, head_dim)
         y = y + self.D.float()[:, None] * xs
         return self.out_proj.forward(self.norm(y.view(T, m.inner_size), z))
-
-    def _decay_rates(self) -> torch.Tensor:
-        """A = -exp(A_log) (heads,) float32, computed once (the weights are fixed once loaded)."""
-        if self._A is None or self._A.device != self.A_log.device:
-            self._A = -torch.exp(self.A_log.detach().float())
-        return self._A
-
-    def _fused_decode_takes(self, zxbcdt: torch.Tensor, conv_states: torch.Tensor) -> bool:
-        """The compiled decode step runs here: float32 on the CPU, rows of unit stride, it built."""
-        return (
-            zxbcdt.device.type == "cpu"
-            and zxbcdt.dtype == conv_states.dtype == self.dt_bias.dtype == torch.float32
-            and zxbcdt.stride(-1) == 1
-            and conv_states.is_contiguous()
-            and ssm_scan.build()
-        )
 
     def _scan(self, xs, dt, A, B, C, batch: RecurrentBatch, states: torch.Tensor) -> torch.Tensor:
         """The SSM over each sequence's rows: xs (T, heads, head_dim), dt (T, heads), B and C

@@ -35,6 +35,31 @@ def build() -> bool:
     return native.load(_SOURCE, "Mamba-2 decode step kernels")
 
 
+def decode_step_takes(rows: tuple[torch.Tensor, ...], conv_states: torch.Tensor, dt_bias: torch.Tensor) -> bool:
+    """A recurrent mixer's compiled decode step (Mamba-2's, Gated DeltaNet's) runs here: its input
+    `rows` float32 on the CPU with unit stride, the conv state and dt_bias float32, the state
+    contiguous, and the kernels built."""
+    return (
+        all(r.device.type == "cpu" and r.dtype == torch.float32 and r.stride(-1) == 1 for r in rows)
+        and conv_states.dtype == dt_bias.dtype == torch.float32
+        and conv_states.is_contiguous()
+        and build()
+    )
+
+
+class DecayRates:
+    """A mixer's per-head decay rates A = -exp(A_log), float32, computed once per device (the
+    weights are fixed once loaded): Mamba-2 and Gated DeltaNet both hold A_log."""
+
+    A_log: torch.Tensor
+    _A: torch.Tensor | None = None
+
+    def _decay_rates(self) -> torch.Tensor:
+        if self._A is None or self._A.device != self.A_log.device:
+            self._A = -torch.exp(self.A_log.detach().float())
+        return self._A
+
+
 def ssm_step(
     state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor
 ) -> torch.Tensor:
