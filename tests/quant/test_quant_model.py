@@ -33,7 +33,9 @@ def int8_llm(default_model_dir):
     return LLM(str(default_model_dir), quantization="int8", kv_cache_memory=KV)
 
 
-@pytest.mark.parametrize("variant,min_agreement", [("int8", 0.9), ("int4", 0.7), ("gguf", 0.8), ("kv-int8", 0.95)])
+@pytest.mark.parametrize(
+    "variant,min_agreement", [("int8", 0.9), ("int4", 0.7), ("gguf", 0.8), ("kv-int8", 0.95), ("kv-int4", 0.8)]
+)
 def test_greedy_tokens_mostly_match_float(
     default_model_dir, default_gguf_path, smol_llm, int8_llm, float_continuation, variant, min_agreement
 ):
@@ -44,6 +46,7 @@ def test_greedy_tokens_mostly_match_float(
         "int4": lambda: LLM(str(default_model_dir), quantization="int4", kv_cache_memory=KV),
         "gguf": lambda: LLM(str(default_gguf_path), quantization="gguf", kv_cache_memory=KV),
         "kv-int8": lambda: LLM(str(default_model_dir), kv_cache_dtype="int8", kv_cache_memory=KV),
+        "kv-int4": lambda: LLM(str(default_model_dir), kv_cache_dtype="int4", kv_cache_memory=KV),
     }[variant]()
     same = total = 0
     for ids in float_continuation:
@@ -107,7 +110,8 @@ def test_quantized_generation_is_batch_invariant_bit_for_bit(default_model_dir):
 
 
 def test_int8_kv_cache_halves_bf16_memory(default_model_dir):
-    from tokenloom.kv_cache.paged import Int8Cache, kv_bytes_per_token
+    from tokenloom.kv_cache.paged import kv_bytes_per_token
+    from tokenloom.kv_cache.quantized import Int8Cache
 
     llm = LLM(str(default_model_dir), kv_cache_dtype="int8", kv_cache_memory=KV)
     cfg, kv = llm.engine.model_config, llm.engine.core.runner.kv_cache

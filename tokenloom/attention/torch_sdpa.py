@@ -14,13 +14,13 @@ import torch
 import torch.nn.functional as F
 
 from tokenloom.attention.metadata import AttentionMetadata
-from tokenloom.kv_cache.paged import Int8Cache
+from tokenloom.kv_cache.quantized import QUANTIZED_CACHES
 
 
 def write_kv(k_cache, v_cache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Scatter this step's keys/values (T, kv_heads, head_dim) into their cache slots (in place).
 
-    A cache is a tensor of the compute dtype or an Int8Cache (quantized on write,
+    A cache is a tensor of the compute dtype or a quantized one (kv_cache/quantized.py: quantized on write,
     dequantized by indexing, so the readers below are the same for both).
     """
     write_cache(k_cache, k, slot_mapping)
@@ -29,7 +29,7 @@ def write_kv(k_cache, v_cache, k: torch.Tensor, v: torch.Tensor, slot_mapping: t
 
 def write_cache(cache, x: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Scatter x (T, kv_heads, head_dim) into one cache's slots (in place)."""
-    if isinstance(cache, Int8Cache):
+    if isinstance(cache, QUANTIZED_CACHES):
         cache.store(slot_mapping, x)
     else:
         num_blocks, block_size, kv_heads, head_dim = cache.shape
@@ -42,8 +42,8 @@ def select_blocks(cache, table: torch.Tensor) -> torch.Tensor:
     index_select on the flat table: faster than advanced indexing on CPU (docs/BENCHMARKS.md,
     'Measurements behind design choices'). A table on the host is moved to the cache's device first.
     """
-    table = table.to(cache.data.device if isinstance(cache, Int8Cache) else cache.device)
-    if isinstance(cache, Int8Cache):
+    table = table.to(cache.data.device if isinstance(cache, QUANTIZED_CACHES) else cache.device)
+    if isinstance(cache, QUANTIZED_CACHES):
         return cache[table]
     return cache.index_select(0, table.reshape(-1)).view(*table.shape, *cache.shape[1:])
 
@@ -126,9 +126,9 @@ def _sdpa_sequence(
     `sinks` (heads,), each head's softmax counts exp(sink) too (``_with_sinks``)."""
     q_len = q.shape[0]
     qi = q.transpose(0, 1)[None]  # (1, heads, q_len, head_dim)
-    # An int8 cache is always read back, so a prompt attends to the same (quantized) keys
+    # A quantized cache is always read back, so a prompt attends to the same (quantized) keys
     # whether it is prefilled whole, in chunks, or found in the prefix cache.
-    if q_len == ctx_len and not isinstance(k_cache, Int8Cache):  # the whole context is this step's
+    if q_len == ctx_len and not isinstance(k_cache, QUANTIZED_CACHES):  # the whole context is this step's
         ki, vi = k.transpose(0, 1), v.transpose(0, 1)  # (kv_heads, q_len, head_dim)
     else:
         ki = _gather(k_cache, table, ctx_len)  # (kv_heads, ctx_len, head_dim)

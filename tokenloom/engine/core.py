@@ -150,11 +150,10 @@ class EngineCore:
         c, per_token = self.cache_config, self.kv_bytes_per_token
         layers, tensors = len(kv.layers), 1 if kv.latent else 2
         element_bytes = per_token // (tensors * layers * c.num_kv_heads * c.head_dim)
-        element = (
-            f"({c.head_dim} head_dim x 1 B int8 + 4 B scale)"
-            if kv.kv_cache_dtype == "int8"
-            else f"{c.head_dim} head_dim x {element_bytes} B"
-        )
+        element = {
+            "int8": f"({c.head_dim} head_dim x 1 B int8 + 4 B scale)",
+            "int4": f"({c.head_dim} head_dim x 0.5 B int4 + {c.head_dim // 32} x 2 B scales)",
+        }.get(kv.kv_cache_dtype, f"{c.head_dim} head_dim x {element_bytes} B")
         what = "1 latent (keys and values)" if kv.latent else "2 (keys, values)"
         logger.info(
             "KV cache: %d tokens (%d blocks x %d) in %.2f GiB; per token %s x %d layers x %d kv_heads x %s = %d B",

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from tokenloom.kv_cache.quantized import QUANTIZED_CACHES, Int4Cache, Int8Cache, quantized_bytes_per_element_row
 from tokenloom.kv_cache.recurrent import RecurrentStateCache
 from tokenloom.memory.zero_pages import zeros_on
 from tokenloom.models.config import ModelConfig
-
-KV_SCALE_BYTES = 4  # one float32 scale per (token, kv head) in an int8 cache
 
 
 def kv_bytes_per_token(
@@ -20,60 +17,22 @@ def kv_bytes_per_token(
     a pipeline stage's; None: all; a hybrid's recurrent layers keep no KV and are not counted);
     with latent attention (ModelConfig.mla) 1, the values being part of the keys.
 
-    For an int8 cache: 1 byte per element plus a float32 scale per token and head,
-    i.e. 2 x layers x kv_heads x (head_dim + 4).
+    For an int8 cache: 1 byte per element plus a float32 scale per token and head, i.e.
+    2 x layers x kv_heads x (head_dim + 4); int4: half a byte per element plus a float16 scale
+    per 32 (kv_cache/quantized.py).
     """
     count = len(model.attention_layers(layers))
     tensors = 1 if model.mla is not None else 2
-    if kv_cache_dtype == "int8":
-        return tensors * count * model.num_kv_heads * (model.head_dim + KV_SCALE_BYTES)
+    if kv_cache_dtype in ("int8", "int4"):
+        return tensors * count * model.num_kv_heads * quantized_bytes_per_element_row(kv_cache_dtype, model.head_dim)
     elem = torch.empty((), dtype=dtype).element_size()
     return tensors * count * model.num_kv_heads * model.head_dim * elem
 
 
-@dataclass
-class Int8Cache:
-    """One layer's keys (or values) as int8, symmetric, one scale per (slot, kv head).
-
-    ``x ~= data * scales[..., None]``; reads dequantize to ``dtype``.
-    """
-
-    data: torch.Tensor  # (num_blocks + 1, block_size, kv_heads, head_dim) int8
-    scales: torch.Tensor  # (num_blocks + 1, block_size, kv_heads) float32
-    dtype: torch.dtype
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.data.shape
-
-    def store(self, slots: torch.Tensor, x: torch.Tensor) -> None:
-        """Quantize x (T, kv_heads, head_dim) into flat slots (T,) (in place)."""
-        n, bs, heads, dim = self.data.shape
-        x32 = x.float()
-        scale = x32.abs().amax(-1) / 127.0  # (T, kv_heads)
-        q = torch.round(x32 / torch.where(scale > 0, scale, 1.0)[..., None]).clamp_(-127, 127)
-        self.data.view(n * bs, heads, dim).index_copy_(0, slots, q.to(torch.int8))
-        self.scales.view(n * bs, heads).index_copy_(0, slots, scale)
-
-    def __getitem__(self, blocks: torch.Tensor) -> torch.Tensor:
-        """Dequantized blocks: data[blocks] -> (*blocks.shape, block_size, kv_heads, head_dim)."""
-        flat = blocks.reshape(-1)
-        data = self.data.index_select(0, flat).view(*blocks.shape, *self.data.shape[1:])
-        scales = self.scales.index_select(0, flat).view(*blocks.shape, *self.scales.shape[1:])
-        return data.to(self.dtype) * scales.to(self.dtype)[..., None]
-
-    def copy_blocks_(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        self.data[dst] = self.data[src]
-        self.scales[dst] = self.scales[src]
-
-    def index_fill_(self, dim: int, index: torch.Tensor, value: float) -> None:
-        self.data.index_fill_(dim, index, 0)
-        self.scales.index_fill_(dim, index, 0)
-
-
 class PagedKVCache:
     """Keys and values of every layer: each (num_blocks + 1, block_size, kv_heads, head_dim),
-    a tensor of the model's dtype, or an Int8Cache with ``kv_cache_dtype="int8"``.
+    a tensor of the model's dtype, or an Int8Cache / Int4Cache with ``kv_cache_dtype`` "int8" / "int4"
+    (kv_cache/quantized.py).
 
     The tensors are allocated once; which request owns which block is the
     BlockManager's business, not this class's. Block ``null_block`` (the extra
@@ -105,8 +64,10 @@ class PagedKVCache:
         block. `state_slots`: sequences the recurrent layers' state is kept for (hybrids only)."""
         shape = (num_blocks + 1, block_size, model.num_kv_heads, model.head_dim)
         self.latent = model.mla is not None  # values live in the keys
-        if self.latent and kv_cache_dtype == "int8":
-            raise ValueError("an int8 KV cache is not implemented for latent attention (DeepSeek); use auto")
+        if self.latent and kv_cache_dtype != "auto":
+            raise ValueError(
+                f"an {kv_cache_dtype} KV cache is not implemented for latent attention (DeepSeek); use auto"
+            )
         self.layers = model.attention_layers(layers)
         self.states = (
             RecurrentStateCache(model, state_slots, dtype, device, layers) if model.recurrent is not None else None
@@ -127,6 +88,8 @@ class PagedKVCache:
             size = shape if i in self.layers else (0, *shape[1:])
             if kv_cache_dtype == "int8":
                 return Int8Cache(zeros(size, torch.int8), zeros(size[:3], torch.float32), dtype)
+            if kv_cache_dtype == "int4":
+                return Int4Cache.allocate(size, dtype, zeros)
             return zeros(size, dtype)
 
         self.keys = [layer_cache(i) for i in range(model.num_layers)]
@@ -175,7 +138,7 @@ class PagedKVCache:
         dst = torch.tensor([p[1] for p in pairs], dtype=torch.int64, device=self.device)
         values = [] if self.latent else [self.values[i] for i in self.layers]
         for cache in [self.keys[i] for i in self.layers] + values:
-            if isinstance(cache, Int8Cache):
+            if isinstance(cache, QUANTIZED_CACHES):
                 cache.copy_blocks_(src, dst)
             else:
                 cache[dst] = cache[src]

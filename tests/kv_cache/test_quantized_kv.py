@@ -1,0 +1,101 @@
+"""The int4 KV cache against llama.cpp's q4_0 written out element by element, its error bound,
+its footprint, and the head sizes it refuses."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tokenloom.kv_cache.paged import PagedKVCache, kv_bytes_per_token
+from tokenloom.kv_cache.quantized import Int4Cache
+from tokenloom.models.config import ModelConfig
+
+
+def q4_0_reference(x: np.ndarray) -> np.ndarray:
+    """llama.cpp's quantize_row_q4_0 then dequantize_row_q4_0, one group of 32 at a time (float32,
+    the scale rounded to float16 as the block stores it)."""
+    out = np.empty_like(x, dtype=np.float32)
+    for g in range(0, x.size, 32):
+        group = x[g : g + 32].astype(np.float32)
+        m = group[np.argmax(np.abs(group))]
+        d = np.float32(np.float16(m / np.float32(-8.0)))
+        inv = np.float32(1.0) / d if d != 0 else np.float32(0.0)
+        for j, v in enumerate(group):
+            q = min(15, int(np.float32(v * inv + np.float32(8.5))))
+            out[g + j] = np.float32(q - 8) * d
+    return out
+
+
+def _cache(head_dim: int, heads: int = 2) -> Int4Cache:
+    return Int4Cache.allocate(
+        (5, 4, heads, head_dim), torch.float32, lambda size, dtype: torch.zeros(size, dtype=dtype)
+    )
+
+
+def test_int4_round_trip_is_llama_cpps_q4_0():
+    gen = torch.Generator().manual_seed(0)
+    cache = _cache(64)
+    x = torch.randn(7, 2, 64, generator=gen) * torch.tensor([0.01, 30.0])[None, :, None]  # two head scales
+    x[3, 1, :32] = 0.0  # an all-zero group reads back as zeros
+    slots = torch.tensor([0, 5, 6, 11, 12, 13, 19])
+    cache.store(slots, x)
+    got = cache[torch.arange(5)].reshape(20, 2, 64)[slots]
+    want = torch.from_numpy(np.stack([q4_0_reference(row) for row in x.reshape(-1, 64).numpy()]).reshape(7, 2, 64))
+    assert torch.equal(got, want)
+    scale = x.reshape(7, 2, 2, 32).abs().amax(-1, keepdim=True).expand(-1, -1, -1, 32).reshape(7, 2, 64)
+    assert torch.all((got - x).abs() <= scale / 8 * 1.002)  # at most one step of d = max / 8
+    untouched = torch.ones(20, dtype=torch.bool)
+    untouched[slots] = False
+    assert torch.all(cache[torch.arange(5)].reshape(20, 2, 64)[untouched] == 0)
+
+
+def _config(head_dim: int) -> ModelConfig:
+    return ModelConfig(
+        architecture="LlamaForCausalLM",
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=32,
+        num_layers=3,
+        num_heads=2,
+        num_kv_heads=2,
+        head_dim=head_dim,
+        max_model_len=64,
+    )
+
+
+def test_int4_footprint_is_18_bytes_per_32_elements():
+    cfg = _config(64)
+    per_token = kv_bytes_per_token(cfg, torch.bfloat16, "int4")
+    assert per_token == 2 * 3 * 2 * (32 + 2 * 2)  # K and V x layers x kv heads x (codes + two float16 scales)
+    assert per_token <= 0.29 * kv_bytes_per_token(cfg, torch.bfloat16)
+    kv = PagedKVCache(cfg, num_blocks=6, block_size=4, dtype=torch.float32, device="cpu", kv_cache_dtype="int4")
+    stored = sum(c.data.nbytes + c.scales.nbytes for c in kv.keys + kv.values)
+    assert stored == per_token * (kv.num_blocks + 1) * kv.block_size
+
+
+def test_int4_refuses_a_head_size_its_groups_do_not_divide():
+    with pytest.raises(ValueError, match="int4 KV cache needs head_dim a multiple of 32, got 48"):
+        PagedKVCache(_config(48), num_blocks=2, block_size=4, dtype=torch.float32, device="cpu", kv_cache_dtype="int4")
+
+
+@pytest.mark.parametrize("kv_cache_dtype,min_same,max_kl", [("int8", 0.98, 3e-3), ("int4", 0.85, 0.25)])
+def test_a_quantized_cache_reads_alike_whole_and_in_chunks(default_model_dir, kv_cache_dtype, min_same, max_kl):
+    """Every chunk attends to the keys and values as the cache stores them (quantized), whether the
+    prompt is prefilled whole or in chunks of 16 (partial blocks and block edges included). Not to
+    the bit: a key computed in a batch of another shape differs in its last bits, which can move it
+    across a rounding boundary, a whole step (an eighth of its group's largest value in int4), and
+    the layers after it carry that on: the bounds are those of the quantization itself (int4 against
+    float32 keys: same top-1 ~0.9, KL ~0.2 on this text); a chunk that read wrong keys is far off."""
+    import torch
+
+    from tokenloom import LLM
+    from tokenloom.eval.agreement import compare_logits
+    from tokenloom.eval.scoring import default_eval_text
+
+    llm = LLM(str(default_model_dir), kv_cache_dtype=kv_cache_dtype, kv_cache_memory=16 << 20)
+    ids = llm.tokenizer.encode(default_eval_text())[:203]
+    whole = torch.cat([logits for _, logits in llm.engine.prefill_logits(ids, chunk_size=len(ids))])
+    chunked = torch.cat([logits for _, logits in llm.engine.prefill_logits(ids, chunk_size=16)])
+    same, kl = compare_logits(whole, chunked)
+    assert same.float().mean() >= min_same and kl.mean() <= max_kl
