@@ -55,6 +55,24 @@ def compile_chat_template(source: str) -> jinja2.Template:
         raise ChatTemplateError(f"the model's chat template does not compile: {e} (line {e.lineno})") from None
 
 
+def template_takes_system(source: str | None) -> bool:
+    """Whether a chat template renders a system message: False where it refuses one (Gemma 2's
+    raises) or leaves its text out. A template that fails on this probe for any other reason, or
+    no template, counts as taking it (nothing is changed for it)."""
+    if not source:
+        return True
+    probe = [{"role": "system", "content": "SYSTEM-PROBE"}, {"role": "user", "content": "hi"}]
+    try:
+        text = compile_chat_template(source).render(
+            messages=probe, add_generation_prompt=True, bos_token="", eos_token=""
+        )
+    except ChatTemplateError as e:
+        return "system" not in str(e).lower()
+    except Exception:
+        return True
+    return "SYSTEM-PROBE" in text
+
+
 def _token_text(value: Any) -> str | None:
     """tokenizer_config.json spells special tokens as strings or as AddedToken dicts."""
     if isinstance(value, dict):

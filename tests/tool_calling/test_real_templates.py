@@ -165,3 +165,24 @@ def test_an_assistants_reasoning_sent_back_reaches_the_templates_that_render_it(
     history = _history(CALLS[:1], with_results=True)
     history[2] = ChatMessage.model_validate({**history[2], "reasoning_content": "Look it up."}).as_template_input()
     assert rendered in _rendered(name, history, add_generation_prompt=True)
+
+
+def test_a_template_without_a_system_role_gets_the_system_text_in_the_first_user_turn():
+    """Gemma 2's template raises on a system message: the client's system text and the tools'
+    prompt (the generic format's, a system message of tokenloom's) go at the head of the first
+    user turn instead, as llama.cpp and ollama render them."""
+    from tokenloom.entrypoints.server.chat_tools import ChatFeatures, make_turn
+    from tokenloom.tokenizer import template_takes_system
+
+    gemma = real_template("google-gemma-2-2b-it")
+    assert not template_takes_system(gemma) and template_takes_system(real_template("Qwen-Qwen3-0.6B"))
+    features = ChatFeatures.for_template(gemma)
+    assert features.tool_format.name == "generic" and not features.system_role
+    history = _history(CALLS[:1], with_results=True)
+    turn = make_turn(history, "auto", FUNCTIONS, features)
+    text = render("google-gemma-2-2b-it", turn.messages)
+    first_user = text[text.index("<start_of_turn>user\n") : text.index("<end_of_turn>")]
+    assert first_user.index("Be brief.") < first_user.index("get_weather") < first_user.index("Weather in Paris")
+    assert "<start_of_turn>system" not in text and text.endswith("<start_of_turn>model\n")
+    plain = make_turn(history[:2], "none", [], features)
+    assert render("google-gemma-2-2b-it", plain.messages).startswith("<s><start_of_turn>user\nBe brief.\n\nWeather")

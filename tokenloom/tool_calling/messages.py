@@ -116,6 +116,19 @@ class JSONText(str):
         return json.loads(self)
 
 
+def merged_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`messages` for a template that takes no system message (Gemma 2's): a leading system
+    message's text goes at the head of the first user message, as llama.cpp and ollama render them."""
+    if not messages or messages[0]["role"] != "system":
+        return messages
+    system, rest = messages[0].get("content") or "", list(messages[1:])
+    at = next((i for i, m in enumerate(rest) if m["role"] == "user"), None)
+    if at is None:
+        return [{"role": "user", "content": system}, *rest]
+    rest[at] = {**rest[at], "content": f"{system}\n\n{rest[at].get('content') or ''}"}
+    return rest
+
+
 def _template_arguments(arguments: Any, fmt: ToolFormat) -> Any:
     """A call's arguments as `fmt`'s template takes them: JSONText where templates concatenate them
     (DeepSeek's), otherwise an object."""

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenloom.structured import StructuredOutput
+from tokenloom.tokenizer import template_takes_system
 from tokenloom.tool_calling import (
     ReasoningStream,
     ToolCallStream,
@@ -23,7 +24,7 @@ from tokenloom.tool_calling.formats import HARMONY
 from tokenloom.tool_calling.grammar import harmony_grammar, no_call_grammar
 from tokenloom.tool_calling.harmony import MARKERS as HARMONY_MARKERS
 from tokenloom.tool_calling.harmony import HarmonyStream, read_harmony
-from tokenloom.tool_calling.messages import template_messages
+from tokenloom.tool_calling.messages import merged_system, template_messages
 from tokenloom.tool_calling.parse import unwrap_content, without_markers
 from tokenloom.tool_calling.reasoning import THINK_TAGS, reasoning_tags
 from tokenloom.tool_calling.stream import MarkerFilter
@@ -37,6 +38,7 @@ class ChatFeatures:
     tool_format: ToolFormat
     reasoning: bool
     think_tags: tuple[str, str] = THINK_TAGS  # what the model's reasoning is written between
+    system_role: bool = True  # the template renders system messages (False: merged into the first user turn)
     # the model's special tokens other than the markers, taken out of replies decoded with special tokens
     other_specials: tuple[str, ...] = ()
     _special: frozenset[str] | None = None
@@ -52,7 +54,7 @@ class ChatFeatures:
         reasoning = reasoning_enabled(reasoning_parser, chat_template)
         if fmt is HARMONY or reasoning_parser == "harmony":
             return cls(HARMONY, reasoning_parser != "none")
-        return cls(fmt, reasoning, reasoning_tags(chat_template))
+        return cls(fmt, reasoning, reasoning_tags(chat_template), template_takes_system(chat_template))
 
     @property
     def harmony(self) -> bool:
@@ -111,6 +113,8 @@ def make_turn(
     rendered all the same)."""
     offered = functions if mode != "none" else None
     messages = template_messages(messages, offered, features.tool_format)
+    if not features.system_role:  # (a system message of the client's, or the tools' prompt)
+        messages = merged_system(messages)
     template_tools = None
     if offered and features.tool_format.renders_tools:
         template_tools = [{"type": "function", "function": f} for f in offered]
