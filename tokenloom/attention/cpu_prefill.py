@@ -1,11 +1,11 @@
 """Prompt-chunk attention on the CPU through a compiled kernel that reads KV blocks in place.
 
-``csrc/paged_prefill_avx512.cpp`` takes every prompt chunk of a step in one call (tasks of
-16 query rows x one head, pulled by both cores), instead of one torch SDPA call per
-sequence after gathering its context. Each query row's result is the same bits however its
+``csrc/paged_prefill_cpu.cpp`` takes every prompt chunk of a step in one call (tasks of 16 query
+rows with AVX-512, 8 with AVX2, x one kv head's heads, pulled by every core), instead of one torch
+SDPA call per sequence after gathering its context. Each query row's result is the same bits however its
 prompt is split: whole, in chunks, after a prefix-cache hit, or batched with other prompts.
-AVX-512 only (head sizes 32/64/128/256); elsewhere, and for contexts beyond
-``MAX_CONTEXT`` positions, the torch path runs.
+Built for AVX-512 and AVX2 (the fastest this CPU runs; head sizes 32/64/128/256); for other heads,
+and for contexts beyond ``MAX_CONTEXT`` positions, the torch path runs.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import torch
 from tokenloom.attention.metadata import AttentionMetadata
 from tokenloom.kernels import native
 
-_SOURCE = Path(__file__).parent / "csrc" / "paged_prefill_avx512.cpp"
-_BUILDS = (("avx512", "tokenloom_prefill512"),)
+_SOURCE = Path(__file__).parent / "csrc" / "paged_prefill_cpu.cpp"
+_BUILDS = (("avx512", "tokenloom_prefill512"), ("avx2", "tokenloom_prefill"))  # (isa, library), fastest first
 
 # Longest context the kernel takes: up to it the kernel is faster than torch's flash attention,
 # beyond it torch is (see the kernel's header; docs/BENCHMARKS.md, 'Measurements behind design

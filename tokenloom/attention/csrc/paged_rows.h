@@ -1,5 +1,5 @@
 // Where a sequence's cached positions lie in a paged cache (num_blocks, block_size, kv_heads,
-// head_dim), shared by the decode (paged_decode_cpu.cpp) and prompt (paged_prefill_avx512.cpp)
+// head_dim), shared by the decode (paged_decode_cpu.cpp) and prompt (paged_prefill_cpu.cpp)
 // attention kernels.
 #pragma once
 #include <cstdint>

@@ -1,5 +1,7 @@
-// Causal attention for prompt chunks (several queries per sequence), float32, AVX-512,
-// reading the keys and values from the paged cache where they lie.
+// Causal attention for prompt chunks (several queries per sequence), float32, reading the keys
+// and values from the paged cache where they lie. Built twice: for AVX-512 (16-lane vectors,
+// library tokenloom_prefill512) and for AVX2 (8 lanes, tokenloom_prefill); the lane count is
+// the queries a task holds and the width of a column group, the arithmetic is the same.
 //
 // q (T, H, D) holds every row of the step; sequence s owns rows [q_starts[s], + q_lens[s]),
 // at positions ctx_lens[s] - q_lens[s] ... ctx_lens[s] - 1, and its keys/values (this step's
@@ -7,11 +9,11 @@
 // KVH, D). A query at position p attends to positions t <= p (and t > p - window when
 // window > 0); softcap > 0 turns each score x into tanh(x / softcap) * softcap (Gemma 2). Only the listed sequences' rows of out (T, H, D) are written.
 //
-// One task = 16 query rows of one sequence and every query head of one kv head, the 16
-// queries side by side in the lanes of a zmm: q is transposed once per task and head (qt[d] =
-// lane j's q[d]), so for every key t the 16 scores are one FMA chain over d = 0..D-1 with
+// One task = QT query rows (the vector's lanes) of one sequence and every query head of one kv
+// head, the queries side by side in the lanes of a vector: q is transposed once per task and head (qt[d] =
+// lane j's q[d]), so for every key t the QT scores are one FMA chain over d = 0..D-1 with
 // k_t[d] broadcast, the softmax runs lane-wise, and the output is a chain over t of v_t[d]
-// broadcast times the 16 weights. No key tile is ever transposed and the FMA units stay busy.
+// broadcast times the QT weights. No key tile is ever transposed and the FMA units stay busy.
 // Up to three heads share each key tile's copy and each broadcast key element (heads sharing
 // a kv head), and tiles no lane masks skip the mask. Up to 2048 positions of context it is
 // faster than torch's flash attention; beyond, each task rereads its head's keys and values
@@ -30,12 +32,67 @@
 
 #include "paged_rows.h"
 
-extern "C" __m512 Sleef_expf16_u10avx512f(__m512);   // in libtorch_cpu (1-ulp exp, 16 lanes)
-extern "C" __m512 Sleef_tanhf16_u10avx512f(__m512);  // in libtorch_cpu (1-ulp tanh, 16 lanes)
-
 namespace {
 
-constexpr int64_t QT = 16;  // query rows per task (zmm lanes)
+#if defined(__AVX512F__)
+#define TOKENLOOM_PREFILL_LIBRARY tokenloom_prefill512
+extern "C" __m512 Sleef_expf16_u10avx512f(__m512);   // in libtorch_cpu (1-ulp exp, 16 lanes)
+extern "C" __m512 Sleef_tanhf16_u10avx512f(__m512);  // in libtorch_cpu (1-ulp tanh, 16 lanes)
+using vf = __m512;
+constexpr int64_t QT = 16;    // query rows per task (the vector's lanes)
+constexpr int REGISTERS = 32;  // vector registers (the accumulators' budget)
+inline vf vset1(float x) { return _mm512_set1_ps(x); }
+inline vf vzero() { return _mm512_setzero_ps(); }
+inline vf vload(const float* p) { return _mm512_load_ps(p); }
+inline vf vloadu(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, vf x) { _mm512_store_ps(p, x); }
+inline void vstoreu(float* p, vf x) { _mm512_storeu_ps(p, x); }
+inline vf vfmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+inline vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+inline vf vdiv(vf a, vf b) { return _mm512_div_ps(a, b); }
+inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
+inline vf vexp(vf x) { return Sleef_expf16_u10avx512f(x); }
+inline vf vtanh(vf x) { return Sleef_tanhf16_u10avx512f(x); }
+// sc where each lane (position pos[lane]) may attend to position t (t <= pos, and t > pos - window
+// when window > 0), -inf elsewhere.
+inline vf attendable(vf sc, const int32_t* pos, int64_t t, int64_t window) {
+  const __m512i p = _mm512_loadu_si512(pos), tv = _mm512_set1_epi32(static_cast<int>(t));
+  __mmask16 ok = _mm512_cmple_epi32_mask(tv, p);
+  if (window > 0) ok &= _mm512_cmpgt_epi32_mask(tv, _mm512_sub_epi32(p, _mm512_set1_epi32(static_cast<int>(window))));
+  return _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), ok, sc);
+}
+#else
+#define TOKENLOOM_PREFILL_LIBRARY tokenloom_prefill
+extern "C" __m256 Sleef_expf8_u10avx2(__m256);   // in libtorch_cpu (1-ulp exp, 8 lanes)
+extern "C" __m256 Sleef_tanhf8_u10avx2(__m256);  // in libtorch_cpu (1-ulp tanh, 8 lanes)
+using vf = __m256;
+constexpr int64_t QT = 8;
+constexpr int REGISTERS = 16;
+inline vf vset1(float x) { return _mm256_set1_ps(x); }
+inline vf vzero() { return _mm256_setzero_ps(); }
+inline vf vload(const float* p) { return _mm256_load_ps(p); }
+inline vf vloadu(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, vf x) { _mm256_store_ps(p, x); }
+inline void vstoreu(float* p, vf x) { _mm256_storeu_ps(p, x); }
+inline vf vfmadd(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+inline vf vsub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+inline vf vdiv(vf a, vf b) { return _mm256_div_ps(a, b); }
+inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
+inline vf vexp(vf x) { return Sleef_expf8_u10avx2(x); }
+inline vf vtanh(vf x) { return Sleef_tanhf8_u10avx2(x); }
+inline vf attendable(vf sc, const int32_t* pos, int64_t t, int64_t window) {
+  const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pos));
+  const __m256i tv = _mm256_set1_epi32(static_cast<int>(t));
+  __m256i bad = _mm256_cmpgt_epi32(tv, p);  // t > pos
+  if (window > 0)  // t <= pos - window
+    bad = _mm256_or_si256(bad, _mm256_cmpgt_epi32(_mm256_sub_epi32(p, _mm256_set1_epi32(static_cast<int>(window - 1))), tv));
+  return _mm256_blendv_ps(sc, _mm256_set1_ps(-INFINITY), _mm256_castsi256_ps(bad));
+}
+#endif
 
 struct Task {
   int64_t seq, group, first;  // sequence, kv head, first query row of the chunk (0-based in it)
@@ -52,20 +109,19 @@ struct Layout {
   float softcap;  // > 0: scores soft-capped; 0: not
 };
 
-// Scores of the n keys in rows.k for the task's 16 queries of HP heads (qt[h][d * 16 + lane])
-// into st[h][t * 16 + lane]: scale * sum_d q[d] k_t[d] (one chain over d; soft-capped if asked), -inf where a lane
+// Scores of the n keys in rows.k for the task's QT queries of HP heads (qt[h][d * QT + lane])
+// into st[h][t * QT + lane]: scale * sum_d q[d] k_t[d] (one chain over d; soft-capped if asked), -inf where a lane
 // may not attend to position t_lo + t; top[h] gets each head's lane-wise maximum. Each key
 // tile is copied first (contiguous rows give the broadcasts one base register); KP keys at a
 // time, each broadcast key element multiplies all HP heads' queries (the heads share the kv
 // head), HP x KP accumulators.
 template <int D, int HP, int KP>
 void scores(const float* const* qt, const Rows& rows, int64_t t_lo, const int32_t* lane_pos, const Layout& l,
-            float* const* st, __m512* top) {
-  static_assert(16 % KP == 0 && HP * KP + HP + 1 <= 32, "register budget");
-  const __m512 scale = _mm512_set1_ps(l.scale), ninf = _mm512_set1_ps(-INFINITY), cap = _mm512_set1_ps(l.softcap);
+            float* const* st, vf* top) {
+  static_assert(16 % KP == 0 && HP * KP + HP + 1 <= REGISTERS, "register budget");
+  const vf scale = vset1(l.scale), ninf = vset1(-INFINITY), cap = vset1(l.softcap);
   const bool capped = l.softcap > 0.f;
   const int64_t n = static_cast<int64_t>(rows.k.size());
-  const __m512i pos = _mm512_loadu_si512(lane_pos);
   const int64_t lowest = lane_pos[0], highest = lane_pos[QT - 1];   // positions ascend over the lanes
   alignas(64) float keys[16 * D];
   for (int h = 0; h < HP; ++h) top[h] = ninf;
@@ -75,31 +131,25 @@ void scores(const float* const* qt, const Rows& rows, int64_t t_lo, const int32_
     // Every lane may attend to every key of the tile: no mask (same values as the masked path).
     const bool open = t_lo + t0 + m - 1 <= lowest && (l.window <= 0 || t_lo + t0 > highest - l.window);
     for (int k0 = 0; k0 < m; k0 += KP) {
-      __m512 acc[HP][KP];
+      vf acc[HP][KP];
       for (int h = 0; h < HP; ++h)
-        for (int i = 0; i < KP; ++i) acc[h][i] = _mm512_setzero_ps();
+        for (int i = 0; i < KP; ++i) acc[h][i] = vzero();
       for (int d = 0; d < D; ++d) {
-        __m512 qd[HP];
-        for (int h = 0; h < HP; ++h) qd[h] = _mm512_load_ps(qt[h] + d * QT);
+        vf qd[HP];
+        for (int h = 0; h < HP; ++h) qd[h] = vload(qt[h] + d * QT);
         for (int i = 0; i < KP; ++i) {
-          const __m512 kb = _mm512_set1_ps(keys[(k0 + i) * D + d]);
-          for (int h = 0; h < HP; ++h) acc[h][i] = _mm512_fmadd_ps(kb, qd[h], acc[h][i]);
+          const vf kb = vset1(keys[(k0 + i) * D + d]);
+          for (int h = 0; h < HP; ++h) acc[h][i] = vfmadd(kb, qd[h], acc[h][i]);
         }
       }
       for (int i = 0; i < std::min(KP, m - k0); ++i) {
         const int64_t t = t0 + k0 + i;
-        __mmask16 ok = 0xFFFF;
-        if (!open) {
-          const __m512i tv = _mm512_set1_epi32(static_cast<int>(t_lo + t));
-          ok = _mm512_cmple_epi32_mask(tv, pos);                                   // t <= p
-          if (l.window > 0) ok &= _mm512_cmpgt_epi32_mask(tv, _mm512_sub_epi32(pos, _mm512_set1_epi32(l.window)));
-        }
         for (int h = 0; h < HP; ++h) {
-          __m512 sc = _mm512_mul_ps(acc[h][i], scale);
-          if (capped) sc = _mm512_mul_ps(Sleef_tanhf16_u10avx512f(_mm512_div_ps(sc, cap)), cap);
-          sc = _mm512_mask_mov_ps(ninf, ok, sc);
-          _mm512_storeu_ps(st[h] + t * QT, sc);
-          top[h] = _mm512_max_ps(top[h], sc);
+          vf sc = vmul(acc[h][i], scale);
+          if (capped) sc = vmul(vtanh(vdiv(sc, cap)), cap);
+          if (!open) sc = attendable(sc, lane_pos, t_lo + t, l.window);
+          vstoreu(st[h] + t * QT, sc);
+          top[h] = vmax(top[h], sc);
         }
       }
     }
@@ -107,18 +157,18 @@ void scores(const float* const* qt, const Rows& rows, int64_t t_lo, const int32_
 }
 
 // st <- exp(st - top) lane-wise; returns the lane-wise sums (one chain over t per lane).
-inline __m512 exponentiate(float* st, int64_t n, __m512 top) {
-  __m512 sum = _mm512_setzero_ps();
+inline vf exponentiate(float* st, int64_t n, vf top) {
+  vf sum = vzero();
   for (int64_t t = 0; t < n; ++t) {
-    const __m512 e = Sleef_expf16_u10avx512f(_mm512_sub_ps(_mm512_loadu_ps(st + t * QT), top));
-    _mm512_storeu_ps(st + t * QT, e);
-    sum = _mm512_add_ps(sum, e);
+    const vf e = vexp(vsub(vloadu(st + t * QT), top));
+    vstoreu(st + t * QT, e);
+    sum = vadd(sum, e);
   }
   return sum;
 }
 
 // out rows of the task's queries (lanes j < m) for head h = (sum_t w_t[j] v_t[d]) / sum[j]:
-// for 16 columns of d at a time, query j's accumulator is a chain over t of its weight
+// for QT columns of d at a time, query j's accumulator is a chain over t of its weight
 // (broadcast from st) times v_t's columns. Keys go in runs of TB, the partial sums parked in
 // the output rows between runs (the chain's order is unchanged), so a run's weights stay in
 // L1 while every column group reads them.
@@ -128,25 +178,25 @@ void values(const float* st, const Rows& rows, const float* inv, float* const* o
   const int64_t n = static_cast<int64_t>(rows.v.size());
   for (int64_t t0 = 0; t0 < n; t0 += TB) {
     const int64_t t1 = std::min(n, t0 + TB);
-    for (int c = 0; c < D / 16; ++c) {
-      __m512 acc[QT];
-      for (int j = 0; j < QT; ++j) acc[j] = t0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(out_rows[j] + h * D + 16 * c);
+    for (int c = 0; c < D / QT; ++c) {  // column groups as wide as a vector
+      vf acc[QT];
+      for (int j = 0; j < QT; ++j) acc[j] = t0 == 0 ? vzero() : vloadu(out_rows[j] + h * D + QT * c);
       for (int64_t t = t0; t < t1; ++t) {
-        const __m512 v = _mm512_loadu_ps(rows.v[t] + 16 * c);
+        const vf v = vloadu(rows.v[t] + QT * c);
         const float* w = st + t * QT;
-        for (int j = 0; j < QT; ++j) acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(w[j]), v, acc[j]);
+        for (int j = 0; j < QT; ++j) acc[j] = vfmadd(vset1(w[j]), v, acc[j]);
       }
       for (int j = 0; j < m; ++j)
-        _mm512_storeu_ps(out_rows[j] + h * D + 16 * c, t1 == n ? _mm512_mul_ps(acc[j], _mm512_set1_ps(inv[j])) : acc[j]);
+        vstoreu(out_rows[j] + h * D + QT * c, t1 == n ? vmul(acc[j], vset1(inv[j])) : acc[j]);
     }
   }
 }
 
-// Softmax and values of one head whose scores are in st (n keys x 16 lanes), top its lane maxima.
+// Softmax and values of one head whose scores are in st (n keys x QT lanes), top its lane maxima.
 template <int D>
-void finish_head(float* st, int64_t n, __m512 top, const Rows& rows, float* const* out_rows, int m, int64_t h) {
+void finish_head(float* st, int64_t n, vf top, const Rows& rows, float* const* out_rows, int m, int64_t h) {
   alignas(64) float inv[QT];
-  _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.f), exponentiate(st, n, top)));
+  vstore(inv, vdiv(vset1(1.f), exponentiate(st, n, top)));
   values<D>(st, rows, inv, out_rows, m, h);
 }
 
@@ -154,7 +204,7 @@ void finish_head(float* st, int64_t n, __m512 top, const Rows& rows, float* cons
 template <int D, int HP>
 void heads_pass(const Layout& l, const Rows& rows, int64_t t_lo, int64_t n, const int32_t* pos, const int64_t* q_rows,
                 float* const* out_rows, int m, int64_t h0, std::vector<float>& st) {
-  constexpr int KP = HP == 1 ? 16 : 8;
+  constexpr int KP = QT == 16 ? (HP == 1 ? 16 : 8) : (HP == 1 ? 8 : HP == 2 ? 4 : 2);  // within the register budget
   alignas(64) float qt[HP][D * QT];
   for (int h = 0; h < HP; ++h)
     for (int j = 0; j < QT; ++j) {
@@ -165,7 +215,7 @@ void heads_pass(const Layout& l, const Rows& rows, int64_t t_lo, int64_t n, cons
   const float* qts[HP];
   float* sts[HP];
   for (int h = 0; h < HP; ++h) qts[h] = qt[h], sts[h] = st.data() + h * n * QT;
-  __m512 top[HP];
+  vf top[HP];
   scores<D, HP, KP>(qts, rows, t_lo, pos, l, sts, top);
   for (int h = 0; h < HP; ++h) finish_head<D>(sts[h], n, top[h], rows, out_rows, m, h0 + h);
 }
@@ -252,11 +302,11 @@ void paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
 
 }  // namespace
 
-TORCH_LIBRARY(tokenloom_prefill512, m) {
+TORCH_LIBRARY(TOKENLOOM_PREFILL_LIBRARY, m) {
   m.def("paged_prefill(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables, Tensor q_starts, Tensor q_lens, "
         "Tensor ctx_lens, float scale, int window, float softcap, Tensor(a!) out) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(tokenloom_prefill512, CPU, m) {
+TORCH_LIBRARY_IMPL(TOKENLOOM_PREFILL_LIBRARY, CPU, m) {
   m.impl("paged_prefill", &paged_prefill);
 }
