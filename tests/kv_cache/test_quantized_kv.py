@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
+from tests.kv_cache.test_kv_cache import small_config
 from tokenloom.kv_cache.paged import PagedKVCache, kv_bytes_per_token
 from tokenloom.kv_cache.quantized import Int4Cache
-from tokenloom.models.config import ModelConfig
 
 
 def q4_0_reference(x: np.ndarray) -> np.ndarray:
@@ -50,24 +50,10 @@ def test_int4_round_trip_is_llama_cpps_q4_0():
     assert torch.all(cache[torch.arange(5)].reshape(20, 2, 64)[untouched] == 0)
 
 
-def _config(head_dim: int) -> ModelConfig:
-    return ModelConfig(
-        architecture="LlamaForCausalLM",
-        vocab_size=64,
-        hidden_size=64,
-        intermediate_size=32,
-        num_layers=3,
-        num_heads=2,
-        num_kv_heads=2,
-        head_dim=head_dim,
-        max_model_len=64,
-    )
-
-
 def test_int4_footprint_is_18_bytes_per_32_elements():
-    cfg = _config(64)
+    cfg = small_config(head_dim=64)  # 2 layers, 1 kv head
     per_token = kv_bytes_per_token(cfg, torch.bfloat16, "int4")
-    assert per_token == 2 * 3 * 2 * (32 + 2 * 2)  # K and V x layers x kv heads x (codes + two float16 scales)
+    assert per_token == 2 * 2 * 1 * (32 + 2 * 2)  # K and V x layers x kv heads x (codes + two float16 scales)
     assert per_token <= 0.29 * kv_bytes_per_token(cfg, torch.bfloat16)
     kv = PagedKVCache(cfg, num_blocks=6, block_size=4, dtype=torch.float32, device="cpu", kv_cache_dtype="int4")
     stored = sum(c.data.nbytes + c.scales.nbytes for c in kv.keys + kv.values)
@@ -76,7 +62,9 @@ def test_int4_footprint_is_18_bytes_per_32_elements():
 
 def test_int4_refuses_a_head_size_its_groups_do_not_divide():
     with pytest.raises(ValueError, match="int4 KV cache needs head_dim a multiple of 32, got 48"):
-        PagedKVCache(_config(48), num_blocks=2, block_size=4, dtype=torch.float32, device="cpu", kv_cache_dtype="int4")
+        PagedKVCache(
+            small_config(48), num_blocks=2, block_size=4, dtype=torch.float32, device="cpu", kv_cache_dtype="int4"
+        )
 
 
 @pytest.mark.parametrize("kv_cache_dtype,min_same,max_kl", [("int8", 0.98, 3e-3), ("int4", 0.85, 0.25)])
