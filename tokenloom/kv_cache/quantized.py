@@ -28,12 +28,41 @@ def quantized_bytes_per_element_row(kv_cache_dtype: str, head_dim: int) -> int:
 
 
 @dataclass
-class Int8Cache:
-    """One layer's keys (or values) as int8 (module doc); reads dequantize to ``dtype``."""
+class QuantizedKV:
+    """What every quantized layer holds: codes and their scales, both indexed by block first, and
+    the dtype reads dequantize to; block copies and clears move both."""
 
-    data: torch.Tensor  # (num_blocks + 1, block_size, kv_heads, head_dim) int8
-    scales: torch.Tensor  # (num_blocks + 1, block_size, kv_heads) float32
+    data: torch.Tensor
+    scales: torch.Tensor
     dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        """The logical shape: (num_blocks + 1, block_size, kv_heads, head_dim)."""
+        raise NotImplementedError
+
+    def store(self, slots: torch.Tensor, x: torch.Tensor) -> None:
+        """Quantize x (T, kv_heads, head_dim) into flat slots (T,) (in place)."""
+        raise NotImplementedError
+
+    def __getitem__(self, blocks: torch.Tensor) -> torch.Tensor:
+        """Dequantized blocks: (*blocks.shape, block_size, kv_heads, head_dim) in ``dtype``."""
+        raise NotImplementedError
+
+    def copy_blocks_(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        self.data[dst] = self.data[src]
+        self.scales[dst] = self.scales[src]
+
+    def index_fill_(self, dim: int, index: torch.Tensor, value: float) -> None:
+        """Blocks that read as zero (codes and scales 0)."""
+        self.data.index_fill_(dim, index, 0)
+        self.scales.index_fill_(dim, index, 0)
+
+
+@dataclass
+class Int8Cache(QuantizedKV):
+    """One layer's keys (or values) as int8 (module doc): data (num_blocks + 1, block_size,
+    kv_heads, head_dim) int8, scales (num_blocks + 1, block_size, kv_heads) float32."""
 
     @property
     def shape(self) -> torch.Size:
@@ -55,22 +84,11 @@ class Int8Cache:
         scales = self.scales.index_select(0, flat).view(*blocks.shape, *self.scales.shape[1:])
         return data.to(self.dtype) * scales.to(self.dtype)[..., None]
 
-    def copy_blocks_(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        self.data[dst] = self.data[src]
-        self.scales[dst] = self.scales[src]
-
-    def index_fill_(self, dim: int, index: torch.Tensor, value: float) -> None:
-        self.data.index_fill_(dim, index, 0)
-        self.scales.index_fill_(dim, index, 0)
-
 
 @dataclass
-class Int4Cache:
-    """One layer's keys (or values) as q4_0 groups (module doc); reads dequantize to ``dtype``."""
-
-    data: torch.Tensor  # (num_blocks + 1, block_size, kv_heads, head_dim // 2) uint8, two codes a byte
-    scales: torch.Tensor  # (num_blocks + 1, block_size, kv_heads, head_dim // 32) float16
-    dtype: torch.dtype
+class Int4Cache(QuantizedKV):
+    """One layer's keys (or values) as q4_0 groups (module doc): data (num_blocks + 1, block_size,
+    kv_heads, head_dim // 2) uint8, two codes a byte; scales (..., head_dim // 32) float16."""
 
     @staticmethod
     def allocate(shape: tuple[int, ...], dtype: torch.dtype, zeros) -> Int4Cache:
@@ -110,14 +128,5 @@ class Int4Cache:
         grouped = (codes.to(self.dtype) - 8).unflatten(-1, (d.shape[-1], INT4_GROUP)) * d[..., None]
         return grouped.flatten(-2).view(*blocks.shape, *self.shape[1:])
 
-    def copy_blocks_(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        self.data[dst] = self.data[src]
-        self.scales[dst] = self.scales[src]
 
-    def index_fill_(self, dim: int, index: torch.Tensor, value: float) -> None:
-        """Blocks that read as zero (scale 0)."""
-        self.data.index_fill_(dim, index, 0)
-        self.scales.index_fill_(dim, index, 0)
-
-
-QUANTIZED_CACHES = (Int8Cache, Int4Cache)
+QUANTIZED_CACHES = (QuantizedKV,)  # for isinstance: every quantized layer
