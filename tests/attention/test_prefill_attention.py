@@ -171,3 +171,14 @@ def test_bad_inputs_are_refused():
         cpu_prefill.ops().paged_prefill(
             q, k, v, torch.full_like(tables, 5000), starts, lens, ctx, 0.1, 0, 0.0, torch.empty_like(q)
         )
+
+
+def test_the_avx2_build_takes_only_the_shapes_it_is_faster_for():
+    """The AVX2 build (8 queries a task) loses to torch SDPA for heads over 64 and contexts past
+    1024 (docs/BENCHMARKS.md): those run the torch path; the AVX-512 build takes them."""
+    cache = torch.zeros(2, BS, 1, 128)
+    if cpu_prefill._avx2_build():
+        assert not cpu_prefill.takes(128, cache) and cpu_prefill.takes(64, torch.zeros(2, BS, 1, 64))
+        assert cpu_prefill.max_context() == cpu_prefill.MAX_CONTEXT_AVX2 < cpu_prefill.MAX_CONTEXT
+    else:
+        assert cpu_prefill.takes(128, cache) and cpu_prefill.max_context() == cpu_prefill.MAX_CONTEXT

@@ -4,8 +4,10 @@
 rows with AVX-512, 8 with AVX2, x one kv head's heads, pulled by every core), instead of one torch
 SDPA call per sequence after gathering its context. Each query row's result is the same bits however its
 prompt is split: whole, in chunks, after a prefix-cache hit, or batched with other prompts.
-Built for AVX-512 and AVX2 (the fastest this CPU runs; head sizes 32/64/128/256); for other heads,
-and for contexts beyond ``MAX_CONTEXT`` positions, the torch path runs.
+Built for AVX-512 and AVX2 (the fastest this CPU runs). The AVX-512 build takes head sizes
+32/64/128/256 and contexts up to ``MAX_CONTEXT``; the AVX2 build (8 queries a task, 16 registers)
+is faster than torch only for head sizes up to 64 and contexts up to ``MAX_CONTEXT_AVX2``
+(docs/BENCHMARKS.md): the rest runs the torch path.
 """
 
 from __future__ import annotations
@@ -24,6 +26,10 @@ _BUILDS = (("avx512", "tokenloom_prefill512"), ("avx2", "tokenloom_prefill"))  #
 # beyond it torch is (see the kernel's header; docs/BENCHMARKS.md, 'Measurements behind design
 # choices').
 MAX_CONTEXT = 2048
+# The AVX2 build against torch SDPA (attention alone, 2 cores): heads of 64 at 1024 positions
+# 1.2-1.4x, at 2000 0.8-1.1x; heads of 128 0.83x at 1024, of 256 0.46x.
+MAX_CONTEXT_AVX2 = 1024
+AVX2_HEAD_DIMS = (32, 64)
 
 
 def ops():
@@ -37,21 +43,32 @@ def usable(q: torch.Tensor, k_cache) -> bool:
 
 
 def takes(head_dim: int, k_cache) -> bool:
-    """A plain (not int8) float32 CPU cache, head size 32/64/128/256, and the kernel built."""
+    """A plain (not quantized) float32 CPU cache, a head size the build takes, and the kernel built."""
     return (
         isinstance(k_cache, torch.Tensor)
         and k_cache.device.type == "cpu"
         and k_cache.dtype == torch.float32
-        and head_dim in (32, 64, 128, 256)
         and ops() is not None
+        and head_dim in (AVX2_HEAD_DIMS if _avx2_build() else (32, 64, 128, 256))
     )
 
 
+def _avx2_build() -> bool:
+    """The kernel loaded is the AVX2 build (this CPU has no AVX-512)."""
+    return ops() is getattr(torch.ops, _BUILDS[1][1])
+
+
+def max_context() -> int:
+    """The longest context the loaded build takes (module doc)."""
+    return min(MAX_CONTEXT, MAX_CONTEXT_AVX2) if _avx2_build() else MAX_CONTEXT
+
+
 def prefill_rows(meta: AttentionMetadata) -> list[int]:
-    """The sequences of this step the kernel takes: several queries, context <= MAX_CONTEXT."""
+    """The sequences of this step the kernel takes: several queries, context <= max_context()."""
     if meta.prefill_rows_ is None:
+        longest = max_context()
         meta.prefill_rows_ = [
-            i for i, (n, c) in enumerate(zip(meta.query_lens, meta.context_lens)) if n > 1 and c <= MAX_CONTEXT
+            i for i, (n, c) in enumerate(zip(meta.query_lens, meta.context_lens)) if n > 1 and c <= longest
         ]
     return meta.prefill_rows_
 
