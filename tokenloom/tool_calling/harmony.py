@@ -22,7 +22,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from tokenloom.tool_calling.parse import ToolCall, new_call_id
+from tokenloom.tool_calling.parse import ToolCall, new_call_id, partial_tail
 
 START, CHANNEL, MESSAGE, END = "<|start|>", "<|channel|>", "<|message|>", "<|end|>"
 CALL, RETURN, CONSTRAIN = "<|call|>", "<|return|>", "<|constrain|>"
@@ -134,7 +134,7 @@ class HarmonyStream:
         out = []
         for kind in ("reasoning", "content"):
             new = texts[kind][self.said[kind] :]
-            held = 0 if whole else _partial_marker(new)  # a marker may be arriving in pieces
+            held = 0 if whole else partial_tail(new, MARKERS)  # a marker may be arriving in pieces
             new = new[: len(new) - held]
             self.said[kind] += len(new)
             out.append(new)
@@ -149,11 +149,3 @@ class HarmonyStream:
 
 def _has_markers(text: str) -> bool:
     return any(m in text for m in MARKERS)
-
-
-def _partial_marker(text: str) -> int:
-    """Characters at the end of `text` that could begin a marker ("<", "<|", "<|en", ...)."""
-    for n in range(min(len(text), max(map(len, MARKERS)) - 1), 0, -1):
-        if any(m.startswith(text[-n:]) for m in MARKERS):
-            return n
-    return 0

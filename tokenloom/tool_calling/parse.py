@@ -264,8 +264,14 @@ def _held_back(text: str, fmt: ToolFormat) -> int:
     if fmt.trigger == CALL_HEAD:
         brace = text.rfind("{")
         return len(text) - brace if brace >= 0 and _may_grow_into_head(text[brace:]) else 0
-    for n in range(min(len(fmt.trigger) - 1, len(text)), 0, -1):
-        if fmt.trigger.startswith(text[-n:]):
+    return partial_tail(text, (fmt.trigger,))
+
+
+def partial_tail(text: str, markers: tuple[str, ...]) -> int:
+    """How many characters at the end of `text` could be the start of one of `markers` (the
+    longest such tail shorter than the longest marker; 0: none)."""
+    for n in range(min(len(text), max(map(len, markers), default=1) - 1), 0, -1):
+        if any(m.startswith(text[-n:]) for m in markers):
             return n
     return 0
 

@@ -9,6 +9,8 @@ a template uses are read from it (``reasoning_tags``).
 
 from __future__ import annotations
 
+from tokenloom.tool_calling.parse import partial_tail
+
 OPEN, CLOSE = "<think>", "</think>"
 THINK_TAGS = (OPEN, CLOSE)
 PLAN_TAGS = ("<|START_THINKING|>", "<|END_THINKING|>")
@@ -70,7 +72,7 @@ class ReasoningStream:
             return "", ""
         closing = self.tags[1]
         if reasoning is not None and closing not in self.text:  # still thinking: hold a partial close tag
-            reasoning = reasoning[: len(reasoning) - _partial_tail(reasoning, closing)].rstrip()
+            reasoning = reasoning[: len(reasoning) - partial_tail(reasoning, (closing,))].rstrip()
         return self._diff(reasoning or "", content if reasoning is None or closing in self.text else "")
 
     def finish(self) -> tuple[str, str]:
@@ -98,11 +100,3 @@ class ReasoningStream:
         c_new = content[c_sent:] if len(content) > c_sent else ""
         self.sent = (max(r_sent, len(reasoning)), max(c_sent, len(content)))
         return r_new, c_new
-
-
-def _partial_tail(text: str, tag: str) -> int:
-    """Length of the longest tail of `text` that begins `tag`."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0

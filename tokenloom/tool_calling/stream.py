@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 from tokenloom.tool_calling.formats import ToolFormat
-from tokenloom.tool_calling.parse import ToolCall, new_call_id, read_calls, scan
+from tokenloom.tool_calling.parse import ToolCall, new_call_id, partial_tail, read_calls, scan
 
 
 @dataclass
@@ -104,7 +104,7 @@ class MarkerFilter:
         text = self.held + text
         for marker in self.markers:
             text = text.replace(marker, "")
-        keep = max((n for m in self.markers for n in range(1, len(m)) if text.endswith(m[:n])), default=0)
+        keep = partial_tail(text, self.markers)
         self.held = text[len(text) - keep :] if keep else ""
         return text[: len(text) - keep]
 

@@ -12,9 +12,8 @@
 ``read_xml_call`` reads one call from ``<function=`` on; ``xml_arguments`` turns its parameters into
 the call's JSON arguments, each value read by its type in the tool's schema as Qwen3-Coder's
 template writes it (``tojson`` for objects and arrays, ``string`` for the rest: a string as is,
-``3``, ``True``, ``None``). ``xml_call_rules`` is the grammar of a call to one tool: its schema's
-parameters in order, the required ones present, strings any text without the closing tag and the
-rest JSON valid against their schemas.
+``3``, ``True``, ``None``); ``xml_types`` the JSON types a parameter's schema allows (grammar.py
+builds the calls' grammar from them).
 """
 
 from __future__ import annotations
