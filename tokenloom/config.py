@@ -57,8 +57,15 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 8192  # tokens computed in one step (prefill + decode)
     fair_share_seqs: int | None = None  # per-step turns divided between clients (engine/fair_share.py)
     decode_steps: int = 1  # tokens a step may decode in a row when every request allows it
+    # a sequence that fills the context drops its oldest tokens after the first context_keep
+    # (engine/context_shift.py) instead of ending with "length"; None: where the model allows it
+    # (the engine core settles it to True or False at start-up)
+    context_shift: bool | None = False
+    context_keep: int = 4  # tokens kept at the start (attention sinks), rounded up to whole blocks
 
     def __post_init__(self) -> None:
+        if not isinstance(self.context_keep, int) or self.context_keep < 0:
+            raise ValueError(f"context_keep must be an integer >= 0, got {self.context_keep!r}")
         if self.decode_steps < 1:
             raise ValueError(f"decode_steps must be >= 1, got {self.decode_steps}")
         if self.fair_share_seqs is not None and self.fair_share_seqs <= 0:

@@ -72,6 +72,7 @@ class SamplingParams:
     structured_output: StructuredOutput | None = None  # JSON schema / JSON object / regex / grammar
     skip_special_tokens: bool = True
     explain: int | None = None  # per-step records of the distribution with the top N candidates
+    context_keep: int | None = None  # context shift keeps the first N tokens (None: the engine's --keep)
     # the rest of the chain (tokenloom/sampling/chain.py); each default is "off"
     typical_p: float = 1.0  # locally typical sampling (HF): keep the most typical mass
     top_n_sigma: float = 0.0  # keep logits within n standard deviations of the max (0 or -1: off)
@@ -151,6 +152,11 @@ class SamplingParams:
                 self.prompt_logprobs is None
                 or (isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= 20),
                 "must be None or an integer in [0, 20]",
+            ),
+            (
+                "context_keep",
+                self.context_keep is None or (isinstance(self.context_keep, int) and self.context_keep >= 0),
+                "must be None or an integer >= 0",
             ),
             (
                 "explain",

@@ -275,3 +275,43 @@ def test_state_slots_come_with_a_sequences_first_blocks_and_go_with_its_release(
         assert slot == 1
     bm.check_integrity()
     assert BlockManager(num_blocks=4, block_size=4).state_slot("x") == -1  # a model without recurrent layers
+
+
+def test_a_shift_drops_blocks_moves_the_rest_up_and_forgets_their_hashes(bm):
+    seq = toks(22)  # 5 full blocks and 2 tokens
+    bm.allocate("a", 22)
+    bm.commit("a", seq, 22)  # the 5 full blocks are in the prefix index
+    pairs = bm.shift("a", keep_blocks=1, drop_blocks=2)
+    assert pairs == [(3, 3), (4, 4), (5, 5)]  # held by a alone: turned in place
+    assert bm.block_ids("a") == [0, 3, 4, 5]
+    assert [bm.ref_count(i) for i in range(6)] == [1, 0, 0, 1, 1, 1]
+    # the dropped blocks keep their hashes (their contents are the prompt's); the moved ones do not
+    assert [b.block_id for b in bm.find_cached_prefix(toks(13))] == [0, 1, 2]
+    bm.commit("a", seq[:4] + seq[12:] + toks(4, 50), 18)  # full again: none past the kept block is indexed
+    assert [b.block_id for b in bm.find_cached_prefix(seq[:4] + seq[12:] + [0])] == [0]
+    bm.release("a", seq[:4] + seq[12:], 14)  # nor when it ends
+    assert [b.block_id for b in bm.find_cached_prefix(seq[:4] + seq[12:] + [0])] == [0]
+
+
+def test_a_shift_copies_the_blocks_another_sequence_holds(bm):
+    seq = toks(12)
+    bm.allocate("a", 12)
+    bm.commit("a", seq, 12)
+    hit = bm.lookup("b", seq + [99], 13)
+    bm.allocate("b", 13, hit)  # b shares a's 3 blocks, then block 3
+    pairs = bm.shift("a", keep_blocks=1, drop_blocks=1)
+    assert pairs == [(2, 4)]  # block 2 is b's too: a's keys go to a fresh block
+    assert bm.block_ids("a") == [0, 4] and bm.block_ids("b") == [0, 1, 2, 3]
+    assert [bm.ref_count(i) for i in range(5)] == [2, 1, 1, 1, 1]
+    bm.free("b")
+    bm.free("a")
+
+
+def test_a_shift_that_needs_more_copies_than_free_blocks_changes_nothing():
+    bm = BlockManager(num_blocks=4, block_size=BS)
+    bm.allocate("a", 16)
+    bm.commit("a", toks(16), 16)
+    bm.allocate("b", 16, bm.lookup("b", toks(16) + [1], 17))  # b holds all 4 blocks too
+    assert bm.shift("a", keep_blocks=1, drop_blocks=1) is None  # 2 moved blocks to copy, none free
+    assert bm.block_ids("a") == [0, 1, 2, 3]
+    bm.check_integrity()

@@ -132,3 +132,12 @@ def test_fresh_blocks_are_cleared_only_where_a_reader_looks_past_the_context(tin
     runner.kv_cache.zero_blocks = lambda ids: (cleared.append(ids.tolist()), clear(ids))
     llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
     assert bool(cleared) is (not kernel_reads_all)
+
+
+def test_gpt2_runs_at_a_context_shorter_than_its_position_table(tiny_model_dir):
+    """The learned position table has the checkpoint's rows whatever --max-model-len is."""
+    folder = tiny_model_dir("gpt2")
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    (short,) = LLM(str(folder), max_model_len=64, kv_cache_memory=16 << 20).generate([PROMPTS[0]], params)
+    (full,) = LLM(str(folder), kv_cache_memory=16 << 20).generate([PROMPTS[0]], params)
+    assert short.outputs[0].token_ids == full.outputs[0].token_ids

@@ -149,6 +149,22 @@ class EngineArgs:
         help="while several clients run sequences, a step computes at most ceil(N / clients) of each client's "
         "(the others wait their turn), so one client's many sequences cannot slow every other client's tokens",
     )
+    context_shift: bool | None = _option(
+        False,
+        "--context-shift",
+        negatable=True,
+        help="a sequence that fills the context drops its oldest tokens after the first --keep and goes on "
+        "(llama.cpp's context shift; the kept keys are turned to their new positions, nothing is recomputed) "
+        "instead of ending with finish reason 'length' (default: off; in `tokenloom chat` on where the model "
+        "allows it (not for hybrids, DeepSeek's latent cache or GPT-2))",
+    )
+    context_keep: int = _option(
+        4,
+        "--keep",
+        metavar="N",
+        help="context shift keeps the first N tokens, rounded up to whole KV blocks (default: 4, attention sinks "
+        "and the BOS; `tokenloom chat` keeps its system prompt)",
+    )
     speculative: str | SpeculativeConfig | None = _option(
         None,
         "--speculative",
@@ -203,6 +219,11 @@ class EngineArgs:
             help_text = meta["help"]
             if f.name in defaults and "default:" not in help_text:
                 help_text += f" (default: {default})"
+            if meta.get("negatable"):  # --x and --no-x: a command may turn it on by default
+                group.add_argument(
+                    *meta["flags"], dest=f.name, action=argparse.BooleanOptionalAction, default=default, help=help_text
+                )
+                continue
             if isinstance(f.default, bool):
                 action = "store_false" if f.default else "store_true"
                 group.add_argument(*meta["flags"], dest=f.name, action=action, default=default, help=help_text)
@@ -268,6 +289,8 @@ class EngineArgs:
             max_num_batched_tokens=self.max_num_batched_tokens,
             fair_share_seqs=self.fair_share_seqs,
             decode_steps=decode_steps,
+            context_shift=self.context_shift,
+            context_keep=self.context_keep,
         )
         speculative = (
             SpeculativeConfig.parse(self.speculative) if isinstance(self.speculative, str) else self.speculative

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 
 from tokenloom.config import EngineConfig
+from tokenloom.engine.context_shift import check_keep
 from tokenloom.engine.core_output import CoreOutput
 from tokenloom.engine.cpu_share import CpuShare
 from tokenloom.engine.request import Request
@@ -95,8 +96,38 @@ class EngineCore:
                 config.speculative, self.runner, loaded.tokenizer, self.max_model_len, config.dtype, progress
             )
         )
+        self._settle_context_shift(config, loaded, peers)
         self.requests: dict[str, Request] = {}
         self.cpu_share = self._cpu_share(config)
+
+    def _settle_context_shift(self, config: EngineConfig, loaded: LoadedModel, peers) -> None:
+        """Context shift asked for (True) must be possible: ValueError naming why not. Where the model
+        allows it (None) it is on if possible, else off (said in the log)."""
+        wanted = config.scheduler.context_shift
+        if wanted is False:
+            return
+        try:
+            self._check_context_shift(config, loaded, peers)
+        except ValueError as e:
+            if wanted:
+                raise
+            logger.info("context shift is off: %s", e)
+            config.scheduler.context_shift = False
+        else:
+            config.scheduler.context_shift = True
+
+    def _check_context_shift(self, config: EngineConfig, loaded: LoadedModel, peers) -> None:
+        """ValueError naming what context shift cannot run with (engine/context_shift.py)."""
+        name = self.model_config.architecture
+        if peers is not None:
+            raise ValueError("context shift is not implemented for a model split over processes")
+        if config.speculative is not None:
+            raise ValueError("context shift is not implemented with speculative decoding")
+        try:
+            loaded.model.key_turns(self.block_manager.block_size)
+        except NotImplementedError as e:
+            raise ValueError(f"{e} ({name})") from None
+        check_keep(config.scheduler.context_keep, self.max_model_len, self.block_manager.block_size)
 
     def _check_recurrent(self, config: EngineConfig, recurrent: bool) -> None:
         """A hybrid model's recurrent state follows every computed token (kv_cache/recurrent.py):
@@ -193,6 +224,8 @@ class EngineCore:
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary (size {vocab})")
         params.check_vocab(vocab)
+        if self.config.scheduler.context_shift and params.context_keep is not None:
+            check_keep(params.context_keep, self.max_model_len, self.block_manager.block_size)
         self.scheduler.check_fits(len(ids), params.max_tokens)
         if params.structured_output is not None:
             self.grammars.grammar(params.structured_output)  # compiles (cached); ValueError if invalid

@@ -27,6 +27,11 @@ class Request:
     ``num_computed_tokens`` counts tokens whose keys/values are in the cache; the
     scheduler hands out work as ``num_tokens - num_computed_tokens``, so prefill,
     chunked prefill and decode are one rule.
+
+    Context shift (engine/context_shift.py) drops ``num_dropped`` tokens right after the first
+    ``keep_tokens``: the counts, positions and token views here (``num_tokens``,
+    ``all_token_ids``, ``token_ids_from``, ``num_prompt_tokens``) are then of the context, the
+    tokens still in the cache, while ``prompt_token_ids`` and ``output_token_ids`` keep everything.
     """
 
     request_id: str
@@ -51,6 +56,9 @@ class Request:
     spec_draft_probs: torch.Tensor | None = None  # (k, V) the distributions drafts came from; None: deterministic
     draft_num_computed: int = 0  # tokens whose KV the draft model holds
     spec_acceptance: float = 1.0  # moving average of accepted / proposed
+    # context shift: the first keep_tokens stay, the num_dropped after them left the context
+    keep_tokens: int = 0
+    num_dropped: int = 0
 
     def __post_init__(self) -> None:
         if self.params.seed is not None and self.generator is None:
@@ -60,19 +68,30 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        """Tokens in the context (every token, less those context shift dropped)."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) - self.num_dropped
 
     @property
     def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+        """Prompt tokens in the context."""
+        gone = min(self.num_dropped, max(0, len(self.prompt_token_ids) - self.keep_tokens))
+        return len(self.prompt_token_ids) - gone
 
     @property
     def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+        """The context's token ids (prompt + output, less the dropped ones)."""
+        everything = self.prompt_token_ids + self.output_token_ids
+        if not self.num_dropped:
+            return everything
+        return everything[: self.keep_tokens] + everything[self.keep_tokens + self.num_dropped :]
 
     def token_ids_from(self, start: int, count: int) -> list[int]:
         """all_token_ids[start:start + count], without building all_token_ids (a decode step wants
         the last token of a long history)."""
+        if self.num_dropped and start + count > self.keep_tokens:
+            if start < self.keep_tokens:
+                return self.all_token_ids[start : start + count]
+            start += self.num_dropped  # past the kept head: skip the dropped run
         prompt = len(self.prompt_token_ids)
         if start >= prompt:
             return self.output_token_ids[start - prompt : start - prompt + count]

@@ -22,7 +22,10 @@ after preemption are all that one rule:
    grammar), a step decodes up to ``decode_steps`` tokens in a row: one host round trip for
    several tokens. KV room is taken for all of them; a request that stops on the way keeps the
    tokens up to its stop, and the room past it is given back.
-4. with ``fair_share_seqs`` set, requests of several clients (a server labels each) take turns:
+4. with ``context_shift`` set, a decoding request that fills the context drops its oldest tokens
+   after the kept head before its step (engine/context_shift.py); the runner turns the moved keys
+   back before the step's forward.
+5. with ``fair_share_seqs`` set, requests of several clients (a server labels each) take turns:
    a step computes at most a client's share of its sequences (engine/fair_share.py); the others sit
    the step out, and a waiting request whose client has used its turns (and admitted one past
    them) lets later ones pass.
@@ -31,16 +34,18 @@ after preemption are all that one rule:
 from __future__ import annotations
 
 import bisect
+import sys
 from collections.abc import Callable, Sequence
 
 from tokenloom.config import SchedulerConfig
+from tokenloom.engine.context_shift import plan_shift
 from tokenloom.engine.core_output import CoreOutput
 from tokenloom.engine.fair_share import FairShare
 from tokenloom.engine.request import Request, RequestStatus
 from tokenloom.engine.stopping import check_token_stop
 from tokenloom.kv_cache.block_manager import BlockManager
 from tokenloom.outputs import describe_error
-from tokenloom.worker.contract import RunnerOutput, ScheduledRequest, SchedulerOutput
+from tokenloom.worker.contract import KVShift, RunnerOutput, ScheduledRequest, SchedulerOutput
 
 
 def _by_arrival(r: Request) -> int:
@@ -67,6 +72,7 @@ class Scheduler:
         self.turns = FairShare(config.fair_share_seqs) if config.fair_share_seqs is not None else None
         self.num_prompt_tokens_computed = 0  # prompt positions run through the model (prefill, recompute)
         self.num_generated_tokens = 0
+        self.num_context_shifts = 0
         self.spec_steps = self.spec_draft_tokens = self.spec_accepted_tokens = 0  # summed over requests
 
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
@@ -99,6 +105,8 @@ class Scheduler:
             if id(req) in sitting_out:
                 i += 1
                 continue
+            if self._fills_context(req) and not self._shift(req, out):
+                break  # req itself was preempted to make room: it waits now
             spec = self._take_drafts(req, budget)
             n = min(req.num_tokens - req.num_computed_tokens, budget) + len(spec)
             if not spec and not self._allocate_or_preempt(req, n):
@@ -149,6 +157,34 @@ class Scheduler:
             self._preempt(victim)
             if victim is req:
                 return False
+        return True
+
+    def _fills_context(self, req: Request) -> bool:
+        """req decodes next and its context is full: with context shift on, it shifts first."""
+        return bool(
+            self.config.context_shift
+            and req.num_tokens >= self.max_model_len
+            and req.num_tokens - req.num_computed_tokens == 1
+        )
+
+    def _shift(self, req: Request, out: SchedulerOutput) -> bool:
+        """Drop req's oldest blocks after its kept head (engine/context_shift.py), preempting the
+        newest running requests if the moved blocks' copies need room. Returns False if req itself
+        had to be preempted."""
+        keep = req.params.context_keep if req.params.context_keep is not None else self.config.context_keep
+        plan = plan_shift(req.num_computed_tokens, keep, self.blocks.block_size)
+        assert plan is not None, "context_shift.check_keep admits only keeps that leave blocks to drop"
+        while (pairs := self.blocks.shift(req.request_id, plan.keep_blocks, plan.drop_blocks)) is None:
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is req:
+                return False
+        req.keep_tokens = plan.keep_tokens
+        req.num_dropped += plan.delta
+        req.num_computed_tokens -= plan.delta
+        req.draft_num_computed = 0
+        self.num_context_shifts += 1
+        out.kv_shifts.append(KVShift(pairs, plan.delta))
         return True
 
     def _take_drafts(self, req: Request, budget: int) -> list[int]:
@@ -288,7 +324,8 @@ class Scheduler:
     def _token_stop(self, req: Request) -> tuple[str, int | None] | None:
         """(finish reason, stop token) if req's newest token ends it: EOS, a stop id, max_tokens,
         the context end, or a grammar that is complete (nothing may follow)."""
-        stop = check_token_stop(req.output_token_ids, req.params, req.eos_token_ids, req.num_tokens, self.max_model_len)
+        context = sys.maxsize if self.config.context_shift else self.max_model_len  # a full context shifts
+        stop = check_token_stop(req.output_token_ids, req.params, req.eos_token_ids, req.num_tokens, context)
         if stop is None and req.matcher is not None and req.matcher.is_stopped():
             stop = ("stop", None)
         return stop

@@ -55,6 +55,8 @@ SCHEDULER_INTERFACE = frozenset(
         "fits",
         "capacity_tokens",
         "state_slot",
+        "shift",
+        "block_size",
     }
 )
 
@@ -113,6 +115,7 @@ class BlockManager:
         # run past what is cached), and how many of its table's blocks are in the prefix index
         self._hashes: dict[str, list[int]] = {}
         self._registered: dict[str, int] = {}
+        self._cacheable: dict[str, int] = {}  # after a context shift: blocks of the sequence that may be indexed
         self._partial: dict[tuple, Block] = {}  # (parent hash, token ids) -> block starting so
         self._copies: list[tuple[Block, Block]] = []  # (shared source, private copy) not yet run
         # prompt blocks that running sequences have yet to compute: per sequence its prompt hashes and
@@ -245,6 +248,42 @@ class BlockManager:
         finally:
             self.free(seq_id)
 
+    def shift(self, seq_id: str, keep_blocks: int, drop_blocks: int) -> list[tuple[int, int]] | None:
+        """Context shift (engine/context_shift.py): drop the sequence's `drop_blocks` blocks after
+        its first `keep_blocks`; the blocks after them move up in its table. Returns one (source,
+        destination) pair per moved block, whose keys the runner turns back
+        (``PagedKVCache.shift_keys``): in place where the sequence alone holds the block, into a
+        fresh block where another sequence holds it too. None (nothing changed) if the free blocks
+        cannot hold those copies.
+
+        The moved blocks' keys and values belong to a history no prompt has: they leave the prefix
+        index, and none of the sequence's blocks past the kept ones enter it until it is freed.
+        """
+        table = self._tables[seq_id]
+        dropped, moved = table[keep_blocks : keep_blocks + drop_blocks], table[keep_blocks + drop_blocks :]
+        shared = [b for b in moved if b.ref_count > 1]
+        if len(shared) > len(self._free) + sum(1 for b in dropped if b.ref_count == 1):
+            return None
+        for block in reversed(dropped):
+            self._release(block)
+        pairs, kept = [], table[:keep_blocks]
+        for block in moved:
+            if block.ref_count > 1:
+                copy = self._take_free()
+                self._release(block)  # the runner reads it before this step writes any block
+                pairs.append((block.block_id, copy.block_id))
+                kept.append(copy)
+            else:
+                self._evict(block)  # its contents change: not a cached prefix any more
+                pairs.append((block.block_id, block.block_id))
+                kept.append(block)
+        self._tables[seq_id] = kept
+        self._hashes[seq_id] = self._hashes.get(seq_id, [])[:keep_blocks]
+        self._registered[seq_id] = min(self._registered.get(seq_id, 0), keep_blocks)
+        self._cacheable[seq_id] = keep_blocks
+        self._advance_computing(seq_id, None)
+        return pairs
+
     # ---- the parts (the interface above, and unit tests, use them) ------------------------
 
     # ---- prefix cache --------------------------------------------------------------------
@@ -323,7 +362,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         table = self._tables.get(request_id, [])
-        num_full = min(num_computed_tokens // self.block_size, len(table))
+        num_full = min(num_computed_tokens // self.block_size, len(table), self._cacheable.get(request_id, len(table)))
         hashes = self._hashes[request_id] = self._chain(token_ids, self._hashes.get(request_id, []), num_full)
         bs = self.block_size
         for i in range(self._registered.get(request_id, 0), num_full):
@@ -438,6 +477,7 @@ class BlockManager:
             self._free_slots.append(self._slot_of.pop(request_id))
         self._hashes.pop(request_id, None)
         self._registered.pop(request_id, None)
+        self._cacheable.pop(request_id, None)
 
     def trim(self, request_id: str, num_tokens: int) -> None:
         """Give back the request's tail blocks beyond what `num_tokens` tokens need

@@ -142,3 +142,41 @@ class PagedKVCache:
                 cache.copy_blocks_(src, dst)
             else:
                 cache[dst] = cache[src]
+
+    def shift_keys(self, pairs: list[tuple[int, int]], turns: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
+        """Context shift (engine/context_shift.py): each (source, destination) block's keys, turned
+        by layer i's rope `turns[i]` (cos, sin, each (rotary_dim,) float32; None: the layer has no
+        rope), written to the destination in every layer; values copied where the destination is
+        another block. A quantized cache is read, turned and quantized again."""
+        src = torch.tensor([p[0] for p in pairs], dtype=torch.int64, device=self.device)
+        dst = torch.tensor([p[1] for p in pairs], dtype=torch.int64, device=self.device)
+        slots = (dst[:, None] * self.block_size + torch.arange(self.block_size, device=self.device)).reshape(-1)
+        for i in self.layers:
+            keys = self.keys[i]
+            k = keys[src]  # (n, block_size, kv_heads, head_dim)
+            turn = turns[i]
+            turned = k if turn is None else turn_keys(k, *turn)
+            turned = turned.reshape(-1, *k.shape[2:])  # (n * block_size, kv_heads, head_dim)
+            if isinstance(keys, QUANTIZED_CACHES):
+                keys.store(slots, turned)
+            else:
+                keys.view(-1, *keys.shape[2:]).index_copy_(0, slots, turned.to(keys.dtype))
+        moved = [(a, b) for a, b in pairs if a != b]
+        if moved and not self.latent:
+            values = [self.values[i] for i in self.layers]
+            m_src, m_dst = (torch.tensor(col, dtype=torch.int64, device=self.device) for col in zip(*moved))
+            for cache in values:
+                if isinstance(cache, QUANTIZED_CACHES):
+                    cache.copy_blocks_(m_src, m_dst)
+                else:
+                    cache[m_dst] = cache[m_src]
+
+
+def turn_keys(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half rope applied to roped keys k (..., head_dim) by the angle whose cos and sin
+    (rotary_dim,) are given, in float32; dims past rotary_dim pass through. Returns k's dtype."""
+    rotary = cos.shape[-1]
+    x = k[..., :rotary].float()
+    half = rotary // 2
+    turned = x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+    return torch.cat([turned.to(k.dtype), k[..., rotary:]], dim=-1)

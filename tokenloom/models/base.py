@@ -56,6 +56,12 @@ class CausalLM(nn.Module):
         """Embeddings (T, hidden) -> final hidden states (T, hidden), through every layer."""
         raise NotImplementedError
 
+    def key_turns(self, delta: int) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+        """Per layer, the (cos, sin) (rotary_dim,) float32 that turn a cached key `delta` positions
+        back (context shift, engine/context_shift.py); None for a layer without rotary positions.
+        A model whose cached keys cannot be moved raises NotImplementedError naming it."""
+        raise NotImplementedError(f"context shift is not implemented for {type(self).__name__}")
+
     @classmethod
     def replays_decode_steps(cls) -> bool:
         """Decode steps of this class may replay from a tape (see replayable_layers)."""

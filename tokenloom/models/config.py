@@ -278,6 +278,7 @@ class ModelConfig:
     recurrent: MambaConfig | DeltaNetConfig | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    learned_positions: int = 0  # rows of a learned position table (GPT-2's n_positions); 0: none
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -366,6 +367,7 @@ class ModelConfig:
                 head_dim=hidden // heads,
                 intermediate_size=hf.get("n_inner") or 4 * hidden,
                 max_model_len=hf["n_positions"],
+                learned_positions=hf["n_positions"],
                 norm_eps=hf.get("layer_norm_epsilon", 1e-5),
                 rope=None,
                 attention_bias=True,

@@ -52,7 +52,7 @@ class GPT2Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.wte = uninitialized_embedding(cfg.vocab_size, cfg.hidden_size)
-        self.wpe = uninitialized_embedding(cfg.max_model_len, cfg.hidden_size)
+        self.wpe = uninitialized_embedding(cfg.learned_positions, cfg.hidden_size)  # the checkpoint's rows
         self.h = nn.ModuleList(GPT2Block(cfg) for _ in range(cfg.num_layers))
         self.ln_f = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
 

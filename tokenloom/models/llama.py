@@ -140,6 +140,28 @@ class LlamaForCausalLM(CausalLM):
         if c.local_rope is not None:
             self.local_inv_freq = rope_inv_freq(c.local_rope, c.rotary_dim, c.max_model_len).to(device)
 
+    def key_turns(self, delta: int) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+        """Per layer, (cos, sin) of the angle -delta x inv_freq (rotary_dim,) float32 (the model's
+        rope, a sliding layer's local rope, or None for a layer without rope), with no attention
+        factor: a cached key already carries yarn's, and a turn keeps a vector's length."""
+        c = self.config
+        if c.mla is not None or c.recurrent is not None:
+            raise NotImplementedError(
+                f"context shift is not implemented for {type(self).__name__}: "
+                + ("its latent cache" if c.mla is not None else "a recurrent layer cannot forget tokens")
+            )
+        back = torch.tensor([-delta], device=self.inv_freq.device)
+
+        def turn(inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            cos, sin = rope_cos_sin(inv_freq, back, torch.float32)  # each (1, 1, rotary_dim)
+            return cos.reshape(-1), sin.reshape(-1)
+
+        model = turn(self.inv_freq)
+        if self.rope_of_layer is None:
+            return [model] * c.num_layers
+        local = turn(self.local_inv_freq) if c.local_rope is not None else None
+        return [[model, local, None][r] for r in self.rope_of_layer]
+
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings and isinstance(self.lm_head, nn.Linear):  # not when quantized
             self.lm_head.weight = self.model.embed_tokens.weight

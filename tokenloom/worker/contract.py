@@ -25,11 +25,21 @@ class ScheduledRequest:
 
 
 @dataclass(slots=True)
+class KVShift:
+    """One sequence's context shift (engine/context_shift.py): each (source, destination) block's
+    keys turned back by `delta` positions into the destination (values copied where it differs)."""
+
+    pairs: list[tuple[int, int]]
+    delta: int
+
+
+@dataclass(slots=True)
 class SchedulerOutput:
     """What the scheduler hands the runner for one step."""
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)  # in batch order
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) KV blocks to copy first
+    kv_shifts: list[KVShift] = field(default_factory=list)  # context shifts, run after the copies
 
     @property
     def is_empty(self) -> bool:

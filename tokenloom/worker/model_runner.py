@@ -166,6 +166,7 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         """Run one step. A failure that one request's data causes (in the forward, its sampling,
         draft verification or prompt logprobs) lands in ``errors`` for that request alone."""
+        self._move_blocks(sched)
         steps = sched.scheduled[0].decode_steps if sched.scheduled else 1
         if steps > 1 and (ahead := self._decode_ahead(sched, steps)) is not None:
             return ahead
@@ -176,10 +177,6 @@ class ModelRunner:
             if s.samples and not s.spec_token_ids and s.request.matcher is not None
         ]
         masks = MaskStep(constrained, self.model.config.vocab_size) if constrained else None  # runs meanwhile
-        if sched.block_copies:
-            if self.peers is not None:
-                self.peers.send("copy", sched.block_copies)
-            self.kv_cache.copy_blocks(sched.block_copies)
         hidden = self._forward_isolated(sched, errors)  # (T, hidden)
         plain, spec, rows_plain, rows_spec = [], [], [], []
         start = 0
@@ -204,6 +201,16 @@ class ModelRunner:
         return RunnerOutput(
             ids, [results[i][0] for i in ids], [results[i][1] for i in ids], prompt, explanations, errors
         )
+
+    def _move_blocks(self, sched: SchedulerOutput) -> None:
+        """Before the step's forward: the scheduler's block copies (copy-on-write), then its
+        context shifts (each moved block's keys turned back, kv_cache.shift_keys)."""
+        if sched.block_copies:
+            if self.peers is not None:
+                self.peers.send("copy", sched.block_copies)
+            self.kv_cache.copy_blocks(sched.block_copies)
+        for shift in sched.kv_shifts:
+            self.kv_cache.shift_keys(shift.pairs, self.model.key_turns(shift.delta))
 
     def _decode_ahead(self, sched: SchedulerOutput, steps: int) -> RunnerOutput | None:
         """`steps` one-token steps in a row for every scheduled request, each step's sampled tokens

@@ -108,6 +108,33 @@ def test_chat_keeps_the_conversation(default_model_dir, monkeypatch, capsys):
     assert seen[1][1]["content"] == "The capital of France is Paris."
 
 
+def test_chat_goes_on_past_the_context_and_drops_its_oldest_turns(default_model_dir, monkeypatch, capsys):
+    """Context shift is on in chat: a reply longer than the context goes on, keeping the system
+    prompt; the next turn's prompt drops the oldest turn after the system prompt to fit."""
+    from tokenloom.entrypoints.cli.chat import ChatSession
+
+    seen, sessions = [], []
+    original = ChatSession.reply
+
+    def spy(self, out=None, **kwargs):
+        sessions.append(self)
+        result = original(self, out, **kwargs)
+        seen.append([dict(m) for m in self.history])  # what the turn was generated from, and its reply
+        return result
+
+    monkeypatch.setattr(ChatSession, "reply", spy)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Tell a long story.\nAnother.\n/exit\n"))
+    argv = ["chat", "-m", str(default_model_dir), "--temp", "0", "-n", "200", "--ignore-eos", "--max-model-len", "192"]
+    assert cli_main([*argv, "--system", "You tell stories."]) == 0
+    err = capsys.readouterr().err
+    engine = sessions[0].llm.engine
+    assert engine.core.scheduler.num_context_shifts >= 1  # 200 new tokens after the prompt, in 192
+    assert "200 tokens" in err or "200 tok" in err  # the whole reply came
+    assert [m["role"] for m in seen[0]] == ["system", "user", "assistant"]
+    assert [m["role"] for m in seen[1]] == ["system", "user", "assistant"]  # the first turn left
+    assert seen[1][1]["content"] == "Another." and "left the context" in err
+
+
 @pytest.mark.parametrize("args", [["--help"], ["generate", "--help"], ["chat", "--help"], ["pull", "--help"]])
 def test_help(args):
     out = subprocess.run([sys.executable, "-m", "tokenloom", *args], capture_output=True, text=True)

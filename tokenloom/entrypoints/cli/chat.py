@@ -89,12 +89,11 @@ class ChatSession:
         then its speed on stderr; the turn stays in the conversation, cut short where `stopped()`
         became true. Its tool calls (OpenAI shape)."""
         out = out or sys.stdout
-        turn = make_turn(self.history, self.mode, self.functions, self.features)
-        prompt = self.llm.tokenizer.apply_chat_template(turn.messages, tools=turn.template_tools)
-        ids = self.llm.tokenizer.encode(prompt, add_special_tokens=False)
+        prompt, ids = self._fitted_prompt()
         reader, summary = ReplyStream(prompt, self.mode, self.features, self.functions), GenerationSummary(len(ids))
         text, cut = [], False
-        with contextlib.closing(self.llm.stream_deltas(ids, self.params)) as deltas:
+        params = dataclasses.replace(self.params, context_keep=self._system_tokens(ids))
+        with contextlib.closing(self.llm.stream_deltas(ids, params)) as deltas:
             for delta in deltas:
                 stop = stopped()
                 text.append(delta.text_delta)
@@ -111,6 +110,40 @@ class ChatSession:
         print(file=out)
         print(f"[{'stopped; ' if stopped() else ''}{summary}]", file=sys.stderr)
         return reply.tool_calls
+
+    def _render(self, messages: list[dict], generation_prompt: bool = True) -> tuple[str, list[int]]:
+        turn = make_turn(messages, self.mode, self.functions, self.features)
+        prompt = self.llm.tokenizer.apply_chat_template(
+            turn.messages, add_generation_prompt=generation_prompt, tools=turn.template_tools
+        )
+        return prompt, self.llm.tokenizer.encode(prompt, add_special_tokens=False)
+
+    def _fitted_prompt(self) -> tuple[str, list[int]]:
+        """The conversation's prompt (text, ids), its oldest turns after the system prompt dropped
+        (said on stderr) until it leaves a quarter of the context for the reply."""
+        prompt, ids = self._render(self.history)
+        room = self.llm.engine.max_model_len * 3 // 4
+        dropped = 0
+        while len(ids) > room and sum(m["role"] != "system" for m in self.history) > 1:
+            first = next(i for i, m in enumerate(self.history) if m["role"] != "system")
+            del self.history[first]  # a whole turn: up to the next user message
+            while first < len(self.history) - 1 and self.history[first]["role"] not in ("user", "system"):
+                del self.history[first]
+            dropped += 1
+            prompt, ids = self._render(self.history)
+        if dropped:
+            print(f"[the oldest {dropped} turn(s) left the context]", file=sys.stderr)
+        return prompt, ids
+
+    def _system_tokens(self, ids: list[int]) -> int | None:
+        """How many of the prompt's first tokens hold the system prompt (what context shift keeps);
+        None (the engine's keep) without one, or where it is over half the context."""
+        system = [m for m in self.history if m["role"] == "system"]
+        if not system:
+            return None
+        head = self._render(system, generation_prompt=False)[1]
+        common = next((i for i, (a, b) in enumerate(zip(head, ids)) if a != b), min(len(head), len(ids)))
+        return common if 0 < common <= self.llm.engine.max_model_len // 2 else None
 
     def add_result(self, call: dict, result: str) -> None:
         self.history.append(

@@ -9,6 +9,7 @@ import argparse
 import sys
 
 from tokenloom.entrypoints.cli.common import (
+    SESSION_DEFAULTS,
     GenerationSummary,
     check_chat_template_early,
     check_engine_flags,
@@ -368,7 +369,7 @@ def _add_chat(sub) -> None:
         metavar="FILE.json",
         help="offer these tools (an OpenAI-style JSON list); you type each call's result",
     )
-    engine_flags(chat)
+    engine_flags(chat, defaults=SESSION_DEFAULTS | {"context_shift": None})  # on where the model allows it
     sampling_flags(chat)
     chat.set_defaults(func=cmd_chat)
 
