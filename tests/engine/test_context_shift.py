@@ -209,3 +209,23 @@ def test_each_layer_turns_by_its_own_rope(tiny_model_dir):
     for layer, start in ((0, 0), (1, req.keep_tokens + 6)):
         for ours, theirs in zip(_cached(llm, "g", layer, len(context)), _cached(fresh, "f", layer, len(context))):
             torch.testing.assert_close(ours[start:], theirs[start:], atol=1e-4, rtol=1e-4)
+
+
+def test_the_server_lets_max_tokens_run_past_the_context_only_with_context_shift(one_layer):
+    import httpx
+
+    from tests.helpers.server_harness import ThreadedServer
+    from tokenloom.engine.async_engine import AsyncLLMEngine
+    from tokenloom.entrypoints.server import build_app
+
+    body = {"model": "m", "prompt": "The quick brown fox", "max_tokens": 100, "temperature": 0, "ignore_eos": True}
+    for shift in (False, True):
+        engine = _engine(one_layer, context_shift=shift).engine
+        with ThreadedServer(build_app(AsyncLLMEngine(engine), "m")) as url:
+            reply = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        if shift:
+            assert reply.status_code == 200, reply.text
+            assert reply.json()["usage"]["completion_tokens"] == 100
+            assert reply.json()["choices"][0]["finish_reason"] == "length"
+        else:
+            assert reply.status_code == 400 and "max_tokens is 100" in reply.json()["error"]["message"]

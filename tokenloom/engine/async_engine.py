@@ -70,6 +70,10 @@ class AsyncLLMEngine:
         return self.engine.max_model_len
 
     @property
+    def context_shift(self) -> bool:
+        return self.engine.context_shift
+
+    @property
     def vocab_size(self) -> int:
         return self.engine.model_config.vocab_size
 

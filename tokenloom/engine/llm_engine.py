@@ -94,6 +94,11 @@ class LLMEngine:
         return self.core.max_model_len
 
     @property
+    def context_shift(self) -> bool:
+        """A sequence that fills the context goes on (engine/context_shift.py) instead of ending."""
+        return bool(self.core.config.scheduler.context_shift)
+
+    @property
     def eos_token_ids(self) -> frozenset[int]:
         return self.core.eos_token_ids
 

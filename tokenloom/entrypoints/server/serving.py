@@ -144,6 +144,7 @@ class OpenAIServing:
         self.model_name = model_name
         self.model_names = frozenset((model_name, *model_aliases))  # what a request's `model` may say
         self.max_model_len = engine.max_model_len
+        self.context_shift = engine.context_shift  # max_tokens may run past the context
         self.metrics = metrics
         self.fmt = R.LogprobFormatter(self.tokenizer)
 
@@ -167,8 +168,12 @@ class OpenAIServing:
         if room < 1:
             raise self.prompt_too_long(prompt_len, prompt_param)
         if requested is None:  # the server's default, within the room
-            return min(room, self.admission.limits.default_max_tokens)
-        if requested > room:
+            return (
+                self.admission.limits.default_max_tokens
+                if self.context_shift
+                else min(room, self.admission.limits.default_max_tokens)
+            )
+        if requested > room and not self.context_shift:
             raise APIError(
                 400,
                 f"this model's context length is {self.max_model_len} tokens: {prompt_len} in the "
