@@ -25,8 +25,14 @@ class CacheConfig:
     kv_cache_fraction: float | None = None
     enable_prefix_caching: bool = True
     kv_cache_contexts: int | None = None
+    prefix_cache_dir: str | None = None  # the prefix cache's disk tier (kv_cache/disk_tier.py); None: none
+    prefix_cache_disk: int = 8 << 30  # bytes the disk tier may hold
 
     def __post_init__(self) -> None:
+        if self.prefix_cache_disk <= 0:
+            raise ValueError(f"prefix_cache_disk must be positive, got {self.prefix_cache_disk}")
+        if self.prefix_cache_dir is not None and not self.enable_prefix_caching:
+            raise ValueError("prefix_cache_dir needs prefix caching (it is its disk tier)")
         if self.block_size <= 0:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:

@@ -120,6 +120,21 @@ class EngineArgs:
     enable_prefix_caching: bool = _option(
         True, "--no-prefix-caching", help="do not reuse the KV cache of shared prompt prefixes"
     )
+    prefix_cache_dir: str | None = _option(
+        None,
+        "--prefix-cache-dir",
+        metavar="DIR",
+        help="keep the prefix cache's full blocks on disk too: blocks evicted from memory, and every cached "
+        "block at exit, are saved there; a later prompt, in this process or after a restart, that starts "
+        "with a saved prefix reads it back instead of computing it (safe for several processes at once)",
+    )
+    prefix_cache_disk: int = _option(
+        8 << 30,
+        "--prefix-cache-disk",
+        metavar="GIB",
+        type=_gib,
+        help="GiB the prefix cache's disk tier may hold; the least recently used blocks go first (default: 8)",
+    )
     kv_cache_dtype: str = _option(
         "auto",
         "--kv-cache-dtype",
@@ -283,6 +298,8 @@ class EngineArgs:
             kv_cache_fraction=self.kv_cache_fraction,
             enable_prefix_caching=self.enable_prefix_caching,
             kv_cache_contexts=self.kv_cache_contexts,
+            prefix_cache_dir=self.prefix_cache_dir,
+            prefix_cache_disk=self.prefix_cache_disk,
         )
         scheduler = SchedulerConfig(
             max_num_seqs=self.max_num_seqs,

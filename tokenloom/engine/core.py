@@ -8,8 +8,10 @@ requests. Text (detokenizing, stop strings, records) is the OutputProcessor's, a
 
 from __future__ import annotations
 
+import atexit
 import logging
 import time
+import weakref
 from dataclasses import dataclass
 
 from tokenloom.config import EngineConfig
@@ -19,6 +21,7 @@ from tokenloom.engine.cpu_share import CpuShare
 from tokenloom.engine.request import Request
 from tokenloom.engine.scheduler import Scheduler
 from tokenloom.kv_cache.block_manager import BlockManager
+from tokenloom.kv_cache.disk_tier import DiskTier, model_identity, namespace
 from tokenloom.kv_cache.paged import PagedKVCache, kv_bytes_per_token
 from tokenloom.loader.load import LoadedModel
 from tokenloom.models.config import parse_dtype
@@ -72,6 +75,8 @@ class EngineCore:
         self._report_cache(kv)
         prefix_caching = config.cache.enable_prefix_caching and not recurrent
         self.block_manager = BlockManager(kv.num_blocks, kv.block_size, prefix_caching, state_slots)
+        if config.cache.prefix_cache_dir is not None:
+            self._attach_disk_tier(config, loaded, kv, peers)
         self.runner = ModelRunner(
             loaded.model,
             kv,
@@ -99,6 +104,31 @@ class EngineCore:
         self._settle_context_shift(config, loaded, peers)
         self.requests: dict[str, Request] = {}
         self.cpu_share = self._cpu_share(config)
+
+    def _attach_disk_tier(self, config: EngineConfig, loaded: LoadedModel, kv: PagedKVCache, peers) -> None:
+        """The prefix cache's disk tier under --prefix-cache-dir, its blocks keyed by what their bytes
+        depend on (kv_cache/disk_tier.py); every cached block is saved at exit."""
+        if peers is not None:
+            raise ValueError("the prefix cache's disk tier is not implemented for a model split over processes")
+        if not self.block_manager.enable_prefix_caching:
+            raise ValueError(
+                f"the prefix cache's disk tier needs prefix caching, which is off for {self.model_config.architecture}"
+            )
+        space = namespace(
+            model_identity(config.model),
+            config.dtype,
+            config.kv_cache_dtype,
+            config.quantization,
+            kv.block_size,
+            tuple(kv.layers),
+            self.cache_config.num_kv_heads,
+            self.cache_config.head_dim,
+        )
+        assert config.cache.prefix_cache_dir is not None  # the caller checked
+        disk = DiskTier(config.cache.prefix_cache_dir, space, config.cache.prefix_cache_disk)
+        self.block_manager.attach_disk(disk, kv.block_bytes, kv.load_block_bytes)
+        atexit.register(_save_at_exit, weakref.ref(self.block_manager))
+        logger.info("prefix cache disk tier: %s (up to %.1f GiB)", disk.root, disk.max_bytes / 2**30)
 
     def _settle_context_shift(self, config: EngineConfig, loaded: LoadedModel, peers) -> None:
         """Context shift asked for (True) must be possible: ValueError naming why not. Where the model
@@ -271,3 +301,10 @@ class EngineCore:
             if o.finished:
                 self.requests.pop(o.request.request_id, None)
         return CoreStep(outputs, seconds, used)
+
+
+def _save_at_exit(ref: weakref.ref) -> None:
+    """At interpreter exit: the prefix cache's blocks to its disk tier, if the engine is alive."""
+    blocks = ref()
+    if blocks is not None:
+        blocks.save_to_disk()

@@ -23,6 +23,12 @@ fresh block plus a pending copy of the shared one (run by the runner before
 the step's forward, see ``pending_copies``), so no one ever writes into a block
 another request still reads.
 
+With a disk tier (``attach_disk``, kv_cache/disk_tier.py), full blocks also have a chained digest
+key; a cached block evicted for reuse is saved to disk right then (its contents are intact until the
+next forward), and a lookup goes on past the blocks in memory through those on disk, which
+``allocate`` reads back into fresh blocks. The bytes move through the two functions the engine
+attaches with the tier (the cache's block_bytes / load_block_bytes): no torch here.
+
 The scheduler's interface is narrow (``SCHEDULER_INTERFACE``, held by tests/kv_cache): ``lookup``
 a sequence's cached prefix, ``allocate`` room (starting from that prefix), ``commit`` computed
 tokens to the prefix index, ``trim`` and ``release``, the ``pending_copies`` the runner must run,
@@ -35,10 +41,12 @@ from __future__ import annotations
 
 import uuid
 from collections import Counter, OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import cast
+
+from tokenloom.kv_cache.disk_tier import DiskTier, chain_key
 
 # What the scheduler may call (tests/kv_cache/test_block_manager.py checks that it calls nothing else).
 SCHEDULER_INTERFACE = frozenset(
@@ -61,6 +69,10 @@ SCHEDULER_INTERFACE = frozenset(
 )
 
 
+def _unattached(*args):
+    raise AssertionError("no disk tier is attached")
+
+
 @dataclass(eq=False, slots=True)
 class Block:
     block_id: int
@@ -68,6 +80,7 @@ class Block:
     hash: int | None = None  # set once the block is full and cached
     key: tuple | None = None  # (parent hash, token ids): guards against hash collisions
     partial_keys: list | None = None  # (parent hash, token ids) of computed prefixes of this block
+    disk_key: str | None = None  # its key in the disk tier (kv_cache/disk_tier.py), with a disk tier
 
 
 @dataclass(slots=True)
@@ -76,6 +89,7 @@ class PrefixCacheStats:
     hit_tokens: int = 0  # of those, found cached
     partial_hits: int = 0  # requests that continued a remembered partial block
     copied_blocks: int = 0  # of those, the ones that had to copy it (someone else held it)
+    disk_hit_tokens: int = 0  # of hit_tokens, those read back from the disk tier
 
     @property
     def hit_rate(self) -> float:
@@ -94,6 +108,8 @@ class PrefixHit:
     num_queried: int = 0  # tokens looked up (the prefix-cache hit rate's denominator)
     prompt_hashes: list[int] = field(default_factory=list)  # the full prompt blocks' hashes (caching on)
     waits: bool = False
+    # after the blocks in memory, those on disk: (disk key, hash, (parent hash, token ids)) each
+    on_disk: list[tuple[str, int, tuple]] = field(default_factory=list)
 
 
 class BlockManager:
@@ -126,6 +142,10 @@ class BlockManager:
         self.state_slots = state_slots
         self._free_slots = list(range(state_slots - 1, -1, -1))  # popped from the end: lowest first
         self._slot_of: dict[str, int] = {}
+        self.disk: DiskTier | None = None
+        self._disk_keys: dict[str, list[str]] = {}  # per request: its full blocks' disk keys
+        self._block_bytes: Callable[[int], bytes] = _unattached
+        self._load_block: Callable[[int, bytes], None] = _unattached
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -166,11 +186,13 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return PrefixHit(num_queried=len(token_ids))
         hits = self.find_cached_prefix(token_ids) if use_cache else []
-        partial = self.find_cached_partial(token_ids, hits) if use_cache else None
+        on_disk = self.find_on_disk(seq_id, token_ids, hits) if use_cache else []
+        partial = self.find_cached_partial(token_ids, hits) if use_cache and not on_disk else None
         prompt = self.request_hashes(seq_id, token_ids)[: num_prompt_tokens // self.block_size]
-        waits = use_cache and len(hits) < len(prompt) and self._in_flight[prompt[len(hits)]] > 0
-        computed = len(hits) * self.block_size + (partial[1] if partial else 0)
-        return PrefixHit(hits, partial, computed, len(token_ids), prompt, waits)
+        first = len(hits) + len(on_disk)  # the first block to compute
+        waits = use_cache and first < len(prompt) and self._in_flight[prompt[first]] > 0
+        computed = first * self.block_size + (partial[1] if partial else 0)
+        return PrefixHit(hits, partial, computed, len(token_ids), prompt, waits, on_disk)
 
     def allocate(self, seq_id: str, num_tokens: int, hit: PrefixHit | None = None) -> list[int] | None:
         """Grow `seq_id`'s block table to hold `num_tokens` tokens (a new sequence starting from
@@ -179,15 +201,37 @@ class BlockManager:
         are in flight until ``commit`` passes them or ``release``."""
         hit = hit or PrefixHit()
         new = not self._tables.get(seq_id)
-        if not self._allocate(seq_id, num_tokens, hit.blocks, hit.partial):
+        if not self._allocate(seq_id, num_tokens, hit.blocks, hit.partial, hit.on_disk):
             return None
+        if hit.on_disk:  # what was read back (a damaged or vanished file ends it): the hit
+            hit.num_tokens = self._registered[seq_id] * self.block_size
         if new and hit.num_queried:
             self.record_lookup(hit.num_queried, hit.num_tokens)
-            first = len(hit.blocks)
+            first = self._registered.get(seq_id, 0)  # cached in memory, then read back from disk
             if first < len(hit.prompt_hashes):
                 self._computing[seq_id] = (hit.prompt_hashes, first)
                 self._in_flight.update(hit.prompt_hashes[first:])
         return self.block_ids(seq_id)
+
+    def attach_disk(
+        self, disk: DiskTier, block_bytes: Callable[[int], bytes], load_block: Callable[[int, bytes], None]
+    ) -> None:
+        """Give the prefix cache a disk tier; `block_bytes(block)` reads a block's keys and values from
+        the KV cache as bytes, `load_block(block, payload)` writes them back (PagedKVCache's)."""
+        if not self.enable_prefix_caching:
+            raise ValueError("the prefix cache's disk tier needs prefix caching on")
+        self.disk, self._block_bytes, self._load_block = disk, block_bytes, load_block
+
+    def save_to_disk(self) -> int:
+        """Save every cached block the disk tier does not hold yet (at shutdown); how many."""
+        if self.disk is None:
+            return 0
+        saved = 0
+        for b in self.blocks:
+            if b.hash is not None and b.disk_key is not None and not self.disk.contains(b.disk_key):
+                self.disk.put(b.disk_key, self._block_bytes(b.block_id))
+                saved += 1
+        return saved
 
     def grow_all(self, wants: dict[str, int]) -> dict[str, list[int]] | None:
         """Grow several sequences at once, each to its token count, or none of them (None) if the
@@ -279,6 +323,7 @@ class BlockManager:
                 kept.append(block)
         self._tables[seq_id] = kept
         self._hashes[seq_id] = self._hashes.get(seq_id, [])[:keep_blocks]
+        self._disk_keys[seq_id] = self._disk_keys.get(seq_id, [])[:keep_blocks]
         self._registered[seq_id] = min(self._registered.get(seq_id, 0), keep_blocks)
         self._cacheable[seq_id] = keep_blocks
         self._advance_computing(seq_id, None)
@@ -337,6 +382,32 @@ class BlockManager:
                 return block, j
         return None
 
+    def find_on_disk(self, request_id: str, token_ids: list[int], hits: list[Block]) -> list[tuple[str, int, tuple]]:
+        """The blocks after the memory `hits` whose keys the disk tier holds, in order: (key, hash,
+        (parent hash, token ids)) each. At most ``len(token_ids) - 1`` tokens, as in memory."""
+        parent = (hits[-1].disk_key if hits else self.disk.space) if self.disk is not None else None
+        if self.disk is None or parent is None:
+            return []
+        bs, found = self.block_size, []
+        hashes = self.request_hashes(request_id, token_ids)
+        for i in range(len(hits), (len(token_ids) - 1) // bs):
+            tokens = tuple(token_ids[i * bs : (i + 1) * bs])
+            key = chain_key(parent, tokens)
+            if not self.disk.contains(key):
+                break
+            found.append((key, hashes[i], (hashes[i - 1] if i else None, tokens)))
+            parent = key
+        return found
+
+    def _disk_chain(self, request_id: str, token_ids: list[int], num_full: int) -> list[str]:
+        """The disk keys of the request's first `num_full` blocks (memoized like its hashes)."""
+        assert self.disk is not None
+        keys = self._disk_keys.setdefault(request_id, [])
+        bs = self.block_size
+        for i in range(len(keys), num_full):
+            keys.append(chain_key(keys[-1] if keys else self.disk.space, token_ids[i * bs : (i + 1) * bs]))
+        return keys
+
     def remember_partial(self, request_id: str, token_ids: list[int], num_computed_tokens: int) -> None:
         """Index the request's partly filled last block by every prefix of its computed tokens
         (call once its full blocks are cached, before freeing it)."""
@@ -365,11 +436,13 @@ class BlockManager:
         num_full = min(num_computed_tokens // self.block_size, len(table), self._cacheable.get(request_id, len(table)))
         hashes = self._hashes[request_id] = self._chain(token_ids, self._hashes.get(request_id, []), num_full)
         bs = self.block_size
+        disk_keys = self._disk_chain(request_id, token_ids, num_full) if self.disk is not None else None
         for i in range(self._registered.get(request_id, 0), num_full):
             block = table[i]
             if block.hash is None:
                 block.hash = hashes[i]
                 block.key = (hashes[i - 1] if i else None, tuple(token_ids[i * bs : (i + 1) * bs]))
+                block.disk_key = disk_keys[i] if disk_keys is not None else None
                 self._cached.setdefault(block.hash, block)  # an equal block already cached stays the index entry
         self._registered[request_id] = max(num_full, self._registered.get(request_id, 0))
 
@@ -395,6 +468,7 @@ class BlockManager:
         num_tokens: int,
         cached_prefix: Sequence[Block] = (),
         partial: tuple[Block, int] | None = None,
+        on_disk: Sequence[tuple[str, int, tuple]] = (),
     ) -> bool:
         """Grow the request's table to hold `num_tokens` tokens, starting from `cached_prefix`
         and then the `partial` block (from find_cached_partial) if it has no table yet.
@@ -413,12 +487,34 @@ class BlockManager:
             self._registered[request_id] = len(cached_prefix)
             if partial is not None:
                 table.append(self._continue_partial(*partial))
+            elif on_disk:
+                self._read_back(request_id, table, on_disk)
         while len(table) < self.blocks_needed(num_tokens):
             table.append(self._take_free())
         return True
 
+    def _read_back(self, request_id: str, table: list[Block], on_disk: Sequence[tuple[str, int, tuple]]) -> None:
+        """Fresh blocks for the disk hits, in order, each written into the KV cache now and indexed as
+        a cached block; a file that cannot be read (gone, damaged) ends the run there."""
+        assert self.disk is not None
+        for key, block_hash, block_key in on_disk:
+            payload = self.disk.get(key)
+            if payload is None:
+                break
+            block = self._take_free()
+            block.hash, block.key, block.disk_key = block_hash, block_key, key
+            self._cached.setdefault(block_hash, block)
+            self._load_block(block.block_id, payload)
+            table.append(block)
+            self.stats.disk_hit_tokens += self.block_size
+        self._registered[request_id] = len(table)
+        self._disk_keys[request_id] = [cast("str", b.disk_key) for b in table]
+
     def _take_free(self) -> Block:
         block = self.blocks[next(iter(self._free))]
+        key = block.disk_key if block.hash is not None else None
+        if self.disk is not None and key is not None and not self.disk.contains(key):
+            self.disk.put(key, self._block_bytes(block.block_id))  # before the next forward overwrites it
         self._evict(block)
         self._take(block)
         return block
@@ -467,7 +563,7 @@ class BlockManager:
             del self._cached[block.hash]
         for key in block.partial_keys or ():
             del self._partial[key]
-        block.hash = block.key = block.partial_keys = None
+        block.hash = block.key = block.partial_keys = block.disk_key = None
 
     def free(self, request_id: str) -> None:
         """Drop the request's references (tail first); blocks no one holds become free."""
@@ -478,6 +574,7 @@ class BlockManager:
         self._hashes.pop(request_id, None)
         self._registered.pop(request_id, None)
         self._cacheable.pop(request_id, None)
+        self._disk_keys.pop(request_id, None)
 
     def trim(self, request_id: str, num_tokens: int) -> None:
         """Give back the request's tail blocks beyond what `num_tokens` tokens need

@@ -171,6 +171,34 @@ class PagedKVCache:
                 else:
                     cache[m_dst] = cache[m_src]
 
+    def _stored(self) -> list[torch.Tensor]:
+        """Every tensor a block's contents live in, indexed by block first: per cached layer its keys
+        and values (a quantized layer's codes and scales; latent attention: keys only)."""
+        caches = [self.keys[i] for i in self.layers] + ([] if self.latent else [self.values[i] for i in self.layers])
+        out: list[torch.Tensor] = []
+        for cache in caches:
+            out += [cache.data, cache.scales] if isinstance(cache, QUANTIZED_CACHES) else [cache]
+        return out
+
+    def block_bytes(self, block_id: int) -> bytes:
+        """One block's keys and values in every layer, as bytes (the prefix cache's disk tier)."""
+        parts = [t[block_id].contiguous().cpu().view(torch.uint8).reshape(-1) for t in self._stored()]
+        return torch.cat(parts).numpy().tobytes()
+
+    def load_block_bytes(self, block_id: int, payload: bytes) -> None:
+        """Write `payload` (what block_bytes gave for some block of a cache like this one) into a block."""
+        flat = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        start = 0
+        for t in self._stored():
+            row = t[block_id]
+            size = row.numel() * row.element_size()
+            if start + size > flat.numel():
+                raise ValueError(f"a stored block has {flat.numel()} bytes; this cache's blocks need more")
+            t[block_id] = flat[start : start + size].clone().view(t.dtype).view(row.shape).to(t.device)
+            start += size
+        if start != flat.numel():
+            raise ValueError(f"a stored block has {flat.numel()} bytes; this cache's blocks have {start}")
+
 
 def turn_keys(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half rope applied to roped keys k (..., head_dim) by the angle whose cos and sin
