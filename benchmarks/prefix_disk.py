@@ -100,7 +100,7 @@ def main() -> None:
         ("memory hit", "memory_hit_s"),
         ("disk hit after a restart", "disk_hit_s"),
     ):
-        print(f"| {name} | {figures[key]:.2f} | {figures['cold_s'] / figures[key]:.1f}x faster |")
+        print(f"| {name} | {figures[key]:.2f} | {figures['cold_s'] / figures[key]:.1f}x |")
     print(
         f"saving {figures['saved_blocks']} blocks took {figures['save_s']:.2f} s; "
         f"{figures['disk_hit_tokens']} tokens read back"
