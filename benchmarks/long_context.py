@@ -5,8 +5,8 @@
   - tokenloom: `tokenloom bench --json --prompt-tokens D --new-tokens 64` in its own process (one
     timed run after a warm-up: its prefill is the D-token prompt from an empty context, its decode the
     64 tokens at positions D..D+63), context D + 64, and the process's peak RSS;
-  - llama.cpp: `llama-bench -p D -n 64 -d 0,D -r 1`: pp D from an empty context and tg64 at depth D
-    (the same positions), with `-ctk/-ctv q8_0` for tokenloom's int8 cache (--llama-bench or
+  - llama.cpp: `llama-bench -p D -n 0` (pp D from an empty context) and `-p 0 -n 64 -d D` (tg64 at
+    depth D: the same positions), `-r 1`, with `-ctk/-ctv q8_0` for tokenloom's int8 cache (--llama-bench or
     $LLAMA_BENCH; ../shared/MODELS.md says how to build it).
 
     python benchmarks/long_context.py [--model FILE.gguf] [--depths 4096,16384] [--kv auto,int8]
@@ -42,20 +42,37 @@ def tokenloom_row(path: str, depth: int, kv: str) -> dict:
 
 
 def llama_row(binary: str, path: str, depth: int, kv: str, threads: int) -> dict:
-    cmd = ["/usr/bin/time", "-f", "maxrss_kb=%M", binary, "-m", path, "-p", str(depth), "-n", str(NEW)]
-    cmd += ["-d", f"0,{depth}", "-t", str(threads), "-r", "1", "-o", "json"]
-    if kv == "int8":
-        cmd += ["-ctk", "q8_0", "-ctv", "q8_0", "-fa", "1"]  # llama.cpp quantizes V only with flash attention
-    out = subprocess.run(cmd, capture_output=True, text=True)
-    if out.returncode != 0:
-        raise RuntimeError(f"llama-bench failed: {out.stderr[-2000:]}")
-    row = {}
-    for r in json.loads(out.stdout):
-        if r["n_prompt"] and r["n_depth"] == 0:
-            row["prefill"] = r["avg_ts"]
-        elif r["n_gen"] and r["n_depth"] == depth:
-            row["decode"] = r["avg_ts"]
-    row["rss_mb"] = int(re.search(r"maxrss_kb=(\d+)", out.stderr).group(1)) * 1024 / 1e6
+    """pp D from an empty context, then tg64 at depth D, in two llama-bench calls (one call with
+    `-p D -n 64 -d 0,D` would also time pp D at depth D, a 2D-token context)."""
+    row: dict = {"rss_mb": 0.0}
+    for key, shape in (
+        ("prefill", ["-p", str(depth), "-n", "0", "-d", "0"]),
+        ("decode", ["-p", "0", "-n", str(NEW), "-d", str(depth)]),
+    ):
+        cmd = [
+            "/usr/bin/time",
+            "-f",
+            "maxrss_kb=%M",
+            binary,
+            "-m",
+            path,
+            *shape,
+            "-t",
+            str(threads),
+            "-r",
+            "1",
+            "-o",
+            "json",
+        ]
+        if kv == "int8":
+            cmd += ["-ctk", "q8_0", "-ctv", "q8_0", "-fa", "1"]  # llama.cpp quantizes V only with flash attention
+        out = subprocess.run(cmd, capture_output=True, text=True)
+        if out.returncode != 0:
+            raise RuntimeError(f"llama-bench failed: {out.stderr[-2000:]}")
+        (result,) = json.loads(out.stdout)
+        row[key] = result["avg_ts"]
+        rss = int(re.search(r"maxrss_kb=(\d+)", out.stderr).group(1)) * 1024 / 1e6  # GNU time's %M is KiB
+        row["rss_mb"] = max(row["rss_mb"], rss)
     return row
 
 
