@@ -15,8 +15,8 @@ from collections.abc import Callable
 
 def kernels() -> list[tuple[str, Callable[[], object]]]:
     """(what, a call that builds and loads it: falsy if it cannot be) for every kernel."""
-    from tokenloom.attention import cpu_decode, cpu_prefill
-    from tokenloom.layers import fused, op_tape, prepacked
+    from tokenloom.attention import cpu_decode, cpu_latent, cpu_prefill
+    from tokenloom.layers import fused, grouped, op_tape, prepacked, ssm_scan
     from tokenloom.quant.gguf import tensor as ggml
     from tokenloom.quant.int8 import kernels as quant_kernels
     from tokenloom.sampling import kernels as sampler_kernels
@@ -24,6 +24,9 @@ def kernels() -> list[tuple[str, Callable[[], object]]]:
     found = [
         ("paged decode attention", cpu_decode.ops),
         ("paged prefill attention", cpu_prefill.ops),
+        ("latent decode attention", cpu_latent.build),
+        ("grouped matrix-vector", grouped.kernel_built),
+        ("Mamba-2 decode step", ssm_scan.build),
         ("fused decoder ops", fused.build),
         ("op tape replayer", op_tape.tape_module),
         ("int8/int4 kernels", quant_kernels.available),
