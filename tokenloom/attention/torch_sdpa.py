@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenloom.attention.metadata import AttentionMetadata
-from tokenloom.kv_cache.quantized import QUANTIZED_CACHES
+from tokenloom.kv_cache.quantized import QUANTIZED_CACHES, write_cache
 
 
 def write_kv(k_cache, v_cache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -25,15 +25,6 @@ def write_kv(k_cache, v_cache, k: torch.Tensor, v: torch.Tensor, slot_mapping: t
     """
     write_cache(k_cache, k, slot_mapping)
     write_cache(v_cache, v, slot_mapping)
-
-
-def write_cache(cache, x: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Scatter x (T, kv_heads, head_dim) into one cache's slots (in place)."""
-    if isinstance(cache, QUANTIZED_CACHES):
-        cache.store(slot_mapping, x)
-    else:
-        num_blocks, block_size, kv_heads, head_dim = cache.shape
-        cache.view(num_blocks * block_size, kv_heads, head_dim).index_copy_(0, slot_mapping, x)
 
 
 def select_blocks(cache, table: torch.Tensor) -> torch.Tensor:

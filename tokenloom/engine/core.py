@@ -110,10 +110,6 @@ class EngineCore:
         depend on (kv_cache/disk_tier.py); every cached block is saved at exit."""
         if peers is not None:
             raise ValueError("the prefix cache's disk tier is not implemented for a model split over processes")
-        if not self.block_manager.enable_prefix_caching:
-            raise ValueError(
-                f"the prefix cache's disk tier needs prefix caching, which is off for {self.model_config.architecture}"
-            )
         space = namespace(
             model_identity(config.model),
             config.dtype,

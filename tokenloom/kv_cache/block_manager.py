@@ -219,7 +219,9 @@ class BlockManager:
         """Give the prefix cache a disk tier; `block_bytes(block)` reads a block's keys and values from
         the KV cache as bytes, `load_block(block, payload)` writes them back (PagedKVCache's)."""
         if not self.enable_prefix_caching:
-            raise ValueError("the prefix cache's disk tier needs prefix caching on")
+            raise ValueError(
+                "the prefix cache's disk tier needs prefix caching, which is off here (a hybrid model keeps none)"
+            )
         self.disk, self._block_bytes, self._load_block = disk, block_bytes, load_block
 
     def save_to_disk(self) -> int:

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from tokenloom.kv_cache.quantized import QUANTIZED_CACHES, Int4Cache, Int8Cache, quantized_bytes_per_element_row
+from tokenloom.kv_cache.quantized import (
+    QUANTIZED_CACHES,
+    Int4Cache,
+    Int8Cache,
+    copy_cache_blocks,
+    quantized_bytes_per_element_row,
+    write_cache,
+)
 from tokenloom.kv_cache.recurrent import RecurrentStateCache
 from tokenloom.memory.zero_pages import zeros_on
 from tokenloom.models.config import ModelConfig
@@ -127,54 +134,46 @@ class PagedKVCache:
 
     def zero_blocks(self, block_ids: torch.Tensor) -> None:
         """Clear blocks (in place, every layer) before their first slot is written."""
-        for i in self.layers:
-            self.keys[i].index_fill_(0, block_ids, 0)
-            if not self.latent:
-                self.values[i].index_fill_(0, block_ids, 0)
+        for cache in [self.keys[i] for i in self.layers] + self._value_layers():
+            cache.index_fill_(0, block_ids, 0)
+
+    def _block_ids(self, pairs: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sources, destinations) of (source, destination) block pairs, each (n,) int64 on the device."""
+        src = torch.tensor([p[0] for p in pairs], dtype=torch.int64, device=self.device)
+        return src, torch.tensor([p[1] for p in pairs], dtype=torch.int64, device=self.device)
+
+    def _value_layers(self) -> list:
+        """The value caches of the layers held here (none with latent attention: they are key views)."""
+        return [] if self.latent else [self.values[i] for i in self.layers]
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole blocks src -> dst in every layer (copy-on-write of a shared partial block)."""
-        src = torch.tensor([p[0] for p in pairs], dtype=torch.int64, device=self.device)
-        dst = torch.tensor([p[1] for p in pairs], dtype=torch.int64, device=self.device)
-        values = [] if self.latent else [self.values[i] for i in self.layers]
-        for cache in [self.keys[i] for i in self.layers] + values:
-            if isinstance(cache, QUANTIZED_CACHES):
-                cache.copy_blocks_(src, dst)
-            else:
-                cache[dst] = cache[src]
+        src, dst = self._block_ids(pairs)
+        for cache in [self.keys[i] for i in self.layers] + self._value_layers():
+            copy_cache_blocks(cache, src, dst)
 
     def shift_keys(self, pairs: list[tuple[int, int]], turns: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
         """Context shift (engine/context_shift.py): each (source, destination) block's keys, turned
         by layer i's rope `turns[i]` (cos, sin, each (rotary_dim,) float32; None: the layer has no
         rope), written to the destination in every layer; values copied where the destination is
         another block. A quantized cache is read, turned and quantized again."""
-        src = torch.tensor([p[0] for p in pairs], dtype=torch.int64, device=self.device)
-        dst = torch.tensor([p[1] for p in pairs], dtype=torch.int64, device=self.device)
+        src, dst = self._block_ids(pairs)
         slots = (dst[:, None] * self.block_size + torch.arange(self.block_size, device=self.device)).reshape(-1)
         for i in self.layers:
-            keys = self.keys[i]
-            k = keys[src]  # (n, block_size, kv_heads, head_dim)
+            k = self.keys[i][src]  # (n, block_size, kv_heads, head_dim)
             turn = turns[i]
             turned = k if turn is None else turn_keys(k, *turn)
-            turned = turned.reshape(-1, *k.shape[2:])  # (n * block_size, kv_heads, head_dim)
-            if isinstance(keys, QUANTIZED_CACHES):
-                keys.store(slots, turned)
-            else:
-                keys.view(-1, *keys.shape[2:]).index_copy_(0, slots, turned.to(keys.dtype))
+            write_cache(self.keys[i], turned.reshape(-1, *k.shape[2:]), slots)  # (n * block_size, kv_heads, head_dim)
         moved = [(a, b) for a, b in pairs if a != b]
-        if moved and not self.latent:
-            values = [self.values[i] for i in self.layers]
-            m_src, m_dst = (torch.tensor(col, dtype=torch.int64, device=self.device) for col in zip(*moved))
-            for cache in values:
-                if isinstance(cache, QUANTIZED_CACHES):
-                    cache.copy_blocks_(m_src, m_dst)
-                else:
-                    cache[m_dst] = cache[m_src]
+        if moved:
+            m_src, m_dst = self._block_ids(moved)
+            for cache in self._value_layers():
+                copy_cache_blocks(cache, m_src, m_dst)
 
     def _stored(self) -> list[torch.Tensor]:
         """Every tensor a block's contents live in, indexed by block first: per cached layer its keys
         and values (a quantized layer's codes and scales; latent attention: keys only)."""
-        caches = [self.keys[i] for i in self.layers] + ([] if self.latent else [self.values[i] for i in self.layers])
+        caches = [self.keys[i] for i in self.layers] + self._value_layers()
         out: list[torch.Tensor] = []
         for cache in caches:
             out += [cache.data, cache.scales] if isinstance(cache, QUANTIZED_CACHES) else [cache]

@@ -130,3 +130,21 @@ class Int4Cache(QuantizedKV):
 
 
 QUANTIZED_CACHES = (QuantizedKV,)  # for isinstance: every quantized layer
+
+
+def write_cache(cache, x: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Scatter x (T, kv_heads, head_dim) into one layer's cache slots (T,) (in place): a tensor of
+    the compute dtype, or a quantized layer (quantized on write)."""
+    if isinstance(cache, QUANTIZED_CACHES):
+        cache.store(slot_mapping, x)
+    else:
+        num_blocks, block_size, kv_heads, head_dim = cache.shape
+        cache.view(num_blocks * block_size, kv_heads, head_dim).index_copy_(0, slot_mapping, x)
+
+
+def copy_cache_blocks(cache, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Copy whole blocks src -> dst (block ids (n,) each) in one layer's cache, of either kind."""
+    if isinstance(cache, QUANTIZED_CACHES):
+        cache.copy_blocks_(src, dst)
+    else:
+        cache[dst] = cache[src]

@@ -167,13 +167,11 @@ class OpenAIServing:
         room = self.max_model_len - prompt_len
         if room < 1:
             raise self.prompt_too_long(prompt_len, prompt_param)
+        if self.context_shift:  # a full context shifts: the reply is not bounded by it
+            room = max(room, self.admission.limits.default_max_tokens, requested or 0)
         if requested is None:  # the server's default, within the room
-            return (
-                self.admission.limits.default_max_tokens
-                if self.context_shift
-                else min(room, self.admission.limits.default_max_tokens)
-            )
-        if requested > room and not self.context_shift:
+            return min(room, self.admission.limits.default_max_tokens)
+        if requested > room:
             raise APIError(
                 400,
                 f"this model's context length is {self.max_model_len} tokens: {prompt_len} in the "
