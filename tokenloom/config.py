@@ -27,6 +27,9 @@ class CacheConfig:
     kv_cache_contexts: int | None = None
     prefix_cache_dir: str | None = None  # the prefix cache's disk tier (kv_cache/disk_tier.py); None: none
     prefix_cache_disk: int = 8 << 30  # bytes the disk tier may hold
+    # sliding-window layers keep only the blocks their window reads, in a pool of their own
+    # (kv_cache/window_pool.py) where the engine runs them so (one process, the CPU, no disk tier)
+    window_blocks: bool = True
 
     def __post_init__(self) -> None:
         if self.prefix_cache_disk <= 0:

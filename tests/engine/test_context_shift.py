@@ -197,13 +197,14 @@ def test_each_layer_turns_by_its_own_rope(tiny_model_dir):
     a shift, layer 0's cache equals a fresh prefill's everywhere; layer 1's where a token's window
     (6 positions) reaches back no further than the moved tokens."""
     folder = str(tiny_model_dir("gemma3"))
-    llm = _engine(folder, context_shift=True)
+    # every layer's blocks in one table, read back here (window layers' own blocks: test_window_blocks.py)
+    llm = _engine(folder, context_shift=True, window_blocks=False)
     llm.engine.add_request("g", list(range(5, 45)), SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
     req = llm.engine.requests["g"]
     while not req.num_dropped:
         llm.engine.step()
     context = req.all_token_ids[:-1]  # computed: every context token but the newest
-    fresh = _engine(folder)
+    fresh = _engine(folder, window_blocks=False)
     fresh.engine.add_request("f", context + [1], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     fresh.engine.step()  # the prompt: its keys and values are in the cache now
     for layer, start in ((0, 0), (1, req.keep_tokens + 6)):

@@ -237,7 +237,7 @@ def test_a_prompt_block_is_in_flight_until_committed_or_released():
 
 def test_borrowed_blocks_come_back_and_a_full_cache_refuses_a_borrow():
     bm = BlockManager(num_blocks=4, block_size=4)
-    with bm.borrow(8) as (table, _):
+    with bm.borrow(8) as (table, _, _):
         assert len(table) == 2 and bm.num_free_blocks == 2
         with pytest.raises(RuntimeError, match="no room for 12 tokens"), bm.borrow(12):
             pass
@@ -271,7 +271,7 @@ def test_state_slots_come_with_a_sequences_first_blocks_and_go_with_its_release(
     with pytest.raises(RuntimeError, match="no room"), bm.borrow(4):
         pass  # both slots held
     bm.release("b")
-    with bm.borrow(4) as (_, slot):
+    with bm.borrow(4) as (_, slot, _):
         assert slot == 1
     bm.check_integrity()
     assert BlockManager(num_blocks=4, block_size=4).state_slot("x") == -1  # a model without recurrent layers
@@ -281,7 +281,7 @@ def test_a_shift_drops_blocks_moves_the_rest_up_and_forgets_their_hashes(bm):
     seq = toks(22)  # 5 full blocks and 2 tokens
     bm.allocate("a", 22)
     bm.commit("a", seq, 22)  # the 5 full blocks are in the prefix index
-    pairs = bm.shift("a", keep_blocks=1, drop_blocks=2)
+    pairs = bm.shift("a", keep_blocks=1, drop_blocks=2).pairs
     assert pairs == [(3, 3), (4, 4), (5, 5)]  # held by a alone: turned in place
     assert bm.block_ids("a") == [0, 3, 4, 5]
     assert [bm.ref_count(i) for i in range(6)] == [1, 0, 0, 1, 1, 1]
@@ -299,7 +299,7 @@ def test_a_shift_copies_the_blocks_another_sequence_holds(bm):
     bm.commit("a", seq, 12)
     hit = bm.lookup("b", seq + [99], 13)
     bm.allocate("b", 13, hit)  # b shares a's 3 blocks, then block 3
-    pairs = bm.shift("a", keep_blocks=1, drop_blocks=1)
+    pairs = bm.shift("a", keep_blocks=1, drop_blocks=1).pairs
     assert pairs == [(2, 4)]  # block 2 is b's too: a's keys go to a fresh block
     assert bm.block_ids("a") == [0, 4] and bm.block_ids("b") == [0, 1, 2, 3]
     assert [bm.ref_count(i) for i in range(5)] == [2, 1, 1, 1, 1]

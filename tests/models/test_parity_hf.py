@@ -129,7 +129,7 @@ def test_fresh_blocks_are_cleared_only_where_a_reader_looks_past_the_context(tin
     assert runner.zero_fresh_blocks is (not kernel_reads_all)
     cleared = []
     clear = runner.kv_cache.zero_blocks
-    runner.kv_cache.zero_blocks = lambda ids: (cleared.append(ids.tolist()), clear(ids))
+    runner.kv_cache.zero_blocks = lambda ids, window_ids=None: (cleared.append(ids.tolist()), clear(ids, window_ids))
     llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
     assert bool(cleared) is (not kernel_reads_all)
 

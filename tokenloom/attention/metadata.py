@@ -66,6 +66,14 @@ class AttentionMetadata:
     padded_decode_inputs: dict | None = None  # torch path: attention window -> (tables, may-attend mask)
     paged_inputs_: PagedInputs | None = None  # the Triton path's (paged_inputs); a CUDA graph sets its own
     recurrent_batch_: Any = None  # the recurrent layers' view (kv_cache/recurrent.recurrent_batch)
+    # the same step as the sliding-window layers with a pool of their own read it (their block
+    # tables, slots and null block; kv_cache/window_pool.py); None where every layer reads this one
+    window: AttentionMetadata | None = None
+
+    def for_window_layers(self, windowed: bool) -> AttentionMetadata:
+        """The metadata a layer attends with: the window layers' where it has a window and they have
+        their own pool, else this."""
+        return self.window if windowed and self.window is not None else self
 
     def paged_inputs(self) -> PagedInputs:
         """This step's sequences as the Triton paged-attention kernel reads them (built once a step)."""

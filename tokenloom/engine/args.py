@@ -135,6 +135,12 @@ class EngineArgs:
         type=_gib,
         help="GiB the prefix cache's disk tier may hold; the least recently used blocks go first (default: 8)",
     )
+    window_blocks: bool = _option(
+        True,
+        "--no-window-blocks",
+        help="keep every block in sliding-window layers too (by default they keep only the blocks their "
+        "window reads, where the engine runs them so: one process on the CPU, without --prefix-cache-dir)",
+    )
     kv_cache_dtype: str = _option(
         "auto",
         "--kv-cache-dtype",
@@ -300,6 +306,7 @@ class EngineArgs:
             kv_cache_contexts=self.kv_cache_contexts,
             prefix_cache_dir=self.prefix_cache_dir,
             prefix_cache_disk=self.prefix_cache_disk,
+            window_blocks=self.window_blocks,
         )
         scheduler = SchedulerConfig(
             max_num_seqs=self.max_num_seqs,

@@ -18,11 +18,13 @@ from tokenloom.config import EngineConfig
 from tokenloom.engine.context_shift import check_keep
 from tokenloom.engine.core_output import CoreOutput
 from tokenloom.engine.cpu_share import CpuShare
+from tokenloom.engine.kv_layout import report_window_pool, window_pool_blocks, window_pool_layers
 from tokenloom.engine.request import Request
 from tokenloom.engine.scheduler import Scheduler
 from tokenloom.kv_cache.block_manager import BlockManager
 from tokenloom.kv_cache.disk_tier import DiskTier, model_identity, namespace
 from tokenloom.kv_cache.paged import PagedKVCache, kv_bytes_per_token
+from tokenloom.kv_cache.window_pool import WindowPool
 from tokenloom.loader.load import LoadedModel
 from tokenloom.models.config import parse_dtype
 from tokenloom.sampling.vocab import SamplingVocab
@@ -71,10 +73,12 @@ class EngineCore:
         # a hybrid's sequences each hold a recurrent-state slot: the scheduler runs at most
         # max_num_seqs of them, and one more is kept for a borrowed table (embeddings, scoring)
         state_slots = config.scheduler.max_num_seqs + 1 if recurrent else 0
-        kv = self._make_cache(config, loaded, dtype, state_slots)
+        window_layers, window = window_pool_layers(config, loaded, self.max_model_len, peers is not None)
+        kv = self._make_cache(config, loaded, dtype, state_slots, window_layers, window)
         self._report_cache(kv)
         prefix_caching = config.cache.enable_prefix_caching and not recurrent
-        self.block_manager = BlockManager(kv.num_blocks, kv.block_size, prefix_caching, state_slots)
+        pool = WindowPool(kv.num_window_blocks, window, kv.block_size) if window_layers else None
+        self.block_manager = BlockManager(kv.num_blocks, kv.block_size, prefix_caching, state_slots, pool)
         if config.cache.prefix_cache_dir is not None:
             self._attach_disk_tier(config, loaded, kv, peers)
         self.runner = ModelRunner(
@@ -172,13 +176,22 @@ class EngineCore:
                 self.model_config.architecture,
             )
 
-    def _make_cache(self, config: EngineConfig, loaded: LoadedModel, dtype, state_slots: int) -> PagedKVCache:
+    def _make_cache(
+        self, config: EngineConfig, loaded: LoadedModel, dtype, state_slots: int, window_layers, window: int
+    ) -> PagedKVCache:
         """The KV cache within the configured budget, with `state_slots` sequences' recurrent state
         beside it (not counted in the budget: on the CPU its pages become resident as sequences
-        write them, on a GPU it is allocated whole; the log says how much)."""
+        write them, on a GPU it is allocated whole; the log says how much), and `window_layers`
+        keeping blocks for windows of `window` positions in a pool of their own."""
         budget = config.cache.resolve_memory(self.kv_bytes_per_token, self.max_model_len)
         args = (config.cache.block_size, dtype, config.device, config.kv_cache_dtype, loaded.kv_layers, state_slots)
-        return PagedKVCache.from_memory_budget(self.cache_config, budget, *args)
+        if not window_layers:
+            return PagedKVCache.from_memory_budget(self.cache_config, budget, *args)
+        s = config.scheduler
+        wanted = window_pool_blocks(window, config.cache.block_size, s.max_num_seqs, s.max_num_batched_tokens)
+        cached = len(self.cache_config.attention_layers(loaded.kv_layers))
+        report_window_pool(window_layers, window, cached, self.kv_bytes_per_token, self.max_model_len, args[0])
+        return PagedKVCache.from_memory_budget(self.cache_config, budget, *args, window_layers, wanted)
 
     @staticmethod
     def _cpu_share(config: EngineConfig) -> CpuShare | None:

@@ -147,8 +147,8 @@ class LLMEngine:
             raise ValueError(f"pooling must be mean or last, got {pooling!r}")
         if not token_ids or len(token_ids) > self.max_model_len:
             raise ValueError(f"the input has {len(token_ids)} tokens; this model takes 1 to {self.max_model_len}")
-        with self.core.block_manager.borrow(len(token_ids)) as (block_ids, slot):
-            hidden, _ = self.core.runner.forward([SeqChunk(list(token_ids), 0, block_ids, slot)])  # (T, hidden)
+        with self.core.block_manager.borrow(len(token_ids)) as (block_ids, slot, window_ids):
+            hidden, _ = self.core.runner.forward([SeqChunk(list(token_ids), 0, block_ids, slot, window_ids)])
         pooled = hidden.float().mean(0) if pooling == "mean" else hidden[-1].float()  # (hidden,)
         return torch.nn.functional.normalize(pooled, dim=0).tolist()
 
@@ -167,9 +167,9 @@ class LLMEngine:
         if self.has_unfinished_requests():
             raise RuntimeError("full logits are computed only while the engine has no requests in flight")
         runner = self.core.runner
-        with self.core.block_manager.borrow(n) as (block_ids, slot):
+        with self.core.block_manager.borrow(n) as (block_ids, slot, window_ids):
             for start in range(0, n, chunk_size):
-                chunk = SeqChunk(token_ids[start : start + chunk_size], start, block_ids, slot)
+                chunk = SeqChunk(token_ids[start : start + chunk_size], start, block_ids, slot, window_ids)
                 hidden, _ = runner.forward([chunk])
                 yield start, runner.model.compute_logits(hidden)  # (len, vocab)
 

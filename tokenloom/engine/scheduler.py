@@ -118,6 +118,7 @@ class Scheduler:
         if self.config.decode_steps > 1 and not self.waiting and out.scheduled:
             self._decode_ahead(out)
         out.block_copies = self.blocks.pending_copies()
+        out.window_block_copies = self.blocks.pending_window_copies()
         return out
 
     def _decode_ahead(self, out: SchedulerOutput) -> None:
@@ -144,7 +145,9 @@ class Scheduler:
         if tables is None:
             return
         for s in out.scheduled:
-            s.block_ids, s.decode_steps = tables[s.request.request_id], steps
+            rid = s.request.request_id
+            s.block_ids, s.decode_steps = tables[rid], steps
+            s.window_block_ids = self.blocks.window_block_ids(rid)
 
     def _allocate_or_preempt(self, req: Request, n: int) -> bool:
         """Blocks for req's next n tokens, preempting the newest running requests until they fit.
@@ -171,10 +174,9 @@ class Scheduler:
         """Drop req's oldest blocks after its kept head (engine/context_shift.py), preempting the
         newest running requests if the moved blocks' copies need room. Returns False if req itself
         had to be preempted."""
-        keep = req.params.context_keep if req.params.context_keep is not None else self.config.context_keep
-        plan = plan_shift(req.num_computed_tokens, keep, self.blocks.block_size)
+        plan = plan_shift(req.num_computed_tokens, self._keep(req), self.blocks.block_size)
         assert plan is not None, "context_shift.check_keep admits only keeps that leave blocks to drop"
-        while (pairs := self.blocks.shift(req.request_id, plan.keep_blocks, plan.drop_blocks)) is None:
+        while (moves := self.blocks.shift(req.request_id, plan.keep_blocks, plan.drop_blocks)) is None:
             victim = self.running[-1]
             self._preempt(victim)
             if victim is req:
@@ -184,8 +186,14 @@ class Scheduler:
         req.num_computed_tokens -= plan.delta
         req.draft_num_computed = 0
         self.num_context_shifts += 1
-        out.kv_shifts.append(KVShift(pairs, plan.delta))
+        out.kv_shifts.append(KVShift(moves.pairs, plan.delta, moves.window_pairs))
         return True
+
+    def _keep(self, req: Request) -> int:
+        """The tokens a context shift of req keeps at its start (0 with context shift off)."""
+        if not self.config.context_shift:
+            return 0
+        return req.params.context_keep if req.params.context_keep is not None else self.config.context_keep
 
     def _take_drafts(self, req: Request, budget: int) -> list[int]:
         """The request's draft tokens to verify this step, with blocks allocated for them; [] if
@@ -229,7 +237,13 @@ class Scheduler:
         rid = req.request_id
         out.scheduled.append(
             ScheduledRequest(
-                req, n, samples, self.blocks.block_ids(rid), list(spec), state_slot=self.blocks.state_slot(rid)
+                req,
+                n,
+                samples,
+                self.blocks.block_ids(rid),
+                list(spec),
+                state_slot=self.blocks.state_slot(rid),
+                window_block_ids=self.blocks.window_block_ids(rid),
             )
         )
         return n
@@ -318,7 +332,7 @@ class Scheduler:
         if stop is not None:
             self.finish(req, *stop)
         else:
-            self.blocks.commit(req.request_id, req.all_token_ids, req.num_computed_tokens)
+            self.blocks.commit(req.request_id, req.all_token_ids, req.num_computed_tokens, self._keep(req))
         return appended
 
     def _token_stop(self, req: Request) -> tuple[str, int | None] | None:

@@ -29,6 +29,12 @@ next forward), and a lookup goes on past the blocks in memory through those on d
 ``allocate`` reads back into fresh blocks. The bytes move through the two functions the engine
 attaches with the tier (the cache's block_bytes / load_block_bytes): no torch here.
 
+With sliding-window layers (``window``, kv_cache/window_pool.py), those layers keep a block's data
+in a backing of their own pool only while some sequence's window can read it: a sequence holds
+its blocks there from allocation until its queries pass them (``commit``), a prefix hit is cut to
+where the blocks its first query's window reads still have their backings, and ``window_block_ids``
+is the table those layers attend with (the pool's null block for the blocks let go).
+
 The scheduler's interface is narrow (``SCHEDULER_INTERFACE``, held by tests/kv_cache): ``lookup``
 a sequence's cached prefix, ``allocate`` room (starting from that prefix), ``commit`` computed
 tokens to the prefix index, ``trim`` and ``release``, the ``pending_copies`` the runner must run,
@@ -47,6 +53,7 @@ from dataclasses import dataclass, field
 from typing import cast
 
 from tokenloom.kv_cache.disk_tier import DiskTier, chain_key
+from tokenloom.kv_cache.window_pool import WindowPool
 
 # What the scheduler may call (tests/kv_cache/test_block_manager.py checks that it calls nothing else).
 SCHEDULER_INTERFACE = frozenset(
@@ -65,6 +72,8 @@ SCHEDULER_INTERFACE = frozenset(
         "state_slot",
         "shift",
         "block_size",
+        "window_block_ids",
+        "pending_window_copies",
     }
 )
 
@@ -81,6 +90,8 @@ class Block:
     key: tuple | None = None  # (parent hash, token ids): guards against hash collisions
     partial_keys: list | None = None  # (parent hash, token ids) of computed prefixes of this block
     disk_key: str | None = None  # its key in the disk tier (kv_cache/disk_tier.py), with a disk tier
+    window_id: int | None = None  # its backing in the window layers' pool (kv_cache/window_pool.py)
+    window_refs: int = 0  # sequences (and pending copies) whose window layers read it
 
 
 @dataclass(slots=True)
@@ -94,6 +105,15 @@ class PrefixCacheStats:
     @property
     def hit_rate(self) -> float:
         return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
+
+@dataclass(slots=True)
+class ShiftMoves:
+    """What a context shift asks of the KV cache: (source, destination) blocks whose keys turn, and
+    the same moves in the window layers' pool (kv_cache/window_pool.py) for the blocks held there."""
+
+    pairs: list[tuple[int, int]]
+    window_pairs: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -116,8 +136,15 @@ class BlockManager:
     """Block tables, reference counts, the prefix-cache index and the LRU free queue."""
 
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, state_slots: int = 0
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        state_slots: int = 0,
+        window: WindowPool | None = None,
     ) -> None:
+        """`window`: the sliding-window layers' pool, for a model whose window layers keep only the
+        blocks their window reads (None: every layer keeps every block)."""
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"need positive num_blocks and block_size, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
@@ -146,6 +173,9 @@ class BlockManager:
         self._disk_keys: dict[str, list[str]] = {}  # per request: its full blocks' disk keys
         self._block_bytes: Callable[[int], bytes] = _unattached
         self._load_block: Callable[[int, bytes], None] = _unattached
+        self.window = window
+        self._window_held: dict[str, list[bool]] = {}  # per request, per table entry: held in the window pool
+        self._window_lo: dict[str, int] = {}  # per request: its entries before this one are let go (sinks aside)
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -161,6 +191,19 @@ class BlockManager:
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self._tables.get(request_id, ())]
+
+    def window_block_ids(self, request_id: str) -> list[int] | None:
+        """The block table the window layers attend with: each block's backing where the sequence
+        holds it, else the pool's null block (its window no longer reads it); None without a pool."""
+        if self.window is None:
+            return None
+        null, table = self.window.null, self._tables.get(request_id, ())
+        held = self._window_held.get(request_id, ())
+        return [cast("int", b.window_id) if h else null for b, h in zip(table, held)]
+
+    def _pool(self) -> WindowPool:
+        assert self.window is not None, "a table entry held in the window pool without a pool"
+        return self.window
 
     def state_slot(self, request_id: str) -> int:
         """The sequence's recurrent-state slot; -1 without one (no state slots, or no blocks yet)."""
@@ -188,6 +231,8 @@ class BlockManager:
         hits = self.find_cached_prefix(token_ids) if use_cache else []
         on_disk = self.find_on_disk(seq_id, token_ids, hits) if use_cache else []
         partial = self.find_cached_partial(token_ids, hits) if use_cache and not on_disk else None
+        if self.window is not None:
+            hits, partial = self._window_cut(hits, partial)
         prompt = self.request_hashes(seq_id, token_ids)[: num_prompt_tokens // self.block_size]
         first = len(hits) + len(on_disk)  # the first block to compute
         waits = use_cache and first < len(prompt) and self._in_flight[prompt[first]] > 0
@@ -222,6 +267,8 @@ class BlockManager:
             raise ValueError(
                 "the prefix cache's disk tier needs prefix caching, which is off here (a hybrid model keeps none)"
             )
+        if self.window is not None:
+            raise ValueError("the prefix cache's disk tier is not implemented for window layers with their own pool")
         self.disk, self._block_bytes, self._load_block = disk, block_bytes, load_block
 
     def save_to_disk(self) -> int:
@@ -239,16 +286,32 @@ class BlockManager:
         """Grow several sequences at once, each to its token count, or none of them (None) if the
         free blocks cannot hold all: their new block tables."""
         more = sum(self.blocks_needed(n) - len(self._tables.get(seq_id, ())) for seq_id, n in wants.items())
-        if more > self.num_free_blocks:
+        if more > self.num_free_blocks or (self.window is not None and more > self.window.num_available):
             return None
         # counted above: each allocation fits
         return {seq_id: cast("list[int]", self.allocate(seq_id, n)) for seq_id, n in wants.items()}
 
-    def commit(self, seq_id: str, token_ids: list[int], num_computed_tokens: int) -> None:
+    def commit(self, seq_id: str, token_ids: list[int], num_computed_tokens: int, keep_tokens: int = 0) -> None:
         """`num_computed_tokens` of the sequence's `token_ids` have KV now: index its newly full blocks
-        for prefix hits, and mark its prompt blocks up to there computed."""
+        for prefix hits, and mark its prompt blocks up to there computed. With a window pool, let go
+        of the blocks its next query's window no longer reads, but for the blocks of its first
+        `keep_tokens` (what a context shift keeps, and so may read again)."""
         self.cache_full_blocks(seq_id, token_ids, num_computed_tokens)
         self._advance_computing(seq_id, num_computed_tokens // self.block_size)
+        if self.window is not None:
+            self._slide(seq_id, num_computed_tokens, self.blocks_needed(keep_tokens))
+
+    def _slide(self, seq_id: str, position: int, keep_blocks: int) -> None:
+        """Let go in the window pool of the sequence's blocks after its first `keep_blocks` that a
+        query at `position` does not read."""
+        assert self.window is not None
+        held, table = self._window_held.get(seq_id, []), self._tables.get(seq_id, [])
+        lo, first = self._window_lo.get(seq_id, 0), min(self.window.first_visible(position), len(held))
+        for i in range(max(lo, keep_blocks), first):
+            if held[i]:
+                held[i] = False
+                self.window.let_go(table[i])
+        self._window_lo[seq_id] = max(lo, first)
 
     def release(self, seq_id: str, token_ids: list[int] | None = None, num_computed_tokens: int = 0) -> None:
         """Drop the sequence's blocks. Given its `token_ids` (a request that ended normally), first
@@ -278,10 +341,11 @@ class BlockManager:
             self._computing[seq_id] = (hashes, upto)
 
     @contextmanager
-    def borrow(self, num_tokens: int) -> Iterator[tuple[list[int], int]]:
-        """(block table, recurrent-state slot or -1) for one sequence of `num_tokens` outside any
-        request (embeddings, full-logit scoring), freed when the block ends; RuntimeError if the
-        free blocks (or state slots) cannot hold it now."""
+    def borrow(self, num_tokens: int) -> Iterator[tuple[list[int], int, list[int] | None]]:
+        """(block table, recurrent-state slot or -1, the window layers' table or None) for one
+        sequence of `num_tokens` outside any request (embeddings, full-logit scoring), freed when the
+        block ends; RuntimeError if the free blocks (or state slots, or window-layer blocks) cannot
+        hold it now."""
         seq_id = f"borrowed-{uuid.uuid4().hex}"
         block_ids = self.allocate(seq_id, num_tokens)
         if block_ids is None:
@@ -290,46 +354,61 @@ class BlockManager:
                 f"the KV cache has no room for {num_tokens} tokens now{slots}; retry when fewer requests run"
             )
         try:
-            yield block_ids, self.state_slot(seq_id)
+            yield block_ids, self.state_slot(seq_id), self.window_block_ids(seq_id)
         finally:
             self.free(seq_id)
 
-    def shift(self, seq_id: str, keep_blocks: int, drop_blocks: int) -> list[tuple[int, int]] | None:
+    def shift(self, seq_id: str, keep_blocks: int, drop_blocks: int) -> ShiftMoves | None:
         """Context shift (engine/context_shift.py): drop the sequence's `drop_blocks` blocks after
         its first `keep_blocks`; the blocks after them move up in its table. Returns one (source,
         destination) pair per moved block, whose keys the runner turns back
         (``PagedKVCache.shift_keys``): in place where the sequence alone holds the block, into a
-        fresh block where another sequence holds it too. None (nothing changed) if the free blocks
+        fresh block where another sequence holds it too; with a window pool, the same for the moved
+        blocks the sequence holds there. None (nothing changed) if the free blocks (or backings)
         cannot hold those copies.
 
         The moved blocks' keys and values belong to a history no prompt has: they leave the prefix
         index, and none of the sequence's blocks past the kept ones enter it until it is freed.
         """
-        table = self._tables[seq_id]
-        dropped, moved = table[keep_blocks : keep_blocks + drop_blocks], table[keep_blocks + drop_blocks :]
+        table, end = self._tables[seq_id], keep_blocks + drop_blocks
+        held = self._window_held.get(seq_id, [False] * len(table))
+        dropped, moved = table[keep_blocks:end], table[end:]
         shared = [b for b in moved if b.ref_count > 1]
         if len(shared) > len(self._free) + sum(1 for b in dropped if b.ref_count == 1):
             return None
-        for block in reversed(dropped):
-            self._release(block)
-        pairs, kept = [], table[:keep_blocks]
-        for block in moved:
+        if self.window is not None and sum(held[end:][i] for i, b in enumerate(moved) if b.ref_count > 1) > (
+            self.window.num_available
+        ):
+            return None
+        for i in reversed(range(keep_blocks, end)):
+            if held[i]:
+                self._pool().let_go(table[i])
+            self._release(table[i])
+        moves, kept = ShiftMoves([]), table[:keep_blocks]
+        for block, h in zip(moved, held[end:]):
+            target, source_backing = block, block.window_id
             if block.ref_count > 1:
-                copy = self._take_free()
+                target = self._take_free()
+                if h:
+                    self._pool().hold(target)
+                    self._pool().let_go(block)  # read by the runner before any write
                 self._release(block)  # the runner reads it before this step writes any block
-                pairs.append((block.block_id, copy.block_id))
-                kept.append(copy)
             else:
                 self._evict(block)  # its contents change: not a cached prefix any more
-                pairs.append((block.block_id, block.block_id))
-                kept.append(block)
+            moves.pairs.append((block.block_id, target.block_id))
+            if h:
+                moves.window_pairs.append((cast("int", source_backing), cast("int", target.window_id)))
+            kept.append(target)
         self._tables[seq_id] = kept
+        if self.window is not None:
+            self._window_held[seq_id] = held[:keep_blocks] + held[end:]
+            self._window_lo[seq_id] = max(keep_blocks, self._window_lo.get(seq_id, 0) - drop_blocks)
         self._hashes[seq_id] = self._hashes.get(seq_id, [])[:keep_blocks]
         self._disk_keys[seq_id] = self._disk_keys.get(seq_id, [])[:keep_blocks]
         self._registered[seq_id] = min(self._registered.get(seq_id, 0), keep_blocks)
         self._cacheable[seq_id] = keep_blocks
         self._advance_computing(seq_id, None)
-        return pairs
+        return moves
 
     # ---- the parts (the interface above, and unit tests, use them) ------------------------
 
@@ -383,6 +462,24 @@ class BlockManager:
             if block is not None:
                 return block, j
         return None
+
+    def _window_cut(
+        self, hits: list[Block], partial: tuple[Block, int] | None
+    ) -> tuple[list[Block], tuple[Block, int] | None]:
+        """The longest start of a prefix hit (its full blocks, then the partial one) whose blocks the
+        window of its first query to compute still has backings for (the window layers' keys and
+        values of the rest are gone)."""
+        assert self.window is not None
+        while hits or partial:
+            start = len(hits) * self.block_size + (partial[1] if partial else 0)
+            read = hits + [partial[0]] if partial else hits
+            if all(b.window_id is not None for b in read[self.window.first_visible(start) :]):
+                break
+            if partial is not None:
+                partial = None
+            else:
+                hits = hits[:-1]
+        return hits, partial
 
     def find_on_disk(self, request_id: str, token_ids: list[int], hits: list[Block]) -> list[tuple[str, int, tuple]]:
         """The blocks after the memory `hits` whose keys the disk tier holds, in order: (key, hash,
@@ -462,7 +559,26 @@ class BlockManager:
         reclaimable = sum(1 for b in cached_prefix if b.ref_count == 0)  # hits sitting in the free queue
         if partial is not None and self._must_copy(partial[0]) and partial[0].ref_count == 0:
             reclaimable += 1  # the copy's source, pinned
+        if self.window is not None and self._window_cost(request_id, num_tokens, cached_prefix, partial) > (
+            self.window.num_available
+        ):
+            return False
         return self.blocks_needed(num_tokens) - have <= len(self._free) - reclaimable
+
+    def _window_cost(
+        self, request_id: str, num_tokens: int, cached_prefix: Sequence[Block], partial: tuple[Block, int] | None
+    ) -> int:
+        """The backings growing the request's table to `num_tokens` tokens takes from the window pool."""
+        assert self.window is not None
+        table = self._tables.get(request_id)
+        if table:
+            return max(0, self.blocks_needed(num_tokens) - len(table))
+        start = len(cached_prefix) * self.block_size + (partial[1] if partial else 0)
+        prefix = list(cached_prefix)[self.window.first_visible(start) :]
+        cost = WindowPool.cost(prefix) + self.blocks_needed(num_tokens) - len(cached_prefix)
+        if partial is not None and self._must_copy(partial[0]):
+            cost += partial[0].window_refs == 0  # the copy's source, held until copied
+        return cost
 
     def _allocate(
         self,
@@ -480,6 +596,7 @@ class BlockManager:
         table = self._tables.setdefault(request_id, [])
         if self.state_slots and request_id not in self._slot_of:
             self._slot_of[request_id] = self._free_slots.pop()
+        start = len(cached_prefix) * self.block_size + (partial[1] if partial else 0)  # a new table's first
         if not table:
             for block in cached_prefix:
                 self._take(block)
@@ -493,7 +610,24 @@ class BlockManager:
                 self._read_back(request_id, table, on_disk)
         while len(table) < self.blocks_needed(num_tokens):
             table.append(self._take_free())
+        if self.window is not None:
+            self._hold_window(request_id, table, start)
         return True
+
+    def _hold_window(self, request_id: str, table: list[Block], start: int) -> None:
+        """Hold the table's new entries in the window pool: of a new table, those the window of its
+        first query (at position `start`) reads and every block after; of a grown one, the new
+        blocks. Blocks with backings are held before those needing one (module window_pool)."""
+        assert self.window is not None
+        held = self._window_held.setdefault(request_id, [])
+        grown = bool(held)
+        first = len(held) if grown else self.window.first_visible(start)
+        if not grown:
+            self._window_lo[request_id] = first
+        held.extend(i >= first for i in range(len(held), len(table)))
+        new = [table[i] for i in range(first, len(table)) if held[i]]
+        for block in sorted(new, key=lambda b: b.window_id is None):  # stable: backed ones first
+            self.window.hold(block)
 
     def _read_back(self, request_id: str, table: list[Block], on_disk: Sequence[tuple[str, int, tuple]]) -> None:
         """Fresh blocks for the disk hits, in order, each written into the KV cache now and indexed as
@@ -539,6 +673,8 @@ class BlockManager:
                 del self._partial[key]
             return block
         self._take(block)  # pinned until the copy has run
+        if self.window is not None:
+            self.window.hold(block)  # its window layers' data too
         copy = self._take_free()
         self._copies.append((block, copy))
         self.stats.copied_blocks += 1
@@ -548,9 +684,17 @@ class BlockManager:
         """The (source, destination) block copies the runner must run before the next forward."""
         return [(src.block_id, dst.block_id) for src, dst in self._copies]
 
+    def pending_window_copies(self) -> list[tuple[int, int]]:
+        """The same copies in the window layers' pool (backing ids); [] without a pool."""
+        if self.window is None:
+            return []
+        return [(cast("int", src.window_id), cast("int", dst.window_id)) for src, dst in self._copies]
+
     def copies_done(self) -> None:
         """The runner has copied: unpin the sources."""
         for src, _ in self._copies:
+            if self.window is not None:
+                self.window.let_go(src)
             self._release(src)
         self._copies.clear()
 
@@ -566,11 +710,18 @@ class BlockManager:
         for key in block.partial_keys or ():
             del self._partial[key]
         block.hash = block.key = block.partial_keys = block.disk_key = None
+        if self.window is not None:
+            self.window.forget(block)  # unless a sequence holds it there
 
     def free(self, request_id: str) -> None:
         """Drop the request's references (tail first); blocks no one holds become free."""
-        for block in reversed(self._tables.pop(request_id, [])):
+        table, held = self._tables.pop(request_id, []), self._window_held.pop(request_id, [])
+        for block, h in zip(table, held):
+            if h:
+                self._pool().let_go(block)
+        for block in reversed(table):
             self._release(block)
+        self._window_lo.pop(request_id, None)
         if request_id in self._slot_of:
             self._free_slots.append(self._slot_of.pop(request_id))
         self._hashes.pop(request_id, None)
@@ -585,8 +736,12 @@ class BlockManager:
         if not table:
             return
         keep = max(self.blocks_needed(num_tokens), self._registered.get(request_id, 0))
+        held = self._window_held.get(request_id)
         while len(table) > keep:
-            self._release(table.pop())
+            block = table.pop()
+            if held and held.pop():
+                self._pool().let_go(block)
+            self._release(block)
 
     def _release(self, block: Block) -> None:
         block.ref_count -= 1
@@ -633,3 +788,18 @@ class BlockManager:
             assert block.hash == h and block.key is not None, f"index entry {h} points at a block without it"
         for key, block in self._partial.items():
             assert key in (block.partial_keys or ()), f"partial entry {key} points at a block without it"
+        if self.window is not None:
+            self._check_window()
+
+    def _check_window(self) -> None:
+        """The window pool's holds match the tables' held entries and pinned copy sources."""
+        assert self.window is not None
+        holds: Counter[int] = Counter(src.block_id for src, _ in self._copies)
+        for rid, held in self._window_held.items():
+            table = self._tables.get(rid, [])
+            assert len(held) == len(table), f"request {rid}: {len(held)} window flags for {len(table)} blocks"
+            holds.update(b.block_id for b, h in zip(table, held) if h)
+        for block in self.blocks:
+            assert block.window_refs == holds[block.block_id], f"block {block.block_id}: window holds disagree"
+            assert not block.window_refs or block.window_id is not None, f"block {block.block_id}: held, no backing"
+        self.window.check(self.blocks)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from tokenloom.kv_cache.quantized import (
@@ -53,6 +55,10 @@ class PagedKVCache:
 
     A hybrid model's recurrent layers keep no keys or values (empty tensors here); their
     per-sequence state lives in ``states`` (kv_cache/recurrent.py), `state_slots` sequences' worth.
+
+    Sliding-window layers given a pool of their own (``window_layers``, kv_cache/window_pool.py) have
+    ``num_window_blocks + 1`` blocks instead (the last, ``window_null``, the zero one), addressed by
+    the window tables; the methods moving blocks take those layers' block ids apart.
     """
 
     def __init__(
@@ -65,10 +71,13 @@ class PagedKVCache:
         kv_cache_dtype: str = "auto",
         layers: range | None = None,
         state_slots: int = 0,
+        window_layers: frozenset[int] = frozenset(),
+        num_window_blocks: int = 0,
     ) -> None:
         """`layers`: the layers whose KV this cache holds (a pipeline stage's; None: all; less a
         hybrid's recurrent layers); the others get empty tensors of the same dtype and never see a
-        block. `state_slots`: sequences the recurrent layers' state is kept for (hybrids only)."""
+        block. `state_slots`: sequences the recurrent layers' state is kept for (hybrids only).
+        `window_layers`: those of them keeping `num_window_blocks` blocks of their own."""
         shape = (num_blocks + 1, block_size, model.num_kv_heads, model.head_dim)
         self.latent = model.mla is not None  # values live in the keys
         if self.latent and kv_cache_dtype != "auto":
@@ -76,6 +85,11 @@ class PagedKVCache:
                 f"an {kv_cache_dtype} KV cache is not implemented for latent attention (DeepSeek); use auto"
             )
         self.layers = model.attention_layers(layers)
+        self.window_layers = window_layers
+        if not window_layers <= set(self.layers) or (window_layers and num_window_blocks < 1):
+            raise ValueError(f"window layers {sorted(window_layers)} need blocks and must be cached layers")
+        self.num_window_blocks = num_window_blocks
+        self.window_null = num_window_blocks
         self.states = (
             RecurrentStateCache(model, state_slots, dtype, device, layers) if model.recurrent is not None else None
         )
@@ -92,7 +106,8 @@ class PagedKVCache:
             return zeros_on(size, dtype, self.device)
 
         def layer_cache(i: int):
-            size = shape if i in self.layers else (0, *shape[1:])
+            blocks = num_window_blocks + 1 if i in window_layers else num_blocks + 1
+            size = (blocks, *shape[1:]) if i in self.layers else (0, *shape[1:])
             if kv_cache_dtype == "int8":
                 return Int8Cache(zeros(size, torch.int8), zeros(size[:3], torch.float32), dtype)
             if kv_cache_dtype == "int4":
@@ -116,14 +131,28 @@ class PagedKVCache:
         kv_cache_dtype: str = "auto",
         layers: range | None = None,
         state_slots: int = 0,
+        window_layers: frozenset[int] = frozenset(),
+        window_blocks: int = 0,
     ) -> PagedKVCache:
+        """The cache `memory_bytes` holds. With `window_layers` (a pool of their own), those layers get
+        `window_blocks` blocks, or as many as the budget gives every layer if fewer, and the other
+        layers the rest of the budget."""
         per_block = kv_bytes_per_token(model, dtype, kv_cache_dtype, layers) * block_size
         num_blocks = memory_bytes // per_block - 1  # one block is the null block
         if num_blocks < 1:
             raise ValueError(
                 f"kv cache memory {memory_bytes} B holds no block of {block_size} tokens ({per_block} B per block)"
             )
-        return cls(model, num_blocks, block_size, dtype, device, kv_cache_dtype, layers, state_slots)
+        if not window_layers:
+            return cls(model, num_blocks, block_size, dtype, device, kv_cache_dtype, layers, state_slots)
+        layer_block = per_block // len(model.attention_layers(layers))  # every layer's block is alike
+        num_window = min(window_blocks, num_blocks)
+        other_block = per_block - layer_block * len(window_layers)
+        if other_block:  # the other layers' blocks: what the window layers leave of the budget
+            num_blocks = (memory_bytes - (num_window + 1) * layer_block * len(window_layers)) // other_block - 1
+        return cls(
+            model, num_blocks, block_size, dtype, device, kv_cache_dtype, layers, state_slots, window_layers, num_window
+        )
 
     @property
     def num_tokens(self) -> int:
@@ -132,48 +161,69 @@ class PagedKVCache:
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.keys[i], self.values[i]
 
-    def zero_blocks(self, block_ids: torch.Tensor) -> None:
-        """Clear blocks (in place, every layer) before their first slot is written."""
-        for cache in [self.keys[i] for i in self.layers] + self._value_layers():
+    def zero_blocks(self, block_ids: torch.Tensor, window_ids: torch.Tensor | None = None) -> None:
+        """Clear blocks (in place, every layer; `window_ids` in the window layers' pool) before their
+        first slot is written."""
+        for cache in self._caches(window=False):
             cache.index_fill_(0, block_ids, 0)
+        if window_ids is not None:
+            for cache in self._caches(window=True):
+                cache.index_fill_(0, window_ids, 0)
 
-    def _block_ids(self, pairs: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _caches(self, window: bool) -> list:
+        """Every key and value cache of the layers held here (values not with latent attention: they
+        are key views), of the window layers' pool or of the others."""
+        layers = [i for i in self.layers if (i in self.window_layers) == window]
+        return [self.keys[i] for i in layers] + ([] if self.latent else [self.values[i] for i in layers])
+
+    def _block_ids(self, pairs: Sequence[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """(sources, destinations) of (source, destination) block pairs, each (n,) int64 on the device."""
         src = torch.tensor([p[0] for p in pairs], dtype=torch.int64, device=self.device)
         return src, torch.tensor([p[1] for p in pairs], dtype=torch.int64, device=self.device)
 
-    def _value_layers(self) -> list:
-        """The value caches of the layers held here (none with latent attention: they are key views)."""
-        return [] if self.latent else [self.values[i] for i in self.layers]
+    def copy_blocks(self, pairs: list[tuple[int, int]], window_pairs: Sequence[tuple[int, int]] = ()) -> None:
+        """Copy whole blocks src -> dst in every layer (copy-on-write of a shared partial block);
+        `window_pairs` in the window layers' pool."""
+        for window, moves in ((False, pairs), (True, window_pairs)):
+            if moves:
+                src, dst = self._block_ids(moves)
+                for cache in self._caches(window):
+                    copy_cache_blocks(cache, src, dst)
 
-    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy whole blocks src -> dst in every layer (copy-on-write of a shared partial block)."""
-        src, dst = self._block_ids(pairs)
-        for cache in [self.keys[i] for i in self.layers] + self._value_layers():
-            copy_cache_blocks(cache, src, dst)
-
-    def shift_keys(self, pairs: list[tuple[int, int]], turns: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
+    def shift_keys(
+        self,
+        pairs: list[tuple[int, int]],
+        turns: list[tuple[torch.Tensor, torch.Tensor] | None],
+        window_pairs: Sequence[tuple[int, int]] = (),
+    ) -> None:
         """Context shift (engine/context_shift.py): each (source, destination) block's keys, turned
         by layer i's rope `turns[i]` (cos, sin, each (rotary_dim,) float32; None: the layer has no
-        rope), written to the destination in every layer; values copied where the destination is
-        another block. A quantized cache is read, turned and quantized again."""
-        src, dst = self._block_ids(pairs)
-        slots = (dst[:, None] * self.block_size + torch.arange(self.block_size, device=self.device)).reshape(-1)
-        for i in self.layers:
-            k = self.keys[i][src]  # (n, block_size, kv_heads, head_dim)
-            turn = turns[i]
-            turned = k if turn is None else turn_keys(k, *turn)
-            write_cache(self.keys[i], turned.reshape(-1, *k.shape[2:]), slots)  # (n * block_size, kv_heads, head_dim)
-        moved = [(a, b) for a, b in pairs if a != b]
-        if moved:
-            m_src, m_dst = self._block_ids(moved)
-            for cache in self._value_layers():
-                copy_cache_blocks(cache, m_src, m_dst)
+        rope), written to the destination in every layer (`window_pairs` in the window layers'
+        pool); values copied where the destination is another block. A quantized cache is read,
+        turned and quantized again."""
+        for window, moves in ((False, pairs), (True, window_pairs)):
+            if not moves:
+                continue
+            src, dst = self._block_ids(moves)
+            slots = (dst[:, None] * self.block_size + torch.arange(self.block_size, device=self.device)).reshape(-1)
+            for i in [i for i in self.layers if (i in self.window_layers) == window]:
+                k = self.keys[i][src]  # (n, block_size, kv_heads, head_dim)
+                turn = turns[i]
+                turned = k if turn is None else turn_keys(k, *turn)
+                write_cache(
+                    self.keys[i], turned.reshape(-1, *k.shape[2:]), slots
+                )  # (n * block_size, kv_heads, head_dim)
+            moved = [(a, b) for a, b in moves if a != b]
+            if moved and not self.latent:
+                m_src, m_dst = self._block_ids(moved)
+                for i in [i for i in self.layers if (i in self.window_layers) == window]:
+                    copy_cache_blocks(self.values[i], m_src, m_dst)
 
     def _stored(self) -> list[torch.Tensor]:
         """Every tensor a block's contents live in, indexed by block first: per cached layer its keys
         and values (a quantized layer's codes and scales; latent attention: keys only)."""
-        caches = [self.keys[i] for i in self.layers] + self._value_layers()
+        assert not self.window_layers, "a window layers' pool keeps no block whole in one id"
+        caches = self._caches(window=False)
         out: list[torch.Tensor] = []
         for cache in caches:
             out += [cache.data, cache.scales] if isinstance(cache, QUANTIZED_CACHES) else [cache]

@@ -33,6 +33,9 @@ class CausalLM(nn.Module):
     # Python (a MoE router's .tolist() is): decode steps may replay from a tape (op_tape.py).
     # Only for models whose forward is this class's: embed_and_plan, then run_layers.
     replayable_layers: ClassVar[bool] = False
+    # The step's attention is planned with the window layers' own metadata where the step has it
+    # (AttentionMetadata.window; kv_cache/window_pool.py), so they may keep blocks of their own.
+    plans_window_pools: ClassVar[bool] = False
     lm_head: nn.Module  # the output projection, which every model sets
 
     def __init__(self, config: ModelConfig) -> None:

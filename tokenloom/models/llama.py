@@ -93,6 +93,7 @@ class LlamaForCausalLM(CausalLM):
     # a family that differs only inside its layers (Gemma 3, OLMo 2) names its own
     decoder_layer: ClassVar[type[nn.Module]] = LlamaDecoderLayer
     replayable_layers = True
+    plans_window_pools = True
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg)
@@ -184,25 +185,31 @@ class LlamaForCausalLM(CausalLM):
 
     def plan(self, positions, meta, kv_cache: PagedKVCache, dtype: torch.dtype) -> StepAttention:
         """The step's attention op for activations of `dtype`, rope planned in: one op per rope
-        the layers use (``_rope_of_layer``). Sliding layers of a model with a local rope turn by
-        its tables; layers without rope (ModelConfig.rope_layers: SmolLM3) attend through an op
+        the layers use (``_rope_of_layer``) and, where the window layers keep blocks of their own
+        (``meta.window``), per side of that split. Sliding layers of a model with a local rope turn
+        by its tables; layers without rope (ModelConfig.rope_layers: SmolLM3) attend through an op
         planned with the identity turn (cos 1, sin 0: q and k come out bit for bit as they went
         in), so every backend serves them all."""
         cos, sin = rope_cos_sin(self.inv_freq, positions, dtype, self.rope_scale)  # (T, 1, rotary_dim)
-        attend = plan_attention(self.attention_shape, meta, kv_cache, (cos, sin))
-        if self.rope_of_layer is None:
-            return attend
-        local = None
+        if self.rope_of_layer is None and meta.window is None:
+            return plan_attention(self.attention_shape, meta, kv_cache, (cos, sin))
+        ropes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {0: (cos, sin)}
         if self.config.local_rope is not None:
-            rope = rope_cos_sin(self.local_inv_freq, positions, dtype, self.local_rope_scale)
-            local = plan_attention(self.attention_shape, meta, kv_cache, rope)
-        unturned = None
+            ropes[1] = rope_cos_sin(self.local_inv_freq, positions, dtype, self.local_rope_scale)
         if self.config.rope_layers is not None:
-            unturned = plan_attention(
-                self.attention_shape, meta, kv_cache, (torch.ones_like(cos), torch.zeros_like(sin))
-            )
-        ops = [attend, local or attend, unturned or attend]  # the indices _rope_of_layer gives
-        return LayerwiseAttention(ops, self.rope_of_layer)
+            ropes[2] = (torch.ones_like(cos), torch.zeros_like(sin))
+        shape = self.attention_shape
+        ops: list[StepAttention] = []
+        op_of: dict[tuple[int, bool], int] = {}  # (rope, windowed) -> its op
+        op_of_layer = []
+        for layer in range(self.config.num_layers):
+            key = (self.rope_of_layer[layer] if self.rope_of_layer else 0, shape.window(layer) is not None)
+            if key not in op_of:
+                op_of[key] = len(ops)
+                rope = ropes.get(key[0], ropes[0])
+                ops.append(plan_attention(shape, meta.for_window_layers(key[1]), kv_cache, rope))
+            op_of_layer.append(op_of[key])
+        return LayerwiseAttention(ops, op_of_layer)
 
     def run_layers(self, h: torch.Tensor, attend: StepAttention) -> torch.Tensor:
         h, residual = self.run_layer_range(h, None, attend, range(len(self.model.layers)))

@@ -22,15 +22,20 @@ class ScheduledRequest:
     spec_token_ids: list[int] = field(default_factory=list)  # draft tokens verified this step (in num_tokens)
     decode_steps: int = 1  # tokens decoded in a row (each fed back on the device); KV room for all of them
     state_slot: int = -1  # the request's recurrent-state slot (a hybrid model's; -1: none)
+    # the table its sliding-window layers attend with, in their own pool (kv_cache/window_pool.py);
+    # None where every layer reads block_ids
+    window_block_ids: list[int] | None = None
 
 
 @dataclass(slots=True)
 class KVShift:
     """One sequence's context shift (engine/context_shift.py): each (source, destination) block's
-    keys turned back by `delta` positions into the destination (values copied where it differs)."""
+    keys turned back by `delta` positions into the destination (values copied where it differs);
+    `window_pairs` the same in the window layers' pool."""
 
     pairs: list[tuple[int, int]]
     delta: int
+    window_pairs: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -39,6 +44,7 @@ class SchedulerOutput:
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)  # in batch order
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) KV blocks to copy first
+    window_block_copies: list[tuple[int, int]] = field(default_factory=list)  # the same in the window pool
     kv_shifts: list[KVShift] = field(default_factory=list)  # context shifts, run after the copies
 
     @property

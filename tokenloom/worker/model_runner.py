@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, cast
@@ -113,7 +114,7 @@ class ModelRunner:
             tokens = req.token_ids_from(start, s.num_tokens)  # pending tokens, then drafts
             if len(tokens) < s.num_tokens:
                 tokens = tokens + s.spec_token_ids[: s.num_tokens - len(tokens)]
-            chunks.append(SeqChunk(tokens, start, s.block_ids, s.state_slot))
+            chunks.append(SeqChunk(tokens, start, s.block_ids, s.state_slot, s.window_block_ids))
         return chunks
 
     def forward(
@@ -140,9 +141,14 @@ class ModelRunner:
     def batch(self, chunks: list[SeqChunk]):
         """The model inputs of `chunks` (build_batch), their fresh KV blocks cleared where a reader
         looks past a sequence's end."""
-        batch = build_batch(chunks, self.kv_cache.block_size, self.device, self.kv_cache.null_block)
-        if batch.fresh_blocks and self.zero_fresh_blocks:
-            self.kv_cache.zero_blocks(torch.tensor(batch.fresh_blocks, dtype=torch.int64, device=self.device))
+        kv = self.kv_cache
+        batch = build_batch(chunks, kv.block_size, self.device, kv.null_block, kv.window_null)
+        if self.zero_fresh_blocks and (batch.fresh_blocks or batch.fresh_window_blocks):
+            window = batch.fresh_window_blocks
+            kv.zero_blocks(
+                torch.tensor(batch.fresh_blocks, dtype=torch.int64, device=self.device),
+                None if window is None else torch.tensor(window, dtype=torch.int64, device=self.device),
+            )
         return batch
 
     def decodes_ahead(self, request) -> bool:
@@ -208,9 +214,9 @@ class ModelRunner:
         if sched.block_copies:
             if self.peers is not None:
                 self.peers.send("copy", sched.block_copies)
-            self.kv_cache.copy_blocks(sched.block_copies)
+            self.kv_cache.copy_blocks(sched.block_copies, sched.window_block_copies)
         for shift in sched.kv_shifts:
-            self.kv_cache.shift_keys(shift.pairs, self.model.key_turns(shift.delta))
+            self.kv_cache.shift_keys(shift.pairs, self.model.key_turns(shift.delta), shift.window_pairs)
 
     def _decode_ahead(self, sched: SchedulerOutput, steps: int) -> RunnerOutput | None:
         """`steps` one-token steps in a row for every scheduled request, each step's sampled tokens
@@ -223,11 +229,7 @@ class ModelRunner:
         try:
             tokens, drawn = None, []
             for j in range(steps):
-                step = (
-                    chunks
-                    if j == 0
-                    else [SeqChunk(c.token_ids, c.start + j, c.block_ids, c.state_slot) for c in chunks]
-                )
+                step = chunks if j == 0 else [dataclasses.replace(c, start=c.start + j) for c in chunks]
                 hidden = self.forward(step, tokens)[0]  # (B, hidden)
                 logits = self.model.compute_logits(hidden)
                 tokens = self.sampler.sample(logits, SamplingMetadata.for_requests(requests)).tokens  # (B,)
@@ -281,7 +283,7 @@ class ModelRunner:
         tokens = request.all_token_ids[: chunk.start] + chunk.token_ids
         rows = []
         for start in range(0, len(tokens), self.recompute_tokens):
-            piece = SeqChunk(tokens[start : start + self.recompute_tokens], start, chunk.block_ids, chunk.state_slot)
+            piece = dataclasses.replace(chunk, token_ids=tokens[start : start + self.recompute_tokens], start=start)
             hidden = self.forward([piece])[0]
             end = start + len(piece.token_ids)
             if end > chunk.start:
