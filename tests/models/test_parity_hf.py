@@ -120,12 +120,12 @@ def test_batched_decode_ignores_garbage_past_each_sequence(tiny_model_dir):
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
 def test_fresh_blocks_are_cleared_only_where_a_reader_looks_past_the_context(tiny_model_dir, kv_cache_dtype):
-    """The padded decode batch (int8 caches, no kernels) masks slots past each sequence's end
+    """The padded decode batch (no kernels) masks slots past each sequence's end
     and needs them zero; the float32 CPU kernels read only the context, so clearing is skipped
     there (the NaN test above shows nothing leaks either way)."""
     llm = LLM(str(tiny_model_dir("llama_gqa")), kv_cache_memory=16 << 20, kv_cache_dtype=kv_cache_dtype)
     runner = llm.engine.core.runner
-    kernel_reads_all = kv_cache_dtype == "auto" and cpu_decode.build()
+    kernel_reads_all = cpu_decode.build()  # float32 and int8 caches: every decoding row on the kernel
     assert runner.zero_fresh_blocks is (not kernel_reads_all)
     cleared = []
     clear = runner.kv_cache.zero_blocks

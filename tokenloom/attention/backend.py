@@ -348,7 +348,8 @@ def kernels_take(
         return False
     cos = rope[0]
     keys = kv_cache.keys[kv_cache.layers[0]]
-    if not (cpu_decode.usable(cos, keys) and cos.shape[-1] <= shape.head_dim and cos.is_contiguous()):
+    plain = isinstance(keys, torch.Tensor)  # rope_write(_decode) write float32 slots, not int8 codes
+    if not (plain and cpu_decode.usable(cos, keys) and cos.shape[-1] <= shape.head_dim and cos.is_contiguous()):
         return False
     decoding = cpu_decode.decode_rows(meta)
     if len(decoding) == meta.num_seqs:

@@ -6,6 +6,12 @@ task per (sequence, kv head). It is built for AVX2 and, where the CPU has it, AV
 (16-lane dot products reduced 16 at a time, for head sizes 32/64/128/256). It serves every one-query
 sequence of a float32 step, whatever else is in the batch, so a sequence decodes with the
 same arithmetic alone or batched.
+
+A cache of float32 tensors runs ``paged_decode``; an int8 cache (``Int8Cache`` read as float32)
+runs ``paged_decode_int8``, which reads the int8 codes and their per-(slot, kv head) scales where
+they lie, converting codes to float a few positions at a time and applying each scale once per
+position (to a key's dot products, to the softmax weights of a value): the float kernel's
+attention over the dequantized cache, up to float rounding.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import torch
 
 from tokenloom.attention.metadata import AttentionMetadata
 from tokenloom.kernels import native
+from tokenloom.kv_cache.quantized import Int8Cache
 
 _SOURCE = Path(__file__).parent / "csrc" / "paged_decode_cpu.cpp"
 BUILDS = (("avx512", "tokenloom_attention512"), ("avx2", "tokenloom_attention"))  # (isa, library), fastest first
@@ -32,14 +39,16 @@ def build() -> bool:
 
 
 def usable(q: torch.Tensor, k_cache) -> bool:
-    """The kernel handles this step: float32 on the CPU, a plain (not int8) cache, and it compiled."""
-    return (
-        q.device.type == "cpu"
-        and q.dtype == torch.float32
-        and isinstance(k_cache, torch.Tensor)
-        and k_cache.dtype == torch.float32
-        and build()
-    )
+    """The kernel handles this step: float32 queries on the CPU, a float32 cache or an int8 one
+    read as float32 (``Int8Cache``; not int4), and it compiled."""
+    return q.device.type == "cpu" and q.dtype == torch.float32 and takes_cache(k_cache) and build()
+
+
+def takes_cache(k_cache) -> bool:
+    """A cache layer the kernel reads: a float32 tensor, or an Int8Cache on the CPU read as float32."""
+    if isinstance(k_cache, Int8Cache):
+        return k_cache.dtype == torch.float32 and k_cache.data.device.type == "cpu"
+    return isinstance(k_cache, torch.Tensor) and k_cache.dtype == torch.float32
 
 
 def decode_rows(meta: AttentionMetadata) -> list[int]:
@@ -68,8 +77,8 @@ def _inputs(meta: AttentionMetadata, seqs: list[int]) -> tuple[torch.Tensor, tor
 
 def attend(
     q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    k_cache: torch.Tensor | Int8Cache,
+    v_cache: torch.Tensor | Int8Cache,
     meta: AttentionMetadata,
     seqs: list[int],
     scale: float,
@@ -79,6 +88,13 @@ def attend(
 ) -> torch.Tensor:
     """q (S, heads, head_dim): the query of each sequence in `seqs` -> (S, heads, head_dim), each
     attending to its last `window` positions (None: all), scores soft-capped by `softcap` if given,
-    each head's sink logit (sinks (heads,)) counted in its softmax if given."""
+    each head's sink logit (sinks (heads,)) counted in its softmax if given. The caches are both
+    float32 tensors or both Int8Caches (``usable``)."""
     tables, ctx = _inputs(meta, seqs)
-    return ops().paged_decode(q.contiguous(), k_cache, v_cache, tables, ctx, scale, window or 0, softcap or 0.0, sinks)
+    q, window_, softcap_ = q.contiguous(), window or 0, softcap or 0.0
+    if isinstance(k_cache, Int8Cache):
+        assert isinstance(v_cache, Int8Cache)  # keys and values are stored alike
+        return ops().paged_decode_int8(
+            q, k_cache.data, k_cache.scales, v_cache.data, v_cache.scales, tables, ctx, scale, window_, softcap_, sinks
+        )
+    return ops().paged_decode(q, k_cache, v_cache, tables, ctx, scale, window_, softcap_, sinks)

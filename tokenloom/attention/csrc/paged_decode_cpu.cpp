@@ -14,6 +14,9 @@
 // sequence's result does not depend on what else is in the batch or how it was split.
 // The AVX-512 build computes head sizes 32/64/128/256 with 16-lane vectors (attend512), other
 // head sizes as the AVX2 build does.
+// paged_decode_int8 is the same attention over an int8 cache (codes and per-(slot, kv head)
+// scales, read in place; its section below), for every head size: 16 lanes where the AVX-512
+// build's head size is a multiple of 16, else 8 where it is a multiple of 8, else scalar.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -21,6 +24,7 @@
 #include <torch/library.h>
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <vector>
 
 #include "../../kernels/include/rope_row.h"
@@ -558,18 +562,23 @@ void attend(const float* q, const Rows& rows, int64_t n, int64_t g0, int64_t g1,
   }
 }
 
-void check_caches(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables,
-                  const at::Tensor& ctx_lens, int64_t B) {
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.scalar_type() == at::kFloat && k_cache.is_contiguous() &&
-              v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == at::kFloat && v_cache.is_contiguous(),
-              "caches must be contiguous (blocks, block_size, kv_heads, head_dim) float32");
+// Block tables (B, W) int64 and context lengths (B,) int64, each context within its table.
+void check_tables(const at::Tensor& tables, const at::Tensor& ctx_lens, int64_t B, int64_t block_size) {
   TORCH_CHECK(tables.dim() == 2 && tables.scalar_type() == at::kLong && tables.is_contiguous() && tables.size(0) == B,
               "tables must be (B, W) int64");
   TORCH_CHECK(ctx_lens.dim() == 1 && ctx_lens.scalar_type() == at::kLong && ctx_lens.size(0) == B,
               "ctx_lens must be (B,) int64");
   const int64_t* lens = ctx_lens.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b)
-    TORCH_CHECK(lens[b] >= 1 && lens[b] <= tables.size(1) * k_cache.size(1), "a context length exceeds its block table");
+    TORCH_CHECK(lens[b] >= 1 && lens[b] <= tables.size(1) * block_size, "a context length exceeds its block table");
+}
+
+void check_caches(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables,
+                  const at::Tensor& ctx_lens, int64_t B) {
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.scalar_type() == at::kFloat && k_cache.is_contiguous() &&
+              v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == at::kFloat && v_cache.is_contiguous(),
+              "caches must be contiguous (blocks, block_size, kv_heads, head_dim) float32");
+  check_tables(tables, ctx_lens, B, k_cache.size(1));
 }
 
 // The sink logits' data (H,) float32, or nullptr where none are given.
@@ -609,6 +618,287 @@ void decode_all(const float* qp, const at::Tensor& k_cache, const at::Tensor& v_
       const int64_t b = i / parts, g0 = parts == 1 ? 0 : i % parts, g1 = parts == 1 ? KVH : g0 + 1;
       rows.fill(kc, vc, tp + b * s.W, first(b), lens[b], s.BS, s.KVH * s.D);
       attend(qp + b * H * D, rows, lens[b] - first(b), g0, g1, s, scale, op + b * H * D, scores);
+    }
+  });
+}
+
+// ---- int8 caches ------------------------------------------------------------------------------
+// paged_decode_int8: paged_decode's attention over an int8 cache (kv_cache/quantized.py's
+// Int8Cache): codes k_data, v_data (num_blocks + 1, block_size, KVH, D) int8 and scales k_scales,
+// v_scales (num_blocks + 1, block_size, KVH) float32, one per (slot, kv head); an element reads
+// as code * scale. The codes are read where they lie: a few positions at a time are converted
+// to float (unscaled) into a small tile that stays in L1 (never the sequence's whole context),
+// and each scale is applied once per (position, kv head): a key's multiplies its dot products'
+// sums, q . (c s) = (q . c) s; a value's multiplies the softmax weights that read it,
+// w (c s) = (w s) c. One task per (sequence, kv head), each with attend()'s passes: every
+// position's score, a softmax, then the weighted sum of values. A head's arithmetic is the same
+// whatever task it is computed in, so a sequence's result is the same bits alone or batched.
+
+// An int8 cache's arrays: codes at (slot * KVH + g) * D, scales at slot * KVH + g.
+struct Int8KV {
+  const int8_t *k, *v;
+  const float *k_scales, *v_scales;
+  int64_t BS, KVH, D;
+};
+
+// Kv head g's n positions of a sequence: each one's key and value codes (pointers to its D int8
+// in the cache) and their scales. Plain pointers: the loops read these, not the thread_local
+// vectors behind them (GCC would look each access to a thread_local up again, a call per
+// iteration).
+struct Int8Span {
+  const int8_t *const *k, *const *v;
+  const float *k_scale, *v_scale;
+  int64_t n;
+};
+
+// Int8Span's storage, filled from positions [start, end) of a sequence walked through its block table.
+struct Int8Rows {
+  std::vector<const int8_t*> k, v;
+  std::vector<float> k_scale, v_scale;
+  Int8Span fill(const Int8KV& c, const int64_t* table, int64_t start, int64_t end, int64_t g) {
+    const int64_t n = end - start;
+    k.resize(n), v.resize(n), k_scale.resize(n), v_scale.resize(n);
+    int64_t block = start / c.BS, offset = start % c.BS;
+    for (int64_t t = 0; t < n; ++t) {
+      const int64_t at = (table[block] * c.BS + offset) * c.KVH + g;  // (slot, kv head)
+      k[t] = c.k + at * c.D, v[t] = c.v + at * c.D;
+      k_scale[t] = c.k_scales[at], v_scale[t] = c.v_scales[at];
+      if (++offset == c.BS) offset = 0, ++block;
+    }
+    return {k.data(), v.data(), k_scale.data(), v_scale.data(), n};
+  }
+};
+
+// A vector of N float lanes and the few operations the int8 kernel's loops use: Lanes8 (AVX2)
+// and Lanes16 (AVX-512) for the head sizes they divide, Lanes1 (scalar) for any other.
+// HEADS: how many query heads a values pass accumulates at once, 4 vectors of columns each, in
+// registers beside the 4 vectors of values they share and the broadcast weight (AVX2: 2 x 4 + 4
+// + 1 of 16 registers; a third head spills an accumulator, and its loop waits on the reload).
+struct Lanes1 {
+  using V = float;
+  static constexpr int N = 1, HEADS = 2;
+  static V zero() { return 0.f; }
+  static V set1(float x) { return x; }
+  static V load(const float* p) { return *p; }
+  static void store(float* p, V x) { *p = x; }
+  static V codes(const int8_t* p) { return static_cast<float>(*p); }
+  static V fmadd(V a, V b, V c) { return a * b + c; }
+  static V mul(V a, V b) { return a * b; }
+  static V sums(const V* acc) { return acc[0]; }  // lane i = the sum of acc[i]'s lanes
+};
+
+struct Lanes8 {
+  using V = __m256;
+  static constexpr int N = 8, HEADS = 2;
+  static V zero() { return _mm256_setzero_ps(); }
+  static V set1(float x) { return _mm256_set1_ps(x); }
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, V x) { _mm256_storeu_ps(p, x); }
+  static V codes(const int8_t* p) {  // 8 int8 -> 8 floats
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
+  static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V sums(const V* acc) { return reduce8(acc); }
+};
+
+#if defined(__AVX512F__)
+struct Lanes16 {
+  using V = __m512;
+  static constexpr int N = 16, HEADS = 6;  // 6 x 4 + 4 + 1 of the 32 registers
+  static V zero() { return _mm512_setzero_ps(); }
+  static V set1(float x) { return _mm512_set1_ps(x); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, V x) { _mm512_storeu_ps(p, x); }
+  static V codes(const int8_t* p) {  // 16 int8 -> 16 floats
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+  static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V sums(const V* acc) { return reduce16(acc); }
+};
+#endif
+
+// Ask for the codes of positions [t0, t1) (D bytes each) ahead of use (prefetch_rows' reason).
+template <int Locality = 3>
+inline void prefetch_codes(const int8_t* const* codes, int64_t n, int64_t t0, int64_t t1, int64_t D) {
+  for (int64_t t = t0; t < std::min(t1, n); ++t)
+    for (int64_t b = 0; b < D; b += 64) __builtin_prefetch(codes[t] + b, 0, Locality);
+}
+
+// tile (m, D) = the codes of positions [t0, t0 + m) as floats, unscaled. Needs D % L::N == 0.
+template <class L>
+inline void codes_to_tile(const int8_t* const* codes, int64_t t0, int64_t m, int64_t D, float* tile) {
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t d = 0; d < D; d += L::N) L::store(tile + i * D + d, L::codes(codes[t0 + i] + d));
+}
+
+// scores[j * n + t] = (q_j . c_t) * s_t * scale for `heads` query heads q_j (rows of q, D each)
+// and the L::N positions from t0 (clipped to n) of one kv head: the positions' key codes c_t
+// converted once into `tile`, then each head's N dot products side by side (independent FMA
+// chains), reduced together and multiplied by the keys' scales s_t. The tile holds the
+// positions' c-th vectors side by side, (D / N, N positions, N lanes), so one pointer with
+// constant offsets reaches all N of them. Needs D % L::N == 0.
+template <class L>
+void scores_tile_int8(const float* q, int64_t heads, const Int8Span& rows, int64_t t0, int64_t D, float scale,
+                      float* scores, float* tile) {
+  using V = typename L::V;
+  constexpr int N = L::N;
+  const int64_t n = rows.n, chunks = D / N;
+  const int m = static_cast<int>(std::min<int64_t>(N, n - t0));
+  alignas(64) float key_scale[N];
+  for (int i = 0; i < N; ++i) {
+    const int8_t* codes = rows.k[t0 + std::min(i, m - 1)];  // idle lanes repeat the last position, not stored
+    for (int64_t c = 0; c < chunks; ++c) L::store(tile + (c * N + i) * N, L::codes(codes + c * N));
+    key_scale[i] = i < m ? rows.k_scale[t0 + i] * scale : 0.f;
+  }
+  const V s = L::load(key_scale);
+  for (int64_t j = 0; j < heads; ++j) {
+    V acc[N];
+    for (int i = 0; i < N; ++i) acc[i] = L::zero();
+    for (int64_t c = 0; c < chunks; ++c) {
+      const V qc = L::load(q + j * D + c * N);
+      const float* k = tile + c * N * N;
+      for (int i = 0; i < N; ++i) acc[i] = L::fmadd(qc, L::load(k + i * N), acc[i]);
+    }
+    const V out = L::mul(L::sums(acc), s);
+    if (m == N) {
+      L::store(scores + j * n + t0, out);
+    } else {
+      alignas(64) float sums[N];
+      L::store(sums, out);
+      for (int i = 0; i < m; ++i) scores[j * n + t0 + i] = sums[i];
+    }
+  }
+}
+
+// out (HG heads, D) columns [d0, d0 + NC * N) += sum_i w[j * n + t0 + i] * tile row i over the
+// tile's `count` positions, for HG query heads (rows of w, stride n; out rows of D): HG x NC
+// accumulators in registers across the positions, each element summed over them in order.
+template <class L, int HG, int NC>
+void values_cols_int8(const float* w, int64_t n, int64_t t0, int64_t count, const float* tile, int64_t D, int64_t d0,
+                      float* out) {
+  using V = typename L::V;
+  constexpr int N = L::N;
+  V acc[HG][NC];
+  for (int j = 0; j < HG; ++j)
+    for (int c = 0; c < NC; ++c) acc[j][c] = L::load(out + j * D + d0 + c * N);
+  for (int64_t i = 0; i < count; ++i) {
+    V x[NC];
+    for (int c = 0; c < NC; ++c) x[c] = L::load(tile + i * D + d0 + c * N);
+    for (int j = 0; j < HG; ++j) {
+      const V wj = L::set1(w[j * n + t0 + i]);
+      for (int c = 0; c < NC; ++c) acc[j][c] = L::fmadd(wj, x[c], acc[j][c]);
+    }
+  }
+  for (int j = 0; j < HG; ++j)
+    for (int c = 0; c < NC; ++c) L::store(out + j * D + d0 + c * N, acc[j][c]);
+}
+
+// values_cols_int8 over every column of HG heads: 4 vectors at a time, then the 1-3 left.
+template <class L, int HG>
+void values_heads_int8(const float* w, int64_t n, int64_t t0, int64_t count, const float* tile, int64_t D,
+                       float* out) {
+  constexpr int N = L::N;
+  int64_t d0 = 0;
+  for (; d0 + 4 * N <= D; d0 += 4 * N) values_cols_int8<L, HG, 4>(w, n, t0, count, tile, D, d0, out);
+  const int64_t left = (D - d0) / N;
+  if (left == 3) values_cols_int8<L, HG, 3>(w, n, t0, count, tile, D, d0, out);
+  else if (left == 2) values_cols_int8<L, HG, 2>(w, n, t0, count, tile, D, d0, out);
+  else if (left == 1) values_cols_int8<L, HG, 1>(w, n, t0, count, tile, D, d0, out);
+}
+
+// out (heads, D) += sum_i w[j * n + t0 + i] * tile row i for `heads` query heads: HG at a time,
+// then the heads left over (fewer than HG) likewise.
+template <class L, int HG>
+void values_tile_int8(const float* w, int64_t n, int64_t t0, int64_t count, const float* tile, int64_t D,
+                      int64_t heads, float* out) {
+  for (; heads >= HG; heads -= HG, w += HG * n, out += HG * D) values_heads_int8<L, HG>(w, n, t0, count, tile, D, out);
+  if constexpr (HG > 1) {
+    if (heads > 0) values_tile_int8<L, HG - 1>(w, n, t0, count, tile, D, heads, out);
+  }
+}
+
+// Positions a values tile converts at a time: 8 KB to 16 KB of floats, in L1 while every head reads them.
+inline int64_t value_run(int64_t D) { return std::clamp<int64_t>(4096 / D, 8, 32); }
+
+// A task's scratch: scores (heads, n), a tile of converted codes (rows, D) and the heads'
+// softmax totals, each 64-byte aligned (a tile's vectors never straddle two cache lines).
+struct Int8Work {
+  float *scores, *tile, *total;
+};
+
+// Int8Work's storage, one per thread, kept from call to call (no allocation once grown).
+struct Int8Scratch {
+  std::vector<float> buffer;
+  Int8Work get(int64_t heads, int64_t n, int64_t rows, int64_t D) {
+    const auto lines = [](int64_t floats) { return (floats + 15) / 16 * 16; };
+    const int64_t scores = lines(heads * n), tile = lines(rows * D);
+    buffer.resize(static_cast<size_t>(scores + tile + lines(heads) + 16));
+    float* base = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buffer.data()) + 63) & ~uintptr_t(63));
+    return {base, base + scores, base + scores + tile};
+  }
+};
+
+// Query heads [h0, h1) of one sequence, all reading the kv head whose positions `rows` holds:
+// q (H, D) of the sequence -> out (H, D), the same rows. attend()'s passes: the scores of every
+// position (soft-capped where asked), the softmax numerators (each head's sink counted), the
+// weights times the values' scales, their sum over the values' codes, divided by the totals.
+// `work` is scratch (Int8Scratch).
+template <class L>
+void attend_int8(const float* q, const Int8Span& rows, int64_t h0, int64_t h1, const Shapes& s, float scale,
+                 float* out, const Int8Work& work) {
+  float *scores = work.scores, *tile = work.tile, *total = work.total;
+  constexpr int N = L::N;
+  const int64_t heads = h1 - h0, D = s.D, n = rows.n, run = value_run(D);
+  prefetch_codes(rows.k, n, 0, 2 * N, D);
+  for (int64_t t0 = 0; t0 < n; t0 += N) {
+    prefetch_codes(rows.k, n, t0 + 2 * N, t0 + 3 * N, D);
+    prefetch_codes<2>(rows.v, n, t0, t0 + N, D);  // values: into L2 now, read after the softmax
+    scores_tile_int8<L>(q + h0 * D, heads, rows, t0, D, scale, scores, tile);
+  }
+  for (int64_t j = 0; j < heads; ++j) {
+    float* w = scores + j * n;
+    if (s.softcap > 0.f) soft_cap(w, n, s.softcap);
+    total[j] = softmax_numerator(w, n, s.sink(h0 + j));
+    for (int64_t t = 0; t < n; ++t) w[t] *= rows.v_scale[t];
+  }
+  float* o = out + h0 * D;
+  std::fill(o, o + heads * D, 0.f);
+  for (int64_t t0 = 0; t0 < n; t0 += run) {
+    const int64_t count = std::min<int64_t>(run, n - t0);
+    prefetch_codes(rows.v, n, t0 + run, t0 + 2 * run, D);
+    codes_to_tile<L>(rows.v, t0, count, D, tile);
+    values_tile_int8<L, L::HEADS>(scores, n, t0, count, tile, D, heads, o);
+  }
+  for (int64_t j = 0; j < heads; ++j) {
+    const float inv = 1.f / total[j];
+    for (int64_t d = 0; d < D; ++d) o[j * D + d] *= inv;
+  }
+}
+
+// out (B, H, D) = attention of q (B, H, D) over each sequence's positions in an int8 cache (its
+// last `window` where window > 0). One task per (sequence, kv head); where there are fewer of
+// those than threads (one sequence of a model with one kv head, say), per (sequence, kv head,
+// share of its G query heads), each share reading the kv head's codes itself.
+template <class L>
+void decode_int8_all(const float* qp, const Int8KV& c, const at::Tensor& tables, const at::Tensor& ctx_lens,
+                     const Shapes& s, float scale, int64_t window, float* op) {
+  const int64_t B = tables.size(0), H = s.H, D = s.D, KVH = s.KVH, G = s.G;
+  const int64_t *tp = tables.data_ptr<int64_t>(), *lens = ctx_lens.data_ptr<int64_t>();
+  const int64_t pairs = B * KVH, threads = at::get_num_threads();
+  const int64_t parts = pairs >= threads ? 1 : std::min<int64_t>(G, (threads + pairs - 1) / pairs);
+  at::parallel_for(0, pairs * parts, 1, [&](int64_t i0, int64_t i1) {
+    thread_local Int8Rows rows;
+    thread_local Int8Scratch scratch;
+    Int8Span span{};
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = i / (KVH * parts), g = i / parts % KVH, p = i % parts;
+      const int64_t first = window > 0 ? std::max<int64_t>(0, lens[b] - window) : 0;
+      if (i == i0 || p == 0) span = rows.fill(c, tp + b * s.W, first, lens[b], g);  // a new (sequence, kv head)
+      const int64_t h0 = g * G + G * p / parts, h1 = g * G + G * (p + 1) / parts;
+      const Int8Work work = scratch.get(h1 - h0, span.n, std::max<int64_t>(L::N, value_run(D)), D);
+      attend_int8<L>(qp + b * H * D, span, h0, h1, s, scale, op + b * H * D, work);
     }
   });
 }
@@ -693,6 +983,38 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   return out;
 }
 
+// paged_decode over an int8 cache (the int8 section above): q (B, H, D) float32; k_data, v_data
+// (blocks, block_size, KVH, D) int8 codes; k_scales, v_scales (blocks, block_size, KVH) float32;
+// tables, ctx_lens, scale, window, softcap and sinks as paged_decode's. Returns (B, H, D).
+at::Tensor paged_decode_int8(const at::Tensor& q, const at::Tensor& k_data, const at::Tensor& k_scales,
+                             const at::Tensor& v_data, const at::Tensor& v_scales, const at::Tensor& tables,
+                             const at::Tensor& ctx_lens, double scale, int64_t window, double softcap,
+                             const c10::optional<at::Tensor>& sinks) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q must be contiguous (B, H, D) float32");
+  TORCH_CHECK(k_data.dim() == 4 && k_data.scalar_type() == at::kChar && k_data.is_contiguous() &&
+              v_data.sizes() == k_data.sizes() && v_data.scalar_type() == at::kChar && v_data.is_contiguous(),
+              "codes must be contiguous (blocks, block_size, kv_heads, head_dim) int8");
+  TORCH_CHECK(k_scales.sizes() == k_data.sizes().slice(0, 3) && k_scales.scalar_type() == at::kFloat &&
+              k_scales.is_contiguous() && v_scales.sizes() == k_scales.sizes() &&
+              v_scales.scalar_type() == at::kFloat && v_scales.is_contiguous(),
+              "scales must be contiguous (blocks, block_size, kv_heads) float32");
+  const int64_t H = q.size(1), D = q.size(2), KVH = k_data.size(2), BS = k_data.size(1);
+  TORCH_CHECK(k_data.size(3) == D && H % KVH == 0, "head_dim or head counts disagree");
+  check_tables(tables, ctx_lens, q.size(0), BS);
+  at::Tensor out = at::empty_like(q);
+  const Int8KV c{k_data.data_ptr<int8_t>(), v_data.data_ptr<int8_t>(), k_scales.data_ptr<float>(),
+                 v_scales.data_ptr<float>(), BS, KVH, D};
+  const Shapes s{H, KVH, H / KVH, D, BS, tables.size(1), static_cast<float>(softcap), sink_data(sinks, H)};
+  const float* qp = q.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+#if defined(__AVX512F__)
+  if (D % 16 == 0) return decode_int8_all<Lanes16>(qp, c, tables, ctx_lens, s, scale, window, op), out;
+#endif
+  if (D % 8 == 0) decode_int8_all<Lanes8>(qp, c, tables, ctx_lens, s, scale, window, op);
+  else decode_int8_all<Lanes1>(qp, c, tables, ctx_lens, s, scale, window, op);
+  return out;
+}
+
 // One call for a decode step's attention block: rope_write of the step's one token per
 // sequence, then paged_decode's attention. Returns (B, H * D). Replaces a dozen small ops
 // per layer.
@@ -724,6 +1046,8 @@ TORCH_LIBRARY(TOKENLOOM_ATTENTION_LIBRARY, m) {
         "Tensor tables, Tensor ctx_lens, int num_heads, float scale, int window, float softcap, Tensor? sinks=None) -> Tensor");
   m.def("rope_write(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, "
         "int num_heads) -> Tensor");
+  m.def("paged_decode_int8(Tensor q, Tensor k_data, Tensor k_scales, Tensor v_data, Tensor v_scales, Tensor tables, "
+        "Tensor ctx_lens, float scale, int window, float softcap, Tensor? sinks=None) -> Tensor");
   m.def("paged_decode_out(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables, Tensor ctx_lens, float scale, "
         "int window, float softcap, Tensor? sinks, Tensor(a!) out) -> ()");
 }
@@ -733,4 +1057,5 @@ TORCH_LIBRARY_IMPL(TOKENLOOM_ATTENTION_LIBRARY, CPU, m) {
   m.impl("rope_write_decode", &rope_write_decode);
   m.impl("rope_write", &rope_write);
   m.impl("paged_decode_out", &paged_decode_out);
+  m.impl("paged_decode_int8", &paged_decode_int8);
 }
