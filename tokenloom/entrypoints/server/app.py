@@ -38,6 +38,7 @@ from tokenloom.entrypoints.server.middleware import (
     HostCheck,
     error_response,
 )
+from tokenloom.entrypoints.server.ollama import add_ollama_routes
 from tokenloom.entrypoints.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, unknown_fields
 from tokenloom.entrypoints.server.serving import OpenAIServing, request_failed, shutting_down, size_param
 from tokenloom.entrypoints.server.streams import ClientDisconnected, ShuttingDown, unless_disconnected
@@ -144,6 +145,7 @@ def build_app(
     _add_info_routes(app, serving, metrics, playground_tools or [])
     add_utility_routes(app, serving)
     _add_generation_routes(app, serving)
+    add_ollama_routes(app, serving)
     return app
 
 
@@ -164,13 +166,21 @@ def _lifespan(engine: AsyncLLMEngine, serving: OpenAIServing):
     return lifespan
 
 
+def _error(request: Request, error: APIError) -> JSONResponse:
+    """`error` in the shape of the API the request spoke: ollama's {"error": message} under /api/,
+    OpenAI's error object elsewhere."""
+    if request.url.path.startswith("/api/"):
+        return JSONResponse({"error": error.message}, status_code=error.status, headers=error.headers)
+    return error_response(error)
+
+
 def _add_error_handlers(app: FastAPI) -> None:
     """Every error a client can cause as OpenAI's error JSON with its 4xx status; anything else a 500
     in the same shape (logged, the engine untouched)."""
 
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc)
+        return _error(request, exc)
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -181,26 +191,26 @@ def _add_error_handlers(app: FastAPI) -> None:
         elif exc.status_code == 405:
             message = f"{request.method} is not allowed on {request.url.path}"
         error = APIError(exc.status_code, message, type=_ERROR_TYPES.get(exc.status_code, "invalid_request_error"))
-        response = error_response(error)
+        response = _error(request, error)
         response.headers.update(exc.headers or {})
         return response
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(_validation_error(exc))
+        return _error(request, _validation_error(exc))
 
     @app.exception_handler(ShuttingDown)
     async def on_shutting_down(request: Request, exc: ShuttingDown) -> JSONResponse:
-        return error_response(shutting_down(exc))
+        return _error(request, shutting_down(exc))
 
     @app.exception_handler(RequestError)
     async def on_request_failed(request: Request, exc: RequestError) -> JSONResponse:
-        return error_response(request_failed(exc))
+        return _error(request, request_failed(exc))
 
     @app.exception_handler(Exception)
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unexpected error serving %s", request.url.path)
-        return error_response(APIError(500, f"internal error: {exc!r}", type="server_error"))
+        return _error(request, APIError(500, f"internal error: {exc!r}", type="server_error"))
 
 
 def _add_info_routes(app: FastAPI, serving: OpenAIServing, metrics: ServerMetrics, tools: list[dict]) -> None:
