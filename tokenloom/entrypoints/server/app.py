@@ -24,6 +24,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tokenloom.engine.async_engine import AsyncLLMEngine
 from tokenloom.entrypoints.server.admission import AdmissionLimits
+from tokenloom.entrypoints.server.anthropic import add_anthropic_routes
+from tokenloom.entrypoints.server.anthropic import error_body as anthropic_error
 from tokenloom.entrypoints.server.chat import ChatCompletions
 from tokenloom.entrypoints.server.chat_tools import ChatFeatures
 from tokenloom.entrypoints.server.completions import Completions
@@ -146,6 +148,7 @@ def build_app(
     add_utility_routes(app, serving)
     _add_generation_routes(app, serving)
     add_ollama_routes(app, serving)
+    add_anthropic_routes(app, serving)
     return app
 
 
@@ -168,9 +171,11 @@ def _lifespan(engine: AsyncLLMEngine, serving: OpenAIServing):
 
 def _error(request: Request, error: APIError) -> JSONResponse:
     """`error` in the shape of the API the request spoke: ollama's {"error": message} under /api/,
-    OpenAI's error object elsewhere."""
+    Anthropic's error object under /v1/messages, OpenAI's elsewhere."""
     if request.url.path.startswith("/api/"):
         return JSONResponse({"error": error.message}, status_code=error.status, headers=error.headers)
+    if request.url.path.startswith("/v1/messages"):
+        return JSONResponse(anthropic_error(error), status_code=error.status, headers=error.headers)
     return error_response(error)
 
 
