@@ -156,6 +156,9 @@ def test_errors_come_in_ollamas_shape(served):
         client.chat(model="qwen", messages=ASK, options={"temperature": 7})
     assert e.value.status_code == 400 and "options.temperature" in e.value.error
     with pytest.raises(ollama.ResponseError) as e:
+        client.chat(model="qwen", messages=ASK, options={"num_predict": 5000})  # past the context
+    assert e.value.status_code == 400 and "options.num_predict is 5000" in e.value.error
+    with pytest.raises(ollama.ResponseError) as e:
         client.generate(model="qwen", prompt="x", suffix="y")
     assert e.value.status_code == 400 and "suffix" in e.value.error
     reply = httpx.post(

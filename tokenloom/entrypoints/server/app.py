@@ -42,6 +42,7 @@ from tokenloom.entrypoints.server.middleware import (
 )
 from tokenloom.entrypoints.server.ollama import add_ollama_routes
 from tokenloom.entrypoints.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, unknown_fields
+from tokenloom.entrypoints.server.responses_api import add_responses_routes
 from tokenloom.entrypoints.server.serving import OpenAIServing, request_failed, shutting_down, size_param
 from tokenloom.entrypoints.server.streams import ClientDisconnected, ShuttingDown, unless_disconnected
 from tokenloom.entrypoints.server.utility_routes import add_utility_routes
@@ -149,6 +150,7 @@ def build_app(
     _add_generation_routes(app, serving)
     add_ollama_routes(app, serving)
     add_anthropic_routes(app, serving)
+    add_responses_routes(app, serving)
     return app
 
 

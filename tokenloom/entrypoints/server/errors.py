@@ -24,5 +24,13 @@ class APIError(Exception):
         self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
         self.headers = headers or {}
 
+    def renamed(self, names: dict[str, str]) -> APIError:
+        """The same error told in another API's parameter names (`names`: ours -> theirs)."""
+        message, param = self.message, self.param
+        for ours, theirs in names.items():
+            message = message.replace(f"{ours} ", f"{theirs} ")
+            param = theirs if param == ours else param
+        return APIError(self.status, message, param, self.type, self.code, self.headers)
+
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}

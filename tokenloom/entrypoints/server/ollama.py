@@ -160,7 +160,10 @@ class OllamaRoutes:
         """Prepare, admit and run a translated request; whole or NDJSON-streamed as asked.
         ``shape(message, done)`` is one ollama object around a message."""
         client = f"user:{req.user}" if req.user else f"addr:{request.client.host if request.client else ''}"
-        prepared = request.state.log = await self.serving.off_loop(self.prepare, req, client)
+        try:
+            prepared = request.state.log = await self.serving.off_loop(self.prepare, req, client)
+        except APIError as e:
+            raise e.renamed({"max_tokens": "options.num_predict", "response_format": "format"}) from None
         if len(prepared.choices) != 1:
             raise APIError(400, "one reply a request", "options")
         self.serving.admit(prepared, client)
