@@ -173,12 +173,12 @@ def test_bad_inputs_are_refused():
         )
 
 
-def test_the_avx2_build_takes_only_the_shapes_it_is_faster_for():
-    """The AVX2 build (8 queries a task) loses to torch SDPA for heads over 64 and contexts past
-    1024 (docs/BENCHMARKS.md): those run the torch path; the AVX-512 build takes them."""
-    cache = torch.zeros(2, BS, 1, 128)
-    if cpu_prefill._avx2_build():
-        assert not cpu_prefill.takes(128, cache) and cpu_prefill.takes(64, torch.zeros(2, BS, 1, 64))
-        assert cpu_prefill.max_context() == cpu_prefill.MAX_CONTEXT_AVX2 < cpu_prefill.MAX_CONTEXT
-    else:
-        assert cpu_prefill.takes(128, cache) and cpu_prefill.max_context() == cpu_prefill.MAX_CONTEXT
+def test_every_build_takes_every_head_size_up_to_max_context():
+    """Both builds take heads of 32-256 and contexts up to MAX_CONTEXT (cpu_prefill's module doc)."""
+    for d in cpu_prefill.HEAD_DIMS:
+        assert cpu_prefill.takes(d, torch.zeros(2, BS, 1, d))
+    assert not cpu_prefill.takes(96, torch.zeros(2, BS, 1, 96))
+    longest = cpu_prefill.MAX_CONTEXT
+    assert longest is not None and longest >= 8192
+    meta = meta_for([5000, 1, 2, 9], [longest, 30, 2, longest + 1], scattered_tables([16, 16, 2, 16]))
+    assert cpu_prefill.prefill_rows(meta) == [0, 2]

@@ -1,13 +1,19 @@
 """Prompt-chunk attention on the CPU through a compiled kernel that reads KV blocks in place.
 
-``csrc/paged_prefill_cpu.cpp`` takes every prompt chunk of a step in one call (tasks of 16 query
-rows with AVX-512, 8 with AVX2, x one kv head's heads, pulled by every core), instead of one torch
-SDPA call per sequence after gathering its context. Each query row's result is the same bits however its
-prompt is split: whole, in chunks, after a prefix-cache hit, or batched with other prompts.
-Built for AVX-512 and AVX2 (the fastest this CPU runs). The AVX-512 build takes head sizes
-32/64/128/256 and contexts up to ``MAX_CONTEXT``; the AVX2 build (8 queries a task, 16 registers)
-is faster than torch only for head sizes up to 64 and contexts up to ``MAX_CONTEXT_AVX2``
-(docs/BENCHMARKS.md): the rest runs the torch path.
+``csrc/paged_prefill_cpu.cpp`` takes every prompt chunk of a step in one call (tasks of up to
+16 groups of 16 query rows with AVX-512, of 8 with AVX2, x one kv head's heads, walking the keys in
+L1-sized tiles; pulled by every core), instead of one torch SDPA call per sequence after gathering
+its context. Each query row's result is the same bits however its prompt is split: whole, in
+chunks, after a prefix-cache hit, or batched with other prompts. Built for AVX-512 and AVX2 (the
+fastest this CPU runs); both take head sizes 32/64/128/256 (``HEAD_DIMS``).
+
+Measured against torch SDPA (the path prompt rows take otherwise), the attention alone, one
+sequence, 2 threads, AVX2 build on a 2-core AMD EPYC (medians of interleaved runs, a loaded
+machine): heads of 64 (14 / 2 kv heads) 2.0x at 128-1024 positions, 1.4x at 4096, 1.2x at 8192 and
+16384; heads of 128 (12 / 2) 2.0x at 128, 1.3x at 2048, 1.07x at 8192, 0.96x at 16384; heads of 256
+(4 / 1, no window) 2x at 512, 1.2x at 2048, 0.96x at 4096; heads of 32 (9 / 3) 1.3x at 4096. A
+2048-row chunk after 8192-16384 cached positions: 1.3-1.8x. So contexts up to ``MAX_CONTEXT``
+(where heads of 64 and 128 win) run the kernel, longer ones torch.
 """
 
 from __future__ import annotations
@@ -22,14 +28,9 @@ from tokenloom.kernels import native
 _SOURCE = Path(__file__).parent / "csrc" / "paged_prefill_cpu.cpp"
 _BUILDS = (("avx512", "tokenloom_prefill512"), ("avx2", "tokenloom_prefill"))  # (isa, library), fastest first
 
-# Longest context the kernel takes: up to it the kernel is faster than torch's flash attention,
-# beyond it torch is (see the kernel's header; docs/BENCHMARKS.md, 'Measurements behind design
-# choices').
-MAX_CONTEXT = 2048
-# The AVX2 build against torch SDPA (attention alone, 2 cores): heads of 64 at 1024 positions
-# 1.2-1.4x, at 2000 0.8-1.1x; heads of 128 0.83x at 1024, of 256 0.46x.
-MAX_CONTEXT_AVX2 = 1024
-AVX2_HEAD_DIMS = (32, 64)
+# Longest context the kernel takes; None: any (module doc).
+MAX_CONTEXT: int | None = 8192
+HEAD_DIMS = (32, 64, 128, 256)
 
 
 def ops():
@@ -43,32 +44,24 @@ def usable(q: torch.Tensor, k_cache) -> bool:
 
 
 def takes(head_dim: int, k_cache) -> bool:
-    """A plain (not quantized) float32 CPU cache, a head size the build takes, and the kernel built."""
+    """A plain (not quantized) float32 CPU cache, a head size in HEAD_DIMS, and the kernel built."""
     return (
         isinstance(k_cache, torch.Tensor)
         and k_cache.device.type == "cpu"
         and k_cache.dtype == torch.float32
         and ops() is not None
-        and head_dim in (AVX2_HEAD_DIMS if _avx2_build() else (32, 64, 128, 256))
+        and head_dim in HEAD_DIMS
     )
 
 
-def _avx2_build() -> bool:
-    """The kernel loaded is the AVX2 build (this CPU has no AVX-512)."""
-    return ops() is getattr(torch.ops, _BUILDS[1][1])
-
-
-def max_context() -> int:
-    """The longest context the loaded build takes (module doc)."""
-    return min(MAX_CONTEXT, MAX_CONTEXT_AVX2) if _avx2_build() else MAX_CONTEXT
-
-
 def prefill_rows(meta: AttentionMetadata) -> list[int]:
-    """The sequences of this step the kernel takes: several queries, context <= max_context()."""
+    """The sequences of this step the kernel takes: several queries, context <= MAX_CONTEXT (if set)."""
     if meta.prefill_rows_ is None:
-        longest = max_context()
+        longest = MAX_CONTEXT
         meta.prefill_rows_ = [
-            i for i, (n, c) in enumerate(zip(meta.query_lens, meta.context_lens)) if n > 1 and c <= longest
+            i
+            for i, (n, c) in enumerate(zip(meta.query_lens, meta.context_lens))
+            if n > 1 and (longest is None or c <= longest)
         ]
     return meta.prefill_rows_
 
