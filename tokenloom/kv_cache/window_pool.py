@@ -12,9 +12,12 @@ num_blocks - 1``, id ``num_blocks`` the always-zero null block): the block manag
 A sequence *holds* the blocks its window may still read (``hold``), from allocation until its
 queries have moved past them (``let_go``); the window layers' block table it attends with names
 the null block for the others. A backing no sequence holds goes back to the pool: at once if its
-block holds nothing worth keeping, else (a block in the prefix index) it stays with its block,
-least recently let go first in line to be taken, so a later prefix hit can still read it. A hit
-is only as long as the blocks its first query's window reaches still have their backings
+block holds nothing worth keeping, else (a block in the prefix index) it stays with its block, so a
+later prefix hit can still read it, until a hold needs a backing: those kept are taken first, the
+least recently let go before the others, and a backing never used only when none is kept. So the
+backings ever written (on the CPU, the pages resident) are no more than the most ever held at
+once, and a conversation's last window, let go last, stays longest for its next turn. A hit is
+only as long as the blocks its first query's window reaches still have their backings
 (``BlockManager`` checks). This is vLLM v1's sliding-window KV-cache manager in one table.
 
 Pure Python: no torch.
@@ -72,12 +75,12 @@ class WindowPool:
         if block.window_id is not None:
             del self._kept[block.window_id]
             return False
-        if self._unowned:
-            block.window_id = self._unowned.pop()
-        else:
+        if self._kept:  # reuse before touching a backing never written (module doc)
             backing, owner = self._kept.popitem(last=False)
             owner.window_id = None
             block.window_id = backing
+        else:
+            block.window_id = self._unowned.pop()
         return True
 
     def let_go(self, block: Backed) -> None:
