@@ -24,6 +24,10 @@ from tokenloom.config import CacheConfig, EngineConfig, SchedulerConfig, Specula
 from tokenloom.quant.scheme import CHOICES as QUANT_CHOICES
 
 GPU_DECODE_STEPS = 8  # decode_steps on a GPU with CUDA graphs (one host round trip per 8 tokens)
+# max_num_batched_tokens by device: on the CPU, prompt chunks of 1,024 tokens prefill as fast as
+# whole 4K prompts or faster and hold a quarter of their activations (docs/BENCHMARKS.md)
+CPU_STEP_TOKENS = 1024
+GPU_STEP_TOKENS = 8192
 
 
 def _gib(text: str) -> int:
@@ -155,12 +159,13 @@ class EngineArgs:
         commands=("serve",),
         help="requests in the running batch at most (default: 64)",
     )
-    max_num_batched_tokens: int = _option(
-        8192,
+    max_num_batched_tokens: int | None = _option(
+        None,
         "--max-num-batched-tokens",
         metavar="N",
         commands=("serve",),
-        help="tokens one engine step computes at most, prompt chunks and decodes together (default: 8192)",
+        help=f"tokens one engine step computes at most, prompt chunks and decodes together (default: "
+        f"{CPU_STEP_TOKENS} on the CPU, {GPU_STEP_TOKENS} on a GPU)",
     )
     fair_share_seqs: int | None = _option(
         None,
@@ -310,7 +315,8 @@ class EngineArgs:
         )
         scheduler = SchedulerConfig(
             max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_batched_tokens=self.max_num_batched_tokens
+            or (GPU_STEP_TOKENS if device == "cuda" else CPU_STEP_TOKENS),
             fair_share_seqs=self.fair_share_seqs,
             decode_steps=decode_steps,
             context_shift=self.context_shift,
