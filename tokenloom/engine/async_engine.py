@@ -90,6 +90,16 @@ class AsyncLLMEngine:
     def model_path(self) -> str:
         return self.engine.config.model
 
+    @property
+    def model_config(self):
+        """The model's shapes (models/config.ModelConfig)."""
+        return self.engine.model_config
+
+    @property
+    def weight_format(self) -> str:
+        """How the weights run: --quantization's method, else the dtype."""
+        return self.engine.config.quantization or self.engine.config.dtype
+
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """ValueError (naming the problem) for input the model cannot take; read-only."""
         self.engine.validate_request(prompt_token_ids, params)

@@ -13,10 +13,11 @@ A sequence *holds* the blocks its window may still read (``hold``), from allocat
 queries have moved past them (``let_go``); the window layers' block table it attends with names
 the null block for the others. A backing no sequence holds goes back to the pool: at once if its
 block holds nothing worth keeping, else (a block in the prefix index) it stays with its block, so a
-later prefix hit can still read it, until a hold needs a backing: those kept are taken first, the
-least recently let go before the others, and a backing never used only when none is kept. So the
-backings ever written (on the CPU, the pages resident) are no more than the most ever held at
-once, and a conversation's last window, let go last, stays longest for its next turn. A hit is
+later prefix hit can still read it. A hold takes a backing never written while fewer than
+``reserve`` (four windows' worth) are kept, else the kept one let go longest ago: so the backings
+ever written (on the CPU, the pages resident) are at most the most held at once plus the reserve,
+however long the contexts, while the last windows before recent hit points (a shared system
+prompt's end, a conversation's last turn) stay for the next request. A hit is
 only as long as the blocks its first query's window reaches still have their backings
 (``BlockManager`` checks). This is vLLM v1's sliding-window KV-cache manager in one table.
 
@@ -46,6 +47,7 @@ class WindowPool:
         if num_blocks <= 0 or window <= 0:
             raise ValueError(f"need positive window-layer blocks and window, got {num_blocks}, {window}")
         self.num_blocks, self.window, self.block_size = num_blocks, window, block_size
+        self.reserve = 4 * (-(-window // block_size) + 1)  # kept backings before written ones are reused
         self.null = num_blocks
         self._unowned: list[int] = list(range(num_blocks - 1, -1, -1))  # popped from the end: lowest first
         self._kept: OrderedDict[int, Backed] = OrderedDict()  # backing -> its cached block; front: take first
@@ -75,7 +77,7 @@ class WindowPool:
         if block.window_id is not None:
             del self._kept[block.window_id]
             return False
-        if self._kept:  # reuse before touching a backing never written (module doc)
+        if self._kept and (len(self._kept) >= self.reserve or not self._unowned):  # module doc
             backing, owner = self._kept.popitem(last=False)
             owner.window_id = None
             block.window_id = backing

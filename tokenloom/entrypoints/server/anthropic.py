@@ -28,7 +28,7 @@ from tokenloom.entrypoints.server.chat import ChatCompletions
 from tokenloom.entrypoints.server.chat_tools import ReplyStream
 from tokenloom.entrypoints.server.protocol import APIError, ChatCompletionRequest
 from tokenloom.entrypoints.server.serving import OpenAIServing, Prepared, request_failed, shutting_down
-from tokenloom.entrypoints.server.streams import ClientDisconnected, ShuttingDown, unless_disconnected
+from tokenloom.entrypoints.server.streams import ShuttingDown
 from tokenloom.outputs import RequestError
 
 IGNORED_HEADER = "X-Tokenloom-Ignored-Fields"
@@ -194,13 +194,9 @@ class AnthropicRoutes:
         headers = {IGNORED_HEADER: ", ".join(names)} if names else {}
         if body.stream:
             return StreamingResponse(self.stream(body, prepared), media_type="text/event-stream", headers=headers)
-        assert prepared.ticket is not None
-        try:
-            outs = await unless_disconnected(self.serving.run(prepared), request)
-        except ClientDisconnected:
+        outs = await self.serving.run_admitted(prepared, request)
+        if outs is None:  # the client left
             return Response(status_code=499)
-        finally:
-            prepared.ticket.release()
         return JSONResponse(self.message(body, req, prepared, outs[0]), headers=headers)
 
 

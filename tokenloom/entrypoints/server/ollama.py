@@ -34,7 +34,7 @@ from tokenloom.entrypoints.server.ollama_protocol import (
 )
 from tokenloom.entrypoints.server.protocol import APIError, ChatCompletionRequest
 from tokenloom.entrypoints.server.serving import OpenAIServing, Prepared, request_failed, shutting_down
-from tokenloom.entrypoints.server.streams import ClientDisconnected, ShuttingDown, unless_disconnected
+from tokenloom.entrypoints.server.streams import ShuttingDown
 from tokenloom.outputs import CompletionOutput, RequestError
 
 log = logging.getLogger("tokenloom.entrypoints.server")
@@ -170,13 +170,9 @@ class OllamaRoutes:
         headers = _ignored_header(ollama_req, request)
         if ollama_req.stream:
             return StreamingResponse(self.stream(req, prepared, shape), media_type=NDJSON, headers=headers)
-        assert prepared.ticket is not None
-        try:
-            outs = await unless_disconnected(self.serving.run(prepared), request)
-        except ClientDisconnected:
+        outs = await self.serving.run_admitted(prepared, request)
+        if outs is None:  # the client left
             return Response(status_code=499)
-        finally:
-            prepared.ticket.release()
         body = shape(self.reply_fields(req, prepared, outs[0]), True)
         body |= {"done_reason": _done_reason(outs[0].finish_reason)} | stats(prepared)
         return JSONResponse(body, headers=headers)
@@ -260,8 +256,8 @@ def model_facts(serving: OpenAIServing) -> dict[str, Any]:
     """What ollama's listings say of the served model: family, file format, parameter count (from
     the config's shapes), quantization (a GGUF file's type from its name, else the dtype or
     --quantization) and size on disk."""
-    engine = serving.engine.engine
-    c = engine.core.model_config
+    engine = serving.engine
+    c = engine.model_config
     path = Path(serving.engine.model_path)
     attention = c.hidden_size * c.head_dim * (2 * c.num_heads + 2 * c.num_kv_heads)
     experts = c.moe.num_experts if c.moe is not None else 1
@@ -274,9 +270,7 @@ def model_facts(serving: OpenAIServing) -> dict[str, Any]:
         "format": "gguf" if path.suffix == ".gguf" else "safetensors",
         "parameter_count": count,
         "parameter_size": f"{count / 1e9:.1f}B" if count >= 1e9 else f"{count / 1e6:.0f}M",
-        "quantization": quant.group(1).upper()
-        if quant
-        else (engine.config.quantization or engine.config.dtype).upper(),
+        "quantization": quant.group(1).upper() if quant else engine.weight_format.upper(),
         "size_bytes": size,
     }
 

@@ -28,7 +28,7 @@ from tokenloom.entrypoints.server.responses_protocol import (
     ignored_fields,
 )
 from tokenloom.entrypoints.server.serving import OpenAIServing, Prepared, request_failed, shutting_down
-from tokenloom.entrypoints.server.streams import ClientDisconnected, ShuttingDown, unless_disconnected
+from tokenloom.entrypoints.server.streams import ShuttingDown
 from tokenloom.outputs import RequestError
 
 IGNORED_HEADER = "X-Tokenloom-Ignored-Fields"
@@ -171,13 +171,9 @@ class ResponsesRoutes:
         if body.stream:
             events = self.stream(body, req, sent, prepared, response)
             return StreamingResponse(events, media_type="text/event-stream", headers=headers)
-        assert prepared.ticket is not None
-        try:
-            outs = await unless_disconnected(self.serving.run(prepared), request)
-        except ClientDisconnected:
+        outs = await self.serving.run_admitted(prepared, request)
+        if outs is None:  # the client left
             return Response(status_code=499)
-        finally:
-            prepared.ticket.release()
         choice = self.chat.response(req, prepared, outs)["choices"][0]
         response["output"] = output_items(choice["message"])
         return JSONResponse(self.finish(response, body, sent, prepared, outs[0].finish_reason), headers=headers)

@@ -32,7 +32,7 @@ from tokenloom.entrypoints.server.chat_tools import ChatFeatures, ChatTurn, chat
 from tokenloom.entrypoints.server.long_texts import LongTexts
 from tokenloom.entrypoints.server.metrics import ServerMetrics
 from tokenloom.entrypoints.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, param_named_in
-from tokenloom.entrypoints.server.streams import ShuttingDown, merge
+from tokenloom.entrypoints.server.streams import ClientDisconnected, ShuttingDown, merge, unless_disconnected
 from tokenloom.outputs import CompletionOutput, RequestError, StepDelta
 from tokenloom.sampling_params import SamplingParams
 from tokenloom.structured import StructuredOutput
@@ -428,6 +428,17 @@ class OpenAIServing:
                 if delta.finished:
                     outs[index] = delta.completion
         return outs  # type: ignore[return-value]
+
+    async def run_admitted(self, prepared: Prepared, request) -> list[CompletionOutput] | None:
+        """Run an admitted request whole unless its client leaves (None then); its admission ticket
+        is released however it ends."""
+        assert prepared.ticket is not None
+        try:
+            return await unless_disconnected(self.run(prepared), request)
+        except ClientDisconnected:
+            return None
+        finally:
+            prepared.ticket.release()
 
     async def stream_events(
         self,
