@@ -27,11 +27,17 @@ from tokenloom.entrypoints.server.anthropic_protocol import (
 from tokenloom.entrypoints.server.chat import ChatCompletions
 from tokenloom.entrypoints.server.chat_tools import ReplyStream
 from tokenloom.entrypoints.server.protocol import APIError, ChatCompletionRequest
-from tokenloom.entrypoints.server.serving import OpenAIServing, Prepared, request_failed, shutting_down
+from tokenloom.entrypoints.server.serving import (
+    OpenAIServing,
+    Prepared,
+    client_of,
+    ignored_fields_header,
+    request_failed,
+    shutting_down,
+)
 from tokenloom.entrypoints.server.streams import ShuttingDown
 from tokenloom.outputs import RequestError
 
-IGNORED_HEADER = "X-Tokenloom-Ignored-Fields"
 ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -187,11 +193,10 @@ class AnthropicRoutes:
 
     async def respond(self, body: MessagesRequest, request: Request) -> Response:
         req = chat_request(body)
-        client = f"addr:{request.client.host if request.client else ''}"
+        client = client_of(None, request)
         prepared = request.state.log = await self.serving.off_loop(self.serving.prepare_chat, req, client)
         self.serving.admit(prepared, client)
-        names = ignored_fields(body)
-        headers = {IGNORED_HEADER: ", ".join(names)} if names else {}
+        headers = ignored_fields_header(ignored_fields(body), request.url.path)
         if body.stream:
             return StreamingResponse(self.stream(body, prepared), media_type="text/event-stream", headers=headers)
         outs = await self.serving.run_admitted(prepared, request)

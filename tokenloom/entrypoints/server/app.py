@@ -43,7 +43,14 @@ from tokenloom.entrypoints.server.middleware import (
 from tokenloom.entrypoints.server.ollama import add_ollama_routes
 from tokenloom.entrypoints.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, unknown_fields
 from tokenloom.entrypoints.server.responses_api import add_responses_routes
-from tokenloom.entrypoints.server.serving import OpenAIServing, request_failed, shutting_down, size_param
+from tokenloom.entrypoints.server.serving import (
+    OpenAIServing,
+    client_of,
+    ignored_fields_header,
+    request_failed,
+    shutting_down,
+    size_param,
+)
 from tokenloom.entrypoints.server.streams import ClientDisconnected, ShuttingDown, unless_disconnected
 from tokenloom.entrypoints.server.utility_routes import add_utility_routes
 from tokenloom.outputs import RequestError
@@ -73,13 +80,6 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     )
 
 
-def _client(req, request: Request) -> str:
-    """Who a request is from, for turns between clients: its ``user`` field, else its address."""
-    if req.user:
-        return f"user:{req.user}"
-    return f"addr:{request.client.host if request.client else ''}"
-
-
 async def _releasing(events: AsyncGenerator[str, None], ticket) -> AsyncGenerator[str, None]:
     """`events`, then the admission ticket released (also when the client leaves mid-stream)."""
     try:
@@ -90,16 +90,9 @@ async def _releasing(events: AsyncGenerator[str, None], ticket) -> AsyncGenerato
         ticket.release()
 
 
-IGNORED_FIELDS_HEADER = "X-Tokenloom-Ignored-Fields"
-
-
 def _ignored_fields_header(req, request: Request) -> dict[str, str]:
-    """A request's unknown fields, named in a warning and in a response header (not silently dropped)."""
-    names = unknown_fields(req)
-    if not names:
-        return {}
-    log.warning("%s: ignored the request fields this server does not know: %s", request.url.path, ", ".join(names))
-    return {IGNORED_FIELDS_HEADER: ", ".join(names)}
+    """A request's unknown fields, named in a warning and in a response header."""
+    return ignored_fields_header(unknown_fields(req), request.url.path)
 
 
 def build_app(
@@ -280,7 +273,7 @@ def _add_generation_routes(app: FastAPI, serving: OpenAIServing) -> None:
 
     @app.post("/v1/completions")
     async def create_completion(req: CompletionRequest, request: Request):
-        client = _client(req, request)
+        client = client_of(req.user, request)
         prepared = request.state.log = await serving.off_loop(serving.prepare_completion, req, client)
         if req.use_beam_search:
             serving.admit(prepared, client, req.beam_width * len(prepared.prompt_ids), "best_of")
@@ -291,6 +284,6 @@ def _add_generation_routes(app: FastAPI, serving: OpenAIServing) -> None:
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(req: ChatCompletionRequest, request: Request):
-        client = _client(req, request)
+        client = client_of(req.user, request)
         prepared = request.state.log = await serving.off_loop(serving.prepare_chat, req, client)
         return await _respond(serving, chat, req, serving.admit(prepared, client), request)

@@ -8,7 +8,6 @@ every /api/ path)."""
 from __future__ import annotations
 
 import json
-import logging
 import re
 import time
 from collections.abc import AsyncGenerator
@@ -33,14 +32,18 @@ from tokenloom.entrypoints.server.ollama_protocol import (
     unknown,
 )
 from tokenloom.entrypoints.server.protocol import APIError, ChatCompletionRequest
-from tokenloom.entrypoints.server.serving import OpenAIServing, Prepared, request_failed, shutting_down
+from tokenloom.entrypoints.server.serving import (
+    OpenAIServing,
+    Prepared,
+    client_of,
+    ignored_fields_header,
+    request_failed,
+    shutting_down,
+)
 from tokenloom.entrypoints.server.streams import ShuttingDown
 from tokenloom.outputs import CompletionOutput, RequestError
 
-log = logging.getLogger("tokenloom.entrypoints.server")
-
 API_VERSION = "0.12.0"  # the ollama API release whose shapes these routes follow
-IGNORED_HEADER = "X-Tokenloom-Ignored-Fields"
 NDJSON = "application/x-ndjson"
 
 
@@ -159,7 +162,7 @@ class OllamaRoutes:
     async def respond(self, req, ollama_req, request: Request, shape) -> Response:
         """Prepare, admit and run a translated request; whole or NDJSON-streamed as asked.
         ``shape(message, done)`` is one ollama object around a message."""
-        client = f"user:{req.user}" if req.user else f"addr:{request.client.host if request.client else ''}"
+        client = client_of(req.user, request)
         try:
             prepared = request.state.log = await self.serving.off_loop(self.prepare, req, client)
         except APIError as e:
@@ -183,10 +186,7 @@ def _ignored_header(ollama_req, request: Request) -> dict[str, str]:
     names = unknown(ollama_req) + getattr(request.state, "ignored_options", [])
     if ollama_req.keep_alive is not None:  # one model, loaded for the server's life
         names.append("keep_alive")
-    if not names:
-        return {}
-    log.warning("%s: ignored what this server does not use: %s", request.url.path, ", ".join(names))
-    return {IGNORED_HEADER: ", ".join(names)}
+    return ignored_fields_header(names, request.url.path)
 
 
 def add_ollama_routes(app: FastAPI, serving: OpenAIServing) -> None:

@@ -27,11 +27,16 @@ from tokenloom.entrypoints.server.responses_protocol import (
     chat_request,
     ignored_fields,
 )
-from tokenloom.entrypoints.server.serving import OpenAIServing, Prepared, request_failed, shutting_down
+from tokenloom.entrypoints.server.serving import (
+    OpenAIServing,
+    Prepared,
+    client_of,
+    ignored_fields_header,
+    request_failed,
+    shutting_down,
+)
 from tokenloom.entrypoints.server.streams import ShuttingDown
 from tokenloom.outputs import RequestError
-
-IGNORED_HEADER = "X-Tokenloom-Ignored-Fields"
 
 
 def _id(prefix: str) -> str:
@@ -159,14 +164,13 @@ class ResponsesRoutes:
     async def respond(self, body: ResponsesRequest, request: Request) -> Response:
         history = self.store.get(body.previous_response_id) if body.previous_response_id else []
         req, sent = chat_request(body, history)
-        client = f"user:{body.user}" if body.user else f"addr:{request.client.host if request.client else ''}"
+        client = client_of(body.user, request)
         try:
             prepared = request.state.log = await self.serving.off_loop(self.serving.prepare_chat, req, client)
         except APIError as e:
             raise e.renamed({"max_tokens": "max_output_tokens", "messages": "input"}) from None
         self.serving.admit(prepared, client)
-        names = ignored_fields(body)
-        headers = {IGNORED_HEADER: ", ".join(names)} if names else {}
+        headers = ignored_fields_header(ignored_fields(body), request.url.path)
         response = self.envelope(body, _id("resp"), time.time(), "in_progress")
         if body.stream:
             events = self.stream(body, req, sent, prepared, response)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import threading
 import time
@@ -106,6 +107,26 @@ def _lower_priority() -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
     except (AttributeError, OSError):  # not Linux, or not permitted: normal priority
         pass
+
+
+IGNORED_FIELDS_HEADER = "X-Tokenloom-Ignored-Fields"
+log = logging.getLogger("tokenloom.entrypoints.server")
+
+
+def client_of(user: str | None, request) -> str:
+    """Who a request is from, for turns between clients: its ``user`` field, else its address."""
+    if user:
+        return f"user:{user}"
+    return f"addr:{request.client.host if request.client else ''}"
+
+
+def ignored_fields_header(names: list[str], path: str) -> dict[str, str]:
+    """Request fields (or options) this server does not use, named in a warning and in a response
+    header, not silently dropped; {} when there are none."""
+    if not names:
+        return {}
+    log.warning("%s: ignored what this server does not use: %s", path, ", ".join(names))
+    return {IGNORED_FIELDS_HEADER: ", ".join(names)}
 
 
 def size_param(n: int, num_prompts: int, prompt_param: str = "prompt") -> str:
