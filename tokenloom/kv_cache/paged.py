@@ -170,10 +170,14 @@ class PagedKVCache:
             for cache in self._caches(window=True):
                 cache.index_fill_(0, window_ids, 0)
 
+    def _group(self, window: bool) -> list[int]:
+        """The layers held here that keep their blocks in the window layers' pool, or the others."""
+        return [i for i in self.layers if (i in self.window_layers) == window]
+
     def _caches(self, window: bool) -> list:
         """Every key and value cache of the layers held here (values not with latent attention: they
         are key views), of the window layers' pool or of the others."""
-        layers = [i for i in self.layers if (i in self.window_layers) == window]
+        layers = self._group(window)
         return [self.keys[i] for i in layers] + ([] if self.latent else [self.values[i] for i in layers])
 
     def _block_ids(self, pairs: Sequence[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -206,7 +210,7 @@ class PagedKVCache:
                 continue
             src, dst = self._block_ids(moves)
             slots = (dst[:, None] * self.block_size + torch.arange(self.block_size, device=self.device)).reshape(-1)
-            for i in [i for i in self.layers if (i in self.window_layers) == window]:
+            for i in self._group(window):
                 k = self.keys[i][src]  # (n, block_size, kv_heads, head_dim)
                 turn = turns[i]
                 turned = k if turn is None else turn_keys(k, *turn)
@@ -216,7 +220,7 @@ class PagedKVCache:
             moved = [(a, b) for a, b in moves if a != b]
             if moved and not self.latent:
                 m_src, m_dst = self._block_ids(moved)
-                for i in [i for i in self.layers if (i in self.window_layers) == window]:
+                for i in self._group(window):
                     copy_cache_blocks(self.values[i], m_src, m_dst)
 
     def _stored(self) -> list[torch.Tensor]:
