@@ -125,7 +125,7 @@ def ignored_fields_header(names: list[str], path: str) -> dict[str, str]:
     header, not silently dropped; {} when there are none."""
     if not names:
         return {}
-    log.warning("%s: ignored what this server does not use: %s", path, ", ".join(names))
+    log.warning("%s: ignored the request fields this server does not know: %s", path, ", ".join(names))
     return {IGNORED_FIELDS_HEADER: ", ".join(names)}
 
 
