@@ -45,7 +45,7 @@ test-models: setup
 # marked serial run alone (tests/helpers/turns.py).
 TEST_WORKERS ?= 2
 test: setup lint test-models
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25
 
 bench: setup
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[bench]'

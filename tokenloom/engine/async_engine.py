@@ -44,6 +44,7 @@ class AsyncLLMEngine:
 
     def __init__(self, engine: LLMEngine, engine_thread: ThreadPoolExecutor | None = None) -> None:
         self.engine = engine
+        self._owns_thread = engine_thread is None  # close() ends only a thread this engine made
         self._thread = engine_thread or _engine_thread()
         self.tokenizer = engine.tokenizer
         self._queues: dict[str, asyncio.Queue] = {}
@@ -58,7 +59,17 @@ class AsyncLLMEngine:
     def build(cls, make_engine: Callable[[], LLMEngine]) -> AsyncLLMEngine:
         """Construct the engine on the thread that will run its steps (see the module doc)."""
         thread = _engine_thread()
-        return cls(thread.submit(make_engine).result(), thread)
+        async_engine = cls(thread.submit(make_engine).result(), thread)
+        async_engine._owns_thread = True
+        return async_engine
+
+    @property
+    def step_thread(self) -> ThreadPoolExecutor:
+        """The thread that runs this engine's steps. Another engine (another model) given it runs
+        its steps there too: the two take turns, a step each (the thread's queue is first come,
+        first served), and one OpenMP pool serves both (see the module doc); that engine's
+        close() leaves the thread running."""
+        return self._thread
 
     @classmethod
     def from_config(cls, config: EngineConfig, progress: bool = False) -> AsyncLLMEngine:
@@ -96,9 +107,18 @@ class AsyncLLMEngine:
         return self.engine.model_config
 
     @property
+    def kv_cache_budget(self) -> int:
+        """The bytes the KV cache may hold at most (on the CPU its pages become resident as used)."""
+        return self.engine.core.kv_cache_budget
+
+    @property
     def weight_format(self) -> str:
         """How the weights run: --quantization's method, else the dtype."""
         return self.engine.config.quantization or self.engine.config.dtype
+
+    def has_requests(self) -> bool:
+        """Whether a request is streaming from this engine or still in it."""
+        return bool(self._queues) or self.engine.has_unfinished_requests()
 
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """ValueError (naming the problem) for input the model cannot take; read-only."""
@@ -139,8 +159,10 @@ class AsyncLLMEngine:
         return self._thread.submit(fn, *args).result()
 
     def close(self) -> None:
-        """End the engine's thread (after shutdown()); the engine stays usable synchronously."""
-        self._thread.shutdown(wait=True)
+        """End the engine's thread (after shutdown()) unless it was lent by another engine
+        (``sibling``); the engine stays usable synchronously."""
+        if self._owns_thread:
+            self._thread.shutdown(wait=True)
 
     async def generate(
         self,

@@ -183,7 +183,7 @@ class EngineCore:
         beside it (not counted in the budget: on the CPU its pages become resident as sequences
         write them, on a GPU it is allocated whole; the log says how much), and `window_layers`
         keeping blocks for windows of `window` positions in a pool of their own."""
-        budget = config.cache.resolve_memory(self.kv_bytes_per_token, self.max_model_len)
+        budget = self.kv_cache_budget = config.cache.resolve_memory(self.kv_bytes_per_token, self.max_model_len)
         args = (config.cache.block_size, dtype, config.device, config.kv_cache_dtype, loaded.kv_layers, state_slots)
         if not window_layers:
             return PagedKVCache.from_memory_budget(self.cache_config, budget, *args)

@@ -253,8 +253,8 @@ def test_a_burst_past_the_per_request_bound_is_refused_before_any_tokenizing(tin
 
     app = build_app(AsyncLLMEngine(tiny_engine), "tiny")
     tokenized = []
-    input_ids = app.state.serving.input_ids
-    app.state.serving.input_ids = lambda *a: tokenized.append(a) or input_ids(*a)
+    input_ids = app.state.models.serving_of(None).input_ids
+    app.state.models.serving_of(None).input_ids = lambda *a: tokenized.append(a) or input_ids(*a)
     with TestClient(app) as tc:
         burst = tc.post("/v1/completions", json={"prompt": ["Hi there"] * 2000, "n": 16, "max_tokens": 1})
         many = tc.post("/v1/completions", json={"prompt": ["Hi there"] * 65, "max_tokens": 1})
@@ -534,7 +534,7 @@ def test_one_clients_slow_preparation_does_not_hold_every_worker(tiny_engine, mo
 
     monkeypatch.setattr(serving_module, "MAX_PREPARING_PER_CLIENT", 2)
     app = build_app(AsyncLLMEngine(tiny_engine), "tiny")
-    serving = app.state.serving
+    serving = app.state.models.serving_of(None)
     prepare = serving.prepare_completion
 
     def slow_for_some(req):

@@ -5,6 +5,7 @@ calls and their results, thinking, embeddings, the listings, and errors in ollam
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import jsonschema
@@ -12,11 +13,13 @@ import openai
 import pytest
 
 from tests.helpers.server_harness import ThreadedServer
+from tokenloom.entrypoints.server.load_policy import ModelEntry
 from tokenloom.loader import hub
 
 ollama = pytest.importorskip("ollama")
 
 QWEN = "qwen2.5-coder-0.5b"
+SMOL = "smollm2-135m"
 pytestmark = pytest.mark.skipif(not hub.is_pulled(QWEN), reason=f"`tokenloom pull {QWEN}` has not run")
 GREEDY = {"temperature": 0, "num_predict": 24}
 ASK = [{"role": "user", "content": "Name three colors of the rainbow."}]
@@ -40,8 +43,18 @@ def served():
     from tokenloom.engine.async_engine import AsyncLLMEngine
     from tokenloom.entrypoints.server import build_app
 
-    engine = LLM(str(hub.gguf_path(QWEN)), max_model_len=1024, kv_cache_memory=64 << 20).engine
-    with ThreadedServer(build_app(AsyncLLMEngine(engine), "qwen", reasoning_parser="think")) as url:
+    def load(path: str):
+        return LLM(path, max_model_len=1024, kv_cache_memory=64 << 20).engine
+
+    smol = [ModelEntry("smol", str(hub.gguf_path(SMOL)))] if hub.is_pulled(SMOL) else []
+    app = build_app(
+        AsyncLLMEngine(load(str(hub.gguf_path(QWEN)))),
+        "qwen",
+        reasoning_parser="think",
+        catalog=lambda: smol,
+        load_engine=load,
+    )
+    with ThreadedServer(app) as url:
         yield url, ollama.Client(host=url), openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
 
 
@@ -125,12 +138,11 @@ def test_embed_and_the_listings(served):
     assert len(out.embeddings) == 2
     for ours, theirs in zip(out.embeddings, want.data):
         assert ours == pytest.approx(theirs.embedding, abs=1e-6)
-    (listed,) = client.list().models
+    listed = {m.model: m for m in client.list().models}["qwen"]
     assert listed.model == "qwen" and listed.details.format == "gguf" and listed.details.family == "qwen2"
     assert listed.details.quantization_level == "Q4_K_M" and listed.size > 100e6
     assert listed.details.parameter_size == "630M"  # this file keeps its output projection apart: 630.17M
-    (running,) = client.ps().models
-    assert running.model == "qwen"
+    assert "qwen" in [m.model for m in client.ps().models]
     shown = client.show("qwen")
     assert "tools" in shown.capabilities and "thinking" in shown.capabilities and "im_start" in shown.template
     assert shown.modelinfo["qwen2.context_length"] == 1024
@@ -166,3 +178,22 @@ def test_errors_come_in_ollamas_shape(served):
     assert reply.status_code == 200 and reply.headers["x-tokenloom-ignored-fields"] == "options.num_ctx"
     bad = httpx.post(f"{url}/api/chat", content=b"{not json")
     assert bad.status_code == 400 and isinstance(bad.json()["error"], str)
+
+
+@pytest.mark.skipif(not hub.is_pulled(SMOL), reason=f"`tokenloom pull {SMOL}` has not run")
+def test_two_models_by_name_in_turn_and_at_once(served):
+    """SmolLM2 loads when a request first names it and serves beside Qwen: each model's reply is
+    the same in turn as when both run at once, and the two differ."""
+    _, client, oa = served
+    assert {"qwen", "smol"} <= {m.model for m in client.list().models}
+    alone = {m: client.chat(model=m, messages=ASK, options=GREEDY).message.content for m in ("smol", "qwen")}
+    assert alone["smol"] != alone["qwen"]
+    assert {"qwen", "smol"} <= {m.model for m in client.ps().models}
+    with ThreadPoolExecutor(4) as pool:
+        asks = [pool.submit(client.chat, model=m, messages=ASK, options=GREEDY) for m in ("smol", "qwen") * 2]
+        together = [f.result().message.content for f in asks]
+    assert together == [alone["smol"], alone["qwen"]] * 2
+    card = {m.id: m for m in oa.models.list().data}["smol"]
+    assert card.model_extra["loaded"] is True
+    reply = oa.chat.completions.create(model="smol", messages=ASK, temperature=0, max_tokens=24)
+    assert reply.model == "smol" and reply.choices[0].message.content == alone["smol"]

@@ -124,9 +124,12 @@ def cmd_chat(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     import os
 
+    from tokenloom.engine.args import EngineArgs
     from tokenloom.engine.async_engine import AsyncLLMEngine
     from tokenloom.entrypoints.server import build_app, graceful, served_names
     from tokenloom.entrypoints.server.admission import AdmissionLimits
+    from tokenloom.entrypoints.server.catalog import engine_loader, known_models
+    from tokenloom.entrypoints.server.load_policy import LoadPolicy
     from tokenloom.tool_calling.messages import load_tools
 
     check_engine_flags(args)
@@ -140,10 +143,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_running_per_client=args.max_running_per_client,
         default_max_tokens=args.default_max_tokens,
     )
+    policy = LoadPolicy(  # checked before the model loads too
+        keep_alive_s=args.keep_alive,
+        max_loaded=args.max_loaded_models,
+        memory_bytes=args.models_memory,
+        load_timeout_s=args.load_timeout,
+        kv_bound_bytes=args.kv_cache_memory or 1 << 30,
+    )
     engine = AsyncLLMEngine.build(lambda: make_llm(args).engine)  # built on the thread that steps it
     engine.prepare_for_serving()
     api_key = args.api_key or os.environ.get("TOKENLOOM_API_KEY")
     name, *aliases = served_names(args.model, engine.model_path, args.served_model_name)
+    load_engine = engine_loader(EngineArgs.from_cli_args(args), engine.model_path)
     app = build_app(
         engine,
         name,
@@ -158,6 +169,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
         playground_tools=playground_tools,
+        catalog=lambda: known_models(engine.model_path),
+        load_engine=load_engine,
+        load_policy=policy,
     )
     base = f"http://{args.host}:{args.port}"
     print(
@@ -166,7 +180,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
     graceful.serve(
         app,
-        app.state.serving,
+        app.state.models,
         header_timeout_s=args.body_timeout,
         host=args.host,
         port=args.port,
@@ -190,6 +204,66 @@ def _allowed_hosts(args: argparse.Namespace, api_key: str | None) -> tuple[str, 
     if api_key is None and args.host in ("127.0.0.1", "localhost", "::1"):
         return LOCAL_HOSTS
     return None
+
+
+def _duration(text: str) -> float:
+    """--keep-alive's value: seconds, or a duration as ollama takes it (5m, 1h30m, -1)."""
+    from tokenloom.entrypoints.server.load_policy import duration_seconds
+
+    try:
+        return duration_seconds(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _model_flags(serve: argparse.ArgumentParser) -> None:
+    """serve's flags for the models it loads on demand (tokenloom/entrypoints/server/served_models.py)."""
+    from tokenloom.entrypoints.server.load_policy import LoadPolicy
+
+    d = LoadPolicy()
+    group = serve.add_argument_group(
+        "models by name",
+        "every model `tokenloom list` shows is served by name; one is loaded when a request first names it",
+    )
+    group.add_argument(
+        "--keep-alive",
+        type=_duration,
+        default=d.keep_alive_s,
+        metavar="DURATION",
+        help="unload a model (other than --model) idle this long: seconds or 5m, 1h; -1 never "
+        "(default: 5m; a request's keep_alive sets its model's)",
+    )
+    group.add_argument(
+        "--max-loaded-models",
+        type=int,
+        default=d.max_loaded,
+        metavar="N",
+        help=f"models loaded at once; another unloads the least recently used idle one (default: {d.max_loaded})",
+    )
+    group.add_argument(
+        "--models-memory",
+        type=_gib_flag,
+        default=None,
+        metavar="GIB",
+        help="memory the loaded models may hold, weights on disk plus each KV cache's budget (default: 80%% of RAM)",
+    )
+    group.add_argument(
+        "--load-timeout",
+        type=float,
+        default=d.load_timeout_s,
+        metavar="S",
+        help=f"how long a request waits for its model to load before a 503 (default: {d.load_timeout_s:g})",
+    )
+
+
+def _gib_flag(text: str) -> int:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of GiB") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a positive number of GiB")
+    return int(value * 2**30)
 
 
 def _admission_flags(serve: argparse.ArgumentParser) -> None:
@@ -379,8 +453,10 @@ def _add_serve(sub) -> None:
     serve = sub.add_parser(
         "serve",
         help="OpenAI-compatible HTTP server (completions, chat, metrics)",
-        description="Serve /v1/models, /v1/completions, /v1/chat/completions, /health and "
-        "/metrics (Prometheus) over one continuously batched engine.",
+        description="Serve OpenAI's API (/v1/chat/completions, /v1/completions, /v1/responses, /v1/models), "
+        "ollama's (/api/chat, /api/generate, /api/tags, /api/pull, ...), Anthropic's (/v1/messages), /health "
+        "and /metrics (Prometheus). --model is loaded at start; every model `tokenloom list` shows is served "
+        "by name too, loaded when a request first names it (each on its own continuously batched engine).",
     )
     serve.add_argument("--host", default="127.0.0.1", help="interface to bind (default: 127.0.0.1, local only)")
     serve.add_argument("--port", type=int, default=8000)
@@ -403,6 +479,7 @@ def _add_serve(sub) -> None:
         help="on SIGINT/SIGTERM, let requests in flight finish for this long, then abort them",
     )
     _admission_flags(serve)
+    _model_flags(serve)
     serve.add_argument(
         "--tool-call-parser",
         default="auto",

@@ -27,6 +27,7 @@ from tokenloom.entrypoints.server.anthropic_protocol import (
 from tokenloom.entrypoints.server.chat import ChatCompletions
 from tokenloom.entrypoints.server.chat_tools import ReplyStream
 from tokenloom.entrypoints.server.protocol import APIError, ChatCompletionRequest
+from tokenloom.entrypoints.server.served_models import ServedModels
 from tokenloom.entrypoints.server.serving import (
     OpenAIServing,
     Prepared,
@@ -205,21 +206,22 @@ class AnthropicRoutes:
         return JSONResponse(self.message(body, req, prepared, outs[0]), headers=headers)
 
 
-def add_anthropic_routes(app: FastAPI, serving: OpenAIServing) -> None:
+def add_anthropic_routes(app: FastAPI, models: ServedModels) -> None:
     """Register /v1/messages and /v1/messages/count_tokens on `app`."""
-    routes = AnthropicRoutes(serving)
 
     @app.post("/v1/messages")
     async def messages(body: MessagesRequest, request: Request):
-        return await routes.respond(body, request)
+        models.resolve(body.model)
+        async with models.use(body.model) as serving:
+            return await AnthropicRoutes(serving).respond(body, request)
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(body: CountTokensRequest) -> dict[str, int]:
         req = count_request(body)
-        serving.check_model(req.model)
+        async with models.use(req.model) as serving:
 
-        def count(_) -> int:
-            prompt = serving.chat_prompt(req)
-            return len(serving.encode(prompt, "messages", add_special_tokens=False))
+            def count(_) -> int:
+                prompt = serving.chat_prompt(req)
+                return len(serving.encode(prompt, "messages", add_special_tokens=False))
 
-        return {"input_tokens": await serving.off_loop(count, req)}
+            return {"input_tokens": await serving.off_loop(count, req)}

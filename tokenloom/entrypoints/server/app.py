@@ -12,7 +12,8 @@ from __future__ import annotations
 import gc
 import logging
 import weakref
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing, asynccontextmanager
 from importlib import resources
 from typing import Any
@@ -22,6 +23,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tokenloom.engine import LLMEngine
 from tokenloom.engine.async_engine import AsyncLLMEngine
 from tokenloom.entrypoints.server.admission import AdmissionLimits
 from tokenloom.entrypoints.server.anthropic import add_anthropic_routes
@@ -29,6 +31,7 @@ from tokenloom.entrypoints.server.anthropic import error_body as anthropic_error
 from tokenloom.entrypoints.server.chat import ChatCompletions
 from tokenloom.entrypoints.server.chat_tools import ChatFeatures
 from tokenloom.entrypoints.server.completions import Completions
+from tokenloom.entrypoints.server.load_policy import weights_size
 from tokenloom.entrypoints.server.metrics import ServerMetrics
 from tokenloom.entrypoints.server.middleware import (
     DEFAULT_BODY_DEADLINE_S,
@@ -38,15 +41,18 @@ from tokenloom.entrypoints.server.middleware import (
     ApiKeyCheck,
     BodyReader,
     HostCheck,
+    JsonBodies,
     error_response,
 )
 from tokenloom.entrypoints.server.ollama import add_ollama_routes
 from tokenloom.entrypoints.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, unknown_fields
 from tokenloom.entrypoints.server.responses_api import add_responses_routes
+from tokenloom.entrypoints.server.served_models import LoadedModel, LoadPolicy, ModelEntry, ServedModels
 from tokenloom.entrypoints.server.serving import (
     OpenAIServing,
     client_of,
     ignored_fields_header,
+    prepare_workers,
     request_failed,
     shutting_down,
     size_param,
@@ -109,28 +115,56 @@ def build_app(
     reasoning_parser: str | None = None,
     playground_tools: list[dict] | None = None,
     model_aliases: tuple[str, ...] = (),
+    catalog: Callable[[], list[ModelEntry]] | None = None,
+    load_engine: Callable[[str], LLMEngine] | None = None,
+    load_policy: LoadPolicy | None = None,
 ) -> FastAPI:
-    """An OpenAI-compatible app over `engine`, serving it as `model_name` (requests may also name it
-    by one of `model_aliases`), admitting work within
+    """An OpenAI-compatible app over `engine`, serving it as `model_name` (requests may also name
+    it by one of `model_aliases`), and, given `load_engine` (``load(source) -> LLMEngine``), every
+    model `catalog()` lists too (read again as models are pulled), each loaded when a request
+    first names it and unloaded as `load_policy` says (served_models.py); admitting work within
     `limits` (server/admission.py; its defaults when None), answering only requests whose Host is
     in `allowed_hosts` (None: any), logging a line per request (JSON lines if `log_json`), reading
     tool calls and reasoning from replies as `tool_call_parser` and `reasoning_parser` say (None or
     "auto": from the chat template; tool_calling/formats.py and reasoning.py), and offering
     `playground_tools` (functions, as tool_calling.messages.function_of gives) in the playground."""
-    metrics = ServerMetrics(engine.stats)
-    features = ChatFeatures.for_template(engine.tokenizer.chat_template, tool_call_parser, reasoning_parser)
-    serving = OpenAIServing(engine, model_name, metrics, limits, features, model_aliases)
+    holder: list[ServedModels] = []
+    metrics = ServerMetrics(lambda: holder[0].stats())
+    workers = prepare_workers()  # every model's requests are prepared on the same threads
+
+    def serving_for(engine: AsyncLLMEngine, entry: ModelEntry, tool_parser, reasoning) -> OpenAIServing:
+        features = ChatFeatures.for_template(engine.tokenizer.chat_template, tool_parser, reasoning)
+        return OpenAIServing(engine, entry.name, metrics, limits, features, entry.aliases, workers)
+
+    step_thread = engine.step_thread  # not the engine: an unloaded first model must be freed
+
+    def make_serving(entry: ModelEntry) -> OpenAIServing:
+        """Another model's serving (or the first one's again), its steps taking turns with the
+        others' on one thread; tool calls and reasoning read as the flags say for the first model,
+        as its chat template says for the others."""
+        assert load_engine is not None
+        loaded = AsyncLLMEngine(load_engine(entry.source), step_thread)
+        loaded.prepare_for_serving()
+        parsers = (tool_call_parser, reasoning_parser) if entry.name == model_name else (None, None)
+        return serving_for(loaded, entry, *parsers)
+
+    primary = ModelEntry(model_name, engine.model_path, model_aliases, weights_size(engine.model_path))
+    serving = serving_for(engine, primary, tool_call_parser, reasoning_parser)
+    first = LoadedModel(primary, serving, primary.size_bytes + engine.kv_cache_budget, keep_alive_s=-1)
+    models = ServedModels(first, step_thread, catalog, make_serving if load_engine is not None else None, load_policy)
+    holder.append(models)
 
     # no /docs or /redoc: their pages load scripts from a CDN (the schema is at /openapi.json)
     app = FastAPI(
         title="tokenloom",
         version="0.1.0",
-        lifespan=_lifespan(engine, serving),
+        lifespan=_lifespan(models, workers),
         docs_url=None,
         redoc_url=None,
         description="OpenAI-compatible completions and chat over tokenloom's engine",
     )
-    app.state.serving, app.state.metrics = serving, metrics
+    app.state.models, app.state.metrics = models, metrics
+    app.add_middleware(JsonBodies)  # ollama's routes read any body as JSON, as ollama does
     app.add_middleware(BodyReader, max_bytes=max_body_bytes, timeout_s=body_timeout_s, deadline_s=body_deadline_s)
     if api_key is not None:
         app.add_middleware(ApiKeyCheck, api_key=api_key)
@@ -138,17 +172,17 @@ def build_app(
         app.add_middleware(HostCheck, allowed=allowed_hosts)
     app.add_middleware(AccessLog, json_lines=log_json)  # added last: outermost, sees every answer
     _add_error_handlers(app)
-    _add_info_routes(app, serving, metrics, playground_tools or [])
-    add_utility_routes(app, serving)
-    _add_generation_routes(app, serving)
-    add_ollama_routes(app, serving)
-    add_anthropic_routes(app, serving)
-    add_responses_routes(app, serving)
+    _add_info_routes(app, models, metrics, playground_tools or [])
+    add_utility_routes(app, models)
+    _add_generation_routes(app, models)
+    add_ollama_routes(app, models)
+    add_anthropic_routes(app, models)
+    add_responses_routes(app, models)
     return app
 
 
-def _lifespan(engine: AsyncLLMEngine, serving: OpenAIServing):
-    """The app's lifespan: the heap frozen at start, the engine and the server's workers closed at the end."""
+def _lifespan(models: ServedModels, workers: ThreadPoolExecutor):
+    """The app's lifespan: the heap frozen at start, the engines and the server's workers closed at the end."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -156,10 +190,8 @@ def _lifespan(engine: AsyncLLMEngine, serving: OpenAIServing):
         # full collection over them pauses the event loop for a noticeable time under a large request.
         gc.freeze()
         yield
-        await engine.shutdown()
-        engine.close()
-        serving.workers.shutdown(wait=False, cancel_futures=True)
-        serving.long_texts.close()
+        await models.close()
+        workers.shutdown(wait=False, cancel_futures=True)
 
     return lifespan
 
@@ -213,7 +245,7 @@ def _add_error_handlers(app: FastAPI) -> None:
         return _error(request, APIError(500, f"internal error: {exc!r}", type="server_error"))
 
 
-def _add_info_routes(app: FastAPI, serving: OpenAIServing, metrics: ServerMetrics, tools: list[dict]) -> None:
+def _add_info_routes(app: FastAPI, models: ServedModels, metrics: ServerMetrics, tools: list[dict]) -> None:
     """The playground page and its settings, /health, /metrics and /v1/models."""
     playground_file = resources.files("tokenloom.entrypoints.server") / "static" / "playground.html"
     playground = playground_file.read_text(encoding="utf-8")
@@ -228,7 +260,8 @@ def _add_info_routes(app: FastAPI, serving: OpenAIServing, metrics: ServerMetric
     async def playground_settings() -> dict[str, Any]:
         """What the playground starts from: the sampling settings a request that leaves them out
         gets (sampling/defaults.py), and the tools `serve --tools FILE.json` gave ([] if none)."""
-        defaults = serving.engine.sampling_defaults
+        async with models.use(None) as serving:
+            defaults = serving.engine.sampling_defaults
         return {"sampling": defaults.values, "sampling_source": defaults.source, "tools": offered}
 
     @app.get("/health")
@@ -240,8 +273,9 @@ def _add_info_routes(app: FastAPI, serving: OpenAIServing, metrics: ServerMetric
         return Response(metrics.render(), media_type=metrics.content_type)
 
     @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [serving.model_card()]}
+    async def list_models() -> dict[str, Any]:
+        """Every model this server serves by name, loaded or not (`loaded` says)."""
+        return {"object": "list", "data": [models.card(name) for name in models.entries]}
 
 
 async def _whole(work, prepared, request: Request, shape, headers: dict[str, str] | None = None) -> Response:
@@ -267,23 +301,26 @@ async def _respond(serving: OpenAIServing, handler, req, prepared, request: Requ
     )
 
 
-def _add_generation_routes(app: FastAPI, serving: OpenAIServing) -> None:
+def _add_generation_routes(app: FastAPI, models: ServedModels) -> None:
     """POST /v1/completions (beam search included) and /v1/chat/completions, whole or streamed."""
-    completions, chat = Completions(serving), ChatCompletions(serving)
 
     @app.post("/v1/completions")
     async def create_completion(req: CompletionRequest, request: Request):
         client = client_of(req.user, request)
-        prepared = request.state.log = await serving.off_loop(serving.prepare_completion, req, client)
-        if req.use_beam_search:
-            serving.admit(prepared, client, req.beam_width * len(prepared.prompt_ids), "best_of")
-            headers = _ignored_fields_header(req, request)
-            return await _whole(completions.beam_response(req, prepared), prepared, request, lambda body: body, headers)
-        param = size_param(req.n, len(prepared.prompt_ids))
-        return await _respond(serving, completions, req, serving.admit(prepared, client, param=param), request)
+        async with models.use(req.model) as serving:
+            completions = Completions(serving)
+            prepared = request.state.log = await serving.off_loop(serving.prepare_completion, req, client)
+            if req.use_beam_search:
+                serving.admit(prepared, client, req.beam_width * len(prepared.prompt_ids), "best_of")
+                headers = _ignored_fields_header(req, request)
+                beams = completions.beam_response(req, prepared)
+                return await _whole(beams, prepared, request, lambda body: body, headers)
+            param = size_param(req.n, len(prepared.prompt_ids))
+            return await _respond(serving, completions, req, serving.admit(prepared, client, param=param), request)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(req: ChatCompletionRequest, request: Request):
         client = client_of(req.user, request)
-        prepared = request.state.log = await serving.off_loop(serving.prepare_chat, req, client)
-        return await _respond(serving, chat, req, serving.admit(prepared, client), request)
+        async with models.use(req.model) as serving:
+            prepared = request.state.log = await serving.off_loop(serving.prepare_chat, req, client)
+            return await _respond(serving, ChatCompletions(serving), req, serving.admit(prepared, client), request)

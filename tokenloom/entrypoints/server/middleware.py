@@ -98,6 +98,21 @@ class BodyReader:
                 return messages
 
 
+class JsonBodies:
+    """ASGI middleware: a body sent to a path under `prefix` is JSON whatever its Content-Type says,
+    as ollama's server reads it (its documented examples are ``curl URL -d '{...}'``, sent as a
+    form)."""
+
+    def __init__(self, app: ASGIApp, prefix: str = "/api/") -> None:
+        self.app, self.prefix = app, prefix
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith(self.prefix):
+            headers = [(k, v) for k, v in scope.get("headers") or [] if k != b"content-type"]
+            scope = dict(scope, headers=[*headers, (b"content-type", b"application/json")])
+        await self.app(scope, receive, send)
+
+
 class ApiKeyCheck:
     """ASGI middleware: 401 on /v1/* unless the request carries 'Authorization: Bearer <api_key>'.
 

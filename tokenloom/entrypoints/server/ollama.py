@@ -8,30 +8,29 @@ every /api/ path)."""
 from __future__ import annotations
 
 import json
-import re
 import time
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
-from datetime import datetime, timezone
-from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from tokenloom.entrypoints.server.admission import server_busy
 from tokenloom.entrypoints.server.chat import ChatCompletions
 from tokenloom.entrypoints.server.chat_tools import ReplyStream
 from tokenloom.entrypoints.server.completions import Completions
+from tokenloom.entrypoints.server.ollama_models import add_model_routes, now_iso
 from tokenloom.entrypoints.server.ollama_protocol import (
     OllamaChatRequest,
     OllamaEmbedRequest,
     OllamaGenerateRequest,
     chat_request,
     generate_request,
+    keep_alive_seconds,
     unknown,
 )
 from tokenloom.entrypoints.server.protocol import APIError, ChatCompletionRequest
+from tokenloom.entrypoints.server.served_models import ServedModels
 from tokenloom.entrypoints.server.serving import (
     OpenAIServing,
     Prepared,
@@ -41,18 +40,13 @@ from tokenloom.entrypoints.server.serving import (
     shutting_down,
 )
 from tokenloom.entrypoints.server.streams import ShuttingDown
+from tokenloom.entrypoints.server.utility_routes import embed_all
 from tokenloom.outputs import CompletionOutput, RequestError
 
-API_VERSION = "0.12.0"  # the ollama API release whose shapes these routes follow
 NDJSON = "application/x-ndjson"
 
 
-def now_iso() -> str:
-    """ollama's created_at: UTC, RFC 3339 with a Z."""
-    return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
-
-
-def _ns(seconds: float) -> int:
+def ns(seconds: float) -> int:
     return int(seconds * 1e9)
 
 
@@ -61,12 +55,12 @@ def stats(prepared: Prepared) -> dict[str, int]:
     end = time.perf_counter()
     first = prepared.first_token_at or end
     return {
-        "total_duration": _ns(end - prepared.started),
+        "total_duration": ns(end - prepared.started),
         "load_duration": 0,
         "prompt_eval_count": prepared.prompt_tokens,
-        "prompt_eval_duration": _ns(first - prepared.started),
+        "prompt_eval_duration": ns(first - prepared.started),
         "eval_count": prepared.completion_tokens,
-        "eval_duration": _ns(end - first),
+        "eval_duration": ns(end - first),
     }
 
 
@@ -184,156 +178,80 @@ class OllamaRoutes:
 def _ignored_header(ollama_req, request: Request) -> dict[str, str]:
     """Fields and options of the request this server does not use, in a warning and a header."""
     names = unknown(ollama_req) + getattr(request.state, "ignored_options", [])
-    if ollama_req.keep_alive is not None:  # one model, loaded for the server's life
-        names.append("keep_alive")
     return ignored_fields_header(names, request.url.path)
 
 
-def add_ollama_routes(app: FastAPI, serving: OpenAIServing) -> None:
+async def load_or_unload(models: ServedModels, name: str, keep_alive_s: float | None) -> str:
+    """ollama's request with nothing to generate: load the model (keep_alive 0: unload it);
+    the done_reason to answer with."""
+    if keep_alive_s == 0:
+        await models.unload_named(name)
+        return "unload"
+    async with models.use(name, keep_alive_s):
+        return "load"
+
+
+def add_ollama_routes(app: FastAPI, models: ServedModels) -> None:
     """Register ollama's routes on `app`."""
-    routes = OllamaRoutes(serving)
 
     @app.post("/api/chat")
     async def ollama_chat(body: OllamaChatRequest, request: Request):
-        req, request.state.ignored_options = chat_request(body)
+        keep = keep_alive_seconds(body.keep_alive)
 
         def shape(message: dict[str, Any], done: bool) -> dict[str, Any]:
             return {"model": body.model, "created_at": now_iso(), "message": message, "done": done}
 
-        return await routes.respond(req, body, request, shape)
+        if not body.messages:  # ollama's way to load (or unload) a model
+            reason = await load_or_unload(models, body.model, keep)
+            return shape({"role": "assistant", "content": ""}, True) | {"done_reason": reason}
+        models.resolve(body.model)
+        req, request.state.ignored_options = chat_request(body)
+        async with models.use(body.model, keep) as serving:
+            return await OllamaRoutes(serving).respond(req, body, request, shape)
 
     @app.post("/api/generate")
     async def ollama_generate(body: OllamaGenerateRequest, request: Request):
-        serving.check_model(body.model)
-        if not body.prompt:  # ollama's way to load a model: nothing to generate
-            return {"model": body.model, "created_at": now_iso(), "response": "", "done": True, "done_reason": "load"}
+        keep = keep_alive_seconds(body.keep_alive)
+        if not body.prompt:  # ollama's way to load (or unload) a model: nothing to generate
+            reason = await load_or_unload(models, body.model, keep)
+            return {"model": body.model, "created_at": now_iso(), "response": "", "done": True, "done_reason": reason}
+        models.resolve(body.model)
         req, request.state.ignored_options = generate_request(body)
 
         def shape(message: dict[str, Any], done: bool) -> dict[str, Any]:
             out = {"model": body.model, "created_at": now_iso(), "response": message["content"], "done": done}
             return out | ({"thinking": message["thinking"]} if "thinking" in message else {})
 
-        return await routes.respond(req, body, request, shape)
+        async with models.use(body.model, keep) as serving:
+            return await OllamaRoutes(serving).respond(req, body, request, shape)
 
     @app.post("/api/embed")
     async def ollama_embed(body: OllamaEmbedRequest, request: Request) -> dict[str, Any]:
-        serving.check_model(body.model)
+        keep = keep_alive_seconds(body.keep_alive)
+        models.resolve(body.model)
         if body.dimensions is not None:
             raise APIError(400, "dimensions is not supported: the embedding has the model's hidden size", "dimensions")
         started = time.perf_counter()
         texts = [body.input] if isinstance(body.input, str) else body.input
-        limit = serving.max_model_len
+        async with models.use(body.model, keep) as serving:
+            limit = serving.max_model_len
 
-        def encode(_) -> list[list[int]]:
-            ids = [serving.tokenizer.encode(t) for t in texts]
-            if any(len(i) > limit for i in ids) and not body.truncate:
-                raise APIError(
-                    400, f"an input is longer than the context ({limit} tokens) and truncate is false", "input"
-                )
-            return [i[:limit] for i in ids]
+            def encode(_) -> list[list[int]]:
+                ids = [serving.tokenizer.encode(t) for t in texts]
+                if any(len(i) > limit for i in ids) and not body.truncate:
+                    raise APIError(
+                        400, f"an input is longer than the context ({limit} tokens) and truncate is false", "input"
+                    )
+                return [i[:limit] for i in ids]
 
-        token_lists = await serving.off_loop(encode, body)
-        vectors = []
-        for ids in token_lists:
-            try:
-                vectors.append(await serving.engine.embed(ids, "mean"))
-            except ValueError as e:
-                raise APIError(400, str(e), "input") from None
-            except RuntimeError as e:  # no KV room now
-                raise server_busy(str(e), serving.admission.limits.retry_after_s) from None
+            token_lists = await serving.off_loop(encode, body)
+            vectors = await embed_all(serving, token_lists, "mean")
         return {
             "model": body.model,
             "embeddings": vectors,
-            "total_duration": _ns(time.perf_counter() - started),
+            "total_duration": ns(time.perf_counter() - started),
             "load_duration": 0,
             "prompt_eval_count": sum(len(i) for i in token_lists),
         }
 
-    _add_info_routes(app, serving)
-
-
-def model_facts(serving: OpenAIServing) -> dict[str, Any]:
-    """What ollama's listings say of the served model: family, file format, parameter count (from
-    the config's shapes), quantization (a GGUF file's type from its name, else the dtype or
-    --quantization) and size on disk."""
-    engine = serving.engine
-    c = engine.model_config
-    path = Path(serving.engine.model_path)
-    attention = c.hidden_size * c.head_dim * (2 * c.num_heads + 2 * c.num_kv_heads)
-    experts = c.moe.num_experts if c.moe is not None else 1
-    per_layer = attention + 3 * c.hidden_size * c.intermediate_size * experts
-    count = c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2) + c.num_layers * per_layer
-    quant = re.search(r"(?i)(i?q\d+_[a-z0-9_]+|f16|bf16|f32)", path.name) if path.suffix == ".gguf" else None
-    size = path.stat().st_size if path.is_file() else sum(f.stat().st_size for f in path.glob("*.safetensors"))
-    return {
-        "family": re.sub(r"For(Causal|Conditional)LM$", "", c.architecture).lower(),
-        "format": "gguf" if path.suffix == ".gguf" else "safetensors",
-        "parameter_count": count,
-        "parameter_size": f"{count / 1e9:.1f}B" if count >= 1e9 else f"{count / 1e6:.0f}M",
-        "quantization": quant.group(1).upper() if quant else engine.weight_format.upper(),
-        "size_bytes": size,
-    }
-
-
-def _details(facts: dict[str, Any]) -> dict[str, Any]:
-    """ollama's details of the served model."""
-    return {
-        "parent_model": "",
-        "format": facts["format"],
-        "family": facts["family"],
-        "families": [facts["family"]],
-        "parameter_size": facts["parameter_size"],
-        "quantization_level": facts["quantization"],
-    }
-
-
-def _listing(serving: OpenAIServing, facts: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "name": serving.model_name,
-        "model": serving.model_name,
-        "modified_at": now_iso(),
-        "size": facts["size_bytes"],
-        "digest": "",
-        "details": _details(facts),
-    }
-
-
-def _add_info_routes(app: FastAPI, serving: OpenAIServing) -> None:
-    """/api/version, /api/tags, /api/ps and /api/show."""
-    facts = model_facts(serving)
-
-    @app.get("/api/version")
-    async def ollama_version() -> dict[str, str]:
-        return {"version": API_VERSION}
-
-    @app.get("/api/tags")
-    async def ollama_tags() -> dict[str, Any]:
-        return {"models": [_listing(serving, facts)]}
-
-    @app.get("/api/ps")
-    async def ollama_ps() -> dict[str, Any]:
-        loaded = _listing(serving, facts) | {"expires_at": "9999-12-31T23:59:59Z", "size_vram": 0}
-        loaded.pop("modified_at")
-        return {"models": [loaded]}
-
-    @app.post("/api/show")
-    async def ollama_show(body: dict[str, Any]) -> dict[str, Any]:
-        name = body.get("model", body.get("name"))
-        if not isinstance(name, str):
-            raise APIError(400, "model is required", "model")
-        serving.check_model(name)
-        # every template takes tools: a model's own format, or the generic one (tool_calling/formats.py)
-        capabilities = ["completion", "tools"] + (["thinking"] if serving.chat_features.reasoning else [])
-        return {
-            "modelfile": "",
-            "parameters": "",
-            "template": serving.tokenizer.chat_template or "",
-            "details": _details(facts),
-            "model_info": {
-                "general.architecture": facts["family"],
-                "general.parameter_count": facts["parameter_count"],
-                f"{facts['family']}.context_length": serving.max_model_len,
-            },
-            "capabilities": capabilities,
-            "modified_at": now_iso(),
-        }
+    add_model_routes(app, models)

@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from tokenloom.entrypoints.server.load_policy import duration_seconds
 from tokenloom.entrypoints.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
 
 REQUEST = ConfigDict(extra="allow")  # ollama clients send fields of newer versions: kept aside and named
@@ -103,6 +104,17 @@ class OllamaEmbedRequest(BaseModel):
     options: dict[str, Any] | None = None
     keep_alive: str | int | float | None = None
     dimensions: int | None = None
+
+
+def keep_alive_seconds(value: str | int | float | None) -> float | None:
+    """ollama's keep_alive in seconds (load_policy.duration_seconds); None: the server's default.
+    APIError 400 for what is not a duration."""
+    if value is None:
+        return None
+    try:
+        return duration_seconds(value)
+    except ValueError as e:
+        raise APIError(400, f"keep_alive: {e}", "keep_alive") from None
 
 
 def no_images(images: list[str] | None, param: str) -> None:

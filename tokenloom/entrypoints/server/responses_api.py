@@ -27,6 +27,7 @@ from tokenloom.entrypoints.server.responses_protocol import (
     chat_request,
     ignored_fields,
 )
+from tokenloom.entrypoints.server.served_models import ServedModels
 from tokenloom.entrypoints.server.serving import (
     OpenAIServing,
     Prepared,
@@ -105,11 +106,13 @@ def reply_message(items: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 class ResponsesRoutes:
-    def __init__(self, serving: OpenAIServing) -> None:
+    """One request's model, and the server's stored conversations and responses."""
+
+    def __init__(self, serving: OpenAIServing, store: ResponseStore, stored: OrderedDict[str, dict[str, Any]]) -> None:
         self.serving = serving
         self.chat = ChatCompletions(serving)
-        self.store = ResponseStore()
-        self.stored: OrderedDict[str, dict[str, Any]] = OrderedDict()  # id -> the response object
+        self.store = store
+        self.stored = stored  # id -> the response object
 
     def envelope(self, body: ResponsesRequest, response_id: str, created: float, status: str) -> dict[str, Any]:
         """The response object's fields around its output."""
@@ -311,17 +314,19 @@ class _Events:
         return out
 
 
-def add_responses_routes(app: FastAPI, serving: OpenAIServing) -> None:
-    """Register /v1/responses on `app`."""
-    routes = ResponsesRoutes(serving)
+def add_responses_routes(app: FastAPI, models: ServedModels) -> None:
+    """Register /v1/responses on `app`; the stored responses are the server's, whichever model
+    wrote them (a follow-up may name another model)."""
+    store, stored = ResponseStore(), OrderedDict[str, dict[str, Any]]()
 
     @app.post("/v1/responses")
     async def create_response(body: ResponsesRequest, request: Request):
-        serving.check_model(body.model)
-        return await routes.respond(body, request)
+        models.resolve(body.model)
+        async with models.use(body.model) as serving:
+            return await ResponsesRoutes(serving, store, stored).respond(body, request)
 
     @app.get("/v1/responses/{response_id}")
     async def get_response(response_id: str) -> dict[str, Any]:
-        if response_id not in routes.stored:
+        if response_id not in stored:
             raise APIError(404, f"no stored response {response_id!r}", "response_id", type="not_found_error")
-        return routes.stored[response_id]
+        return stored[response_id]

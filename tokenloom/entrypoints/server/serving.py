@@ -109,6 +109,11 @@ def _lower_priority() -> None:
         pass
 
 
+def prepare_workers() -> ThreadPoolExecutor:
+    """The threads that prepare requests (tokenizing, templating, compiling grammars), at nice 10."""
+    return ThreadPoolExecutor(PREPARE_WORKERS, thread_name_prefix="tokenloom-prepare", initializer=_lower_priority)
+
+
 IGNORED_FIELDS_HEADER = "X-Tokenloom-Ignored-Fields"
 log = logging.getLogger("tokenloom.entrypoints.server")
 
@@ -150,38 +155,38 @@ class OpenAIServing:
         limits: AdmissionLimits | None = None,
         chat_features: ChatFeatures | None = None,
         model_aliases: tuple[str, ...] = (),
+        workers: ThreadPoolExecutor | None = None,
     ) -> None:
+        """`workers`: the pool that prepares requests, shared with the server's other models
+        (None: a pool of its own, shut down by close())."""
         self.engine = engine
         self.chat_features = chat_features or ChatFeatures.for_template(engine.tokenizer.chat_template)
         self.admission = Admission(limits or AdmissionLimits())
-        self.workers = ThreadPoolExecutor(
-            PREPARE_WORKERS, thread_name_prefix="tokenloom-prepare", initializer=_lower_priority
-        )
+        self.own_workers = workers is None
+        self.workers = workers or prepare_workers()
         self.cut = asyncio.Event()  # set when a graceful shutdown's time is up (begin_shutdown)
         self.preparing = 0
         self.preparing_turns = PerClientTurns(PREPARE_WORKERS_PER_CLIENT)
         self.tokenizer = engine.tokenizer
         self.long_texts = LongTexts(self.tokenizer)  # closed with the workers (app.py's lifespan)
         self.model_name = model_name
-        self.model_names = frozenset((model_name, *model_aliases))  # what a request's `model` may say
+        self.model_aliases = model_aliases  # other names requests may give it (served_models.py routes them)
         self.max_model_len = engine.max_model_len
         self.context_shift = engine.context_shift  # max_tokens may run past the context
         self.metrics = metrics
         self.fmt = R.LogprobFormatter(self.tokenizer)
 
-    # ---- validation --------------------------------------------------------------------------
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name not in self.model_names:
-            also = sorted(self.model_names - {self.model_name})
-            raise APIError(
-                404,
-                f"the model {name!r} does not exist; this server serves {self.model_name!r}"
-                + (f" (also named {', '.join(map(repr, also))})" if also else ""),
-                "model",
-                type="not_found_error",
-                code="model_not_found",
-            )
+    def busy(self) -> bool:
+        """Whether a request of this model is being prepared, admitted or in its engine."""
+        return self.preparing > 0 or self.admission.pending_seqs > 0 or self.engine.has_requests()
 
+    def close(self) -> None:
+        """Stop its tokenizer processes and (its own) prepare workers; after its engine's close."""
+        self.long_texts.close()
+        if self.own_workers:
+            self.workers.shutdown(wait=False, cancel_futures=True)
+
+    # ---- validation --------------------------------------------------------------------------
     def _max_tokens(
         self, requested: int | None, prompt_len: int, prompt_param: str, max_tokens_param: str = "max_tokens"
     ) -> int:
@@ -297,7 +302,6 @@ class OpenAIServing:
         self, req: CompletionRequest | ChatCompletionRequest, num_prompts: int, prompt_param: str
     ) -> None:
         """What can be refused before any tokenizing or templating."""
-        self.check_model(req.model)
         req.check_supported()
         self.admission.check_size(num_prompts * req.n, size_param(req.n, num_prompts, prompt_param))
 

@@ -18,6 +18,7 @@ from pydantic import BaseModel, Field, ValidationError
 
 from tokenloom.entrypoints.server.admission import server_busy
 from tokenloom.entrypoints.server.protocol import STRICT, APIError, ChatCompletionRequest, prompt_list
+from tokenloom.entrypoints.server.served_models import ServedModels
 from tokenloom.entrypoints.server.serving import OpenAIServing
 
 MAX_EMBEDDING_INPUTS = 256
@@ -61,56 +62,55 @@ def _encoded(vector: list[float], encoding_format: str) -> list[float] | str:
     return vector
 
 
-def add_utility_routes(app: FastAPI, serving: OpenAIServing) -> None:
+def add_utility_routes(app: FastAPI, models: ServedModels) -> None:
     """Register the module's endpoints on `app`."""
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> dict[str, Any]:
-        serving.check_model(model_id)
-        return serving.model_card()
+        return models.card(model_id)
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> dict[str, Any]:
-        serving.check_model(req.model)
+        models.resolve(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give prompt or messages (one of them)", "prompt")
+        chat = None
         if req.messages is not None:
             try:
                 chat = ChatCompletionRequest.model_validate({"messages": req.messages})
             except ValidationError as e:
                 raise APIError(400, f"messages: {e.errors()[0]['msg']}", "messages") from None
-            ids = await serving.off_loop(
-                lambda _: serving.tokenizer.encode(
-                    serving.chat_prompt(chat, req.add_generation_prompt), add_special_tokens=False
-                ),
-                req,
-            )
-        else:
-            ids = await serving.off_loop(lambda r: serving.tokenizer.encode(r.prompt, r.add_special_tokens), req)
-        return {"count": len(ids), "max_model_len": serving.max_model_len, "tokens": ids}
+        async with models.use(req.model) as serving:
+
+            def encode(r: TokenizeRequest) -> list[int]:
+                if chat is not None:
+                    prompt = serving.chat_prompt(chat, r.add_generation_prompt)
+                    return serving.tokenizer.encode(prompt, add_special_tokens=False)
+                assert r.prompt is not None
+                return serving.tokenizer.encode(r.prompt, r.add_special_tokens)
+
+            ids = await serving.off_loop(encode, req)
+            return {"count": len(ids), "max_model_len": serving.max_model_len, "tokens": ids}
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest) -> dict[str, str]:
-        serving.check_model(req.model)
-        serving.check_token_ids(req.tokens, "tokens")
-        return {"prompt": serving.tokenizer.decode(req.tokens, skip_special_tokens=False)}
+        async with models.use(req.model) as serving:
+            serving.check_token_ids(req.tokens, "tokens")
+            return {"prompt": serving.tokenizer.decode(req.tokens, skip_special_tokens=False)}
 
     @app.post("/v1/embeddings")
     async def embeddings(req: EmbeddingRequest) -> dict[str, Any]:
-        serving.check_model(req.model)
+        models.resolve(req.model)
         if req.dimensions is not None:
             raise APIError(400, "dimensions is not supported: the embedding has the model's hidden size", "dimensions")
         inputs = _inputs(req)
-        token_lists = await serving.off_loop(lambda _: [serving.input_ids(x, "input") for x in inputs], req)
-        data = []
-        for index, ids in enumerate(token_lists):
-            try:
-                vector = await serving.engine.embed(ids, req.pooling)
-            except ValueError as e:
-                raise APIError(400, str(e), "input") from None
-            except RuntimeError as e:  # no KV room now
-                raise server_busy(str(e), serving.admission.limits.retry_after_s) from None
-            data.append({"object": "embedding", "index": index, "embedding": _encoded(vector, req.encoding_format)})
+        async with models.use(req.model) as serving:
+            token_lists = await serving.off_loop(lambda _: [serving.input_ids(x, "input") for x in inputs], req)
+            vectors = await embed_all(serving, token_lists, req.pooling)
+        data = [
+            {"object": "embedding", "index": i, "embedding": _encoded(v, req.encoding_format)}
+            for i, v in enumerate(vectors)
+        ]
         tokens = sum(len(ids) for ids in token_lists)
         return {
             "object": "list",
@@ -118,3 +118,17 @@ def add_utility_routes(app: FastAPI, serving: OpenAIServing) -> None:
             "model": serving.model_name,
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
         }
+
+
+async def embed_all(serving: OpenAIServing, token_lists: list[list[int]], pooling: str) -> list[list[float]]:
+    """Each token list's embedding, in turn between the engine's steps: 400 for input the model
+    cannot embed, 429 when the KV cache has no room for it now."""
+    vectors = []
+    for ids in token_lists:
+        try:
+            vectors.append(await serving.engine.embed(ids, pooling))
+        except ValueError as e:
+            raise APIError(400, str(e), "input") from None
+        except RuntimeError as e:  # no KV room now
+            raise server_busy(str(e), serving.admission.limits.retry_after_s) from None
+    return vectors
