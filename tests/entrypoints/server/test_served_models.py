@@ -125,6 +125,16 @@ def test_concurrent_requests_for_an_unloaded_model_share_one_load(files):
         assert loads.calls == [str(files[1])]
 
 
+def test_a_request_waits_for_a_load_only_so_long_and_the_load_goes_on(files):
+    loads = Loads(delay_s=1.5)
+    with _server(files, LoadPolicy(load_timeout_s=0.5), loads) as url:
+        late = _complete(url, "beta")
+        assert late.status_code == 503 and late.json()["error"]["code"] == "model_loading"
+        assert "still loading after 0.5 s" in late.json()["error"]["message"]
+        assert _wait_for(lambda: "beta" in _running(url), timeout=10)  # the load finished anyway
+        assert _complete(url, "beta").status_code == 200 and loads.calls == [str(files[1])]
+
+
 def test_keep_alive_unloads_an_idle_model_and_zero_unloads_it_now(files):
     loads = Loads()
     with _server(files, LoadPolicy(keep_alive_s=1.0), loads) as url:

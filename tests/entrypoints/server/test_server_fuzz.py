@@ -87,3 +87,93 @@ def test_no_input_gets_a_5xx_or_leaks_blocks(base_url, client, endpoint, data):
     else:
         assert response.text.rstrip().endswith("data: [DONE]")
     assert wait_until_idle(base_url) == 0
+
+
+ollama_message = st.fixed_dictionaries(
+    {
+        "role": st.sampled_from(["user", "system", "assistant", "tool", "bot"]),
+        "content": st.one_of(st.text(max_size=20), junk),
+    },
+    optional={"images": junk, "tool_calls": junk, "thinking": junk},
+)
+ollama_options = st.one_of(
+    junk,
+    st.dictionaries(
+        st.sampled_from(["temperature", "num_predict", "top_k", "top_p", "seed", "stop", "num_ctx", "mirostat"]),
+        small,
+        max_size=4,
+    ),
+)
+ollama_common = {
+    "model": st.one_of(st.just("smol"), junk),
+    "stream": st.one_of(st.booleans(), junk),
+    "format": st.one_of(st.just("json"), junk),
+    "options": ollama_options,
+    "keep_alive": st.one_of(st.sampled_from(["5m", "-1", "0", "1h30m"]), junk),
+    "think": junk,
+}
+other_bodies = {
+    "/api/chat": st.fixed_dictionaries(
+        {"messages": st.one_of(st.lists(ollama_message, max_size=3), junk)}, optional=ollama_common | {"tools": junk}
+    ),
+    "/api/generate": st.fixed_dictionaries(
+        {"prompt": st.one_of(st.text(max_size=20), junk)},
+        optional=ollama_common | {"system": junk, "raw": junk, "suffix": junk, "images": junk, "context": junk},
+    ),
+    "/api/embed": st.fixed_dictionaries(
+        {"input": st.one_of(st.text(max_size=20), st.lists(st.text(max_size=8), max_size=3), junk)},
+        optional={"model": ollama_common["model"], "truncate": junk, "keep_alive": ollama_common["keep_alive"]},
+    ),
+    "/api/show": st.fixed_dictionaries({}, optional={"model": ollama_common["model"], "name": junk}),
+    "/api/pull": st.fixed_dictionaries({}, optional={"model": junk, "stream": junk}),
+    "/v1/messages": st.fixed_dictionaries(
+        {"messages": st.one_of(st.lists(message, max_size=3), junk), "max_tokens": small},
+        optional={
+            "model": common["model"],
+            "system": junk,
+            "stop_sequences": junk,
+            "temperature": common["temperature"],
+            "top_k": small,
+            "stream": st.booleans(),
+            "tools": junk,
+            "tool_choice": junk,
+            "thinking": junk,
+        },
+    ),
+    "/v1/messages/count_tokens": st.fixed_dictionaries(
+        {"messages": st.one_of(st.lists(message, max_size=3), junk)},
+        optional={"model": common["model"], "system": junk},
+    ),
+    "/v1/responses": st.fixed_dictionaries(
+        {"input": st.one_of(st.text(max_size=20), st.lists(message, max_size=3), junk)},
+        optional={
+            "model": common["model"],
+            "instructions": junk,
+            "max_output_tokens": small,
+            "stream": st.booleans(),
+            "tools": junk,
+            "previous_response_id": junk,
+            "temperature": common["temperature"],
+        },
+    ),
+}
+
+
+def _error_message(path: str, body: dict) -> str:
+    """The message of an error body in the shape of the API at `path`."""
+    if path.startswith("/api/"):
+        return body["error"]
+    if path.startswith("/v1/messages"):
+        assert body["type"] == "error" and body["error"]["type"]
+    return body["error"]["message"]
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(path=st.sampled_from(sorted(other_bodies)), data=st.data())
+def test_no_input_to_the_ollama_anthropic_or_responses_routes_gets_a_5xx(base_url, client, path, data):
+    body = data.draw(other_bodies[path])
+    response = client.post(f"{base_url}{path}", json=body, timeout=60)
+    assert response.status_code < 500, (path, body, response.text)
+    if response.status_code >= 400:
+        assert _error_message(path, response.json()), (path, body, response.text)
+    assert wait_until_idle(base_url) == 0
