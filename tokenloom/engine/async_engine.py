@@ -24,13 +24,12 @@ import logging
 import os
 import signal
 from collections.abc import AsyncGenerator, Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from tokenloom.config import EngineConfig
 from tokenloom.distributed.errors import ParallelRankError
 from tokenloom.engine import LLMEngine
-from tokenloom.memory.allocator import keep_freed_memory
+from tokenloom.engine.step_thread import StepThread
 from tokenloom.metrics import EngineStats
 from tokenloom.outputs import RequestError, StepDelta
 from tokenloom.sampling_params import SamplingParams
@@ -42,10 +41,13 @@ class AsyncLLMEngine:
     """``async for delta in engine.generate(prompt, params)``: streamed StepDeltas, the last
     one finished and carrying the CompletionOutput. Leaving the loop early aborts the request."""
 
-    def __init__(self, engine: LLMEngine, engine_thread: ThreadPoolExecutor | None = None) -> None:
+    def __init__(self, engine: LLMEngine, engine_thread: StepThread | None = None) -> None:
+        """`engine_thread`: another engine's step thread, to take turns on (step_thread.py); None:
+        a thread of its own."""
         self.engine = engine
         self._owns_thread = engine_thread is None  # close() ends only a thread this engine made
-        self._thread = engine_thread or _engine_thread()
+        self._thread = engine_thread or StepThread()
+        self._turn_key = object()  # this engine's account on the thread
         self.tokenizer = engine.tokenizer
         self._queues: dict[str, asyncio.Queue] = {}
         self._pending: list[Callable[[], None]] = []
@@ -58,17 +60,16 @@ class AsyncLLMEngine:
     @classmethod
     def build(cls, make_engine: Callable[[], LLMEngine]) -> AsyncLLMEngine:
         """Construct the engine on the thread that will run its steps (see the module doc)."""
-        thread = _engine_thread()
+        thread = StepThread()
         async_engine = cls(thread.submit(make_engine).result(), thread)
         async_engine._owns_thread = True
         return async_engine
 
     @property
-    def step_thread(self) -> ThreadPoolExecutor:
+    def step_thread(self) -> StepThread:
         """The thread that runs this engine's steps. Another engine (another model) given it runs
-        its steps there too: the two take turns, a step each (the thread's queue is first come,
-        first served), and one OpenMP pool serves both (see the module doc); that engine's
-        close() leaves the thread running."""
+        its steps there too, the two taking turns by the time their steps take (step_thread.py),
+        with one OpenMP pool (see the module doc); that engine's close() leaves the thread running."""
         return self._thread
 
     @classmethod
@@ -211,6 +212,7 @@ class AsyncLLMEngine:
         return self.engine.stats()
 
     async def shutdown(self) -> None:
+        self._thread.forget(self._turn_key)
         if self._loop_task is not None:
             self._loop_task.cancel()
             try:
@@ -245,13 +247,14 @@ class AsyncLLMEngine:
     async def _run(self) -> None:
         while True:
             if not self.engine.has_unfinished_requests():
+                self._thread.idle(self._turn_key)  # a thread it kept for a next step goes on
                 wake = self._wake
                 assert wake is not None  # _ensure_loop sets it before starting this task
                 wake.clear()
                 await wake.wait()
                 continue
             try:
-                deltas = await self._on_engine(self.engine.step)
+                deltas = await self._on_engine(self.engine.step, more=self.engine.has_unfinished_requests)
             except ParallelRankError as e:  # a rank of a split model is gone: so is the engine
                 self._fail_all(e)
                 self._end_process(e)
@@ -268,13 +271,14 @@ class AsyncLLMEngine:
             # benchmark) joins that step instead of waiting one more step as pending.
             await asyncio.sleep(0)
 
-    async def _on_engine(self, fn: Callable[..., Any], *args: Any) -> Any:
+    async def _on_engine(self, fn: Callable[..., Any], *args: Any, more: Callable[[], bool] | None = None) -> Any:
         """fn(*args) on the engine's thread, alone: no step runs meanwhile, and mutations that
-        arrive are applied right after it."""
+        arrive are applied right after it. `more()`: whether another step follows at once
+        (StepThread.run)."""
         async with self._engine_turn:
             self._stepping = True
             try:
-                return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
+                return await self._thread.run(self._turn_key, fn, *args, more=more)
             finally:
                 self._stepping = False
                 pending, self._pending = self._pending, []
@@ -295,8 +299,3 @@ class AsyncLLMEngine:
         for rid, queue in list(self._queues.items()):
             self.engine.abort(rid)
             queue.put_nowait(RuntimeError(f"engine step failed: {error!r}"))
-
-
-def _engine_thread() -> ThreadPoolExecutor:
-    keep_freed_memory()  # before the thread exists, so that it allocates from the kept heap
-    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenloom-engine")

@@ -34,6 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
+from tokenloom.engine.step_thread import StepThread
 from tokenloom.entrypoints.server.load_policy import LoadPolicy, ModelEntry
 from tokenloom.entrypoints.server.protocol import APIError
 from tokenloom.entrypoints.server.serving import OpenAIServing
@@ -107,7 +108,7 @@ class ServedModels:
     def __init__(
         self,
         primary: LoadedModel,
-        step_thread: ThreadPoolExecutor,
+        step_thread: StepThread,
         catalog: Callable[[], list[ModelEntry]] | None = None,
         make_serving: Callable[[ModelEntry], OpenAIServing] | None = None,
         policy: LoadPolicy | None = None,
