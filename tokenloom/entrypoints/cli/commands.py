@@ -174,8 +174,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         load_policy=policy,
     )
     base = f"http://{args.host}:{args.port}"
+    others = [n for n in app.state.models.entries if n != name]
+    more = f"; {len(others)} more by name, loaded on first use: {', '.join(others)}" if others else ""
     print(
-        f"tokenloom: serving {name!r} on {base}/v1 (playground: {base}/){' (API key required)' if api_key else ''}",
+        f"tokenloom: serving {name!r} on {base}/v1 (playground: {base}/){' (API key required)' if api_key else ''}"
+        + more,
         file=sys.stderr,
     )
     graceful.serve(
