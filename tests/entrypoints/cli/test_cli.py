@@ -143,10 +143,16 @@ def test_help(args):
 
 def test_serve_refuses_a_bad_admission_bound_before_loading_the_model(capsys, monkeypatch):
     from tokenloom.entrypoints.cli import commands as cli
+    from tokenloom.entrypoints.cli import serve
 
-    monkeypatch.setattr(cli, "make_llm", lambda args: pytest.fail("the model was loaded before the flags were checked"))
+    monkeypatch.setattr(serve, "make_llm", lambda args: pytest.fail("the model loaded before the flags were checked"))
     assert cli.main(["serve", "--max-pending-seqs", "0"]) == 2
     assert "admission limit max_pending_seqs must be >= 1, got 0" in capsys.readouterr().err
+    assert cli.main(["serve", "--max-loaded-models", "0"]) == 2
+    assert "max_loaded must be at least 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--keep-alive", "soon"])
+    assert "'soon' is not a duration" in capsys.readouterr().err
 
 
 def test_generate_takes_the_prompt_with_llama_cpps_p_flag(capsys, monkeypatch):
