@@ -60,7 +60,6 @@ _one_ssl_context_per_setting_for_every_httpx_client()
 
 from tests.helpers.browser_harness import browser  # noqa: F401 (a fixture: the playground's tests share one Chromium)
 from tests.helpers.turns import (
-    longest_files_first,
     pytest_runtest_protocol,  # noqa: F401 (a hook: serial tests run alone under xdist)
     serial_tests_last_in_their_file,
 )
@@ -559,7 +558,6 @@ def smol_llm(default_model_dir):
 
 
 def pytest_collection_modifyitems(config, items):
-    longest_files_first(items)
     serial_tests_last_in_their_file(items)
     if torch.cuda.is_available():
         return

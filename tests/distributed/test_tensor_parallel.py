@@ -39,10 +39,14 @@ def _parameters(module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
-@pytest.mark.parametrize(
-    "name", ["llama_gqa", "llama_mqa_tied", "qwen2", "smollm3", "mixtral", "qwen2_moe", "qwen3_moe"]
-)
-@pytest.mark.parametrize("split", ["tensor_parallel_size", "pipeline_parallel_size"])
+# Tensor parallelism cuts inside each layer: every kind of layer. A pipeline cuts between layers:
+# a dense model, tied embeddings (the first and last stage each hold them), experts beside dense.
+SPLITS = [("tensor_parallel_size", n) for n in ("llama_gqa", "llama_mqa_tied", "qwen2", "smollm3", "mixtral")]
+SPLITS += [("tensor_parallel_size", n) for n in ("qwen2_moe", "qwen3_moe")]
+SPLITS += [("pipeline_parallel_size", n) for n in ("llama_gqa", "qwen2", "qwen3_moe")]
+
+
+@pytest.mark.parametrize(("split", "name"), SPLITS)
 def test_two_ranks_give_one_process_tokens_and_logprobs(tiny_model_dir, name, split):
     """GQA split (2 of 4 KV heads each), MQA (the one KV head replicated), q/k/v bias and tied
     embeddings (Qwen2), a layer without rope (SmolLM3), experts (Mixtral), a shared expert

@@ -79,35 +79,6 @@ def _is_serial(item: pytest.Item | None) -> bool:
     return item is not None and item.get_closest_marker("serial") is not None
 
 
-# The suite's longest files (minutes of test time, 2 workers in CI): started first, so that the
-# workers of `pytest -n 2 --dist loadfile` end together instead of one waiting on a long file the
-# other began last. Longest first; the rest keep their order after them.
-LONGEST_FILES = (
-    "tests/distributed/test_tensor_parallel.py",
-    "tests/entrypoints/server/test_server_tools.py",
-    "tests/spec_decode/test_spec_decode.py",
-    "tests/loader/test_gguf_real.py",
-    "tests/entrypoints/cli/test_cli.py",
-    "tests/engine/test_engine_invariance.py",
-    "tests/entrypoints/server/test_server_abuse.py",
-    "tests/sampling/test_sampler_chain_engine.py",
-    "tests/quant/test_quant_model.py",
-    "tests/entrypoints/cli/test_serve_cli.py",
-    "tests/models/test_parity_hf.py",
-    "tests/entrypoints/cli/test_chat_terminal.py",
-)
-
-
-def longest_files_first(items: list[pytest.Item]) -> None:
-    """Reorder `items` in place: the LONGEST_FILES' tests first, in that order, each file's own
-    order kept."""
-    root = Path(__file__).resolve().parents[2]
-    missing = [path for path in LONGEST_FILES if not (root / path).is_file()]
-    assert not missing, f"LONGEST_FILES names files that are not there: {missing}"
-    rank = {path: i for i, path in enumerate(LONGEST_FILES)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
-
-
 def serial_tests_last_in_their_file(items: list[pytest.Item]) -> None:
     """Reorder `items` in place: within each file, its serial tests after the others (each group
     in its own order), so that they run back to back in one exclusive turn."""

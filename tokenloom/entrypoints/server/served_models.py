@@ -349,7 +349,9 @@ class ServedModels:
                 keep = self.policy.keep_alive_s if loaded.keep_alive_s is None else loaded.keep_alive_s
                 if loaded.in_use():
                     loaded.last_used = now
-                elif keep >= 0 and now - loaded.last_used >= keep:
+                elif keep >= 0 and now - loaded.last_used >= max(keep, REAP_INTERVAL_S):
+                    # (at least an interval idle: a model just loaded is not unloaded before the
+                    # requests that waited for it take it)
                     try:
                         await self.unload(loaded)
                     except Exception:  # an unload that fails must not end the reaper
