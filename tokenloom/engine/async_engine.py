@@ -160,8 +160,8 @@ class AsyncLLMEngine:
         return self._thread.submit(fn, *args).result()
 
     def close(self) -> None:
-        """End the engine's thread (after shutdown()) unless it was lent by another engine
-        (``sibling``); the engine stays usable synchronously."""
+        """End the engine's thread (after shutdown()) unless it was another engine's (given to the
+        constructor); the engine stays usable synchronously."""
         if self._owns_thread:
             self._thread.shutdown(wait=True)
 

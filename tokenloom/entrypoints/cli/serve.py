@@ -44,7 +44,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine.prepare_for_serving()
     api_key = args.api_key or os.environ.get("TOKENLOOM_API_KEY")
     name, *aliases = served_names(args.model, engine.model_path, args.served_model_name)
-    load_engine = engine_loader(EngineArgs.from_cli_args(args), engine.model_path)
+    primary_path = engine.model_path
+    load_engine = engine_loader(EngineArgs.from_cli_args(args), primary_path)
     app = build_app(
         engine,
         name,
@@ -59,10 +60,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
         playground_tools=playground_tools,
-        catalog=lambda: known_models(engine.model_path),
+        catalog=lambda: known_models(primary_path),
         load_engine=load_engine,
         load_policy=policy,
     )
+    del engine  # the app holds it now: were it kept here, its memory would outlive its unloading
     base = f"http://{args.host}:{args.port}"
     others = [n for n in app.state.models.entries if n != name]
     more = f"; {len(others)} more by name, loaded on first use: {', '.join(others)}" if others else ""

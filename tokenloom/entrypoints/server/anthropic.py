@@ -211,7 +211,6 @@ def add_anthropic_routes(app: FastAPI, models: ServedModels) -> None:
 
     @app.post("/v1/messages")
     async def messages(body: MessagesRequest, request: Request):
-        models.resolve(body.model)
         async with models.use(body.model) as serving:
             return await AnthropicRoutes(serving).respond(body, request)
 

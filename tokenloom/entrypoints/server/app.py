@@ -128,13 +128,12 @@ def build_app(
     tool calls and reasoning from replies as `tool_call_parser` and `reasoning_parser` say (None or
     "auto": from the chat template; tool_calling/formats.py and reasoning.py), and offering
     `playground_tools` (functions, as tool_calling.messages.function_of gives) in the playground."""
-    holder: list[ServedModels] = []
-    metrics = ServerMetrics(lambda: holder[0].stats())
+    metrics = ServerMetrics(lambda: models.stats())  # `models` is made below, before any scrape
     workers = prepare_workers()  # every model's requests are prepared on the same threads
 
     def serving_for(engine: AsyncLLMEngine, entry: ModelEntry, tool_parser, reasoning) -> OpenAIServing:
         features = ChatFeatures.for_template(engine.tokenizer.chat_template, tool_parser, reasoning)
-        return OpenAIServing(engine, entry.name, metrics, limits, features, entry.aliases, workers)
+        return OpenAIServing(engine, entry.name, metrics, limits, features, workers)
 
     step_thread = engine.step_thread  # not the engine: an unloaded first model must be freed
 
@@ -150,9 +149,8 @@ def build_app(
 
     primary = ModelEntry(model_name, engine.model_path, model_aliases, weights_size(engine.model_path))
     serving = serving_for(engine, primary, tool_call_parser, reasoning_parser)
-    first = LoadedModel(primary, serving, primary.size_bytes + engine.kv_cache_budget, keep_alive_s=-1)
+    first = LoadedModel(primary, serving, keep_alive_s=-1)
     models = ServedModels(first, step_thread, catalog, make_serving if load_engine is not None else None, load_policy)
-    holder.append(models)
 
     # no /docs or /redoc: their pages load scripts from a CDN (the schema is at /openapi.json)
     app = FastAPI(

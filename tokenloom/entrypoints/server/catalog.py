@@ -16,13 +16,7 @@ from pathlib import Path
 
 from tokenloom.engine.args import EngineArgs
 from tokenloom.entrypoints.server import served_names
-from tokenloom.entrypoints.server.load_policy import ModelEntry, weights_size
-
-
-def primary_entry(model_arg: str | None, model_path: str, override: str | None = None) -> ModelEntry:
-    """The ``--model`` model's entry: the names served_names gives, loaded from `model_path`."""
-    name, *aliases = served_names(model_arg, model_path, override)
-    return ModelEntry(name, model_path, tuple(aliases), weights_size(model_path))
+from tokenloom.entrypoints.server.load_policy import ModelEntry
 
 
 def known_models(primary_path: str) -> list[ModelEntry]:

@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from tokenloom.entrypoints.server.chat import ChatCompletions
 from tokenloom.entrypoints.server.chat_tools import ReplyStream
 from tokenloom.entrypoints.server.completions import Completions
-from tokenloom.entrypoints.server.ollama_models import add_model_routes, now_iso
+from tokenloom.entrypoints.server.ollama_models import NDJSON, add_model_routes, now_iso
 from tokenloom.entrypoints.server.ollama_protocol import (
     OllamaChatRequest,
     OllamaEmbedRequest,
@@ -43,10 +43,8 @@ from tokenloom.entrypoints.server.streams import ShuttingDown
 from tokenloom.entrypoints.server.utility_routes import embed_all
 from tokenloom.outputs import CompletionOutput, RequestError
 
-NDJSON = "application/x-ndjson"
 
-
-def ns(seconds: float) -> int:
+def _ns(seconds: float) -> int:
     return int(seconds * 1e9)
 
 
@@ -55,12 +53,12 @@ def stats(prepared: Prepared) -> dict[str, int]:
     end = time.perf_counter()
     first = prepared.first_token_at or end
     return {
-        "total_duration": ns(end - prepared.started),
+        "total_duration": _ns(end - prepared.started),
         "load_duration": 0,
         "prompt_eval_count": prepared.prompt_tokens,
-        "prompt_eval_duration": ns(first - prepared.started),
+        "prompt_eval_duration": _ns(first - prepared.started),
         "eval_count": prepared.completion_tokens,
-        "eval_duration": ns(end - first),
+        "eval_duration": _ns(end - first),
     }
 
 
@@ -249,7 +247,7 @@ def add_ollama_routes(app: FastAPI, models: ServedModels) -> None:
         return {
             "model": body.model,
             "embeddings": vectors,
-            "total_duration": ns(time.perf_counter() - started),
+            "total_duration": _ns(time.perf_counter() - started),
             "load_duration": 0,
             "prompt_eval_count": sum(len(i) for i in token_lists),
         }

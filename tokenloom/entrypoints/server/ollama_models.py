@@ -17,6 +17,7 @@ from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
+from tokenloom.entrypoints.server.load_policy import weights_size
 from tokenloom.entrypoints.server.protocol import APIError
 from tokenloom.entrypoints.server.served_models import LoadedModel, ModelEntry, ServedModels
 from tokenloom.entrypoints.server.serving import OpenAIServing
@@ -62,14 +63,13 @@ def model_facts(serving: OpenAIServing) -> dict[str, Any]:
     per_layer = attention + 3 * c.hidden_size * c.intermediate_size * experts
     count = c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2) + c.num_layers * per_layer
     quant = _QUANT.search(path.name) if path.suffix == ".gguf" else None
-    size = path.stat().st_size if path.is_file() else sum(f.stat().st_size for f in path.glob("*.safetensors"))
     return {
         "family": re.sub(r"For(Causal|Conditional)LM$", "", c.architecture).lower(),
         "format": "gguf" if path.suffix == ".gguf" else "safetensors",
         "parameter_count": count,
         "parameter_size": f"{count / 1e9:.1f}B" if count >= 1e9 else f"{count / 1e6:.0f}M",
         "quantization": quant.group(1).upper() if quant else engine.weight_format.upper(),
-        "size_bytes": size,
+        "size_bytes": weights_size(path),
     }
 
 

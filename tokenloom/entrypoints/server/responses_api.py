@@ -321,7 +321,6 @@ def add_responses_routes(app: FastAPI, models: ServedModels) -> None:
 
     @app.post("/v1/responses")
     async def create_response(body: ResponsesRequest, request: Request):
-        models.resolve(body.model)
         async with models.use(body.model) as serving:
             return await ResponsesRoutes(serving, store, stored).respond(body, request)
 

@@ -4,7 +4,7 @@ A request names its model; ``async with models.use(name) as serving`` gives that
 OpenAIServing for the block, loading the model first where it is not loaded. Every model in
 the catalog (server/catalog.py: the pulled and cached ones, and the one ``--model`` gave) is
 servable; a loaded one has its own engine, whose steps take turns with the other models' on one
-thread (AsyncLLMEngine.sibling), so no model's step waits for more than one step of each other.
+thread (AsyncLLMEngine.step_thread), so no model's step waits for more than one step of each other.
 
 Loading: one load per model at a time (the requests that want it meanwhile wait for that one,
 each up to ``load_timeout_s``, then 503; the load goes on), on a thread of its own that ends
@@ -26,6 +26,7 @@ Touched only from the event loop, except the loads' own threads.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import logging
 import time
@@ -53,10 +54,14 @@ class LoadedModel:
 
     entry: ModelEntry
     serving: OpenAIServing
-    footprint: int  # bytes: weights on disk + the KV cache's budget
     keep_alive_s: float | None = None  # None: the server's default
     last_used: float = field(default_factory=time.monotonic)
     holds: int = 0  # `use` blocks open
+
+    @property
+    def footprint(self) -> int:
+        """What it counts against the memory budget: its weights on disk and its KV cache's budget."""
+        return self.entry.size_bytes + self.serving.engine.kv_cache_budget
 
     def in_use(self) -> bool:
         return self.holds > 0 or self.serving.busy()
@@ -68,10 +73,6 @@ class LoadedModel:
             return None
         idle_from = time.monotonic() if self.in_use() else self.last_used
         return time.time() + (idle_from + keep - time.monotonic())
-
-
-def _footprint(serving: OpenAIServing, entry: ModelEntry) -> int:
-    return entry.size_bytes + serving.engine.kv_cache_budget
 
 
 def _collect_freed() -> None:
@@ -256,7 +257,7 @@ class ServedModels:
             del serving
             _collect_freed()
             raise _unavailable("the server is shutting down", "server_shutdown")
-        loaded = LoadedModel(entry, serving, _footprint(serving, entry))
+        loaded = LoadedModel(entry, serving)
         self.loaded[entry.name] = loaded
         log.info("loaded the model %r in %.1f s", entry.name, time.perf_counter() - started)
         return loaded
@@ -386,8 +387,7 @@ class ServedModels:
         weight = sum(s.prompt_tokens_computed for s in live)
         hits = sum(s.prefix_cache_hit_rate * s.prompt_tokens_computed for s in live)
         fallback = max((s.prefix_cache_hit_rate for s in live), default=0.0)
-        total.prefix_cache_hit_rate = hits / weight if weight else fallback
-        return total
+        return dataclasses.replace(total, prefix_cache_hit_rate=hits / weight if weight else fallback)
 
 
 def _counters(s: EngineStats) -> tuple[int, ...]:

@@ -154,7 +154,6 @@ class OpenAIServing:
         metrics: ServerMetrics,
         limits: AdmissionLimits | None = None,
         chat_features: ChatFeatures | None = None,
-        model_aliases: tuple[str, ...] = (),
         workers: ThreadPoolExecutor | None = None,
     ) -> None:
         """`workers`: the pool that prepares requests, shared with the server's other models
@@ -170,7 +169,6 @@ class OpenAIServing:
         self.tokenizer = engine.tokenizer
         self.long_texts = LongTexts(self.tokenizer)  # closed with the workers (app.py's lifespan)
         self.model_name = model_name
-        self.model_aliases = model_aliases  # other names requests may give it (served_models.py routes them)
         self.max_model_len = engine.max_model_len
         self.context_shift = engine.context_shift  # max_tokens may run past the context
         self.metrics = metrics
