@@ -149,7 +149,7 @@ def test_serve_refuses_a_bad_admission_bound_before_loading_the_model(capsys, mo
     assert cli.main(["serve", "--max-pending-seqs", "0"]) == 2
     assert "admission limit max_pending_seqs must be >= 1, got 0" in capsys.readouterr().err
     assert cli.main(["serve", "--max-loaded-models", "0"]) == 2
-    assert "max_loaded must be at least 1" in capsys.readouterr().err
+    assert "--max-loaded-models must be at least 1 (got 0)" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli.main(["serve", "--keep-alive", "soon"])
     assert "'soon' is not a duration" in capsys.readouterr().err

@@ -19,7 +19,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from tokenloom.entrypoints.server import build_app, graceful, served_names
     from tokenloom.entrypoints.server.admission import AdmissionLimits
     from tokenloom.entrypoints.server.catalog import engine_loader, known_models
-    from tokenloom.entrypoints.server.load_policy import LoadPolicy
     from tokenloom.tool_calling.messages import load_tools
 
     check_engine_flags(args)
@@ -33,13 +32,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_running_per_client=args.max_running_per_client,
         default_max_tokens=args.default_max_tokens,
     )
-    policy = LoadPolicy(  # checked before the model loads too
-        keep_alive_s=args.keep_alive,
-        max_loaded=args.max_loaded_models,
-        memory_bytes=args.models_memory,
-        load_timeout_s=args.load_timeout,
-        kv_bound_bytes=args.kv_cache_memory or 1 << 30,
-    )
+    policy = _load_policy(args)  # checked before the model loads too
     engine = AsyncLLMEngine.build(lambda: make_llm(args).engine)  # built on the thread that steps it
     engine.prepare_for_serving()
     api_key = args.api_key or os.environ.get("TOKENLOOM_API_KEY")
@@ -87,6 +80,26 @@ def cmd_serve(args: argparse.Namespace) -> int:
         forwarded_allow_ips=args.forwarded_allow_ips,
     )
     return 0
+
+
+_POLICY_FLAGS = {"max_loaded": "--max-loaded-models", "load_timeout_s": "--load-timeout"}
+
+
+def _load_policy(args: argparse.Namespace):
+    """The LoadPolicy serve's flags give; a ValueError naming the flag for a bad one."""
+    from tokenloom.entrypoints.server.load_policy import LoadPolicy
+
+    try:
+        return LoadPolicy(
+            keep_alive_s=args.keep_alive,
+            max_loaded=args.max_loaded_models,
+            memory_bytes=args.models_memory,
+            load_timeout_s=args.load_timeout,
+            kv_bound_bytes=args.kv_cache_memory or 1 << 30,
+        )
+    except ValueError as e:
+        field = str(e).split(" ", 1)[0]
+        raise ValueError(_POLICY_FLAGS.get(field, field) + str(e)[len(field) :]) from None
 
 
 def _allowed_hosts(args: argparse.Namespace, api_key: str | None) -> tuple[str, ...] | None:
