@@ -86,6 +86,52 @@ class SchedulerConfig:
 
 
 @dataclass(slots=True)
+class LoRAConfig:
+    """LoRA adapters over the base model (tokenloom/lora/): those loaded at start-up, by name, and the
+    room kept for them. `max_loras` adapters are resident at once (a slot each, loaded and unloaded at
+    run time); `max_lora_rank` is the largest rank a slot holds (its memory is reserved up front)."""
+
+    adapters: dict[str, str] = field(default_factory=dict)  # name -> PEFT folder or GGUF LoRA file
+    max_loras: int = 4
+    max_lora_rank: int = 16
+
+    def __post_init__(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        self.adapters = parse_lora_modules(self.adapters)
+        if len(self.adapters) > self.max_loras:
+            raise ValueError(
+                f"{len(self.adapters)} LoRA adapters given but max_loras is {self.max_loras}: raise --max-loras"
+            )
+
+
+def parse_lora_modules(given) -> dict[str, str]:
+    """{name: path} from a dict, or from NAME=PATH strings / (name, path) pairs (the --lora flags);
+    ValueError for a malformed entry or a name given twice."""
+    if isinstance(given, dict):
+        pairs = list(given.items())
+    else:
+        pairs = []
+        for item in given or ():
+            if isinstance(item, str):
+                name, sep, path = item.partition("=")
+                if not sep:
+                    raise ValueError(f"--lora takes NAME=PATH, got {item!r}")
+                item = (name, path)
+            pairs.append(tuple(item))
+    adapters: dict[str, str] = {}
+    for name, path in pairs:
+        if not isinstance(name, str) or not name.strip() or not isinstance(path, str) or not path.strip():
+            raise ValueError(f"a LoRA adapter needs a name and a path, got {name!r}={path!r}")
+        if name in adapters:
+            raise ValueError(f"LoRA adapter name {name!r} is given twice")
+        adapters[name.strip()] = path.strip()
+    return adapters
+
+
+@dataclass(slots=True)
 class SpeculativeConfig:
     """Speculative decoding: propose k tokens per request, verify them in one target pass.
 
@@ -152,6 +198,7 @@ class EngineConfig:
     pipeline_parallel_size: int = 1  # stages its layers are split into, one rank each (distributed/pipeline.py)
     enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps (worker/cuda_graphs.py)
     cpu_threads: int | None = None  # CPU: None follows the cores other processes leave free (engine/cpu_share.py)
+    lora: LoRAConfig | None = None  # LoRA adapters (tokenloom/lora/); None: none can be loaded
 
     def __post_init__(self) -> None:
         from tokenloom.quant.scheme import parse_quantization

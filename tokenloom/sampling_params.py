@@ -73,6 +73,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     explain: int | None = None  # per-step records of the distribution with the top N candidates
     context_keep: int | None = None  # context shift keeps the first N tokens (None: the engine's --keep)
+    lora: str | None = None  # the name of a LoRA adapter the engine has loaded (None: the base model)
     # the rest of the chain (tokenloom/sampling/chain.py); each default is "off"
     typical_p: float = 1.0  # locally typical sampling (HF): keep the most typical mass
     top_n_sigma: float = 0.0  # keep logits within n standard deviations of the max (0 or -1: off)
@@ -158,6 +159,7 @@ class SamplingParams:
                 self.context_keep is None or (isinstance(self.context_keep, int) and self.context_keep >= 0),
                 "must be None or an integer >= 0",
             ),
+            ("lora", self.lora is None or (isinstance(self.lora, str) and bool(self.lora)), "must be None or a name"),
             (
                 "explain",
                 self.explain is None or (isinstance(self.explain, int) and 1 <= self.explain <= 100),

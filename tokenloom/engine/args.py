@@ -20,7 +20,14 @@ from typing import Any
 
 import torch
 
-from tokenloom.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+from tokenloom.config import (
+    CacheConfig,
+    EngineConfig,
+    LoRAConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+    parse_lora_modules,
+)
 from tokenloom.quant.scheme import CHOICES as QUANT_CHOICES
 
 GPU_DECODE_STEPS = 8  # decode_steps on a GPU with CUDA graphs (one host round trip per 8 tokens)
@@ -215,6 +222,30 @@ class EngineArgs:
         "torchrun (--nnodes, --master-addr) the same command on every node, rank 0 serving (Llama, Mistral, "
         "Qwen2/3 and their MoE models)",
     )
+    lora: dict[str, str] | list[str] | None = _option(
+        None,
+        "--lora",
+        metavar="NAME=PATH",
+        action="append",
+        help="load a LoRA adapter (a PEFT folder: adapter_config.json + adapter_model.safetensors) under NAME; "
+        "repeat for several. A request picks one by name (the server: its `model`), others run on the base model "
+        "in the same batch",
+    )
+    enable_lora: bool = _option(
+        False,
+        "--enable-lora",
+        help="keep room for LoRA adapters even when --lora gives none (the server loads them at run time: "
+        "POST /v1/load_lora_adapter)",
+    )
+    max_loras: int = _option(
+        4, "--max-loras", metavar="N", help="LoRA adapters resident at once, each mixed into any batch (default: 4)"
+    )
+    max_lora_rank: int = _option(
+        16,
+        "--max-lora-rank",
+        metavar="R",
+        help="the largest LoRA rank an adapter may have; each resident slot reserves room for it (default: 16)",
+    )
     pipeline_parallel_size: int = _option(
         1,
         "-pp",
@@ -254,7 +285,7 @@ class EngineArgs:
                 action = "store_false" if f.default else "store_true"
                 group.add_argument(*meta["flags"], dest=f.name, action=action, default=default, help=help_text)
                 continue
-            kwargs = {k: meta[k] for k in ("metavar", "choices") if k in meta}
+            kwargs = {k: meta[k] for k in ("metavar", "choices", "action") if k in meta}
             group.add_argument(
                 *meta["flags"],
                 dest=f.name,
@@ -325,8 +356,12 @@ class EngineArgs:
         speculative = (
             SpeculativeConfig.parse(self.speculative) if isinstance(self.speculative, str) else self.speculative
         )
+        lora = None
+        if self.lora or self.enable_lora:
+            lora = LoRAConfig(parse_lora_modules(self.lora), max_loras=self.max_loras, max_lora_rank=self.max_lora_rank)
         return EngineConfig(
             model=self.model or "",
+            lora=lora,
             dtype=self.dtype,
             device=device,
             max_model_len=self.max_model_len,

@@ -26,6 +26,7 @@ from tokenloom.kv_cache.disk_tier import DiskTier, model_identity, namespace
 from tokenloom.kv_cache.paged import PagedKVCache, kv_bytes_per_token
 from tokenloom.kv_cache.window_pool import WindowPool
 from tokenloom.loader.load import LoadedModel
+from tokenloom.lora.manager import AdapterRef
 from tokenloom.models.config import parse_dtype
 from tokenloom.sampling.vocab import SamplingVocab
 from tokenloom.sampling_params import SamplingParams
@@ -80,6 +81,10 @@ class EngineCore:
         pool = WindowPool(kv.num_window_blocks, window, kv.block_size) if window_layers else None
         self.block_manager = BlockManager(kv.num_blocks, kv.block_size, prefix_caching, state_slots, pool)
         if config.cache.prefix_cache_dir is not None:
+            if config.lora is not None:
+                raise ValueError(
+                    "LoRA adapters with the prefix cache's disk tier (--prefix-cache-dir) are not implemented"
+                )
             self._attach_disk_tier(config, loaded, kv, peers)
         self.runner = ModelRunner(
             loaded.model,
@@ -91,6 +96,7 @@ class EngineCore:
             peers=peers,
             pipeline=loaded.pipeline,
             recompute_tokens=config.scheduler.max_num_batched_tokens,
+            lora=config.lora,
         )
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len, self.runner.decodes_ahead)
         self.heap_reserved = False  # reserve_activation_memory has run (before the first large step)
@@ -106,6 +112,9 @@ class EngineCore:
             )
         )
         self._settle_context_shift(config, loaded, peers)
+        for name, path in (config.lora.adapters if config.lora is not None else {}).items():
+            self.add_lora(name, path)
+            logger.info("LoRA adapter %s: %s", name, path)
         self.requests: dict[str, Request] = {}
         self.cpu_share = self._cpu_share(config)
 
@@ -268,6 +277,38 @@ class EngineCore:
         self.scheduler.check_fits(len(ids), params.max_tokens)
         if params.structured_output is not None:
             self.grammars.grammar(params.structured_output)  # compiles (cached); ValueError if invalid
+        if params.lora is not None:
+            self.lora_ref(params.lora)
+
+    # ---- LoRA adapters ----------------------------------------------------------------------------
+    def lora_ref(self, name: str) -> AdapterRef:
+        """The loaded adapter `name`; ValueError naming the loaded ones otherwise."""
+        lora = self.runner.lora
+        if lora is None:
+            raise ValueError(f"LoRA adapter {name!r} asked for, but this engine has none (start it with --lora)")
+        if name not in lora.adapters:
+            loaded = ", ".join(sorted(lora.adapters)) or "none"
+            raise ValueError(f"no LoRA adapter named {name!r} is loaded (loaded: {loaded})")
+        return lora.adapters[name]
+
+    def add_lora(self, name: str, path: str) -> AdapterRef:
+        """Load a LoRA adapter under `name` (ValueError: LoRA not enabled, name taken, no free slot, or
+        the adapter does not fit the model)."""
+        if self.runner.lora is None:
+            raise ValueError("this engine was started without LoRA support (--lora or --enable-lora)")
+        return self.runner.lora.add(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        """Unload adapter `name` (ValueError if unknown or a request still uses it)."""
+        ref = self.lora_ref(name)
+        users = [r.request_id for r in self.requests.values() if r.lora is ref]
+        if users:
+            raise ValueError(f"LoRA adapter {name!r} is in use by {len(users)} request(s)")
+        assert self.runner.lora is not None  # lora_ref found it
+        self.runner.lora.remove(name)
+
+    def loras(self) -> list[AdapterRef]:
+        return [] if self.runner.lora is None else list(self.runner.lora.adapters.values())
 
     def add(self, request: Request) -> None:
         """Queue a request built from validated input (``validate``)."""
@@ -276,6 +317,8 @@ class EngineCore:
         if request.params.structured_output is not None:
             request.matcher = self.grammars.matcher(request.params.structured_output)
         request.sampling_state = self.sampling_vocab.resolve(request.params)
+        if request.params.lora is not None:
+            request.lora = self.lora_ref(request.params.lora)
         self.scheduler.add(request)
         self.requests[request.request_id] = request
 

@@ -17,6 +17,7 @@ from tokenloom.engine.core import EngineCore
 from tokenloom.engine.output_processor import OutputProcessor
 from tokenloom.engine.request import Request
 from tokenloom.loader import load_model
+from tokenloom.lora.manager import AdapterRef
 from tokenloom.memory.allocator import keep_freed_memory
 from tokenloom.metrics import EngineStats
 from tokenloom.outputs import StepDelta
@@ -172,6 +173,19 @@ class LLMEngine:
                 chunk = SeqChunk(token_ids[start : start + chunk_size], start, block_ids, slot, window_ids)
                 hidden, _ = runner.forward([chunk])
                 yield start, runner.model.compute_logits(hidden)  # (len, vocab)
+
+    # ---- LoRA adapters ------------------------------------------------------------------------
+    def add_lora(self, name: str, path: str) -> AdapterRef:
+        """Load a LoRA adapter under `name` (EngineCore.add_lora; call between steps)."""
+        return self.core.add_lora(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        """Unload adapter `name` (ValueError while a request uses it)."""
+        self.core.remove_lora(name)
+
+    def loras(self) -> list[AdapterRef]:
+        """The adapters loaded, each with its slot and path."""
+        return self.core.loras()
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (the next prompts compute from scratch)."""

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from tokenloom.lora.manager import AdapterRef
 from tokenloom.metrics import RequestMetrics
 from tokenloom.sampling.state import SamplingState
 from tokenloom.sampling_params import SamplingParams
@@ -59,6 +60,7 @@ class Request:
     # context shift: the first keep_tokens stay, the num_dropped after them left the context
     keep_tokens: int = 0
     num_dropped: int = 0
+    lora: AdapterRef | None = None  # the LoRA adapter its tokens run through (params.lora, resolved)
 
     def __post_init__(self) -> None:
         if self.params.seed is not None and self.generator is None:

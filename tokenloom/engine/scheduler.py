@@ -215,7 +215,11 @@ class Scheduler:
                 continue
             # a scoring request needs logits at every prompt position: no cached prefix
             hit = self.blocks.lookup(
-                req.request_id, req.all_token_ids, req.num_prompt_tokens, use_cache=req.params.prompt_logprobs is None
+                req.request_id,
+                req.all_token_ids,
+                req.num_prompt_tokens,
+                use_cache=req.params.prompt_logprobs is None,
+                root=req.lora.root if req.lora is not None else None,
             )
             if hit.waits:
                 break  # hit its next block next step instead of computing it twice

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -75,16 +76,21 @@ class LLM:
         prompts: Prompt | list[Prompt],
         params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        lora: str | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt together (continuous batching); results in prompt order.
-        `params` is one SamplingParams for all prompts or a list with one per prompt. A request
-        that failed in the engine ends alone: finish_reason "error", the message in ``error``."""
+        `params` is one SamplingParams for all prompts or a list with one per prompt. `lora`: the
+        name of a loaded LoRA adapter every prompt runs through (``LLM(model, lora={NAME: PATH})``;
+        ``SamplingParams.lora`` picks one per prompt). A request that failed in the engine ends
+        alone: finish_reason "error", the message in ``error``."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = cast("list[Prompt]", prompts)  # one prompt was wrapped above
         per_prompt = params if isinstance(params, list) else [params or self.default_sampling_params()] * len(prompts)
         if len(per_prompt) != len(prompts):
             raise ValueError(f"got {len(per_prompt)} SamplingParams for {len(prompts)} prompts")
+        if lora is not None:
+            per_prompt = [dataclasses.replace(p, lora=lora) for p in per_prompt]
         added = []
         try:
             for p, prompt_params in zip(prompts, per_prompt):
@@ -99,6 +105,15 @@ class LLM:
             RequestOutput(rid, text, ids, [_indexed(done[c], i) for i, c in enumerate(children)])
             for rid, text, ids, children in added
         ]
+
+    def add_lora(self, name: str, path: str) -> None:
+        """Load a LoRA adapter (a PEFT folder) under `name` (the engine needs LoRA room: ``lora=`` or
+        ``enable_lora=True``); ValueError if it does not fit the model or no slot is free."""
+        self.engine.add_lora(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        """Unload adapter `name`, freeing its slot."""
+        self.engine.remove_lora(name)
 
     def score(self, prompt: Prompt, continuation: Prompt) -> ScoreResult:
         """log p(continuation | prompt) token by token, in one prefill pass; nothing is generated.

@@ -157,6 +157,9 @@ class BlockManager:
         # per request: the chained hashes of its full blocks (the scheduler's prompt look-ahead may
         # run past what is cached), and how many of its table's blocks are in the prefix index
         self._hashes: dict[str, list[int]] = {}
+        # per request whose blocks must not meet others' (a LoRA adapter's): the root its hash chain
+        # starts from instead of None
+        self._roots: dict[str, int] = {}
         self._registered: dict[str, int] = {}
         self._cacheable: dict[str, int] = {}  # after a context shift: blocks of the sequence that may be indexed
         self._partial: dict[tuple, Block] = {}  # (parent hash, token ids) -> block starting so
@@ -222,15 +225,26 @@ class BlockManager:
         return self.blocks_needed(num_tokens) <= self.num_blocks
 
     # ---- the scheduler's interface -------------------------------------------------------
-    def lookup(self, seq_id: str, token_ids: list[int], num_prompt_tokens: int, use_cache: bool = True) -> PrefixHit:
+    def lookup(
+        self,
+        seq_id: str,
+        token_ids: list[int],
+        num_prompt_tokens: int,
+        use_cache: bool = True,
+        root: int | None = None,
+    ) -> PrefixHit:
         """Where `seq_id` (not yet allocated) may start: its longest cached prefix of `token_ids`
         (none when `use_cache` is False: a scoring request needs logits at every position), and
-        whether its next prompt block is in flight. Changes nothing but hashing memos."""
+        whether its next prompt block is in flight. `root` (a LoRA adapter's) starts the sequence's
+        hash chain, so it shares blocks only with sequences of the same root. Changes nothing but
+        hashing memos."""
+        if root is not None:
+            self._roots[seq_id] = root
         if not self.enable_prefix_caching:
             return PrefixHit(num_queried=len(token_ids))
-        hits = self.find_cached_prefix(token_ids) if use_cache else []
-        on_disk = self.find_on_disk(seq_id, token_ids, hits) if use_cache else []
-        partial = self.find_cached_partial(token_ids, hits) if use_cache and not on_disk else None
+        hits = self.find_cached_prefix(token_ids, root) if use_cache else []
+        on_disk = self.find_on_disk(seq_id, token_ids, hits) if use_cache and root is None else []
+        partial = self.find_cached_partial(token_ids, hits, root) if use_cache and not on_disk else None
         if self.window is not None:
             hits, partial = self._window_cut(hits, partial)
         prompt = self.request_hashes(seq_id, token_ids)[: num_prompt_tokens // self.block_size]
@@ -413,12 +427,12 @@ class BlockManager:
     # ---- the parts (the interface above, and unit tests, use them) ------------------------
 
     # ---- prefix cache --------------------------------------------------------------------
-    def _chain(self, token_ids: list[int], start_hashes: list[int], num_full: int) -> list[int]:
-        """Hashes of the first `num_full` blocks, extending `start_hashes`."""
+    def _chain(self, token_ids: list[int], start_hashes: list[int], num_full: int, root: int | None) -> list[int]:
+        """Hashes of the first `num_full` blocks, extending `start_hashes` (the first block's parent: `root`)."""
         hashes = list(start_hashes)
         bs = self.block_size
         for i in range(len(hashes), num_full):
-            parent = hashes[-1] if hashes else None
+            parent = hashes[-1] if hashes else root
             hashes.append(hash((parent, tuple(token_ids[i * bs : (i + 1) * bs]))))
         return hashes
 
@@ -427,10 +441,11 @@ class BlockManager:
         request's other block state (computed once, extended as blocks fill; dropped by free)."""
         known = self._hashes.get(request_id, [])
         if len(known) < len(token_ids) // self.block_size:
-            known = self._hashes[request_id] = self._chain(token_ids, known, len(token_ids) // self.block_size)
+            root = self._roots.get(request_id)
+            known = self._hashes[request_id] = self._chain(token_ids, known, len(token_ids) // self.block_size, root)
         return known
 
-    def find_cached_prefix(self, token_ids: list[int]) -> list[Block]:
+    def find_cached_prefix(self, token_ids: list[int], root: int | None = None) -> list[Block]:
         """The cached blocks holding the longest prefix of `token_ids` (not yet referenced).
 
         At most ``len(token_ids) - 1`` tokens are matched: the last token must be
@@ -439,7 +454,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         hits: list[Block] = []
-        parent = None
+        parent = root
         bs = self.block_size
         for i in range((len(token_ids) - 1) // bs):
             tokens = tuple(token_ids[i * bs : (i + 1) * bs])
@@ -450,13 +465,15 @@ class BlockManager:
             parent = block.hash
         return hits
 
-    def find_cached_partial(self, token_ids: list[int], hits: list[Block]) -> tuple[Block, int] | None:
+    def find_cached_partial(
+        self, token_ids: list[int], hits: list[Block], root: int | None = None
+    ) -> tuple[Block, int] | None:
         """A remembered partial block continuing `hits` with the most of `token_ids`' next tokens,
         and how many (< block_size, leaving the last token to compute); None if there is none."""
         if not self.enable_prefix_caching:
             return None
         start = len(hits) * self.block_size
-        parent = hits[-1].hash if hits else None
+        parent = hits[-1].hash if hits else root
         for j in range(min(self.block_size - 1, len(token_ids) - 1 - start), 0, -1):
             block = self._partial.get((parent, tuple(token_ids[start : start + j])))
             if block is not None:
@@ -514,7 +531,8 @@ class BlockManager:
         full, j = divmod(num_computed_tokens, self.block_size)
         if not self.enable_prefix_caching or not j or full >= len(table) or full != self._registered.get(request_id, 0):
             return
-        block, parent, start = table[full], hashes[full - 1] if full else None, full * self.block_size
+        root = self._roots.get(request_id)
+        block, parent, start = table[full], hashes[full - 1] if full else root, full * self.block_size
         if block.hash is not None:
             return
         for length in range(1, j + 1):
@@ -533,14 +551,16 @@ class BlockManager:
             return
         table = self._tables.get(request_id, [])
         num_full = min(num_computed_tokens // self.block_size, len(table), self._cacheable.get(request_id, len(table)))
-        hashes = self._hashes[request_id] = self._chain(token_ids, self._hashes.get(request_id, []), num_full)
+        root = self._roots.get(request_id)
+        hashes = self._hashes[request_id] = self._chain(token_ids, self._hashes.get(request_id, []), num_full, root)
         bs = self.block_size
-        disk_keys = self._disk_chain(request_id, token_ids, num_full) if self.disk is not None else None
+        on_disk = self.disk is not None and root is None  # an adapter's blocks stay in memory
+        disk_keys = self._disk_chain(request_id, token_ids, num_full) if on_disk else None
         for i in range(self._registered.get(request_id, 0), num_full):
             block = table[i]
             if block.hash is None:
                 block.hash = hashes[i]
-                block.key = (hashes[i - 1] if i else None, tuple(token_ids[i * bs : (i + 1) * bs]))
+                block.key = (hashes[i - 1] if i else root, tuple(token_ids[i * bs : (i + 1) * bs]))
                 block.disk_key = disk_keys[i] if disk_keys is not None else None
                 self._cached.setdefault(block.hash, block)  # an equal block already cached stays the index entry
         self._registered[request_id] = max(num_full, self._registered.get(request_id, 0))
@@ -725,6 +745,7 @@ class BlockManager:
         if request_id in self._slot_of:
             self._free_slots.append(self._slot_of.pop(request_id))
         self._hashes.pop(request_id, None)
+        self._roots.pop(request_id, None)
         self._registered.pop(request_id, None)
         self._cacheable.pop(request_id, None)
         self._disk_keys.pop(request_id, None)

@@ -20,6 +20,7 @@ class SeqChunk:
     block_ids: list[int]  # the sequence's block table (covers start + len tokens)
     state_slot: int = -1  # its recurrent-state slot (kv_cache/recurrent.py); -1: the model has none
     window_block_ids: list[int] | None = None  # its window layers' table (kv_cache/window_pool.py), if apart
+    lora_slot: int = -1  # the LoRA adapter slot its rows use (lora/manager.py); -1: the base model
 
 
 @dataclass(slots=True)

@@ -15,6 +15,7 @@ from tokenloom.distributed.errors import ParallelRankError
 from tokenloom.kernels import triton as triton_kernels
 from tokenloom.kv_cache.paged import PagedKVCache
 from tokenloom.layers.op_tape import StepTapes
+from tokenloom.lora.manager import LoRAManager
 from tokenloom.memory.allocator import KEEP_BELOW, reserve_heap
 from tokenloom.models.base import CausalLM
 from tokenloom.outputs import TokenLogprobs, describe_error
@@ -29,6 +30,7 @@ from tokenloom.worker.cuda_graphs import start_decode_graphs
 from tokenloom.worker.prompt_logprobs import chunk_targets, prompt_logprobs
 
 if TYPE_CHECKING:
+    from tokenloom.config import LoRAConfig
     from tokenloom.distributed.group import ParallelGroup
     from tokenloom.distributed.pipeline import Pipeline
 
@@ -52,12 +54,14 @@ class ModelRunner:
         peers: ParallelGroup | None = None,
         pipeline: Pipeline | None = None,
         recompute_tokens: int = 8192,
+        lora: LoRAConfig | None = None,
     ) -> None:
         """`cuda_graphs`: on a GPU, capture decode steps of up to `max_num_seqs` sequences of up to
         `max_model_len` positions as CUDA graphs now (worker/cuda_graphs.py), where the model allows.
         `peers`: rank 0 of a split model, the group each call is broadcast on; `pipeline`: a pipeline
         stage's model, the Pipeline each model call goes through (distributed/). `recompute_tokens`:
-        the most tokens a forward recomputing a hybrid's sequence takes (the step's token budget)."""
+        the most tokens a forward recomputing a hybrid's sequence takes (the step's token budget).
+        `lora`: give the model's projections slots for LoRA adapters (lora/manager.py; ``self.lora``)."""
         self.model = model
         self.kv_cache = kv_cache
         self.device = torch.device(device)
@@ -69,6 +73,12 @@ class ModelRunner:
         self.peers = peers
         self.pipeline = pipeline
         parallel = getattr(model, "tensor_shard", None) is not None or self.pipeline is not None
+        self.lora: LoRAManager | None = None
+        if lora is not None:
+            if parallel or peers is not None:
+                raise ValueError("LoRA adapters with a model split over processes are not implemented")
+            rows = max(max_model_len or model.config.max_model_len, recompute_tokens) + 16 * max_num_seqs
+            self.lora = LoRAManager(model, lora.max_loras, lora.max_lora_rank, rows, self.device)
         self.tapes = (
             StepTapes(model, kv_cache)
             if self.device.type == "cpu" and StepTapes.usable(model) and not parallel
@@ -87,6 +97,7 @@ class ModelRunner:
             and not parallel
             and not self.recurrent
             and triton_kernels.takes_cache(kv_cache)
+            and self.lora is None
         ):
             self.graphs = start_decode_graphs(
                 model, kv_cache, max_num_seqs, max_model_len or model.config.max_model_len
@@ -114,7 +125,8 @@ class ModelRunner:
             tokens = req.token_ids_from(start, s.num_tokens)  # pending tokens, then drafts
             if len(tokens) < s.num_tokens:
                 tokens = tokens + s.spec_token_ids[: s.num_tokens - len(tokens)]
-            chunks.append(SeqChunk(tokens, start, s.block_ids, s.state_slot, s.window_block_ids))
+            slot = req.lora.slot if req.lora is not None else -1
+            chunks.append(SeqChunk(tokens, start, s.block_ids, s.state_slot, s.window_block_ids, slot))
         return chunks
 
     def forward(
@@ -132,6 +144,8 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.takes(chunks):
             return self.graphs.run(chunks, input_ids), None
         batch = self.batch(chunks)
+        if self.lora is not None:
+            self.lora.set_rows([(c.lora_slot, len(c.token_ids)) for c in chunks])
         if input_ids is not None:
             batch.input_ids = input_ids
         if self.tapes is not None:

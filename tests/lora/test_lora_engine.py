@@ -1,0 +1,127 @@
+"""Adapters in the engine: the prefix cache keyed by adapter, run-time load and unload, speculative
+decoding and structured output with an adapter, and every error a user can cause."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+pytest.importorskip("peft")
+
+from tests.helpers.peft_adapters import make_peft_adapter
+from tokenloom import LLM, SamplingParams
+from tokenloom.structured.spec import StructuredOutput
+
+PROMPT = [(7 * i) % 250 + 3 for i in range(40)]  # two full blocks and a partial one
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
+
+
+@pytest.fixture(scope="module")
+def base(tiny_model_dir):
+    return tiny_model_dir("llama_gqa")
+
+
+@pytest.fixture(scope="module")
+def two_adapters(base, tmp_path_factory):
+    root = tmp_path_factory.mktemp("adapters")
+    return {name: str(make_peft_adapter(base, root / name, r=8, seed=seed)) for name, seed in (("a", 11), ("b", 12))}
+
+
+def _hit_tokens(llm) -> int:
+    return llm.engine.core.block_manager.stats.hit_tokens
+
+
+def test_the_same_prompt_under_two_adapters_never_shares_kv(base, two_adapters):
+    llm = LLM(str(base), kv_cache_memory=16 << 20, lora=two_adapters)
+    fresh = {
+        name: LLM(str(base), kv_cache_memory=16 << 20, lora=two_adapters).generate([PROMPT], GREEDY, lora=name)[0]
+        for name in ("a", "b")
+    }
+    first = llm.generate([PROMPT], GREEDY, lora="a")[0]
+    assert _hit_tokens(llm) == 0
+    other = llm.generate([PROMPT], GREEDY, lora="b")[0]
+    assert _hit_tokens(llm) == 0  # b found nothing of a's
+    base_run = llm.generate([PROMPT], GREEDY)[0]
+    assert _hit_tokens(llm) == 0  # nor did the base model
+    again = llm.generate([PROMPT], GREEDY, lora="a")[0]
+    assert _hit_tokens(llm) >= 32  # a hits its own blocks
+    assert first.outputs[0].token_ids == again.outputs[0].token_ids == fresh["a"].outputs[0].token_ids
+    assert other.outputs[0].token_ids == fresh["b"].outputs[0].token_ids
+    for hit, miss in zip(again.outputs[0].logprobs, first.outputs[0].logprobs):
+        assert list(hit.values()) == pytest.approx(list(miss.values()), abs=1e-5)
+    assert len({tuple(r.outputs[0].token_ids) for r in (first, other, base_run)}) == 3
+
+
+def test_load_and_unload_at_run_time(base, two_adapters):
+    llm = LLM(str(base), kv_cache_memory=16 << 20, enable_lora=True, max_loras=1)
+    with pytest.raises(ValueError, match="no LoRA adapter named 'a'"):
+        llm.generate([PROMPT], GREEDY, lora="a")
+    llm.add_lora("a", two_adapters["a"])
+    with_a = llm.generate([PROMPT], GREEDY, lora="a")[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="all 1 slots are in use"):
+        llm.add_lora("b", two_adapters["b"])
+    with pytest.raises(ValueError, match="already loaded"):
+        llm.add_lora("a", two_adapters["a"])
+    llm.remove_lora("a")
+    with pytest.raises(ValueError, match="no LoRA adapter named 'a'"):
+        llm.generate([PROMPT], GREEDY, lora="a")
+    llm.add_lora("b", two_adapters["b"])  # into the slot a left, which must hold none of a
+    with_b = llm.generate([PROMPT], GREEDY, lora="b")[0].outputs[0].token_ids
+    alone_b = LLM(str(base), kv_cache_memory=16 << 20, lora={"b": two_adapters["b"]})
+    assert with_b == alone_b.generate([PROMPT], GREEDY, lora="b")[0].outputs[0].token_ids
+    assert with_b != with_a
+
+
+def test_an_adapter_in_use_is_not_unloaded(base, two_adapters):
+    llm = LLM(str(base), kv_cache_memory=16 << 20, lora=two_adapters)
+    llm.engine.add_request("r", PROMPT, SamplingParams(max_tokens=4, lora="a"))
+    with pytest.raises(ValueError, match="in use by 1 request"):
+        llm.remove_lora("a")
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    llm.remove_lora("a")
+
+
+def test_speculative_decoding_with_an_adapter_keeps_the_greedy_tokens(base, two_adapters):
+    prompt = [8, 9, 10, 11] * 8  # repeats: the n-gram proposer drafts
+    plain = LLM(str(base), kv_cache_memory=16 << 20, lora=two_adapters)
+    spec = LLM(str(base), kv_cache_memory=16 << 20, lora=two_adapters, speculative="ngram,k=4")
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    for name in ("a", None):
+        want = plain.generate([prompt], params, lora=name)[0].outputs[0].token_ids
+        assert spec.generate([prompt], params, lora=name)[0].outputs[0].token_ids == want
+    assert spec.engine.stats().spec_draft_tokens > 0
+
+
+def test_structured_output_with_an_adapter(base, two_adapters):
+    llm = LLM(str(base), kv_cache_memory=16 << 20, lora=two_adapters)
+    params = SamplingParams(
+        temperature=1.0, seed=3, max_tokens=40, structured_output=StructuredOutput("regex", "[0-9]{3}-[a-z]{2}")
+    )
+    outs = [llm.generate([PROMPT], params, lora=name)[0].outputs[0] for name in ("a", "b")]
+    assert all(re.fullmatch("[0-9]{3}-[a-z]{2}", o.text) for o in outs), [o.text for o in outs]
+
+
+def test_errors_name_what_is_wrong(base, tiny_model_dir, two_adapters, tmp_path):
+    with pytest.raises(ValueError, match="start it with --lora"):
+        LLM(str(base), kv_cache_memory=16 << 20).generate([PROMPT], GREEDY, lora="a")
+    with pytest.raises(ValueError, match="3 LoRA adapters given but max_loras is 2"):
+        LLM(str(base), lora={"a": "x", "b": "y", "c": "z"}, max_loras=2)
+    with pytest.raises(ValueError, match="--lora takes NAME=PATH"):
+        LLM(str(base), lora=["no-equals-sign"])
+    # an adapter trained for another shape of model: k_proj has 1 kv head there, 2 here
+    other = make_peft_adapter(tiny_model_dir("llama_mqa_tied"), tmp_path / "other", targets=("k_proj",))
+    with pytest.raises(ValueError, match=re.escape("k_proj's lora_B has 16 outputs, the model's has 32")):
+        LLM(str(base), kv_cache_memory=16 << 20, lora={"o": str(other)})
+    big = make_peft_adapter(base, tmp_path / "big", r=32)
+    with pytest.raises(ValueError, match="rank 32 .* above --max-lora-rank 16"):
+        LLM(str(base), kv_cache_memory=16 << 20, lora={"big": str(big)})
+    dora = make_peft_adapter(base, tmp_path / "dora", use_dora=True)
+    with pytest.raises(ValueError, match="DoRA"):
+        LLM(str(base), kv_cache_memory=16 << 20, lora={"d": str(dora)})
+    head = make_peft_adapter(base, tmp_path / "head", targets=("q_proj", "lm_head"))
+    with pytest.raises(ValueError, match="lm_head.*not supported"):
+        LLM(str(base), kv_cache_memory=16 << 20, lora={"h": str(head)})
+    with pytest.raises(ValueError, match="not a PEFT adapter folder"):
+        LLM(str(base), kv_cache_memory=16 << 20, lora={"x": str(tmp_path)})

@@ -1,0 +1,106 @@
+"""A projection with LoRA slots: the base layer's output plus each row's own adapter's product.
+
+``LoRALinear`` wraps whatever layer loading left (float, prepacked panels, int8/int4, GGUF blocks
+as stored: the base stays as it is) and holds ``slots`` adapters' factors in reserved buffers,
+written in place when an adapter loads (``load_slot``) so that recorded decode tapes
+(layers/op_tape.py) keep reading them. Which slot each row of a step uses is ``StepRows.index``,
+set once per forward by the model runner.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from tokenloom.lora.kernel import lora_add
+from tokenloom.lora.peft import LoRAFactors
+
+
+class StepRows:
+    """Every row's adapter slot for the step being run (-1: the base model alone), in a buffer the
+    model owns (``lora_rows``), so tapes read the step's values in place."""
+
+    def __init__(self, model: nn.Module, capacity: int, device: torch.device) -> None:
+        self.index = torch.full((capacity,), -1, dtype=torch.int32, device=device)
+        model.register_buffer("lora_rows", self.index, persistent=False)
+
+    def set(self, runs: list[tuple[int, int]]) -> None:
+        """`runs`: (slot, rows) per sequence of the step, in batch order."""
+        rows = [slot for slot, count in runs for _ in range(count)]
+        if len(rows) > self.index.numel():
+            raise RuntimeError(f"a step of {len(rows)} tokens exceeds the LoRA row buffer ({self.index.numel()})")
+        self.index[: len(rows)].copy_(torch.tensor(rows, dtype=torch.int32))
+
+
+class LoRALinear(nn.Module):
+    """base(x) + B_s (A_s x) for each row's slot s: x (T, in) -> (T, out). A fused projection's
+    shards (q/k/v, gate/up) are output groups with factors of their own (``group_names``)."""
+
+    lora_a: torch.Tensor  # (slots, groups * max_rank, in): each group's A in its first `rank` rows
+    lora_b: torch.Tensor  # (slots, out, max_rank): B times the scaling, in its first `rank` columns
+    lora_ranks: torch.Tensor  # (slots, groups) int32; 0: the slot leaves that group alone
+
+    def __init__(
+        self,
+        base: nn.Module,
+        group_bounds: list[int],
+        group_names: tuple[str | None, ...],
+        slots: int,
+        max_rank: int,
+        rows: StepRows,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        self.base = base
+        self.in_features, self.out_features = _features(base)
+        self.bounds, self.group_names, self.max_rank, self.rows = group_bounds, group_names, max_rank, rows
+        groups = len(group_names)
+        self.register_buffer("lora_a", torch.zeros(slots, groups * max_rank, self.in_features, device=device))
+        self.register_buffer("lora_b", torch.zeros(slots, self.out_features, max_rank, device=device))
+        self.register_buffer("lora_ranks", torch.zeros(slots, groups, dtype=torch.int32, device=device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base.forward(x)
+        shape = y.shape
+        rows = self.rows.index[: x.numel() // self.in_features]
+        out = lora_add(
+            y.reshape(-1, self.out_features),
+            x.reshape(-1, self.in_features),
+            self.lora_a,
+            self.lora_b,
+            self.lora_ranks,
+            rows,
+            self.bounds,
+        )
+        return out.view(shape)
+
+    def group_rows(self, group: int) -> int:
+        return self.bounds[group + 1] - self.bounds[group]
+
+    def load_slot(self, slot: int, factors: dict[int, LoRAFactors]) -> None:
+        """Write an adapter's factors (by output group) into `slot`; groups it leaves out get rank 0."""
+        R = self.max_rank
+        self.clear_slot(slot)
+        for g, f in factors.items():
+            r = f.rank
+            self.lora_a[slot, g * R : g * R + r].copy_(f.A)
+            self.lora_b[slot, self.bounds[g] : self.bounds[g + 1], :r].copy_(f.B)
+            self.lora_ranks[slot, g] = r
+
+    def clear_slot(self, slot: int) -> None:
+        self.lora_ranks[slot].zero_()
+        self.lora_a[slot].zero_()
+        self.lora_b[slot].zero_()
+
+    def extra_repr(self) -> str:
+        groups = ",".join(g or "all" for g in self.group_names)
+        return f"groups={groups}, slots={self.lora_a.shape[0]}, max_rank={self.max_rank}"
+
+
+def _features(base: Any) -> tuple[int, int]:
+    if hasattr(base, "in_features") and hasattr(base, "out_features"):
+        return int(base.in_features), int(base.out_features)
+    weight = base.weight
+    return int(weight.shape[1]), int(weight.shape[0])
