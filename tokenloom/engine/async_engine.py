@@ -30,6 +30,7 @@ from tokenloom.config import EngineConfig
 from tokenloom.distributed.errors import ParallelRankError
 from tokenloom.engine import LLMEngine
 from tokenloom.engine.step_thread import StepThread
+from tokenloom.lora.manager import AdapterRef
 from tokenloom.metrics import EngineStats
 from tokenloom.outputs import RequestError, StepDelta
 from tokenloom.sampling_params import SamplingParams
@@ -284,6 +285,23 @@ class AsyncLLMEngine:
                 pending, self._pending = self._pending, []
                 for op in pending:
                     op()
+
+    async def add_lora(self, name: str, path: str) -> AdapterRef:
+        """Load a LoRA adapter between two steps (LLMEngine.add_lora; ValueError as there)."""
+        return await self._on_engine(self.engine.add_lora, name, path)
+
+    async def remove_lora(self, name: str) -> None:
+        """Unload a LoRA adapter between two steps (ValueError while a request uses it)."""
+        await self._on_engine(self.engine.remove_lora, name)
+
+    def loras(self) -> list[AdapterRef]:
+        """The LoRA adapters loaded (read-only)."""
+        return self.engine.loras()
+
+    @property
+    def lora_enabled(self) -> bool:
+        """The engine keeps slots for LoRA adapters (--lora or --enable-lora)."""
+        return self.engine.lora_enabled
 
     async def embed(self, token_ids: list[int], pooling: str = "mean") -> list[float]:
         """LLMEngine.embed between two steps (ValueError as there)."""

@@ -187,6 +187,11 @@ class LLMEngine:
         """The adapters loaded, each with its slot and path."""
         return self.core.loras()
 
+    @property
+    def lora_enabled(self) -> bool:
+        """The engine keeps slots for LoRA adapters (--lora or --enable-lora)."""
+        return self.core.runner.lora is not None
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (the next prompts compute from scratch)."""
         self.core.block_manager.reset_prefix_cache()

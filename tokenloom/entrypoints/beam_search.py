@@ -47,10 +47,12 @@ def beam_search(
     length_penalty: float = 1.0,
     early_stopping: bool | str = False,
     n: int | None = None,
+    lora: str | None = None,
 ) -> list[BeamHypothesis]:
-    """The `n` (default: beam_width) best hypotheses, best first, on the synchronous LLM."""
+    """The `n` (default: beam_width) best hypotheses, best first, on the synchronous LLM (through LoRA
+    adapter `lora` where named)."""
     search = _search(
-        prompt_ids, set(llm.engine.eos_token_ids), beam_width, max_tokens, length_penalty, early_stopping, n
+        prompt_ids, set(llm.engine.eos_token_ids), beam_width, max_tokens, length_penalty, early_stopping, n, lora
     )
     try:
         prompts, params = next(search)
@@ -69,6 +71,7 @@ async def beam_search_async(
     early_stopping: bool | str = False,
     n: int | None = None,
     client: str | None = None,
+    lora: str | None = None,
 ) -> list[BeamHypothesis]:
     """The same search over an AsyncLLMEngine (the server): each step's beams run as requests
     among everyone else's (as `client`'s)."""
@@ -81,7 +84,8 @@ async def beam_search_async(
                 if delta.finished:
                     return delta.completion
 
-    search = _search(prompt_ids, set(engine.eos_token_ids), beam_width, max_tokens, length_penalty, early_stopping, n)
+    eos = set(engine.eos_token_ids)
+    search = _search(prompt_ids, eos, beam_width, max_tokens, length_penalty, early_stopping, n, lora)
     try:
         prompts, params = next(search)
         while True:
@@ -104,6 +108,7 @@ def _search(
     length_penalty: float,
     early_stopping: bool | str,
     n: int | None,
+    lora: str | None = None,
 ):
     """The algorithm, as a generator: yields the step's expansions (prompts + params), is sent
     their CompletionOutputs, returns the n best BeamHypothesis (HF transformers' rules)."""
@@ -113,7 +118,7 @@ def _search(
     if early_stopping not in (True, False, "never"):
         raise ValueError(f"early_stopping must be True, False or 'never', got {early_stopping!r}")
     keep = max(2, 1 + len(eos)) * beam_width
-    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, logprobs=keep)
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, logprobs=keep, lora=lora)
     finished: list[BeamHypothesis] = []
     running, improvable = [_Beam([], 0.0)], True
     for step in range(max_tokens):

@@ -141,10 +141,13 @@ class LLM:
         length_penalty: float = 1.0,
         early_stopping: bool | str = False,
         n: int | None = None,
+        lora: str | None = None,
     ) -> list[BeamHypothesis]:
         """The n (default beam_width) best continuations by beam search, best first, each with its
-        tokens, text, cumulative logprob and length-penalized score (see tokenloom/entrypoints/beam_search.py)."""
-        return beam_search(self, self._prompt_ids(prompt)[1], beam_width, max_tokens, length_penalty, early_stopping, n)
+        tokens, text, cumulative logprob and length-penalized score (see tokenloom/entrypoints/beam_search.py);
+        through LoRA adapter `lora` where named."""
+        ids = self._prompt_ids(prompt)[1]
+        return beam_search(self, ids, beam_width, max_tokens, length_penalty, early_stopping, n, lora)
 
     def chat(
         self, messages: Messages | list[Messages], params: SamplingParams | None = None, **template_kwargs: Any

@@ -251,8 +251,20 @@ def _given(args: argparse.Namespace) -> dict[str, Any]:
         stop=args.stop,
         stop_token_ids=args.stop_token_ids,
         ignore_eos=args.ignore_eos,
+        lora=one_adapter(args),
         **chain,
     )
+
+
+def one_adapter(args: argparse.Namespace) -> str | None:
+    """The name of the LoRA adapter `--lora NAME=PATH` gave (generate and chat run through it); None
+    without one, a ValueError for several (one conversation runs one adapter)."""
+    from tokenloom.config import parse_lora_modules
+
+    adapters = parse_lora_modules(getattr(args, "lora", None) or [])
+    if len(adapters) > 1:
+        raise ValueError(f"--lora: this command runs one adapter, got {len(adapters)} ({', '.join(adapters)})")
+    return next(iter(adapters), None)
 
 
 def sampling_params(args: argparse.Namespace, defaults: SamplingDefaults = FALLBACK, constraint=None):

@@ -61,6 +61,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     base = f"http://{args.host}:{args.port}"
     others = [n for n in app.state.models.entries if n != name]
     more = f"; {len(others)} more by name, loaded on first use: {', '.join(others)}" if others else ""
+    if app.state.models.adapters:
+        more += f"; LoRA adapters by name: {', '.join(app.state.models.adapters)}"
     print(
         f"tokenloom: serving {name!r} on {base}/v1 (playground: {base}/){' (API key required)' if api_key else ''}"
         + more,

@@ -32,6 +32,7 @@ from tokenloom.entrypoints.server.chat import ChatCompletions
 from tokenloom.entrypoints.server.chat_tools import ChatFeatures
 from tokenloom.entrypoints.server.completions import Completions
 from tokenloom.entrypoints.server.load_policy import weights_size
+from tokenloom.entrypoints.server.lora_routes import add_lora_routes
 from tokenloom.entrypoints.server.metrics import ServerMetrics
 from tokenloom.entrypoints.server.middleware import (
     DEFAULT_BODY_DEADLINE_S,
@@ -172,6 +173,7 @@ def build_app(
     _add_error_handlers(app)
     _add_info_routes(app, models, metrics, playground_tools or [])
     add_utility_routes(app, models)
+    add_lora_routes(app, models)
     _add_generation_routes(app, models)
     add_ollama_routes(app, models)
     add_anthropic_routes(app, models)
@@ -272,8 +274,10 @@ def _add_info_routes(app: FastAPI, models: ServedModels, metrics: ServerMetrics,
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
-        """Every model this server serves by name, loaded or not (`loaded` says)."""
-        return {"object": "list", "data": [models.card(name) for name in models.entries]}
+        """Every model this server serves by name, loaded or not (`loaded` says), then the LoRA
+        adapters it serves, each with the model it runs on (`parent`) and its folder (`root`)."""
+        names = [*models.entries, *models.adapters]
+        return {"object": "list", "data": [models.card(name) for name in names]}
 
 
 async def _whole(work, prepared, request: Request, shape, headers: dict[str, str] | None = None) -> Response:

@@ -36,13 +36,15 @@ def known_models(primary_path: str) -> list[ModelEntry]:
 
 
 def engine_loader(options: EngineArgs, primary_path: str) -> Callable[[str], object] | None:
-    """``load(source) -> LLMEngine`` with `options`' engine flags (a draft model only for the
-    model at `primary_path`, the one it was given for); None where the server's model is split
-    over processes (it then serves that model alone)."""
+    """``load(source) -> LLMEngine`` with `options`' engine flags (a draft model and LoRA adapters
+    only for the model at `primary_path`, the one they were given for); None where the server's
+    model is split over processes (it then serves that model alone)."""
     if options.tensor_parallel_size * options.pipeline_parallel_size > 1:
         return None
     spec = options.speculative
-    others = dataclasses.replace(options, speculative=None) if spec is not None and "draft" in str(spec) else options
+    others = dataclasses.replace(options, lora=None, enable_lora=False)
+    if spec is not None and "draft" in str(spec):
+        others = dataclasses.replace(others, speculative=None)
 
     def load(source: str):
         from tokenloom.engine import LLMEngine

@@ -46,7 +46,7 @@ class ChatCompletions:
             "chat.completion",
             prepared.response_id,
             prepared.created,
-            self.serving.model_name,
+            prepared.model_name,
             choices,
             R.usage(prepared.prompt_tokens, completion_tokens, R.cached_tokens(outs)),
         )

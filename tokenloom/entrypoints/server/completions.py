@@ -42,7 +42,7 @@ class Completions:
             "text_completion",
             prepared.response_id,
             prepared.created,
-            self.serving.model_name,
+            prepared.model_name,
             choices,
             R.usage(prepared.prompt_tokens, completion_tokens, R.cached_tokens(outs)),
         )
@@ -55,7 +55,15 @@ class Completions:
         completion_tokens = 0
         for p_index, ids in enumerate(prepared.prompt_ids):
             beams = await beam_search_async(
-                engine, ids, req.beam_width, max_tokens, req.length_penalty, req.early_stopping, req.n, prepared.client
+                engine,
+                ids,
+                req.beam_width,
+                max_tokens,
+                req.length_penalty,
+                req.early_stopping,
+                req.n,
+                prepared.client,
+                prepared.choices[0].params.lora,
             )
             prefix = prepared.prompt_texts[p_index] if req.echo else ""
             for beam in beams:
@@ -76,7 +84,7 @@ class Completions:
             "text_completion",
             prepared.response_id,
             prepared.created,
-            self.serving.model_name,
+            prepared.model_name,
             choices,
             R.usage(prepared.prompt_tokens, completion_tokens),
         )

@@ -133,6 +133,8 @@ class ServedModels:
         self.closing = False
         self._reaper: asyncio.Task | None = None
         self._refreshed = 0.0
+        # LoRA adapters served by name (as vLLM does): adapter -> the entry of the model it runs on
+        self.adapters: dict[str, str] = {ref.name: primary.entry.name for ref in primary.serving.engine.loras()}
         self.refresh()
 
     def refresh(self) -> None:
@@ -169,7 +171,10 @@ class ServedModels:
         return entry
 
     def _lookup(self, name: str) -> ModelEntry | None:
-        """The entry `name` names: as written, without ollama's ":latest", or in other case."""
+        """The entry `name` names: as written, without ollama's ":latest", or in other case; a LoRA
+        adapter's name names the model it runs on."""
+        if name in self.adapters:
+            return self.entries.get(self.adapters[name])
         for candidate in (name, name.removesuffix(":latest")):
             if candidate in self.by_name:
                 return self.by_name[candidate]
@@ -185,9 +190,47 @@ class ServedModels:
         """The named model as /v1/models lists it, with whether it is loaded (404 if unknown)."""
         entry = self.resolve(name)
         loaded = self.loaded.get(entry.name)
+        if name in self.adapters:
+            ref = next((r for r in loaded.serving.engine.loras() if r.name == name), None) if loaded else None
+            card = {"id": name, "object": "model", "created": 0, "owned_by": "tokenloom", "parent": entry.name}
+            return card | {"root": ref.path if ref else None, "loaded": ref is not None}
         if loaded is not None:
             return loaded.serving.model_card() | {"loaded": True}
         return {"id": entry.name, "object": "model", "created": 0, "owned_by": "tokenloom", "loaded": False}
+
+    # ---- LoRA adapters -----------------------------------------------------------------------
+    async def add_adapter(self, name: str, path: str) -> None:
+        """Load a LoRA adapter into the first model's engine and serve it as `name` (400 when the name
+        is taken, the engine has no LoRA room, or the adapter does not fit)."""
+        if name in self.adapters or self._lookup(name) is not None:
+            raise APIError(400, f"the name {name!r} is already served (a model or an adapter)", "lora_name")
+        async with self.use(self.primary.name) as serving:
+            if not serving.engine.lora_enabled:
+                raise APIError(400, "this server was started without LoRA support (--lora or --enable-lora)", None)
+            try:
+                await serving.engine.add_lora(name, path)
+            except ValueError as e:
+                raise APIError(400, str(e), "lora_path") from None
+        self.adapters[name] = self.primary.name
+
+    def refuse_adapter(self, name: str | None, what: str) -> None:
+        """400 where `name` is a LoRA adapter's: `what` does not run through adapters."""
+        if name in self.adapters:
+            raise APIError(
+                400, f"{what} through a LoRA adapter ({name!r}) is not supported: name its base model", "model"
+            )
+
+    async def remove_adapter(self, name: str) -> None:
+        """Unload LoRA adapter `name` (404 if it is not served, 409 while requests use it)."""
+        if name not in self.adapters:
+            raise APIError(404, f"no LoRA adapter named {name!r} is loaded", "lora_name", code="lora_not_found")
+        loaded = self.loaded.get(self.adapters[name])
+        if loaded is not None and any(r.name == name for r in loaded.serving.engine.loras()):
+            try:
+                await loaded.serving.engine.remove_lora(name)
+            except ValueError as e:
+                raise APIError(409, str(e), "lora_name", code="lora_in_use") from None
+        del self.adapters[name]
 
     # ---- using a model -----------------------------------------------------------------------
     @asynccontextmanager

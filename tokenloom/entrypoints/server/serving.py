@@ -12,6 +12,7 @@ may take (then 408).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -66,6 +67,7 @@ class Prepared:
     tool_mode: str = "none"  # chat: none | auto | required (server/chat_tools.py)
     tool_functions: list[dict] = field(default_factory=list)  # chat: the tools the reply may call
     outcome: str | None = None  # how a stream that began ended short: cut_at_shutdown | failed | client_left
+    model_name: str = ""  # the name replies give: the model's, or the LoRA adapter's the request named
 
     @property
     def prompt_tokens(self) -> int:
@@ -262,6 +264,7 @@ class OpenAIServing:
         """Validate `req` and make its choices; `constraint`: (structured output, the parameter it
         comes from) in place of the request's own (the tools' grammar)."""
         structured, constraint_param = constraint or req.structured_output()
+        adapter = self.adapter_named(req.model)
         if structured is not None:
             try:
                 self.engine.check_constraint(structured)
@@ -279,6 +282,8 @@ class OpenAIServing:
                 structured,
                 self.engine.sampling_defaults,
             )
+            if adapter is not None:
+                base = dataclasses.replace(base, lora=adapter)
             for sample in range(req.n):
                 params = base.for_sample(sample)
                 try:
@@ -288,7 +293,14 @@ class OpenAIServing:
                 choices.append(Choice(len(choices), p_index, ids, params))
             texts.append(prompt if isinstance(prompt, str) else self.tokenizer.decode(ids, skip_special_tokens=False))
             all_ids.append(ids)
-        return Prepared(f"{prefix}-{uuid.uuid4().hex}", R.now(), texts, all_ids, choices)
+        name = adapter or self.model_name
+        return Prepared(f"{prefix}-{uuid.uuid4().hex}", R.now(), texts, all_ids, choices, model_name=name)
+
+    def adapter_named(self, name: str | None) -> str | None:
+        """`name` where it is one of this engine's LoRA adapters (a request's `model`), else None."""
+        if not name or not self.engine.lora_enabled:
+            return None
+        return name if any(ref.name == name for ref in self.engine.loras()) else None
 
     def prepare_completion(self, req: CompletionRequest) -> Prepared:
         req.check_limits()
@@ -478,7 +490,7 @@ class OpenAIServing:
         the stream instead."""
 
         def chunk(choices: list[dict], usage: dict | None = None) -> str:
-            body = R.envelope(kind, prepared.response_id, prepared.created, self.model_name, choices)
+            body = R.envelope(kind, prepared.response_id, prepared.created, prepared.model_name, choices)
             if include_usage:
                 body["usage"] = usage
             return sse(body)
