@@ -719,6 +719,20 @@ class GGUFFile:
         array = quants.dequantize(raw, GGMLQuantizationType(t.type)).reshape(shape)
         return torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
 
+    def hf_name(self, name: str) -> str:
+        """The HF name of file tensor `name` (one that holds one HF tensor); CheckpointError if unknown."""
+        return self._hf_name(name)
+
+    def float_tensor(self, t: GGUFTensorInfo) -> torch.Tensor:
+        """Tensor `t` as stored (llama.cpp's layout), as float32."""
+        tensor = self._tensor(t)
+        return tensor.dequantize() if isinstance(tensor, GGMLTensor) else tensor
+
+    @property
+    def permutes_qk(self) -> bool:
+        """llama.cpp interleaved this architecture's q/k rows (unpermute_rope_rows undoes it)."""
+        return self.arch in _PERMUTED_QK
+
     def _hf_name(self, name: str) -> str:
         flat, block = _NAME_TABLES.get(self.arch, (_LLAMA_NAMES, _LLAMA_BLOCK_NAMES))
         if name in flat:

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tokenloom.lora.gguf_adapter import is_gguf, read_gguf_adapter
 from tokenloom.lora.layers import LoRALinear, StepRows
 from tokenloom.lora.peft import LoRAFactors, PeftAdapter, read_peft_adapter
 
@@ -64,7 +65,7 @@ class LoRAManager:
                 f"cannot load LoRA adapter {name!r}: all {self.max_loras} slots are in use "
                 f"({', '.join(self.adapters)}); unload one or raise --max-loras"
             )
-        adapter = read_peft_adapter(path)
+        adapter = self._read(path)
         per_layer = self._factors_by_layer(adapter, name)
         slot = free[0]
         for layer_name, factors in per_layer.items():
@@ -72,6 +73,13 @@ class LoRAManager:
         ref = AdapterRef(name, slot, hash(("lora", next(_uids))), str(adapter.path), adapter.rank, adapter.base_model)
         self.adapters[name] = ref
         return ref
+
+    def _read(self, path: str | Path) -> PeftAdapter:
+        """A PEFT folder, or a GGUF LoRA file (llama.cpp's convert_lora_to_gguf.py)."""
+        if is_gguf(path):
+            config: Any = self.model.config
+            return read_gguf_adapter(path, config.num_heads, config.num_kv_heads)
+        return read_peft_adapter(path)
 
     def remove(self, name: str) -> None:
         """Free `name`'s slot (the caller makes sure no request uses it); KeyError if not loaded."""
