@@ -94,6 +94,7 @@ class LoRAConfig:
     adapters: dict[str, str] = field(default_factory=dict)  # name -> PEFT folder or GGUF LoRA file
     max_loras: int = 4
     max_lora_rank: int = 16
+    dtype: str = "auto"  # the slots' storage: auto (the start-up adapters' own half type, else float32) or a dtype
 
     def __post_init__(self) -> None:
         for name in ("max_loras", "max_lora_rank"):
@@ -101,6 +102,8 @@ class LoRAConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         self.adapters = parse_lora_modules(self.adapters)
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"lora_dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if len(self.adapters) > self.max_loras:
             raise ValueError(
                 f"{len(self.adapters)} LoRA adapters given but max_loras is {self.max_loras}: raise --max-loras"

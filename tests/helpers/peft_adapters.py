@@ -16,9 +16,11 @@ def make_peft_adapter(
     targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
     seed: int = 0,
     std: float = 0.15,
+    dtype: torch.dtype = torch.float32,
     **options,
 ) -> Path:
-    """Save an adapter over `base` into `out`: LoraConfig(r, alpha, targets, **options), factors ~ N(0, std)."""
+    """Save an adapter over `base` into `out`: LoraConfig(r, alpha, targets, **options), factors ~ N(0, std),
+    stored as `dtype` (a bfloat16 file as adapters trained in bfloat16 are saved)."""
     import transformers
     from peft import LoraConfig, get_peft_model
 
@@ -31,6 +33,11 @@ def make_peft_adapter(
             if "lora_" in name:
                 p.copy_(torch.randn(p.shape, generator=generator) * std)
     peft_model.save_pretrained(out)
+    if dtype != torch.float32:
+        from safetensors.torch import load_file, save_file
+
+        file = out / "adapter_model.safetensors"
+        save_file({k: v.to(dtype) for k, v in load_file(str(file)).items()}, str(file))
     return out
 
 

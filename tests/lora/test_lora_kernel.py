@@ -14,7 +14,7 @@ def _case(T: int, K: int, bounds: list[int], S: int, R: int, seed: int):
     x = torch.randn(T, K, generator=g)
     y = torch.randn(T, N, generator=g)
     A = torch.randn(S, G * R, K, generator=g)
-    B = torch.randn(S, N, R, generator=g)
+    B = torch.randn(S, R, N, generator=g)
     ranks = torch.randint(0, R + 1, (S, G), generator=g, dtype=torch.int32)
     ranks[0] = R  # at least one slot at the full rank
     rows = torch.randint(-1, S, (T,), generator=g, dtype=torch.int32)
@@ -24,15 +24,15 @@ def _case(T: int, K: int, bounds: list[int], S: int, R: int, seed: int):
 def _reference(y, x, A, B, ranks, rows, bounds):
     """Row by row in float64: only the first ranks[s, g] rows of each group's A (columns of B) count."""
     out = y.double().clone()
-    R = B.shape[2]
+    R = B.shape[1]
     for t, s in enumerate(rows.tolist()):
         if s < 0:
             continue
         for gi in range(len(bounds) - 1):
             r = int(ranks[s, gi])
             a = A[s, gi * R : gi * R + r].double()
-            b = B[s, bounds[gi] : bounds[gi + 1], :r].double()
-            out[t, bounds[gi] : bounds[gi + 1]] += b @ (a @ x[t].double())
+            b = B[s, :r, bounds[gi] : bounds[gi + 1]].double()
+            out[t, bounds[gi] : bounds[gi + 1]] += (a @ x[t].double()) @ b
     return out
 
 
@@ -40,13 +40,16 @@ SHAPES = [
     (1, 64, [0, 96], 2, 8),  # decode, one group
     (5, 70, [0, 32, 48, 64], 3, 16),  # K with a tail past the 16-wide loop, q/k/v groups
     (37, 129, [0, 130, 260], 4, 5),  # gate/up groups, odd rank
+    (3, 96, [0, 600, 1203], 2, 8),  # groups longer than a task's 256 columns, ending mid-vector
     (300, 64, [0, 64], 2, 4),  # enough work to run on every thread
 ]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("T,K,bounds,S,R", SHAPES)
-def test_compiled_and_torch_paths_match_the_row_loop(T, K, bounds, S, R):
-    args = _case(T, K, bounds, S, R, seed=T)
+def test_compiled_and_torch_paths_match_the_row_loop(T, K, bounds, S, R, dtype):
+    y, x, A, B, ranks, rows = _case(T, K, bounds, S, R, seed=T)
+    args = y, x, A.to(dtype), B.to(dtype), ranks, rows  # the reference reads the same rounded values
     want = _reference(*args, bounds)
     got_torch = kernel.lora_add_torch(*args, bounds)
     assert torch.allclose(got_torch.double(), want, atol=1e-4, rtol=1e-4)
@@ -58,6 +61,13 @@ def test_compiled_and_torch_paths_match_the_row_loop(T, K, bounds, S, R):
     base_rows = (rows == -1).nonzero().squeeze(1)
     assert torch.equal(got[base_rows], y[base_rows])  # rows without an adapter untouched, bit for bit
     assert not torch.equal(got, y)  # and the others changed
+
+
+def test_only_the_first_t_rows_are_read():
+    y, x, A, B, ranks, rows = _case(5, 64, [0, 32, 48], 3, 4, seed=3)
+    longer = torch.cat([rows, torch.tensor([2, 1, 0], dtype=torch.int32)])  # a step buffer past T
+    want = kernel.lora_add_torch(y, x, A, B, ranks, rows, [0, 32, 48])
+    assert torch.allclose(kernel.lora_add(y, x, A, B, ranks, longer, [0, 32, 48]), want, atol=1e-5)
 
 
 def test_rows_without_any_adapter_return_y():

@@ -4,6 +4,7 @@ identical and logprobs within 1e-4, alone and mixed in one batch with other adap
 from __future__ import annotations
 
 import pytest
+import torch
 
 pytest.importorskip("peft")
 
@@ -63,6 +64,14 @@ def test_adapter_matches_peft(case, adapters):
     plain = llm.generate(PROMPTS[:1], GREEDY)[0].outputs[0]  # the base model, same engine
     assert plain.token_ids == hf_greedy(load_hf_reference(base), PROMPTS[0], NEW_TOKENS).tokens
     assert plain.token_ids != outputs[0].outputs[0].token_ids  # the adapter changes the model
+
+
+def test_a_bfloat16_adapter_is_kept_in_bfloat16_and_matches_peft(tiny_model_dir, tmp_path):
+    base = tiny_model_dir("llama_gqa")
+    adapter = make_peft_adapter(base, tmp_path / "bf16", r=8, seed=7, dtype=torch.bfloat16)
+    llm = LLM(str(base), kv_cache_memory=16 << 20, lora={"a": str(adapter)})
+    assert llm.engine.core.runner.lora.dtype == torch.bfloat16  # half the bytes, the same values
+    _check_against(load_peft_reference(base, adapter), llm.generate(PROMPTS, GREEDY, lora="a"))
 
 
 def test_batch_mixing_adapters_and_the_base_equals_each_alone(tiny_model_dir, tmp_path):

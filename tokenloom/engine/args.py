@@ -246,6 +246,13 @@ class EngineArgs:
         metavar="R",
         help="the largest LoRA rank an adapter may have; each resident slot reserves room for it (default: 16)",
     )
+    lora_dtype: str = _option(
+        "auto",
+        "--lora-dtype",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="how resident LoRA adapters are stored (computed in float32). auto (default): bfloat16 or float16 "
+        "where every --lora adapter is stored so (kept exact, half the bytes a token reads), else float32",
+    )
     pipeline_parallel_size: int = _option(
         1,
         "-pp",
@@ -358,7 +365,12 @@ class EngineArgs:
         )
         lora = None
         if self.lora or self.enable_lora:
-            lora = LoRAConfig(parse_lora_modules(self.lora), max_loras=self.max_loras, max_lora_rank=self.max_lora_rank)
+            lora = LoRAConfig(
+                parse_lora_modules(self.lora),
+                max_loras=self.max_loras,
+                max_lora_rank=self.max_lora_rank,
+                dtype=self.lora_dtype,
+            )
         return EngineConfig(
             model=self.model or "",
             lora=lora,

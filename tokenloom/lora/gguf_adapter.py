@@ -17,6 +17,7 @@ import torch
 from tokenloom.loader.gguf import GGUFFile, unpermute_rope_rows
 from tokenloom.lora.peft import LoRAFactors, PeftAdapter
 
+_F16, _BF16 = 1, 30  # GGML type ids
 _FACTOR = re.compile(r"(?P<base>.+)\.lora_(?P<which>[ab])")
 
 
@@ -26,6 +27,13 @@ def is_gguf(path: str | Path) -> bool:
         return False
     with p.open("rb") as f:
         return f.read(4) == b"GGUF"
+
+
+def gguf_stored_dtype(path: str | Path) -> torch.dtype | None:
+    """The dtype a GGUF adapter's factors are stored in (float32 for quantized blocks)."""
+    g = GGUFFile(Path(path).expanduser())
+    kinds = {t.type for t in g.tensors}
+    return {frozenset({_F16}): torch.float16, frozenset({_BF16}): torch.bfloat16}.get(frozenset(kinds), torch.float32)
 
 
 def read_gguf_adapter(path: str | Path, num_heads: int, num_kv_heads: int) -> PeftAdapter:

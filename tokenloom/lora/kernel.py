@@ -1,12 +1,14 @@
 """Each row of a step adds its own adapter's low-rank product: the batched LoRA op.
 
 ``lora_add(y, x, A, B, ranks, rows, bounds)`` -> y + the LoRA delta of every row, where row t
-uses adapter slot ``rows[t]`` (-1: none). Shapes: x (T, K), y (T, N); A (S, G*R, K) and
-B (S, N, R) hold S slots' adapters, scaling folded into B; ranks (S, G) int32 the rank each
-slot has in each of G output groups (``bounds``: G + 1 column offsets; a fused q/k/v projection
-has three groups, each shard its own A and B). On the CPU in float32 it is one compiled call
-(``csrc/lora_cpu.cpp``, punica's BGMV: every row its own adapter, nothing read from Python);
-elsewhere rows are gathered per adapter for two matmuls a group (``lora_add_torch``).
+uses adapter slot ``rows[t]`` (-1: none; `rows` may run past T, only its first T are read).
+Shapes: x (T, K), y (T, N); A (S, G*R, K) and B (S, R, N) (each slot's B transposed) hold S
+slots' adapters (float32, bfloat16 or float16), scaling folded into B; ranks (S, G) int32 the
+rank each slot has in each of G output groups (``bounds``: G + 1 column offsets; a fused q/k/v
+projection has three groups, each shard its own A and B). On the CPU with float32 activations it
+is one compiled call (``csrc/lora_cpu.cpp``, punica's BGMV: every row its own adapter, nothing
+read from Python); elsewhere rows are gathered per adapter for two matmuls a group
+(``lora_add_torch``).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ def kernel_built() -> bool:
 
 
 def kernel_takes(x: torch.Tensor) -> bool:
+    """The compiled op runs on float32 CPU activations (the factors float32, bfloat16 or float16)."""
     return x.device.type == "cpu" and x.dtype == torch.float32 and kernel_built()
 
 
@@ -58,9 +61,10 @@ def lora_add_torch(
     out = y.float()  # a copy where y is not float32
     if out is y:
         out = y.clone()
-    R = B.shape[2]
+    R = B.shape[1]
     groups = len(bounds) - 1
     rank_of = ranks.tolist()
+    rows = rows[: x.shape[0]]
     for slot in sorted(set(rows.tolist()) - {-1}):
         picked = (rows == slot).nonzero().squeeze(1)  # (t,) the rows of this adapter
         xs = x.index_select(0, picked).float()  # (t, K)
@@ -69,7 +73,7 @@ def lora_add_torch(
             r = rank_of[slot][g]
             if r:
                 a = A[slot, g * R : g * R + r].float()  # (r, K)
-                b = B[slot, bounds[g] : bounds[g + 1], :r].float()  # (n_g, r)
-                delta[:, bounds[g] : bounds[g + 1]] = (xs @ a.T) @ b.T
+                b = B[slot, :r, bounds[g] : bounds[g + 1]].float()  # (r, n_g)
+                delta[:, bounds[g] : bounds[g + 1]] = (xs @ a.T) @ b
         out.index_add_(0, picked, delta)
     return out.to(y.dtype)

@@ -39,7 +39,7 @@ class LoRALinear(nn.Module):
     shards (q/k/v, gate/up) are output groups with factors of their own (``group_names``)."""
 
     lora_a: torch.Tensor  # (slots, groups * max_rank, in): each group's A in its first `rank` rows
-    lora_b: torch.Tensor  # (slots, out, max_rank): B times the scaling, in its first `rank` columns
+    lora_b: torch.Tensor  # (slots, max_rank, out): B^T times the scaling, in its first `rank` rows
     lora_ranks: torch.Tensor  # (slots, groups) int32; 0: the slot leaves that group alone
 
     def __init__(
@@ -51,30 +51,34 @@ class LoRALinear(nn.Module):
         max_rank: int,
         rows: StepRows,
         device: torch.device,
+        dtype: torch.dtype = torch.float32,
     ) -> None:
         super().__init__()
         self.base = base
         self.in_features, self.out_features = _features(base)
         self.bounds, self.group_names, self.max_rank, self.rows = group_bounds, group_names, max_rank, rows
         groups = len(group_names)
-        self.register_buffer("lora_a", torch.zeros(slots, groups * max_rank, self.in_features, device=device))
-        self.register_buffer("lora_b", torch.zeros(slots, self.out_features, max_rank, device=device))
+        a_shape, b_shape = (slots, groups * max_rank, self.in_features), (slots, max_rank, self.out_features)
+        self.register_buffer("lora_a", torch.zeros(a_shape, dtype=dtype, device=device))
+        self.register_buffer("lora_b", torch.zeros(b_shape, dtype=dtype, device=device))
         self.register_buffer("lora_ranks", torch.zeros(slots, groups, dtype=torch.int32, device=device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Two op calls for a (T, in) input (decode tapes replay every one): the base's, then the
+        batched LoRA op reading the step's row buffer in place."""
         y = self.base.forward(x)
-        shape = y.shape
-        rows = self.rows.index[: x.numel() // self.in_features]
-        out = lora_add(
+        if x.dim() == 2:
+            return lora_add(y, x, self.lora_a, self.lora_b, self.lora_ranks, self.rows.index, self.bounds)
+        flat = lora_add(
             y.reshape(-1, self.out_features),
             x.reshape(-1, self.in_features),
             self.lora_a,
             self.lora_b,
             self.lora_ranks,
-            rows,
+            self.rows.index,
             self.bounds,
         )
-        return out.view(shape)
+        return flat.view(y.shape)
 
     def group_rows(self, group: int) -> int:
         return self.bounds[group + 1] - self.bounds[group]
@@ -86,7 +90,7 @@ class LoRALinear(nn.Module):
         for g, f in factors.items():
             r = f.rank
             self.lora_a[slot, g * R : g * R + r].copy_(f.A)
-            self.lora_b[slot, self.bounds[g] : self.bounds[g + 1], :r].copy_(f.B)
+            self.lora_b[slot, :r, self.bounds[g] : self.bounds[g + 1]].copy_(f.B.T)
             self.lora_ranks[slot, g] = r
 
     def clear_slot(self, slot: int) -> None:

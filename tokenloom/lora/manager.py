@@ -19,9 +19,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from tokenloom.lora.gguf_adapter import is_gguf, read_gguf_adapter
+from tokenloom.lora.gguf_adapter import gguf_stored_dtype, is_gguf, read_gguf_adapter
 from tokenloom.lora.layers import LoRALinear, StepRows
-from tokenloom.lora.peft import LoRAFactors, PeftAdapter, read_peft_adapter
+from tokenloom.lora.peft import LoRAFactors, PeftAdapter, peft_stored_dtype, read_peft_adapter
 
 # the projections that take adapters: each decoder layer's attention and dense MLP
 _TARGET = re.compile(r".*layers\.\d+\.(?:self_attn\.(?:qkv_proj|o_proj)|mlp\.(?:gate_up_proj|down_proj))")
@@ -42,11 +42,31 @@ class AdapterRef:
     base_model: str | None = None
 
 
+def storage_dtype(choice: str, paths: list[str]) -> torch.dtype:
+    """The slots' dtype for `choice` (auto: bfloat16 or float16 where every adapter in `paths` is stored
+    so, keeping them exact at half float32's bytes; else float32)."""
+    if choice != "auto":
+        return getattr(torch, choice)
+    stored = {gguf_stored_dtype(p) if is_gguf(p) else peft_stored_dtype(p) for p in paths}
+    if len(stored) == 1 and (only := stored.pop()) in (torch.bfloat16, torch.float16):
+        return only
+    return torch.float32
+
+
 class LoRAManager:
-    def __init__(self, model: nn.Module, max_loras: int, max_rank: int, max_rows: int, device: torch.device) -> None:
-        self.model, self.max_loras, self.max_rank = model, max_loras, max_rank
+    def __init__(
+        self,
+        model: nn.Module,
+        max_loras: int,
+        max_rank: int,
+        max_rows: int,
+        device: torch.device,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        """`max_rows`: the most tokens a forward takes; `dtype`: how the slots store factors."""
+        self.model, self.max_loras, self.max_rank, self.dtype = model, max_loras, max_rank, dtype
         self.rows = StepRows(model, max_rows, device)
-        self.layers = _install(model, max_loras, max_rank, self.rows, device)
+        self.layers = _install(model, max_loras, max_rank, self.rows, device, dtype)
         if not self.layers:
             raise ValueError(
                 f"LoRA adapters are not supported for {type(model).__name__}: it has no projections named "
@@ -129,7 +149,7 @@ class LoRAManager:
         return out
 
 
-def _install(model: Any, slots: int, max_rank: int, rows: StepRows, device) -> dict[str, LoRALinear]:
+def _install(model: Any, slots: int, max_rank: int, rows: StepRows, device, dtype) -> dict[str, LoRALinear]:
     layers: dict[str, LoRALinear] = {}
     for name, module in list(model.named_modules()):
         if not _TARGET.fullmatch(name) or isinstance(module, LoRALinear):
@@ -143,7 +163,7 @@ def _install(model: Any, slots: int, max_rank: int, rows: StepRows, device) -> d
                 bounds.append(part.stop if part is not None else _out_features(module))
         except (KeyError, AttributeError):  # a checkpoint already fused (Phi-3): one group
             groups, bounds = (None,), [0, _out_features(module)]
-        wrapped = LoRALinear(module, bounds, groups, slots, max_rank, rows, device)
+        wrapped = LoRALinear(module, bounds, groups, slots, max_rank, rows, device, dtype)
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent), attr, wrapped)
         layers[name] = wrapped

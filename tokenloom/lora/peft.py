@@ -82,6 +82,19 @@ def read_peft_adapter(path: str | Path) -> PeftAdapter:
     return PeftAdapter(folder, modules, config.get("base_model_name_or_path"))
 
 
+def peft_stored_dtype(path: str | Path) -> torch.dtype | None:
+    """The dtype a PEFT folder's factors are stored in (its first tensor's), None if unreadable."""
+    file = Path(path).expanduser() / WEIGHT_FILES[0]
+    if not file.is_file():
+        return None
+    from safetensors import safe_open
+
+    with safe_open(str(file), "pt") as f:
+        names = list(f.keys())
+        kind = f.get_slice(names[0]).get_dtype() if names else None
+    return {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}.get(kind or "")
+
+
 def _check_options(config: dict, folder: Path) -> None:
     """ValueError naming the first option whose effect tokenloom does not reproduce."""
     kind = config.get("peft_type", "LORA")

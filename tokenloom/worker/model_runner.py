@@ -15,7 +15,7 @@ from tokenloom.distributed.errors import ParallelRankError
 from tokenloom.kernels import triton as triton_kernels
 from tokenloom.kv_cache.paged import PagedKVCache
 from tokenloom.layers.op_tape import StepTapes
-from tokenloom.lora.manager import LoRAManager
+from tokenloom.lora.manager import LoRAManager, storage_dtype
 from tokenloom.memory.allocator import KEEP_BELOW, reserve_heap
 from tokenloom.models.base import CausalLM
 from tokenloom.outputs import TokenLogprobs, describe_error
@@ -78,7 +78,8 @@ class ModelRunner:
             if parallel or peers is not None:
                 raise ValueError("LoRA adapters with a model split over processes are not implemented")
             rows = max(max_model_len or model.config.max_model_len, recompute_tokens) + 16 * max_num_seqs
-            self.lora = LoRAManager(model, lora.max_loras, lora.max_lora_rank, rows, self.device)
+            dtype = storage_dtype(lora.dtype, list(lora.adapters.values()))
+            self.lora = LoRAManager(model, lora.max_loras, lora.max_lora_rank, rows, self.device, dtype)
         self.tapes = (
             StepTapes(model, kv_cache)
             if self.device.type == "cpu" and StepTapes.usable(model) and not parallel

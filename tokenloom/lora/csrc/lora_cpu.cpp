@@ -1,14 +1,16 @@
 // Batched LoRA: every row of a step adds the low-rank product of its own adapter (punica's BGMV,
 // one call for a batch that mixes adapters and rows without one).
 //
-//   out[t, n] = y[t, n] + sum_j B[s, n, j] * (A[s, g*R + j, :] . x[t, :])    j < ranks[s, g]
+//   out[t, n] = y[t, n] + sum_j B[s, j, n] * (A[s, g*R + j, :] . x[t, :])    j < ranks[s, g]
 //
-// with s = rows[t] (the row's adapter slot; -1: the row has none and out[t] = y[t]) and g the
+// with s = rows[t] (the row's adapter slot; -1: the row has none and out[t] = y[t]; rows may be
+// longer than T: the step's buffer, of which the first T entries are read) and g the
 // output group of column n: bounds[g] <= n < bounds[g + 1] (a fused projection's q/k/v or
 // gate/up shards, each with its own A and B; one group for a plain projection). A is
-// (S, G*R, K) and B (S, N, R), both float32 with the adapter's scaling folded into B; rows of
-// A past a group's rank are never read. The product x A^T for all of a row's groups comes
-// first (phase 1), then each output column reads its group's R values (phase 2).
+// (S, G*R, K) and B (S, R, N) (B^T: a rank's outputs side by side), both float32 with the
+// adapter's scaling folded into B; rows past a group's rank are never read. The product x A^T
+// for all of a row's groups comes first (phase 1: a dot product per rank), then each group's
+// outputs add r scaled rows of B (phase 2: axpys along the outputs, no horizontal sums).
 #include <immintrin.h>
 #include <torch/library.h>
 #include <ATen/ATen.h>
@@ -17,52 +19,74 @@
 
 namespace {
 
-inline float dot(const float* a, const float* b, int64_t n) {
-  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
-    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
-  }
-  for (; i + 8 <= n; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
-  acc0 = _mm256_add_ps(acc0, acc1);
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc0), _mm256_extractf128_ps(acc0, 1));
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  float total = _mm_cvtss_f32(s);
-  for (; i < n; ++i) total += a[i] * b[i];
+  return _mm_cvtss_f32(s);
+}
+
+// 8 values of an adapter's storage type as floats: float32, bfloat16 (the high half of a float32)
+// or float16 (F16C)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+inline __m256 load8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
+template <typename W>
+inline float dot(const W* a, const float* b, int64_t n) {
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(), acc2 = _mm256_setzero_ps(), acc3 = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    acc0 = _mm256_fmadd_ps(load8(a + i), _mm256_loadu_ps(b + i), acc0);
+    acc1 = _mm256_fmadd_ps(load8(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+    acc2 = _mm256_fmadd_ps(load8(a + i + 16), _mm256_loadu_ps(b + i + 16), acc2);
+    acc3 = _mm256_fmadd_ps(load8(a + i + 24), _mm256_loadu_ps(b + i + 24), acc3);
+  }
+  for (; i + 8 <= n; i += 8) acc0 = _mm256_fmadd_ps(load8(a + i), _mm256_loadu_ps(b + i), acc0);
+  float total = hsum(_mm256_add_ps(_mm256_add_ps(acc0, acc1), _mm256_add_ps(acc2, acc3)));
+  for (; i < n; ++i) total += static_cast<float>(a[i]) * b[i];
   return total;
 }
 
-constexpr int64_t kColumnsPerTask = 64;
+// out[0:n] += sum_j w[j] * rows[j * stride + 0:n], j < r
+template <typename W>
+inline void add_rows(float* out, const W* rows, int64_t stride, const float* w, int64_t r, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    __m256 o0 = _mm256_loadu_ps(out + i), o1 = _mm256_loadu_ps(out + i + 8);
+    for (int64_t j = 0; j < r; ++j) {
+      const __m256 wj = _mm256_set1_ps(w[j]);
+      o0 = _mm256_fmadd_ps(wj, load8(rows + j * stride + i), o0);
+      o1 = _mm256_fmadd_ps(wj, load8(rows + j * stride + i + 8), o1);
+    }
+    _mm256_storeu_ps(out + i, o0);
+    _mm256_storeu_ps(out + i + 8, o1);
+  }
+  for (; i < n; ++i) {
+    float sum = 0.f;
+    for (int64_t j = 0; j < r; ++j) sum += w[j] * static_cast<float>(rows[j * stride + i]);
+    out[i] += sum;
+  }
+}
+
+constexpr int64_t kColumnsPerTask = 256;
 constexpr int64_t kSerialBelow = 1 << 16;  // multiply-adds: below this one thread is faster than a fork
 
-at::Tensor lora_add(const at::Tensor& y, const at::Tensor& x, const at::Tensor& A, const at::Tensor& B,
-                    const at::Tensor& ranks, const at::Tensor& rows, at::IntArrayRef bounds) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be (T, K) float32");
-  TORCH_CHECK(y.dim() == 2 && y.scalar_type() == at::kFloat && y.size(0) == x.size(0), "y must be (T, N) float32");
-  TORCH_CHECK(A.dim() == 3 && A.scalar_type() == at::kFloat && A.is_contiguous(), "A must be contiguous (S, G*R, K)");
-  TORCH_CHECK(B.dim() == 3 && B.scalar_type() == at::kFloat && B.is_contiguous(), "B must be contiguous (S, N, R)");
-  const int64_t T = x.size(0), K = x.size(1), N = y.size(1), S = A.size(0), R = B.size(2);
-  const int64_t G = static_cast<int64_t>(bounds.size()) - 1;
-  TORCH_CHECK(G >= 1 && bounds[0] == 0 && bounds[G] == N, "bounds must run from 0 to N");
-  TORCH_CHECK(A.size(2) == K && A.size(1) == G * R && B.size(0) == S && B.size(1) == N, "A, B and x do not agree");
-  TORCH_CHECK(ranks.scalar_type() == at::kInt && ranks.is_contiguous() && ranks.numel() == S * G, "ranks must be (S, G) int32");
-  TORCH_CHECK(rows.scalar_type() == at::kInt && rows.is_contiguous() && rows.numel() == T, "rows must be (T,) int32");
-  const at::Tensor xc = x.contiguous();
-  at::Tensor out = y.contiguous().clone();
-  const float *xp = xc.data_ptr<float>(), *ap = A.data_ptr<float>(), *bp = B.data_ptr<float>();
-  const int32_t *rk = ranks.data_ptr<int32_t>(), *rw = rows.data_ptr<int32_t>();
-  float* op = out.data_ptr<float>();
-  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(rw[t] >= -1 && rw[t] < S, "a row's adapter slot is out of range");
-  std::vector<int64_t> group_of(N);
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t n = bounds[g]; n < bounds[g + 1]; ++n) group_of[n] = g;
+template <typename W>
+void run(const float* xp, const W* ap, const W* bp, const int32_t* rk, const int32_t* rw, at::IntArrayRef bounds,
+         float* op, int64_t T, int64_t K, int64_t N, int64_t G, int64_t R, int64_t work) {
   std::vector<float> xa(T * G * R, 0.f);  // (T, G*R): x A^T per row, zeros past each group's rank
-  int64_t work = 0;
-  for (int64_t t = 0; t < T; ++t) work += rw[t] >= 0 ? G * R * K + N * R : 0;
-  if (work == 0) return out;
-  const int64_t tasks = (N + kColumnsPerTask - 1) / kColumnsPerTask;
+  // phase 2's tasks: (row, group, a run of up to kColumnsPerTask of the group's columns)
+  std::vector<int64_t> task_group, task_start;
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t c = bounds[g]; c < bounds[g + 1]; c += kColumnsPerTask) {
+      task_group.push_back(g);
+      task_start.push_back(c);
+    }
+  const int64_t per_row = static_cast<int64_t>(task_group.size());
 #pragma omp parallel if (work >= kSerialBelow)
   {
 #pragma omp for schedule(static)
@@ -71,15 +95,49 @@ at::Tensor lora_add(const at::Tensor& y, const at::Tensor& x, const at::Tensor& 
       if (s >= 0 && c % R < rk[s * G + c / R]) xa[task] = dot(ap + (s * G * R + c) * K, xp + t * K, K);
     }
 #pragma omp for schedule(static)
-    for (int64_t task = 0; task < T * tasks; ++task) {
-      const int64_t t = task / tasks, s = rw[t];
+    for (int64_t task = 0; task < T * per_row; ++task) {
+      const int64_t t = task / per_row, s = rw[t];
       if (s < 0) continue;
-      const int64_t n0 = (task % tasks) * kColumnsPerTask, n1 = std::min(N, n0 + kColumnsPerTask);
-      for (int64_t n = n0; n < n1; ++n) {
-        const int64_t g = group_of[n], r = rk[s * G + g];
-        if (r > 0) op[t * N + n] += dot(bp + (s * N + n) * R, xa.data() + t * G * R + g * R, r);
-      }
+      const int64_t g = task_group[task % per_row], c0 = task_start[task % per_row];
+      const int64_t r = rk[s * G + g], c1 = std::min<int64_t>(bounds[g + 1], c0 + kColumnsPerTask);
+      if (r > 0) add_rows(op + t * N + c0, bp + s * R * N + c0, N, xa.data() + t * G * R + g * R, r, c1 - c0);
     }
+  }
+}
+
+at::Tensor lora_add(const at::Tensor& y, const at::Tensor& x, const at::Tensor& A, const at::Tensor& B,
+                    const at::Tensor& ranks, const at::Tensor& rows, at::IntArrayRef bounds) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be (T, K) float32");
+  TORCH_CHECK(y.dim() == 2 && y.scalar_type() == at::kFloat && y.size(0) == x.size(0), "y must be (T, N) float32");
+  const auto kind = A.scalar_type();
+  TORCH_CHECK(kind == at::kFloat || kind == at::kBFloat16 || kind == at::kHalf, "A must be float32, bfloat16 or float16");
+  TORCH_CHECK(A.dim() == 3 && A.is_contiguous(), "A must be contiguous (S, G*R, K)");
+  TORCH_CHECK(B.dim() == 3 && B.is_contiguous() && B.scalar_type() == kind, "B must be contiguous (S, R, N), A's dtype");
+  const int64_t T = x.size(0), K = x.size(1), N = y.size(1), S = A.size(0), R = B.size(1);
+  const int64_t G = static_cast<int64_t>(bounds.size()) - 1;
+  TORCH_CHECK(G >= 1 && bounds[0] == 0 && bounds[G] == N, "bounds must run from 0 to N");
+  TORCH_CHECK(A.size(2) == K && A.size(1) == G * R && B.size(0) == S && B.size(2) == N, "A, B and x do not agree");
+  TORCH_CHECK(ranks.scalar_type() == at::kInt && ranks.is_contiguous() && ranks.numel() == S * G, "ranks must be (S, G) int32");
+  TORCH_CHECK(rows.scalar_type() == at::kInt && rows.is_contiguous() && rows.numel() >= T,
+              "rows must be int32 with at least T entries (the first T are read)");
+  at::Tensor out = y.contiguous().clone();
+  const int32_t *rk = ranks.data_ptr<int32_t>(), *rw = rows.data_ptr<int32_t>();
+  int64_t work = 0;
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(rw[t] >= -1 && rw[t] < S, "a row's adapter slot is out of range");
+    if (rw[t] >= 0)
+      for (int64_t g = 0; g < G; ++g) work += rk[rw[t] * G + g] * (K + bounds[g + 1] - bounds[g]);
+  }
+  if (work == 0) return out;
+  const at::Tensor xc = x.contiguous();
+  const float* xp = xc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  if (kind == at::kFloat) {
+    run(xp, A.data_ptr<float>(), B.data_ptr<float>(), rk, rw, bounds, op, T, K, N, G, R, work);
+  } else if (kind == at::kBFloat16) {
+    run(xp, A.data_ptr<at::BFloat16>(), B.data_ptr<at::BFloat16>(), rk, rw, bounds, op, T, K, N, G, R, work);
+  } else {
+    run(xp, A.data_ptr<at::Half>(), B.data_ptr<at::Half>(), rk, rw, bounds, op, T, K, N, G, R, work);
   }
   return out;
 }
