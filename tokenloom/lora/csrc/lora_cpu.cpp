@@ -72,35 +72,123 @@ inline void add_rows(float* out, const W* rows, int64_t stride, const float* w, 
   }
 }
 
+// Up to kRowsPerRun rows of one adapter at a time: each A or B vector loaded (and widened) once
+// for all of them.
+constexpr int kRowsPerRun = 4;
+
+template <typename W>
+inline void dot_rows(const W* a, const float* const* xs, int n, int64_t K, float* out) {
+  __m256 acc[kRowsPerRun] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  int64_t i = 0;
+  for (; i + 8 <= K; i += 8) {
+    const __m256 av = load8(a + i);
+    for (int r = 0; r < n; ++r) acc[r] = _mm256_fmadd_ps(av, _mm256_loadu_ps(xs[r] + i), acc[r]);
+  }
+  for (int r = 0; r < n; ++r) {
+    float total = hsum(acc[r]);
+    for (int64_t k = i; k < K; ++k) total += static_cast<float>(a[k]) * xs[r][k];
+    out[r] = total;
+  }
+}
+
+template <typename W>
+inline void add_rows_multi(float* const* outs, const W* rows, int64_t stride, const float* const* ws, int n, int64_t r,
+                           int64_t cols) {
+  int64_t i = 0;
+  for (; i + 8 <= cols; i += 8) {
+    __m256 o[kRowsPerRun];
+    for (int q = 0; q < n; ++q) o[q] = _mm256_loadu_ps(outs[q] + i);
+    for (int64_t j = 0; j < r; ++j) {
+      const __m256 b = load8(rows + j * stride + i);
+      for (int q = 0; q < n; ++q) o[q] = _mm256_fmadd_ps(_mm256_set1_ps(ws[q][j]), b, o[q]);
+    }
+    for (int q = 0; q < n; ++q) _mm256_storeu_ps(outs[q] + i, o[q]);
+  }
+  for (; i < cols; ++i)
+    for (int q = 0; q < n; ++q) {
+      float sum = 0.f;
+      for (int64_t j = 0; j < r; ++j) sum += ws[q][j] * static_cast<float>(rows[j * stride + i]);
+      outs[q][i] += sum;
+    }
+}
+
+// Rows of the step grouped by adapter slot, kRowsPerRun at most a run.
+struct Run {
+  int64_t slot;
+  int n;
+  int64_t rows[kRowsPerRun];
+};
+
+inline std::vector<Run> runs_of(const int32_t* rw, int64_t T, int64_t S) {
+  std::vector<Run> runs;
+  for (int64_t s = 0; s < S; ++s) {
+    Run run{s, 0, {}};
+    for (int64_t t = 0; t < T; ++t) {
+      if (rw[t] != s) continue;
+      run.rows[run.n++] = t;
+      if (run.n == kRowsPerRun) {
+        runs.push_back(run);
+        run.n = 0;
+      }
+    }
+    if (run.n > 0) runs.push_back(run);
+  }
+  return runs;
+}
+
 constexpr int64_t kColumnsPerTask = 256;
 constexpr int64_t kSerialBelow = 1 << 16;  // multiply-adds: below this one thread is faster than a fork
 
 template <typename W>
 void run(const float* xp, const W* ap, const W* bp, const int32_t* rk, const int32_t* rw, at::IntArrayRef bounds,
-         float* op, int64_t T, int64_t K, int64_t N, int64_t G, int64_t R, int64_t work) {
+         float* op, int64_t T, int64_t K, int64_t N, int64_t G, int64_t R, int64_t S, int64_t work) {
   std::vector<float> xa(T * G * R, 0.f);  // (T, G*R): x A^T per row, zeros past each group's rank
-  // phase 2's tasks: (row, group, a run of up to kColumnsPerTask of the group's columns)
+  const std::vector<Run> runs = runs_of(rw, T, S);
+  const int64_t U = static_cast<int64_t>(runs.size());
+  // phase 2's tasks: (run, group, a stretch of up to kColumnsPerTask of the group's columns)
   std::vector<int64_t> task_group, task_start;
   for (int64_t g = 0; g < G; ++g)
     for (int64_t c = bounds[g]; c < bounds[g + 1]; c += kColumnsPerTask) {
       task_group.push_back(g);
       task_start.push_back(c);
     }
-  const int64_t per_row = static_cast<int64_t>(task_group.size());
+  const int64_t per_run = static_cast<int64_t>(task_group.size());
 #pragma omp parallel if (work >= kSerialBelow)
   {
 #pragma omp for schedule(static)
-    for (int64_t task = 0; task < T * G * R; ++task) {
-      const int64_t t = task / (G * R), c = task % (G * R), s = rw[t];
-      if (s >= 0 && c % R < rk[s * G + c / R]) xa[task] = dot(ap + (s * G * R + c) * K, xp + t * K, K);
+    for (int64_t task = 0; task < U * G * R; ++task) {
+      const Run& u = runs[task / (G * R)];
+      const int64_t c = task % (G * R);
+      if (c % R >= rk[u.slot * G + c / R]) continue;
+      const W* a = ap + (u.slot * G * R + c) * K;
+      if (u.n == 1) {
+        xa[u.rows[0] * G * R + c] = dot(a, xp + u.rows[0] * K, K);
+        continue;
+      }
+      const float* xs[kRowsPerRun];
+      float got[kRowsPerRun];
+      for (int q = 0; q < u.n; ++q) xs[q] = xp + u.rows[q] * K;
+      dot_rows(a, xs, u.n, K, got);
+      for (int q = 0; q < u.n; ++q) xa[u.rows[q] * G * R + c] = got[q];
     }
 #pragma omp for schedule(static)
-    for (int64_t task = 0; task < T * per_row; ++task) {
-      const int64_t t = task / per_row, s = rw[t];
-      if (s < 0) continue;
-      const int64_t g = task_group[task % per_row], c0 = task_start[task % per_row];
-      const int64_t r = rk[s * G + g], c1 = std::min<int64_t>(bounds[g + 1], c0 + kColumnsPerTask);
-      if (r > 0) add_rows(op + t * N + c0, bp + s * R * N + c0, N, xa.data() + t * G * R + g * R, r, c1 - c0);
+    for (int64_t task = 0; task < U * per_run; ++task) {
+      const Run& u = runs[task / per_run];
+      const int64_t g = task_group[task % per_run], c0 = task_start[task % per_run];
+      const int64_t r = rk[u.slot * G + g], c1 = std::min<int64_t>(bounds[g + 1], c0 + kColumnsPerTask);
+      if (r == 0) continue;
+      const W* b = bp + u.slot * R * N + c0;
+      if (u.n == 1) {
+        add_rows(op + u.rows[0] * N + c0, b, N, xa.data() + u.rows[0] * G * R + g * R, r, c1 - c0);
+        continue;
+      }
+      float* outs[kRowsPerRun];
+      const float* ws[kRowsPerRun];
+      for (int q = 0; q < u.n; ++q) {
+        outs[q] = op + u.rows[q] * N + c0;
+        ws[q] = xa.data() + u.rows[q] * G * R + g * R;
+      }
+      add_rows_multi(outs, b, N, ws, u.n, r, c1 - c0);
     }
   }
 }
@@ -133,11 +221,11 @@ at::Tensor lora_add(const at::Tensor& y, const at::Tensor& x, const at::Tensor& 
   const float* xp = xc.data_ptr<float>();
   float* op = out.data_ptr<float>();
   if (kind == at::kFloat) {
-    run(xp, A.data_ptr<float>(), B.data_ptr<float>(), rk, rw, bounds, op, T, K, N, G, R, work);
+    run(xp, A.data_ptr<float>(), B.data_ptr<float>(), rk, rw, bounds, op, T, K, N, G, R, S, work);
   } else if (kind == at::kBFloat16) {
-    run(xp, A.data_ptr<at::BFloat16>(), B.data_ptr<at::BFloat16>(), rk, rw, bounds, op, T, K, N, G, R, work);
+    run(xp, A.data_ptr<at::BFloat16>(), B.data_ptr<at::BFloat16>(), rk, rw, bounds, op, T, K, N, G, R, S, work);
   } else {
-    run(xp, A.data_ptr<at::Half>(), B.data_ptr<at::Half>(), rk, rw, bounds, op, T, K, N, G, R, work);
+    run(xp, A.data_ptr<at::Half>(), B.data_ptr<at::Half>(), rk, rw, bounds, op, T, K, N, G, R, S, work);
   }
   return out;
 }
