@@ -212,6 +212,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.tensor_parallel_size > 1 and self.pipeline_parallel_size > 1:
             raise ValueError("tensor and pipeline parallelism together are not implemented: give one of them")
+        if self.lora is not None and self.world_size > 1:
+            raise ValueError("LoRA adapters with a model split over processes are not implemented")
         parse_dtype(self.dtype)
         if self.dtype == "auto" and torch.device(self.device).type == "cuda":
             self.dtype = "bfloat16"  # what GPUs compute fastest (a GGUF file is dequantized to it at load)

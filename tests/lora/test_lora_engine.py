@@ -125,3 +125,40 @@ def test_errors_name_what_is_wrong(base, tiny_model_dir, two_adapters, tmp_path)
         LLM(str(base), kv_cache_memory=16 << 20, lora={"h": str(head)})
     with pytest.raises(ValueError, match="not a PEFT adapter folder"):
         LLM(str(base), kv_cache_memory=16 << 20, lora={"x": str(tmp_path)})
+
+
+def test_adapters_are_invariant_to_chunking_and_preemption(base, two_adapters):
+    """Chunked prefill == whole, and sequences preempted for lack of blocks (then recomputed through
+    their adapter) == uninterrupted, with adapters and the base mixed."""
+    params = [
+        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=0, lora=name)
+        for name in ("a", "b", None, "a")
+    ]
+    prompts = [PROMPT, PROMPT[::-1], [5, 17, 42, 99] * 5, [8] * 21]
+    plain = LLM(str(base), kv_cache_memory=16 << 20, lora=two_adapters).generate(prompts, params)
+    chunked = LLM(str(base), kv_cache_memory=16 << 20, lora=two_adapters, max_num_batched_tokens=8)
+    block_bytes = 16 * 512  # 16 positions x 512 B a token (2 layers x 2 kv heads x 16 dims x 4 B x 2)
+    cramped = LLM(str(base), kv_cache_memory=10 * block_bytes, lora=two_adapters, enable_prefix_caching=False)
+    for llm in (chunked, cramped):
+        outs = llm.generate(prompts, params)
+        for got, want in zip(outs, plain):
+            assert got.outputs[0].token_ids == want.outputs[0].token_ids
+            got_lp = [lp[t] for lp, t in zip(got.outputs[0].logprobs, got.outputs[0].token_ids)]
+            want_lp = [lp[t] for lp, t in zip(want.outputs[0].logprobs, want.outputs[0].token_ids)]
+            assert got_lp == pytest.approx(want_lp, abs=1e-5)
+    assert cramped.engine.stats().num_preemptions > 0
+
+
+def test_a_model_split_over_processes_refuses_adapters(base, two_adapters):
+    with pytest.raises(ValueError, match="LoRA adapters with a model split over processes"):
+        LLM(str(base), kv_cache_memory=16 << 20, lora=two_adapters, tensor_parallel_size=2)
+
+
+def test_an_adapter_for_the_experts_of_a_moe_model_is_refused(tiny_model_dir, tmp_path):
+    moe = tiny_model_dir("qwen2_moe")
+    attention_only = make_peft_adapter(moe, tmp_path / "attn", targets=("q_proj", "v_proj"))
+    llm = LLM(str(moe), kv_cache_memory=16 << 20, lora={"attn": str(attention_only)})
+    assert llm.generate([PROMPT], GREEDY, lora="attn")[0].outputs[0].token_ids  # attention adapters work
+    experts = make_peft_adapter(moe, tmp_path / "experts", targets=("gate_proj",))
+    with pytest.raises(ValueError, match="takes no LoRA"):
+        llm.add_lora("experts", str(experts))
