@@ -95,6 +95,7 @@ class LoRAConfig:
     max_loras: int = 4
     max_lora_rank: int = 16
     dtype: str = "auto"  # the slots' storage: auto (the start-up adapters' own half type, else float32) or a dtype
+    runtime_updates: bool = False  # the server may load and unload adapters by request (--enable-lora)
 
     def __post_init__(self) -> None:
         for name in ("max_loras", "max_lora_rank"):
@@ -128,8 +129,8 @@ def parse_lora_modules(given) -> dict[str, str]:
     for name, path in pairs:
         if not isinstance(name, str) or not name.strip() or not isinstance(path, str) or not path.strip():
             raise ValueError(f"a LoRA adapter needs a name and a path, got {name!r}={path!r}")
-        if name in adapters:
-            raise ValueError(f"LoRA adapter name {name!r} is given twice")
+        if name.strip() in adapters:
+            raise ValueError(f"LoRA adapter name {name.strip()!r} is given twice")
         adapters[name.strip()] = path.strip()
     return adapters
 

@@ -162,3 +162,24 @@ def test_an_adapter_for_the_experts_of_a_moe_model_is_refused(tiny_model_dir, tm
     experts = make_peft_adapter(moe, tmp_path / "experts", targets=("gate_proj",))
     with pytest.raises(ValueError, match="takes no LoRA"):
         llm.add_lora("experts", str(experts))
+
+
+def test_bfloat16_activations_take_the_torch_path_without_tapes(base, two_adapters):
+    """The torch fallback reads each step's rows on the host: no decode tape may bake one step's."""
+    llm = LLM(str(base), kv_cache_memory=16 << 20, dtype="bfloat16", lora=two_adapters)
+    assert llm.engine.core.runner.tapes is None
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    first_base = llm.generate([PROMPT], params)[0].outputs[0].token_ids  # decode steps of one shape, no adapter
+    through_a = llm.generate([PROMPT], params, lora="a")[0].outputs[0].token_ids  # the same shapes, adapter a
+    alone = LLM(str(base), kv_cache_memory=16 << 20, dtype="bfloat16", lora=two_adapters)
+    assert through_a == alone.generate([PROMPT], params, lora="a")[0].outputs[0].token_ids
+    assert through_a != first_base
+
+
+def test_projections_wider_than_their_shards_take_no_lora(tiny_model_dir):
+    """Qwen3-Next's q projection also holds its gate: it is left unwrapped, the rest still serve."""
+    folder = str(tiny_model_dir("qwen3_next"))
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    plain = LLM(folder, kv_cache_memory=16 << 20).generate([PROMPT], params)[0].outputs[0].token_ids
+    with_room = LLM(folder, kv_cache_memory=16 << 20, enable_lora=True)
+    assert with_room.generate([PROMPT], params)[0].outputs[0].token_ids == plain

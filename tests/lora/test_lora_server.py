@@ -45,7 +45,8 @@ def _expected(base, paths) -> dict[str | None, str]:
 def test_adapters_by_name_listed_loaded_and_unloaded_at_run_time(setup):
     base, paths = setup
     want = _expected(base, paths)
-    engine = AsyncLLMEngine(_llm(base, lora={"sql": paths["sql"], "poet": paths["poet"]}, max_loras=3).engine)
+    lora = {"sql": paths["sql"], "poet": paths["poet"]}
+    engine = AsyncLLMEngine(_llm(base, lora=lora, max_loras=3, enable_lora=True).engine)
     with ThreadedServer(build_app(engine, "tiny")) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
         listed = {m.id: m for m in client.models.list().data}
@@ -105,3 +106,72 @@ def test_run_time_loading_needs_lora_room(setup):
     with ThreadedServer(build_app(AsyncLLMEngine(_llm(base).engine), "tiny")) as url:
         r = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "sql", "lora_path": paths["sql"]})
         assert r.status_code == 400 and "--enable-lora" in r.text
+
+
+def test_malformed_adapter_requests_are_client_errors(setup):
+    base, paths = setup
+    with ThreadedServer(build_app(AsyncLLMEngine(_llm(base, enable_lora=True).engine), "tiny")) as url:
+        bodies = [
+            b"{not json",
+            b"[]",
+            b'{"lora_name": "x"}',
+            b'{"lora_name": 5, "lora_path": "/tmp"}',
+            b'{"lora_name": "", "lora_path": "/tmp"}',
+            b'{"lora_name": "x", "lora_path": "/tmp", "extra": 1}',
+        ]
+        for route in ("load_lora_adapter", "unload_lora_adapter"):
+            for body in bodies:
+                r = httpx.post(f"{url}/v1/{route}", content=body, headers={"Content-Type": "application/json"})
+                assert 400 <= r.status_code < 500, (route, body, r.status_code)
+        r = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "tiny", "lora_path": paths["sql"]})
+        assert r.status_code == 400 and "already served" in r.text  # a model's own name
+        ok = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "sql", "lora_path": paths["sql"]})
+        assert ok.status_code == 200  # the server took all of the above and still serves
+
+
+def test_run_time_adapters_survive_the_model_unloading_and_updates_need_enable_lora(setup, tiny_model_dir):
+    base, paths = setup
+    want = _expected(base, paths)
+
+    def load_engine(source: str):
+        return _llm(source, enable_lora=True).engine
+
+    engine = AsyncLLMEngine(_llm(base, enable_lora=True).engine)
+    app = build_app(engine, "tiny", catalog=list, load_engine=load_engine)
+    with ThreadedServer(app) as url:
+        r = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "sql", "lora_path": paths["sql"]})
+        assert r.status_code == 200, r.text
+        body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        assert (
+            httpx.post(f"{url}/v1/completions", json=body | {"model": "sql"}).json()["choices"][0]["text"]
+            == want["sql"]
+        )
+        unloaded = httpx.post(f"{url}/api/generate", json={"model": "tiny", "keep_alive": 0}, timeout=60).json()
+        assert unloaded["done_reason"] == "unload"
+        assert _wait_unloaded(url)
+        again = httpx.post(f"{url}/v1/completions", json=body | {"model": "sql"}, timeout=60).json()
+        assert again["model"] == "sql" and again["choices"][0]["text"] == want["sql"]  # loaded again, not the base
+        inplace = {"lora_name": "sql", "lora_path": paths["poet"], "load_inplace": True}
+        assert httpx.post(f"{url}/v1/load_lora_adapter", json=inplace).status_code == 200
+        assert (
+            httpx.post(f"{url}/v1/completions", json=body | {"model": "sql"}).json()["choices"][0]["text"]
+            == want["poet"]
+        )
+    fixed = AsyncLLMEngine(_llm(base, lora={"sql": paths["sql"]}).engine)  # --lora without --enable-lora
+    with ThreadedServer(build_app(fixed, "tiny")) as url:
+        r = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "poet", "lora_path": paths["poet"]})
+        assert r.status_code == 400 and "--enable-lora" in r.text
+        assert httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "sql"}).status_code == 400
+    with pytest.raises(ValueError, match="is a served model's name too"):
+        build_app(AsyncLLMEngine(_llm(base, lora={"tiny": paths["sql"]}).engine), "tiny")
+
+
+def _wait_unloaded(url: str, timeout: float = 10.0) -> bool:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not httpx.get(f"{url}/api/ps").json()["models"]:
+            return True
+        time.sleep(0.1)
+    return False

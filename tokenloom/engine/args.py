@@ -227,6 +227,7 @@ class EngineArgs:
         "--lora",
         metavar="NAME=PATH",
         action="append",
+        commands=("serve", "generate", "chat"),
         help="load a LoRA adapter (a PEFT folder: adapter_config.json + adapter_model.safetensors) under NAME; "
         "repeat for several. A request picks one by name (the server: its `model`), others run on the base model "
         "in the same batch",
@@ -234,24 +235,33 @@ class EngineArgs:
     enable_lora: bool = _option(
         False,
         "--enable-lora",
-        help="keep room for LoRA adapters even when --lora gives none (the server loads them at run time: "
-        "POST /v1/load_lora_adapter)",
+        commands=("serve",),
+        help="let clients load and unload LoRA adapters at run time (POST /v1/load_lora_adapter, "
+        "/v1/unload_lora_adapter: any adapter path this server can read), with room for --max-loras of them "
+        "even when --lora gives none",
     )
     max_loras: int = _option(
-        4, "--max-loras", metavar="N", help="LoRA adapters resident at once, each mixed into any batch (default: 4)"
+        4,
+        "--max-loras",
+        metavar="N",
+        commands=("serve",),
+        help="LoRA adapters resident at once, each mixed into any batch (default: 4)",
     )
     max_lora_rank: int = _option(
         16,
         "--max-lora-rank",
         metavar="R",
+        commands=("serve", "generate", "chat"),
         help="the largest LoRA rank an adapter may have; each resident slot reserves room for it (default: 16)",
     )
     lora_dtype: str = _option(
         "auto",
         "--lora-dtype",
+        commands=("serve", "generate", "chat"),
         choices=["auto", "float32", "bfloat16", "float16"],
         help="how resident LoRA adapters are stored (computed in float32). auto (default): bfloat16 or float16 "
-        "where every --lora adapter is stored so (kept exact, half the bytes a token reads), else float32",
+        "where every --lora adapter is stored so (at its own precision, half the bytes a token reads), "
+        "else float32",
     )
     pipeline_parallel_size: int = _option(
         1,
@@ -370,6 +380,7 @@ class EngineArgs:
                 max_loras=self.max_loras,
                 max_lora_rank=self.max_lora_rank,
                 dtype=self.lora_dtype,
+                runtime_updates=self.enable_lora,
             )
         return EngineConfig(
             model=self.model or "",

@@ -303,6 +303,12 @@ class AsyncLLMEngine:
         """The engine keeps slots for LoRA adapters (--lora or --enable-lora)."""
         return self.engine.lora_enabled
 
+    @property
+    def lora_runtime_updates(self) -> bool:
+        """A server may load and unload this engine's adapters by request (--enable-lora)."""
+        lora = self.engine.config.lora
+        return lora is not None and lora.runtime_updates
+
     async def embed(self, token_ids: list[int], pooling: str = "mean") -> list[float]:
         """LLMEngine.embed between two steps (ValueError as there)."""
         return await self._on_engine(self.engine.embed, token_ids, pooling)

@@ -27,6 +27,12 @@ def kernel_built() -> bool:
     return native.load(_SOURCE, "batched LoRA kernel")
 
 
+def kernel_runs(dtype: torch.dtype, device: torch.device) -> bool:
+    """The compiled op takes activations of `dtype` on `device` (else the torch fallback, which reads
+    the step's rows on the host: no decode tapes then)."""
+    return device.type == "cpu" and dtype == torch.float32 and kernel_built()
+
+
 def kernel_takes(x: torch.Tensor) -> bool:
     """The compiled op runs on float32 CPU activations (the factors float32, bfloat16 or float16)."""
     return x.device.type == "cpu" and x.dtype == torch.float32 and kernel_built()

@@ -44,7 +44,7 @@ class AdapterRef:
 
 def storage_dtype(choice: str, paths: list[str]) -> torch.dtype:
     """The slots' dtype for `choice` (auto: bfloat16 or float16 where every adapter in `paths` is stored
-    so, keeping them exact at half float32's bytes; else float32)."""
+    so: their own precision (the scaling folded into B rounds there) at half float32's bytes; else float32)."""
     if choice != "auto":
         return getattr(torch, choice)
     stored = {gguf_stored_dtype(p) if is_gguf(p) else peft_stored_dtype(p) for p in paths}
@@ -163,6 +163,8 @@ def _install(model: Any, slots: int, max_rank: int, rows: StepRows, device, dtyp
                 bounds.append(part.stop if part is not None else _out_features(module))
         except (KeyError, AttributeError):  # a checkpoint already fused (Phi-3): one group
             groups, bounds = (None,), [0, _out_features(module)]
+        if bounds[-1] != _out_features(module):  # more than its shards (Qwen3-Next's gated q): no LoRA
+            continue
         wrapped = LoRALinear(module, bounds, groups, slots, max_rank, rows, device, dtype)
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent), attr, wrapped)

@@ -138,6 +138,6 @@ def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
 def _pattern_value(patterns: dict, module: str, default):
     """PEFT's per-module override: the first pattern matching the module's name at a dot boundary."""
     for pattern, value in patterns.items():
-        if re.match(rf"(.*\.)?{pattern}$", module):
+        if pattern == module or re.match(rf"(.*\.)?({pattern})$", module):
             return value
     return default

@@ -15,6 +15,7 @@ from tokenloom.distributed.errors import ParallelRankError
 from tokenloom.kernels import triton as triton_kernels
 from tokenloom.kv_cache.paged import PagedKVCache
 from tokenloom.layers.op_tape import StepTapes
+from tokenloom.lora.kernel import kernel_runs
 from tokenloom.lora.manager import LoRAManager, storage_dtype
 from tokenloom.memory.allocator import KEEP_BELOW, reserve_heap
 from tokenloom.models.base import CausalLM
@@ -80,9 +81,11 @@ class ModelRunner:
             rows = max(max_model_len or model.config.max_model_len, recompute_tokens) + 16 * max_num_seqs
             dtype = storage_dtype(lora.dtype, list(lora.adapters.values()))
             self.lora = LoRAManager(model, lora.max_loras, lora.max_lora_rank, rows, self.device, dtype)
+        # LoRA's torch fallback reads each step's rows on the host: a tape would bake one step's in
+        lora_replays = self.lora is None or kernel_runs(_activation_dtype(model), self.device)
         self.tapes = (
             StepTapes(model, kv_cache)
-            if self.device.type == "cpu" and StepTapes.usable(model) and not parallel
+            if self.device.type == "cpu" and StepTapes.usable(model) and not parallel and lora_replays
             else None
         )
         self.graphs = None
@@ -411,3 +414,8 @@ def isolated(requests: list, run: Callable[[list[int]], list], errors: dict[str,
             errors[req.request_id] = describe_error(e)
             results.append(None)
     return results
+
+
+def _activation_dtype(model: CausalLM) -> torch.dtype:
+    """The dtype the model computes in: its floating parameters' (a norm's, at least)."""
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)

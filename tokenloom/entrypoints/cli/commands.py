@@ -191,7 +191,7 @@ def _add_generate(sub) -> None:
         "of 20 candidates with logits, penalties and timings)",
     )
     gen.add_argument("--explain-mode", dest="explain", choices=list(EXPLAIN_CANDIDATES), help=argparse.SUPPRESS)
-    engine_flags(gen)
+    engine_flags(gen, "generate")
     sampling_flags(gen)
     gen.add_argument(
         "--no-display-prompt",
@@ -216,7 +216,7 @@ def _add_chat(sub) -> None:
         metavar="FILE.json",
         help="offer these tools (an OpenAI-style JSON list); you type each call's result",
     )
-    engine_flags(chat, defaults=SESSION_DEFAULTS | {"context_shift": None})  # on where the model allows it
+    engine_flags(chat, "chat", defaults=SESSION_DEFAULTS | {"context_shift": None})  # on where the model allows it
     sampling_flags(chat)
     chat.set_defaults(func=cmd_chat)
 

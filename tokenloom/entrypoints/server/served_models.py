@@ -133,9 +133,14 @@ class ServedModels:
         self.closing = False
         self._reaper: asyncio.Task | None = None
         self._refreshed = 0.0
-        # LoRA adapters served by name (as vLLM does): adapter -> the entry of the model it runs on
-        self.adapters: dict[str, str] = {ref.name: primary.entry.name for ref in primary.serving.engine.loras()}
+        # LoRA adapters served by name (as vLLM does), on the first model: name -> its path (loaded
+        # into that model's engine again, on first use, after the model is reloaded)
+        self.adapters: dict[str, str] = {ref.name: ref.path for ref in primary.serving.engine.loras()}
+        self._adapter_changes = asyncio.Lock()
         self.refresh()
+        taken = [name for name in self.adapters if name in self.by_name and self.by_name[name] is not self.primary]
+        if taken or any(name in self.primary.names for name in self.adapters):
+            raise ValueError(f"LoRA adapter name {(taken or list(self.adapters))[0]!r} is a served model's name too")
 
     def refresh(self) -> None:
         """Read the catalog again: models pulled meanwhile become servable, removed ones go
@@ -174,7 +179,7 @@ class ServedModels:
         """The entry `name` names: as written, without ollama's ":latest", or in other case; a LoRA
         adapter's name names the model it runs on."""
         if name in self.adapters:
-            return self.entries.get(self.adapters[name])
+            return self.primary
         for candidate in (name, name.removesuffix(":latest")):
             if candidate in self.by_name:
                 return self.by_name[candidate]
@@ -191,46 +196,71 @@ class ServedModels:
         entry = self.resolve(name)
         loaded = self.loaded.get(entry.name)
         if name in self.adapters:
-            ref = next((r for r in loaded.serving.engine.loras() if r.name == name), None) if loaded else None
             card = {"id": name, "object": "model", "created": 0, "owned_by": "tokenloom", "parent": entry.name}
-            return card | {"root": ref.path if ref else None, "loaded": ref is not None}
+            held = loaded is not None and any(r.name == name for r in loaded.serving.engine.loras())
+            return card | {"root": self.adapters[name], "loaded": held}
         if loaded is not None:
             return loaded.serving.model_card() | {"loaded": True}
         return {"id": entry.name, "object": "model", "created": 0, "owned_by": "tokenloom", "loaded": False}
 
     # ---- LoRA adapters -----------------------------------------------------------------------
-    async def add_adapter(self, name: str, path: str) -> None:
-        """Load a LoRA adapter into the first model's engine and serve it as `name` (400 when the name
-        is taken, the engine has no LoRA room, or the adapter does not fit)."""
-        if name in self.adapters or self._lookup(name) is not None:
-            raise APIError(400, f"the name {name!r} is already served (a model or an adapter)", "lora_name")
-        async with self.use(self.primary.name) as serving:
-            if not serving.engine.lora_enabled:
-                raise APIError(400, "this server was started without LoRA support (--lora or --enable-lora)", None)
+    async def add_adapter(self, name: str, path: str, replace: bool = False) -> None:
+        """Load a LoRA adapter into the first model's engine and serve it as `name` (400 when runtime
+        updates are off (--enable-lora), the name is taken (unless `replace`: vLLM's load_inplace),
+        no slot is free or the adapter does not fit)."""
+        async with self._adapter_changes, self.use(self.primary.name) as serving:
+            if not serving.engine.lora_runtime_updates:
+                why = "loading LoRA adapters at run time is off: start the server with --enable-lora"
+                raise APIError(400, why, None, code="lora_updates_off")
+            if name in self.adapters and replace:
+                await self._remove_adapter(name)
+            if name in self.adapters or self._lookup(name) is not None:
+                raise APIError(400, f"the name {name!r} is already served (a model or an adapter)", "lora_name")
             try:
                 await serving.engine.add_lora(name, path)
             except ValueError as e:
                 raise APIError(400, str(e), "lora_path") from None
-        self.adapters[name] = self.primary.name
-
-    def refuse_adapter(self, name: str | None, what: str) -> None:
-        """400 where `name` is a LoRA adapter's: `what` does not run through adapters."""
-        if name in self.adapters:
-            raise APIError(
-                400, f"{what} through a LoRA adapter ({name!r}) is not supported: name its base model", "model"
-            )
+            self.adapters[name] = path
 
     async def remove_adapter(self, name: str) -> None:
-        """Unload LoRA adapter `name` (404 if it is not served, 409 while requests use it)."""
+        """Unload LoRA adapter `name` (400 when runtime updates are off, 404 if it is not served, 409
+        while requests use it)."""
+        async with self._adapter_changes:
+            serving = self.serving_of(self.primary.name)
+            if serving is not None and not serving.engine.lora_runtime_updates:
+                why = "unloading LoRA adapters at run time is off: start the server with --enable-lora"
+                raise APIError(400, why, None, code="lora_updates_off")
+            await self._remove_adapter(name)
+
+    async def _remove_adapter(self, name: str) -> None:
         if name not in self.adapters:
             raise APIError(404, f"no LoRA adapter named {name!r} is loaded", "lora_name", code="lora_not_found")
-        loaded = self.loaded.get(self.adapters[name])
+        loaded = self.loaded.get(self.primary.name)
         if loaded is not None and any(r.name == name for r in loaded.serving.engine.loras()):
             try:
                 await loaded.serving.engine.remove_lora(name)
             except ValueError as e:
                 raise APIError(409, str(e), "lora_name", code="lora_in_use") from None
         del self.adapters[name]
+
+    async def _ensure_adapter(self, name: str, serving: OpenAIServing) -> None:
+        """Adapter `name` is in `serving`'s engine: loaded again where the model was reloaded since
+        (500 naming why where it no longer loads)."""
+        if any(r.name == name for r in serving.engine.loras()):
+            return
+        async with self._adapter_changes:
+            if name not in self.adapters or any(r.name == name for r in serving.engine.loras()):
+                return
+            try:
+                await serving.engine.add_lora(name, self.adapters[name])
+            except ValueError as e:
+                raise APIError(500, f"LoRA adapter {name!r} could not be loaded again: {e}", "model") from None
+
+    def refuse_adapter(self, name: str | None, what: str) -> None:
+        """400 where `name` is a LoRA adapter's: `what` does not run through adapters."""
+        if name in self.adapters:
+            why = f"{what} through a LoRA adapter ({name!r}) is not supported: name its base model"
+            raise APIError(400, why, "model")
 
     # ---- using a model -----------------------------------------------------------------------
     @asynccontextmanager
@@ -245,6 +275,8 @@ class ServedModels:
             loaded.keep_alive_s = keep_alive_s
         self._ensure_reaper()
         try:
+            if name in self.adapters:
+                await self._ensure_adapter(name, loaded.serving)
             yield loaded.serving
         finally:
             loaded.holds -= 1
