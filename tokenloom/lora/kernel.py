@@ -35,7 +35,7 @@ def kernel_runs(dtype: torch.dtype, device: torch.device) -> bool:
 
 def kernel_takes(x: torch.Tensor) -> bool:
     """The compiled op runs on float32 CPU activations (the factors float32, bfloat16 or float16)."""
-    return x.device.type == "cpu" and x.dtype == torch.float32 and kernel_built()
+    return kernel_runs(x.dtype, x.device)
 
 
 def lora_add(

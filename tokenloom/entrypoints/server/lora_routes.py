@@ -35,10 +35,10 @@ def add_lora_routes(app: FastAPI, models: ServedModels) -> None:
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(req: LoadLoRARequest) -> PlainTextResponse:
-        await models.add_adapter(req.lora_name, req.lora_path, replace=req.load_inplace)
+        await models.adapters.add(req.lora_name, req.lora_path, replace=req.load_inplace)
         return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(req: UnloadLoRARequest) -> PlainTextResponse:
-        await models.remove_adapter(req.lora_name)
+        await models.adapters.remove(req.lora_name)
         return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")

@@ -227,7 +227,7 @@ def add_ollama_routes(app: FastAPI, models: ServedModels) -> None:
     async def ollama_embed(body: OllamaEmbedRequest, request: Request) -> dict[str, Any]:
         keep = keep_alive_seconds(body.keep_alive)
         models.resolve(body.model)
-        models.refuse_adapter(body.model, "embeddings")
+        models.adapters.refuse(body.model, "embeddings")
         if body.dimensions is not None:
             raise APIError(400, "dimensions is not supported: the embedding has the model's hidden size", "dimensions")
         started = time.perf_counter()

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from tokenloom.engine.step_thread import StepThread
 from tokenloom.entrypoints.server.load_policy import LoadPolicy, ModelEntry
 from tokenloom.entrypoints.server.protocol import APIError
+from tokenloom.entrypoints.server.served_adapters import ServedAdapters
 from tokenloom.entrypoints.server.serving import OpenAIServing
 from tokenloom.memory.allocator import release_free_memory
 from tokenloom.metrics import EngineStats
@@ -133,14 +134,9 @@ class ServedModels:
         self.closing = False
         self._reaper: asyncio.Task | None = None
         self._refreshed = 0.0
-        # LoRA adapters served by name (as vLLM does), on the first model: name -> its path (loaded
-        # into that model's engine again, on first use, after the model is reloaded)
-        self.adapters: dict[str, str] = {ref.name: ref.path for ref in primary.serving.engine.loras()}
-        self._adapter_changes = asyncio.Lock()
+        self.adapters = ServedAdapters(self, primary.serving)  # LoRA adapters by name, on the first model
         self.refresh()
-        taken = [name for name in self.adapters if name in self.by_name and self.by_name[name] is not self.primary]
-        if taken or any(name in self.primary.names for name in self.adapters):
-            raise ValueError(f"LoRA adapter name {(taken or list(self.adapters))[0]!r} is a served model's name too")
+        self.adapters.check_names()
 
     def refresh(self) -> None:
         """Read the catalog again: models pulled meanwhile become servable, removed ones go
@@ -186,6 +182,10 @@ class ServedModels:
         folded = name.removesuffix(":latest").casefold()
         return next((e for n, e in self.by_name.items() if n.casefold() == folded), None)
 
+    def knows(self, name: str) -> bool:
+        """`name` names a model (or an adapter) this server serves."""
+        return self._lookup(name) is not None
+
     def serving_of(self, name: str | None) -> OpenAIServing | None:
         """The named model's serving if it is loaded (404 if the name is unknown), without loading."""
         loaded = self.loaded.get(self.resolve(name).name)
@@ -195,72 +195,11 @@ class ServedModels:
         """The named model as /v1/models lists it, with whether it is loaded (404 if unknown)."""
         entry = self.resolve(name)
         loaded = self.loaded.get(entry.name)
-        if name in self.adapters:
-            card = {"id": name, "object": "model", "created": 0, "owned_by": "tokenloom", "parent": entry.name}
-            held = loaded is not None and any(r.name == name for r in loaded.serving.engine.loras())
-            return card | {"root": self.adapters[name], "loaded": held}
+        if name is not None and name in self.adapters:
+            return self.adapters.card(name, loaded.serving if loaded is not None else None)
         if loaded is not None:
             return loaded.serving.model_card() | {"loaded": True}
         return {"id": entry.name, "object": "model", "created": 0, "owned_by": "tokenloom", "loaded": False}
-
-    # ---- LoRA adapters -----------------------------------------------------------------------
-    async def add_adapter(self, name: str, path: str, replace: bool = False) -> None:
-        """Load a LoRA adapter into the first model's engine and serve it as `name` (400 when runtime
-        updates are off (--enable-lora), the name is taken (unless `replace`: vLLM's load_inplace),
-        no slot is free or the adapter does not fit)."""
-        async with self._adapter_changes, self.use(self.primary.name) as serving:
-            if not serving.engine.lora_runtime_updates:
-                why = "loading LoRA adapters at run time is off: start the server with --enable-lora"
-                raise APIError(400, why, None, code="lora_updates_off")
-            if name in self.adapters and replace:
-                await self._remove_adapter(name)
-            if name in self.adapters or self._lookup(name) is not None:
-                raise APIError(400, f"the name {name!r} is already served (a model or an adapter)", "lora_name")
-            try:
-                await serving.engine.add_lora(name, path)
-            except ValueError as e:
-                raise APIError(400, str(e), "lora_path") from None
-            self.adapters[name] = path
-
-    async def remove_adapter(self, name: str) -> None:
-        """Unload LoRA adapter `name` (400 when runtime updates are off, 404 if it is not served, 409
-        while requests use it)."""
-        async with self._adapter_changes:
-            serving = self.serving_of(self.primary.name)
-            if serving is not None and not serving.engine.lora_runtime_updates:
-                why = "unloading LoRA adapters at run time is off: start the server with --enable-lora"
-                raise APIError(400, why, None, code="lora_updates_off")
-            await self._remove_adapter(name)
-
-    async def _remove_adapter(self, name: str) -> None:
-        if name not in self.adapters:
-            raise APIError(404, f"no LoRA adapter named {name!r} is loaded", "lora_name", code="lora_not_found")
-        loaded = self.loaded.get(self.primary.name)
-        if loaded is not None and any(r.name == name for r in loaded.serving.engine.loras()):
-            try:
-                await loaded.serving.engine.remove_lora(name)
-            except ValueError as e:
-                raise APIError(409, str(e), "lora_name", code="lora_in_use") from None
-        del self.adapters[name]
-
-    async def _ensure_adapter(self, name: str, serving: OpenAIServing) -> None:
-        """Adapter `name` is in `serving`'s engine: loaded again where the model was reloaded since
-        (500 naming why where it no longer loads)."""
-        if any(r.name == name for r in serving.engine.loras()):
-            return
-        async with self._adapter_changes:
-            if name not in self.adapters or any(r.name == name for r in serving.engine.loras()):
-                return
-            try:
-                await serving.engine.add_lora(name, self.adapters[name])
-            except ValueError as e:
-                raise APIError(500, f"LoRA adapter {name!r} could not be loaded again: {e}", "model") from None
-
-    def refuse_adapter(self, name: str | None, what: str) -> None:
-        """400 where `name` is a LoRA adapter's: `what` does not run through adapters."""
-        if name in self.adapters:
-            why = f"{what} through a LoRA adapter ({name!r}) is not supported: name its base model"
-            raise APIError(400, why, "model")
 
     # ---- using a model -----------------------------------------------------------------------
     @asynccontextmanager
@@ -275,8 +214,8 @@ class ServedModels:
             loaded.keep_alive_s = keep_alive_s
         self._ensure_reaper()
         try:
-            if name in self.adapters:
-                await self._ensure_adapter(name, loaded.serving)
+            if name is not None and name in self.adapters:
+                await self.adapters.ensure(name, loaded.serving)
             yield loaded.serving
         finally:
             loaded.holds -= 1

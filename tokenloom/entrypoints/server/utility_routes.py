@@ -101,7 +101,7 @@ def add_utility_routes(app: FastAPI, models: ServedModels) -> None:
     @app.post("/v1/embeddings")
     async def embeddings(req: EmbeddingRequest) -> dict[str, Any]:
         models.resolve(req.model)
-        models.refuse_adapter(req.model, "embeddings")
+        models.adapters.refuse(req.model, "embeddings")
         if req.dimensions is not None:
             raise APIError(400, "dimensions is not supported: the embedding has the model's hidden size", "dimensions")
         inputs = _inputs(req)
