@@ -183,3 +183,21 @@ def test_projections_wider_than_their_shards_take_no_lora(tiny_model_dir):
     plain = LLM(folder, kv_cache_memory=16 << 20).generate([PROMPT], params)[0].outputs[0].token_ids
     with_room = LLM(folder, kv_cache_memory=16 << 20, enable_lora=True)
     assert with_room.generate([PROMPT], params)[0].outputs[0].token_ids == plain
+
+
+def test_decode_tapes_of_base_steps_never_replay_an_adapters(base, two_adapters):
+    """A LoRA engine's steps with no adapter row skip LoRA: their decode tapes are kept apart from
+    those of steps through an adapter, shape for shape."""
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
+    llm = LLM(str(base), kv_cache_memory=16 << 20, lora=two_adapters)
+    tapes = llm.engine.core.runner.tapes
+    assert tapes is not None
+    first_base = llm.generate([PROMPT], params)[0].outputs[0]  # records the base steps' tapes
+    recorded = len(tapes.tapes)
+    assert recorded > 0
+    through_a = llm.generate([PROMPT], params, lora="a")[0].outputs[0]  # the same shapes through a
+    assert len(tapes.tapes) > recorded  # tapes of their own
+    fresh = LLM(str(base), kv_cache_memory=16 << 20, lora=two_adapters).generate([PROMPT], params, lora="a")
+    assert through_a.token_ids == fresh[0].outputs[0].token_ids != first_base.token_ids
+    again = llm.generate([PROMPT], params)[0].outputs[0]
+    assert again.token_ids == first_base.token_ids

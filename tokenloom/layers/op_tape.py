@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import os
 from collections import OrderedDict
+from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -213,10 +214,11 @@ class StepTapes:
 
     ``forward(input_ids, positions, meta)`` is the model's forward: for a step of decoding
     sequences alone, replayed from a tape where the model and the step allow it (see the
-    module doc); every other step calls the model as it is."""
+    module doc); every other step calls the model as it is. ``variant()``: what else a step's ops
+    depend on, kept apart in the key (whether some row runs through a LoRA adapter)."""
 
-    def __init__(self, model, kv_cache) -> None:
-        self.model, self.kv_cache = model, kv_cache
+    def __init__(self, model, kv_cache, variant: Callable[[], Hashable] = lambda: None) -> None:
+        self.model, self.kv_cache, self.variant = model, kv_cache, variant
         self.tapes: OrderedDict[tuple, Any] = OrderedDict()
         self.refused: set[tuple] = set()
         self.seen: dict[tuple, int] = {}  # steps run eagerly per shape not yet recorded
@@ -253,7 +255,7 @@ class StepTapes:
         if step is None:
             return self.model.run_layers(h, attend)
         inputs = [h, *step]
-        key = tuple((tuple(t.shape), t.dtype) for t in inputs)
+        key = (self.variant(), *((tuple(t.shape), t.dtype) for t in inputs))
         tape = self.tapes.get(key)
         if tape is not None:
             self.tapes.move_to_end(key)

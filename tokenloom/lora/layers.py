@@ -25,13 +25,16 @@ class StepRows:
     def __init__(self, model: nn.Module, capacity: int, device: torch.device) -> None:
         self.index = torch.full((capacity,), -1, dtype=torch.int32, device=device)
         model.register_buffer("lora_rows", self.index, persistent=False)
+        self.active = False  # some row of the step has an adapter (else the projections skip LoRA)
 
     def set(self, runs: list[tuple[int, int]]) -> None:
         """`runs`: (slot, rows) per sequence of the step, in batch order."""
         rows = [slot for slot, count in runs for _ in range(count)]
         if len(rows) > self.index.numel():
             raise RuntimeError(f"a step of {len(rows)} tokens exceeds the LoRA row buffer ({self.index.numel()})")
-        self.index[: len(rows)].copy_(torch.tensor(rows, dtype=torch.int32))
+        self.active = any(slot >= 0 for slot, _ in runs)
+        if self.active:
+            self.index[: len(rows)].copy_(torch.tensor(rows, dtype=torch.int32))
 
 
 class LoRALinear(nn.Module):
@@ -65,8 +68,11 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Two op calls for a (T, in) input (decode tapes replay every one): the base's, then the
-        batched LoRA op reading the step's row buffer in place."""
+        batched LoRA op reading the step's row buffer in place; the base's alone in a step where no
+        row has an adapter (decode tapes are kept apart for the two: StepTapes.variant)."""
         y = self.base.forward(x)
+        if not self.rows.active:
+            return y
         if x.dim() == 2:
             return lora_add(y, x, self.lora_a, self.lora_b, self.lora_ranks, self.rows.index, self.bounds)
         flat = lora_add(

@@ -84,7 +84,7 @@ class ModelRunner:
         # LoRA's torch fallback reads each step's rows on the host: a tape would bake one step's in
         lora_replays = self.lora is None or kernel_runs(_activation_dtype(model), self.device)
         self.tapes = (
-            StepTapes(model, kv_cache)
+            StepTapes(model, kv_cache, self._lora_variant)
             if self.device.type == "cpu" and StepTapes.usable(model) and not parallel and lora_replays
             else None
         )
@@ -106,6 +106,10 @@ class ModelRunner:
             self.graphs = start_decode_graphs(
                 model, kv_cache, max_num_seqs, max_model_len or model.config.max_model_len
             )
+
+    def _lora_variant(self) -> bool:
+        """Whether some row of the step runs through a LoRA adapter (its decode tapes differ)."""
+        return self.lora is not None and self.lora.rows.active
 
     def reserve_activation_memory(self, max_tokens: int, dtype: torch.dtype) -> bool:
         """On the CPU, grow the heap once for the activations of a `max_tokens`-token step, so
