@@ -78,9 +78,9 @@ class ModelRunner:
         if lora is not None:
             if parallel or peers is not None:
                 raise ValueError("LoRA adapters with a model split over processes are not implemented")
+            # rows a forward may take: a whole context (embeddings, scoring) or a step's budget, plus drafts
             rows = max(max_model_len or model.config.max_model_len, recompute_tokens) + 16 * max_num_seqs
-            dtype = storage_dtype(lora.dtype, list(lora.adapters.values()))
-            self.lora = LoRAManager(model, lora.max_loras, lora.max_lora_rank, rows, self.device, dtype)
+            self.lora = _lora_slots(model, lora, rows, self.device)
         # LoRA's torch fallback reads each step's rows on the host: a tape would bake one step's in
         lora_replays = self.lora is None or kernel_runs(_activation_dtype(model), self.device)
         self.tapes = (
@@ -423,3 +423,10 @@ def isolated(requests: list, run: Callable[[list[int]], list], errors: dict[str,
 def _activation_dtype(model: CausalLM) -> torch.dtype:
     """The dtype the model computes in: its floating parameters' (a norm's, at least)."""
     return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+
+
+def _lora_slots(model: CausalLM, lora: LoRAConfig, rows: int, device: torch.device) -> LoRAManager:
+    """The model's projections given `lora`'s slots, stored as its dtype asks (auto: as the start-up
+    adapters are stored); the adapters themselves are loaded by the engine."""
+    dtype = storage_dtype(lora.dtype, list(lora.adapters.values()))
+    return LoRAManager(model, lora.max_loras, lora.max_lora_rank, rows, device, dtype)
