@@ -29,12 +29,13 @@ class StepRows:
 
     def set(self, runs: list[tuple[int, int]]) -> None:
         """`runs`: (slot, rows) per sequence of the step, in batch order."""
+        self.active = any(slot >= 0 for slot, _ in runs)
+        if not self.active:  # the projections skip LoRA: nothing to write
+            return
         rows = [slot for slot, count in runs for _ in range(count)]
         if len(rows) > self.index.numel():
             raise RuntimeError(f"a step of {len(rows)} tokens exceeds the LoRA row buffer ({self.index.numel()})")
-        self.active = any(slot >= 0 for slot, _ in runs)
-        if self.active:
-            self.index[: len(rows)].copy_(torch.tensor(rows, dtype=torch.int32))
+        self.index[: len(rows)].copy_(torch.tensor(rows, dtype=torch.int32))
 
 
 class LoRALinear(nn.Module):
@@ -58,7 +59,7 @@ class LoRALinear(nn.Module):
     ) -> None:
         super().__init__()
         self.base = base
-        self.in_features, self.out_features = _features(base)
+        self.in_features, self.out_features = features(base)
         self.bounds, self.group_names, self.max_rank, self.rows = group_bounds, group_names, max_rank, rows
         groups = len(group_names)
         a_shape, b_shape = (slots, groups * max_rank, self.in_features), (slots, max_rank, self.out_features)
@@ -109,7 +110,8 @@ class LoRALinear(nn.Module):
         return f"groups={groups}, slots={self.lora_a.shape[0]}, max_rank={self.max_rank}"
 
 
-def _features(base: Any) -> tuple[int, int]:
+def features(base: Any) -> tuple[int, int]:
+    """(in_features, out_features) of a linear layer in any format loading leaves."""
     if hasattr(base, "in_features") and hasattr(base, "out_features"):
         return int(base.in_features), int(base.out_features)
     weight = base.weight

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from tokenloom.lora.gguf_adapter import gguf_stored_dtype, is_gguf, read_gguf_adapter
-from tokenloom.lora.layers import LoRALinear, StepRows
+from tokenloom.lora.layers import LoRALinear, StepRows, features
 from tokenloom.lora.peft import LoRAFactors, PeftAdapter, peft_stored_dtype, read_peft_adapter
 
 # the projections that take adapters: each decoder layer's attention and dense MLP
@@ -155,25 +155,22 @@ def _install(model: Any, slots: int, max_rank: int, rows: StepRows, device, dtyp
         if not _TARGET.fullmatch(name) or isinstance(module, LoRALinear):
             continue
         leaf = name.rsplit(".", 1)[1]
+        out_features = features(module)[1]
         groups: tuple[str | None, ...] = _GROUPS.get(leaf, (None,))
         bounds = [0]
         try:
             for g in groups:
                 part = model.shard_rows(f"{name}.weight", g) if g is not None else None
-                bounds.append(part.stop if part is not None else _out_features(module))
+                bounds.append(part.stop if part is not None else out_features)
         except (KeyError, AttributeError):  # a checkpoint already fused (Phi-3): one group
-            groups, bounds = (None,), [0, _out_features(module)]
-        if bounds[-1] != _out_features(module):  # more than its shards (Qwen3-Next's gated q): no LoRA
+            groups, bounds = (None,), [0, out_features]
+        if bounds[-1] != out_features:  # more than its shards (Qwen3-Next's gated q): no LoRA
             continue
         wrapped = LoRALinear(module, bounds, groups, slots, max_rank, rows, device, dtype)
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent), attr, wrapped)
         layers[name] = wrapped
     return layers
-
-
-def _out_features(module: Any) -> int:
-    return int(getattr(module, "out_features", 0) or module.weight.shape[0])
 
 
 def _why_missing(target: str, model: nn.Module) -> str:
