@@ -228,7 +228,8 @@ class EngineArgs:
         metavar="NAME=PATH",
         action="append",
         commands=("serve", "generate", "chat"),
-        help="load a LoRA adapter (a PEFT folder: adapter_config.json + adapter_model.safetensors) under NAME; "
+        help="load a LoRA adapter (a PEFT folder: adapter_config.json + adapter_model.safetensors, or a GGUF LoRA "
+        "file) under NAME; "
         "repeat for several. A request picks one by name (the server: its `model`), others run on the base model "
         "in the same batch",
     )

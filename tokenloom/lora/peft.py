@@ -53,6 +53,8 @@ def read_peft_adapter(path: str | Path) -> PeftAdapter:
     applies (naming the file, key or option)."""
     folder = Path(path).expanduser()
     config_file = folder / CONFIG_FILE
+    if not folder.exists():
+        raise ValueError(f"LoRA adapter {folder}: no such file or folder")
     if not config_file.is_file():
         raise ValueError(f"{folder} is not a PEFT adapter folder: it has no {CONFIG_FILE}")
     config = json.loads(config_file.read_text())
