@@ -173,12 +173,12 @@ def test_bad_inputs_are_refused():
         )
 
 
-def test_every_build_takes_every_head_size_up_to_max_context():
-    """Both builds take heads of 32-256 and contexts up to MAX_CONTEXT (cpu_prefill's module doc)."""
+def test_every_build_takes_every_head_size_at_every_context():
+    """Both builds take heads of 32-256 and prompt chunks at any context (cpu_prefill's module doc):
+    a 1,024-row chunk after 31,744 cached positions included; decode rows go elsewhere."""
     for d in cpu_prefill.HEAD_DIMS:
         assert cpu_prefill.takes(d, torch.zeros(2, BS, 1, d))
     assert not cpu_prefill.takes(96, torch.zeros(2, BS, 1, 96))
-    longest = cpu_prefill.MAX_CONTEXT
-    assert longest is not None and longest >= 8192
-    meta = meta_for([5000, 1, 2, 9], [longest, 30, 2, longest + 1], scattered_tables([16, 16, 2, 16]))
-    assert cpu_prefill.prefill_rows(meta) == [0, 2]
+    assert cpu_prefill.MAX_CONTEXT is None
+    meta = meta_for([5000, 1, 2, 1024], [8192, 30, 2, 32768], scattered_tables([16, 16, 2, 16]))
+    assert cpu_prefill.prefill_rows(meta) == [0, 2, 3]

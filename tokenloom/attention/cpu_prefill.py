@@ -8,12 +8,12 @@ chunks, after a prefix-cache hit, or batched with other prompts. Built for AVX-5
 fastest this CPU runs); both take head sizes 32/64/128/256 (``HEAD_DIMS``).
 
 Measured against torch SDPA (the path prompt rows take otherwise), the attention alone, one
-sequence, 2 threads, AVX2 build on a 2-core AMD EPYC (medians of interleaved runs, a loaded
-machine): heads of 64 (14 / 2 kv heads) 2.0x at 128-1024 positions, 1.4x at 4096, 1.2x at 8192 and
-16384; heads of 128 (12 / 2) 2.0x at 128, 1.3x at 2048, 1.07x at 8192, 0.96x at 16384; heads of 256
-(4 / 1, no window) 2x at 512, 1.2x at 2048, 0.96x at 4096; heads of 32 (9 / 3) 1.3x at 4096. A
-2048-row chunk after 8192-16384 cached positions: 1.3-1.8x. So contexts up to ``MAX_CONTEXT``
-(where heads of 64 and 128 win) run the kernel, longer ones torch.
+sequence, 2 threads, AVX2 build on a 2-core AMD EPYC, medians of interleaved runs on a loaded
+machine, torch time / kernel time: a 1,024-row chunk (the CPU's default step) at a context of
+16,384: heads of 32 (9 / 3 kv heads) 1.9x, 64 (14 / 2) 1.4x, 128 (12 / 2) 1.2x, 256 (4 / 1)
+1.04x; at 32,768 with heads of 64, 1.4x; whole prompts of 16,384 with heads of 128, 1.16x, and of
+8,192 with heads of 256, 1.02x. No length measured lost, so the kernel takes every context
+(``MAX_CONTEXT`` None); a bound set there sends longer contexts to torch.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ _SOURCE = Path(__file__).parent / "csrc" / "paged_prefill_cpu.cpp"
 _BUILDS = (("avx512", "tokenloom_prefill512"), ("avx2", "tokenloom_prefill"))  # (isa, library), fastest first
 
 # Longest context the kernel takes; None: any (module doc).
-MAX_CONTEXT: int | None = 8192
+MAX_CONTEXT: int | None = None
 HEAD_DIMS = (32, 64, 128, 256)
 
 
