@@ -134,13 +134,14 @@ def test_run_time_adapters_survive_the_model_unloading_and_updates_need_enable_l
     want = _expected(base, paths)
 
     def load_engine(source: str):
-        return _llm(source, enable_lora=True).engine
+        return _llm(source, lora={"late": paths["late"]}, enable_lora=True).engine
 
-    engine = AsyncLLMEngine(_llm(base, enable_lora=True).engine)
+    engine = AsyncLLMEngine(load_engine(str(base)))
     app = build_app(engine, "tiny", catalog=list, load_engine=load_engine)
     with ThreadedServer(app) as url:
         r = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "sql", "lora_path": paths["sql"]})
         assert r.status_code == 200, r.text
+        assert httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "late"}).status_code == 200
         body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
         assert (
             httpx.post(f"{url}/v1/completions", json=body | {"model": "sql"}).json()["choices"][0]["text"]
@@ -151,6 +152,10 @@ def test_run_time_adapters_survive_the_model_unloading_and_updates_need_enable_l
         assert _wait_unloaded(url)
         again = httpx.post(f"{url}/v1/completions", json=body | {"model": "sql"}, timeout=60).json()
         assert again["model"] == "sql" and again["choices"][0]["text"] == want["sql"]  # loaded again, not the base
+        reloaded = app.state.models.serving_of("tiny")
+        assert [ref.name for ref in reloaded.engine.loras()] == ["sql"]  # the unloaded --lora one stays out
+        gone = httpx.post(f"{url}/v1/completions", json=body | {"model": "late"}, timeout=60)
+        assert gone.status_code == 404, gone.text
         inplace = {"lora_name": "sql", "lora_path": paths["poet"], "load_inplace": True}
         assert httpx.post(f"{url}/v1/load_lora_adapter", json=inplace).status_code == 200
         assert (

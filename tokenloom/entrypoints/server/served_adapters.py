@@ -4,7 +4,8 @@ A request whose ``model`` names an adapter is served by the first model's engine
 adapter (``OpenAIServing.adapter_named``). Adapters come from ``--lora`` at start and, with
 ``--enable-lora``, from ``/v1/load_lora_adapter`` (lora_routes.py); their paths are kept, so an
 adapter loaded at run time is loaded into the model's engine again when the model was unloaded and
-reloaded since (on its next use), never silently replaced by the base model. Changes are
+reloaded since (on its next use), never silently replaced by the base model, and a ``--lora``
+adapter unloaded at run time stays unloaded when the model is reloaded (``settle``). Changes are
 serialized; touched only from the event loop.
 """
 
@@ -97,6 +98,14 @@ class ServedAdapters:
                 await serving.engine.add_lora(name, self.paths[name])
             except ValueError as e:
                 raise APIError(500, f"LoRA adapter {name!r} could not be loaded again: {e}", "model") from None
+
+    async def settle(self, serving: OpenAIServing) -> None:
+        """A freshly loaded first model's engine holds only adapters still served: it was built with
+        the start-up ``--lora`` list, some of which may have been unloaded at run time since. Called
+        before the serving is published, so no request or change can race it."""
+        for ref in serving.engine.loras():
+            if ref.name not in self.paths:
+                await serving.engine.remove_lora(ref.name)
 
     async def _remove(self, name: str) -> None:
         if name not in self.paths:

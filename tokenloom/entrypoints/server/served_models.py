@@ -271,6 +271,8 @@ class ServedModels:
             del serving
             _collect_freed()
             raise _unavailable("the server is shutting down", "server_shutdown")
+        if entry is self.primary:
+            await self.adapters.settle(serving)
         loaded = LoadedModel(entry, serving)
         self.loaded[entry.name] = loaded
         log.info("loaded the model %r in %.1f s", entry.name, time.perf_counter() - started)
