@@ -3,6 +3,7 @@ decoding and structured output with an adapter, and every error a user can cause
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -71,6 +72,48 @@ def test_load_and_unload_at_run_time(base, two_adapters):
     alone_b = LLM(str(base), kv_cache_memory=16 << 20, lora={"b": two_adapters["b"]})
     assert with_b == alone_b.generate([PROMPT], GREEDY, lora="b")[0].outputs[0].token_ids
     assert with_b != with_a
+
+
+def test_reading_an_adapter_does_not_stop_the_engine_stepping(base, two_adapters, monkeypatch):
+    """The async engine reads an adapter's files off the engine thread: a generation runs to its end
+    while the read is held, and the adapter then serves as if loaded alone."""
+    import asyncio
+    import threading
+
+    from tokenloom.engine.async_engine import AsyncLLMEngine
+    from tokenloom.lora.manager import LoRAManager
+
+    held, read = threading.Event(), LoRAManager._read
+
+    def slow_read(self, path):
+        assert held.wait(30), "the read was never released"
+        return read(self, path)
+
+    monkeypatch.setattr(LoRAManager, "_read", slow_read)
+    engine = AsyncLLMEngine(LLM(str(base), kv_cache_memory=16 << 20, enable_lora=True).engine)
+
+    async def tokens(params: SamplingParams) -> list[int]:
+        return [t async for delta in engine.generate(PROMPT, params) for t in delta.new_token_ids]
+
+    async def scenario() -> list[int]:
+        adding = asyncio.ensure_future(engine.add_lora("a", two_adapters["a"]))
+        try:
+            assert len(await tokens(GREEDY)) == GREEDY.max_tokens
+            assert not adding.done()  # the base request ran to its end while the read was held
+        finally:
+            held.set()
+            await adding
+        with_a = await tokens(dataclasses.replace(GREEDY, lora="a"))
+        await engine.shutdown()
+        return with_a
+
+    try:
+        with_a = asyncio.run(scenario())
+    finally:
+        held.set()
+        engine.close()
+    alone = LLM(str(base), kv_cache_memory=16 << 20, lora={"a": two_adapters["a"]})
+    assert with_a == alone.generate([PROMPT], GREEDY, lora="a")[0].outputs[0].token_ids
 
 
 def test_an_adapter_in_use_is_not_unloaded(base, two_adapters):

@@ -287,8 +287,10 @@ class AsyncLLMEngine:
                     op()
 
     async def add_lora(self, name: str, path: str) -> AdapterRef:
-        """Load a LoRA adapter between two steps (LLMEngine.add_lora; ValueError as there)."""
-        return await self._on_engine(self.engine.add_lora, name, path)
+        """Load a LoRA adapter (LLMEngine.add_lora; ValueError as there): its files are read and checked
+        on a worker thread while steps go on; only the slot write runs between two steps."""
+        prepared = await asyncio.to_thread(self.engine.prepare_lora, name, path)
+        return await self._on_engine(self.engine.add_lora, name, prepared)
 
     async def remove_lora(self, name: str) -> None:
         """Unload a LoRA adapter between two steps (ValueError while a request uses it)."""

@@ -26,7 +26,7 @@ from tokenloom.kv_cache.disk_tier import DiskTier, model_identity, namespace
 from tokenloom.kv_cache.paged import PagedKVCache, kv_bytes_per_token
 from tokenloom.kv_cache.window_pool import WindowPool
 from tokenloom.loader.load import LoadedModel
-from tokenloom.lora.manager import AdapterRef
+from tokenloom.lora.manager import AdapterRef, LoRAManager, PreparedAdapter
 from tokenloom.models.config import parse_dtype
 from tokenloom.sampling.vocab import SamplingVocab
 from tokenloom.sampling_params import SamplingParams
@@ -291,12 +291,20 @@ class EngineCore:
             raise ValueError(f"no LoRA adapter named {name!r} is loaded (loaded: {loaded})")
         return lora.adapters[name]
 
-    def add_lora(self, name: str, path: str) -> AdapterRef:
-        """Load a LoRA adapter under `name` (ValueError: LoRA not enabled, name taken, no free slot, or
-        the adapter does not fit the model)."""
+    def prepare_lora(self, name: str, path: str) -> PreparedAdapter:
+        """Read and check the adapter at `path` for loading as `name` (LoRAManager.prepare: any thread;
+        ValueError: LoRA not enabled, or the adapter does not fit the model)."""
+        return self._lora_manager().prepare(name, path)
+
+    def add_lora(self, name: str, source: str | PreparedAdapter) -> AdapterRef:
+        """Load a LoRA adapter (a path, or one ``prepare_lora`` read) under `name` (ValueError: LoRA not
+        enabled, name taken, no free slot, or the adapter does not fit the model)."""
+        return self._lora_manager().add(name, source)
+
+    def _lora_manager(self) -> LoRAManager:
         if self.runner.lora is None:
             raise ValueError("this engine was started without LoRA support (--lora or --enable-lora)")
-        return self.runner.lora.add(name, path)
+        return self.runner.lora
 
     def remove_lora(self, name: str) -> None:
         """Unload adapter `name` (ValueError if unknown or a request still uses it)."""

@@ -17,7 +17,7 @@ from tokenloom.engine.core import EngineCore
 from tokenloom.engine.output_processor import OutputProcessor
 from tokenloom.engine.request import Request
 from tokenloom.loader import load_model
-from tokenloom.lora.manager import AdapterRef
+from tokenloom.lora.manager import AdapterRef, PreparedAdapter
 from tokenloom.memory.allocator import keep_freed_memory
 from tokenloom.metrics import EngineStats
 from tokenloom.outputs import StepDelta
@@ -175,9 +175,13 @@ class LLMEngine:
                 yield start, runner.model.compute_logits(hidden)  # (len, vocab)
 
     # ---- LoRA adapters ------------------------------------------------------------------------
-    def add_lora(self, name: str, path: str) -> AdapterRef:
-        """Load a LoRA adapter under `name` (EngineCore.add_lora; call between steps)."""
-        return self.core.add_lora(name, path)
+    def prepare_lora(self, name: str, path: str) -> PreparedAdapter:
+        """Read and check a LoRA adapter's files for ``add_lora`` (EngineCore.prepare_lora; any thread)."""
+        return self.core.prepare_lora(name, path)
+
+    def add_lora(self, name: str, source: str | PreparedAdapter) -> AdapterRef:
+        """Load a LoRA adapter (a path, or prepared) under `name` (EngineCore.add_lora; between steps)."""
+        return self.core.add_lora(name, source)
 
     def remove_lora(self, name: str) -> None:
         """Unload adapter `name` (ValueError while a request uses it)."""

@@ -2,10 +2,11 @@
 
 ``LoRAManager(model, ...)`` wraps the attention projections (q/k/v, o) and the dense MLP's
 (gate/up, down) of every decoder layer in ``LoRALinear`` with ``max_loras`` slots of rank up to
-``max_lora_rank``; ``add(name, path)`` reads a PEFT folder, checks every factor against the module
-it names (a base/adapter mismatch is a ValueError saying which module and shape), and writes it
-into a free slot. A request names its adapter; its rows of each step use that slot
-(``set_rows``), others the base alone, in the same batch.
+``max_lora_rank``; ``prepare(name, path)`` reads a PEFT folder or GGUF LoRA file and checks every
+factor against the module it names (a base/adapter mismatch is a ValueError saying which module and
+shape), on any thread; ``add`` writes a prepared adapter (or reads one first) into a free slot. A
+request names its adapter; its rows of each step use that slot (``set_rows``), others the base
+alone, in the same batch.
 """
 
 from __future__ import annotations
@@ -42,6 +43,15 @@ class AdapterRef:
     base_model: str | None = None
 
 
+@dataclass(frozen=True)
+class PreparedAdapter:
+    """An adapter read and checked against one model, not yet in a slot: its factors per wrapped
+    layer, per output group (``LoRAManager.prepare``)."""
+
+    adapter: PeftAdapter
+    factors: dict[str, dict[int, LoRAFactors]]
+
+
 def storage_dtype(choice: str, paths: list[str]) -> torch.dtype:
     """The slots' dtype for `choice` (auto: bfloat16 or float16 where every adapter in `paths` is stored
     so: their own precision (the scaling folded into B rounds there) at half float32's bytes; else float32)."""
@@ -74,9 +84,16 @@ class LoRAManager:
             )
         self.adapters: dict[str, AdapterRef] = {}
 
-    def add(self, name: str, path: str | Path) -> AdapterRef:
-        """Load the adapter at `path` under `name` into a free slot; ValueError when the name is taken,
-        every slot is in use, or the adapter does not fit this model (nothing changes then)."""
+    def prepare(self, name: str, path: str | Path) -> PreparedAdapter:
+        """Read the adapter at `path` (to be loaded as `name`) and check it against this model
+        (ValueError naming the mismatch). Touches no slot, so it may run on any thread while steps run."""
+        adapter = self._read(path)
+        return PreparedAdapter(adapter, self._factors_by_layer(adapter, name))
+
+    def add(self, name: str, source: str | Path | PreparedAdapter) -> AdapterRef:
+        """Load the adapter at `source` (a path, or one ``prepare`` read) under `name` into a free slot;
+        ValueError when the name is taken, every slot is in use, or the adapter does not fit this
+        model (nothing changes then)."""
         if name in self.adapters:
             raise ValueError(f"a LoRA adapter named {name!r} is already loaded")
         free = sorted(set(range(self.max_loras)) - {a.slot for a in self.adapters.values()})
@@ -85,10 +102,9 @@ class LoRAManager:
                 f"cannot load LoRA adapter {name!r}: all {self.max_loras} slots are in use "
                 f"({', '.join(self.adapters)}); unload one or raise --max-loras"
             )
-        adapter = self._read(path)
-        per_layer = self._factors_by_layer(adapter, name)
-        slot = free[0]
-        for layer_name, factors in per_layer.items():
+        prepared = source if isinstance(source, PreparedAdapter) else self.prepare(name, source)
+        adapter, slot = prepared.adapter, free[0]
+        for layer_name, factors in prepared.factors.items():
             self.layers[layer_name].load_slot(slot, factors)
         ref = AdapterRef(name, slot, hash(("lora", next(_uids))), str(adapter.path), adapter.rank, adapter.base_model)
         self.adapters[name] = ref
