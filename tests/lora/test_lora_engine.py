@@ -126,15 +126,22 @@ def test_an_adapter_in_use_is_not_unloaded(base, two_adapters):
     llm.remove_lora("a")
 
 
-def test_speculative_decoding_with_an_adapter_keeps_the_greedy_tokens(base, two_adapters):
+@pytest.mark.parametrize("proposer", ["ngram,k=4", "draft"])
+def test_speculative_decoding_with_an_adapter_keeps_the_greedy_tokens(base, two_adapters, proposer):
+    """The target verifies with the request's adapter; the proposer (n-gram, or a draft model: the
+    base without adapters, which the adapter's tokens often disagree with) only drafts."""
     prompt = [8, 9, 10, 11] * 8  # repeats: the n-gram proposer drafts
     plain = LLM(str(base), kv_cache_memory=16 << 20, lora=two_adapters)
-    spec = LLM(str(base), kv_cache_memory=16 << 20, lora=two_adapters, speculative="ngram,k=4")
+    spec_text = proposer if proposer != "draft" else f"draft={base},k=3"
+    spec = LLM(str(base), kv_cache_memory=16 << 20, lora=two_adapters, speculative=spec_text)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    for name in ("a", None):
+    for name in ("a", None, "b"):
         want = plain.generate([prompt], params, lora=name)[0].outputs[0].token_ids
         assert spec.generate([prompt], params, lora=name)[0].outputs[0].token_ids == want
-    assert spec.engine.stats().spec_draft_tokens > 0
+    stats = spec.engine.stats()
+    assert stats.spec_draft_tokens > 0
+    if proposer == "draft":  # the base drafts the base's own tokens: some accepted, not all (adapters)
+        assert 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens
 
 
 def test_structured_output_with_an_adapter(base, two_adapters):
