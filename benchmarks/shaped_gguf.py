@@ -26,6 +26,10 @@ Shapes (``SHAPES``):
   512 (top 10) beside a gated shared expert of 512; Q4_K where rows hold 256-value blocks (every
   matrix here), the DeltaNet's vectors and conv float32; 48 layers (write at least 4: layer 3 is the
   first that attends).
+- ``qwen2.5-1.5b``: dense, 1536 wide, 12 query / 2 KV heads of 128 (q/k/v with biases), MLP of
+  8960, vocabulary 151936, embeddings tied (no output.weight); every matrix Q8_0, as
+  ``convert_hf_to_gguf.py --outtype q8_0`` writes it (``llama-quantize --allow-requantize`` makes a
+  Q4_K_M of it); 28 layers.
 --layers of them here.
 
     python benchmarks/shaped_gguf.py gpt-oss-20b --layers 8 -o /tmp/gpt-oss-20b-8l.gguf
@@ -67,6 +71,7 @@ SHAPES = {
     "deepseek-v2-lite": Shape("deepseek2", 2048, 16, 1, 576, 64, 6, 1408, 102400, 27, 163840, 10944, 2),
     "granite-4.0-h-tiny": Shape("granitehybrid", 1536, 12, 4, 128, 64, 6, 512, 100352, 40, 131072, shared_ffn=1024),
     "qwen3-next-80b-a3b": Shape("qwen3next", 2048, 16, 2, 256, 512, 10, 512, 151936, 48, 262144, shared_ffn=512),
+    "qwen2.5-1.5b": Shape("qwen2", 1536, 12, 2, 128, 0, 0, 8960, 151936, 28, 32768),
 }
 # Granite 4.0-H-Tiny's Mamba-2 mixers: heads x head_dim = 2 x hidden; one attention layer in ten
 MAMBA_HEADS, MAMBA_HEAD_DIM, MAMBA_STATE, MAMBA_GROUPS, MAMBA_CONV = 48, 64, 128, 1, 4
@@ -139,6 +144,8 @@ def write_metadata(w: gguf.GGUFWriter, s: Shape, layers: int) -> None:
         return write_granite_hybrid_metadata(w, s, layers)
     if s.arch == "qwen3next":
         return write_qwen3next_metadata(w, s, layers)
+    if s.arch == "qwen2":
+        return write_qwen2_metadata(w, s, layers)
     a = s.arch
     for key, value in {
         **sizes(s, layers),
@@ -157,6 +164,22 @@ def write_metadata(w: gguf.GGUFWriter, s: Shape, layers: int) -> None:
     w.add_float32(f"{a}.rope.freq_base", 150000.0)
     w.add_string(f"{a}.rope.scaling.type", "yarn")
     w.add_float32(f"{a}.rope.scaling.factor", 32.0)
+    write_tokens(w, s)
+
+
+def write_qwen2_metadata(w: gguf.GGUFWriter, s: Shape, layers: int) -> None:
+    """conversion's Qwen2Model keys: a dense Llama-like model (rope theta 1e6)."""
+    for key, value in {
+        "block_count": layers,
+        "context_length": s.context,
+        "embedding_length": s.hidden,
+        "feed_forward_length": s.expert_ffn,
+        "attention.head_count": s.heads,
+        "attention.head_count_kv": s.kv_heads,
+    }.items():
+        w.add_uint32(f"qwen2.{key}", value)
+    w.add_float32("qwen2.attention.layer_norm_rms_epsilon", 1e-6)
+    w.add_float32("qwen2.rope.freq_base", 1000000.0)
     write_tokens(w, s)
 
 
@@ -376,7 +399,31 @@ def tensors(s: Shape, layers: int, rng: np.random.Generator):
     if s.arch == "qwen3next":
         yield from qwen3next_tensors(s, layers, rng)
         return
+    if s.arch == "qwen2":
+        yield from qwen2_tensors(s, layers, rng)
+        return
     yield from gpt_oss_tensors(s, layers, rng)
+
+
+def qwen2_tensors(s: Shape, layers: int, rng: np.random.Generator):
+    """(name, array, raw type or None) in llama.cpp's qwen2 layout, every matrix Q8_0, embeddings tied."""
+    q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    yield "token_embd.weight", random_blocks(Q8_0, (s.vocab, s.hidden), rng), Q8_0
+    yield "output_norm.weight", floats((s.hidden,), rng, 0.1, 1.0), None
+    for i in range(layers):
+        b = f"blk.{i}"
+        yield f"{b}.attn_norm.weight", floats((s.hidden,), rng, 0.1, 1.0), None
+        yield f"{b}.ffn_norm.weight", floats((s.hidden,), rng, 0.1, 1.0), None
+        for name, rows in (("attn_q", q), ("attn_k", kv), ("attn_v", kv)):
+            yield f"{b}.{name}.weight", random_blocks(Q8_0, (rows, s.hidden), rng), Q8_0
+            yield f"{b}.{name}.bias", floats((rows,), rng), None
+        for name, rows, cols in (
+            ("attn_output", s.hidden, q),
+            ("ffn_gate", s.expert_ffn, s.hidden),
+            ("ffn_up", s.expert_ffn, s.hidden),
+            ("ffn_down", s.hidden, s.expert_ffn),
+        ):
+            yield f"{b}.{name}.weight", random_blocks(Q8_0, (rows, cols), rng), Q8_0
 
 
 def gpt_oss_tensors(s: Shape, layers: int, rng: np.random.Generator):
