@@ -6,8 +6,8 @@
     timed run after a warm-up: its prefill is the D-token prompt from an empty context, its decode the
     64 tokens at positions D..D+63), context D + 64, and the process's peak RSS;
   - llama.cpp: `llama-bench -p D -n 0` (pp D from an empty context) and `-p 0 -n 64 -d D` (tg64 at
-    depth D: the same positions), `-r 1`, with `-ctk/-ctv q8_0` for tokenloom's int8 cache (--llama-bench or
-    $LLAMA_BENCH; ../shared/MODELS.md says how to build it).
+    depth D: the same positions), `-r 1`, with `-ctk/-ctv q8_0` (`q4_0`) for tokenloom's int8 (int4)
+    cache (--llama-bench or $LLAMA_BENCH; ../shared/MODELS.md says how to build it).
 
     python benchmarks/long_context.py [--model FILE.gguf] [--depths 4096,16384] [--kv auto,int8]
 
@@ -28,6 +28,7 @@ from _common import RESULTS, cpu_name, parser
 from tokenloom.loader import hub
 
 NEW = 64
+LLAMA_KV = {"int8": "q8_0", "int4": "q4_0"}  # tokenloom's quantized caches as llama.cpp's types
 
 
 def tokenloom_row(path: str, depth: int, kv: str) -> dict:
@@ -64,8 +65,8 @@ def llama_row(binary: str, path: str, depth: int, kv: str, threads: int) -> dict
             "-o",
             "json",
         ]
-        if kv == "int8":
-            cmd += ["-ctk", "q8_0", "-ctv", "q8_0", "-fa", "1"]  # llama.cpp quantizes V only with flash attention
+        if kv in LLAMA_KV:  # llama.cpp quantizes V only with flash attention
+            cmd += ["-ctk", LLAMA_KV[kv], "-ctv", LLAMA_KV[kv], "-fa", "1"]
         out = subprocess.run(cmd, capture_output=True, text=True)
         if out.returncode != 0:
             raise RuntimeError(f"llama-bench failed: {out.stderr[-2000:]}")
