@@ -63,6 +63,23 @@ def test_compiled_and_torch_paths_match_the_row_loop(T, K, bounds, S, R, dtype):
     assert not torch.equal(got, y)  # and the others changed
 
 
+@pytest.mark.parametrize("rows", [[2], [-1, 2, 2, -1], [1, 1, 1, 1], [-1, -1, 0]])
+def test_the_rows_of_one_adapter_match_the_row_loop(rows):
+    """A decode step's shape (one adapter's rows, up to four, among rows without one), which the
+    kernel runs on one thread without task lists; a group at rank 0 stays untouched."""
+    if not kernel.kernel_built():
+        pytest.skip("the compiled kernel does not build here")
+    bounds = [0, 40, 56, 72]
+    y, x, A, B, ranks, _ = _case(len(rows), 70, bounds, 3, 16, seed=7)
+    ranks[:, 1] = 0
+    A, B = A.bfloat16(), B.bfloat16()
+    rw = torch.tensor(rows + [0, 1], dtype=torch.int32)  # longer than T: the step's buffer
+    got = torch.ops.tokenloom_lora.lora_add(y, x, A, B, ranks, rw, bounds)
+    assert torch.allclose(got.double(), _reference(y, x, A, B, ranks, rw[: len(rows)], bounds), atol=1e-4, rtol=1e-4)
+    assert torch.equal(got[:, 40:56], y[:, 40:56])
+    assert not torch.equal(got, y)
+
+
 def test_only_the_first_t_rows_are_read():
     y, x, A, B, ranks, rows = _case(5, 64, [0, 32, 48], 3, 4, seed=3)
     longer = torch.cat([rows, torch.tensor([2, 1, 0], dtype=torch.int32)])  # a step buffer past T

@@ -15,6 +15,7 @@
 #include <torch/library.h>
 #include <ATen/ATen.h>
 
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -139,9 +140,59 @@ inline std::vector<Run> runs_of(const int32_t* rw, int64_t T, int64_t S) {
 constexpr int64_t kColumnsPerTask = 256;
 constexpr int64_t kSerialBelow = 1 << 16;  // multiply-adds: below this one thread is faster than a fork
 
+// One run of one adapter (a decode row, or up to kRowsPerRun rows of one adapter) on this thread,
+// with no task lists, heap buffers or parallel region: at a decode row's size their set-up costs
+// as much as the arithmetic. `xa` holds n * G * R floats.
+template <typename W>
+void run_one(const float* xp, const W* ap, const W* bp, const int32_t* rk, at::IntArrayRef bounds, float* op,
+             const Run& u, int64_t K, int64_t N, int64_t G, int64_t R, float* xa) {
+  const float* xs[kRowsPerRun];
+  float* outs[kRowsPerRun];
+  const float* ws[kRowsPerRun];
+  for (int q = 0; q < u.n; ++q) xs[q] = xp + u.rows[q] * K;
+  for (int64_t g = 0; g < G; ++g) {
+    const int64_t r = rk[u.slot * G + g];
+    if (r == 0) continue;
+    for (int64_t j = 0; j < r; ++j) {
+      const W* a = ap + (u.slot * G * R + g * R + j) * K;
+      if (u.n == 1) {  // four accumulators: one row's dot product is a single dependency chain
+        xa[g * R + j] = dot(a, xs[0], K);
+        continue;
+      }
+      float got[kRowsPerRun];
+      dot_rows(a, xs, u.n, K, got);
+      for (int q = 0; q < u.n; ++q) xa[q * G * R + g * R + j] = got[q];
+    }
+    for (int q = 0; q < u.n; ++q) {
+      outs[q] = op + u.rows[q] * N + bounds[g];
+      ws[q] = xa + q * G * R + g * R;
+    }
+    add_rows_multi(outs, bp + u.slot * R * N + bounds[g], N, ws, u.n, r, bounds[g + 1] - bounds[g]);
+  }
+}
+
+constexpr int64_t kStackRanks = 1024;  // G * R * kRowsPerRun floats that run() keeps on the stack
+
 template <typename W>
 void run(const float* xp, const W* ap, const W* bp, const int32_t* rk, const int32_t* rw, at::IntArrayRef bounds,
          float* op, int64_t T, int64_t K, int64_t N, int64_t G, int64_t R, int64_t S, int64_t work) {
+  if (work < kSerialBelow && T <= kRowsPerRun && G * R * kRowsPerRun <= kStackRanks) {
+    Run u{-1, 0, {}};
+    for (int64_t t = 0; t < T; ++t) {
+      if (rw[t] < 0) continue;
+      if (u.n > 0 && rw[t] != u.slot) {  // a second adapter: the general path below
+        u.n = -1;
+        break;
+      }
+      u.slot = rw[t];
+      u.rows[u.n++] = t;
+    }
+    if (u.n > 0) {
+      float xa[kStackRanks];
+      run_one(xp, ap, bp, rk, bounds, op, u, K, N, G, R, xa);
+      return;
+    }
+  }
   std::vector<float> xa(T * G * R, 0.f);  // (T, G*R): x A^T per row, zeros past each group's rank
   const std::vector<Run> runs = runs_of(rw, T, S);
   const int64_t U = static_cast<int64_t>(runs.size());
@@ -208,7 +259,11 @@ at::Tensor lora_add(const at::Tensor& y, const at::Tensor& x, const at::Tensor& 
   TORCH_CHECK(ranks.scalar_type() == at::kInt && ranks.is_contiguous() && ranks.numel() == S * G, "ranks must be (S, G) int32");
   TORCH_CHECK(rows.scalar_type() == at::kInt && rows.is_contiguous() && rows.numel() >= T,
               "rows must be int32 with at least T entries (the first T are read)");
-  at::Tensor out = y.contiguous().clone();
+  // y's values copied here rather than by clone(): at a decode row's size the aten copy's
+  // dispatch costs more than the copy
+  const at::Tensor yc = y.contiguous();
+  at::Tensor out = at::empty({T, N}, yc.options());
+  std::memcpy(out.data_ptr<float>(), yc.data_ptr<float>(), sizeof(float) * T * N);
   const int32_t *rk = ranks.data_ptr<int32_t>(), *rw = rows.data_ptr<int32_t>();
   int64_t work = 0;
   for (int64_t t = 0; t < T; ++t) {
