@@ -17,6 +17,7 @@ def kernels() -> list[tuple[str, Callable[[], object]]]:
     """(what, a call that builds and loads it: falsy if it cannot be) for every kernel."""
     from tokenloom.attention import cpu_decode, cpu_latent, cpu_prefill
     from tokenloom.layers import fused, grouped, op_tape, prepacked, ssm_scan
+    from tokenloom.lora import kernel as lora_kernel
     from tokenloom.quant.gguf import tensor as ggml
     from tokenloom.quant.int8 import kernels as quant_kernels
     from tokenloom.sampling import kernels as sampler_kernels
@@ -33,6 +34,7 @@ def kernels() -> list[tuple[str, Callable[[], object]]]:
         ("GGUF block kernels", ggml.ops),
         ("float32 linear panels", prepacked.build),
         ("sampler selection kernels", sampler_kernels.build),
+        ("batched LoRA", lora_kernel.kernel_built),
     ]
     return found
 
