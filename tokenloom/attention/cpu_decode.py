@@ -7,11 +7,17 @@ task per (sequence, kv head). It is built for AVX2 and, where the CPU has it, AV
 sequence of a float32 step, whatever else is in the batch, so a sequence decodes with the
 same arithmetic alone or batched.
 
-A cache of float32 tensors runs ``paged_decode``; an int8 cache (``Int8Cache`` read as float32)
-runs ``paged_decode_int8``, which reads the int8 codes and their per-(slot, kv head) scales where
-they lie, converting codes to float a few positions at a time and applying each scale once per
-position (to a key's dot products, to the softmax weights of a value): the float kernel's
-attention over the dequantized cache, up to float rounding.
+A cache of float32 tensors runs ``paged_decode``. The quantized caches read as float32 run
+kernels that read their codes and scales where they lie, a few positions at a time converted
+to float in a tile every query head of the kv head then reads: the float kernel's attention over
+the dequantized cache, up to float rounding.
+
+- ``Int8Cache``: ``paged_decode_int8``, the codes converted unscaled and each per-(slot, kv
+  head) scale applied once per position (to a key's dot products, to the softmax weights of a
+  value).
+- ``Int4Cache`` (q4_0, head_dim a multiple of 32): ``paged_decode_int4``, each group of 32
+  elements unpacked from its 16 bytes and scaled by its float16 scale into the tile, as
+  ``Int4Cache``'s reads round it ((code - 8) * d).
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import torch
 
 from tokenloom.attention.metadata import AttentionMetadata
 from tokenloom.kernels import native
-from tokenloom.kv_cache.quantized import Int8Cache
+from tokenloom.kv_cache.quantized import INT4_GROUP, Int4Cache, Int8Cache
 
 _SOURCE = Path(__file__).parent / "csrc" / "paged_decode_cpu.cpp"
 BUILDS = (("avx512", "tokenloom_attention512"), ("avx2", "tokenloom_attention"))  # (isa, library), fastest first
@@ -39,14 +45,17 @@ def build() -> bool:
 
 
 def usable(q: torch.Tensor, k_cache) -> bool:
-    """The kernel handles this step: float32 queries on the CPU, a float32 cache or an int8 one
-    read as float32 (``Int8Cache``; not int4), and it compiled."""
+    """The kernel handles this step: float32 queries on the CPU, a cache it reads (``takes_cache``),
+    and it compiled."""
     return q.device.type == "cpu" and q.dtype == torch.float32 and takes_cache(k_cache) and build()
 
 
 def takes_cache(k_cache) -> bool:
-    """A cache layer the kernel reads: a float32 tensor, or an Int8Cache on the CPU read as float32."""
-    if isinstance(k_cache, Int8Cache):
+    """A cache layer the kernel reads: a float32 tensor, or an Int8Cache or Int4Cache (head_dim a
+    multiple of 32) on the CPU read as float32."""
+    if isinstance(k_cache, Int4Cache) and k_cache.shape[-1] % INT4_GROUP:
+        return False
+    if isinstance(k_cache, (Int8Cache, Int4Cache)):
         return k_cache.dtype == torch.float32 and k_cache.data.device.type == "cpu"
     return isinstance(k_cache, torch.Tensor) and k_cache.dtype == torch.float32
 
@@ -77,8 +86,8 @@ def _inputs(meta: AttentionMetadata, seqs: list[int]) -> tuple[torch.Tensor, tor
 
 def attend(
     q: torch.Tensor,
-    k_cache: torch.Tensor | Int8Cache,
-    v_cache: torch.Tensor | Int8Cache,
+    k_cache: torch.Tensor | Int8Cache | Int4Cache,
+    v_cache: torch.Tensor | Int8Cache | Int4Cache,
     meta: AttentionMetadata,
     seqs: list[int],
     scale: float,
@@ -89,12 +98,17 @@ def attend(
     """q (S, heads, head_dim): the query of each sequence in `seqs` -> (S, heads, head_dim), each
     attending to its last `window` positions (None: all), scores soft-capped by `softcap` if given,
     each head's sink logit (sinks (heads,)) counted in its softmax if given. The caches are both
-    float32 tensors or both Int8Caches (``usable``)."""
+    float32 tensors, both Int8Caches or both Int4Caches (``usable``)."""
     tables, ctx = _inputs(meta, seqs)
     q, window_, softcap_ = q.contiguous(), window or 0, softcap or 0.0
     if isinstance(k_cache, Int8Cache):
         assert isinstance(v_cache, Int8Cache)  # keys and values are stored alike
         return ops().paged_decode_int8(
+            q, k_cache.data, k_cache.scales, v_cache.data, v_cache.scales, tables, ctx, scale, window_, softcap_, sinks
+        )
+    if isinstance(k_cache, Int4Cache):
+        assert isinstance(v_cache, Int4Cache)
+        return ops().paged_decode_int4(
             q, k_cache.data, k_cache.scales, v_cache.data, v_cache.scales, tables, ctx, scale, window_, softcap_, sinks
         )
     return ops().paged_decode(q, k_cache, v_cache, tables, ctx, scale, window_, softcap_, sinks)

@@ -14,9 +14,10 @@
 // sequence's result does not depend on what else is in the batch or how it was split.
 // The AVX-512 build computes head sizes 32/64/128/256 with 16-lane vectors (attend512), other
 // head sizes as the AVX2 build does.
-// paged_decode_int8 is the same attention over an int8 cache (codes and per-(slot, kv head)
-// scales, read in place; its section below), for every head size: 16 lanes where the AVX-512
-// build's head size is a multiple of 16, else 8 where it is a multiple of 8, else scalar.
+// paged_decode_int8 and paged_decode_int4 are the same attention over an int8 cache (codes and
+// per-(slot, kv head) scales) and an int4 one (q4_0: codes two a byte, a float16 scale per group
+// of 32 elements), read in place (their section below): 16 lanes where the AVX-512 build's head
+// size is a multiple of 16, else 8 where it is a multiple of 8, else (int8 only) scalar.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -622,58 +623,45 @@ void decode_all(const float* qp, const at::Tensor& k_cache, const at::Tensor& v_
   });
 }
 
-// ---- int8 caches ------------------------------------------------------------------------------
-// paged_decode_int8: paged_decode's attention over an int8 cache (kv_cache/quantized.py's
-// Int8Cache): codes k_data, v_data (num_blocks + 1, block_size, KVH, D) int8 and scales k_scales,
-// v_scales (num_blocks + 1, block_size, KVH) float32, one per (slot, kv head); an element reads
-// as code * scale. The codes are read where they lie: a few positions at a time are converted
-// to float (unscaled) into a small tile that stays in L1 (never the sequence's whole context),
-// and each scale is applied once per (position, kv head): a key's multiplies its dot products'
-// sums, q . (c s) = (q . c) s; a value's multiplies the softmax weights that read it,
-// w (c s) = (w s) c. One task per (sequence, kv head), each with attend()'s passes: every
-// position's score, a softmax, then the weighted sum of values. A head's arithmetic is the same
-// whatever task it is computed in, so a sequence's result is the same bits alone or batched.
+// ---- quantized caches -------------------------------------------------------------------------
+// paged_decode_int8 and paged_decode_int4: paged_decode's attention over a quantized cache
+// (kv_cache/quantized.py), its codes and scales read where they lie. A few positions at a time
+// are converted to float into a small tile that stays in L1 (never the sequence's whole
+// context) and read there by every query head of the kv head. One task per (sequence, kv head),
+// each with attend()'s passes: every position's score, a softmax, then the weighted sum of
+// values. A head's arithmetic is the same whatever task it is computed in, so a sequence's
+// result is the same bits alone or batched.
+//
+// int8 (Int8Cache): codes (num_blocks + 1, block_size, KVH, D) int8 and scales (num_blocks + 1,
+// block_size, KVH) float32, one per (slot, kv head); an element reads as code * scale. The tile
+// holds the codes unscaled, and each scale is applied once per (position, kv head): a key's
+// multiplies its dot products' sums, q . (c s) = (q . c) s; a value's multiplies the softmax
+// weights that read it, w (c s) = (w s) c.
+//
+// int4 (Int4Cache, llama.cpp's q4_0): codes (num_blocks + 1, block_size, KVH, D / 2) uint8, two a
+// byte (element 2i in the low nibble, 2i + 1 in the high one), and scales (num_blocks + 1,
+// block_size, KVH, D / 32) float16, one per group of 32 elements; an element reads as
+// (code - 8) * d. The tile holds the elements dequantized, rounded as Int4Cache's reads round
+// them (float(code - 8) * d), each group unpacked with SIMD.
 
-// An int8 cache's arrays: codes at (slot * KVH + g) * D, scales at slot * KVH + g.
-struct Int8KV {
-  const int8_t *k, *v;
-  const float *k_scales, *v_scales;
-  int64_t BS, KVH, D;
-};
+// A q4_0 group's 16 bytes at p -> its 32 codes minus 8 as int8, in element order: elements
+// 0-15 in lo, 16-31 in hi.
+inline void q4_codes(const uint8_t* p, __m128i& lo, __m128i& hi) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i nibble = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
+  const __m128i even = _mm_and_si128(bytes, nibble), odd = _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble);
+  lo = _mm_sub_epi8(_mm_unpacklo_epi8(even, odd), eight);
+  hi = _mm_sub_epi8(_mm_unpackhi_epi8(even, odd), eight);
+}
 
-// Kv head g's n positions of a sequence: each one's key and value codes (pointers to its D int8
-// in the cache) and their scales. Plain pointers: the loops read these, not the thread_local
-// vectors behind them (GCC would look each access to a thread_local up again, a call per
-// iteration).
-struct Int8Span {
-  const int8_t *const *k, *const *v;
-  const float *k_scale, *v_scale;
-  int64_t n;
-};
-
-// Int8Span's storage, filled from positions [start, end) of a sequence walked through its block table.
-struct Int8Rows {
-  std::vector<const int8_t*> k, v;
-  std::vector<float> k_scale, v_scale;
-  Int8Span fill(const Int8KV& c, const int64_t* table, int64_t start, int64_t end, int64_t g) {
-    const int64_t n = end - start;
-    k.resize(n), v.resize(n), k_scale.resize(n), v_scale.resize(n);
-    int64_t block = start / c.BS, offset = start % c.BS;
-    for (int64_t t = 0; t < n; ++t) {
-      const int64_t at = (table[block] * c.BS + offset) * c.KVH + g;  // (slot, kv head)
-      k[t] = c.k + at * c.D, v[t] = c.v + at * c.D;
-      k_scale[t] = c.k_scales[at], v_scale[t] = c.v_scales[at];
-      if (++offset == c.BS) offset = 0, ++block;
-    }
-    return {k.data(), v.data(), k_scale.data(), v_scale.data(), n};
-  }
-};
-
-// A vector of N float lanes and the few operations the int8 kernel's loops use: Lanes8 (AVX2)
-// and Lanes16 (AVX-512) for the head sizes they divide, Lanes1 (scalar) for any other.
+// A vector of N float lanes and the few operations the quantized kernels' loops use: Lanes8
+// (AVX2) and Lanes16 (AVX-512) for the head sizes they divide, Lanes1 (scalar) for any other
+// (int8 only: an int4 head size is a multiple of 32).
 // HEADS: how many query heads a values pass accumulates at once, 4 vectors of columns each, in
 // registers beside the 4 vectors of values they share and the broadcast weight (AVX2: 2 x 4 + 4
 // + 1 of 16 registers; a third head spills an accumulator, and its loop waits on the reload).
+// q4_group(p, d, dst, stride): the 32 elements of the q4_0 group at p (16 bytes), scale d, as
+// floats (code - 8) * d, in 32 / N vectors at dst + j * stride.
 struct Lanes1 {
   using V = float;
   static constexpr int N = 1, HEADS = 2;
@@ -700,6 +688,15 @@ struct Lanes8 {
   static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
   static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
   static V sums(const V* acc) { return reduce8(acc); }
+  static void q4_group(const uint8_t* p, float d, float* dst, int64_t stride) {
+    __m128i lo, hi;
+    q4_codes(p, lo, hi);
+    const V scale = set1(d);
+    const auto put = [&](int j, __m128i codes) {  // the low 8 of 16 codes -> vector j
+      store(dst + j * stride, mul(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes)), scale));
+    };
+    put(0, lo), put(1, _mm_unpackhi_epi64(lo, lo)), put(2, hi), put(3, _mm_unpackhi_epi64(hi, hi));
+  }
 };
 
 #if defined(__AVX512F__)
@@ -716,41 +713,173 @@ struct Lanes16 {
   static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
   static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
   static V sums(const V* acc) { return reduce16(acc); }
+  static void q4_group(const uint8_t* p, float d, float* dst, int64_t stride) {
+    __m128i lo, hi;
+    q4_codes(p, lo, hi);
+    const V scale = set1(d);
+    store(dst, mul(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo)), scale));
+    store(dst + stride, mul(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi)), scale));
+  }
 };
 #endif
 
-// Ask for the codes of positions [t0, t1) (D bytes each) ahead of use (prefetch_rows' reason).
-template <int Locality = 3>
-inline void prefetch_codes(const int8_t* const* codes, int64_t n, int64_t t0, int64_t t1, int64_t D) {
-  for (int64_t t = t0; t < std::min(t1, n); ++t)
-    for (int64_t b = 0; b < D; b += 64) __builtin_prefetch(codes[t] + b, 0, Locality);
+// For functions that only prefetch: GCC finds such a function free of side effects (pure) and
+// drops every call to it that it does not inline (the int4 kernel then ran ~1.5x slower over
+// scattered blocks, waiting on each one's first lines).
+#define PREFETCH_INLINE __attribute__((always_inline)) inline
+
+// Ask for every cache line of bytes [p, p + bytes) ahead of use (prefetch_rows' reason).
+template <int Locality>
+PREFETCH_INLINE void prefetch_bytes(const void* p, int64_t bytes) {
+  const uintptr_t start = reinterpret_cast<uintptr_t>(p), end = start + bytes;
+  for (uintptr_t line = start & ~uintptr_t(63); line < end; line += 64)
+    __builtin_prefetch(reinterpret_cast<const void*>(line), 0, Locality);
 }
 
-// tile (m, D) = the codes of positions [t0, t0 + m) as floats, unscaled. Needs D % L::N == 0.
-template <class L>
-inline void codes_to_tile(const int8_t* const* codes, int64_t t0, int64_t m, int64_t D, float* tile) {
-  for (int64_t i = 0; i < m; ++i)
-    for (int64_t d = 0; d < D; d += L::N) L::store(tile + i * D + d, L::codes(codes[t0 + i] + d));
-}
+// An int8 cache's arrays: codes at (slot * KVH + g) * D, scales at slot * KVH + g.
+struct Int8KV {
+  const int8_t *k, *v;
+  const float *k_scales, *v_scales;
+  int64_t BS, KVH, D;
+};
 
-// scores[j * n + t] = (q_j . c_t) * s_t * scale for `heads` query heads q_j (rows of q, D each)
-// and the L::N positions from t0 (clipped to n) of one kv head: the positions' key codes c_t
-// converted once into `tile`, then each head's N dot products side by side (independent FMA
-// chains), reduced together and multiplied by the keys' scales s_t. The tile holds the
-// positions' c-th vectors side by side, (D / N, N positions, N lanes), so one pointer with
-// constant offsets reaches all N of them. Needs D % L::N == 0.
-template <class L>
-void scores_tile_int8(const float* q, int64_t heads, const Int8Span& rows, int64_t t0, int64_t D, float scale,
-                      float* scores, float* tile) {
+// Kv head g's n positions of a sequence in an int8 cache: each one's key and value codes
+// (pointers to its D int8 in the cache) and their scales. Plain pointers: the loops read these,
+// not the thread_local vectors behind them (GCC would look each access to a thread_local up
+// again, a call per iteration). What attend_codes asks of a span:
+//   key<L>(t, dst, stride), value<L>(t, dst, stride): position t's D elements as D / L::N
+//     vectors of floats at dst + c * stride (here its codes, unscaled);
+//   key_scale(t): the factor of position t's dot products (here its key's scale);
+//   weigh(w): weights w (n,) times what their values still need (here the values' scales);
+//   prefetch_keys<Locality>(t0, t1), prefetch_values<Locality>(t0, t1): positions [t0, t1)
+//     (clipped to n) asked for ahead of use.
+struct Int8Span {
+  const int8_t *const *k, *const *v;
+  const float *k_scale, *v_scale;
+  int64_t n, D;
+  template <class L>
+  void key(int64_t t, float* dst, int64_t stride) const { convert<L>(k[t], dst, stride); }
+  template <class L>
+  void value(int64_t t, float* dst, int64_t stride) const { convert<L>(v[t], dst, stride); }
+  float key_scale(int64_t t) const { return k_scale[t]; }
+  void weigh(float* w) const {
+    for (int64_t t = 0; t < n; ++t) w[t] *= v_scale[t];
+  }
+  template <int Locality>
+  PREFETCH_INLINE void prefetch_keys(int64_t t0, int64_t t1) const { prefetch<Locality>(k, t0, t1); }
+  template <int Locality>
+  PREFETCH_INLINE void prefetch_values(int64_t t0, int64_t t1) const { prefetch<Locality>(v, t0, t1); }
+
+ private:
+  template <class L>
+  void convert(const int8_t* codes, float* dst, int64_t stride) const {
+    for (int64_t c = 0; c < D / L::N; ++c) L::store(dst + c * stride, L::codes(codes + c * L::N));
+  }
+  template <int Locality>
+  PREFETCH_INLINE void prefetch(const int8_t* const* codes, int64_t t0, int64_t t1) const {
+    for (int64_t t = t0; t < std::min(t1, n); ++t)
+      for (int64_t b = 0; b < D; b += 64) __builtin_prefetch(codes[t] + b, 0, Locality);
+  }
+};
+
+// Int8Span's storage, filled from positions [start, end) of a sequence walked through its block table.
+struct Int8Rows {
+  using Span = Int8Span;
+  std::vector<const int8_t*> k, v;
+  std::vector<float> k_scale, v_scale;
+  Int8Span fill(const Int8KV& c, const int64_t* table, int64_t start, int64_t end, int64_t g) {
+    const int64_t n = end - start;
+    k.resize(n), v.resize(n), k_scale.resize(n), v_scale.resize(n);
+    int64_t block = start / c.BS, offset = start % c.BS;
+    for (int64_t t = 0; t < n; ++t) {
+      const int64_t at = (table[block] * c.BS + offset) * c.KVH + g;  // (slot, kv head)
+      k[t] = c.k + at * c.D, v[t] = c.v + at * c.D;
+      k_scale[t] = c.k_scales[at], v_scale[t] = c.v_scales[at];
+      if (++offset == c.BS) offset = 0, ++block;
+    }
+    return {k.data(), v.data(), k_scale.data(), v_scale.data(), n, c.D};
+  }
+};
+
+// An int4 cache's arrays: the codes of (slot, kv head) r at r * D / 2 (bytes), its group scales
+// at r * D / 32 (float16 bits).
+struct Int4KV {
+  const uint8_t *k, *v;
+  const uint16_t *k_scales, *v_scales;
+  int64_t BS, KVH, D;
+};
+
+// Kv head g's n positions of a sequence in an int4 cache: each one's (slot, kv head) index into
+// the arrays (Int4KV's), which its key's and value's codes and scales share. Int8Span's
+// interface: key/value write the elements dequantized, so nothing is left to scale.
+struct Int4Span {
+  const int64_t* at;  // (n,)
+  const uint8_t *k, *v;
+  const uint16_t *k_scales, *v_scales;
+  int64_t n, D;
+  template <class L>
+  void key(int64_t t, float* dst, int64_t stride) const { convert<L>(k, k_scales, at[t], dst, stride); }
+  template <class L>
+  void value(int64_t t, float* dst, int64_t stride) const { convert<L>(v, v_scales, at[t], dst, stride); }
+  float key_scale(int64_t) const { return 1.f; }
+  void weigh(float*) const {}
+  template <int Locality>
+  PREFETCH_INLINE void prefetch_keys(int64_t t0, int64_t t1) const { prefetch<Locality>(k, k_scales, t0, t1); }
+  template <int Locality>
+  PREFETCH_INLINE void prefetch_values(int64_t t0, int64_t t1) const { prefetch<Locality>(v, v_scales, t0, t1); }
+
+ private:
+  // Row r's D elements: group j's 32 / N vectors at dst + (j * 32 / N + i) * stride.
+  template <class L>
+  void convert(const uint8_t* codes, const uint16_t* scales, int64_t r, float* dst, int64_t stride) const {
+    const int64_t groups = D / 32;
+    const uint8_t* c = codes + r * (D / 2);
+    const uint16_t* d = scales + r * groups;
+    for (int64_t j = 0; j < groups; ++j)
+      L::q4_group(c + 16 * j, _cvtsh_ss(d[j]), dst + j * (32 / L::N) * stride, stride);
+  }
+  template <int Locality>
+  PREFETCH_INLINE void prefetch(const uint8_t* codes, const uint16_t* scales, int64_t t0, int64_t t1) const {
+    for (int64_t t = t0; t < std::min(t1, n); ++t) {
+      prefetch_bytes<Locality>(codes + at[t] * (D / 2), D / 2);
+      prefetch_bytes<Locality>(scales + at[t] * (D / 32), D / 16);
+    }
+  }
+};
+
+// Int4Span's storage, filled from positions [start, end) of a sequence walked through its block table.
+struct Int4Rows {
+  using Span = Int4Span;
+  std::vector<int64_t> at;
+  Int4Span fill(const Int4KV& c, const int64_t* table, int64_t start, int64_t end, int64_t g) {
+    const int64_t n = end - start;
+    at.resize(n);
+    int64_t block = start / c.BS, offset = start % c.BS;
+    for (int64_t t = 0; t < n; ++t) {
+      at[t] = (table[block] * c.BS + offset) * c.KVH + g;  // (slot, kv head)
+      if (++offset == c.BS) offset = 0, ++block;
+    }
+    return {at.data(), c.k, c.v, c.k_scales, c.v_scales, n, c.D};
+  }
+};
+
+// scores[j * n + t] = (q_j . k_t) * f_t * scale for `heads` query heads q_j (rows of q, D each)
+// and the L::N positions from t0 (clipped to n) of one kv head, k_t position t's key as the span
+// converts it and f_t its key_scale: the positions' keys converted once into `tile`, then each
+// head's N dot products side by side (independent FMA chains), reduced together and multiplied
+// by f_t * scale. The tile holds the positions' c-th vectors side by side, (D / N, N positions,
+// N lanes), so one pointer with constant offsets reaches all N of them. Needs D % L::N == 0.
+template <class L, class Span>
+void scores_tile_codes(const float* q, int64_t heads, const Span& rows, int64_t t0, float scale, float* scores,
+                       float* tile) {
   using V = typename L::V;
   constexpr int N = L::N;
-  const int64_t n = rows.n, chunks = D / N;
+  const int64_t n = rows.n, D = rows.D, chunks = D / N;
   const int m = static_cast<int>(std::min<int64_t>(N, n - t0));
   alignas(64) float key_scale[N];
-  for (int i = 0; i < N; ++i) {
-    const int8_t* codes = rows.k[t0 + std::min(i, m - 1)];  // idle lanes repeat the last position, not stored
-    for (int64_t c = 0; c < chunks; ++c) L::store(tile + (c * N + i) * N, L::codes(codes + c * N));
-    key_scale[i] = i < m ? rows.k_scale[t0 + i] * scale : 0.f;
+  for (int i = 0; i < N; ++i) {  // idle lanes repeat the last position, not stored
+    rows.template key<L>(t0 + std::min(i, m - 1), tile + i * N, N * N);
+    key_scale[i] = i < m ? rows.key_scale(t0 + i) * scale : 0.f;
   }
   const V s = L::load(key_scale);
   for (int64_t j = 0; j < heads; ++j) {
@@ -772,11 +901,17 @@ void scores_tile_int8(const float* q, int64_t heads, const Int8Span& rows, int64
   }
 }
 
+// tile (m, D) = the values of positions [t0, t0 + m) as the span converts them. Needs D % L::N == 0.
+template <class L, class Span>
+inline void values_to_tile(const Span& rows, int64_t t0, int64_t m, float* tile) {
+  for (int64_t i = 0; i < m; ++i) rows.template value<L>(t0 + i, tile + i * rows.D, L::N);
+}
+
 // out (HG heads, D) columns [d0, d0 + NC * N) += sum_i w[j * n + t0 + i] * tile row i over the
 // tile's `count` positions, for HG query heads (rows of w, stride n; out rows of D): HG x NC
 // accumulators in registers across the positions, each element summed over them in order.
 template <class L, int HG, int NC>
-void values_cols_int8(const float* w, int64_t n, int64_t t0, int64_t count, const float* tile, int64_t D, int64_t d0,
+void values_cols_tile(const float* w, int64_t n, int64_t t0, int64_t count, const float* tile, int64_t D, int64_t d0,
                       float* out) {
   using V = typename L::V;
   constexpr int N = L::N;
@@ -795,43 +930,43 @@ void values_cols_int8(const float* w, int64_t n, int64_t t0, int64_t count, cons
     for (int c = 0; c < NC; ++c) L::store(out + j * D + d0 + c * N, acc[j][c]);
 }
 
-// values_cols_int8 over every column of HG heads: 4 vectors at a time, then the 1-3 left.
+// values_cols_tile over every column of HG heads: 4 vectors at a time, then the 1-3 left.
 template <class L, int HG>
-void values_heads_int8(const float* w, int64_t n, int64_t t0, int64_t count, const float* tile, int64_t D,
+void values_heads_tile(const float* w, int64_t n, int64_t t0, int64_t count, const float* tile, int64_t D,
                        float* out) {
   constexpr int N = L::N;
   int64_t d0 = 0;
-  for (; d0 + 4 * N <= D; d0 += 4 * N) values_cols_int8<L, HG, 4>(w, n, t0, count, tile, D, d0, out);
+  for (; d0 + 4 * N <= D; d0 += 4 * N) values_cols_tile<L, HG, 4>(w, n, t0, count, tile, D, d0, out);
   const int64_t left = (D - d0) / N;
-  if (left == 3) values_cols_int8<L, HG, 3>(w, n, t0, count, tile, D, d0, out);
-  else if (left == 2) values_cols_int8<L, HG, 2>(w, n, t0, count, tile, D, d0, out);
-  else if (left == 1) values_cols_int8<L, HG, 1>(w, n, t0, count, tile, D, d0, out);
+  if (left == 3) values_cols_tile<L, HG, 3>(w, n, t0, count, tile, D, d0, out);
+  else if (left == 2) values_cols_tile<L, HG, 2>(w, n, t0, count, tile, D, d0, out);
+  else if (left == 1) values_cols_tile<L, HG, 1>(w, n, t0, count, tile, D, d0, out);
 }
 
 // out (heads, D) += sum_i w[j * n + t0 + i] * tile row i for `heads` query heads: HG at a time,
 // then the heads left over (fewer than HG) likewise.
 template <class L, int HG>
-void values_tile_int8(const float* w, int64_t n, int64_t t0, int64_t count, const float* tile, int64_t D,
-                      int64_t heads, float* out) {
-  for (; heads >= HG; heads -= HG, w += HG * n, out += HG * D) values_heads_int8<L, HG>(w, n, t0, count, tile, D, out);
+void values_tile(const float* w, int64_t n, int64_t t0, int64_t count, const float* tile, int64_t D, int64_t heads,
+                 float* out) {
+  for (; heads >= HG; heads -= HG, w += HG * n, out += HG * D) values_heads_tile<L, HG>(w, n, t0, count, tile, D, out);
   if constexpr (HG > 1) {
-    if (heads > 0) values_tile_int8<L, HG - 1>(w, n, t0, count, tile, D, heads, out);
+    if (heads > 0) values_tile<L, HG - 1>(w, n, t0, count, tile, D, heads, out);
   }
 }
 
 // Positions a values tile converts at a time: 8 KB to 16 KB of floats, in L1 while every head reads them.
 inline int64_t value_run(int64_t D) { return std::clamp<int64_t>(4096 / D, 8, 32); }
 
-// A task's scratch: scores (heads, n), a tile of converted codes (rows, D) and the heads'
+// A task's scratch: scores (heads, n), a tile of converted positions (rows, D) and the heads'
 // softmax totals, each 64-byte aligned (a tile's vectors never straddle two cache lines).
-struct Int8Work {
+struct CodeWork {
   float *scores, *tile, *total;
 };
 
-// Int8Work's storage, one per thread, kept from call to call (no allocation once grown).
-struct Int8Scratch {
+// CodeWork's storage, one per thread, kept from call to call (no allocation once grown).
+struct CodeScratch {
   std::vector<float> buffer;
-  Int8Work get(int64_t heads, int64_t n, int64_t rows, int64_t D) {
+  CodeWork get(int64_t heads, int64_t n, int64_t rows, int64_t D) {
     const auto lines = [](int64_t floats) { return (floats + 15) / 16 * 16; };
     const int64_t scores = lines(heads * n), tile = lines(rows * D);
     buffer.resize(static_cast<size_t>(scores + tile + lines(heads) + 16));
@@ -840,36 +975,36 @@ struct Int8Scratch {
   }
 };
 
-// Query heads [h0, h1) of one sequence, all reading the kv head whose positions `rows` holds:
-// q (H, D) of the sequence -> out (H, D), the same rows. attend()'s passes: the scores of every
-// position (soft-capped where asked), the softmax numerators (each head's sink counted), the
-// weights times the values' scales, their sum over the values' codes, divided by the totals.
-// `work` is scratch (Int8Scratch).
-template <class L>
-void attend_int8(const float* q, const Int8Span& rows, int64_t h0, int64_t h1, const Shapes& s, float scale,
-                 float* out, const Int8Work& work) {
+// Query heads [h0, h1) of one sequence, all reading the kv head whose positions `rows` holds
+// (Int8Span or Int4Span): q (H, D) of the sequence -> out (H, D), the same rows. attend()'s
+// passes: the scores of every position (soft-capped where asked), the softmax numerators (each
+// head's sink counted), the weights weighed by the span, their sum over the converted values,
+// divided by the totals. `work` is scratch (CodeScratch).
+template <class L, class Span>
+void attend_codes(const float* q, const Span& rows, int64_t h0, int64_t h1, const Shapes& s, float scale, float* out,
+                  const CodeWork& work) {
   float *scores = work.scores, *tile = work.tile, *total = work.total;
   constexpr int N = L::N;
   const int64_t heads = h1 - h0, D = s.D, n = rows.n, run = value_run(D);
-  prefetch_codes(rows.k, n, 0, 2 * N, D);
+  rows.template prefetch_keys<3>(0, 2 * N);
   for (int64_t t0 = 0; t0 < n; t0 += N) {
-    prefetch_codes(rows.k, n, t0 + 2 * N, t0 + 3 * N, D);
-    prefetch_codes<2>(rows.v, n, t0, t0 + N, D);  // values: into L2 now, read after the softmax
-    scores_tile_int8<L>(q + h0 * D, heads, rows, t0, D, scale, scores, tile);
+    rows.template prefetch_keys<3>(t0 + 2 * N, t0 + 3 * N);
+    rows.template prefetch_values<2>(t0, t0 + N);  // values: into L2 now, read after the softmax
+    scores_tile_codes<L>(q + h0 * D, heads, rows, t0, scale, scores, tile);
   }
   for (int64_t j = 0; j < heads; ++j) {
     float* w = scores + j * n;
     if (s.softcap > 0.f) soft_cap(w, n, s.softcap);
     total[j] = softmax_numerator(w, n, s.sink(h0 + j));
-    for (int64_t t = 0; t < n; ++t) w[t] *= rows.v_scale[t];
+    rows.weigh(w);
   }
   float* o = out + h0 * D;
   std::fill(o, o + heads * D, 0.f);
   for (int64_t t0 = 0; t0 < n; t0 += run) {
     const int64_t count = std::min<int64_t>(run, n - t0);
-    prefetch_codes(rows.v, n, t0 + run, t0 + 2 * run, D);
-    codes_to_tile<L>(rows.v, t0, count, D, tile);
-    values_tile_int8<L, L::HEADS>(scores, n, t0, count, tile, D, heads, o);
+    rows.template prefetch_values<3>(t0 + run, t0 + 2 * run);
+    values_to_tile<L>(rows, t0, count, tile);
+    values_tile<L, L::HEADS>(scores, n, t0, count, tile, D, heads, o);
   }
   for (int64_t j = 0; j < heads; ++j) {
     const float inv = 1.f / total[j];
@@ -877,28 +1012,29 @@ void attend_int8(const float* q, const Int8Span& rows, int64_t h0, int64_t h1, c
   }
 }
 
-// out (B, H, D) = attention of q (B, H, D) over each sequence's positions in an int8 cache (its
-// last `window` where window > 0). One task per (sequence, kv head); where there are fewer of
-// those than threads (one sequence of a model with one kv head, say), per (sequence, kv head,
-// share of its G query heads), each share reading the kv head's codes itself.
-template <class L>
-void decode_int8_all(const float* qp, const Int8KV& c, const at::Tensor& tables, const at::Tensor& ctx_lens,
-                     const Shapes& s, float scale, int64_t window, float* op) {
+// out (B, H, D) = attention of q (B, H, D) over each sequence's positions in a quantized cache
+// (its last `window` where window > 0), c its arrays (Int8KV for Int8Rows, Int4KV for Int4Rows).
+// One task per (sequence, kv head); where there are fewer of those than threads (one sequence of
+// a model with one kv head, say), per (sequence, kv head, share of its G query heads), each share
+// reading the kv head's positions itself.
+template <class L, class Rows, class KV>
+void decode_codes_all(const float* qp, const KV& c, const at::Tensor& tables, const at::Tensor& ctx_lens,
+                      const Shapes& s, float scale, int64_t window, float* op) {
   const int64_t B = tables.size(0), H = s.H, D = s.D, KVH = s.KVH, G = s.G;
   const int64_t *tp = tables.data_ptr<int64_t>(), *lens = ctx_lens.data_ptr<int64_t>();
   const int64_t pairs = B * KVH, threads = at::get_num_threads();
   const int64_t parts = pairs >= threads ? 1 : std::min<int64_t>(G, (threads + pairs - 1) / pairs);
   at::parallel_for(0, pairs * parts, 1, [&](int64_t i0, int64_t i1) {
-    thread_local Int8Rows rows;
-    thread_local Int8Scratch scratch;
-    Int8Span span{};
+    thread_local Rows rows;
+    thread_local CodeScratch scratch;
+    typename Rows::Span span{};
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = i / (KVH * parts), g = i / parts % KVH, p = i % parts;
       const int64_t first = window > 0 ? std::max<int64_t>(0, lens[b] - window) : 0;
       if (i == i0 || p == 0) span = rows.fill(c, tp + b * s.W, first, lens[b], g);  // a new (sequence, kv head)
       const int64_t h0 = g * G + G * p / parts, h1 = g * G + G * (p + 1) / parts;
-      const Int8Work work = scratch.get(h1 - h0, span.n, std::max<int64_t>(L::N, value_run(D)), D);
-      attend_int8<L>(qp + b * H * D, span, h0, h1, s, scale, op + b * H * D, work);
+      const CodeWork work = scratch.get(h1 - h0, span.n, std::max<int64_t>(L::N, value_run(D)), D);
+      attend_codes<L>(qp + b * H * D, span, h0, h1, s, scale, op + b * H * D, work);
     }
   });
 }
@@ -983,7 +1119,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   return out;
 }
 
-// paged_decode over an int8 cache (the int8 section above): q (B, H, D) float32; k_data, v_data
+// paged_decode over an int8 cache (the quantized section above): q (B, H, D) float32; k_data, v_data
 // (blocks, block_size, KVH, D) int8 codes; k_scales, v_scales (blocks, block_size, KVH) float32;
 // tables, ctx_lens, scale, window, softcap and sinks as paged_decode's. Returns (B, H, D).
 at::Tensor paged_decode_int8(const at::Tensor& q, const at::Tensor& k_data, const at::Tensor& k_scales,
@@ -1008,10 +1144,45 @@ at::Tensor paged_decode_int8(const at::Tensor& q, const at::Tensor& k_data, cons
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
 #if defined(__AVX512F__)
-  if (D % 16 == 0) return decode_int8_all<Lanes16>(qp, c, tables, ctx_lens, s, scale, window, op), out;
+  if (D % 16 == 0) return decode_codes_all<Lanes16, Int8Rows>(qp, c, tables, ctx_lens, s, scale, window, op), out;
 #endif
-  if (D % 8 == 0) decode_int8_all<Lanes8>(qp, c, tables, ctx_lens, s, scale, window, op);
-  else decode_int8_all<Lanes1>(qp, c, tables, ctx_lens, s, scale, window, op);
+  if (D % 8 == 0) decode_codes_all<Lanes8, Int8Rows>(qp, c, tables, ctx_lens, s, scale, window, op);
+  else decode_codes_all<Lanes1, Int8Rows>(qp, c, tables, ctx_lens, s, scale, window, op);
+  return out;
+}
+
+// paged_decode over an int4 cache (the quantized section above): q (B, H, D) float32, D a multiple
+// of 32; k_data, v_data (blocks, block_size, KVH, D / 2) uint8 codes, two a byte; k_scales,
+// v_scales (blocks, block_size, KVH, D / 32) float16 group scales; tables, ctx_lens, scale,
+// window, softcap and sinks as paged_decode's. Returns (B, H, D).
+at::Tensor paged_decode_int4(const at::Tensor& q, const at::Tensor& k_data, const at::Tensor& k_scales,
+                             const at::Tensor& v_data, const at::Tensor& v_scales, const at::Tensor& tables,
+                             const at::Tensor& ctx_lens, double scale, int64_t window, double softcap,
+                             const c10::optional<at::Tensor>& sinks) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q must be contiguous (B, H, D) float32");
+  TORCH_CHECK(k_data.dim() == 4 && k_data.scalar_type() == at::kByte && k_data.is_contiguous() &&
+              v_data.sizes() == k_data.sizes() && v_data.scalar_type() == at::kByte && v_data.is_contiguous(),
+              "codes must be contiguous (blocks, block_size, kv_heads, head_dim / 2) uint8");
+  const int64_t H = q.size(1), D = q.size(2), KVH = k_data.size(2), BS = k_data.size(1);
+  TORCH_CHECK(D % 32 == 0 && k_data.size(3) * 2 == D && H % KVH == 0,
+              "head_dim must be a multiple of 32 and twice the codes' last size, heads a multiple of kv heads");
+  TORCH_CHECK(k_scales.dim() == 4 && k_scales.sizes().slice(0, 3) == k_data.sizes().slice(0, 3) &&
+              k_scales.size(3) == D / 32 && k_scales.scalar_type() == at::kHalf && k_scales.is_contiguous() &&
+              v_scales.sizes() == k_scales.sizes() && v_scales.scalar_type() == at::kHalf && v_scales.is_contiguous(),
+              "scales must be contiguous (blocks, block_size, kv_heads, head_dim / 32) float16");
+  check_tables(tables, ctx_lens, q.size(0), BS);
+  at::Tensor out = at::empty_like(q);
+  const auto half_bits = [](const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::Half>()); };
+  const Int4KV c{k_data.data_ptr<uint8_t>(), v_data.data_ptr<uint8_t>(), half_bits(k_scales), half_bits(v_scales),
+                 BS, KVH, D};
+  const Shapes s{H, KVH, H / KVH, D, BS, tables.size(1), static_cast<float>(softcap), sink_data(sinks, H)};
+  const float* qp = q.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+#if defined(__AVX512F__)
+  decode_codes_all<Lanes16, Int4Rows>(qp, c, tables, ctx_lens, s, scale, window, op);
+#else
+  decode_codes_all<Lanes8, Int4Rows>(qp, c, tables, ctx_lens, s, scale, window, op);
+#endif
   return out;
 }
 
@@ -1048,6 +1219,8 @@ TORCH_LIBRARY(TOKENLOOM_ATTENTION_LIBRARY, m) {
         "int num_heads) -> Tensor");
   m.def("paged_decode_int8(Tensor q, Tensor k_data, Tensor k_scales, Tensor v_data, Tensor v_scales, Tensor tables, "
         "Tensor ctx_lens, float scale, int window, float softcap, Tensor? sinks=None) -> Tensor");
+  m.def("paged_decode_int4(Tensor q, Tensor k_data, Tensor k_scales, Tensor v_data, Tensor v_scales, Tensor tables, "
+        "Tensor ctx_lens, float scale, int window, float softcap, Tensor? sinks=None) -> Tensor");
   m.def("paged_decode_out(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables, Tensor ctx_lens, float scale, "
         "int window, float softcap, Tensor? sinks, Tensor(a!) out) -> ()");
 }
@@ -1058,4 +1231,5 @@ TORCH_LIBRARY_IMPL(TOKENLOOM_ATTENTION_LIBRARY, CPU, m) {
   m.impl("rope_write", &rope_write);
   m.impl("paged_decode_out", &paged_decode_out);
   m.impl("paged_decode_int8", &paged_decode_int8);
+  m.impl("paged_decode_int4", &paged_decode_int4);
 }

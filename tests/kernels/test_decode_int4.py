@@ -1,0 +1,246 @@
+"""The CPU decode kernel over an int4 (q4_0) KV cache (paged_decode_int4: packed codes and float16
+group scales read in place) against attention in float64 over the same cache dequantized by
+Int4Cache itself."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tests.kernels.test_decode_int8 import BS, assert_matches, attend, decode_meta, reference, spy_on_attend
+from tokenloom.attention import backend, cpu_decode
+from tokenloom.attention.metadata import AttentionMetadata
+from tokenloom.kernels import native
+from tokenloom.kv_cache.quantized import INT4_GROUP, Int4Cache
+
+pytestmark = pytest.mark.skipif(not native.cpu_has_avx2(), reason="the kernel needs AVX2 + FMA")
+
+# Around block edges (16) and the kernel's tiles (scores: 8 or 16 positions; values: 16 or 32).
+EDGES = [1, 7, 8, 9, BS - 1, BS, BS + 1, 31, 32, 33, 3 * BS, 63, 64, 65, 5 * BS + 7, 1000]
+
+
+def zeros(size: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return torch.zeros(size, dtype=dtype)
+
+
+def int4_cache(num_blocks: int, kv_heads: int, head_dim: int, gen: torch.Generator) -> Int4Cache:
+    """An Int4Cache of random rows whose groups differ in magnitude (so the group scales do), the
+    null block zero."""
+    cache = Int4Cache.allocate((num_blocks + 1, BS, kv_heads, head_dim), torch.float32, zeros)
+    groups = torch.randn(num_blocks * BS, kv_heads, head_dim // INT4_GROUP, INT4_GROUP, generator=gen)
+    groups *= torch.exp(torch.randn(*groups.shape[:-1], 1, generator=gen))
+    cache.store(torch.arange(num_blocks * BS), groups.flatten(-2))
+    return cache
+
+
+def paged_int4(lens: list[int], heads: int, kv_heads: int, head_dim: int, seed: int = 0):
+    """Key and value caches, each sequence's blocks scattered, one query per sequence."""
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-n // BS) for n in lens) + 3
+    k, v = int4_cache(num_blocks, kv_heads, head_dim, gen), int4_cache(num_blocks, kv_heads, head_dim, gen)
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, used = [], 0
+    for n in lens:
+        tables.append(torch.tensor(order[used : used + -(-n // BS)]))
+        used += len(tables[-1])
+    return k, v, tables, torch.randn(len(lens), heads, head_dim, generator=gen)
+
+
+def context_slots(lens: list[int], tables: list[torch.Tensor]) -> torch.Tensor:
+    """The flat cache slots of every sequence's positions, in order."""
+    return torch.tensor([int(table[p // BS]) * BS + p % BS for n, table in zip(lens, tables) for p in range(n)])
+
+
+def group_and_a_half() -> Int4Cache:
+    """An Int4Cache of head_dim 48, which Int4Cache.allocate refuses: 2 kv heads, 3 blocks."""
+    codes, scales = torch.zeros(3, BS, 2, 24, dtype=torch.uint8), torch.zeros(3, BS, 2, 1, dtype=torch.float16)
+    return Int4Cache(codes, scales, torch.float32)
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 256])  # 96: a column tail of the 16-lane build
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (14, 2), (4, 1)])  # 1, 4, 7 and 4 heads a kv head
+def test_int4_kernel_equals_the_dequantized_cache(kernel_build, head_dim, heads, kv_heads):
+    k, v, tables, q = paged_int4(EDGES, heads, kv_heads, head_dim, seed=head_dim + heads)
+    assert cpu_decode.usable(q, k)
+    got = attend(q, k, v, EDGES, tables, head_dim**-0.5)
+    assert got.shape == q.shape and got.dtype == torch.float32
+    assert_matches(got, reference(q, k, v, EDGES, tables, head_dim**-0.5))
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 128, 256])
+def test_one_attended_position_reads_its_value_as_int4cache_dequantizes_it(kernel_build, head_dim):
+    """A softmax over one position weighs it by exactly 1: each head's output is that position's
+    value, unpacked and scaled to the bit as Int4Cache's own reads give it (a context of one, and
+    a window of one over long contexts)."""
+    lens = [1, 40, 1000]
+    k, v, tables, q = paged_int4(lens, 8, 2, head_dim, seed=head_dim)
+    values = v[torch.stack([t[-1] for t in tables])]  # (3, block_size, kv_heads, head_dim), dequantized
+    last = values[torch.arange(3), torch.tensor([(n - 1) % BS for n in lens])].repeat_interleave(4, 1)
+    assert torch.equal(attend(q, k, v, lens, tables, 0.1, window=1), last)
+    assert torch.equal(attend(q[:1], k, v, lens[:1], tables[:1], 0.1), last[:1])
+
+
+@pytest.mark.parametrize("window", [1, 7, 16, 40, 5000])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_int4_kernel_attends_to_the_last_window_positions(kernel_build, window, head_dim):
+    k, v, tables, q = paged_int4(EDGES, 6, 2, head_dim, seed=window)
+    got = attend(q, k, v, EDGES, tables, 0.1, window)
+    assert_matches(got, reference(q, k, v, EDGES, tables, 0.1, window))
+
+
+@pytest.mark.parametrize("window", [None, 20])
+@pytest.mark.parametrize("head_dim", [64, 256])
+def test_int4_kernel_soft_caps_scores(kernel_build, window, head_dim):
+    k, v, tables, q = paged_int4(EDGES, 8, 2, head_dim, seed=5)
+    q *= 4  # scores large enough for the cap to bend them
+    got = attend(q, k, v, EDGES, tables, head_dim**-0.5, window, softcap=5.0)
+    assert_matches(got, reference(q, k, v, EDGES, tables, head_dim**-0.5, window, softcap=5.0))
+    plain = attend(q, k, v, EDGES, tables, head_dim**-0.5, window)
+    assert not torch.allclose(got, plain, atol=1e-3)  # the cap changed something
+
+
+@pytest.mark.parametrize("window", [None, 9])
+@pytest.mark.parametrize("head_dim", [32, 64])
+def test_int4_kernel_counts_each_heads_sink(kernel_build, window, head_dim):
+    k, v, tables, q = paged_int4(EDGES, 4, 2, head_dim, seed=11)
+    sinks = 2 * torch.randn(4, generator=torch.Generator().manual_seed(1))
+    got = attend(q, k, v, EDGES, tables, 0.3, window, sinks=sinks)
+    assert_matches(got, reference(q, k, v, EDGES, tables, 0.3, window, sinks=sinks))
+    plain = attend(q, k, v, EDGES, tables, 0.3, window)
+    assert not torch.allclose(got, plain, atol=1e-3)
+
+
+def test_a_sequence_gets_the_same_bits_alone_batched_and_on_any_thread_count(kernel_build):
+    """Each head's arithmetic does not depend on the task it runs in: a sequence alone, among
+    others, split over 1 or 2 threads (by kv head, or by share of a kv head's query heads)."""
+    lens = [5, 200, 33, 1000]
+    for heads, kv_heads in [(8, 2), (4, 1), (14, 2)]:
+        k, v, tables, q = paged_int4(lens, heads, kv_heads, 64, seed=heads)
+        before = torch.get_num_threads()
+        try:
+            results = []
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                batched = attend(q, k, v, lens, tables, 0.125, softcap=20.0)
+                for i in range(len(lens)):
+                    alone = attend(q[i : i + 1], k, v, lens[i : i + 1], tables[i : i + 1], 0.125, softcap=20.0)
+                    assert torch.equal(batched[i : i + 1], alone)
+                results.append(batched)
+        finally:
+            torch.set_num_threads(before)
+        assert torch.equal(results[0], results[1])
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+def test_int4_kernel_reads_nothing_past_a_context(kernel_build, head_dim):
+    """Slots after each sequence's last position (and every block not in its table) may hold
+    anything, NaN scales included: the kernel reads only the context (idle lanes of a last tile
+    included), so no clearing is needed (backend.reads_past_context)."""
+    lens = [3, 17, 40, 9]
+    k, v, tables, q = paged_int4(lens, 4, 2, head_dim, seed=2)
+    want = attend(q, k, v, lens, tables, 0.2)
+    rows = context_slots(lens, tables)
+    for cache in (k, v):
+        data = cache.data.view(-1, *cache.data.shape[2:])  # (slots, kv_heads, head_dim // 2)
+        scales = cache.scales.view(-1, *cache.scales.shape[2:])  # (slots, kv_heads, groups)
+        kept = data[rows].clone(), scales[rows].clone()
+        data.fill_(0xFF)
+        scales.fill_(float("nan"))
+        data[rows], scales[rows] = kept
+    got = attend(q, k, v, lens, tables, 0.2)
+    assert torch.equal(got, want)
+    assert got.isfinite().all()
+
+
+def test_the_kernel_takes_an_int4_cache_read_as_float32_in_whole_groups_only(kernel_build):
+    k, *_ = paged_int4([4], 2, 2, 32)
+    q = torch.randn(1, 2, 32)
+    assert cpu_decode.usable(q, k)
+    assert not cpu_decode.usable(q.bfloat16(), k)
+    assert not cpu_decode.usable(q, Int4Cache(k.data, k.scales, torch.bfloat16))
+    assert not cpu_decode.usable(torch.randn(1, 2, 48), group_and_a_half())
+
+
+def test_the_int4_op_refuses_a_head_size_of_part_groups(kernel_build):
+    c, q = group_and_a_half(), torch.randn(1, 2, 48)
+    tables, ctx = torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        cpu_decode.ops().paged_decode_int4(q, c.data, c.scales, c.data, c.scales, tables, ctx, 1.0, 0, 0.0)
+
+
+def test_an_int4_cache_is_read_only_inside_each_context_and_never_planned_on_the_fused_kernels(kernel_build):
+    """reads_past_context: every decoding row of an int4 cache is on the kernel, so fresh blocks
+    need no clearing. kernels_take: rope_write(_decode) write float32 slots, so a step over an
+    int4 cache is planned on TorchAttention (its decoding rows still on this kernel)."""
+    k, v, tables, _ = paged_int4([9, 12], 4, 2, 32)
+    fields = {"keys": {0: k}, "values": {0: v}, "layers": [0], "dtype": torch.float32, "latent": False}
+    cache = type("Cache", (), fields | {"device": torch.device("cpu")})()  # a PagedKVCache's fields read here
+    assert not backend.reads_past_context(cache)
+    cache.dtype = torch.bfloat16  # read as bf16: the torch path's padded batches, which look past each end
+    assert backend.reads_past_context(cache)
+    shape = backend.AttentionShape(4, 2, 32, 0.2)
+    rope = (torch.ones(2, 1, 32), torch.zeros(2, 1, 32))
+    assert not backend.kernels_take(shape, decode_meta([9, 12], tables, k.data.shape[0] - 1), cache, rope)
+
+
+def test_paged_attention_puts_int4_decode_rows_on_the_kernel_and_prompts_on_torch(kernel_build, monkeypatch):
+    """A step of a decoding row, a whole prompt and another decoding row: the same result (within
+    float rounding) as the torch path's, which dequantizes and gathers every sequence."""
+    lens, q_lens, heads, kv_heads, D = [30, 17, 50], [1, 17, 1], 6, 2, 64
+    k, v, tables, _ = paged_int4(lens, heads, kv_heads, D, seed=4)
+    gen = torch.Generator().manual_seed(8)
+    T = sum(q_lens)
+    q = torch.randn(T, heads, D, generator=gen)
+    k_new, v_new = torch.randn(T, kv_heads, D, generator=gen), torch.randn(T, kv_heads, D, generator=gen)
+    positions = [(i, p) for i, (n, m) in enumerate(zip(lens, q_lens)) for p in range(n - m, n)]  # this step's
+    slots = torch.tensor([int(tables[i][p // BS]) * BS + p % BS for i, p in positions])
+    starts = [sum(q_lens[:i]) for i in range(3)]
+
+    def run() -> torch.Tensor:
+        kc, vc = (Int4Cache(c.data.clone(), c.scales.clone(), c.dtype) for c in (k, v))
+        meta = AttentionMetadata(slots, starts, q_lens, lens, tables, null_block=k.data.shape[0] - 1)
+        return backend.paged_attention(q, k_new, v_new, kc, vc, meta, D**-0.5, window=24)
+
+    calls: list = []
+    spy_on_attend(monkeypatch, calls)
+    got = run()
+    assert len(calls) == 1 and isinstance(calls[0], Int4Cache)  # the two decoding rows, one kernel call
+    monkeypatch.setattr(cpu_decode, "usable", lambda *args: False)
+    want = run()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["llama3_rope_scaling", "gemma2"])  # head_dim 32; gemma2: window and soft-cap
+def test_int4_cache_greedy_decoding_is_the_same_on_the_kernel_as_on_the_torch_path(arch, tiny_model_dir, monkeypatch):
+    """A tiny random model with an int4 KV cache: the tokens (and their logprobs, to float
+    rounding) decoded with the kernel reading the codes in place, and with the torch path that
+    dequantizes a padded copy of every sequence's blocks."""
+    pytest.importorskip("transformers")
+    if not cpu_decode.build():
+        pytest.skip("the decode kernel is not built here")
+    from tokenloom import LLM, SamplingParams
+
+    prompts = [[5, 17, 42, 99, 7, 3, 250, 64, 12, 77, 31], [200, 1, 2, 3], [8] * 20]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=0)
+    folder = str(tiny_model_dir(arch))
+
+    def generate():
+        llm = LLM(folder, kv_cache_memory=16 << 20, kv_cache_dtype="int4")
+        outs = [o.outputs[0] for o in llm.generate(prompts, params)]
+        return llm, [o.token_ids for o in outs], [[lp[t] for lp, t in zip(o.logprobs, o.token_ids)] for o in outs]
+
+    reads: list = []
+    with monkeypatch.context() as m:
+        spy_on_attend(m, reads)
+        llm, tokens, logprobs = generate()
+    assert reads and all(isinstance(k, Int4Cache) for k in reads)
+    assert not llm.engine.core.runner.zero_fresh_blocks  # nothing reads past a context
+    monkeypatch.setattr(cpu_decode, "usable", lambda *args: False)  # the torch path
+    torch_llm, torch_tokens, torch_logprobs = generate()
+    assert torch_llm.engine.core.runner.zero_fresh_blocks
+    assert tokens == torch_tokens
+    for got, want in zip(logprobs, torch_logprobs):
+        assert got == pytest.approx(want, abs=1e-4)
+        assert all(math.isfinite(x) for x in got)
