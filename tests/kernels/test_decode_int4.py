@@ -1,6 +1,6 @@
 """The CPU decode kernel over an int4 (q4_0) KV cache (paged_decode_int4: packed codes and float16
 group scales read in place) against attention in float64 over the same cache dequantized by
-Int4Cache itself."""
+Int4Cache itself; and the step-level tests both quantized formats share."""
 
 from __future__ import annotations
 
@@ -9,11 +9,19 @@ import math
 import pytest
 import torch
 
-from tests.kernels.test_decode_int8 import BS, assert_matches, attend, decode_meta, reference, spy_on_attend
+from tests.kernels.test_decode_int8 import (
+    BS,
+    assert_matches,
+    attend,
+    decode_meta,
+    paged_int8,
+    reference,
+    spy_on_attend,
+)
 from tokenloom.attention import backend, cpu_decode
 from tokenloom.attention.metadata import AttentionMetadata
 from tokenloom.kernels import native
-from tokenloom.kv_cache.quantized import INT4_GROUP, Int4Cache
+from tokenloom.kv_cache.quantized import INT4_GROUP, Int4Cache, Int8Cache
 
 pytestmark = pytest.mark.skipif(not native.cpu_has_avx2(), reason="the kernel needs AVX2 + FMA")
 
@@ -170,11 +178,15 @@ def test_the_int4_op_refuses_a_head_size_of_part_groups(kernel_build):
         cpu_decode.ops().paged_decode_int4(q, c.data, c.scales, c.data, c.scales, tables, ctx, 1.0, 0, 0.0)
 
 
-def test_an_int4_cache_is_read_only_inside_each_context_and_never_planned_on_the_fused_kernels(kernel_build):
-    """reads_past_context: every decoding row of an int4 cache is on the kernel, so fresh blocks
-    need no clearing. kernels_take: rope_write(_decode) write float32 slots, so a step over an
-    int4 cache is planned on TorchAttention (its decoding rows still on this kernel)."""
-    k, v, tables, _ = paged_int4([9, 12], 4, 2, 32)
+QUANTIZED = {"int8": (paged_int8, Int8Cache), "int4": (paged_int4, Int4Cache)}  # (caches and tables, layer type)
+
+
+@pytest.mark.parametrize("kind", sorted(QUANTIZED))
+def test_a_quantized_cache_is_read_only_inside_each_context_and_never_planned_on_the_fused_kernels(kernel_build, kind):
+    """reads_past_context: every decoding row of an int8 or int4 cache is on the kernel, so fresh
+    blocks need no clearing. kernels_take: rope_write(_decode) write float32 slots, so a step over a
+    quantized cache is planned on TorchAttention (its decoding rows still on this kernel)."""
+    k, v, tables, _ = QUANTIZED[kind][0]([9, 12], 4, 2, 32)
     fields = {"keys": {0: k}, "values": {0: v}, "layers": [0], "dtype": torch.float32, "latent": False}
     cache = type("Cache", (), fields | {"device": torch.device("cpu")})()  # a PagedKVCache's fields read here
     assert not backend.reads_past_context(cache)
@@ -185,11 +197,14 @@ def test_an_int4_cache_is_read_only_inside_each_context_and_never_planned_on_the
     assert not backend.kernels_take(shape, decode_meta([9, 12], tables, k.data.shape[0] - 1), cache, rope)
 
 
-def test_paged_attention_puts_int4_decode_rows_on_the_kernel_and_prompts_on_torch(kernel_build, monkeypatch):
-    """A step of a decoding row, a whole prompt and another decoding row: the same result (within
-    float rounding) as the torch path's, which dequantizes and gathers every sequence."""
+@pytest.mark.parametrize("kind", sorted(QUANTIZED))
+def test_paged_attention_puts_quantized_decode_rows_on_the_kernel_and_prompts_on_torch(kernel_build, monkeypatch, kind):
+    """A step of a decoding row, a whole prompt and another decoding row over an int8 or int4 cache:
+    the same result (within float rounding) as the torch path's, which dequantizes and gathers
+    every sequence."""
+    paged, layer_type = QUANTIZED[kind]
     lens, q_lens, heads, kv_heads, D = [30, 17, 50], [1, 17, 1], 6, 2, 64
-    k, v, tables, _ = paged_int4(lens, heads, kv_heads, D, seed=4)
+    k, v, tables, _ = paged(lens, heads, kv_heads, D, seed=4)
     gen = torch.Generator().manual_seed(8)
     T = sum(q_lens)
     q = torch.randn(T, heads, D, generator=gen)
@@ -199,14 +214,14 @@ def test_paged_attention_puts_int4_decode_rows_on_the_kernel_and_prompts_on_torc
     starts = [sum(q_lens[:i]) for i in range(3)]
 
     def run() -> torch.Tensor:
-        kc, vc = (Int4Cache(c.data.clone(), c.scales.clone(), c.dtype) for c in (k, v))
+        kc, vc = (layer_type(c.data.clone(), c.scales.clone(), c.dtype) for c in (k, v))
         meta = AttentionMetadata(slots, starts, q_lens, lens, tables, null_block=k.data.shape[0] - 1)
         return backend.paged_attention(q, k_new, v_new, kc, vc, meta, D**-0.5, window=24)
 
     calls: list = []
     spy_on_attend(monkeypatch, calls)
     got = run()
-    assert len(calls) == 1 and isinstance(calls[0], Int4Cache)  # the two decoding rows, one kernel call
+    assert len(calls) == 1 and isinstance(calls[0], layer_type)  # the two decoding rows, one kernel call
     monkeypatch.setattr(cpu_decode, "usable", lambda *args: False)
     want = run()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

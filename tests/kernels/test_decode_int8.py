@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from tokenloom.attention import backend, cpu_decode
+from tokenloom.attention import cpu_decode
 from tokenloom.attention.metadata import AttentionMetadata
 from tokenloom.kernels import native
 from tokenloom.kv_cache.quantized import Int8Cache
@@ -179,48 +179,6 @@ def test_the_kernel_takes_an_int8_cache_read_as_float32_only(kernel_build):
     assert cpu_decode.usable(q, k)
     assert not cpu_decode.usable(q.bfloat16(), k)
     assert not cpu_decode.usable(q, Int8Cache(k.data, k.scales, torch.bfloat16))
-
-
-def test_an_int8_cache_is_read_only_inside_each_context_and_never_planned_on_the_fused_kernels(kernel_build):
-    """reads_past_context: every decoding row of an int8 cache is on the kernel, so fresh blocks
-    need no clearing. kernels_take: rope_write(_decode) write float32 slots, so a step over an
-    int8 cache is planned on TorchAttention (its decoding rows still on this kernel)."""
-    k, v, tables, _ = paged_int8([9, 12], 4, 2, 32)
-    fields = {"keys": {0: k}, "values": {0: v}, "layers": [0], "dtype": torch.float32, "latent": False}
-    cache = type("Cache", (), fields | {"device": torch.device("cpu")})()  # a PagedKVCache's fields read here
-    assert not backend.reads_past_context(cache)
-    cache.dtype = torch.bfloat16  # read as bf16: the torch path's padded batches, which look past each end
-    assert backend.reads_past_context(cache)
-    shape = backend.AttentionShape(4, 2, 32, 0.2)
-    rope = (torch.ones(2, 1, 32), torch.zeros(2, 1, 32))
-    assert not backend.kernels_take(shape, decode_meta([9, 12], tables, k.data.shape[0] - 1), cache, rope)
-
-
-def test_paged_attention_puts_int8_decode_rows_on_the_kernel_and_prompts_on_torch(kernel_build, monkeypatch):
-    """A step of a decoding row, a whole prompt and another decoding row: the same result (within
-    float rounding) as the torch path's, which dequantizes and gathers every sequence."""
-    lens, q_lens, heads, kv_heads, D = [30, 17, 50], [1, 17, 1], 6, 2, 64
-    k, v, tables, _ = paged_int8(lens, heads, kv_heads, D, seed=4)
-    gen = torch.Generator().manual_seed(8)
-    T = sum(q_lens)
-    q = torch.randn(T, heads, D, generator=gen)
-    k_new, v_new = torch.randn(T, kv_heads, D, generator=gen), torch.randn(T, kv_heads, D, generator=gen)
-    positions = [(i, p) for i, (n, m) in enumerate(zip(lens, q_lens)) for p in range(n - m, n)]  # this step's
-    slots = torch.tensor([int(tables[i][p // BS]) * BS + p % BS for i, p in positions])
-    starts = [sum(q_lens[:i]) for i in range(3)]
-
-    def run() -> torch.Tensor:
-        kc, vc = (Int8Cache(c.data.clone(), c.scales.clone(), c.dtype) for c in (k, v))
-        meta = AttentionMetadata(slots, starts, q_lens, lens, tables, null_block=k.data.shape[0] - 1)
-        return backend.paged_attention(q, k_new, v_new, kc, vc, meta, D**-0.5, window=24)
-
-    calls: list = []
-    spy_on_attend(monkeypatch, calls)
-    got = run()
-    assert len(calls) == 1 and isinstance(calls[0], Int8Cache)  # the two decoding rows, one kernel call
-    monkeypatch.setattr(cpu_decode, "usable", lambda *args: False)
-    want = run()
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("arch", ["llama_gqa", "mistral_sliding"])
