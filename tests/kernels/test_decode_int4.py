@@ -227,9 +227,14 @@ def test_paged_attention_puts_quantized_decode_rows_on_the_kernel_and_prompts_on
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("arch", ["llama3_rope_scaling", "gemma2"])  # head_dim 32; gemma2: window and soft-cap
-def test_int4_cache_greedy_decoding_is_the_same_on_the_kernel_as_on_the_torch_path(arch, tiny_model_dir, monkeypatch):
-    """A tiny random model with an int4 KV cache: the tokens (and their logprobs, to float
+ENGINE_CASES = [("int8", "llama_gqa"), ("int8", "mistral_sliding"), ("int4", "llama3_rope_scaling"), ("int4", "gemma2")]
+
+
+@pytest.mark.parametrize("kind,arch", ENGINE_CASES)  # int4 on heads of 32 (its groups); gemma2: window and soft-cap
+def test_quantized_cache_greedy_decoding_is_the_same_on_the_kernel_as_on_the_torch_path(
+    kind, arch, tiny_model_dir, monkeypatch
+):
+    """A tiny random model with an int8 or int4 KV cache: the tokens (and their logprobs, to float
     rounding) decoded with the kernel reading the codes in place, and with the torch path that
     dequantizes a padded copy of every sequence's blocks."""
     pytest.importorskip("transformers")
@@ -242,7 +247,7 @@ def test_int4_cache_greedy_decoding_is_the_same_on_the_kernel_as_on_the_torch_pa
     folder = str(tiny_model_dir(arch))
 
     def generate():
-        llm = LLM(folder, kv_cache_memory=16 << 20, kv_cache_dtype="int4")
+        llm = LLM(folder, kv_cache_memory=16 << 20, kv_cache_dtype=kind)
         outs = [o.outputs[0] for o in llm.generate(prompts, params)]
         return llm, [o.token_ids for o in outs], [[lp[t] for lp, t in zip(o.logprobs, o.token_ids)] for o in outs]
 
@@ -250,7 +255,7 @@ def test_int4_cache_greedy_decoding_is_the_same_on_the_kernel_as_on_the_torch_pa
     with monkeypatch.context() as m:
         spy_on_attend(m, reads)
         llm, tokens, logprobs = generate()
-    assert reads and all(isinstance(k, Int4Cache) for k in reads)
+    assert reads and all(isinstance(k, QUANTIZED[kind][1]) for k in reads)
     assert not llm.engine.core.runner.zero_fresh_blocks  # nothing reads past a context
     monkeypatch.setattr(cpu_decode, "usable", lambda *args: False)  # the torch path
     torch_llm, torch_tokens, torch_logprobs = generate()

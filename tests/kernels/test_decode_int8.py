@@ -3,8 +3,6 @@ place) against attention in float64 over the same cache dequantized by Int8Cache
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
@@ -179,37 +177,3 @@ def test_the_kernel_takes_an_int8_cache_read_as_float32_only(kernel_build):
     assert cpu_decode.usable(q, k)
     assert not cpu_decode.usable(q.bfloat16(), k)
     assert not cpu_decode.usable(q, Int8Cache(k.data, k.scales, torch.bfloat16))
-
-
-@pytest.mark.parametrize("arch", ["llama_gqa", "mistral_sliding"])
-def test_int8_cache_greedy_decoding_is_the_same_on_the_kernel_as_on_the_torch_path(arch, tiny_model_dir, monkeypatch):
-    """A tiny random model with an int8 KV cache: the tokens (and their logprobs, to float
-    rounding) decoded with the kernel reading the codes in place, and with the torch path that
-    dequantizes a padded copy of every sequence's blocks."""
-    pytest.importorskip("transformers")
-    if not cpu_decode.build():
-        pytest.skip("the decode kernel is not built here")
-    from tokenloom import LLM, SamplingParams
-
-    prompts = [[5, 17, 42, 99, 7, 3, 250, 64, 12, 77, 31], [200, 1, 2, 3], [8] * 20]
-    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=0)
-    folder = str(tiny_model_dir(arch))
-
-    def generate():
-        llm = LLM(folder, kv_cache_memory=16 << 20, kv_cache_dtype="int8")
-        outs = [o.outputs[0] for o in llm.generate(prompts, params)]
-        return llm, [o.token_ids for o in outs], [[lp[t] for lp, t in zip(o.logprobs, o.token_ids)] for o in outs]
-
-    reads: list = []
-    with monkeypatch.context() as m:
-        spy_on_attend(m, reads)
-        llm, tokens, logprobs = generate()
-    assert reads and all(isinstance(k, Int8Cache) for k in reads)
-    assert not llm.engine.core.runner.zero_fresh_blocks  # nothing reads past a context
-    monkeypatch.setattr(cpu_decode, "usable", lambda *args: False)  # the torch path, as before the kernel
-    torch_llm, torch_tokens, torch_logprobs = generate()
-    assert torch_llm.engine.core.runner.zero_fresh_blocks
-    assert tokens == torch_tokens
-    for got, want in zip(logprobs, torch_logprobs):
-        assert got == pytest.approx(want, abs=1e-4)
-        assert all(math.isfinite(x) for x in got)
