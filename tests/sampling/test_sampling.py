@@ -57,6 +57,16 @@ def test_top_p(top_p):
     _assert_follows(_draw(SamplingParams(top_p=top_p)), _renorm(p, mass_before < top_p))
 
 
+@pytest.mark.parametrize("top_p", [1e-9, 6.4e-146])  # the second reads as 0 in float32
+def test_a_tiny_top_p_keeps_the_most_likely_token(top_p):
+    """The nucleus is never empty: a top_p below every token's mass (even one that underflows
+    float32) keeps the most likely token alone, alone in a batch or beside a top_k row."""
+    counts = _draw(SamplingParams(top_p=top_p), n=200)
+    assert counts[0] == 200
+    for params in (SamplingParams(top_p=top_p, top_k=3), SamplingParams(top_p=top_p, top_k=40, min_p=0.05)):
+        assert _draw(params, n=50)[0] == 50
+
+
 @pytest.mark.parametrize("min_p", [0.1, 0.3])
 def test_min_p(min_p):
     p = _softmax(LOGITS)

@@ -102,6 +102,7 @@ def _filtered(
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         above = sorted_probs.cumsum(-1) - sorted_probs  # mass strictly above
         drop_sorted = above >= settings[:, 2:3]
+        drop_sorted[:, 0] = False  # the most likely token always stays (a tiny top_p may read as 0)
         drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
         x = x.masked_fill(drop, NEG_INF)
     if min_p_on:

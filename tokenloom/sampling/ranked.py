@@ -52,7 +52,9 @@ def _nucleus_in_top(probs: torch.Tensor, top_p: torch.Tensor, width: int):
     top, columns = kernels.top_k(probs, min(width, probs.shape[-1]))
     before = top.cumsum(-1) - top  # mass strictly above each token
     resolved = (before[:, -1:] + top[:, -1:] >= top_p)[:, 0] | (top.shape[1] == probs.shape[-1])
-    return columns, resolved, before >= top_p
+    drop = before >= top_p
+    drop[:, 0] = False  # the most likely token always stays (a top_p below float32's range reads as 0)
+    return columns, resolved, drop
 
 
 def apply_top_p(logits: torch.Tensor, top_p: list[float]) -> torch.Tensor:
