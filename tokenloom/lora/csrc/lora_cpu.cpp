@@ -140,38 +140,56 @@ inline std::vector<Run> runs_of(const int32_t* rw, int64_t T, int64_t S) {
 constexpr int64_t kColumnsPerTask = 256;
 constexpr int64_t kSerialBelow = 1 << 16;  // multiply-adds: below this one thread is faster than a fork
 
+// Phase 1 for one run at rank column c (group c / R, rank c % R): x A^T of each of its rows into
+// xa (T, G*R), one dot product per row, or the run's rows together (each A value loaded once).
+template <typename W>
+inline void rank_products(const float* xp, const W* ap, const Run& u, int64_t c, int64_t K, int64_t GR, float* xa) {
+  const W* a = ap + (u.slot * GR + c) * K;
+  if (u.n == 1) {
+    xa[u.rows[0] * GR + c] = dot(a, xp + u.rows[0] * K, K);
+    return;
+  }
+  const float* xs[kRowsPerRun];
+  float got[kRowsPerRun];
+  for (int q = 0; q < u.n; ++q) xs[q] = xp + u.rows[q] * K;
+  dot_rows(a, xs, u.n, K, got);
+  for (int q = 0; q < u.n; ++q) xa[u.rows[q] * GR + c] = got[q];
+}
+
+// Phase 2 for one run over columns [c0, c1) of group g (rank r): each row's outputs add r rows of
+// B weighted by its xa.
+template <typename W>
+inline void add_run(const W* bp, const Run& u, int64_t g, int64_t c0, int64_t c1, int64_t r, int64_t N, int64_t GR,
+                    int64_t R, const float* xa, float* op) {
+  const W* b = bp + u.slot * R * N + c0;
+  if (u.n == 1) {
+    add_rows(op + u.rows[0] * N + c0, b, N, xa + u.rows[0] * GR + g * R, r, c1 - c0);
+    return;
+  }
+  float* outs[kRowsPerRun];
+  const float* ws[kRowsPerRun];
+  for (int q = 0; q < u.n; ++q) {
+    outs[q] = op + u.rows[q] * N + c0;
+    ws[q] = xa + u.rows[q] * GR + g * R;
+  }
+  add_rows_multi(outs, b, N, ws, u.n, r, c1 - c0);
+}
+
 // One run of one adapter (a decode row, or up to kRowsPerRun rows of one adapter) on this thread,
 // with no task lists, heap buffers or parallel region: at a decode row's size their set-up costs
-// as much as the arithmetic. `xa` holds n * G * R floats.
+// as much as the arithmetic. `xa` holds T * G * R floats.
 template <typename W>
 void run_one(const float* xp, const W* ap, const W* bp, const int32_t* rk, at::IntArrayRef bounds, float* op,
              const Run& u, int64_t K, int64_t N, int64_t G, int64_t R, float* xa) {
-  const float* xs[kRowsPerRun];
-  float* outs[kRowsPerRun];
-  const float* ws[kRowsPerRun];
-  for (int q = 0; q < u.n; ++q) xs[q] = xp + u.rows[q] * K;
   for (int64_t g = 0; g < G; ++g) {
     const int64_t r = rk[u.slot * G + g];
     if (r == 0) continue;
-    for (int64_t j = 0; j < r; ++j) {
-      const W* a = ap + (u.slot * G * R + g * R + j) * K;
-      if (u.n == 1) {  // four accumulators: one row's dot product is a single dependency chain
-        xa[g * R + j] = dot(a, xs[0], K);
-        continue;
-      }
-      float got[kRowsPerRun];
-      dot_rows(a, xs, u.n, K, got);
-      for (int q = 0; q < u.n; ++q) xa[q * G * R + g * R + j] = got[q];
-    }
-    for (int q = 0; q < u.n; ++q) {
-      outs[q] = op + u.rows[q] * N + bounds[g];
-      ws[q] = xa + q * G * R + g * R;
-    }
-    add_rows_multi(outs, bp + u.slot * R * N + bounds[g], N, ws, u.n, r, bounds[g + 1] - bounds[g]);
+    for (int64_t j = 0; j < r; ++j) rank_products(xp, ap, u, g * R + j, K, G * R, xa);
+    add_run(bp, u, g, bounds[g], bounds[g + 1], r, N, G * R, R, xa, op);
   }
 }
 
-constexpr int64_t kStackRanks = 1024;  // G * R * kRowsPerRun floats that run() keeps on the stack
+constexpr int64_t kStackRanks = 1024;  // T * G * R floats (T <= kRowsPerRun) that run() keeps on the stack
 
 template <typename W>
 void run(const float* xp, const W* ap, const W* bp, const int32_t* rk, const int32_t* rw, at::IntArrayRef bounds,
@@ -210,36 +228,14 @@ void run(const float* xp, const W* ap, const W* bp, const int32_t* rk, const int
     for (int64_t task = 0; task < U * G * R; ++task) {
       const Run& u = runs[task / (G * R)];
       const int64_t c = task % (G * R);
-      if (c % R >= rk[u.slot * G + c / R]) continue;
-      const W* a = ap + (u.slot * G * R + c) * K;
-      if (u.n == 1) {
-        xa[u.rows[0] * G * R + c] = dot(a, xp + u.rows[0] * K, K);
-        continue;
-      }
-      const float* xs[kRowsPerRun];
-      float got[kRowsPerRun];
-      for (int q = 0; q < u.n; ++q) xs[q] = xp + u.rows[q] * K;
-      dot_rows(a, xs, u.n, K, got);
-      for (int q = 0; q < u.n; ++q) xa[u.rows[q] * G * R + c] = got[q];
+      if (c % R < rk[u.slot * G + c / R]) rank_products(xp, ap, u, c, K, G * R, xa.data());
     }
 #pragma omp for schedule(static)
     for (int64_t task = 0; task < U * per_run; ++task) {
       const Run& u = runs[task / per_run];
       const int64_t g = task_group[task % per_run], c0 = task_start[task % per_run];
       const int64_t r = rk[u.slot * G + g], c1 = std::min<int64_t>(bounds[g + 1], c0 + kColumnsPerTask);
-      if (r == 0) continue;
-      const W* b = bp + u.slot * R * N + c0;
-      if (u.n == 1) {
-        add_rows(op + u.rows[0] * N + c0, b, N, xa.data() + u.rows[0] * G * R + g * R, r, c1 - c0);
-        continue;
-      }
-      float* outs[kRowsPerRun];
-      const float* ws[kRowsPerRun];
-      for (int q = 0; q < u.n; ++q) {
-        outs[q] = op + u.rows[q] * N + c0;
-        ws[q] = xa.data() + u.rows[q] * G * R + g * R;
-      }
-      add_rows_multi(outs, b, N, ws, u.n, r, c1 - c0);
+      if (r > 0) add_run(bp, u, g, c0, c1, r, N, G * R, R, xa.data(), op);
     }
   }
 }
