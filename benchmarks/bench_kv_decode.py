@@ -6,7 +6,7 @@ One sequence's decode-step attention (one query) at each --contexts length, in a
 on --threads threads. Each step reads --layers layers' caches in turn (default 24, as the model
 has), so every layer's blocks come from memory as in a real decode step, not from a cache the
 previous call warmed. Paths: the torch path over an int4 cache (its blocks gathered and
-dequantized, then SDPA) and the kernel over int4, int8 and float32 caches. Medians over
+dequantized, then SDPA) and the kernel over int4, int8, float16 and float32 caches. Medians over
 --repeats steps, the paths interleaved within each repeat; prints ms per step (all layers)
 and per layer.
 """
@@ -22,14 +22,15 @@ from _common import cpu_name, parser
 
 from tokenloom.attention import cpu_decode, torch_sdpa
 from tokenloom.attention.metadata import AttentionMetadata
-from tokenloom.kv_cache.quantized import Int4Cache, Int8Cache
+from tokenloom.kv_cache.quantized import HalfCache, Int4Cache, Int8Cache
 
 BS = 16
+KINDS = ("int4", "int8", "float16", "float32")  # the kernel's cache formats timed
 
 
 def layer_caches(kind: str, n: int, kv_heads: int, head_dim: int, gen: torch.Generator):
     """(keys, values) of one layer of random rows at every position of a cache just big enough for
-    n positions (plus its null block): float32 tensors, Int8Caches or Int4Caches."""
+    n positions (plus its null block): float32 tensors, Int8Caches, Int4Caches or HalfCaches."""
     blocks = -(-n // BS)
     shape = (blocks + 1, BS, kv_heads, head_dim)
     pair = []
@@ -38,10 +39,13 @@ def layer_caches(kind: str, n: int, kv_heads: int, head_dim: int, gen: torch.Gen
         if kind == "float32":
             pair.append(torch.cat([x, torch.zeros(BS, kv_heads, head_dim)]).view(shape))
             continue
+        zeros = lambda size, dtype: torch.zeros(size, dtype=dtype)  # noqa: E731
         if kind == "int8":
             cache = Int8Cache(torch.zeros(shape, dtype=torch.int8), torch.zeros(shape[:3]), torch.float32)
+        elif kind == "float16":
+            cache = HalfCache.allocate(shape, torch.float16, torch.float32, zeros)
         else:
-            cache = Int4Cache.allocate(shape, torch.float32, lambda size, dtype: torch.zeros(size, dtype=dtype))
+            cache = Int4Cache.allocate(shape, torch.float32, zeros)
         cache.store(torch.arange(blocks * BS), x)
         pair.append(cache)
     return pair
@@ -56,8 +60,7 @@ def steps(n: int, args, gen: torch.Generator) -> dict:
     scale = args.head_dim**-0.5
     new = torch.zeros(1, args.kv_heads, args.head_dim)  # this step's k/v: already in the cache, unread
     caches = {
-        kind: [layer_caches(kind, n, args.kv_heads, args.head_dim, gen) for _ in range(args.layers)]
-        for kind in ("int4", "int8", "float32")
+        kind: [layer_caches(kind, n, args.kv_heads, args.head_dim, gen) for _ in range(args.layers)] for kind in KINDS
     }
 
     def torch_int4() -> None:
@@ -71,7 +74,7 @@ def steps(n: int, args, gen: torch.Generator) -> dict:
 
         return step
 
-    return {"torch, int4": torch_int4, **{f"kernel, {kind}": kernel(kind) for kind in ("int4", "int8", "float32")}}
+    return {"torch, int4": torch_int4, **{f"kernel, {kind}": kernel(kind) for kind in KINDS}}
 
 
 def interleaved_medians(paths: dict, repeats: int) -> dict:

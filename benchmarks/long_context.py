@@ -28,7 +28,12 @@ from _common import RESULTS, cpu_name, parser
 from tokenloom.loader import hub
 
 NEW = 64
-LLAMA_KV = {"int8": "q8_0", "int4": "q4_0"}  # tokenloom's quantized caches as llama.cpp's types
+LLAMA_KV = {
+    "int8": "q8_0",
+    "int4": "q4_0",
+    "float16": "f16",
+    "bfloat16": "bf16",
+}  # tokenloom's stored caches as llama.cpp's types
 
 
 def tokenloom_row(path: str, depth: int, kv: str) -> dict:
@@ -65,8 +70,10 @@ def llama_row(binary: str, path: str, depth: int, kv: str, threads: int) -> dict
             "-o",
             "json",
         ]
-        if kv in LLAMA_KV:  # llama.cpp quantizes V only with flash attention
-            cmd += ["-ctk", LLAMA_KV[kv], "-ctv", LLAMA_KV[kv], "-fa", "1"]
+        if kv in LLAMA_KV:
+            cmd += ["-ctk", LLAMA_KV[kv], "-ctv", LLAMA_KV[kv]]
+            if kv in ("int8", "int4"):  # llama.cpp quantizes V only with flash attention
+                cmd += ["-fa", "1"]
         out = subprocess.run(cmd, capture_output=True, text=True)
         if out.returncode != 0:
             raise RuntimeError(f"llama-bench failed: {out.stderr[-2000:]}")

@@ -10,6 +10,8 @@ import torch
 from tokenloom.memory.probes import available_memory
 from tokenloom.models.config import parse_dtype
 
+KV_CACHE_DTYPES = ("auto", "int8", "int4", "float16", "bfloat16")  # --kv-cache-dtype (kv_cache/quantized.py)
+
 
 @dataclass(slots=True)
 class CacheConfig:
@@ -197,7 +199,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig | None = None
     quantization: str | None = None  # int8 | int4[-g32|-g64|-g128] | gguf (weights); None: float
-    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | int8 | int4 (kv_cache/quantized.py)
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | int8 | int4 | float16 | bfloat16 (kv_cache/quantized.py)
     tensor_parallel_size: int = 1  # ranks the model is split over (distributed/); 1: this process alone
     pipeline_parallel_size: int = 1  # stages its layers are split into, one rank each (distributed/pipeline.py)
     enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps (worker/cuda_graphs.py)
@@ -219,8 +221,8 @@ class EngineConfig:
         if self.dtype == "auto" and torch.device(self.device).type == "cuda":
             self.dtype = "bfloat16"  # what GPUs compute fastest (a GGUF file is dequantized to it at load)
         self.quantization = parse_quantization(self.quantization)
-        if self.kv_cache_dtype not in ("auto", "int8", "int4"):
-            raise ValueError(f"kv_cache_dtype must be 'auto', 'int8' or 'int4', got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError(f"cpu_threads must be >= 1, got {self.cpu_threads}")
         if self.max_model_len is not None and self.max_model_len <= 0:

@@ -1,6 +1,6 @@
 """The CPU decode kernel over an int4 (q4_0) KV cache (paged_decode_int4: packed codes and float16
 group scales read in place) against attention in float64 over the same cache dequantized by
-Int4Cache itself; and the step-level tests both quantized formats share."""
+Int4Cache itself; and the step-level tests every stored format (int8, int4, 16-bit) shares."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from tests.kernels.test_decode_half import paged_half
 from tests.kernels.test_decode_int8 import (
     BS,
     assert_matches,
@@ -21,7 +22,7 @@ from tests.kernels.test_decode_int8 import (
 from tokenloom.attention import backend, cpu_decode
 from tokenloom.attention.metadata import AttentionMetadata
 from tokenloom.kernels import native
-from tokenloom.kv_cache.quantized import INT4_GROUP, Int4Cache, Int8Cache
+from tokenloom.kv_cache.quantized import INT4_GROUP, HalfCache, Int4Cache, Int8Cache
 
 pytestmark = pytest.mark.skipif(not native.cpu_has_avx2(), reason="the kernel needs AVX2 + FMA")
 
@@ -178,14 +179,19 @@ def test_the_int4_op_refuses_a_head_size_of_part_groups(kernel_build):
         cpu_decode.ops().paged_decode_int4(q, c.data, c.scales, c.data, c.scales, tables, ctx, 1.0, 0, 0.0)
 
 
-QUANTIZED = {"int8": (paged_int8, Int8Cache), "int4": (paged_int4, Int4Cache)}  # (caches and tables, layer type)
+QUANTIZED = {  # (caches and tables, layer type)
+    "int8": (paged_int8, Int8Cache),
+    "int4": (paged_int4, Int4Cache),
+    "float16": (paged_half, HalfCache),
+}
 
 
 @pytest.mark.parametrize("kind", sorted(QUANTIZED))
-def test_a_quantized_cache_is_read_only_inside_each_context_and_never_planned_on_the_fused_kernels(kernel_build, kind):
-    """reads_past_context: every decoding row of an int8 or int4 cache is on the kernel, so fresh
-    blocks need no clearing. kernels_take: rope_write(_decode) write float32 slots, so a step over a
-    quantized cache is planned on TorchAttention (its decoding rows still on this kernel)."""
+def test_a_stored_cache_is_read_only_inside_each_context_and_fused_only_where_a_kernel_writes_it(kernel_build, kind):
+    """reads_past_context: every decoding row of an int8, int4 or 16-bit cache is on the kernel, so fresh
+    blocks need no clearing. kernels_take: rope_write_decode_half rounds keys and values into a 16-bit
+    cache, so its all-decode steps run fused; no fused op writes int8 or int4 codes, nor a 16-bit
+    cache in a mixed step, so those are planned on TorchAttention (decoding rows still on this kernel)."""
     k, v, tables, _ = QUANTIZED[kind][0]([9, 12], 4, 2, 32)
     fields = {"keys": {0: k}, "values": {0: v}, "layers": [0], "dtype": torch.float32, "latent": False}
     cache = type("Cache", (), fields | {"device": torch.device("cpu")})()  # a PagedKVCache's fields read here
@@ -194,12 +200,15 @@ def test_a_quantized_cache_is_read_only_inside_each_context_and_never_planned_on
     assert backend.reads_past_context(cache)
     shape = backend.AttentionShape(4, 2, 32, 0.2)
     rope = (torch.ones(2, 1, 32), torch.zeros(2, 1, 32))
-    assert not backend.kernels_take(shape, decode_meta([9, 12], tables, k.data.shape[0] - 1), cache, rope)
+    all_decode = decode_meta([9, 12], tables, k.data.shape[0] - 1)
+    assert backend.kernels_take(shape, all_decode, cache, rope) == (kind == "float16")
+    mixed = AttentionMetadata(torch.zeros(4, dtype=torch.long), [0, 1], [1, 3], [9, 12], tables, k.data.shape[0] - 1)
+    assert not backend.kernels_take(shape, mixed, cache, (torch.ones(4, 1, 32), torch.zeros(4, 1, 32)))
 
 
 @pytest.mark.parametrize("kind", sorted(QUANTIZED))
 def test_paged_attention_puts_quantized_decode_rows_on_the_kernel_and_prompts_on_torch(kernel_build, monkeypatch, kind):
-    """A step of a decoding row, a whole prompt and another decoding row over an int8 or int4 cache:
+    """A step of a decoding row, a whole prompt and another decoding row over a stored-format cache:
     the same result (within float rounding) as the torch path's, which dequantizes and gathers
     every sequence."""
     paged, layer_type = QUANTIZED[kind]
@@ -227,16 +236,23 @@ def test_paged_attention_puts_quantized_decode_rows_on_the_kernel_and_prompts_on
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-ENGINE_CASES = [("int8", "llama_gqa"), ("int8", "mistral_sliding"), ("int4", "llama3_rope_scaling"), ("int4", "gemma2")]
+ENGINE_CASES = [
+    ("int8", "llama_gqa"),
+    ("int8", "mistral_sliding"),
+    ("int4", "llama3_rope_scaling"),
+    ("int4", "gemma2"),
+    ("float16", "llama_gqa"),
+    ("bfloat16", "gemma2"),
+]
 
 
 @pytest.mark.parametrize("kind,arch", ENGINE_CASES)  # int4 on heads of 32 (its groups); gemma2: window and soft-cap
 def test_quantized_cache_greedy_decoding_is_the_same_on_the_kernel_as_on_the_torch_path(
     kind, arch, tiny_model_dir, monkeypatch
 ):
-    """A tiny random model with an int8 or int4 KV cache: the tokens (and their logprobs, to float
-    rounding) decoded with the kernel reading the codes in place, and with the torch path that
-    dequantizes a padded copy of every sequence's blocks."""
+    """A tiny random model with an int8, int4, float16 or bfloat16 KV cache: the tokens (and their
+    logprobs, to float rounding) decoded with the kernel reading the stored values in place, and with
+    the torch path that widens a padded copy of every sequence's blocks."""
     pytest.importorskip("transformers")
     if not cpu_decode.build():
         pytest.skip("the decode kernel is not built here")
@@ -252,10 +268,22 @@ def test_quantized_cache_greedy_decoding_is_the_same_on_the_kernel_as_on_the_tor
         return llm, [o.token_ids for o in outs], [[lp[t] for lp, t in zip(o.logprobs, o.token_ids)] for o in outs]
 
     reads: list = []
+    fused: list = []  # the key caches of fused all-decode calls (rope, write and attention in one op)
+    fused_call = backend.KernelAttention.__call__
+
+    def spy_fused(self, layer, *args, **kwargs):
+        if self.all_decode:
+            fused.append(self.kv_cache.keys[layer])
+        return fused_call(self, layer, *args, **kwargs)
+
     with monkeypatch.context() as m:
         spy_on_attend(m, reads)
+        m.setattr(backend.KernelAttention, "__call__", spy_fused)
         llm, tokens, logprobs = generate()
-    assert reads and all(isinstance(k, QUANTIZED[kind][1]) for k in reads)
+    if kind in ("float16", "bfloat16"):  # decode steps fused, the rounded cache read in place
+        assert fused and all(isinstance(k, HalfCache) for k in fused) and not reads
+    else:  # decode rows on the kernel inside TorchAttention's steps
+        assert reads and all(isinstance(k, QUANTIZED[kind][1]) for k in reads) and not fused
     assert not llm.engine.core.runner.zero_fresh_blocks  # nothing reads past a context
     monkeypatch.setattr(cpu_decode, "usable", lambda *args: False)  # the torch path
     torch_llm, torch_tokens, torch_logprobs = generate()

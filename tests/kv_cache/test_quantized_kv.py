@@ -1,5 +1,6 @@
 """The int4 KV cache against llama.cpp's q4_0 written out element by element, its error bound,
-its footprint, and the head sizes it refuses."""
+its footprint, and the head sizes it refuses; the 16-bit caches' rounding and footprint; every
+stored format read alike whole and in chunks."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 
 from tests.kv_cache.test_kv_cache import small_config
 from tokenloom.kv_cache.paged import PagedKVCache, kv_bytes_per_token
-from tokenloom.kv_cache.quantized import Int4Cache
+from tokenloom.kv_cache.quantized import HALF_DTYPES, HalfCache, Int4Cache
 
 
 def q4_0_reference(x: np.ndarray) -> np.ndarray:
@@ -67,7 +68,41 @@ def test_int4_refuses_a_head_size_its_groups_do_not_divide():
         )
 
 
-@pytest.mark.parametrize("kv_cache_dtype,min_same,max_kl", [("int8", 0.98, 3e-3), ("int4", 0.85, 0.25)])
+@pytest.mark.parametrize("storage", sorted(HALF_DTYPES))
+def test_a_half_cache_stores_each_element_rounded_to_16_bits_and_reads_it_widened(storage):
+    """Written float32 rows come back as torch's own round-to-nearest to the 16-bit type, widened
+    exactly; slots not written stay zero; block copies and clears move the elements."""
+    zeros = lambda size, dtype: torch.zeros(size, dtype=dtype)  # noqa: E731
+    cache = HalfCache.allocate((5, 4, 2, 8), HALF_DTYPES[storage], torch.float32, zeros)
+    x = torch.randn(6, 2, 8) * 100
+    slots = torch.tensor([0, 1, 2, 3, 9, 13])
+    cache.store(slots, x)
+    read = cache[torch.arange(5)].reshape(20, 2, 8)
+    assert read.dtype == torch.float32
+    assert torch.equal(read[slots], x.to(HALF_DTYPES[storage]).float())
+    assert not torch.equal(read[slots], x)  # rounded: 16 bits hold fewer than float32's
+    assert read[[4, 5, 6, 7, 8]].abs().sum() == 0
+    cache.copy_blocks_(torch.tensor([0]), torch.tensor([4]))
+    assert torch.equal(cache[torch.tensor([4])], cache[torch.tensor([0])])
+    cache.index_fill_(0, torch.tensor([0]), 0.0)
+    assert cache[torch.tensor([0])].abs().sum() == 0
+
+
+@pytest.mark.parametrize("storage", sorted(HALF_DTYPES))
+def test_a_half_cache_takes_two_bytes_an_element_whatever_the_compute_dtype(storage):
+    cfg = small_config(head_dim=64)  # 2 layers, 1 kv head
+    per_token = kv_bytes_per_token(cfg, torch.float32, storage)
+    assert per_token == 2 * 2 * 1 * 64 * 2 == kv_bytes_per_token(cfg, torch.float32) // 2
+    kv = PagedKVCache(cfg, num_blocks=6, block_size=4, dtype=torch.float32, device="cpu", kv_cache_dtype=storage)
+    assert all(c.data.dtype == HALF_DTYPES[storage] for c in kv.keys + kv.values)
+    stored = sum(c.data.nbytes + c.scales.nbytes for c in kv.keys + kv.values)
+    assert stored == per_token * (kv.num_blocks + 1) * kv.block_size
+
+
+@pytest.mark.parametrize(
+    "kv_cache_dtype,min_same,max_kl",
+    [("int8", 0.98, 3e-3), ("int4", 0.85, 0.25), ("float16", 0.99, 1e-3), ("bfloat16", 0.98, 3e-3)],
+)
 def test_a_quantized_cache_reads_alike_whole_and_in_chunks(default_model_dir, kv_cache_dtype, min_same, max_kl):
     """Every chunk attends to the keys and values as the cache stores them (quantized), whether the
     prompt is prefilled whole or in chunks of 16 (partial blocks and block edges included). Not to

@@ -66,6 +66,17 @@ def test_taped_decode_on_gguf_blocks(quantize, tiny_model_dir, tmp_path, monkeyp
     assert taped == eager
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["float16", "bfloat16"])
+def test_taped_decode_over_a_16_bit_cache(kv_cache_dtype, tiny_model_dir, monkeypatch):
+    """A 16-bit KV cache's layers are HalfCache objects, not tensors: their data is the KV cache's
+    all the same, so the fused decode steps over it are taped (every one was refused)."""
+    folder = str(tiny_model_dir("llama_gqa"))
+    taped, tapes = _generate(folder, monkeypatch, tapes=True, kv_cache_dtype=kv_cache_dtype)
+    eager, _ = _generate(folder, monkeypatch, tapes=False, kv_cache_dtype=kv_cache_dtype)
+    assert len(tapes.tapes) >= 4 and not tapes.refused
+    assert taped == eager
+
+
 def test_models_with_python_decisions_in_their_layers_are_not_taped(tiny_model_dir):
     for arch, taped in [
         ("llama_gqa", True),

@@ -9,7 +9,8 @@ against this op gets the fastest path the step allows:
   partial heads, scores soft-capped or not, every sequence decoding one token or a prompt
   chunk the prefill kernel takes, decoding ones first): q/k rotated and k/v written in one
   kernel pass, decode attention into the first rows, prompt attention into the rest. One
-  kernel call per layer when every sequence decodes.
+  kernel call per layer when every sequence decodes; that call also takes a 16-bit cache
+  (HalfCache: the keys and values rounded as they are written).
 - ``TritonAttention`` (CUDA, a cache in the compute dtype): rope and the cache write in one
   Triton kernel, then one paged-attention kernel reading the block table in place, for decode,
   prompt chunks and mixed steps alike; what a CUDA graph captures.
@@ -36,6 +37,7 @@ from torch import nn
 from tokenloom.attention import cpu_decode, cpu_latent, cpu_prefill, torch_sdpa
 from tokenloom.attention.metadata import AttentionMetadata
 from tokenloom.kernels import triton as triton_kernels
+from tokenloom.kv_cache.quantized import HalfCache
 from tokenloom.layers.rope import apply_rope
 
 
@@ -215,12 +217,13 @@ class KernelAttention(StepAttention):
         cos, sin = self.rope
         slots, window = meta.slot_mapping, sh.window(layer) or 0
         if self.all_decode:
-            return self.ops.rope_write_decode(
+            half = isinstance(keys, HalfCache)
+            return (self.ops.rope_write_decode_half if half else self.ops.rope_write_decode)(
                 qkv,
                 cos,
                 sin,
-                keys,
-                values,
+                keys.data if half else keys,
+                values.data if half else values,
                 slots,
                 self.tables,
                 self.ctx,
@@ -348,11 +351,13 @@ def kernels_take(
         return False
     cos = rope[0]
     keys = kv_cache.keys[kv_cache.layers[0]]
-    plain = isinstance(keys, torch.Tensor)  # rope_write(_decode) write float32 slots, not int8 codes
-    if not (plain and cpu_decode.usable(cos, keys) and cos.shape[-1] <= shape.head_dim and cos.is_contiguous()):
-        return False
     decoding = cpu_decode.decode_rows(meta)
-    if len(decoding) == meta.num_seqs:
+    all_decode = len(decoding) == meta.num_seqs
+    # rope_write(_decode) write float32 slots, rope_write_decode_half 16-bit ones; none writes codes
+    writable = isinstance(keys, torch.Tensor) or (all_decode and isinstance(keys, HalfCache))
+    if not (writable and cpu_decode.usable(cos, keys) and cos.shape[-1] <= shape.head_dim and cos.is_contiguous()):
+        return False
+    if all_decode:
         return True
     return (
         not shape.sinks  # the prefill kernel has none

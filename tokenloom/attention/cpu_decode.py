@@ -18,6 +18,8 @@ the dequantized cache, up to float rounding.
 - ``Int4Cache`` (q4_0, head_dim a multiple of 32): ``paged_decode_int4``, each group of 32
   elements unpacked from its 16 bytes and scaled by its float16 scale into the tile, as
   ``Int4Cache``'s reads round it ((code - 8) * d).
+- ``HalfCache`` (float16 or bfloat16): ``paged_decode_half``, each element widened to float32
+  exactly, as ``HalfCache``'s reads widen it.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch
 
 from tokenloom.attention.metadata import AttentionMetadata
 from tokenloom.kernels import native
-from tokenloom.kv_cache.quantized import INT4_GROUP, Int4Cache, Int8Cache
+from tokenloom.kv_cache.quantized import INT4_GROUP, HalfCache, Int4Cache, Int8Cache
 
 _SOURCE = Path(__file__).parent / "csrc" / "paged_decode_cpu.cpp"
 BUILDS = (("avx512", "tokenloom_attention512"), ("avx2", "tokenloom_attention"))  # (isa, library), fastest first
@@ -51,11 +53,11 @@ def usable(q: torch.Tensor, k_cache) -> bool:
 
 
 def takes_cache(k_cache) -> bool:
-    """A cache layer the kernel reads: a float32 tensor, or an Int8Cache or Int4Cache (head_dim a
-    multiple of 32) on the CPU read as float32."""
+    """A cache layer the kernel reads: a float32 tensor, or an Int8Cache, Int4Cache (head_dim a
+    multiple of 32) or HalfCache on the CPU read as float32."""
     if isinstance(k_cache, Int4Cache) and k_cache.shape[-1] % INT4_GROUP:
         return False
-    if isinstance(k_cache, (Int8Cache, Int4Cache)):
+    if isinstance(k_cache, (Int8Cache, Int4Cache, HalfCache)):
         return k_cache.dtype == torch.float32 and k_cache.data.device.type == "cpu"
     return isinstance(k_cache, torch.Tensor) and k_cache.dtype == torch.float32
 
@@ -86,8 +88,8 @@ def _inputs(meta: AttentionMetadata, seqs: list[int]) -> tuple[torch.Tensor, tor
 
 def attend(
     q: torch.Tensor,
-    k_cache: torch.Tensor | Int8Cache | Int4Cache,
-    v_cache: torch.Tensor | Int8Cache | Int4Cache,
+    k_cache: torch.Tensor | Int8Cache | Int4Cache | HalfCache,
+    v_cache: torch.Tensor | Int8Cache | Int4Cache | HalfCache,
     meta: AttentionMetadata,
     seqs: list[int],
     scale: float,
@@ -98,7 +100,7 @@ def attend(
     """q (S, heads, head_dim): the query of each sequence in `seqs` -> (S, heads, head_dim), each
     attending to its last `window` positions (None: all), scores soft-capped by `softcap` if given,
     each head's sink logit (sinks (heads,)) counted in its softmax if given. The caches are both
-    float32 tensors, both Int8Caches or both Int4Caches (``usable``)."""
+    float32 tensors, or both Int8Caches, Int4Caches or HalfCaches (``usable``)."""
     tables, ctx = _inputs(meta, seqs)
     q, window_, softcap_ = q.contiguous(), window or 0, softcap or 0.0
     if isinstance(k_cache, Int8Cache):
@@ -111,4 +113,7 @@ def attend(
         return ops().paged_decode_int4(
             q, k_cache.data, k_cache.scales, v_cache.data, v_cache.scales, tables, ctx, scale, window_, softcap_, sinks
         )
+    if isinstance(k_cache, HalfCache):
+        assert isinstance(v_cache, HalfCache)
+        return ops().paged_decode_half(q, k_cache.data, v_cache.data, tables, ctx, scale, window_, softcap_, sinks)
     return ops().paged_decode(q, k_cache, v_cache, tables, ctx, scale, window_, softcap_, sinks)

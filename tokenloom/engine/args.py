@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from tokenloom.config import (
+    KV_CACHE_DTYPES,
     CacheConfig,
     EngineConfig,
     LoRAConfig,
@@ -155,9 +156,10 @@ class EngineArgs:
     kv_cache_dtype: str = _option(
         "auto",
         "--kv-cache-dtype",
-        choices=["auto", "int8", "int4"],
-        help="int8: store keys/values as int8 with a scale per token and head (half of bf16, a quarter of "
-        "float32); int4: llama.cpp's q4_0, 4 bits and a float16 scale per 32 (0.28x of bf16)",
+        choices=list(KV_CACHE_DTYPES),
+        help="auto: the model's dtype (float32 on the CPU); float16 / bfloat16: keys/values rounded to 16 bits "
+        "(half of float32, llama.cpp's default f16 cache); int8: int8 with a scale per token and head (a quarter "
+        "of float32); int4: llama.cpp's q4_0, 4 bits and a float16 scale per 32 (0.14x of float32)",
     )
     max_num_seqs: int = _option(
         64,

@@ -7,7 +7,10 @@ from collections.abc import Sequence
 import torch
 
 from tokenloom.kv_cache.quantized import (
+    HALF_DTYPES,
     QUANTIZED_CACHES,
+    STORED_DTYPES,
+    HalfCache,
     Int4Cache,
     Int8Cache,
     copy_cache_blocks,
@@ -28,11 +31,11 @@ def kv_bytes_per_token(
 
     For an int8 cache: 1 byte per element plus a float32 scale per token and head, i.e.
     2 x layers x kv_heads x (head_dim + 4); int4: half a byte per element plus a float16 scale
-    per 32 (kv_cache/quantized.py).
+    per 32; float16 / bfloat16: 2 bytes per element whatever `dtype` (kv_cache/quantized.py).
     """
     count = len(model.attention_layers(layers))
     tensors = 1 if model.mla is not None else 2
-    if kv_cache_dtype in ("int8", "int4"):
+    if kv_cache_dtype in STORED_DTYPES:
         return tensors * count * model.num_kv_heads * quantized_bytes_per_element_row(kv_cache_dtype, model.head_dim)
     elem = torch.empty((), dtype=dtype).element_size()
     return tensors * count * model.num_kv_heads * model.head_dim * elem
@@ -40,8 +43,8 @@ def kv_bytes_per_token(
 
 class PagedKVCache:
     """Keys and values of every layer: each (num_blocks + 1, block_size, kv_heads, head_dim),
-    a tensor of the model's dtype, or an Int8Cache / Int4Cache with ``kv_cache_dtype`` "int8" / "int4"
-    (kv_cache/quantized.py).
+    a tensor of the model's dtype, or an Int8Cache / Int4Cache / HalfCache with ``kv_cache_dtype``
+    "int8" / "int4" / "float16" or "bfloat16" (kv_cache/quantized.py).
 
     The tensors are allocated once; which request owns which block is the
     BlockManager's business, not this class's. Block ``null_block`` (the extra
@@ -112,6 +115,8 @@ class PagedKVCache:
                 return Int8Cache(zeros(size, torch.int8), zeros(size[:3], torch.float32), dtype)
             if kv_cache_dtype == "int4":
                 return Int4Cache.allocate(size, dtype, zeros)
+            if kv_cache_dtype in HALF_DTYPES:
+                return HalfCache.allocate(size, HALF_DTYPES[kv_cache_dtype], dtype, zeros)
             return zeros(size, dtype)
 
         self.keys = [layer_cache(i) for i in range(model.num_layers)]

@@ -7,6 +7,8 @@ and dequantized as blocks are read, so attention's readers are the same as for a
   ``d = m / -8`` where m is the group's element of largest magnitude (sign kept), codes
   ``q = min(15, trunc(x / d + 8.5))`` in 4 bits, ``x ~= (q - 8) d``; d stored as float16. Two codes
   a byte (element 2i in the low nibble, 2i + 1 in the high one): 18 bytes per 32 elements.
+- ``HalfCache`` (``kv_cache_dtype="float16"`` or ``"bfloat16"``): each element rounded to 16 bits
+  (llama.cpp's default f16 cache), no scales; a float32 model reads them widened back exactly.
 """
 
 from __future__ import annotations
@@ -18,8 +20,14 @@ import torch
 INT4_GROUP = 32  # elements per q4_0 group (head_dim must be a multiple)
 
 
+HALF_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}  # kv_cache_dtype -> HalfCache storage
+STORED_DTYPES = ("int8", "int4", *HALF_DTYPES)  # kv_cache_dtype values a QuantizedKV layer stores
+
+
 def quantized_bytes_per_element_row(kv_cache_dtype: str, head_dim: int) -> int:
     """Bytes one (token, kv head) row of `head_dim` takes in a quantized cache, scales included."""
+    if kv_cache_dtype in HALF_DTYPES:
+        return head_dim * 2
     if kv_cache_dtype == "int8":
         return head_dim + 4  # int8 codes + one float32 scale
     if kv_cache_dtype == "int4":
@@ -127,6 +135,31 @@ class Int4Cache(QuantizedKV):
         d = self.scales.index_select(0, flat).to(self.dtype)  # (nb, bs, heads, groups)
         grouped = (codes.to(self.dtype) - 8).unflatten(-1, (d.shape[-1], INT4_GROUP)) * d[..., None]
         return grouped.flatten(-2).view(*blocks.shape, *self.shape[1:])
+
+
+@dataclass
+class HalfCache(QuantizedKV):
+    """One layer's keys (or values) rounded to 16 bits (module doc): data (num_blocks + 1,
+    block_size, kv_heads, head_dim) float16 or bfloat16; scales (num_blocks + 1, 0), empty (block
+    copies and clears move them with the data, as for the other layers)."""
+
+    @staticmethod
+    def allocate(shape: tuple[int, ...], storage: torch.dtype, dtype: torch.dtype, zeros) -> HalfCache:
+        """A cache of `shape` stored as `storage`, read as `dtype`; `zeros(size, dtype)` allocates."""
+        return HalfCache(zeros(shape, storage), zeros((shape[0], 0), storage), dtype)
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    def store(self, slots: torch.Tensor, x: torch.Tensor) -> None:
+        """Round x (T, kv_heads, head_dim) into flat slots (T,) (in place)."""
+        n, bs, heads, dim = self.data.shape
+        self.data.view(n * bs, heads, dim).index_copy_(0, slots, x.to(self.data.dtype))
+
+    def __getitem__(self, blocks: torch.Tensor) -> torch.Tensor:
+        """Blocks widened: data[blocks] -> (*blocks.shape, block_size, kv_heads, head_dim) in ``dtype``."""
+        return self.data[blocks].to(self.dtype)
 
 
 QUANTIZED_CACHES = (QuantizedKV,)  # for isinstance: every quantized layer

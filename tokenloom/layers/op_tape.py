@@ -37,6 +37,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tokenloom.kernels import native
+from tokenloom.kv_cache.quantized import QUANTIZED_CACHES
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -234,16 +235,13 @@ class StepTapes:
 
     def owned(self) -> set[int]:
         """Storages a tape may hold as constants: the model's parameters and buffers, tensors its
-        modules hold outside those (``held_tensors()``: GGUF blocks), the KV cache's."""
+        modules hold outside those (``held_tensors()``: GGUF blocks), the KV cache's (a stored
+        format's codes and scales: kv_cache/quantized.py)."""
         if self._owned is None:
             held = [t for m in self.model.modules() if hasattr(m, "held_tensors") for t in m.held_tensors()]
-            tensors = [
-                *self.model.parameters(),
-                *self.model.buffers(),
-                *held,
-                *self.kv_cache.keys,
-                *self.kv_cache.values,
-            ]
+            layers = [*self.kv_cache.keys, *self.kv_cache.values]
+            cache = [t for c in layers for t in ((c.data, c.scales) if isinstance(c, QUANTIZED_CACHES) else (c,))]
+            tensors = [*self.model.parameters(), *self.model.buffers(), *held, *cache]
             self._owned = _storages(tensors)
         return self._owned
 

@@ -18,6 +18,8 @@
 // per-(slot, kv head) scales) and an int4 one (q4_0: codes two a byte, a float16 scale per group
 // of 32 elements), read in place (their section below): 16 lanes where the AVX-512 build's head
 // size is a multiple of 16, else 8 where it is a multiple of 8, else (int8 only) scalar.
+// paged_decode_half is the same over a 16-bit cache (float16 or bfloat16 elements, no scales),
+// each element widened to float32 exactly as it is read.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -26,6 +28,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "../../kernels/include/rope_row.h"
@@ -670,6 +673,13 @@ struct Lanes1 {
   static V load(const float* p) { return *p; }
   static void store(float* p, V x) { *p = x; }
   static V codes(const int8_t* p) { return static_cast<float>(*p); }
+  static V f16(const uint16_t* p) { return _cvtsh_ss(*p); }
+  static V bf16(const uint16_t* p) {
+    const uint32_t bits = static_cast<uint32_t>(*p) << 16;
+    float x;
+    std::memcpy(&x, &bits, sizeof x);
+    return x;
+  }
   static V fmadd(V a, V b, V c) { return a * b + c; }
   static V mul(V a, V b) { return a * b; }
   static V sums(const V* acc) { return acc[0]; }  // lane i = the sum of acc[i]'s lanes
@@ -684,6 +694,11 @@ struct Lanes8 {
   static void store(float* p, V x) { _mm256_storeu_ps(p, x); }
   static V codes(const int8_t* p) {  // 8 int8 -> 8 floats
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
+  static V f16(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static V bf16(const uint16_t* p) {  // a bfloat16 is a float32's high half
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
   }
   static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
   static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
@@ -709,6 +724,11 @@ struct Lanes16 {
   static void store(float* p, V x) { _mm512_storeu_ps(p, x); }
   static V codes(const int8_t* p) {  // 16 int8 -> 16 floats
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+  static V f16(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static V bf16(const uint16_t* p) {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
   }
   static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
   static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
@@ -860,6 +880,59 @@ struct Int4Rows {
       if (++offset == c.BS) offset = 0, ++block;
     }
     return {at.data(), c.k, c.v, c.k_scales, c.v_scales, n, c.D};
+  }
+};
+
+// A 16-bit cache's arrays: (slot, kv head) r's D elements at r * D, float16 or bfloat16 bits.
+struct HalfKV {
+  const uint16_t *k, *v;
+  int64_t BS, KVH, D;
+};
+
+// Kv head g's n positions of a sequence in a 16-bit cache (BF16: bfloat16, else float16): each
+// one's (slot, kv head) index into HalfKV's arrays. Int8Span's interface: key/value write the
+// elements as floats, exactly (every float16 and bfloat16 is a float32), nothing left to scale.
+template <bool BF16>
+struct HalfSpan {
+  const int64_t* at;  // (n,)
+  const uint16_t *k, *v;
+  int64_t n, D;
+  template <class L>
+  void key(int64_t t, float* dst, int64_t stride) const { convert<L>(k + at[t] * D, dst, stride); }
+  template <class L>
+  void value(int64_t t, float* dst, int64_t stride) const { convert<L>(v + at[t] * D, dst, stride); }
+  float key_scale(int64_t) const { return 1.f; }
+  void weigh(float*) const {}
+  template <int Locality>
+  PREFETCH_INLINE void prefetch_keys(int64_t t0, int64_t t1) const { prefetch<Locality>(k, t0, t1); }
+  template <int Locality>
+  PREFETCH_INLINE void prefetch_values(int64_t t0, int64_t t1) const { prefetch<Locality>(v, t0, t1); }
+
+ private:
+  template <class L>
+  void convert(const uint16_t* p, float* dst, int64_t stride) const {
+    for (int64_t c = 0; c < D / L::N; ++c) L::store(dst + c * stride, BF16 ? L::bf16(p + c * L::N) : L::f16(p + c * L::N));
+  }
+  template <int Locality>
+  PREFETCH_INLINE void prefetch(const uint16_t* base, int64_t t0, int64_t t1) const {
+    for (int64_t t = t0; t < std::min(t1, n); ++t) prefetch_bytes<Locality>(base + at[t] * D, 2 * D);
+  }
+};
+
+// HalfSpan's storage, filled from positions [start, end) of a sequence walked through its block table.
+template <bool BF16>
+struct HalfRows {
+  using Span = HalfSpan<BF16>;
+  std::vector<int64_t> at;
+  Span fill(const HalfKV& c, const int64_t* table, int64_t start, int64_t end, int64_t g) {
+    const int64_t n = end - start;
+    at.resize(n);
+    int64_t block = start / c.BS, offset = start % c.BS;
+    for (int64_t t = 0; t < n; ++t) {
+      at[t] = (table[block] * c.BS + offset) * c.KVH + g;  // (slot, kv head)
+      if (++offset == c.BS) offset = 0, ++block;
+    }
+    return {at.data(), c.k, c.v, n, c.D};
   }
 };
 
@@ -1186,6 +1259,89 @@ at::Tensor paged_decode_int4(const at::Tensor& q, const at::Tensor& k_data, cons
   return out;
 }
 
+// paged_decode over a 16-bit cache: q (B, H, D) float32; k_data, v_data (blocks, block_size, KVH, D)
+// float16 or bfloat16 (both the same); tables, ctx_lens, scale, window, softcap and sinks as
+// paged_decode's. Returns (B, H, D).
+at::Tensor paged_decode_half(const at::Tensor& q, const at::Tensor& k_data, const at::Tensor& v_data,
+                             const at::Tensor& tables, const at::Tensor& ctx_lens, double scale, int64_t window,
+                             double softcap, const c10::optional<at::Tensor>& sinks) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q must be contiguous (B, H, D) float32");
+  const auto kind = k_data.scalar_type();
+  TORCH_CHECK((kind == at::kHalf || kind == at::kBFloat16) && k_data.dim() == 4 && k_data.is_contiguous() &&
+                  v_data.sizes() == k_data.sizes() && v_data.scalar_type() == kind && v_data.is_contiguous(),
+              "caches must be contiguous (blocks, block_size, kv_heads, head_dim), both float16 or both bfloat16");
+  const int64_t H = q.size(1), D = q.size(2), KVH = k_data.size(2), BS = k_data.size(1);
+  TORCH_CHECK(k_data.size(3) == D && H % KVH == 0, "head_dim or head counts disagree");
+  check_tables(tables, ctx_lens, q.size(0), BS);
+  at::Tensor out = at::empty_like(q);
+  const HalfKV c{reinterpret_cast<const uint16_t*>(k_data.data_ptr()), reinterpret_cast<const uint16_t*>(v_data.data_ptr()),
+                 BS, KVH, D};
+  const Shapes s{H, KVH, H / KVH, D, BS, tables.size(1), static_cast<float>(softcap), sink_data(sinks, H)};
+  const float* qp = q.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const auto run = [&](auto rows) {
+    using Rows = decltype(rows);
+#if defined(__AVX512F__)
+    if (D % 16 == 0) return decode_codes_all<Lanes16, Rows>(qp, c, tables, ctx_lens, s, scale, window, op);
+#endif
+    if (D % 8 == 0) decode_codes_all<Lanes8, Rows>(qp, c, tables, ctx_lens, s, scale, window, op);
+    else decode_codes_all<Lanes1, Rows>(qp, c, tables, ctx_lens, s, scale, window, op);
+  };
+  if (kind == at::kBFloat16) run(HalfRows<true>{});
+  else run(HalfRows<false>{});
+  return out;
+}
+
+// x rounded to float16 / bfloat16 bits to nearest, ties to even, as torch's conversions round
+// (a NaN stays a NaN).
+inline uint16_t to_f16(float x) { return _cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline uint16_t to_bf16(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);  // quiet NaN
+  return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+// rope_write_rows for a 16-bit cache: each key rotated (rope_row) and each value, in float32,
+// then rounded into its slot (BF16: bfloat16, else float16).
+template <bool BF16>
+void rope_write_rows_half(const float* x, const float* cp, const float* sp, const int64_t* slot, int64_t b0, int64_t b1,
+                          const RopeShape& r, uint16_t* kc, uint16_t* vc, float* qp) {
+  const int64_t H = r.H, KVH = r.KVH, D = r.D, R = r.R;
+  std::vector<float> key(D);
+  const auto round_into = [](const float* src, uint16_t* dst, int64_t n) {
+    for (int64_t d = 0; d < n; ++d) dst[d] = BF16 ? to_bf16(src[d]) : to_f16(src[d]);
+  };
+  for (int64_t b = b0; b < b1; ++b) {
+    const float *row = x + b * (H + 2 * KVH) * D, *c = cp + b * R, *sn = sp + b * R;
+    for (int64_t h = 0; h < H; ++h) rope_row(row + h * D, c, sn, qp + (b * H + h) * D, D, R);
+    for (int64_t g = 0; g < KVH; ++g) {
+      rope_row(row + (H + g) * D, c, sn, key.data(), D, R);
+      round_into(key.data(), kc + (slot[b] * KVH + g) * D, D);
+    }
+    round_into(row + (H + KVH) * D, vc + slot[b] * KVH * D, KVH * D);
+  }
+}
+
+// rope_write_decode over a 16-bit cache (paged_decode_half's): the step's keys and values rounded
+// into it, then the attention read from it. Returns (B, H * D).
+at::Tensor rope_write_decode_half(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                                  const at::Tensor& k_data, const at::Tensor& v_data, const at::Tensor& slots,
+                                  const at::Tensor& tables, const at::Tensor& ctx_lens, int64_t num_heads, double scale,
+                                  int64_t window, double softcap, const c10::optional<at::Tensor>& sinks) {
+  const auto kind = k_data.scalar_type();
+  TORCH_CHECK((kind == at::kHalf || kind == at::kBFloat16) && k_data.dim() == 4 && k_data.is_contiguous() &&
+                  v_data.sizes() == k_data.sizes() && v_data.scalar_type() == kind && v_data.is_contiguous(),
+              "caches must be contiguous (blocks, block_size, kv_heads, head_dim), both float16 or both bfloat16");
+  const RopeShape r = check_rope_write(qkv, cos, sin, k_data, slots, num_heads);
+  at::Tensor q = at::empty({r.B, r.H, r.D}, qkv.options());
+  const auto bits = [](const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); };
+  const auto write = kind == at::kBFloat16 ? rope_write_rows_half<true> : rope_write_rows_half<false>;
+  write(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), slots.data_ptr<int64_t>(), 0, r.B, r,
+        bits(k_data), bits(v_data), q.data_ptr<float>());
+  return paged_decode_half(q, k_data, v_data, tables, ctx_lens, scale, window, softcap, sinks).view({r.B, r.H * r.D});
+}
+
 // One call for a decode step's attention block: rope_write of the step's one token per
 // sequence, then paged_decode's attention. Returns (B, H * D). Replaces a dozen small ops
 // per layer.
@@ -1221,6 +1377,11 @@ TORCH_LIBRARY(TOKENLOOM_ATTENTION_LIBRARY, m) {
         "Tensor ctx_lens, float scale, int window, float softcap, Tensor? sinks=None) -> Tensor");
   m.def("paged_decode_int4(Tensor q, Tensor k_data, Tensor k_scales, Tensor v_data, Tensor v_scales, Tensor tables, "
         "Tensor ctx_lens, float scale, int window, float softcap, Tensor? sinks=None) -> Tensor");
+  m.def("rope_write_decode_half(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_data, Tensor(b!) v_data, "
+        "Tensor slots, Tensor tables, Tensor ctx_lens, int num_heads, float scale, int window, float softcap, "
+        "Tensor? sinks=None) -> Tensor");
+  m.def("paged_decode_half(Tensor q, Tensor k_data, Tensor v_data, Tensor tables, Tensor ctx_lens, float scale, "
+        "int window, float softcap, Tensor? sinks=None) -> Tensor");
   m.def("paged_decode_out(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables, Tensor ctx_lens, float scale, "
         "int window, float softcap, Tensor? sinks, Tensor(a!) out) -> ()");
 }
@@ -1232,4 +1393,6 @@ TORCH_LIBRARY_IMPL(TOKENLOOM_ATTENTION_LIBRARY, CPU, m) {
   m.impl("paged_decode_out", &paged_decode_out);
   m.impl("paged_decode_int8", &paged_decode_int8);
   m.impl("paged_decode_int4", &paged_decode_int4);
+  m.impl("paged_decode_half", &paged_decode_half);
+  m.impl("rope_write_decode_half", &rope_write_decode_half);
 }
