@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.kernels.test_decode_int8 import BS, assert_matches, attend, reference
+from tests.kernels.test_decode_int8 import BS, assert_matches, attend, reference, scattered_tables
 from tokenloom.attention import cpu_decode
 from tokenloom.kernels import native
 from tokenloom.kv_cache.quantized import HALF_DTYPES, HalfCache
@@ -30,12 +30,7 @@ def paged_half(lens: list[int], heads: int, kv_heads: int, head_dim: int, seed: 
     gen = torch.Generator().manual_seed(seed)
     num_blocks = sum(-(-n // BS) for n in lens) + 3
     k, v = (half_cache(num_blocks, kv_heads, head_dim, storage, gen) for _ in range(2))
-    order = torch.randperm(num_blocks, generator=gen).tolist()
-    tables, used = [], 0
-    for n in lens:
-        tables.append(torch.tensor(order[used : used + -(-n // BS)]))
-        used += len(tables[-1])
-    return k, v, tables, torch.randn(len(lens), heads, head_dim, generator=gen)
+    return k, v, scattered_tables(lens, num_blocks, gen), torch.randn(len(lens), heads, head_dim, generator=gen)
 
 
 @pytest.mark.parametrize("storage", sorted(HALF_DTYPES))

@@ -17,6 +17,7 @@ from tests.kernels.test_decode_int8 import (
     decode_meta,
     paged_int8,
     reference,
+    scattered_tables,
     spy_on_attend,
 )
 from tokenloom.attention import backend, cpu_decode
@@ -49,12 +50,7 @@ def paged_int4(lens: list[int], heads: int, kv_heads: int, head_dim: int, seed: 
     gen = torch.Generator().manual_seed(seed)
     num_blocks = sum(-(-n // BS) for n in lens) + 3
     k, v = int4_cache(num_blocks, kv_heads, head_dim, gen), int4_cache(num_blocks, kv_heads, head_dim, gen)
-    order = torch.randperm(num_blocks, generator=gen).tolist()
-    tables, used = [], 0
-    for n in lens:
-        tables.append(torch.tensor(order[used : used + -(-n // BS)]))
-        used += len(tables[-1])
-    return k, v, tables, torch.randn(len(lens), heads, head_dim, generator=gen)
+    return k, v, scattered_tables(lens, num_blocks, gen), torch.randn(len(lens), heads, head_dim, generator=gen)
 
 
 def context_slots(lens: list[int], tables: list[torch.Tensor]) -> torch.Tensor:

@@ -34,12 +34,18 @@ def paged_int8(lens: list[int], heads: int, kv_heads: int, head_dim: int, seed: 
     gen = torch.Generator().manual_seed(seed)
     num_blocks = sum(-(-n // BS) for n in lens) + 3
     k, v = int8_cache(num_blocks, kv_heads, head_dim, gen), int8_cache(num_blocks, kv_heads, head_dim, gen)
+    return k, v, scattered_tables(lens, num_blocks, gen), torch.randn(len(lens), heads, head_dim, generator=gen)
+
+
+def scattered_tables(lens: list[int], num_blocks: int, gen: torch.Generator) -> list[torch.Tensor]:
+    """Each sequence's block table: its blocks taken in turn from a random order of the cache's
+    `num_blocks`, so no two sequences share one and none lies next to the one before."""
     order = torch.randperm(num_blocks, generator=gen).tolist()
     tables, used = [], 0
     for n in lens:
         tables.append(torch.tensor(order[used : used + -(-n // BS)]))
         used += len(tables[-1])
-    return k, v, tables, torch.randn(len(lens), heads, head_dim, generator=gen)
+    return tables
 
 
 def decode_meta(lens: list[int], tables: list[torch.Tensor], null_block: int) -> AttentionMetadata:

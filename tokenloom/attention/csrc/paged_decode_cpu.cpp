@@ -867,19 +867,25 @@ struct Int4Span {
   }
 };
 
+// at = the (slot, kv head g) index of each of positions [start, end) of a sequence walked
+// through its block table (blocks of BS slots, KVH kv heads a slot).
+inline void slot_heads(const int64_t* table, int64_t BS, int64_t KVH, int64_t start, int64_t end, int64_t g,
+                       std::vector<int64_t>& at) {
+  at.resize(end - start);
+  int64_t block = start / BS, offset = start % BS;
+  for (int64_t t = 0; t < end - start; ++t) {
+    at[t] = (table[block] * BS + offset) * KVH + g;
+    if (++offset == BS) offset = 0, ++block;
+  }
+}
+
 // Int4Span's storage, filled from positions [start, end) of a sequence walked through its block table.
 struct Int4Rows {
   using Span = Int4Span;
   std::vector<int64_t> at;
   Int4Span fill(const Int4KV& c, const int64_t* table, int64_t start, int64_t end, int64_t g) {
-    const int64_t n = end - start;
-    at.resize(n);
-    int64_t block = start / c.BS, offset = start % c.BS;
-    for (int64_t t = 0; t < n; ++t) {
-      at[t] = (table[block] * c.BS + offset) * c.KVH + g;  // (slot, kv head)
-      if (++offset == c.BS) offset = 0, ++block;
-    }
-    return {at.data(), c.k, c.v, c.k_scales, c.v_scales, n, c.D};
+    slot_heads(table, c.BS, c.KVH, start, end, g, at);
+    return {at.data(), c.k, c.v, c.k_scales, c.v_scales, end - start, c.D};
   }
 };
 
@@ -925,14 +931,8 @@ struct HalfRows {
   using Span = HalfSpan<BF16>;
   std::vector<int64_t> at;
   Span fill(const HalfKV& c, const int64_t* table, int64_t start, int64_t end, int64_t g) {
-    const int64_t n = end - start;
-    at.resize(n);
-    int64_t block = start / c.BS, offset = start % c.BS;
-    for (int64_t t = 0; t < n; ++t) {
-      at[t] = (table[block] * c.BS + offset) * c.KVH + g;  // (slot, kv head)
-      if (++offset == c.BS) offset = 0, ++block;
-    }
-    return {at.data(), c.k, c.v, n, c.D};
+    slot_heads(table, c.BS, c.KVH, start, end, g, at);
+    return {at.data(), c.k, c.v, end - start, c.D};
   }
 };
 
