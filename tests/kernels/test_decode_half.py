@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.kernels.test_decode_int8 import BS, assert_matches, attend, reference, scattered_tables
+from tests.kernels.test_decode_int8 import BS, assert_matches, attend, paged, reference
 from tokenloom.attention import cpu_decode
 from tokenloom.kernels import native
 from tokenloom.kv_cache.quantized import HALF_DTYPES, HalfCache
@@ -27,10 +27,7 @@ def half_cache(num_blocks: int, kv_heads: int, head_dim: int, storage: str, gen:
 
 def paged_half(lens: list[int], heads: int, kv_heads: int, head_dim: int, seed: int = 0, storage: str = "float16"):
     """Key and value caches, each sequence's blocks scattered, one query per sequence."""
-    gen = torch.Generator().manual_seed(seed)
-    num_blocks = sum(-(-n // BS) for n in lens) + 3
-    k, v = (half_cache(num_blocks, kv_heads, head_dim, storage, gen) for _ in range(2))
-    return k, v, scattered_tables(lens, num_blocks, gen), torch.randn(len(lens), heads, head_dim, generator=gen)
+    return paged(lambda n, gen: half_cache(n, kv_heads, head_dim, storage, gen), lens, heads, head_dim, seed)
 
 
 @pytest.mark.parametrize("storage", sorted(HALF_DTYPES))

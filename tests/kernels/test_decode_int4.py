@@ -1,6 +1,9 @@
 """The CPU decode kernel over an int4 (q4_0) KV cache (paged_decode_int4: packed codes and float16
 group scales read in place) against attention in float64 over the same cache dequantized by
-Int4Cache itself; and the step-level tests every stored format (int8, int4, 16-bit) shares."""
+Int4Cache itself; the checks the int8 and int4 paths share (the float64 reference at every head
+size, windows, soft-capping, sinks, the same
+bits alone, batched and on any thread count); and the step-level tests every stored format (int8,
+int4, 16-bit) shares."""
 
 from __future__ import annotations
 
@@ -15,9 +18,9 @@ from tests.kernels.test_decode_int8 import (
     assert_matches,
     attend,
     decode_meta,
+    paged,
     paged_int8,
     reference,
-    scattered_tables,
     spy_on_attend,
 )
 from tokenloom.attention import backend, cpu_decode
@@ -47,10 +50,7 @@ def int4_cache(num_blocks: int, kv_heads: int, head_dim: int, gen: torch.Generat
 
 def paged_int4(lens: list[int], heads: int, kv_heads: int, head_dim: int, seed: int = 0):
     """Key and value caches, each sequence's blocks scattered, one query per sequence."""
-    gen = torch.Generator().manual_seed(seed)
-    num_blocks = sum(-(-n // BS) for n in lens) + 3
-    k, v = int4_cache(num_blocks, kv_heads, head_dim, gen), int4_cache(num_blocks, kv_heads, head_dim, gen)
-    return k, v, scattered_tables(lens, num_blocks, gen), torch.randn(len(lens), heads, head_dim, generator=gen)
+    return paged(lambda n, gen: int4_cache(n, kv_heads, head_dim, gen), lens, heads, head_dim, seed)
 
 
 def context_slots(lens: list[int], tables: list[torch.Tensor]) -> torch.Tensor:
@@ -64,16 +64,6 @@ def group_and_a_half() -> Int4Cache:
     return Int4Cache(codes, scales, torch.float32)
 
 
-@pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 256])  # 96: a column tail of the 16-lane build
-@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (14, 2), (4, 1)])  # 1, 4, 7 and 4 heads a kv head
-def test_int4_kernel_equals_the_dequantized_cache(kernel_build, head_dim, heads, kv_heads):
-    k, v, tables, q = paged_int4(EDGES, heads, kv_heads, head_dim, seed=head_dim + heads)
-    assert cpu_decode.usable(q, k)
-    got = attend(q, k, v, EDGES, tables, head_dim**-0.5)
-    assert got.shape == q.shape and got.dtype == torch.float32
-    assert_matches(got, reference(q, k, v, EDGES, tables, head_dim**-0.5))
-
-
 @pytest.mark.parametrize("head_dim", [32, 64, 128, 256])
 def test_one_attended_position_reads_its_value_as_int4cache_dequantizes_it(kernel_build, head_dim):
     """A softmax over one position weighs it by exactly 1: each head's output is that position's
@@ -85,57 +75,6 @@ def test_one_attended_position_reads_its_value_as_int4cache_dequantizes_it(kerne
     last = values[torch.arange(3), torch.tensor([(n - 1) % BS for n in lens])].repeat_interleave(4, 1)
     assert torch.equal(attend(q, k, v, lens, tables, 0.1, window=1), last)
     assert torch.equal(attend(q[:1], k, v, lens[:1], tables[:1], 0.1), last[:1])
-
-
-@pytest.mark.parametrize("window", [1, 7, 16, 40, 5000])
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_int4_kernel_attends_to_the_last_window_positions(kernel_build, window, head_dim):
-    k, v, tables, q = paged_int4(EDGES, 6, 2, head_dim, seed=window)
-    got = attend(q, k, v, EDGES, tables, 0.1, window)
-    assert_matches(got, reference(q, k, v, EDGES, tables, 0.1, window))
-
-
-@pytest.mark.parametrize("window", [None, 20])
-@pytest.mark.parametrize("head_dim", [64, 256])
-def test_int4_kernel_soft_caps_scores(kernel_build, window, head_dim):
-    k, v, tables, q = paged_int4(EDGES, 8, 2, head_dim, seed=5)
-    q *= 4  # scores large enough for the cap to bend them
-    got = attend(q, k, v, EDGES, tables, head_dim**-0.5, window, softcap=5.0)
-    assert_matches(got, reference(q, k, v, EDGES, tables, head_dim**-0.5, window, softcap=5.0))
-    plain = attend(q, k, v, EDGES, tables, head_dim**-0.5, window)
-    assert not torch.allclose(got, plain, atol=1e-3)  # the cap changed something
-
-
-@pytest.mark.parametrize("window", [None, 9])
-@pytest.mark.parametrize("head_dim", [32, 64])
-def test_int4_kernel_counts_each_heads_sink(kernel_build, window, head_dim):
-    k, v, tables, q = paged_int4(EDGES, 4, 2, head_dim, seed=11)
-    sinks = 2 * torch.randn(4, generator=torch.Generator().manual_seed(1))
-    got = attend(q, k, v, EDGES, tables, 0.3, window, sinks=sinks)
-    assert_matches(got, reference(q, k, v, EDGES, tables, 0.3, window, sinks=sinks))
-    plain = attend(q, k, v, EDGES, tables, 0.3, window)
-    assert not torch.allclose(got, plain, atol=1e-3)
-
-
-def test_a_sequence_gets_the_same_bits_alone_batched_and_on_any_thread_count(kernel_build):
-    """Each head's arithmetic does not depend on the task it runs in: a sequence alone, among
-    others, split over 1 or 2 threads (by kv head, or by share of a kv head's query heads)."""
-    lens = [5, 200, 33, 1000]
-    for heads, kv_heads in [(8, 2), (4, 1), (14, 2)]:
-        k, v, tables, q = paged_int4(lens, heads, kv_heads, 64, seed=heads)
-        before = torch.get_num_threads()
-        try:
-            results = []
-            for threads in (1, 2):
-                torch.set_num_threads(threads)
-                batched = attend(q, k, v, lens, tables, 0.125, softcap=20.0)
-                for i in range(len(lens)):
-                    alone = attend(q[i : i + 1], k, v, lens[i : i + 1], tables[i : i + 1], 0.125, softcap=20.0)
-                    assert torch.equal(batched[i : i + 1], alone)
-                results.append(batched)
-        finally:
-            torch.set_num_threads(before)
-        assert torch.equal(results[0], results[1])
 
 
 @pytest.mark.parametrize("head_dim", [32, 64, 128])
@@ -180,6 +119,77 @@ QUANTIZED = {  # (caches and tables, layer type)
     "int4": (paged_int4, Int4Cache),
     "float16": (paged_half, HalfCache),
 }
+
+
+# The checks every code format's kernel path gets alike (the 16-bit one has its own, test_decode_half.py).
+CODES = ["int8", "int4"]
+
+
+@pytest.mark.parametrize(
+    "kind,head_dim",  # int8's 20: scalar lanes; 80 and 96: a column tail of the 16-lane build
+    [*(("int8", d) for d in (20, 32, 64, 80, 128, 256)), *(("int4", d) for d in (32, 64, 96, 128, 256))],
+)
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (14, 2), (4, 1)])  # 1, 4, 7 and 4 heads a kv head
+def test_the_kernel_equals_the_dequantized_cache(kernel_build, kind, head_dim, heads, kv_heads):
+    k, v, tables, q = QUANTIZED[kind][0](EDGES, heads, kv_heads, head_dim, seed=head_dim + heads)
+    assert cpu_decode.usable(q, k)
+    got = attend(q, k, v, EDGES, tables, head_dim**-0.5)
+    assert got.shape == q.shape and got.dtype == torch.float32
+    assert_matches(got, reference(q, k, v, EDGES, tables, head_dim**-0.5))
+
+
+@pytest.mark.parametrize("kind", CODES)
+@pytest.mark.parametrize("window", [1, 7, 16, 40, 5000])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_the_kernel_attends_to_the_last_window_positions(kernel_build, kind, window, head_dim):
+    k, v, tables, q = QUANTIZED[kind][0](EDGES, 6, 2, head_dim, seed=window)
+    got = attend(q, k, v, EDGES, tables, 0.1, window)
+    assert_matches(got, reference(q, k, v, EDGES, tables, 0.1, window))
+
+
+@pytest.mark.parametrize("kind", CODES)
+@pytest.mark.parametrize("window", [None, 20])
+@pytest.mark.parametrize("head_dim", [64, 256])
+def test_the_kernel_soft_caps_scores(kernel_build, kind, window, head_dim):
+    k, v, tables, q = QUANTIZED[kind][0](EDGES, 8, 2, head_dim, seed=5)
+    q *= 4  # scores large enough for the cap to bend them
+    got = attend(q, k, v, EDGES, tables, head_dim**-0.5, window, softcap=5.0)
+    assert_matches(got, reference(q, k, v, EDGES, tables, head_dim**-0.5, window, softcap=5.0))
+    plain = attend(q, k, v, EDGES, tables, head_dim**-0.5, window)
+    assert not torch.allclose(got, plain, atol=1e-3)  # the cap changed something
+
+
+@pytest.mark.parametrize("window", [None, 9])
+@pytest.mark.parametrize("kind,head_dim", [("int8", 20), ("int8", 32), ("int8", 64), ("int4", 32), ("int4", 64)])
+def test_the_kernel_counts_each_heads_sink(kernel_build, kind, window, head_dim):  # int8's 20: scalar lanes
+    k, v, tables, q = QUANTIZED[kind][0](EDGES, 4, 2, head_dim, seed=11)
+    sinks = 2 * torch.randn(4, generator=torch.Generator().manual_seed(1))
+    got = attend(q, k, v, EDGES, tables, 0.3, window, sinks=sinks)
+    assert_matches(got, reference(q, k, v, EDGES, tables, 0.3, window, sinks=sinks))
+    plain = attend(q, k, v, EDGES, tables, 0.3, window)
+    assert not torch.allclose(got, plain, atol=1e-3)
+
+
+@pytest.mark.parametrize("kind", CODES)
+def test_a_sequence_gets_the_same_bits_alone_batched_and_on_any_thread_count(kernel_build, kind):
+    """Each head's arithmetic does not depend on the task it runs in: a sequence alone, among
+    others, split over 1 or 2 threads (by kv head, or by share of a kv head's query heads)."""
+    lens = [5, 200, 33, 1000]
+    for heads, kv_heads in [(8, 2), (4, 1), (14, 2)]:
+        k, v, tables, q = QUANTIZED[kind][0](lens, heads, kv_heads, 64, seed=heads)
+        before = torch.get_num_threads()
+        try:
+            results = []
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                batched = attend(q, k, v, lens, tables, 0.125, softcap=20.0)
+                for i in range(len(lens)):
+                    alone = attend(q[i : i + 1], k, v, lens[i : i + 1], tables[i : i + 1], 0.125, softcap=20.0)
+                    assert torch.equal(batched[i : i + 1], alone)
+                results.append(batched)
+        finally:
+            torch.set_num_threads(before)
+        assert torch.equal(results[0], results[1])
 
 
 @pytest.mark.parametrize("kind", sorted(QUANTIZED))

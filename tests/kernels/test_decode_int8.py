@@ -1,5 +1,7 @@
 """The CPU decode kernel over an int8 KV cache (paged_decode_int8: codes and scales read in
-place) against attention in float64 over the same cache dequantized by Int8Cache itself."""
+place) against attention in float64 over the same cache dequantized by Int8Cache itself. That
+reference at every head size, windows, soft-capping, sinks and batch/thread invariance are checked
+for int8 and int4 alike in test_decode_int4.py."""
 
 from __future__ import annotations
 
@@ -31,21 +33,22 @@ def int8_cache(num_blocks: int, kv_heads: int, head_dim: int, gen: torch.Generat
 
 def paged_int8(lens: list[int], heads: int, kv_heads: int, head_dim: int, seed: int = 0):
     """Key and value caches, each sequence's blocks scattered, one query per sequence."""
+    return paged(lambda n, gen: int8_cache(n, kv_heads, head_dim, gen), lens, heads, head_dim, seed)
+
+
+def paged(make_cache, lens: list[int], heads: int, head_dim: int, seed: int):
+    """(keys, values, block tables, queries): two caches of random rows from `make_cache(num_blocks,
+    gen)`, just big enough for `lens`; each sequence's blocks taken in turn from a random order of the
+    cache's, so no two sequences share one and none lies next to the one before; one query each."""
     gen = torch.Generator().manual_seed(seed)
     num_blocks = sum(-(-n // BS) for n in lens) + 3
-    k, v = int8_cache(num_blocks, kv_heads, head_dim, gen), int8_cache(num_blocks, kv_heads, head_dim, gen)
-    return k, v, scattered_tables(lens, num_blocks, gen), torch.randn(len(lens), heads, head_dim, generator=gen)
-
-
-def scattered_tables(lens: list[int], num_blocks: int, gen: torch.Generator) -> list[torch.Tensor]:
-    """Each sequence's block table: its blocks taken in turn from a random order of the cache's
-    `num_blocks`, so no two sequences share one and none lies next to the one before."""
+    k, v = make_cache(num_blocks, gen), make_cache(num_blocks, gen)
     order = torch.randperm(num_blocks, generator=gen).tolist()
     tables, used = [], 0
     for n in lens:
         tables.append(torch.tensor(order[used : used + -(-n // BS)]))
         used += len(tables[-1])
-    return tables
+    return k, v, tables, torch.randn(len(lens), heads, head_dim, generator=gen)
 
 
 def decode_meta(lens: list[int], tables: list[torch.Tensor], null_block: int) -> AttentionMetadata:
@@ -93,70 +96,6 @@ def assert_matches(got: torch.Tensor, want: torch.Tensor) -> None:
     """The dequantized cache's result, float32 rounding apart: within 2e-6 of the largest output
     (the float kernel over the dequantized cache is off by up to ~1e-6 of it too)."""
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=2e-6 * want.abs().max().item())
-
-
-EDGES = [1, BS - 1, BS, BS + 1, 3 * BS, 5 * BS + 7, 1000]  # around block edges, several blocks, long
-
-
-@pytest.mark.parametrize("head_dim", [20, 32, 64, 80, 128, 256])  # 20: scalar lanes; 80: a column tail
-@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (14, 2), (4, 1)])  # 1, 4, 7 and 4 heads a kv head
-def test_int8_kernel_equals_the_dequantized_cache(kernel_build, head_dim, heads, kv_heads):
-    k, v, tables, q = paged_int8(EDGES, heads, kv_heads, head_dim, seed=head_dim + heads)
-    assert cpu_decode.usable(q, k)
-    got = attend(q, k, v, EDGES, tables, head_dim**-0.5)
-    assert got.shape == q.shape and got.dtype == torch.float32
-    assert_matches(got, reference(q, k, v, EDGES, tables, head_dim**-0.5))
-
-
-@pytest.mark.parametrize("window", [1, 7, 16, 40, 5000])
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_int8_kernel_attends_to_the_last_window_positions(kernel_build, window, head_dim):
-    k, v, tables, q = paged_int8(EDGES, 6, 2, head_dim, seed=window)
-    got = attend(q, k, v, EDGES, tables, 0.1, window)
-    assert_matches(got, reference(q, k, v, EDGES, tables, 0.1, window))
-
-
-@pytest.mark.parametrize("window", [None, 20])
-@pytest.mark.parametrize("head_dim", [64, 256])
-def test_int8_kernel_soft_caps_scores(kernel_build, window, head_dim):
-    k, v, tables, q = paged_int8(EDGES, 8, 2, head_dim, seed=5)
-    q *= 4  # scores large enough for the cap to bend them
-    got = attend(q, k, v, EDGES, tables, head_dim**-0.5, window, softcap=5.0)
-    assert_matches(got, reference(q, k, v, EDGES, tables, head_dim**-0.5, window, softcap=5.0))
-    plain = attend(q, k, v, EDGES, tables, head_dim**-0.5, window)
-    assert not torch.allclose(got, plain, atol=1e-3)  # the cap changed something
-
-
-@pytest.mark.parametrize("window", [None, 9])
-@pytest.mark.parametrize("head_dim", [32, 64, 20])
-def test_int8_kernel_counts_each_heads_sink(kernel_build, window, head_dim):
-    k, v, tables, q = paged_int8(EDGES, 4, 2, head_dim, seed=11)
-    sinks = 2 * torch.randn(4, generator=torch.Generator().manual_seed(1))
-    got = attend(q, k, v, EDGES, tables, 0.3, window, sinks=sinks)
-    assert_matches(got, reference(q, k, v, EDGES, tables, 0.3, window, sinks=sinks))
-    plain = attend(q, k, v, EDGES, tables, 0.3, window)
-    assert not torch.allclose(got, plain, atol=1e-3)
-
-
-def test_a_sequence_gets_the_same_bits_alone_batched_and_on_any_thread_count(kernel_build):
-    """Each head's arithmetic does not depend on the task it runs in: a sequence alone, among
-    others, split over 1 or 2 threads (by kv head, or by share of a kv head's query heads)."""
-    lens = [5, 200, 33, 1000]
-    for heads, kv_heads in [(8, 2), (4, 1)]:
-        k, v, tables, q = paged_int8(lens, heads, kv_heads, 64, seed=heads)
-        before = torch.get_num_threads()
-        try:
-            results = []
-            for threads in (1, 2):
-                torch.set_num_threads(threads)
-                batched = attend(q, k, v, lens, tables, 0.125, softcap=20.0)
-                for i in range(len(lens)):
-                    alone = attend(q[i : i + 1], k, v, lens[i : i + 1], tables[i : i + 1], 0.125, softcap=20.0)
-                    assert torch.equal(batched[i : i + 1], alone)
-                results.append(batched)
-        finally:
-            torch.set_num_threads(before)
-        assert torch.equal(results[0], results[1])
 
 
 def test_int8_kernel_reads_nothing_past_a_context(kernel_build):

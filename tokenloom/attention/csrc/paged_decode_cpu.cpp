@@ -1112,6 +1112,19 @@ void decode_codes_all(const float* qp, const KV& c, const at::Tensor& tables, co
   });
 }
 
+// decode_codes_all on the widest lanes head_dim D fills: 16 (AVX-512 build, D % 16 == 0), else 8
+// (D % 8 == 0), else scalar (int8 and 16-bit rows; int4's groups of 32 always fill 16 or 8, and
+// Lanes1 has no q4_group).
+template <class Rows, class KV>
+void decode_codes_lanes(const float* qp, const KV& c, const at::Tensor& tables, const at::Tensor& ctx_lens,
+                        const Shapes& s, float scale, int64_t window, float* op) {
+#if defined(__AVX512F__)
+  if (s.D % 16 == 0) return decode_codes_all<Lanes16, Rows>(qp, c, tables, ctx_lens, s, scale, window, op);
+#endif
+  if (s.D % 8 == 0) decode_codes_all<Lanes8, Rows>(qp, c, tables, ctx_lens, s, scale, window, op);
+  else decode_codes_all<Lanes1, Rows>(qp, c, tables, ctx_lens, s, scale, window, op);
+}
+
 // The shapes rope_write's arguments give: rows B, heads H, kv heads KVH, head_dim D, rotary dims R.
 struct RopeShape {
   int64_t B, H, KVH, D, R;
@@ -1216,11 +1229,7 @@ at::Tensor paged_decode_int8(const at::Tensor& q, const at::Tensor& k_data, cons
   const Shapes s{H, KVH, H / KVH, D, BS, tables.size(1), static_cast<float>(softcap), sink_data(sinks, H)};
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
-#if defined(__AVX512F__)
-  if (D % 16 == 0) return decode_codes_all<Lanes16, Int8Rows>(qp, c, tables, ctx_lens, s, scale, window, op), out;
-#endif
-  if (D % 8 == 0) decode_codes_all<Lanes8, Int8Rows>(qp, c, tables, ctx_lens, s, scale, window, op);
-  else decode_codes_all<Lanes1, Int8Rows>(qp, c, tables, ctx_lens, s, scale, window, op);
+  decode_codes_lanes<Int8Rows>(qp, c, tables, ctx_lens, s, scale, window, op);
   return out;
 }
 
@@ -1279,16 +1288,8 @@ at::Tensor paged_decode_half(const at::Tensor& q, const at::Tensor& k_data, cons
   const Shapes s{H, KVH, H / KVH, D, BS, tables.size(1), static_cast<float>(softcap), sink_data(sinks, H)};
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const auto run = [&](auto rows) {
-    using Rows = decltype(rows);
-#if defined(__AVX512F__)
-    if (D % 16 == 0) return decode_codes_all<Lanes16, Rows>(qp, c, tables, ctx_lens, s, scale, window, op);
-#endif
-    if (D % 8 == 0) decode_codes_all<Lanes8, Rows>(qp, c, tables, ctx_lens, s, scale, window, op);
-    else decode_codes_all<Lanes1, Rows>(qp, c, tables, ctx_lens, s, scale, window, op);
-  };
-  if (kind == at::kBFloat16) run(HalfRows<true>{});
-  else run(HalfRows<false>{});
+  if (kind == at::kBFloat16) decode_codes_lanes<HalfRows<true>>(qp, c, tables, ctx_lens, s, scale, window, op);
+  else decode_codes_lanes<HalfRows<false>>(qp, c, tables, ctx_lens, s, scale, window, op);
   return out;
 }
 
