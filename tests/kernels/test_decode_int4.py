@@ -295,6 +295,10 @@ def test_quantized_cache_greedy_decoding_is_the_same_on_the_kernel_as_on_the_tor
     torch_llm, torch_tokens, torch_logprobs = generate()
     assert torch_llm.engine.core.runner.zero_fresh_blocks
     assert tokens == torch_tokens
+    # int8/int4 codes are written from keys and values whose float inputs differ by rounding between
+    # the two paths, so a value at a rounding edge can take the neighbouring code on one of them (seen
+    # on AVX-512: 5.7e-4 on one logprob of 30); a kernel that misreads a code is off by far more
+    tolerance = 2e-3 if kind in CODES else 1e-4
     for got, want in zip(logprobs, torch_logprobs):
-        assert got == pytest.approx(want, abs=1e-4)
+        assert got == pytest.approx(want, abs=tolerance)
         assert all(math.isfinite(x) for x in got)
