@@ -26,7 +26,7 @@ from tests.kernels.test_decode_int8 import (
 from tokenloom.attention import backend, cpu_decode
 from tokenloom.attention.metadata import AttentionMetadata
 from tokenloom.kernels import native
-from tokenloom.kv_cache.quantized import INT4_GROUP, HalfCache, Int4Cache, Int8Cache
+from tokenloom.kv_cache.quantized import HALF_DTYPES, INT4_GROUP, HalfCache, Int4Cache, Int8Cache
 
 pytestmark = pytest.mark.skipif(not native.cpu_has_avx2(), reason="the kernel needs AVX2 + FMA")
 
@@ -192,12 +192,87 @@ def test_a_sequence_gets_the_same_bits_alone_batched_and_on_any_thread_count(ker
         assert torch.equal(results[0], results[1])
 
 
+FUSED = {  # kv_cache_dtype -> (caches and tables, the fused all-decode op, the cache arrays it takes)
+    "float16": (paged_half, "rope_write_decode_half", lambda c: [c.data]),
+    "bfloat16": (
+        lambda *a, **kw: paged_half(*a, **kw, storage="bfloat16"),
+        "rope_write_decode_half",
+        lambda c: [c.data],
+    ),
+    "int8": (paged_int8, "rope_write_decode_int8", lambda c: [c.data, c.scales]),
+    "int4": (paged_int4, "rope_write_decode_int4", lambda c: [c.data, c.scales]),
+}
+
+
+def values_at_rounding_edges(kind: str, value_row: torch.Tensor) -> None:
+    """Write into one value row (head_dim,) (values are not rotated) elements that land exactly on
+    the format's rounding edges: ties of float16/bfloat16 and of int8's round (scale 1), int4's
+    first-of-equal-magnitudes maximum, an element at a code's edge, one clamped, an all-zero group."""
+    value_row.zero_()
+    if kind in HALF_DTYPES:
+        value_row[0] = 1 + (2**-11 if kind == "float16" else 2**-8)  # halfway: to 1.0, the even side
+    elif kind == "int8":
+        value_row[:4] = torch.tensor([127.0, 0.5, 1.5, -2.5])  # scale 1: codes 127, 0, 2, -2
+    else:  # int4: m = +4 (the first of +-4), d = -0.5, codes trunc(x * -2 + 8.5): 0, 15, 8, 15
+        value_row[:4] = torch.tensor([4.0, -4.0, 0.25, -3.75])  # the next 32 stay zero: d = 0, codes 8
+
+
+def expected_edge_values(kind: str) -> list[float]:
+    """values_at_rounding_edges' first four elements as the cache reads them back."""
+    return {
+        "float16": [1.0, 0.0, 0.0, 0.0],
+        "bfloat16": [1.0, 0.0, 0.0, 0.0],
+        "int8": [127.0, 0.0, 2.0, -2.0],
+        "int4": [4.0, -3.5, 0.0, -3.5],
+    }[kind]
+
+
+@pytest.mark.parametrize("kind", sorted(FUSED))
+@pytest.mark.parametrize("heads,kv_heads,head_dim,rotary_dim", [(6, 2, 32, 32), (9, 3, 64, 64), (4, 2, 64, 48)])
+def test_the_fused_decode_block_stores_what_it_writes_as_the_cache_layer_does(
+    kernel_build, kind, heads, kv_heads, head_dim, rotary_dim
+):
+    """rope_write_decode_half/_int8/_int4 (one call) against the op-by-op path: the fused rope in
+    float32, the cache layer's own ``store`` (torch's rounding or quantization), the decode kernel.
+    The same bits for the written codes, scales and output, rounding edges included."""
+    from tokenloom.layers import fused
+    from tokenloom.layers.rope import apply_rope, rope_cos_sin
+
+    make, op_name, arrays = FUSED[kind]
+    lens = [5, 40, 17]
+    k, v, tables, _ = make(lens, heads, kv_heads, head_dim, seed=4)
+    gen = torch.Generator().manual_seed(5)
+    qkv = torch.randn(len(lens), (heads + 2 * kv_heads) * head_dim, generator=gen) * 3
+    values_at = (heads + kv_heads) * head_dim
+    values_at_rounding_edges(kind, qkv[0, values_at : values_at + head_dim])  # sequence 0, value head 0
+    positions = torch.tensor(lens) - 1
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim))
+    cos, sin = rope_cos_sin(inv_freq, positions, torch.float32)
+    slots = torch.stack([tables[i][(n - 1) // BS] * BS + (n - 1) % BS for i, n in enumerate(lens)])
+    k_ref, v_ref = (type(c)(c.data.clone(), c.scales.clone(), c.dtype) for c in (k, v))
+    assert fused.build()
+    qk = apply_rope(qkv[:, :values_at].view(len(lens), -1, head_dim), cos, sin)
+    k_ref.store(slots, qk[:, heads:])
+    v_ref.store(slots, qkv[:, values_at:].view(len(lens), kv_heads, head_dim))
+    meta = AttentionMetadata(slots, [0, 1, 2], [1, 1, 1], lens, tables, null_block=k.data.shape[0] - 1)
+    want = cpu_decode.attend(qk[:, :heads].contiguous(), k_ref, v_ref, meta, [0, 1, 2], 0.3)
+    tables_padded, ctx = cpu_decode.decode_inputs(meta)
+    op = getattr(cpu_decode.ops(), op_name)
+    got = op(qkv, cos, sin, *arrays(k), *arrays(v), slots, tables_padded, ctx, heads, 0.3, 0, 0.0)
+    for mine, theirs in zip([*arrays(k), *arrays(v)], [*arrays(k_ref), *arrays(v_ref)]):
+        assert torch.equal(mine, theirs)
+    written = v[slots[0].view(1) // BS][0, slots[0] % BS, 0]  # (head_dim,) as the layer reads it back
+    assert written[:4].tolist() == expected_edge_values(kind)
+    assert torch.equal(got, want.reshape(len(lens), -1))
+
+
 @pytest.mark.parametrize("kind", sorted(QUANTIZED))
 def test_a_stored_cache_is_read_only_inside_each_context_and_fused_only_where_a_kernel_writes_it(kernel_build, kind):
     """reads_past_context: every decoding row of an int8, int4 or 16-bit cache is on the kernel, so fresh
-    blocks need no clearing. kernels_take: rope_write_decode_half rounds keys and values into a 16-bit
-    cache, so its all-decode steps run fused; no fused op writes int8 or int4 codes, nor a 16-bit
-    cache in a mixed step, so those are planned on TorchAttention (decoding rows still on this kernel)."""
+    blocks need no clearing. kernels_take: rope_write_decode_half/_int8/_int4 round or quantize keys
+    and values as they write them, so all-decode steps run fused; a mixed step's prompt chunk would be
+    written by rope_write (float32 only), so those are planned on TorchAttention (decoding rows still
+    on this kernel)."""
     k, v, tables, _ = QUANTIZED[kind][0]([9, 12], 4, 2, 32)
     fields = {"keys": {0: k}, "values": {0: v}, "layers": [0], "dtype": torch.float32, "latent": False}
     cache = type("Cache", (), fields | {"device": torch.device("cpu")})()  # a PagedKVCache's fields read here
@@ -207,7 +282,7 @@ def test_a_stored_cache_is_read_only_inside_each_context_and_fused_only_where_a_
     shape = backend.AttentionShape(4, 2, 32, 0.2)
     rope = (torch.ones(2, 1, 32), torch.zeros(2, 1, 32))
     all_decode = decode_meta([9, 12], tables, k.data.shape[0] - 1)
-    assert backend.kernels_take(shape, all_decode, cache, rope) == (kind == "float16")
+    assert backend.kernels_take(shape, all_decode, cache, rope)
     mixed = AttentionMetadata(torch.zeros(4, dtype=torch.long), [0, 1], [1, 3], [9, 12], tables, k.data.shape[0] - 1)
     assert not backend.kernels_take(shape, mixed, cache, (torch.ones(4, 1, 32), torch.zeros(4, 1, 32)))
 
@@ -286,10 +361,9 @@ def test_quantized_cache_greedy_decoding_is_the_same_on_the_kernel_as_on_the_tor
         spy_on_attend(m, reads)
         m.setattr(backend.KernelAttention, "__call__", spy_fused)
         llm, tokens, logprobs = generate()
-    if kind in ("float16", "bfloat16"):  # decode steps fused, the rounded cache read in place
-        assert fused and all(isinstance(k, HalfCache) for k in fused) and not reads
-    else:  # decode rows on the kernel inside TorchAttention's steps
-        assert reads and all(isinstance(k, QUANTIZED[kind][1]) for k in reads) and not fused
+    layer_type = HalfCache if kind in HALF_DTYPES else QUANTIZED[kind][1]
+    assert fused and all(isinstance(k, layer_type) for k in fused)  # decode steps fused, read in place
+    assert not reads  # no decoding row left to TorchAttention (prompts run there, with no decoding rows)
     assert not llm.engine.core.runner.zero_fresh_blocks  # nothing reads past a context
     monkeypatch.setattr(cpu_decode, "usable", lambda *args: False)  # the torch path
     torch_llm, torch_tokens, torch_logprobs = generate()

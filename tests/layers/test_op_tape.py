@@ -66,11 +66,13 @@ def test_taped_decode_on_gguf_blocks(quantize, tiny_model_dir, tmp_path, monkeyp
     assert taped == eager
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["float16", "bfloat16"])
-def test_taped_decode_over_a_16_bit_cache(kv_cache_dtype, tiny_model_dir, monkeypatch):
-    """A 16-bit KV cache's layers are HalfCache objects, not tensors: their data is the KV cache's
-    all the same, so the fused decode steps over it are taped (every one was refused)."""
-    folder = str(tiny_model_dir("llama_gqa"))
+@pytest.mark.parametrize("kv_cache_dtype", ["float16", "bfloat16", "int8", "int4"])
+def test_taped_decode_over_a_stored_format_cache(kv_cache_dtype, tiny_model_dir, monkeypatch):
+    """A 16-bit, int8 or int4 KV cache's layers are HalfCache/Int8Cache/Int4Cache objects, not
+    tensors: their codes and scales are the KV cache's all the same, so the fused decode steps over
+    them are taped (every one was refused)."""
+    arch = "llama3_rope_scaling" if kv_cache_dtype == "int4" else "llama_gqa"  # int4 needs heads of 32
+    folder = str(tiny_model_dir(arch))
     taped, tapes = _generate(folder, monkeypatch, tapes=True, kv_cache_dtype=kv_cache_dtype)
     eager, _ = _generate(folder, monkeypatch, tapes=False, kv_cache_dtype=kv_cache_dtype)
     assert len(tapes.tapes) >= 4 and not tapes.refused

@@ -9,13 +9,14 @@ against this op gets the fastest path the step allows:
   partial heads, scores soft-capped or not, every sequence decoding one token or a prompt
   chunk the prefill kernel takes, decoding ones first): q/k rotated and k/v written in one
   kernel pass, decode attention into the first rows, prompt attention into the rest. One
-  kernel call per layer when every sequence decodes; that call also takes a 16-bit cache
-  (HalfCache: the keys and values rounded as they are written).
+  kernel call per layer when every sequence decodes; that call also takes a stored-format cache
+  (HalfCache, Int8Cache, Int4Cache: keys and values rounded or quantized as they are written,
+  the same bits as the layer's ``store``).
 - ``TritonAttention`` (CUDA, a cache in the compute dtype): rope and the cache write in one
   Triton kernel, then one paged-attention kernel reading the block table in place, for decode,
   prompt chunks and mixed steps alike; what a CUDA graph captures.
-- ``TorchAttention`` (everything else: bf16/fp16 on the CPU, an int8 cache, long prompts, no
-  rope): the same arithmetic from separate ops: q/k norm, rope (fused on CPU float32),
+- ``TorchAttention`` (everything else: bf16/fp16 on the CPU, prompt chunks over a stored-format
+  cache, long prompts, no rope): the same arithmetic from separate ops: q/k norm, rope (fused on CPU float32),
   ``paged_attention`` below: the CPU kernels for the rows they take, torch SDPA
   (torch_sdpa.py) for the rest. Latent attention (DeepSeek's MLA: one shared key a token whose
   tail is its value, ``AttentionShape.value_dim``) always runs here: decoding rows on its CPU
@@ -37,7 +38,7 @@ from torch import nn
 from tokenloom.attention import cpu_decode, cpu_latent, cpu_prefill, torch_sdpa
 from tokenloom.attention.metadata import AttentionMetadata
 from tokenloom.kernels import triton as triton_kernels
-from tokenloom.kv_cache.quantized import HalfCache
+from tokenloom.kv_cache.quantized import HalfCache, Int8Cache, QuantizedKV
 from tokenloom.layers.rope import apply_rope
 
 
@@ -207,6 +208,17 @@ class KernelAttention(StepAttention):
         # all decoding: tables and ctx made
         return cast("list[torch.Tensor]", [*self.rope, self.meta.slot_mapping, self.tables, self.ctx])
 
+    def _decode_op(self, keys, values) -> tuple:
+        """The fused all-decode op for this cache's format and the cache arrays it takes (between
+        sin and slots): rope, the write (rounded or quantized as the layer's ``store`` does) and
+        the attention in one call."""
+        if isinstance(keys, torch.Tensor):
+            return self.ops.rope_write_decode, (keys, values)
+        if isinstance(keys, HalfCache):
+            return self.ops.rope_write_decode_half, (keys.data, values.data)
+        op = self.ops.rope_write_decode_int8 if isinstance(keys, Int8Cache) else self.ops.rope_write_decode_int4
+        return op, (keys.data, keys.scales, values.data, values.scales)
+
     def __call__(
         self, layer: int, qkv: torch.Tensor, norms: QKNorms | None = None, sinks: torch.Tensor | None = None
     ) -> torch.Tensor:
@@ -217,22 +229,9 @@ class KernelAttention(StepAttention):
         cos, sin = self.rope
         slots, window = meta.slot_mapping, sh.window(layer) or 0
         if self.all_decode:
-            half = isinstance(keys, HalfCache)
-            return (self.ops.rope_write_decode_half if half else self.ops.rope_write_decode)(
-                qkv,
-                cos,
-                sin,
-                keys.data if half else keys,
-                values.data if half else values,
-                slots,
-                self.tables,
-                self.ctx,
-                sh.num_heads,
-                sh.scale,
-                window,
-                sh.softcap or 0.0,
-                sinks,
-            )
+            op, caches = self._decode_op(keys, values)
+            step = (slots, self.tables, self.ctx, sh.num_heads, sh.scale, window, sh.softcap or 0.0, sinks)
+            return op(qkv, cos, sin, *caches, *step)
         T, n = qkv.shape[0], len(self.decoding)
         q = self.ops.rope_write(qkv, cos, sin, keys, values, slots, sh.num_heads)  # (T, heads, head_dim)
         out = qkv.new_empty(T, sh.q_size)
@@ -353,8 +352,9 @@ def kernels_take(
     keys = kv_cache.keys[kv_cache.layers[0]]
     decoding = cpu_decode.decode_rows(meta)
     all_decode = len(decoding) == meta.num_seqs
-    # rope_write(_decode) write float32 slots, rope_write_decode_half 16-bit ones; none writes codes
-    writable = isinstance(keys, torch.Tensor) or (all_decode and isinstance(keys, HalfCache))
+    # rope_write(_decode) write float32 slots; rope_write_decode_half/_int8/_int4 the stored formats
+    # (all-decode steps only: a prompt chunk's rope_write writes float32)
+    writable = isinstance(keys, torch.Tensor) or (all_decode and isinstance(keys, QuantizedKV))
     if not (writable and cpu_decode.usable(cos, keys) and cos.shape[-1] <= shape.head_dim and cos.is_contiguous()):
         return False
     if all_decode:

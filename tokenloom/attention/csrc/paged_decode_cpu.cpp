@@ -1144,11 +1144,12 @@ void rope_write_rows(const float* x, const float* cp, const float* sp, const int
   }
 }
 
-// Checks rope_write's arguments; returns their shapes.
+// Checks rope_write's arguments; returns their shapes. head_dim: where the cache's last size is not
+// it (an int4 cache's, two codes a byte).
 RopeShape check_rope_write(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
-                                        const at::Tensor& k_cache, const at::Tensor& slots, int64_t num_heads) {
+                           const at::Tensor& k_cache, const at::Tensor& slots, int64_t num_heads, int64_t head_dim = -1) {
   TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == at::kFloat && qkv.is_contiguous(), "qkv must be contiguous (B, C) float32");
-  const int64_t B = qkv.size(0), H = num_heads, KVH = k_cache.size(2), D = k_cache.size(3);
+  const int64_t B = qkv.size(0), H = num_heads, KVH = k_cache.size(2), D = head_dim < 0 ? k_cache.size(3) : head_dim;
   const int64_t slot_count = k_cache.size(0) * k_cache.size(1);
   TORCH_CHECK(H % KVH == 0 && qkv.size(1) == (H + 2 * KVH) * D, "qkv must hold (heads + 2 kv_heads) x head_dim columns");
   const int64_t R = B > 0 ? cos.numel() / B : D;
@@ -1205,6 +1206,33 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   return out;
 }
 
+// An int8 cache's arrays: codes (blocks, block_size, kv_heads, head_dim) int8, scales (blocks,
+// block_size, kv_heads) float32, keys' and values' alike, all contiguous.
+void check_int8_cache(const at::Tensor& k_data, const at::Tensor& k_scales, const at::Tensor& v_data,
+                      const at::Tensor& v_scales) {
+  TORCH_CHECK(k_data.dim() == 4 && k_data.scalar_type() == at::kChar && k_data.is_contiguous() &&
+              v_data.sizes() == k_data.sizes() && v_data.scalar_type() == at::kChar && v_data.is_contiguous(),
+              "codes must be contiguous (blocks, block_size, kv_heads, head_dim) int8");
+  TORCH_CHECK(k_scales.sizes() == k_data.sizes().slice(0, 3) && k_scales.scalar_type() == at::kFloat &&
+              k_scales.is_contiguous() && v_scales.sizes() == k_scales.sizes() &&
+              v_scales.scalar_type() == at::kFloat && v_scales.is_contiguous(),
+              "scales must be contiguous (blocks, block_size, kv_heads) float32");
+}
+
+// An int4 cache's arrays for head_dim D: codes (blocks, block_size, kv_heads, D / 2) uint8, scales
+// (blocks, block_size, kv_heads, D / 32) float16, keys' and values' alike, all contiguous.
+void check_int4_cache(const at::Tensor& k_data, const at::Tensor& k_scales, const at::Tensor& v_data,
+                      const at::Tensor& v_scales, int64_t D) {
+  TORCH_CHECK(k_data.dim() == 4 && k_data.scalar_type() == at::kByte && k_data.is_contiguous() &&
+              v_data.sizes() == k_data.sizes() && v_data.scalar_type() == at::kByte && v_data.is_contiguous(),
+              "codes must be contiguous (blocks, block_size, kv_heads, head_dim / 2) uint8");
+  TORCH_CHECK(D % 32 == 0 && k_data.size(3) * 2 == D, "head_dim must be a multiple of 32 and twice the codes' last size");
+  TORCH_CHECK(k_scales.dim() == 4 && k_scales.sizes().slice(0, 3) == k_data.sizes().slice(0, 3) &&
+              k_scales.size(3) == D / 32 && k_scales.scalar_type() == at::kHalf && k_scales.is_contiguous() &&
+              v_scales.sizes() == k_scales.sizes() && v_scales.scalar_type() == at::kHalf && v_scales.is_contiguous(),
+              "scales must be contiguous (blocks, block_size, kv_heads, head_dim / 32) float16");
+}
+
 // paged_decode over an int8 cache (the quantized section above): q (B, H, D) float32; k_data, v_data
 // (blocks, block_size, KVH, D) int8 codes; k_scales, v_scales (blocks, block_size, KVH) float32;
 // tables, ctx_lens, scale, window, softcap and sinks as paged_decode's. Returns (B, H, D).
@@ -1213,13 +1241,7 @@ at::Tensor paged_decode_int8(const at::Tensor& q, const at::Tensor& k_data, cons
                              const at::Tensor& ctx_lens, double scale, int64_t window, double softcap,
                              const c10::optional<at::Tensor>& sinks) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q must be contiguous (B, H, D) float32");
-  TORCH_CHECK(k_data.dim() == 4 && k_data.scalar_type() == at::kChar && k_data.is_contiguous() &&
-              v_data.sizes() == k_data.sizes() && v_data.scalar_type() == at::kChar && v_data.is_contiguous(),
-              "codes must be contiguous (blocks, block_size, kv_heads, head_dim) int8");
-  TORCH_CHECK(k_scales.sizes() == k_data.sizes().slice(0, 3) && k_scales.scalar_type() == at::kFloat &&
-              k_scales.is_contiguous() && v_scales.sizes() == k_scales.sizes() &&
-              v_scales.scalar_type() == at::kFloat && v_scales.is_contiguous(),
-              "scales must be contiguous (blocks, block_size, kv_heads) float32");
+  check_int8_cache(k_data, k_scales, v_data, v_scales);
   const int64_t H = q.size(1), D = q.size(2), KVH = k_data.size(2), BS = k_data.size(1);
   TORCH_CHECK(k_data.size(3) == D && H % KVH == 0, "head_dim or head counts disagree");
   check_tables(tables, ctx_lens, q.size(0), BS);
@@ -1242,16 +1264,9 @@ at::Tensor paged_decode_int4(const at::Tensor& q, const at::Tensor& k_data, cons
                              const at::Tensor& ctx_lens, double scale, int64_t window, double softcap,
                              const c10::optional<at::Tensor>& sinks) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q must be contiguous (B, H, D) float32");
-  TORCH_CHECK(k_data.dim() == 4 && k_data.scalar_type() == at::kByte && k_data.is_contiguous() &&
-              v_data.sizes() == k_data.sizes() && v_data.scalar_type() == at::kByte && v_data.is_contiguous(),
-              "codes must be contiguous (blocks, block_size, kv_heads, head_dim / 2) uint8");
+  check_int4_cache(k_data, k_scales, v_data, v_scales, q.size(2));
   const int64_t H = q.size(1), D = q.size(2), KVH = k_data.size(2), BS = k_data.size(1);
-  TORCH_CHECK(D % 32 == 0 && k_data.size(3) * 2 == D && H % KVH == 0,
-              "head_dim must be a multiple of 32 and twice the codes' last size, heads a multiple of kv heads");
-  TORCH_CHECK(k_scales.dim() == 4 && k_scales.sizes().slice(0, 3) == k_data.sizes().slice(0, 3) &&
-              k_scales.size(3) == D / 32 && k_scales.scalar_type() == at::kHalf && k_scales.is_contiguous() &&
-              v_scales.sizes() == k_scales.sizes() && v_scales.scalar_type() == at::kHalf && v_scales.is_contiguous(),
-              "scales must be contiguous (blocks, block_size, kv_heads, head_dim / 32) float16");
+  TORCH_CHECK(H % KVH == 0, "heads must be a multiple of kv heads");
   check_tables(tables, ctx_lens, q.size(0), BS);
   at::Tensor out = at::empty_like(q);
   const auto half_bits = [](const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::Half>()); };
@@ -1303,24 +1318,80 @@ inline uint16_t to_bf16(float x) {
   return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 
-// rope_write_rows for a 16-bit cache: each key rotated (rope_row) and each value, in float32,
-// then rounded into its slot (BF16: bfloat16, else float16).
+// Where rope_write_rows_stored puts a step's keys and values in a stored-format cache:
+// put(x, r, value) stores D float32 elements x as (slot, kv head) r of the keys (value false) or
+// the values, exactly as the cache layer's ``store`` (kv_cache/quantized.py) computes them.
+
+// A 16-bit cache (BF16: bfloat16, else float16): each element rounded (HalfCache.store).
 template <bool BF16>
-void rope_write_rows_half(const float* x, const float* cp, const float* sp, const int64_t* slot, int64_t b0, int64_t b1,
-                          const RopeShape& r, uint16_t* kc, uint16_t* vc, float* qp) {
+struct HalfWriter {
+  uint16_t *k, *v;
+  int64_t D;
+  void put(const float* x, int64_t r, bool value) const {
+    uint16_t* dst = (value ? v : k) + r * D;
+    for (int64_t d = 0; d < D; ++d) dst[d] = BF16 ? to_bf16(x[d]) : to_f16(x[d]);
+  }
+};
+
+// An int8 cache (Int8Cache.store): s = max|x| / 127, codes round(x / s) (ties to even; x / 1 where
+// s is 0) clamped to +-127.
+struct Int8Writer {
+  int8_t *k, *v;
+  float *k_scales, *v_scales;
+  int64_t D;
+  void put(const float* x, int64_t r, bool value) const {
+    float amax = 0.f;
+    for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(x[d]));
+    const float s = amax / 127.f, divisor = s > 0.f ? s : 1.f;
+    int8_t* dst = (value ? v : k) + r * D;
+    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<int8_t>(std::clamp(std::nearbyint(x[d] / divisor), -127.f, 127.f));
+    (value ? v_scales : k_scales)[r] = s;
+  }
+};
+
+// An int4 cache (Int4Cache.store, llama.cpp's q4_0) per group of 32: m the first element of
+// largest magnitude, d = m / -8 rounded to float16, codes trunc(x * (1 / d) + 8.5) (the product
+// rounded before the sum, as torch computes it; 0 where d is 0) clamped to 0..15, two a byte.
+struct Int4Writer {
+  uint8_t *k, *v;
+  uint16_t *k_scales, *v_scales;
+  int64_t D;
+  void put(const float* x, int64_t r, bool value) const {
+    uint8_t* dst = (value ? v : k) + r * (D / 2);
+    uint16_t* scales = (value ? v_scales : k_scales) + r * (D / 32);
+    for (int64_t j = 0; j < D / 32; ++j) {
+      const float* g = x + 32 * j;
+      int at = 0;
+      for (int i = 1; i < 32; ++i)
+        if (std::fabs(g[i]) > std::fabs(g[at])) at = i;
+      scales[j] = to_f16(g[at] / -8.f);
+      const float d = _cvtsh_ss(scales[j]), inverse = d != 0.f ? 1.f / d : 0.f;
+      uint8_t codes[32];
+      for (int i = 0; i < 32; ++i) {
+        float product = g[i] * inverse;
+        asm volatile("" : "+x"(product));  // no fused multiply-add: torch rounds the product first
+        codes[i] = static_cast<uint8_t>(std::clamp(std::trunc(product + 8.5f), 0.f, 15.f));
+      }
+      for (int i = 0; i < 16; ++i) dst[16 * j + i] = codes[2 * i] | (codes[2 * i + 1] << 4);
+    }
+  }
+};
+
+// rope_write_rows for a stored-format cache: each key rotated (rope_row) into float32, then it and
+// each value put in their slot by `w`.
+template <class Writer>
+void rope_write_rows_stored(const float* x, const float* cp, const float* sp, const int64_t* slot, const RopeShape& r,
+                            const Writer& w, float* qp) {
   const int64_t H = r.H, KVH = r.KVH, D = r.D, R = r.R;
   std::vector<float> key(D);
-  const auto round_into = [](const float* src, uint16_t* dst, int64_t n) {
-    for (int64_t d = 0; d < n; ++d) dst[d] = BF16 ? to_bf16(src[d]) : to_f16(src[d]);
-  };
-  for (int64_t b = b0; b < b1; ++b) {
+  for (int64_t b = 0; b < r.B; ++b) {
     const float *row = x + b * (H + 2 * KVH) * D, *c = cp + b * R, *sn = sp + b * R;
     for (int64_t h = 0; h < H; ++h) rope_row(row + h * D, c, sn, qp + (b * H + h) * D, D, R);
     for (int64_t g = 0; g < KVH; ++g) {
       rope_row(row + (H + g) * D, c, sn, key.data(), D, R);
-      round_into(key.data(), kc + (slot[b] * KVH + g) * D, D);
+      w.put(key.data(), slot[b] * KVH + g, false);
+      w.put(row + (H + KVH + g) * D, slot[b] * KVH + g, true);
     }
-    round_into(row + (H + KVH) * D, vc + slot[b] * KVH * D, KVH * D);
   }
 }
 
@@ -1337,10 +1408,49 @@ at::Tensor rope_write_decode_half(const at::Tensor& qkv, const at::Tensor& cos, 
   const RopeShape r = check_rope_write(qkv, cos, sin, k_data, slots, num_heads);
   at::Tensor q = at::empty({r.B, r.H, r.D}, qkv.options());
   const auto bits = [](const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); };
-  const auto write = kind == at::kBFloat16 ? rope_write_rows_half<true> : rope_write_rows_half<false>;
-  write(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), slots.data_ptr<int64_t>(), 0, r.B, r,
-        bits(k_data), bits(v_data), q.data_ptr<float>());
+  const float *x = qkv.data_ptr<float>(), *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  if (kind == at::kBFloat16) rope_write_rows_stored(x, cp, sp, slot, r, HalfWriter<true>{bits(k_data), bits(v_data), r.D}, q.data_ptr<float>());
+  else rope_write_rows_stored(x, cp, sp, slot, r, HalfWriter<false>{bits(k_data), bits(v_data), r.D}, q.data_ptr<float>());
   return paged_decode_half(q, k_data, v_data, tables, ctx_lens, scale, window, softcap, sinks).view({r.B, r.H * r.D});
+}
+
+// rope_write_decode over an int8 cache (paged_decode_int8's arrays): the step's keys and values
+// quantized into it (Int8Writer), then the attention read from it. Returns (B, H * D).
+at::Tensor rope_write_decode_int8(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                                  const at::Tensor& k_data, const at::Tensor& k_scales, const at::Tensor& v_data,
+                                  const at::Tensor& v_scales, const at::Tensor& slots, const at::Tensor& tables,
+                                  const at::Tensor& ctx_lens, int64_t num_heads, double scale, int64_t window,
+                                  double softcap, const c10::optional<at::Tensor>& sinks) {
+  check_int8_cache(k_data, k_scales, v_data, v_scales);
+  const RopeShape r = check_rope_write(qkv, cos, sin, k_data, slots, num_heads);
+  at::Tensor q = at::empty({r.B, r.H, r.D}, qkv.options());
+  const Int8Writer w{k_data.data_ptr<int8_t>(), v_data.data_ptr<int8_t>(), k_scales.data_ptr<float>(),
+                     v_scales.data_ptr<float>(), r.D};
+  rope_write_rows_stored(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), slots.data_ptr<int64_t>(),
+                         r, w, q.data_ptr<float>());
+  return paged_decode_int8(q, k_data, k_scales, v_data, v_scales, tables, ctx_lens, scale, window, softcap, sinks)
+      .view({r.B, r.H * r.D});
+}
+
+// rope_write_decode over an int4 cache (paged_decode_int4's arrays; head_dim a multiple of 32): the
+// step's keys and values quantized into it (Int4Writer), then the attention read from it.
+// Returns (B, H * D).
+at::Tensor rope_write_decode_int4(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                                  const at::Tensor& k_data, const at::Tensor& k_scales, const at::Tensor& v_data,
+                                  const at::Tensor& v_scales, const at::Tensor& slots, const at::Tensor& tables,
+                                  const at::Tensor& ctx_lens, int64_t num_heads, double scale, int64_t window,
+                                  double softcap, const c10::optional<at::Tensor>& sinks) {
+  TORCH_CHECK(k_data.dim() == 4, "codes must be (blocks, block_size, kv_heads, head_dim / 2) uint8");
+  check_int4_cache(k_data, k_scales, v_data, v_scales, 2 * k_data.size(3));
+  const RopeShape r = check_rope_write(qkv, cos, sin, k_data, slots, num_heads, 2 * k_data.size(3));
+  at::Tensor q = at::empty({r.B, r.H, r.D}, qkv.options());
+  const auto bits = [](const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::Half>()); };
+  const Int4Writer w{k_data.data_ptr<uint8_t>(), v_data.data_ptr<uint8_t>(), bits(k_scales), bits(v_scales), r.D};
+  rope_write_rows_stored(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), slots.data_ptr<int64_t>(),
+                         r, w, q.data_ptr<float>());
+  return paged_decode_int4(q, k_data, k_scales, v_data, v_scales, tables, ctx_lens, scale, window, softcap, sinks)
+      .view({r.B, r.H * r.D});
 }
 
 // One call for a decode step's attention block: rope_write of the step's one token per
@@ -1381,6 +1491,12 @@ TORCH_LIBRARY(TOKENLOOM_ATTENTION_LIBRARY, m) {
   m.def("rope_write_decode_half(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_data, Tensor(b!) v_data, "
         "Tensor slots, Tensor tables, Tensor ctx_lens, int num_heads, float scale, int window, float softcap, "
         "Tensor? sinks=None) -> Tensor");
+  m.def("rope_write_decode_int8(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_data, Tensor(b!) k_scales, "
+        "Tensor(c!) v_data, Tensor(d!) v_scales, Tensor slots, Tensor tables, Tensor ctx_lens, int num_heads, "
+        "float scale, int window, float softcap, Tensor? sinks=None) -> Tensor");
+  m.def("rope_write_decode_int4(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_data, Tensor(b!) k_scales, "
+        "Tensor(c!) v_data, Tensor(d!) v_scales, Tensor slots, Tensor tables, Tensor ctx_lens, int num_heads, "
+        "float scale, int window, float softcap, Tensor? sinks=None) -> Tensor");
   m.def("paged_decode_half(Tensor q, Tensor k_data, Tensor v_data, Tensor tables, Tensor ctx_lens, float scale, "
         "int window, float softcap, Tensor? sinks=None) -> Tensor");
   m.def("paged_decode_out(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables, Tensor ctx_lens, float scale, "
@@ -1396,4 +1512,6 @@ TORCH_LIBRARY_IMPL(TOKENLOOM_ATTENTION_LIBRARY, CPU, m) {
   m.impl("paged_decode_int4", &paged_decode_int4);
   m.impl("paged_decode_half", &paged_decode_half);
   m.impl("rope_write_decode_half", &rope_write_decode_half);
+  m.impl("rope_write_decode_int8", &rope_write_decode_int8);
+  m.impl("rope_write_decode_int4", &rope_write_decode_int4);
 }
