@@ -23,7 +23,7 @@ from tests.kernels.test_decode_int8 import (
     reference,
     spy_on_attend,
 )
-from tokenloom.attention import backend, cpu_decode
+from tokenloom.attention import backend, cpu_decode, cpu_prefill
 from tokenloom.attention.metadata import AttentionMetadata
 from tokenloom.kernels import native
 from tokenloom.kv_cache.quantized import HALF_DTYPES, INT4_GROUP, HalfCache, Int4Cache, Int8Cache
@@ -269,10 +269,9 @@ def test_the_fused_decode_block_stores_what_it_writes_as_the_cache_layer_does(
 @pytest.mark.parametrize("kind", sorted(QUANTIZED))
 def test_a_stored_cache_is_read_only_inside_each_context_and_fused_only_where_a_kernel_writes_it(kernel_build, kind):
     """reads_past_context: every decoding row of an int8, int4 or 16-bit cache is on the kernel, so fresh
-    blocks need no clearing. kernels_take: rope_write_decode_half/_int8/_int4 round or quantize keys
-    and values as they write them, so all-decode steps run fused; a mixed step's prompt chunk would be
-    written by rope_write (float32 only), so those are planned on TorchAttention (decoding rows still
-    on this kernel)."""
+    blocks need no clearing. kernels_take: rope_write_decode_half/_int8/_int4 and rope_write_stored
+    round or quantize keys and values as they write them, so all-decode and mixed steps run on the
+    kernels; a mixed step of a model with attention sinks (the prefill kernel has none) does not."""
     k, v, tables, _ = QUANTIZED[kind][0]([9, 12], 4, 2, 32)
     fields = {"keys": {0: k}, "values": {0: v}, "layers": [0], "dtype": torch.float32, "latent": False}
     cache = type("Cache", (), fields | {"device": torch.device("cpu")})()  # a PagedKVCache's fields read here
@@ -284,14 +283,17 @@ def test_a_stored_cache_is_read_only_inside_each_context_and_fused_only_where_a_
     all_decode = decode_meta([9, 12], tables, k.data.shape[0] - 1)
     assert backend.kernels_take(shape, all_decode, cache, rope)
     mixed = AttentionMetadata(torch.zeros(4, dtype=torch.long), [0, 1], [1, 3], [9, 12], tables, k.data.shape[0] - 1)
-    assert not backend.kernels_take(shape, mixed, cache, (torch.ones(4, 1, 32), torch.zeros(4, 1, 32)))
+    mixed_rope = (torch.ones(4, 1, 32), torch.zeros(4, 1, 32))
+    assert backend.kernels_take(shape, mixed, cache, mixed_rope)
+    with_sinks = backend.AttentionShape(4, 2, 32, 0.2, sinks=True)
+    assert not backend.kernels_take(with_sinks, mixed, cache, mixed_rope)
 
 
 @pytest.mark.parametrize("kind", sorted(QUANTIZED))
-def test_paged_attention_puts_quantized_decode_rows_on_the_kernel_and_prompts_on_torch(kernel_build, monkeypatch, kind):
-    """A step of a decoding row, a whole prompt and another decoding row over a stored-format cache:
-    the same result (within float rounding) as the torch path's, which dequantizes and gathers
-    every sequence."""
+def test_paged_attention_puts_stored_format_rows_on_the_kernels(kernel_build, monkeypatch, kind):
+    """A step of a decoding row, a whole prompt and another decoding row over a stored-format cache
+    (decoding rows on the decode kernel, the prompt on the prefill kernel): the same result (within
+    float rounding) as the torch path's, which dequantizes and gathers every sequence."""
     paged, layer_type = QUANTIZED[kind]
     lens, q_lens, heads, kv_heads, D = [30, 17, 50], [1, 17, 1], 6, 2, 64
     k, v, tables, _ = paged(lens, heads, kv_heads, D, seed=4)
@@ -313,30 +315,33 @@ def test_paged_attention_puts_quantized_decode_rows_on_the_kernel_and_prompts_on
     got = run()
     assert len(calls) == 1 and isinstance(calls[0], layer_type)  # the two decoding rows, one kernel call
     monkeypatch.setattr(cpu_decode, "usable", lambda *args: False)
+    monkeypatch.setattr(cpu_prefill, "usable", lambda *args: False)
     want = run()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-ENGINE_CASES = [
-    ("int8", "llama_gqa"),
-    ("int8", "mistral_sliding"),
+ENGINE_CASES = [  # heads of 32 (int4's groups, a size the prefill kernel takes)
+    ("int8", "llama3_rope_scaling"),
+    ("int8", "gemma3"),  # window layers with their own rope tables, one kv head
     ("int4", "llama3_rope_scaling"),
-    ("int4", "gemma2"),
-    ("float16", "llama_gqa"),
+    ("int4", "gemma2"),  # windows and soft-capped scores
+    ("float16", "gemma3"),
     ("bfloat16", "gemma2"),
 ]
 
 
-@pytest.mark.parametrize("kind,arch", ENGINE_CASES)  # int4 on heads of 32 (its groups); gemma2: window and soft-cap
-def test_quantized_cache_greedy_decoding_is_the_same_on_the_kernel_as_on_the_torch_path(
+@pytest.mark.parametrize("kind,arch", ENGINE_CASES)
+def test_stored_cache_greedy_decoding_is_the_same_on_the_kernels_as_on_the_torch_path(
     kind, arch, tiny_model_dir, monkeypatch
 ):
-    """A tiny random model with an int8, int4, float16 or bfloat16 KV cache: the tokens (and their
-    logprobs, to float rounding) decoded with the kernel reading the stored values in place, and with
-    the torch path that widens a padded copy of every sequence's blocks."""
+    """A tiny random model with an int8, int4, float16 or bfloat16 KV cache, 15 tokens a step (two
+    whole prompts, then the third in chunks beside their decoding): the tokens (and their logprobs, to float
+    rounding) with the kernels reading the stored values in place (all-decode steps fused, prompt
+    and mixed steps on the prefill and decode kernels), and with the torch path that widens a
+    padded copy of every sequence's blocks."""
     pytest.importorskip("transformers")
-    if not cpu_decode.build():
-        pytest.skip("the decode kernel is not built here")
+    if not cpu_decode.build() or cpu_prefill.ops() is None:
+        pytest.skip("the kernels are not built here")
     from tokenloom import LLM, SamplingParams
 
     prompts = [[5, 17, 42, 99, 7, 3, 250, 64, 12, 77, 31], [200, 1, 2, 3], [8] * 20]
@@ -344,28 +349,33 @@ def test_quantized_cache_greedy_decoding_is_the_same_on_the_kernel_as_on_the_tor
     folder = str(tiny_model_dir(arch))
 
     def generate():
-        llm = LLM(folder, kv_cache_memory=16 << 20, kv_cache_dtype=kind)
+        llm = LLM(folder, kv_cache_memory=16 << 20, kv_cache_dtype=kind, max_num_batched_tokens=15)
         outs = [o.outputs[0] for o in llm.generate(prompts, params)]
         return llm, [o.token_ids for o in outs], [[lp[t] for lp, t in zip(o.logprobs, o.token_ids)] for o in outs]
 
-    reads: list = []
-    fused: list = []  # the key caches of fused all-decode calls (rope, write and attention in one op)
-    fused_call = backend.KernelAttention.__call__
+    steps: dict[str, list] = {"fused": [], "mixed": [], "prompt": [], "torch": []}  # what each kind of call read
+    kernel_call, torch_call = backend.KernelAttention.__call__, backend.TorchAttention.__call__
 
-    def spy_fused(self, layer, *args, **kwargs):
-        if self.all_decode:
-            fused.append(self.kv_cache.keys[layer])
-        return fused_call(self, layer, *args, **kwargs)
+    def spy_kernels(self, layer, *args, **kwargs):
+        step = "fused" if self.all_decode else "mixed" if self.decoding else "prompt"
+        steps[step].append(self.kv_cache.keys[layer])
+        return kernel_call(self, layer, *args, **kwargs)
+
+    def spy_torch(self, layer, *args, **kwargs):
+        steps["torch"].append(layer)
+        return torch_call(self, layer, *args, **kwargs)
 
     with monkeypatch.context() as m:
-        spy_on_attend(m, reads)
-        m.setattr(backend.KernelAttention, "__call__", spy_fused)
+        m.setattr(backend.KernelAttention, "__call__", spy_kernels)
+        m.setattr(backend.TorchAttention, "__call__", spy_torch)
         llm, tokens, logprobs = generate()
     layer_type = HalfCache if kind in HALF_DTYPES else QUANTIZED[kind][1]
-    assert fused and all(isinstance(k, layer_type) for k in fused)  # decode steps fused, read in place
-    assert not reads  # no decoding row left to TorchAttention (prompts run there, with no decoding rows)
+    for step in ("fused", "mixed", "prompt"):  # each kind of step ran on the kernels, reading the layer in place
+        assert steps[step] and all(isinstance(k, layer_type) for k in steps[step]), step
+    assert not steps["torch"]
     assert not llm.engine.core.runner.zero_fresh_blocks  # nothing reads past a context
     monkeypatch.setattr(cpu_decode, "usable", lambda *args: False)  # the torch path
+    monkeypatch.setattr(cpu_prefill, "usable", lambda *args: False)
     torch_llm, torch_tokens, torch_logprobs = generate()
     assert torch_llm.engine.core.runner.zero_fresh_blocks
     assert tokens == torch_tokens

@@ -9,16 +9,16 @@ against this op gets the fastest path the step allows:
   partial heads, scores soft-capped or not, every sequence decoding one token or a prompt
   chunk the prefill kernel takes, decoding ones first): q/k rotated and k/v written in one
   kernel pass, decode attention into the first rows, prompt attention into the rest. One
-  kernel call per layer when every sequence decodes; that call also takes a stored-format cache
+  kernel call per layer when every sequence decodes. Every kernel also takes a stored-format cache
   (HalfCache, Int8Cache, Int4Cache: keys and values rounded or quantized as they are written,
-  the same bits as the layer's ``store``).
+  the same bits as the layer's ``store``, and read in place).
 - ``TritonAttention`` (CUDA, a cache in the compute dtype): rope and the cache write in one
   Triton kernel, then one paged-attention kernel reading the block table in place, for decode,
   prompt chunks and mixed steps alike; what a CUDA graph captures.
-- ``TorchAttention`` (everything else: bf16/fp16 on the CPU, prompt chunks over a stored-format
-  cache, long prompts, no rope): the same arithmetic from separate ops: q/k norm, rope (fused on CPU float32),
-  ``paged_attention`` below: the CPU kernels for the rows they take, torch SDPA
-  (torch_sdpa.py) for the rest. Latent attention (DeepSeek's MLA: one shared key a token whose
+- ``TorchAttention`` (everything else: bf16/fp16 on the CPU, head sizes the prefill kernel lacks,
+  attention sinks in a prompt chunk, no rope): the same arithmetic from separate ops: q/k norm,
+  rope (fused on CPU float32), ``paged_attention`` below: the CPU kernels for the rows they take,
+  torch SDPA (torch_sdpa.py) for the rest. Latent attention (DeepSeek's MLA: one shared key a token whose
   tail is its value, ``AttentionShape.value_dim``) always runs here: decoding rows on its CPU
   kernel (cpu_latent.py), the rest on torch_sdpa.latent_attention.
 
@@ -233,21 +233,18 @@ class KernelAttention(StepAttention):
             step = (slots, self.tables, self.ctx, sh.num_heads, sh.scale, window, sh.softcap or 0.0, sinks)
             return op(qkv, cos, sin, *caches, *step)
         T, n = qkv.shape[0], len(self.decoding)
-        q = self.ops.rope_write(qkv, cos, sin, keys, values, slots, sh.num_heads)  # (T, heads, head_dim)
         out = qkv.new_empty(T, sh.q_size)
-        if n:
-            self.ops.paged_decode_out(
-                q[:n],
-                keys,
-                values,
-                self.tables,
-                self.ctx,
-                sh.scale,
-                window,
-                sh.softcap or 0.0,
-                sinks,
-                out[:n].view(n, sh.num_heads, sh.head_dim),
-            )
+        if isinstance(keys, torch.Tensor):
+            q = self.ops.rope_write(qkv, cos, sin, keys, values, slots, sh.num_heads)  # (T, heads, head_dim)
+            if n:
+                tables = (self.tables, self.ctx, sh.scale, window, sh.softcap or 0.0, sinks)
+                self.ops.paged_decode_out(q[:n], keys, values, *tables, out[:n].view(n, sh.num_heads, sh.head_dim))
+        else:  # a stored format: each key and value stored as the layer's store() does
+            k_data, v_data, k_scales, v_scales = cpu_prefill.cache_arrays(keys, values)
+            q = self.ops.rope_write_stored(qkv, cos, sin, k_data, v_data, slots, sh.num_heads, k_scales, v_scales)
+            if n:
+                rows = (meta, self.decoding, sh.scale, window, sh.softcap, sinks)
+                out[:n] = cpu_decode.attend(q[:n], keys, values, *rows).view(n, sh.q_size)
         cpu_prefill.attend_into(
             out.view(T, sh.num_heads, sh.head_dim),
             q,
@@ -352,9 +349,9 @@ def kernels_take(
     keys = kv_cache.keys[kv_cache.layers[0]]
     decoding = cpu_decode.decode_rows(meta)
     all_decode = len(decoding) == meta.num_seqs
-    # rope_write(_decode) write float32 slots; rope_write_decode_half/_int8/_int4 the stored formats
-    # (all-decode steps only: a prompt chunk's rope_write writes float32)
-    writable = isinstance(keys, torch.Tensor) or (all_decode and isinstance(keys, QuantizedKV))
+    # rope_write(_decode) write float32 slots; rope_write_stored and rope_write_decode_half/_int8/_int4
+    # the stored formats
+    writable = isinstance(keys, (torch.Tensor, QuantizedKV))
     if not (writable and cpu_decode.usable(cos, keys) and cos.shape[-1] <= shape.head_dim and cos.is_contiguous()):
         return False
     if all_decode:

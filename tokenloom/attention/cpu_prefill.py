@@ -5,7 +5,9 @@
 L1-sized tiles; pulled by every core), instead of one torch SDPA call per sequence after gathering
 its context. Each query row's result is the same bits however its prompt is split: whole, in
 chunks, after a prefix-cache hit, or batched with other prompts. Built for AVX-512 and AVX2 (the
-fastest this CPU runs); both take head sizes 32/64/128/256 (``HEAD_DIMS``).
+fastest this CPU runs); both take head sizes 32/64/128/256 (``HEAD_DIMS``) and every cache format:
+float32, or 16-bit, int8 and int4 blocks widened to float32 as each tile is copied (the values the
+cache layer's own reads give, so the same bits as over its dequantized copy).
 
 Measured against torch SDPA (the path prompt rows take otherwise), the attention alone, one
 sequence, 2 threads, AVX2 build on a 2-core AMD EPYC, medians of interleaved runs on a loaded
@@ -24,6 +26,7 @@ import torch
 
 from tokenloom.attention.metadata import AttentionMetadata
 from tokenloom.kernels import native
+from tokenloom.kv_cache.quantized import HalfCache, QuantizedKV
 
 _SOURCE = Path(__file__).parent / "csrc" / "paged_prefill_cpu.cpp"
 _BUILDS = (("avx512", "tokenloom_prefill512"), ("avx2", "tokenloom_prefill"))  # (isa, library), fastest first
@@ -44,14 +47,24 @@ def usable(q: torch.Tensor, k_cache) -> bool:
 
 
 def takes(head_dim: int, k_cache) -> bool:
-    """A plain (not quantized) float32 CPU cache, a head size in HEAD_DIMS, and the kernel built."""
-    return (
-        isinstance(k_cache, torch.Tensor)
-        and k_cache.device.type == "cpu"
-        and k_cache.dtype == torch.float32
-        and ops() is not None
-        and head_dim in HEAD_DIMS
-    )
+    """A float32 CPU cache, or a stored-format one (HalfCache, Int8Cache, Int4Cache) read as
+    float32 on the CPU; a head size in HEAD_DIMS; and the kernel built."""
+    if isinstance(k_cache, QuantizedKV):
+        cache_ok = k_cache.dtype == torch.float32 and k_cache.data.device.type == "cpu"
+    else:
+        cache_ok = isinstance(k_cache, torch.Tensor) and k_cache.device.type == "cpu" and k_cache.dtype == torch.float32
+    return cache_ok and head_dim in HEAD_DIMS and ops() is not None
+
+
+def cache_arrays(k_cache, v_cache) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(keys, values, key scales, value scales) as the kernels take a cache layer pair: a float32
+    tensor or a HalfCache's elements with no scales, an Int8Cache's/Int4Cache's codes with theirs."""
+    if not isinstance(k_cache, QuantizedKV):
+        return k_cache, v_cache, None, None
+    assert isinstance(v_cache, QuantizedKV)  # keys and values are stored alike
+    if isinstance(k_cache, HalfCache):
+        return k_cache.data, v_cache.data, None, None
+    return k_cache.data, v_cache.data, k_cache.scales, v_cache.scales
 
 
 def prefill_rows(meta: AttentionMetadata) -> list[int]:
@@ -80,8 +93,8 @@ def _inputs(meta: AttentionMetadata, seqs: list[int]) -> tuple[torch.Tensor, ...
 def attend_into(
     out: torch.Tensor,
     q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    k_cache,
+    v_cache,
     meta: AttentionMetadata,
     seqs: list[int],
     scale: float,
@@ -90,8 +103,9 @@ def attend_into(
 ) -> None:
     """Write the attention of `seqs`' query rows of q (T, heads, head_dim) into the same rows of
     out (T, heads, head_dim), each query over its last `window` positions (None: all), scores
-    soft-capped by `softcap` if given; their keys/values must be in the cache already."""
+    soft-capped by `softcap` if given; their keys/values must be in the cache already (a float32
+    tensor or a stored-format layer, ``takes``)."""
     tables, starts, lens, ctx = _inputs(meta, seqs)
-    ops().paged_prefill(
-        q.contiguous(), k_cache, v_cache, tables, starts, lens, ctx, scale, window or 0, softcap or 0.0, out
-    )
+    keys, values, k_scales, v_scales = cache_arrays(k_cache, v_cache)
+    step = (tables, starts, lens, ctx, scale, window or 0, softcap or 0.0)
+    ops().paged_prefill(q.contiguous(), keys, values, *step, out, k_scales, v_scales)

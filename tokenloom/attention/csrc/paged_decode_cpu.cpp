@@ -1377,14 +1377,14 @@ struct Int4Writer {
   }
 };
 
-// rope_write_rows for a stored-format cache: each key rotated (rope_row) into float32, then it and
-// each value put in their slot by `w`.
+// rope_write_rows for a stored-format cache, rows [b0, b1) (b1 < 0: all): each key rotated
+// (rope_row) into float32, then it and each value put in their slot by `w`.
 template <class Writer>
 void rope_write_rows_stored(const float* x, const float* cp, const float* sp, const int64_t* slot, const RopeShape& r,
-                            const Writer& w, float* qp) {
+                            const Writer& w, float* qp, int64_t b0 = 0, int64_t b1 = -1) {
   const int64_t H = r.H, KVH = r.KVH, D = r.D, R = r.R;
   std::vector<float> key(D);
-  for (int64_t b = 0; b < r.B; ++b) {
+  for (int64_t b = b0; b < (b1 < 0 ? r.B : b1); ++b) {
     const float *row = x + b * (H + 2 * KVH) * D, *c = cp + b * R, *sn = sp + b * R;
     for (int64_t h = 0; h < H; ++h) rope_row(row + h * D, c, sn, qp + (b * H + h) * D, D, R);
     for (int64_t g = 0; g < KVH; ++g) {
@@ -1453,6 +1453,43 @@ at::Tensor rope_write_decode_int4(const at::Tensor& qkv, const at::Tensor& cos, 
       .view({r.B, r.H * r.D});
 }
 
+// rope_write over a stored-format cache (a prompt chunk's rows, split over the threads): k_data,
+// v_data float16 or bfloat16 (no scales), int8 with float32 scales, or uint8 int4 codes with
+// float16 group scales, as paged_decode_half/_int8/_int4 take them; each key and value stored as
+// the cache layer's ``store`` computes it (the decode ops' writers). Returns the rotated q (T, H, D).
+at::Tensor rope_write_stored(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_data,
+                             const at::Tensor& v_data, const at::Tensor& slots, int64_t num_heads,
+                             const c10::optional<at::Tensor>& k_scales, const c10::optional<at::Tensor>& v_scales) {
+  const auto kind = k_data.scalar_type();
+  const bool coded = kind == at::kChar || kind == at::kByte;
+  TORCH_CHECK(k_data.dim() == 4 && coded == (k_scales.has_value() && v_scales.has_value()),
+              "int8 and int4 caches need their scales, 16-bit ones none");
+  const int64_t D = kind == at::kByte ? 2 * k_data.size(3) : k_data.size(3);
+  if (kind == at::kChar) check_int8_cache(k_data, *k_scales, v_data, *v_scales);
+  else if (kind == at::kByte) check_int4_cache(k_data, *k_scales, v_data, *v_scales, D);
+  else
+    TORCH_CHECK((kind == at::kHalf || kind == at::kBFloat16) && k_data.is_contiguous() && v_data.sizes() == k_data.sizes() &&
+                    v_data.scalar_type() == kind && v_data.is_contiguous(),
+                "caches must be contiguous (blocks, block_size, kv_heads, head_dim), both float16 or both bfloat16");
+  const RopeShape r = check_rope_write(qkv, cos, sin, k_data, slots, num_heads, D);
+  at::Tensor q = at::empty({r.B, r.H, r.D}, qkv.options());
+  const float *x = qkv.data_ptr<float>(), *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  float* qp = q.data_ptr<float>();
+  const auto rows = [&](const auto& w) {
+    at::parallel_for(0, r.B, 64, [&](int64_t b0, int64_t b1) { rope_write_rows_stored(x, cp, sp, slot, r, w, qp, b0, b1); });
+  };
+  const auto bits = [](const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); };
+  if (kind == at::kChar)
+    rows(Int8Writer{k_data.data_ptr<int8_t>(), v_data.data_ptr<int8_t>(), k_scales->data_ptr<float>(),
+                    v_scales->data_ptr<float>(), D});
+  else if (kind == at::kByte)
+    rows(Int4Writer{k_data.data_ptr<uint8_t>(), v_data.data_ptr<uint8_t>(), bits(*k_scales), bits(*v_scales), D});
+  else if (kind == at::kBFloat16) rows(HalfWriter<true>{bits(k_data), bits(v_data), D});
+  else rows(HalfWriter<false>{bits(k_data), bits(v_data), D});
+  return q;
+}
+
 // One call for a decode step's attention block: rope_write of the step's one token per
 // sequence, then paged_decode's attention. Returns (B, H * D). Replaces a dozen small ops
 // per layer.
@@ -1497,6 +1534,8 @@ TORCH_LIBRARY(TOKENLOOM_ATTENTION_LIBRARY, m) {
   m.def("rope_write_decode_int4(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_data, Tensor(b!) k_scales, "
         "Tensor(c!) v_data, Tensor(d!) v_scales, Tensor slots, Tensor tables, Tensor ctx_lens, int num_heads, "
         "float scale, int window, float softcap, Tensor? sinks=None) -> Tensor");
+  m.def("rope_write_stored(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_data, Tensor(b!) v_data, Tensor slots, "
+        "int num_heads, Tensor(c!)? k_scales=None, Tensor(d!)? v_scales=None) -> Tensor");
   m.def("paged_decode_half(Tensor q, Tensor k_data, Tensor v_data, Tensor tables, Tensor ctx_lens, float scale, "
         "int window, float softcap, Tensor? sinks=None) -> Tensor");
   m.def("paged_decode_out(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables, Tensor ctx_lens, float scale, "
@@ -1513,5 +1552,6 @@ TORCH_LIBRARY_IMPL(TOKENLOOM_ATTENTION_LIBRARY, CPU, m) {
   m.impl("paged_decode_half", &paged_decode_half);
   m.impl("rope_write_decode_half", &rope_write_decode_half);
   m.impl("rope_write_decode_int8", &rope_write_decode_int8);
+  m.impl("rope_write_stored", &rope_write_stored);
   m.impl("rope_write_decode_int4", &rope_write_decode_int4);
 }

@@ -1,5 +1,6 @@
 // Causal attention for prompt chunks (several queries per sequence), float32, reading the keys
-// and values from the paged cache where they lie. Built twice: for AVX-512 (16-lane vectors,
+// and values from the paged cache where they lie, in float32 or a stored format (16-bit, int8,
+// int4: widened as each tile is copied, Stored below). Built twice: for AVX-512 (16-lane vectors,
 // library tokenloom_prefill512) and for AVX2 (8 lanes, tokenloom_prefill); the lane count QT is
 // the queries a vector holds, the arithmetic is the same.
 //
@@ -39,6 +40,7 @@
 #include <atomic>
 #include <cfloat>
 #include <cmath>
+#include <cstdint>
 #include <vector>
 
 namespace {
@@ -126,8 +128,80 @@ inline vf exp_nonpositive(vf x) {
   return vzero_below(vmul(p, vexp2_whole(n)), x, lo);
 }
 
+// How the cache stores a (slot, kv head) row r of D elements (kv_cache/quantized.py's layers):
+// F32 floats at r * D; F16/BF16 16-bit elements at r * D; I8 int8 codes at r * D times the float32
+// scale at r; I4 two 4-bit codes a byte at r * D / 2 (element 2i low, 2i + 1 high), x = (q - 8) d
+// with d the float16 scale of its group of 32 at r * D / 32.
+enum class Stored { F32, F16, BF16, I8, I4 };
+
+struct Cache {
+  const void *k, *v;                // elements or codes
+  const void *k_scales, *v_scales;  // I8: float32, I4: float16 bits; else null
+  Stored kind;
+};
+
+// Row r of `data` widened into dst (D floats): exactly the values the cache layer's own reads
+// give (a 16-bit element widened; a code times its scale, one rounding, as torch multiplies).
+template <int D>
+void widen_row(const Cache& c, const void* data, const void* scales, int64_t r, float* dst) {
+  switch (c.kind) {
+    case Stored::F32:
+      std::copy_n(static_cast<const float*>(data) + r * D, D, dst);
+      return;
+    case Stored::F16: {
+      const uint16_t* x = static_cast<const uint16_t*>(data) + r * D;
+      for (int d = 0; d < D; d += 8)
+        _mm256_storeu_ps(dst + d, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + d))));
+      return;
+    }
+    case Stored::BF16: {
+      const uint16_t* x = static_cast<const uint16_t*>(data) + r * D;
+      for (int d = 0; d < D; d += 8) {
+        const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + d)));
+        _mm256_storeu_ps(dst + d, _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16)));
+      }
+      return;
+    }
+    case Stored::I8: {
+      const int8_t* x = static_cast<const int8_t*>(data) + r * D;
+      const __m256 scale = _mm256_set1_ps(static_cast<const float*>(scales)[r]);
+      for (int d = 0; d < D; d += 8) {
+        const __m256i codes = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(x + d)));
+        _mm256_storeu_ps(dst + d, _mm256_mul_ps(_mm256_cvtepi32_ps(codes), scale));
+      }
+      return;
+    }
+    case Stored::I4: {
+      const uint8_t* x = static_cast<const uint8_t*>(data) + r * (D / 2);
+      const uint16_t* group_scales = static_cast<const uint16_t*>(scales) + r * (D / 32);
+      for (int j = 0; j < D / 32; ++j) {
+        const float d = _cvtsh_ss(group_scales[j]);
+        for (int i = 0; i < 16; ++i) {
+          const uint8_t b = x[16 * j + i];
+          dst[32 * j + 2 * i] = static_cast<float>((b & 0xF) - 8) * d;
+          dst[32 * j + 2 * i + 1] = static_cast<float>((b >> 4) - 8) * d;
+        }
+      }
+      return;
+    }
+  }
+}
+
+// Bytes of one row of D elements as stored (the codes; scales are not counted).
+inline int64_t row_bytes(Stored kind, int64_t D) {
+  switch (kind) {
+    case Stored::F32: return 4 * D;
+    case Stored::F16:
+    case Stored::BF16: return 2 * D;
+    case Stored::I8: return D;
+    case Stored::I4: return D / 2;
+  }
+  return 4 * D;
+}
+
 struct Layout {
-  const float *q, *kc, *vc;
+  const float* q;
+  Cache cache;
   float* out;
   const int64_t *tables, *q_starts, *q_lens, *ctx_lens;
   int64_t H, KVH, D, BS, W;
@@ -262,15 +336,17 @@ struct Work {
   static float* qv(std::vector<Lanes>& buf, int64_t i, int64_t per) { return buf.data()->x + i * per; }
 };
 
-// Rows [t0, t1) of kv head g's keys and values (cache rows at base + g * D) into keys/vals.
+// Rows [t0, t1) of kv head g's keys and values (the cache's (slot, kv head) rows) into keys/vals
+// as float32 (widen_row).
 template <int D>
 void copy_tile(const Layout& l, int64_t s, int64_t g, int64_t t0, int64_t t1, Work& w) {
   const int64_t* table = l.tables + s * l.W;
+  const Cache& c = l.cache;
   int64_t block = t0 / l.BS, offset = t0 % l.BS;
   for (int64_t t = t0; t < t1; ++t) {
-    const int64_t at = (table[block] * l.BS + offset) * l.KVH * D + g * D;
-    std::copy_n(l.kc + at, D, w.keys.data() + (t - t0) * D);
-    std::copy_n(l.vc + at, D, w.vals.data() + (t - t0) * D);
+    const int64_t r = (table[block] * l.BS + offset) * l.KVH + g;
+    widen_row<D>(c, c.k, c.k_scales, r, w.keys.data() + (t - t0) * D);
+    widen_row<D>(c, c.v, c.v_scales, r, w.vals.data() + (t - t0) * D);
     if (++offset == l.BS) offset = 0, ++block;
   }
 }
@@ -280,12 +356,14 @@ void copy_tile(const Layout& l, int64_t s, int64_t g, int64_t t0, int64_t t1, Wo
 template <int D>
 void prefetch_tile(const Layout& l, int64_t s, int64_t g, int64_t t0, int64_t t1) {
   const int64_t* table = l.tables + s * l.W;
+  const int64_t bytes = row_bytes(l.cache.kind, D);
+  const char *k = static_cast<const char*>(l.cache.k), *v = static_cast<const char*>(l.cache.v);
   int64_t block = t0 / l.BS, offset = t0 % l.BS;
   for (int64_t t = t0; t < t1; ++t) {
-    const int64_t at = (table[block] * l.BS + offset) * l.KVH * D + g * D;
-    for (int d = 0; d < D; d += 16) {
-      _mm_prefetch(reinterpret_cast<const char*>(l.kc + at + d), _MM_HINT_T1);
-      _mm_prefetch(reinterpret_cast<const char*>(l.vc + at + d), _MM_HINT_T1);
+    const int64_t at = ((table[block] * l.BS + offset) * l.KVH + g) * bytes;
+    for (int64_t b = 0; b < bytes; b += 64) {
+      _mm_prefetch(k + at + b, _MM_HINT_T1);
+      _mm_prefetch(v + at + b, _MM_HINT_T1);
     }
     if (++offset == l.BS) offset = 0, ++block;
   }
@@ -414,22 +492,52 @@ std::vector<Task> balanced_tasks(const int64_t* lens, const int64_t* ctxs, int64
   }
 }
 
+// The cache's storage from its arrays (Stored's layouts), checked: k_cache/v_cache alike,
+// (blocks, block_size, kv_heads, D) float32, float16 or bfloat16, or int8 with (blocks, block_size,
+// kv_heads) float32 scales, or uint8 (blocks, block_size, kv_heads, D / 2) int4 codes with (...,
+// D / 32) float16 scales.
+Cache stored_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, const c10::optional<at::Tensor>& k_scales,
+                   const c10::optional<at::Tensor>& v_scales, int64_t D) {
+  const auto type = k_cache.scalar_type();
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
+                  v_cache.scalar_type() == type && v_cache.is_contiguous(),
+              "caches must be contiguous (blocks, block_size, kv_heads, head_dim) and alike");
+  const bool coded = type == at::kChar || type == at::kByte;
+  TORCH_CHECK(coded == (k_scales.has_value() && v_scales.has_value()), "int8 and int4 caches need their scales, no other");
+  if (!coded) {
+    TORCH_CHECK(type == at::kFloat || type == at::kHalf || type == at::kBFloat16,
+                "caches must be float32, float16, bfloat16, int8 or uint8 (int4)");
+    TORCH_CHECK(k_cache.size(3) == D, "head_dim disagrees with the cache");
+    const Stored kind = type == at::kFloat ? Stored::F32 : type == at::kHalf ? Stored::F16 : Stored::BF16;
+    return {k_cache.data_ptr(), v_cache.data_ptr(), nullptr, nullptr, kind};
+  }
+  const bool int4 = type == at::kByte;
+  const auto lead = k_cache.sizes().slice(0, 3);
+  const at::Tensor &ks = *k_scales, &vs = *v_scales;
+  TORCH_CHECK(k_cache.size(3) == (int4 ? D / 2 : D), "head_dim disagrees with the cache");
+  TORCH_CHECK(ks.is_contiguous() && vs.is_contiguous() && vs.sizes() == ks.sizes() &&
+                  ks.scalar_type() == (int4 ? at::kHalf : at::kFloat) && vs.scalar_type() == ks.scalar_type() &&
+                  (int4 ? ks.dim() == 4 && ks.sizes().slice(0, 3) == lead && ks.size(3) == D / 32 : ks.sizes() == lead),
+              "scales must be contiguous: int8's (blocks, block_size, kv_heads) float32, int4's (..., head_dim / 32) float16");
+  return {k_cache.data_ptr(), v_cache.data_ptr(), ks.data_ptr(), vs.data_ptr(), int4 ? Stored::I4 : Stored::I8};
+}
+
 // Writes the rows of the listed sequences into out (T, H, D); other rows are left as they are.
+// The caches are read as stored_cache describes (a stored format widened tile by tile).
 void paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables,
                    const at::Tensor& q_starts, const at::Tensor& q_lens, const at::Tensor& ctx_lens, double scale,
-                   int64_t window, double softcap, at::Tensor& out) {
+                   int64_t window, double softcap, at::Tensor& out, const c10::optional<at::Tensor>& k_scales,
+                   const c10::optional<at::Tensor>& v_scales) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q must be contiguous (T, H, D) float32");
   TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == at::kFloat && out.is_contiguous(),
               "out must be contiguous float32 shaped like q");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.scalar_type() == at::kFloat && k_cache.is_contiguous() &&
-              v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == at::kFloat && v_cache.is_contiguous(),
-              "caches must be contiguous (blocks, block_size, kv_heads, head_dim) float32");
+  const Cache cache = stored_cache(k_cache, v_cache, k_scales, v_scales, q.size(2));
   const int64_t S = tables.size(0), T = q.size(0), H = q.size(1), D = q.size(2), KVH = k_cache.size(2);
   TORCH_CHECK(tables.dim() == 2 && tables.scalar_type() == at::kLong && tables.is_contiguous(), "tables must be (S, W) int64");
   for (const at::Tensor* t : {&q_starts, &q_lens, &ctx_lens})
     TORCH_CHECK(t->dim() == 1 && t->size(0) == S && t->scalar_type() == at::kLong && t->is_contiguous(),
                 "q_starts, q_lens and ctx_lens must be (S,) int64");
-  TORCH_CHECK(k_cache.size(3) == D && H % KVH == 0, "head_dim or head counts disagree");
+  TORCH_CHECK(H % KVH == 0, "heads must be a multiple of kv heads");
   TORCH_CHECK(D == 32 || D == 64 || D == 128 || D == 256, "paged_prefill: head_dim must be 32, 64, 128 or 256");
   const int64_t *starts = q_starts.data_ptr<int64_t>(), *lens = q_lens.data_ptr<int64_t>(),
                 *ctxs = ctx_lens.data_ptr<int64_t>();
@@ -443,9 +551,8 @@ void paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
   }
   if (S == 0) return;
   const std::vector<Task> tasks = balanced_tasks(lens, ctxs, S, KVH, H / KVH, D, window);
-  const Layout l{q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), out.data_ptr<float>(),
-                 table, starts, lens, ctxs, H, KVH, D, BS, W, static_cast<float>(scale), window,
-                 static_cast<float>(softcap)};
+  const Layout l{q.data_ptr<float>(), cache, out.data_ptr<float>(), table, starts, lens, ctxs, H, KVH, D, BS, W,
+                 static_cast<float>(scale), window, static_cast<float>(softcap)};
   if (D == 64) run_all<64>(tasks, l);
   else if (D == 128) run_all<128>(tasks, l);
   else if (D == 256) run_all<256>(tasks, l);
@@ -456,7 +563,8 @@ void paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
 
 TORCH_LIBRARY(TOKENLOOM_PREFILL_LIBRARY, m) {
   m.def("paged_prefill(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables, Tensor q_starts, Tensor q_lens, "
-        "Tensor ctx_lens, float scale, int window, float softcap, Tensor(a!) out) -> ()");
+        "Tensor ctx_lens, float scale, int window, float softcap, Tensor(a!) out, Tensor? k_scales=None, "
+        "Tensor? v_scales=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(TOKENLOOM_PREFILL_LIBRARY, CPU, m) {
