@@ -237,14 +237,16 @@ class KernelAttention(StepAttention):
         if isinstance(keys, torch.Tensor):
             q = self.ops.rope_write(qkv, cos, sin, keys, values, slots, sh.num_heads)  # (T, heads, head_dim)
             if n:
-                tables = (self.tables, self.ctx, sh.scale, window, sh.softcap or 0.0, sinks)
-                self.ops.paged_decode_out(q[:n], keys, values, *tables, out[:n].view(n, sh.num_heads, sh.head_dim))
+                decode_args = (self.tables, self.ctx, sh.scale, window, sh.softcap or 0.0, sinks)
+                self.ops.paged_decode_out(q[:n], keys, values, *decode_args, out[:n].view(n, sh.num_heads, sh.head_dim))
         else:  # a stored format: each key and value stored as the layer's store() does
             k_data, v_data, k_scales, v_scales = cpu_prefill.cache_arrays(keys, values)
             q = self.ops.rope_write_stored(qkv, cos, sin, k_data, v_data, slots, sh.num_heads, k_scales, v_scales)
             if n:
-                rows = (meta, self.decoding, sh.scale, window, sh.softcap, sinks)
-                out[:n] = cpu_decode.attend(q[:n], keys, values, *rows).view(n, sh.q_size)
+                decoded = cpu_decode.attend(
+                    q[:n], keys, values, meta, self.decoding, sh.scale, window, sh.softcap, sinks
+                )  # (n, heads, head_dim)
+                out[:n] = decoded.view(n, sh.q_size)
         cpu_prefill.attend_into(
             out.view(T, sh.num_heads, sh.head_dim),
             q,
