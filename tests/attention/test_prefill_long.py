@@ -13,7 +13,10 @@ import torch
 from tokenloom.attention import cpu_prefill
 from tokenloom.attention.metadata import AttentionMetadata
 
-pytestmark = pytest.mark.skipif(cpu_prefill.ops() is None, reason="the kernel needs an AVX2 CPU and a compiler")
+pytestmark = [
+    pytest.mark.skipif(cpu_prefill.ops() is None, reason="the kernel needs an AVX2 CPU and a compiler"),
+    pytest.mark.usefixtures("prefill_build"),  # every test on each build this CPU runs (AVX-512, AVX2)
+]
 
 BS = 16
 

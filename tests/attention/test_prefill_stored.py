@@ -18,15 +18,6 @@ pytestmark = pytest.mark.skipif(cpu_prefill.ops() is None, reason="the kernel ne
 FORMATS = ["float16", "bfloat16", "int8", "int4"]
 
 
-@pytest.fixture(params=cpu_prefill._BUILDS, ids=lambda build: build[0])
-def prefill_build(request, monkeypatch):
-    """A test taking this runs against each build of the prefill kernel this CPU runs."""
-    monkeypatch.setattr(cpu_prefill, "_BUILDS", (request.param,))
-    if cpu_prefill.ops() is None:
-        pytest.skip(f"the {request.param[0]} build of the kernel does not run here")
-    return request.param
-
-
 def empty_layer(kind: str, shape: tuple[int, ...]) -> QuantizedKV:
     """A zeroed cache layer of `kind` and logical `shape` (blocks, block_size, kv_heads, head_dim)."""
     zeros = lambda size, dtype: torch.zeros(size, dtype=dtype)  # noqa: E731
