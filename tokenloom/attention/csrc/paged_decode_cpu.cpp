@@ -33,6 +33,7 @@
 
 #include "../../kernels/include/rope_row.h"
 #include "paged_rows.h"
+#include "stored_lanes.h"
 
 extern "C" __m256 Sleef_expf8_u10avx2(__m256);   // in libtorch_cpu (1-ulp exp, 8 lanes)
 extern "C" __m256 Sleef_tanhf8_u10avx2(__m256);  // in libtorch_cpu (1-ulp tanh, 8 lanes)
@@ -647,16 +648,6 @@ void decode_all(const float* qp, const at::Tensor& k_cache, const at::Tensor& v_
 // (code - 8) * d. The tile holds the elements dequantized, rounded as Int4Cache's reads round
 // them (float(code - 8) * d), each group unpacked with SIMD.
 
-// A q4_0 group's 16 bytes at p -> its 32 codes minus 8 as int8, in element order: elements
-// 0-15 in lo, 16-31 in hi.
-inline void q4_codes(const uint8_t* p, __m128i& lo, __m128i& hi) {
-  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m128i nibble = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
-  const __m128i even = _mm_and_si128(bytes, nibble), odd = _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble);
-  lo = _mm_sub_epi8(_mm_unpacklo_epi8(even, odd), eight);
-  hi = _mm_sub_epi8(_mm_unpackhi_epi8(even, odd), eight);
-}
-
 // A vector of N float lanes and the few operations the quantized kernels' loops use: Lanes8
 // (AVX2) and Lanes16 (AVX-512) for the head sizes they divide, Lanes1 (scalar) for any other
 // (int8 only: an int4 head size is a multiple of 32).
@@ -692,26 +683,13 @@ struct Lanes8 {
   static V set1(float x) { return _mm256_set1_ps(x); }
   static V load(const float* p) { return _mm256_loadu_ps(p); }
   static void store(float* p, V x) { _mm256_storeu_ps(p, x); }
-  static V codes(const int8_t* p) {  // 8 int8 -> 8 floats
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-  }
-  static V f16(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-  static V bf16(const uint16_t* p) {  // a bfloat16 is a float32's high half
-    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-  }
+  static V codes(const int8_t* p) { return widen8_codes(p); }  // stored_lanes.h
+  static V f16(const uint16_t* p) { return widen8_f16(p); }
+  static V bf16(const uint16_t* p) { return widen8_bf16(p); }
   static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
   static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
   static V sums(const V* acc) { return reduce8(acc); }
-  static void q4_group(const uint8_t* p, float d, float* dst, int64_t stride) {
-    __m128i lo, hi;
-    q4_codes(p, lo, hi);
-    const V scale = set1(d);
-    const auto put = [&](int j, __m128i codes) {  // the low 8 of 16 codes -> vector j
-      store(dst + j * stride, mul(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes)), scale));
-    };
-    put(0, lo), put(1, _mm_unpackhi_epi64(lo, lo)), put(2, hi), put(3, _mm_unpackhi_epi64(hi, hi));
-  }
+  static void q4_group(const uint8_t* p, float d, float* dst, int64_t stride) { q4_group8(p, d, dst, stride); }
 };
 
 #if defined(__AVX512F__)

@@ -43,6 +43,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "stored_lanes.h"
+
 namespace {
 
 #if defined(__AVX512F__)
@@ -150,38 +152,24 @@ void widen_row(const Cache& c, const void* data, const void* scales, int64_t r, 
       return;
     case Stored::F16: {
       const uint16_t* x = static_cast<const uint16_t*>(data) + r * D;
-      for (int d = 0; d < D; d += 8)
-        _mm256_storeu_ps(dst + d, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + d))));
+      for (int d = 0; d < D; d += 8) _mm256_storeu_ps(dst + d, widen8_f16(x + d));
       return;
     }
     case Stored::BF16: {
       const uint16_t* x = static_cast<const uint16_t*>(data) + r * D;
-      for (int d = 0; d < D; d += 8) {
-        const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + d)));
-        _mm256_storeu_ps(dst + d, _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16)));
-      }
+      for (int d = 0; d < D; d += 8) _mm256_storeu_ps(dst + d, widen8_bf16(x + d));
       return;
     }
     case Stored::I8: {
       const int8_t* x = static_cast<const int8_t*>(data) + r * D;
       const __m256 scale = _mm256_set1_ps(static_cast<const float*>(scales)[r]);
-      for (int d = 0; d < D; d += 8) {
-        const __m256i codes = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(x + d)));
-        _mm256_storeu_ps(dst + d, _mm256_mul_ps(_mm256_cvtepi32_ps(codes), scale));
-      }
+      for (int d = 0; d < D; d += 8) _mm256_storeu_ps(dst + d, _mm256_mul_ps(widen8_codes(x + d), scale));
       return;
     }
     case Stored::I4: {
       const uint8_t* x = static_cast<const uint8_t*>(data) + r * (D / 2);
       const uint16_t* group_scales = static_cast<const uint16_t*>(scales) + r * (D / 32);
-      for (int j = 0; j < D / 32; ++j) {
-        const float d = _cvtsh_ss(group_scales[j]);
-        for (int i = 0; i < 16; ++i) {
-          const uint8_t b = x[16 * j + i];
-          dst[32 * j + 2 * i] = static_cast<float>((b & 0xF) - 8) * d;
-          dst[32 * j + 2 * i + 1] = static_cast<float>((b >> 4) - 8) * d;
-        }
-      }
+      for (int j = 0; j < D / 32; ++j) q4_group8(x + 16 * j, _cvtsh_ss(group_scales[j]), dst + 32 * j, 8);
       return;
     }
   }
