@@ -98,12 +98,8 @@ def test_int4_kernel_reads_nothing_past_a_context(kernel_build, head_dim):
     assert got.isfinite().all()
 
 
-def test_the_kernel_takes_an_int4_cache_read_as_float32_in_whole_groups_only(kernel_build):
-    k, *_ = paged_int4([4], 2, 2, 32)
-    q = torch.randn(1, 2, 32)
-    assert cpu_decode.usable(q, k)
-    assert not cpu_decode.usable(q.bfloat16(), k)
-    assert not cpu_decode.usable(q, Int4Cache(k.data, k.scales, torch.bfloat16))
+def test_the_kernel_takes_an_int4_cache_in_whole_groups_only(kernel_build):
+    assert cpu_decode.usable(torch.randn(1, 2, 32), paged_int4([4], 2, 2, 32)[0])
     assert not cpu_decode.usable(torch.randn(1, 2, 48), group_and_a_half())
 
 
@@ -123,6 +119,16 @@ QUANTIZED = {  # (caches and tables, layer type)
 
 # The checks every code format's kernel path gets alike (the 16-bit one has its own, test_decode_half.py).
 CODES = ["int8", "int4"]
+
+
+@pytest.mark.parametrize("kind", CODES)
+def test_the_kernel_takes_a_code_cache_read_as_float32_only(kernel_build, kind):
+    make, layer_type = QUANTIZED[kind]
+    k, *_ = make([4], 2, 2, 32)
+    q = torch.randn(1, 2, 32)
+    assert cpu_decode.usable(q, k)
+    assert not cpu_decode.usable(q.bfloat16(), k)
+    assert not cpu_decode.usable(q, layer_type(k.data, k.scales, torch.bfloat16))
 
 
 @pytest.mark.parametrize(

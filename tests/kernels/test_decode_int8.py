@@ -114,11 +114,3 @@ def test_int8_kernel_reads_nothing_past_a_context(kernel_build):
         scales.fill_(float("nan"))
         data[rows], scales[rows] = kept
     assert torch.equal(attend(q, k, v, lens, tables, 0.2), want)
-
-
-def test_the_kernel_takes_an_int8_cache_read_as_float32_only(kernel_build):
-    k, *_ = paged_int8([4], 2, 2, 32)
-    q = torch.randn(1, 2, 32)
-    assert cpu_decode.usable(q, k)
-    assert not cpu_decode.usable(q.bfloat16(), k)
-    assert not cpu_decode.usable(q, Int8Cache(k.data, k.scales, torch.bfloat16))
