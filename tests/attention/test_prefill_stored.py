@@ -11,7 +11,7 @@ import torch
 
 from tests.attention.test_prefill_long import kernel, setup
 from tokenloom.attention import cpu_decode, cpu_prefill
-from tokenloom.kv_cache.quantized import HALF_DTYPES, HalfCache, Int4Cache, Int8Cache, QuantizedKV
+from tokenloom.kv_cache.quantized import QuantizedKV, allocate_stored
 
 pytestmark = pytest.mark.skipif(cpu_prefill.ops() is None, reason="the kernel needs an AVX2 CPU and a compiler")
 
@@ -19,13 +19,9 @@ FORMATS = ["float16", "bfloat16", "int8", "int4"]
 
 
 def empty_layer(kind: str, shape: tuple[int, ...]) -> QuantizedKV:
-    """A zeroed cache layer of `kind` and logical `shape` (blocks, block_size, kv_heads, head_dim)."""
-    zeros = lambda size, dtype: torch.zeros(size, dtype=dtype)  # noqa: E731
-    if kind in HALF_DTYPES:
-        return HalfCache.allocate(shape, HALF_DTYPES[kind], torch.float32, zeros)
-    if kind == "int8":
-        return Int8Cache(zeros(shape, torch.int8), zeros(shape[:3], torch.float32), torch.float32)
-    return Int4Cache.allocate(shape, torch.float32, zeros)
+    """A zeroed cache layer of `kind` and logical `shape` (blocks, block_size, kv_heads, head_dim),
+    read as float32."""
+    return allocate_stored(kind, shape, torch.float32, lambda size, dtype: torch.zeros(size, dtype=dtype))
 
 
 def stored(kind: str, cache: torch.Tensor) -> QuantizedKV:

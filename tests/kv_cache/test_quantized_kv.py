@@ -10,7 +10,7 @@ import torch
 
 from tests.kv_cache.test_kv_cache import small_config
 from tokenloom.kv_cache.paged import PagedKVCache, kv_bytes_per_token
-from tokenloom.kv_cache.quantized import HALF_DTYPES, HalfCache, Int4Cache
+from tokenloom.kv_cache.quantized import HALF_DTYPES, HalfCache, Int4Cache, allocate_stored
 
 
 def q4_0_reference(x: np.ndarray) -> np.ndarray:
@@ -59,6 +59,11 @@ def test_int4_footprint_is_18_bytes_per_32_elements():
     kv = PagedKVCache(cfg, num_blocks=6, block_size=4, dtype=torch.float32, device="cpu", kv_cache_dtype="int4")
     stored = sum(c.data.nbytes + c.scales.nbytes for c in kv.keys + kv.values)
     assert stored == per_token * (kv.num_blocks + 1) * kv.block_size
+
+
+def test_a_stored_layer_of_an_unknown_format_is_refused_by_name():
+    with pytest.raises(ValueError, match="not a stored KV cache format: 'fp8'"):
+        allocate_stored("fp8", (2, 4, 1, 32), torch.float32, lambda size, dtype: torch.zeros(size, dtype=dtype))
 
 
 def test_int4_refuses_a_head_size_its_groups_do_not_divide():

@@ -7,12 +7,9 @@ from collections.abc import Sequence
 import torch
 
 from tokenloom.kv_cache.quantized import (
-    HALF_DTYPES,
     QUANTIZED_CACHES,
     STORED_DTYPES,
-    HalfCache,
-    Int4Cache,
-    Int8Cache,
+    allocate_stored,
     copy_cache_blocks,
     quantized_bytes_per_element_row,
     write_cache,
@@ -111,12 +108,8 @@ class PagedKVCache:
         def layer_cache(i: int):
             blocks = num_window_blocks + 1 if i in window_layers else num_blocks + 1
             size = (blocks, *shape[1:]) if i in self.layers else (0, *shape[1:])
-            if kv_cache_dtype == "int8":
-                return Int8Cache(zeros(size, torch.int8), zeros(size[:3], torch.float32), dtype)
-            if kv_cache_dtype == "int4":
-                return Int4Cache.allocate(size, dtype, zeros)
-            if kv_cache_dtype in HALF_DTYPES:
-                return HalfCache.allocate(size, HALF_DTYPES[kv_cache_dtype], dtype, zeros)
+            if kv_cache_dtype in STORED_DTYPES:
+                return allocate_stored(kv_cache_dtype, size, dtype, zeros)
             return zeros(size, dtype)
 
         self.keys = [layer_cache(i) for i in range(model.num_layers)]

@@ -181,3 +181,16 @@ def copy_cache_blocks(cache, src: torch.Tensor, dst: torch.Tensor) -> None:
         cache.copy_blocks_(src, dst)
     else:
         cache[dst] = cache[src]
+
+
+def allocate_stored(kv_cache_dtype: str, shape: tuple[int, ...], dtype: torch.dtype, zeros) -> QuantizedKV:
+    """One layer's keys (or values) of logical `shape` (blocks, block_size, kv_heads, head_dim) in
+    stored format `kv_cache_dtype` (one of STORED_DTYPES), read as `dtype`; `zeros(size, dtype)`
+    allocates. ValueError for any other format."""
+    if kv_cache_dtype == "int8":
+        return Int8Cache(zeros(shape, torch.int8), zeros(shape[:3], torch.float32), dtype)
+    if kv_cache_dtype == "int4":
+        return Int4Cache.allocate(shape, dtype, zeros)
+    if kv_cache_dtype in HALF_DTYPES:
+        return HalfCache.allocate(shape, HALF_DTYPES[kv_cache_dtype], dtype, zeros)
+    raise ValueError(f"not a stored KV cache format: {kv_cache_dtype!r} (one of {', '.join(STORED_DTYPES)})")
