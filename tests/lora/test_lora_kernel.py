@@ -99,3 +99,31 @@ def test_a_slot_out_of_range_is_an_error():
     y, x, A, B, ranks, _ = _case(2, 32, [0, 16], 2, 4, seed=2)
     with pytest.raises(RuntimeError, match="out of range"):
         torch.ops.tokenloom_lora.lora_add(y, x, A, B, ranks, torch.tensor([0, 2], dtype=torch.int32), [0, 16])
+
+
+BATCHES = [  # row 0 is the row watched: adapter slot 1, then the rows it is batched with
+    [1, 1],  # a run of two rows of one adapter
+    [1, 1, 1, 1],  # a full run of four
+    [1, -1, 1, 0, 1],  # runs of its adapter among other adapters' rows and the base's
+    [1] + [0, 1, 2, -1] * 75,  # enough work for every thread: the task lists
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("K,bounds", [(70, [0, 40, 61, 83]), (96, [0, 600, 1203]), (576, [0, 960])])
+@pytest.mark.parametrize("batch", BATCHES, ids=["two", "four", "mixed", "many"])
+def test_a_row_gets_the_same_bits_alone_and_batched(K, bounds, batch, dtype):
+    """A row's delta must not depend on which rows share its step (batched == single, to the bit):
+    the same products in the same order whether it runs alone, in a run of its adapter's rows, or
+    on the task lists. Ks and group widths with tails past every vector width."""
+    if not kernel.kernel_built():
+        pytest.skip("the compiled kernel does not build here")
+    T = len(batch)
+    y, x, A, B, ranks, _ = _case(T, K, bounds, 3, 16, seed=K)
+    x[1:] = x[0] + torch.randn(T - 1, K) * 0.1  # rows of a run alike, not equal
+    A, B = A.to(dtype), B.to(dtype)
+    rows = torch.tensor(batch, dtype=torch.int32)
+    together = torch.ops.tokenloom_lora.lora_add(y, x, A, B, ranks, rows, bounds)
+    alone = torch.ops.tokenloom_lora.lora_add(y[:1], x[:1], A, B, ranks, rows[:1], bounds)
+    assert torch.equal(together[:1], alone)
+    assert not torch.equal(alone, y[:1])

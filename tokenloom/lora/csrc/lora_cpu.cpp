@@ -7,14 +7,17 @@
 // longer than T: the step's buffer, of which the first T entries are read) and g the
 // output group of column n: bounds[g] <= n < bounds[g + 1] (a fused projection's q/k/v or
 // gate/up shards, each with its own A and B; one group for a plain projection). A is
-// (S, G*R, K) and B (S, R, N) (B^T: a rank's outputs side by side), both float32 with the
+// (S, G*R, K) and B (S, R, N) (B^T: a rank's outputs side by side), float32, bfloat16 or float16, with the
 // adapter's scaling folded into B; rows past a group's rank are never read. The product x A^T
 // for all of a row's groups comes first (phase 1: a dot product per rank), then each group's
 // outputs add r scaled rows of B (phase 2: axpys along the outputs, no horizontal sums).
+// A row's delta has the same bits whichever rows share its step: its products are summed in one
+// order whether it runs alone, in a run of its adapter's rows, or on the task lists.
 #include <immintrin.h>
 #include <torch/library.h>
 #include <ATen/ATen.h>
 
+#include <cmath>
 #include <cstring>
 #include <vector>
 
@@ -36,80 +39,72 @@ inline __m256 load8(const at::BFloat16* p) {
 }
 inline __m256 load8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 
-template <typename W>
-inline float dot(const W* a, const float* b, int64_t n) {
-  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(), acc2 = _mm256_setzero_ps(), acc3 = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 32 <= n; i += 32) {
-    acc0 = _mm256_fmadd_ps(load8(a + i), _mm256_loadu_ps(b + i), acc0);
-    acc1 = _mm256_fmadd_ps(load8(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
-    acc2 = _mm256_fmadd_ps(load8(a + i + 16), _mm256_loadu_ps(b + i + 16), acc2);
-    acc3 = _mm256_fmadd_ps(load8(a + i + 24), _mm256_loadu_ps(b + i + 24), acc3);
-  }
-  for (; i + 8 <= n; i += 8) acc0 = _mm256_fmadd_ps(load8(a + i), _mm256_loadu_ps(b + i), acc0);
-  float total = hsum(_mm256_add_ps(_mm256_add_ps(acc0, acc1), _mm256_add_ps(acc2, acc3)));
-  for (; i < n; ++i) total += static_cast<float>(a[i]) * b[i];
-  return total;
-}
-
-// out[0:n] += sum_j w[j] * rows[j * stride + 0:n], j < r
-template <typename W>
-inline void add_rows(float* out, const W* rows, int64_t stride, const float* w, int64_t r, int64_t n) {
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    __m256 o0 = _mm256_loadu_ps(out + i), o1 = _mm256_loadu_ps(out + i + 8);
-    for (int64_t j = 0; j < r; ++j) {
-      const __m256 wj = _mm256_set1_ps(w[j]);
-      o0 = _mm256_fmadd_ps(wj, load8(rows + j * stride + i), o0);
-      o1 = _mm256_fmadd_ps(wj, load8(rows + j * stride + i + 8), o1);
-    }
-    _mm256_storeu_ps(out + i, o0);
-    _mm256_storeu_ps(out + i + 8, o1);
-  }
-  for (; i < n; ++i) {
-    float sum = 0.f;
-    for (int64_t j = 0; j < r; ++j) sum += w[j] * static_cast<float>(rows[j * stride + i]);
-    out[i] += sum;
-  }
-}
-
 // Up to kRowsPerRun rows of one adapter at a time: each A or B vector loaded (and widened) once
 // for all of them.
 constexpr int kRowsPerRun = 4;
 
-template <typename W>
-inline void dot_rows(const W* a, const float* const* xs, int n, int64_t K, float* out) {
-  __m256 acc[kRowsPerRun] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+// Phase 1 for N rows against one rank row a (K values): out[q] = a . xs[q]. Each row's products
+// are summed in the same order whatever N is (four 8-lane accumulators over 32-value steps, one
+// over the 8-value steps left, their sum, then the scalar tail in fused multiply-adds), so a
+// row's result has the same bits alone or in a run of its adapter's rows.
+template <int N, typename W>
+inline void dot_rows(const W* a, const float* const* xs, int64_t K, float* out) {
+  __m256 acc[N][4];
+  for (int q = 0; q < N; ++q)
+    for (int c = 0; c < 4; ++c) acc[q][c] = _mm256_setzero_ps();
   int64_t i = 0;
+  for (; i + 32 <= K; i += 32)
+    for (int c = 0; c < 4; ++c) {
+      const __m256 av = load8(a + i + 8 * c);
+      for (int q = 0; q < N; ++q) acc[q][c] = _mm256_fmadd_ps(av, _mm256_loadu_ps(xs[q] + i + 8 * c), acc[q][c]);
+    }
   for (; i + 8 <= K; i += 8) {
     const __m256 av = load8(a + i);
-    for (int r = 0; r < n; ++r) acc[r] = _mm256_fmadd_ps(av, _mm256_loadu_ps(xs[r] + i), acc[r]);
+    for (int q = 0; q < N; ++q) acc[q][0] = _mm256_fmadd_ps(av, _mm256_loadu_ps(xs[q] + i), acc[q][0]);
   }
-  for (int r = 0; r < n; ++r) {
-    float total = hsum(acc[r]);
-    for (int64_t k = i; k < K; ++k) total += static_cast<float>(a[k]) * xs[r][k];
-    out[r] = total;
+  for (int q = 0; q < N; ++q) {
+    float total = hsum(_mm256_add_ps(_mm256_add_ps(acc[q][0], acc[q][1]), _mm256_add_ps(acc[q][2], acc[q][3])));
+    for (int64_t k = i; k < K; ++k) total = std::fma(static_cast<float>(a[k]), xs[q][k], total);
+    out[q] = total;
   }
 }
 
-template <typename W>
-inline void add_rows_multi(float* const* outs, const W* rows, int64_t stride, const float* const* ws, int n, int64_t r,
-                           int64_t cols) {
+// Phase 2 for N rows over `cols` columns: outs[q][0:cols] += sum_j ws[q][j] * rows[j * stride + 0:cols],
+// j < r. Every column, in the vector loops or the scalar tail, is the same chain of fused
+// multiply-adds onto its output in rank order, so its bits do not depend on N or on where the
+// column falls. The first loop keeps C x N chains in flight (a chain waits on its last
+// multiply-add), C stretches of 8 columns a row.
+template <int N, typename W>
+inline void add_rows(float* const* outs, const W* rows, int64_t stride, const float* const* ws, int64_t r,
+                     int64_t cols) {
+  constexpr int C = N >= 4 ? 1 : 4 / N;
   int64_t i = 0;
+  for (; i + 8 * C <= cols; i += 8 * C) {
+    __m256 o[N][C];
+    for (int q = 0; q < N; ++q)
+      for (int c = 0; c < C; ++c) o[q][c] = _mm256_loadu_ps(outs[q] + i + 8 * c);
+    for (int64_t j = 0; j < r; ++j)
+      for (int c = 0; c < C; ++c) {
+        const __m256 b = load8(rows + j * stride + i + 8 * c);
+        for (int q = 0; q < N; ++q) o[q][c] = _mm256_fmadd_ps(_mm256_set1_ps(ws[q][j]), b, o[q][c]);
+      }
+    for (int q = 0; q < N; ++q)
+      for (int c = 0; c < C; ++c) _mm256_storeu_ps(outs[q] + i + 8 * c, o[q][c]);
+  }
   for (; i + 8 <= cols; i += 8) {
-    __m256 o[kRowsPerRun];
-    for (int q = 0; q < n; ++q) o[q] = _mm256_loadu_ps(outs[q] + i);
+    __m256 o[N];
+    for (int q = 0; q < N; ++q) o[q] = _mm256_loadu_ps(outs[q] + i);
     for (int64_t j = 0; j < r; ++j) {
       const __m256 b = load8(rows + j * stride + i);
-      for (int q = 0; q < n; ++q) o[q] = _mm256_fmadd_ps(_mm256_set1_ps(ws[q][j]), b, o[q]);
+      for (int q = 0; q < N; ++q) o[q] = _mm256_fmadd_ps(_mm256_set1_ps(ws[q][j]), b, o[q]);
     }
-    for (int q = 0; q < n; ++q) _mm256_storeu_ps(outs[q] + i, o[q]);
+    for (int q = 0; q < N; ++q) _mm256_storeu_ps(outs[q] + i, o[q]);
   }
   for (; i < cols; ++i)
-    for (int q = 0; q < n; ++q) {
-      float sum = 0.f;
-      for (int64_t j = 0; j < r; ++j) sum += ws[q][j] * static_cast<float>(rows[j * stride + i]);
-      outs[q][i] += sum;
+    for (int q = 0; q < N; ++q) {
+      float o = outs[q][i];
+      for (int64_t j = 0; j < r; ++j) o = std::fma(ws[q][j], static_cast<float>(rows[j * stride + i]), o);
+      outs[q][i] = o;
     }
 }
 
@@ -140,19 +135,40 @@ inline std::vector<Run> runs_of(const int32_t* rw, int64_t T, int64_t S) {
 constexpr int64_t kColumnsPerTask = 256;
 constexpr int64_t kSerialBelow = 1 << 16;  // multiply-adds: below this one thread is faster than a fork
 
+// f<N>(args...) for a run of n rows, 1 <= n <= kRowsPerRun: the templates' row counts fixed at
+// compile time, so their accumulators live in registers.
+template <template <int> class F, typename... Args>
+inline void for_run_size(int n, Args&&... args) {
+  switch (n) {
+    case 1: F<1>::call(args...); break;
+    case 2: F<2>::call(args...); break;
+    case 3: F<3>::call(args...); break;
+    default: F<4>::call(args...); break;
+  }
+}
+
+template <int N>
+struct DotRows {
+  template <typename W>
+  static void call(const W* a, const float* const* xs, int64_t K, float* out) { dot_rows<N>(a, xs, K, out); }
+};
+
+template <int N>
+struct AddRows {
+  template <typename W>
+  static void call(float* const* outs, const W* rows, int64_t stride, const float* const* ws, int64_t r, int64_t cols) {
+    add_rows<N>(outs, rows, stride, ws, r, cols);
+  }
+};
+
 // Phase 1 for one run at rank column c (group c / R, rank c % R): x A^T of each of its rows into
-// xa (T, G*R), one dot product per row, or the run's rows together (each A value loaded once).
+// xa (T, G*R), each A value loaded once for the run's rows.
 template <typename W>
 inline void rank_products(const float* xp, const W* ap, const Run& u, int64_t c, int64_t K, int64_t GR, float* xa) {
-  const W* a = ap + (u.slot * GR + c) * K;
-  if (u.n == 1) {
-    xa[u.rows[0] * GR + c] = dot(a, xp + u.rows[0] * K, K);
-    return;
-  }
   const float* xs[kRowsPerRun];
   float got[kRowsPerRun];
   for (int q = 0; q < u.n; ++q) xs[q] = xp + u.rows[q] * K;
-  dot_rows(a, xs, u.n, K, got);
+  for_run_size<DotRows>(u.n, ap + (u.slot * GR + c) * K, xs, K, got);
   for (int q = 0; q < u.n; ++q) xa[u.rows[q] * GR + c] = got[q];
 }
 
@@ -161,18 +177,13 @@ inline void rank_products(const float* xp, const W* ap, const Run& u, int64_t c,
 template <typename W>
 inline void add_run(const W* bp, const Run& u, int64_t g, int64_t c0, int64_t c1, int64_t r, int64_t N, int64_t GR,
                     int64_t R, const float* xa, float* op) {
-  const W* b = bp + u.slot * R * N + c0;
-  if (u.n == 1) {
-    add_rows(op + u.rows[0] * N + c0, b, N, xa + u.rows[0] * GR + g * R, r, c1 - c0);
-    return;
-  }
   float* outs[kRowsPerRun];
   const float* ws[kRowsPerRun];
   for (int q = 0; q < u.n; ++q) {
     outs[q] = op + u.rows[q] * N + c0;
     ws[q] = xa + u.rows[q] * GR + g * R;
   }
-  add_rows_multi(outs, b, N, ws, u.n, r, c1 - c0);
+  for_run_size<AddRows>(u.n, outs, bp + u.slot * R * N + c0, N, ws, r, c1 - c0);
 }
 
 // One run of one adapter (a decode row, or up to kRowsPerRun rows of one adapter) on this thread,
