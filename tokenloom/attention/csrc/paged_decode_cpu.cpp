@@ -33,6 +33,7 @@
 
 #include "../../kernels/include/rope_row.h"
 #include "paged_rows.h"
+#include "stored_checks.h"
 #include "stored_lanes.h"
 
 extern "C" __m256 Sleef_expf8_u10avx2(__m256);   // in libtorch_cpu (1-ulp exp, 8 lanes)
@@ -1184,33 +1185,6 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   return out;
 }
 
-// An int8 cache's arrays: codes (blocks, block_size, kv_heads, head_dim) int8, scales (blocks,
-// block_size, kv_heads) float32, keys' and values' alike, all contiguous.
-void check_int8_cache(const at::Tensor& k_data, const at::Tensor& k_scales, const at::Tensor& v_data,
-                      const at::Tensor& v_scales) {
-  TORCH_CHECK(k_data.dim() == 4 && k_data.scalar_type() == at::kChar && k_data.is_contiguous() &&
-              v_data.sizes() == k_data.sizes() && v_data.scalar_type() == at::kChar && v_data.is_contiguous(),
-              "codes must be contiguous (blocks, block_size, kv_heads, head_dim) int8");
-  TORCH_CHECK(k_scales.sizes() == k_data.sizes().slice(0, 3) && k_scales.scalar_type() == at::kFloat &&
-              k_scales.is_contiguous() && v_scales.sizes() == k_scales.sizes() &&
-              v_scales.scalar_type() == at::kFloat && v_scales.is_contiguous(),
-              "scales must be contiguous (blocks, block_size, kv_heads) float32");
-}
-
-// An int4 cache's arrays for head_dim D: codes (blocks, block_size, kv_heads, D / 2) uint8, scales
-// (blocks, block_size, kv_heads, D / 32) float16, keys' and values' alike, all contiguous.
-void check_int4_cache(const at::Tensor& k_data, const at::Tensor& k_scales, const at::Tensor& v_data,
-                      const at::Tensor& v_scales, int64_t D) {
-  TORCH_CHECK(k_data.dim() == 4 && k_data.scalar_type() == at::kByte && k_data.is_contiguous() &&
-              v_data.sizes() == k_data.sizes() && v_data.scalar_type() == at::kByte && v_data.is_contiguous(),
-              "codes must be contiguous (blocks, block_size, kv_heads, head_dim / 2) uint8");
-  TORCH_CHECK(D % 32 == 0 && k_data.size(3) * 2 == D, "head_dim must be a multiple of 32 and twice the codes' last size");
-  TORCH_CHECK(k_scales.dim() == 4 && k_scales.sizes().slice(0, 3) == k_data.sizes().slice(0, 3) &&
-              k_scales.size(3) == D / 32 && k_scales.scalar_type() == at::kHalf && k_scales.is_contiguous() &&
-              v_scales.sizes() == k_scales.sizes() && v_scales.scalar_type() == at::kHalf && v_scales.is_contiguous(),
-              "scales must be contiguous (blocks, block_size, kv_heads, head_dim / 32) float16");
-}
-
 // paged_decode over an int8 cache (the quantized section above): q (B, H, D) float32; k_data, v_data
 // (blocks, block_size, KVH, D) int8 codes; k_scales, v_scales (blocks, block_size, KVH) float32;
 // tables, ctx_lens, scale, window, softcap and sinks as paged_decode's. Returns (B, H, D).
@@ -1268,10 +1242,8 @@ at::Tensor paged_decode_half(const at::Tensor& q, const at::Tensor& k_data, cons
                              const at::Tensor& tables, const at::Tensor& ctx_lens, double scale, int64_t window,
                              double softcap, const c10::optional<at::Tensor>& sinks) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q must be contiguous (B, H, D) float32");
+  check_half_cache(k_data, v_data);
   const auto kind = k_data.scalar_type();
-  TORCH_CHECK((kind == at::kHalf || kind == at::kBFloat16) && k_data.dim() == 4 && k_data.is_contiguous() &&
-                  v_data.sizes() == k_data.sizes() && v_data.scalar_type() == kind && v_data.is_contiguous(),
-              "caches must be contiguous (blocks, block_size, kv_heads, head_dim), both float16 or both bfloat16");
   const int64_t H = q.size(1), D = q.size(2), KVH = k_data.size(2), BS = k_data.size(1);
   TORCH_CHECK(k_data.size(3) == D && H % KVH == 0, "head_dim or head counts disagree");
   check_tables(tables, ctx_lens, q.size(0), BS);
@@ -1373,68 +1345,10 @@ void rope_write_rows_stored(const float* x, const float* cp, const float* sp, co
   }
 }
 
-// rope_write_decode over a 16-bit cache (paged_decode_half's): the step's keys and values rounded
-// into it, then the attention read from it. Returns (B, H * D).
-at::Tensor rope_write_decode_half(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
-                                  const at::Tensor& k_data, const at::Tensor& v_data, const at::Tensor& slots,
-                                  const at::Tensor& tables, const at::Tensor& ctx_lens, int64_t num_heads, double scale,
-                                  int64_t window, double softcap, const c10::optional<at::Tensor>& sinks) {
-  const auto kind = k_data.scalar_type();
-  TORCH_CHECK((kind == at::kHalf || kind == at::kBFloat16) && k_data.dim() == 4 && k_data.is_contiguous() &&
-                  v_data.sizes() == k_data.sizes() && v_data.scalar_type() == kind && v_data.is_contiguous(),
-              "caches must be contiguous (blocks, block_size, kv_heads, head_dim), both float16 or both bfloat16");
-  const RopeShape r = check_rope_write(qkv, cos, sin, k_data, slots, num_heads);
-  at::Tensor q = at::empty({r.B, r.H, r.D}, qkv.options());
-  const auto bits = [](const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); };
-  const float *x = qkv.data_ptr<float>(), *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
-  const int64_t* slot = slots.data_ptr<int64_t>();
-  if (kind == at::kBFloat16) rope_write_rows_stored(x, cp, sp, slot, r, HalfWriter<true>{bits(k_data), bits(v_data), r.D}, q.data_ptr<float>());
-  else rope_write_rows_stored(x, cp, sp, slot, r, HalfWriter<false>{bits(k_data), bits(v_data), r.D}, q.data_ptr<float>());
-  return paged_decode_half(q, k_data, v_data, tables, ctx_lens, scale, window, softcap, sinks).view({r.B, r.H * r.D});
-}
-
-// rope_write_decode over an int8 cache (paged_decode_int8's arrays): the step's keys and values
-// quantized into it (Int8Writer), then the attention read from it. Returns (B, H * D).
-at::Tensor rope_write_decode_int8(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
-                                  const at::Tensor& k_data, const at::Tensor& k_scales, const at::Tensor& v_data,
-                                  const at::Tensor& v_scales, const at::Tensor& slots, const at::Tensor& tables,
-                                  const at::Tensor& ctx_lens, int64_t num_heads, double scale, int64_t window,
-                                  double softcap, const c10::optional<at::Tensor>& sinks) {
-  check_int8_cache(k_data, k_scales, v_data, v_scales);
-  const RopeShape r = check_rope_write(qkv, cos, sin, k_data, slots, num_heads);
-  at::Tensor q = at::empty({r.B, r.H, r.D}, qkv.options());
-  const Int8Writer w{k_data.data_ptr<int8_t>(), v_data.data_ptr<int8_t>(), k_scales.data_ptr<float>(),
-                     v_scales.data_ptr<float>(), r.D};
-  rope_write_rows_stored(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), slots.data_ptr<int64_t>(),
-                         r, w, q.data_ptr<float>());
-  return paged_decode_int8(q, k_data, k_scales, v_data, v_scales, tables, ctx_lens, scale, window, softcap, sinks)
-      .view({r.B, r.H * r.D});
-}
-
-// rope_write_decode over an int4 cache (paged_decode_int4's arrays; head_dim a multiple of 32): the
-// step's keys and values quantized into it (Int4Writer), then the attention read from it.
-// Returns (B, H * D).
-at::Tensor rope_write_decode_int4(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
-                                  const at::Tensor& k_data, const at::Tensor& k_scales, const at::Tensor& v_data,
-                                  const at::Tensor& v_scales, const at::Tensor& slots, const at::Tensor& tables,
-                                  const at::Tensor& ctx_lens, int64_t num_heads, double scale, int64_t window,
-                                  double softcap, const c10::optional<at::Tensor>& sinks) {
-  TORCH_CHECK(k_data.dim() == 4, "codes must be (blocks, block_size, kv_heads, head_dim / 2) uint8");
-  check_int4_cache(k_data, k_scales, v_data, v_scales, 2 * k_data.size(3));
-  const RopeShape r = check_rope_write(qkv, cos, sin, k_data, slots, num_heads, 2 * k_data.size(3));
-  at::Tensor q = at::empty({r.B, r.H, r.D}, qkv.options());
-  const auto bits = [](const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::Half>()); };
-  const Int4Writer w{k_data.data_ptr<uint8_t>(), v_data.data_ptr<uint8_t>(), bits(k_scales), bits(v_scales), r.D};
-  rope_write_rows_stored(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), slots.data_ptr<int64_t>(),
-                         r, w, q.data_ptr<float>());
-  return paged_decode_int4(q, k_data, k_scales, v_data, v_scales, tables, ctx_lens, scale, window, softcap, sinks)
-      .view({r.B, r.H * r.D});
-}
-
-// rope_write over a stored-format cache (a prompt chunk's rows, split over the threads): k_data,
-// v_data float16 or bfloat16 (no scales), int8 with float32 scales, or uint8 int4 codes with
-// float16 group scales, as paged_decode_half/_int8/_int4 take them; each key and value stored as
-// the cache layer's ``store`` computes it (the decode ops' writers). Returns the rotated q (T, H, D).
+// rope_write over a stored-format cache (a prompt chunk's rows, split over the threads, or a
+// decode step's): k_data, v_data float16 or bfloat16 (no scales), int8 with float32 scales, or
+// uint8 int4 codes with float16 group scales, as paged_decode_half/_int8/_int4 take them; each key
+// and value stored as the cache layer's ``store`` computes it. Returns the rotated q (T, H, D).
 at::Tensor rope_write_stored(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_data,
                              const at::Tensor& v_data, const at::Tensor& slots, int64_t num_heads,
                              const c10::optional<at::Tensor>& k_scales, const c10::optional<at::Tensor>& v_scales) {
@@ -1445,10 +1359,7 @@ at::Tensor rope_write_stored(const at::Tensor& qkv, const at::Tensor& cos, const
   const int64_t D = kind == at::kByte ? 2 * k_data.size(3) : k_data.size(3);
   if (kind == at::kChar) check_int8_cache(k_data, *k_scales, v_data, *v_scales);
   else if (kind == at::kByte) check_int4_cache(k_data, *k_scales, v_data, *v_scales, D);
-  else
-    TORCH_CHECK((kind == at::kHalf || kind == at::kBFloat16) && k_data.is_contiguous() && v_data.sizes() == k_data.sizes() &&
-                    v_data.scalar_type() == kind && v_data.is_contiguous(),
-                "caches must be contiguous (blocks, block_size, kv_heads, head_dim), both float16 or both bfloat16");
+  else check_half_cache(k_data, v_data);
   const RopeShape r = check_rope_write(qkv, cos, sin, k_data, slots, num_heads, D);
   at::Tensor q = at::empty({r.B, r.H, r.D}, qkv.options());
   const float *x = qkv.data_ptr<float>(), *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
@@ -1466,6 +1377,41 @@ at::Tensor rope_write_stored(const at::Tensor& qkv, const at::Tensor& cos, const
   else if (kind == at::kBFloat16) rows(HalfWriter<true>{bits(k_data), bits(v_data), D});
   else rows(HalfWriter<false>{bits(k_data), bits(v_data), D});
   return q;
+}
+
+// rope_write_decode over a 16-bit, int8 or int4 cache (paged_decode_half's, _int8's or _int4's
+// arrays): the step's keys and values stored into it as rope_write_stored stores them, then the
+// attention read from it. Each returns (B, H * D). The format is checked before anything is written.
+at::Tensor rope_write_decode_half(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                                  const at::Tensor& k_data, const at::Tensor& v_data, const at::Tensor& slots,
+                                  const at::Tensor& tables, const at::Tensor& ctx_lens, int64_t num_heads, double scale,
+                                  int64_t window, double softcap, const c10::optional<at::Tensor>& sinks) {
+  check_half_cache(k_data, v_data);
+  const at::Tensor q = rope_write_stored(qkv, cos, sin, k_data, v_data, slots, num_heads, c10::nullopt, c10::nullopt);
+  return paged_decode_half(q, k_data, v_data, tables, ctx_lens, scale, window, softcap, sinks).view({q.size(0), q.size(1) * q.size(2)});
+}
+
+at::Tensor rope_write_decode_int8(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                                  const at::Tensor& k_data, const at::Tensor& k_scales, const at::Tensor& v_data,
+                                  const at::Tensor& v_scales, const at::Tensor& slots, const at::Tensor& tables,
+                                  const at::Tensor& ctx_lens, int64_t num_heads, double scale, int64_t window,
+                                  double softcap, const c10::optional<at::Tensor>& sinks) {
+  check_int8_cache(k_data, k_scales, v_data, v_scales);
+  const at::Tensor q = rope_write_stored(qkv, cos, sin, k_data, v_data, slots, num_heads, k_scales, v_scales);
+  return paged_decode_int8(q, k_data, k_scales, v_data, v_scales, tables, ctx_lens, scale, window, softcap, sinks)
+      .view({q.size(0), q.size(1) * q.size(2)});
+}
+
+at::Tensor rope_write_decode_int4(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                                  const at::Tensor& k_data, const at::Tensor& k_scales, const at::Tensor& v_data,
+                                  const at::Tensor& v_scales, const at::Tensor& slots, const at::Tensor& tables,
+                                  const at::Tensor& ctx_lens, int64_t num_heads, double scale, int64_t window,
+                                  double softcap, const c10::optional<at::Tensor>& sinks) {
+  TORCH_CHECK(k_data.dim() == 4, "codes must be (blocks, block_size, kv_heads, head_dim / 2) uint8");
+  check_int4_cache(k_data, k_scales, v_data, v_scales, 2 * k_data.size(3));
+  const at::Tensor q = rope_write_stored(qkv, cos, sin, k_data, v_data, slots, num_heads, k_scales, v_scales);
+  return paged_decode_int4(q, k_data, k_scales, v_data, v_scales, tables, ctx_lens, scale, window, softcap, sinks)
+      .view({q.size(0), q.size(1) * q.size(2)});
 }
 
 // One call for a decode step's attention block: rope_write of the step's one token per

@@ -43,6 +43,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "stored_checks.h"
 #include "stored_lanes.h"
 
 namespace {
@@ -487,27 +488,30 @@ std::vector<Task> balanced_tasks(const int64_t* lens, const int64_t* ctxs, int64
 Cache stored_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, const c10::optional<at::Tensor>& k_scales,
                    const c10::optional<at::Tensor>& v_scales, int64_t D) {
   const auto type = k_cache.scalar_type();
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
-                  v_cache.scalar_type() == type && v_cache.is_contiguous(),
-              "caches must be contiguous (blocks, block_size, kv_heads, head_dim) and alike");
   const bool coded = type == at::kChar || type == at::kByte;
+  TORCH_CHECK(k_cache.dim() == 4, "caches must be (blocks, block_size, kv_heads, head_dim)");
   TORCH_CHECK(coded == (k_scales.has_value() && v_scales.has_value()), "int8 and int4 caches need their scales, no other");
-  if (!coded) {
-    TORCH_CHECK(type == at::kFloat || type == at::kHalf || type == at::kBFloat16,
-                "caches must be float32, float16, bfloat16, int8 or uint8 (int4)");
-    TORCH_CHECK(k_cache.size(3) == D, "head_dim disagrees with the cache");
-    const Stored kind = type == at::kFloat ? Stored::F32 : type == at::kHalf ? Stored::F16 : Stored::BF16;
-    return {k_cache.data_ptr(), v_cache.data_ptr(), nullptr, nullptr, kind};
+  if (type == at::kChar) {
+    check_int8_cache(k_cache, *k_scales, v_cache, *v_scales);
+  } else if (type == at::kByte) {
+    check_int4_cache(k_cache, *k_scales, v_cache, *v_scales, D);
+  } else if (type == at::kHalf || type == at::kBFloat16) {
+    check_half_cache(k_cache, v_cache);
+  } else {
+    TORCH_CHECK(type == at::kFloat, "caches must be float32, float16, bfloat16, int8 or uint8 (int4)");
+    TORCH_CHECK(k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == type &&
+                    v_cache.is_contiguous(),
+                "caches must be contiguous (blocks, block_size, kv_heads, head_dim) and alike");
   }
-  const bool int4 = type == at::kByte;
-  const auto lead = k_cache.sizes().slice(0, 3);
-  const at::Tensor &ks = *k_scales, &vs = *v_scales;
-  TORCH_CHECK(k_cache.size(3) == (int4 ? D / 2 : D), "head_dim disagrees with the cache");
-  TORCH_CHECK(ks.is_contiguous() && vs.is_contiguous() && vs.sizes() == ks.sizes() &&
-                  ks.scalar_type() == (int4 ? at::kHalf : at::kFloat) && vs.scalar_type() == ks.scalar_type() &&
-                  (int4 ? ks.dim() == 4 && ks.sizes().slice(0, 3) == lead && ks.size(3) == D / 32 : ks.sizes() == lead),
-              "scales must be contiguous: int8's (blocks, block_size, kv_heads) float32, int4's (..., head_dim / 32) float16");
-  return {k_cache.data_ptr(), v_cache.data_ptr(), ks.data_ptr(), vs.data_ptr(), int4 ? Stored::I4 : Stored::I8};
+  TORCH_CHECK(k_cache.size(3) == (type == at::kByte ? D / 2 : D), "head_dim disagrees with the cache");
+  const Stored kind = type == at::kFloat  ? Stored::F32
+                      : type == at::kHalf ? Stored::F16
+                      : type == at::kBFloat16 ? Stored::BF16
+                      : type == at::kChar ? Stored::I8
+                                          : Stored::I4;
+  const void* ks = coded ? k_scales->data_ptr() : nullptr;
+  const void* vs = coded ? v_scales->data_ptr() : nullptr;
+  return {k_cache.data_ptr(), v_cache.data_ptr(), ks, vs, kind};
 }
 
 // Writes the rows of the listed sequences into out (T, H, D); other rows are left as they are.
